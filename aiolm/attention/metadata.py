@@ -1,0 +1,65 @@
+"""The contract between the model runner and attention backends.
+
+The batch is flat: the tokens of all requests back to back, no padding. Request i
+owns tokens query_start_loc[i]:query_start_loc[i+1]; they are the *last* query_len
+tokens of its sequence of seq_lens[i] tokens, whose KV lives in the pages listed by
+block_table[i]. slot_mapping says where each new token's K/V is written
+(block_id * block_size + offset). Host-side lists ride along so the CPU backend
+never has to synchronise on device tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1], int64
+    seq_lens: torch.Tensor  # [num_reqs], int64
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req], int64
+    slot_mapping: torch.Tensor  # [num_tokens], int64
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Build metadata from plain lists (tests and simple callers)."""
+        slots: list[int] = []
+        for q, s, blocks in zip(query_lens, seq_lens, block_ids):
+            for pos in range(s - q, s):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        width = max((len(b) for b in block_ids), default=1) or 1
+        table = torch.zeros(len(block_ids), width, dtype=torch.long)
+        for i, b in enumerate(block_ids):
+            table[i, : len(b)] = torch.tensor(b, dtype=torch.long)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        return cls(
+            num_tokens=qsl[-1],
+            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            block_size=block_size,
+        )

@@ -1,0 +1,106 @@
+"""Reference attention over a paged KV cache, in plain torch (the CPU path).
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
+Decode rows (one query token) are computed together as one batched, masked
+attention; rows with several query tokens (prefill chunks) one request at a time
+with a causal mask offset by the context already in the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from aiolm.attention.metadata import AttentionMetadata
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _, nb, bs, hk, d = kv_cache.shape
+    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttention:
+    """Paged attention with GQA; the reference every other backend is tested against."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.group = num_heads // num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens. Returns [T, H * D]."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+        decode_rows = [i for i, n in enumerate(qlens) if n == 1]
+        if decode_rows:
+            self._decode(q, kv_cache, meta, decode_rows, out)
+        if len(decode_rows) != len(qlens):
+            starts = meta.query_start_loc.tolist()
+            for i, n in enumerate(qlens):
+                if n > 1:
+                    s0 = starts[i]
+                    out[s0:s0 + n] = self._prefill(q[s0:s0 + n], kv_cache, meta.block_table[i],
+                                                   slens[i], meta.block_size)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nblk = (seq_len + block_size - 1) // block_size
+        ids = blocks[:nblk]
+        k = kv_cache[0].index_select(0, ids).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+        v = kv_cache[1].index_select(0, ids).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+        return k, v
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
+                 seq_len: int, block_size: int) -> torch.Tensor:
+        n = q.shape[0]
+        k, v = self._gather(kv_cache, blocks, seq_len, block_size)
+        qh = q.transpose(0, 1)  # [H, n, D]
+        kh = k.transpose(0, 1)
+        vh = v.transpose(0, 1)
+        if self.group > 1:
+            kh = kh.repeat_interleave(self.group, dim=0)
+            vh = vh.repeat_interleave(self.group, dim=0)
+        if n == seq_len:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        else:
+            ctx = seq_len - n
+            rows = torch.arange(n, device=q.device).unsqueeze(1) + ctx
+            cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=cols <= rows, scale=self.scale)
+        return o.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                rows: list[int], out: torch.Tensor) -> None:
+        bs = meta.block_size
+        if len(rows) == meta.num_reqs:
+            tok = meta.query_start_loc[:-1]
+            rows_t = None
+        else:
+            rows_t = torch.tensor(rows, dtype=torch.long, device=q.device)
+            tok = meta.query_start_loc.index_select(0, rows_t)
+        slens = [meta.seq_lens_cpu[i] for i in rows]
+        max_len = max(slens)
+        nblk = (max_len + bs - 1) // bs
+        table = meta.block_table[:, :nblk] if rows_t is None else meta.block_table.index_select(0, rows_t)[:, :nblk]
+        b = len(rows)
+        hk, d, g = self.num_kv_heads, self.head_dim, self.group
+        k = kv_cache[0][table].reshape(b, nblk * bs, hk, d)  # [B, L, Hk, D]
+        v = kv_cache[1][table].reshape(b, nblk * bs, hk, d)
+        qb = q.index_select(0, tok).view(b, hk, g, d)  # [B, Hk, G, D]
+        scores = torch.einsum("bhgd,blhd->bhgl", qb, k) * self.scale
+        seq = torch.tensor(slens, device=q.device).view(b, 1, 1, 1)
+        pos = torch.arange(nblk * bs, device=q.device).view(1, 1, 1, -1)
+        scores.masked_fill_(pos >= seq, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hk * g, d)
+        out.index_copy_(0, tok, o)

@@ -1,0 +1,95 @@
+"""Messages that cross the scheduler/worker boundary.
+
+Plain dataclasses of ints, lists and strings (plus SamplingParams) so they pickle
+fast and carry only logical decisions: token ids and block ids, never tensors.
+A step's SchedulerOutput is a *diff*: requests the workers have not seen come in
+full, requests they already hold come as deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiolm.params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated so far (non-empty only for a request resumed after preemption).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV already sits in block_ids (prefix-cache hit)
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the workers already hold, one entry per list index."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Tokens appended to the request since the workers last saw it (the sampled ones).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decisions: who runs, how many tokens each, which blocks."""
+
+    step: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that ended (finished, aborted or preempted) since the previous step;
+    # workers drop them from their persistent batch before applying this step.
+    finished_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token: ids and logprobs, sampled token first, then the top-N."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the sampled token in the distribution (1 = argmax)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What rank 0 sends back: a token for each request whose prefill is complete."""
+
+    req_ids: list[str]
+    # One list per request in req_ids; empty while a chunked prefill is still partial.
+    sampled_token_ids: list[list[int]]
+    # Only for requests that asked for logprobs: req_id -> logprobs of its new tokens.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request result of one step, handed from the core to output processing."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    new_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

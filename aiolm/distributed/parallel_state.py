@@ -1,0 +1,39 @@
+"""Tensor-parallel group of the current process.
+
+Model layers ask this module for their rank, world size and all-reduce, so the same
+layer code runs with one rank (identity all-reduce) and with several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    world_size: int = 1
+    # Set by the worker when world_size > 1 (custom shm/IPC all-reduce or torch.distributed).
+    all_reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        if self.all_reduce_fn is None:
+            raise RuntimeError("tensor parallel group has no all-reduce configured")
+        return self.all_reduce_fn(x)
+
+
+_group = TPGroup()
+
+
+def get_tp_group() -> TPGroup:
+    return _group
+
+
+def set_tp_group(group: TPGroup) -> None:
+    global _group
+    _group = group

@@ -1,0 +1,166 @@
+"""Convert a GGUF file into a Hugging Face-shaped folder of float32 weights.
+
+Dequantization uses the `gguf` package; the values stored are exactly the dequantized
+ones (the engine casts to the requested dtype later). llama.cpp's converter permutes
+the Q and K rows of Llama models for its RoPE layout; we undo that here so the
+weights are the Hugging Face ones and RoPE (rotate-half) is right.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aiolm.model.config import ModelLoadError
+
+# GGUF architecture name -> (HF architectures entry, model_type)
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _BLK.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return (w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_hf_config(reader: Any, path: Path) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ModelLoadError(f"{path}: unknown GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(sorted(_ARCHS))}")
+    hf_arch, model_type = _ARCHS[arch]
+
+    def need(key: str) -> Any:
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ModelLoadError(f"{path}: GGUF metadata field {arch}.{key} missing")
+        return v
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer files."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    cfg = read_hf_config(reader, path)
+    permute = cfg["model_type"] in ("llama", "mistral")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue  # e.g. rope_freqs: recomputed from the config
+        ttype = t.tensor_type.name
+        if ttype not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported GGUF type {ttype}; "
+                                 f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name}: cannot dequantize {ttype} ({e})") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            arr = unpermute_rope_rows(arr, n)
+        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    _save_tokenizer(path, out_dir)
+    # config.json last: the loader treats its presence as "the folder is complete".
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _save_tokenizer(path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot build a tokenizer from GGUF metadata ({e})") from e
+    tok.save_pretrained(str(out_dir))
+    if getattr(tok, "chat_template", None):
+        (out_dir / "chat_template.jinja").write_text(tok.chat_template)

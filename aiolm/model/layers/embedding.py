@@ -1,0 +1,41 @@
+"""Vocabulary-parallel embedding and LM head: each rank owns a slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from aiolm.distributed.parallel_state import get_tp_group
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.vocab_size = vocab_size
+        self.per_rank = (vocab_size + self.tp.world_size - 1) // self.tp.world_size
+        self.start = self.tp.rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        mask = (ids >= self.start) & (ids < self.end)
+        local = torch.where(mask, ids - self.start, torch.zeros_like(ids))
+        y = nn.functional.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(y)
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        part = loaded[self.start:self.end]
+        self.weight.data[: part.shape[0]].copy_(part)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary slice; gathered to full vocabulary on return."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(hidden, self.weight)
+        if self.tp.world_size == 1:
+            return out[:, : self.vocab_size]
+        raise NotImplementedError("vocab-parallel logits gather needs the multi-rank all-gather")

@@ -1,0 +1,154 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token batch.
+
+One implementation; the per-architecture differences are flags on ModelConfig:
+QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), tied embeddings, RoPE scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from aiolm.attention.metadata import AttentionMetadata
+from aiolm.attention.torch_backend import TorchAttention
+from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model.config import ModelConfig
+from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aiolm.model.layers.norm import RMSNorm
+from aiolm.model.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        tp = get_tp_group().world_size
+        if cfg.num_heads % tp:
+            raise ValueError(f"num_attention_heads {cfg.num_heads} not divisible by tensor parallel size {tp}")
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face parameter suffix -> (our fused module suffix, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                 cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""
+        modules = dict(self.named_modules())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            key = name.removeprefix("model.")
+            mod_path, _, pname = key.rpartition(".")
+            parent, _, leaf = mod_path.rpartition(".")
+            shard = 0
+            if leaf in _FUSED:
+                fused, shard = _FUSED[leaf]
+                mod_path = f"{parent}.{fused}"
+            if key.startswith("lm_head"):
+                mod_path = "lm_head"
+            module = modules.get(mod_path)
+            if module is None:
+                raise KeyError(f"weight {name!r} does not belong to any {self.config.architecture} parameter")
+            if hasattr(module, "load_shard"):
+                module.load_shard(pname, tensor, shard)
+            else:
+                getattr(module, pname).data.copy_(tensor)
+            seen.add(f"{mod_path}.{pname}#{shard}")
+        self._check_complete(seen)
+
+    def _check_complete(self, seen: set[str]) -> None:
+        expected = {"embed_tokens.weight#0", "norm.weight#0"}
+        if not self.config.tie_word_embeddings:
+            expected.add("lm_head.weight#0")
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}"
+            expected |= {f"{p}.self_attn.qkv_proj.weight#{s}" for s in range(3)}
+            expected |= {f"{p}.mlp.gate_up_proj.weight#{s}" for s in range(2)}
+            expected |= {f"{p}.self_attn.o_proj.weight#0", f"{p}.mlp.down_proj.weight#0",
+                         f"{p}.input_layernorm.weight#0", f"{p}.post_attention_layernorm.weight#0"}
+        missing = sorted(expected - seen)
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

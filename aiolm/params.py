@@ -1,0 +1,143 @@
+"""Sampling parameters: one validated object per request.
+
+Validation happens at construction so a bad request fails at the API edge with
+an error that names the offending field, never deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid; ``param`` names the field (OpenAI's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+class OutputKind(enum.Enum):
+    """Whether each streamed RequestOutput holds everything so far or only the new part."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request (``n`` sequences)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs besides the sampled one
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    # Filled by the engine from the model (generation_config / tokenizer), not by users:
+    # the token ids that end a sequence unless ``ignore_eos``.
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ParamError(name, msg)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check(is_num(self.temperature) and self.temperature >= 0, "temperature",
+              f"must be a number >= 0, got {self.temperature!r}")
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
+              f"must be in (0, 1], got {self.top_p!r}")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k",
+              f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+              f"must be in [0, 1], got {self.min_p!r}")
+        check(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            check(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        check(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+              "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, dict), "logit_bias", "must be a map of token id to bias")
+            clean: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    raise ParamError("logit_bias", f"key {k!r} is not a token id") from None
+                check(is_num(v) and -100 <= v <= 100, "logit_bias",
+                      f"bias for token {tok} must be in [-100, 100], got {v!r}")
+                clean[tok] = float(v)
+            self.logit_bias = clean
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+              f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens",
+                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+              "stop", "must be a non-empty string or a list of non-empty strings")
+        check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "must be a list of non-negative integers")
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy rows take the argmax and stay exact whatever else is in the batch."""
+        return self.temperature < _GREEDY_EPS
+
+    def stop_ids(self) -> set[int]:
+        """Token ids that finish a sequence (EOS unless ignored, plus ``stop_token_ids``)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

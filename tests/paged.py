@@ -1,0 +1,64 @@
+"""Test helper: drive a model over a paged KV cache with plain lists, no engine."""
+
+from __future__ import annotations
+
+import torch
+
+from aiolm.attention.metadata import AttentionMetadata
+from aiolm.attention.torch_backend import kv_cache_shape
+
+
+class PagedHarness:
+    """Owns a KV cache and hands out blocks sequentially; enough to test model maths."""
+
+    def __init__(self, model, num_blocks: int = 256, block_size: int = 16, dtype=torch.float32) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.next_block = 1  # block 0 is the null block
+        self.blocks: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def _ensure(self, seq: int, length: int) -> list[int]:
+        blocks = self.blocks.setdefault(seq, [])
+        while len(blocks) * self.block_size < length:
+            blocks.append(self.next_block)
+            self.next_block += 1
+        return blocks
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one flat batch: seq id -> new token ids. Returns seq id -> last-token logits."""
+        ids, pos, qlens, slens, tables = [], [], [], [], []
+        for seq, toks in chunks.items():
+            start = self.lens.get(seq, 0)
+            end = start + len(toks)
+            ids += toks
+            pos += list(range(start, end))
+            qlens.append(len(toks))
+            slens.append(end)
+            tables.append(self._ensure(seq, end))
+            self.lens[seq] = end
+        meta = AttentionMetadata.build(qlens, slens, tables, self.block_size)
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
+        last = meta.query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden[last]).float()
+        return {seq: logits[i] for i, seq in enumerate(chunks)}
+
+    def greedy(self, prompts: list[list[int]], max_new: int, split: int | None = None) -> list[list[int]]:
+        """Greedy-decode all prompts together; ``split`` prefills in two passes."""
+        outs: list[list[int]] = [[] for _ in prompts]
+        if split:
+            self.step({i: p[:split] for i, p in enumerate(prompts)})
+            logits = self.step({i: p[split:] for i, p in enumerate(prompts)})
+        else:
+            logits = self.step({i: p for i, p in enumerate(prompts)})
+        for _ in range(max_new):
+            nxt = {i: [int(logits[i].argmax())] for i in logits}
+            for i, t in nxt.items():
+                outs[i].append(t[0])
+            if len(outs[0]) == max_new:
+                break
+            logits = self.step(nxt)
+        return outs
