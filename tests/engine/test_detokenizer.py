@@ -1,0 +1,335 @@
+"""Incremental detokenizer and stop strings, against the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from aiolm.engine.detokenizer import IncrementalDetokenizer, StopChecker, TextStream
+
+FFFD = "\ufffd"
+
+TEXTS = [
+    "Hello, world! This is a plain English sentence.",
+    "def f(x):\n    return x ** 2  # squares\n\n\tprint(f(3))",
+    "你好，世界！今天天气很好。我们去公园散步吧。",
+    "日本語のテキスト、カタカナとひらがな。",
+    "Emoji: 🎉🚀👍🏽 family 👨‍👩‍👧‍👦 flag 🇫🇷 heart ❤️",
+    "Accents: café, naïve, résumé, Ångström, Øre, ß, ĳ, e\u0301 (combining)",
+    "Mixed: Привет мир, γειά σου κόσμε, مرحبا بالعالم, שלום",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>assistant\nSure! 好的 🎉<|im_end|>",
+    "<|endoftext|><|im_start|><|im_end|>  spaces   and\n\nnewlines\r\n",
+    "Math: ∑ᵢ xᵢ² ≤ ∞, ∀ε>0 ∃δ; 𝔽𝕠𝕟𝕥 𝒮𝒸𝓇𝒾𝓅𝓉",
+    "a" * 50 + "😀" * 10 + "b",
+]
+PROMPT_TEXT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer):
+    """The embedded model's real tokenizer (session fixture in conftest.py)."""
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def byte_token_ids(tok) -> dict[int, int]:
+    """Byte value -> id of the single-byte token (GPT-2 byte-to-unicode map)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    vocab = tok.get_vocab()
+    ids = {b: vocab[c] for b, c in chars.items() if c in vocab}  # bytes never seen in training lack one
+    assert tok.decode([ids[0xE4], ids[0xBD], ids[0xA0]]) == "你"
+    return ids
+
+
+def chunks(ids: list[int], rng: random.Random | None) -> list[list[int]]:
+    if rng is None:
+        return [[t] for t in ids]
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 5)
+        out.append(ids[i:i + n])
+        i += n
+    return out
+
+
+def stream(tok, ids, rng=None, prompt=(), skip=True) -> tuple[list[str], IncrementalDetokenizer]:
+    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = [det.push(c) for c in chunks(ids, rng)]
+    deltas.append(det.finish())
+    return deltas, det
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_real_text_round_trip(tok, skip):
+    rng = random.Random(0)
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        truth = tok.decode(ids, skip_special_tokens=skip)
+        assert FFFD not in truth
+        for r in (None, rng, rng):
+            for p in ((), prompt):
+                deltas, det = stream(tok, ids, r, p, skip)
+                assert "".join(deltas) == truth
+                assert det.text == truth
+                assert not any(FFFD in d for d in deltas), deltas
+                assert len(det._window) <= 16
+
+
+def test_work_per_token_is_bounded(tok):
+    """Each decode sees a short window, however long the output gets."""
+    ids = tok.encode(" ".join(TEXTS) * 6, add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    sizes: list[int] = []
+    inner = det._decode
+    det._decode = lambda w: (sizes.append(len(w)), inner(w))[1]
+    for t in ids:
+        det.push([t])
+    assert len(ids) > 1500 and max(sizes) <= 16
+    assert len(sizes) <= 2 * len(ids) + 2
+    assert det.text == tok.decode(ids)
+
+
+def test_partial_characters_are_held_back(tok):
+    ids = tok.encode(" 🎉", add_special_tokens=False)
+    assert len(ids) >= 2  # the emoji spans several byte tokens
+    det = IncrementalDetokenizer(tok, [])
+    deltas = [det.push([t]) for t in ids]
+    assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == " 🎉"
+    assert det.finish() == ""
+
+
+def test_random_token_ids(tok):
+    rng = random.Random(1)
+    vocab = len(tok)
+    for _ in range(150):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        if rng.random() < 0.3:  # sprinkle special tokens
+            ids = [t if rng.random() > 0.2 else rng.randrange(17) for t in ids]
+        skip = rng.random() < 0.5
+        truth = tok.decode(ids, skip_special_tokens=skip)
+        deltas, det = stream(tok, ids, rng if rng.random() < 0.5 else None, skip=skip)
+        assert "".join(deltas) == truth
+        if FFFD not in truth:
+            assert not any(FFFD in d for d in deltas)
+
+
+def test_random_raw_bytes_exact(tok, byte_token_ids):
+    """Streams of raw byte tokens: incomplete and invalid UTF-8 everywhere."""
+    rng = random.Random(2)
+    ascii_ids = [i for b, i in byte_token_ids.items() if 0x20 <= b < 0x7F]
+    high_ids = [i for b, i in byte_token_ids.items() if b >= 0x80]
+    valid = [tok.encode(c, add_special_tokens=False) for c in "é你🎉ß€"]
+    for _ in range(150):
+        ids: list[int] = []
+        while len(ids) < 60:
+            x = rng.random()
+            if x < 0.5:
+                ids.append(rng.choice(high_ids))
+            elif x < 0.7:
+                ids.append(rng.choice(ascii_ids))
+            elif x < 0.8:
+                ids.append(rng.randrange(3))  # specials, skipped
+            else:
+                ids.extend(rng.choice(valid))
+        truth = tok.decode(ids, skip_special_tokens=True)
+        deltas, det = stream(tok, ids, rng if rng.random() < 0.5 else None)
+        assert "".join(deltas) == truth
+
+
+def test_invalid_byte_run_streams_with_bounded_window(tok, byte_token_ids):
+    ids = [byte_token_ids[0x80]] * 200 + tok.encode("ok 你好", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, [])
+    released_before_end = 0
+    for t in ids:
+        released_before_end += len(det.push([t]))
+        assert len(det._window) <= 16  # O(1) work per token
+    assert released_before_end >= 190
+    det.finish()
+    assert det.text == tok.decode(ids)
+
+
+def test_trailing_partial_char_flushed_at_finish(tok, byte_token_ids):
+    ids = tok.encode("ab", add_special_tokens=False) + [byte_token_ids[0xE4], byte_token_ids[0xBD]]
+    det = IncrementalDetokenizer(tok, [])
+    assert det.push(ids) == "ab"
+    assert det.finish() == FFFD
+    assert det.text == tok.decode(ids) == "ab" + FFFD
+
+
+def test_prompt_ending_mid_character(tok, byte_token_ids):
+    prompt = tok.encode("x", add_special_tokens=False) + [byte_token_ids[0xE4]]
+    out = [byte_token_ids[0xBD], byte_token_ids[0xA0]] + tok.encode("ok", add_special_tokens=False)
+    deltas, det = stream(tok, out, prompt=prompt)
+    assert det.text == tok.decode(out)
+
+
+def test_skipped_special_run_keeps_window_small(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = [end] * 100 + tok.encode(" done", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    for t in ids:
+        det.push([t])
+        assert len(det._window) <= 16
+    det.finish()
+    assert det.text == " done"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_skipped_or_kept(tok, skip):
+    text = "<|im_start|>assistant\nHi<|im_end|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas, det = stream(tok, ids, skip=skip)
+    assert det.text == (text if not skip else "assistant\nHi")
+
+
+# ---------------------------------------------------------------- StopChecker
+
+
+def feed_all(checker: StopChecker, pieces) -> tuple[str, str | None, list[str]]:
+    out = []
+    for p in pieces:
+        text, m = checker.feed(p)
+        out.append(text)
+        if m is not None:
+            return "".join(out), m, out
+    out.append(checker.finish())
+    return "".join(out), None, out
+
+
+def reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
+    """Char by char: the first stop to complete wins; ties go to the longer one."""
+    for end in range(1, len(text) + 1):
+        hits = [s for s in stop if text[:end].endswith(s)]
+        if hits:
+            s = max(hits, key=len)
+            return text[:end] if include else text[:end - len(s)], s
+    return text, None
+
+
+def test_stop_split_across_deltas():
+    c = StopChecker(["world"])
+    assert c.feed("Hello wor") == ("Hello ", None)  # "wor" may become the stop
+    assert c.feed("ld! more") == ("", "world")
+    assert c.feed("ignored") == ("", None) and c.finish() == ""
+
+
+def test_stop_at_very_start():
+    assert StopChecker(["STOP"]).feed("STOP and more") == ("", "STOP")
+    assert StopChecker(["STOP"], include_stop_str_in_output=True).feed("STOP and more") == ("STOP", "STOP")
+
+
+def test_overlapping_stop_candidates():
+    assert feed_all(StopChecker(["abc", "ab"]), ["xa", "bc"])[:2] == ("x", "ab")
+    assert feed_all(StopChecker(["abcd", "bc"]), ["za", "bcd"])[:2] == ("za", "bc")
+    # Same end: the longer (earlier-starting) stop wins.
+    assert feed_all(StopChecker(["bc", "abc"]), ["zabc"])[:2] == ("z", "abc")
+    assert feed_all(StopChecker(["abc", "ab"], True), ["xabc"])[:2] == ("xab", "ab")
+
+
+def test_include_stop_str_in_output_does_not_hold():
+    c = StopChecker(["world"], include_stop_str_in_output=True)
+    assert c.feed("Hello wor") == ("Hello wor", None)
+    assert c.feed("ld! more") == ("ld", "world")
+
+
+def test_held_text_released_at_finish_and_on_mismatch():
+    c = StopChecker(["world"])
+    assert c.feed("hello w") == ("hello ", None)
+    assert c.feed("x") == ("wx", None)
+    assert c.feed(" wo") == (" ", None)
+    assert c.finish() == "wo"
+
+
+def test_unchecked_text_is_context_only():
+    c = StopChecker(["STOP"])
+    assert c.feed("a STOP b ST", check=False) == ("a STOP b ", None)  # held "ST" still
+    assert c.feed("OP!") == ("", "STOP")  # starts in unchecked text, ends in checked
+
+
+def test_stop_checker_matches_reference_under_random_chunking():
+    rng = random.Random(3)
+    for _ in range(400):
+        alphabet = "abc"[: rng.randint(2, 3)]
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        include = rng.random() < 0.5
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(0, 5)
+            pieces.append(text[i:i + n])
+            i += n
+        out, matched, deltas = feed_all(StopChecker(stop, include), pieces)
+        assert (out, matched) == reference_stop(text, stop, include), (text, stop, pieces)
+
+
+# ----------------------------------------------------------------- TextStream
+
+
+def run_stream(ts: TextStream, ids, rng=None) -> tuple[str, str | None]:
+    out = []
+    for c in chunks(ids, rng):
+        text, m = ts.push(c)
+        out.append(text)
+        if m is not None:
+            assert ts.finish() == ""
+            return "".join(out), m
+    out.append(ts.finish())
+    return "".join(out), None
+
+
+def test_text_stream_stop_spanning_tokens(tok):
+    text = "The capital of France is Paris. 你好🎉 It is big."
+    ids = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(4)
+    for stop, include in [("s Par", False), ("s Par", True), ("🎉 I", False), ("好🎉", True), ("big.", False)]:
+        i = text.index(stop)
+        want = text[: i + len(stop)] if include else text[:i]
+        for r in (None, rng):
+            ts = TextStream(tok, [], stop=[stop, "never"], include_stop_str_in_output=include)
+            assert run_stream(ts, ids, r) == (want, stop)
+            assert ts.text == want and ts.stop_reason == stop
+    ts = TextStream(tok, [], stop=["never"])
+    assert run_stream(ts, ids) == (text, None)
+
+
+def test_text_stream_min_tokens_like_vllm(tok):
+    text = "Hello, my name is Lee, and I'm a student in the college of engineering"
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt, out = ids[:4], ids[4:]
+    full = tok.decode(out)
+    for min_tokens in (0, 1, 5):
+        unchecked = len(tok.decode(out[:min_tokens]))
+        want = full[: full.index("e", unchecked)]
+        ts = TextStream(tok, prompt, stop=["e"], min_tokens=min_tokens)
+        assert run_stream(ts, out, random.Random(min_tokens)) == (want, "e")
+    assert "e" in tok.decode(out[:5])  # min_tokens=5 really skipped a match
+
+
+def test_text_stream_stop_terminated_token_text(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    for include, want in ((False, "Hi there"), (True, "Hi there<|im_end|>")):
+        ts = TextStream(tok, [], include_stop_str_in_output=include, skip_special_tokens=False)
+        text, m = ts.push(ids[:-1])
+        text2, m2 = ts.push([ids[-1], end], stop_terminated=True)
+        assert m is m2 is None
+        assert text + text2 + ts.finish() == want == ts.text
+
+
+def test_text_stream_from_params(tok):
+    from aiolm.params import SamplingParams
+
+    params = SamplingParams(stop=["!"], include_stop_str_in_output=True, skip_special_tokens=False)
+    ids = tok.encode("<|im_start|>Hey! you", add_special_tokens=False)
+    ts = TextStream.from_params(tok, [], params)
+    assert run_stream(ts, ids) == ("<|im_start|>Hey!", "!")
