@@ -18,6 +18,7 @@ class TPGroup:
     world_size: int = 1
     # Set by the worker when world_size > 1 (custom shm/IPC all-reduce or torch.distributed).
     all_reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_gather_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # concat on the last dim
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
@@ -25,6 +26,13 @@ class TPGroup:
         if self.all_reduce_fn is None:
             raise RuntimeError("tensor parallel group has no all-reduce configured")
         return self.all_reduce_fn(x)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        if self.all_gather_fn is None:
+            raise RuntimeError("tensor parallel group has no all-gather configured")
+        return self.all_gather_fn(x)
 
 
 _group = TPGroup()

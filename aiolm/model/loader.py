@@ -127,14 +127,21 @@ def _read_folder(folder: Path, origin: Path) -> ModelSource:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise ModelLoadError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
-    try:
-        hf_config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from e
+    hf_config = _read_json(cfg_path)
     config = ModelConfig.from_hf(hf_config, str(cfg_path))
     gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen = _read_json(gen_path) if gen_path.exists() else {}
     return ModelSource(folder, origin, config, hf_config, _chat_template(folder), gen)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _chat_template(folder: Path) -> str | None:
@@ -143,7 +150,7 @@ def _chat_template(folder: Path) -> str | None:
         return jinja.read_text()
     tc = folder / "tokenizer_config.json"
     if tc.exists():
-        tmpl = json.loads(tc.read_text()).get("chat_template")
+        tmpl = _read_json(tc).get("chat_template")
         if isinstance(tmpl, list):  # named templates: take the default one
             tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
         return tmpl

@@ -36,6 +36,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = nn.functional.linear(hidden, self.weight)
-        if self.tp.world_size == 1:
-            return out[:, : self.vocab_size]
-        raise NotImplementedError("vocab-parallel logits gather needs the multi-rank all-gather")
+        if self.tp.world_size > 1:
+            out = self.tp.all_gather(out)
+        return out[:, : self.vocab_size]

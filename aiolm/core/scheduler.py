@@ -1,0 +1,493 @@
+"""Token catch-up scheduler (vLLM v1 style), pure Python.
+
+There is no prefill/decode split: every request has ``num_computed_tokens`` and
+each step the scheduler hands out a token budget so requests catch up with
+their ``num_tokens``. Chunked prefill, prefix caching and decode all fall out of
+that one rule. Each step:
+
+1. Running requests, in order, get ``min(remaining, budget, threshold)``
+   tokens. When their blocks do not fit, the lowest-priority (priority policy)
+   or latest (fcfs) running request is preempted by recompute: its blocks are
+   freed, ``num_computed_tokens`` goes back to 0 and it waits at the front of
+   the queue. If the request itself is the victim, the loop stops.
+2. Only if nothing was preempted, waiting requests are admitted while there
+   are free seats (``max_num_seqs``) and budget, after a prefix-cache lookup.
+3. ``num_computed_tokens`` is advanced by what was scheduled, so
+   ``update_from_output`` only appends sampled tokens and checks stops.
+
+The SchedulerOutput is a diff against what the workers already hold (see
+aiolm/core/outputs.py). The engine must call ``update_from_output`` after every
+``schedule()``, with an empty ModelRunnerOutput (or None) when nothing ran:
+requests the scheduler finishes by itself (too large for the KV cache) are
+reported there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from aiolm.core.kv_cache import KVCacheBlock, KVCacheManager, PrefixCacheStats
+from aiolm.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from aiolm.core.request import Request, RequestStatus
+from aiolm.params import ParamError
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Limits of one scheduler; ``num_blocks`` counts the reserved null block."""
+
+    num_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0 = off
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    hash_seed: int | str | bytes | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+# -- waiting queues -------------------------------------------------------------
+
+
+class FCFSQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def prepend(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityQueue:
+    """Lowest (priority, arrival_time) first; a preempted request keeps its place."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not req]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap))
+
+
+# -- the scheduler ----------------------------------------------------------------
+
+
+class Scheduler:
+    """Decides who runs each step and keeps request and block state consistent."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
+        self.requests: dict[str, Request] = {}
+        self.waiting: FCFSQueue | PriorityQueue = (
+            PriorityQueue() if config.policy == "priority" else FCFSQueue())
+        self.running: list[Request] = []
+        self.step = 0
+        # What the workers hold: req_id -> number of the request's tokens they have.
+        self._worker_num_tokens: dict[str, int] = {}
+        self._finished_req_ids: set[str] = set()  # to tell the workers next step
+        self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+
+    # -- intake ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A prompt must leave room for one output token:
+        ``1 <= len(prompt) <= max_model_len - 1``, else ParamError("prompt")."""
+        n = request.num_prompt_tokens
+        limit = self.config.max_model_len - 1
+        if n == 0:
+            raise ParamError("prompt", "the prompt is empty")
+        if n > limit:
+            raise ParamError("prompt", f"the prompt has {n} tokens but at most {limit} fit "
+                                       f"(max_model_len {self.config.max_model_len} minus one output token)")
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        request.resolve_max_tokens(self.config.max_model_len)
+        self.kv_cache_manager.attach(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish the given live requests now, freeing their blocks in this call."""
+        outputs = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(req, []))
+        return outputs
+
+    # -- counts and stats ------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests live or finished ones still await reporting."""
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.stats
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; see the module docstring."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        threshold = cfg.long_prefill_token_threshold
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running: list[Request] = []
+        preempted = False
+
+        # 1. running requests catch up first.
+        allocate = kv.allocate_slots
+        req_blocks = kv.req_to_blocks
+        bs = kv.block_size
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n <= 0:
+                i += 1
+                continue
+            # Decode fast path (the common case): the last block still has room.
+            # Same rule as allocate_slots' first check, inlined to save a call per request.
+            blocks = req_blocks.get(req.req_id)
+            if blocks is not None and req.num_computed_tokens + n <= len(blocks) * bs:
+                new_blocks = []
+            else:
+                new_blocks = None
+            while new_blocks is None:
+                new_blocks = allocate(req, n)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim is req and len(self.running) == 1:
+                    # Alone and still short of blocks: it can never run.
+                    self.running.pop()
+                    self._finish_error(req)
+                    break
+                vi = self.running.index(victim)
+                del self.running[vi]
+                if vi < i:
+                    i -= 1  # the priority policy may pick one scheduled earlier this step
+                if victim.req_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.req_id)
+                    new_blocks_of.pop(victim.req_id)
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                continue  # req left self.running; index i now points at the next one
+            scheduled_running.append(req)
+            num_scheduled[req.req_id] = n
+            new_blocks_of[req.req_id] = new_blocks
+            budget -= n
+            i += 1
+
+        # 2. admit waiting requests, unless this step had to preempt.
+        scheduled_new: list[Request] = []
+        while (not preempted and budget > 0 and len(self.waiting)
+               and len(self.running) < cfg.max_num_seqs):
+            req = self.waiting.peek()
+            if kv.num_blocks_needed(req.num_tokens) > kv.num_usable_blocks:
+                self.waiting.pop()
+                self._finish_error(req)
+                continue
+            hits: list[KVCacheBlock] = []
+            num_hit = 0
+            if req.num_computed_tokens == 0:
+                hits, num_hit = kv.get_computed_blocks(req)
+            n = req.num_tokens - req.num_computed_tokens - num_hit
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                n = budget
+            new_blocks = kv.allocate_slots(req, n, num_hit, hits)
+            if new_blocks is None:
+                if not self.running:
+                    # Every block is free or evictable and it still does not fit.
+                    self.waiting.pop()
+                    self._finish_error(req)
+                    continue
+                break
+            self.waiting.pop()
+            req.num_computed_tokens += num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled_new.append(req)
+            num_scheduled[req.req_id] = n
+            budget -= n
+
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, start over later (prefix cache helps)."""
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self._forget_on_workers(req.req_id)
+        self.waiting.prepend(req)
+
+    def _build_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        num_scheduled: dict[str, int],
+        new_blocks_of: dict[str, list[KVCacheBlock]],
+    ) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        worker_tokens = self._worker_num_tokens
+        new_data = []
+        for req in scheduled_new:
+            new_data.append(NewRequestData(
+                req_id=req.req_id,
+                prompt_token_ids=req.prompt_token_ids,  # never mutated after construction
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=kv.get_block_ids(req.req_id),
+                num_computed_tokens=req.num_computed_tokens,
+            ))
+            worker_tokens[req.req_id] = req.num_tokens
+            req.num_computed_tokens += num_scheduled[req.req_id]
+        cached = CachedRequestData()
+        c_ids, c_toks, c_blocks, c_computed = (
+            cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens)
+        for req in scheduled_running:
+            rid = req.req_id
+            known = worker_tokens[rid]
+            total = req.num_tokens
+            blocks = new_blocks_of[rid]
+            c_ids.append(rid)
+            c_toks.append(req.all_token_ids[known:total] if known < total else [])
+            c_blocks.append([b.block_id for b in blocks] if blocks else [])
+            c_computed.append(req.num_computed_tokens)
+            worker_tokens[rid] = total
+            req.num_computed_tokens += num_scheduled[rid]
+        finished = self._finished_req_ids
+        self._finished_req_ids = set()
+        self.step += 1
+        return SchedulerOutput(
+            step=self.step,
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    # -- results -------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stops, cache filled blocks, free finished requests."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        kv = self.kv_cache_manager
+        requests = self.requests
+        # Blocks whose KV this step wrote are now safe to share. Only a step that
+        # crossed a block boundary can have filled one, so most decodes skip the call.
+        if kv.block_hasher is not None:
+            bs = kv.block_size
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                req = requests.get(req_id)
+                if req is not None and req.status is _RUNNING:
+                    c = req.num_computed_tokens
+                    if c // bs != (c - n) // bs:
+                        kv.cache_blocks(req, c)
+        if model_runner_output is None:
+            return outputs
+        any_finished = False
+        logprobs = model_runner_output.logprobs
+        max_model_len = self.config.max_model_len
+        for req_id, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+            if not tokens:
+                continue
+            req = requests.get(req_id)
+            if req is None or req.status is not _RUNNING:
+                continue  # aborted or preempted while the step ran
+            new_tokens = tokens
+            status = None
+            for k, tok in enumerate(tokens):
+                req.append_output_token_ids(tok)
+                # Cheap "could it stop?" filter; _check_stop decides.
+                if (tok in req.stop_token_ids or len(req.output_token_ids) >= req.max_tokens  # type: ignore[operator]
+                        or req.num_tokens >= max_model_len):
+                    status = self._check_stop(req, tok)
+                    if status is not None:
+                        new_tokens = tokens[:k + 1]
+                        break
+            lp = logprobs.get(req_id) if logprobs else None
+            if lp is not None and len(new_tokens) < len(tokens):
+                lp = _trim_logprobs(lp, len(new_tokens))
+            if status is None:
+                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, lp, req.num_cached_tokens, None))
+            else:
+                any_finished = True
+                self._finish(req, status)
+                outputs.append(self._output(req, new_tokens, lp))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """In order: stop token (not before min_tokens outputs), max_tokens, context full."""
+        num_out = len(req.output_token_ids)
+        if token in req.stop_token_ids and num_out >= req.min_tokens:
+            if token in req.sampling_params.stop_token_ids:
+                req.stop_reason = token  # EOS leaves stop_reason None, as in OpenAI/vLLM
+            return RequestStatus.FINISHED_STOPPED
+        if req.max_tokens is not None and num_out >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- finishing -----------------------------------------------------------------
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Final state: blocks back to the pool (cached ones stay findable), workers told."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        self._forget_on_workers(req.req_id)
+        self.requests.pop(req.req_id, None)
+
+    def _finish_error(self, req: Request) -> None:
+        kv = self.kv_cache_manager
+        req.error = (
+            f"request {req.req_id!r} needs more KV cache than exists: {req.num_tokens} tokens need "
+            f"{kv.num_blocks_needed(req.num_tokens + 1)} blocks of {kv.block_size} tokens, "
+            f"the pool has {kv.num_usable_blocks}; raise num_blocks or lower max_model_len")
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        self._pending_outputs.append(self._output(req, []))
+
+    def _forget_on_workers(self, req_id: str) -> None:
+        if self._worker_num_tokens.pop(req_id, None) is not None:
+            self._finished_req_ids.add(req_id)
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int], lp: LogprobsLists | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=req.req_id,
+            new_token_ids=new_tokens,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            new_logprobs=lp,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=req.error,
+        )
+
+
+def _trim_logprobs(lp: LogprobsLists, n: int) -> LogprobsLists:
+    return LogprobsLists(token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n])

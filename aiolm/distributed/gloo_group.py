@@ -1,0 +1,27 @@
+"""A tensor-parallel group over torch.distributed's gloo backend, on loopback.
+
+The CPU fallback for world_size > 1: correct everywhere, not the fastest. The
+rendezvous port is chosen by the engine and passed on each worker's command line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from aiolm.distributed.parallel_state import TPGroup
+
+
+def make_group(rank: int, world_size: int, port: int) -> TPGroup:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    return TPGroup(rank, world_size, all_reduce, all_gather)

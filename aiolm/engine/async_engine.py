@@ -1,0 +1,211 @@
+"""AsyncEngine: the public async API, composed of actors on the caller's event loop.
+
+    async with AsyncEngine.from_args(EngineArgs()) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
+            print(out.outputs[0].text)
+
+Leaving the ``async for`` early (break, cancellation, a client disconnect) aborts
+the request and frees its KV blocks in the same step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from aiolm.config import EngineArgs
+from aiolm.core.request import Request
+from aiolm.core.scheduler import Scheduler, SchedulerConfig
+from aiolm.engine.core import EngineCore
+from aiolm.engine.errors import EngineDeadError
+from aiolm.engine.input import InputProcessor, PromptType
+from aiolm.engine.messages import AbortRequests, AddRequests
+from aiolm.engine.output import OutputProcessor, RequestState
+from aiolm.executor.base import Executor
+from aiolm.outputs import RequestOutput
+from aiolm.params import ParamError, SamplingParams
+from aiolm.worker.model_runner import RunnerConfig
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        self.args = args if args is not None else EngineArgs(**kwargs)
+        self._started = False
+        self._dead: str | None = None
+        self.executor: Executor | None = None
+        self.core: EngineCore | None = None
+        self.output: OutputProcessor | None = None
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    @classmethod
+    def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "AsyncEngine":
+        return cls(args, **kwargs)
+
+    async def __aenter__(self) -> "AsyncEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # -- life cycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        from aiolm.model.loader import resolve_model
+
+        a = self.args
+        self.source = await asyncio.to_thread(resolve_model, a.model)
+        self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
+        mc = self.source.config
+        self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.model_name = a.served_model_name or self.source.name
+        runner_cfg = RunnerConfig(
+            model=str(self.source.origin), dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=a.block_size,
+            kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed)
+        if a.executor == "local":
+            from aiolm.executor.local import LocalExecutor
+
+            self.executor = LocalExecutor(runner_cfg)
+        else:
+            from aiolm.executor.multiproc import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, on_death=self._on_worker_death)
+        await self.executor.start()
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=self.executor.num_blocks, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=max(a.max_num_batched_tokens, 1),
+            max_model_len=self.max_model_len, block_size=a.block_size,
+            long_prefill_token_threshold=a.long_prefill_token_threshold,
+            policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching))
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
+                                     self.source.eos_token_ids, a.max_logprobs)
+        self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish)
+        self.core = EngineCore(self.scheduler, self.executor, self.output)
+        self.output.start(self._on_crash)
+        self.core.start(self._on_crash)
+        self._started = True
+
+    async def shutdown(self) -> None:
+        if self._dead is None:
+            self._dead = "engine shut down"
+        if self.output is not None:
+            self.output.fail_all(EngineDeadError(self._dead))
+        for actor in (self.core, self.output):
+            if actor is not None:
+                await actor.stop()
+        if self.executor is not None:
+            await self.executor.shutdown()
+        self._started = False
+
+    def _on_crash(self, actor: Any, error: BaseException) -> None:
+        self._die(f"{actor.name} failed: {type(error).__name__}: {error}")
+
+    def _on_worker_death(self, reason: str) -> None:
+        self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        log.error("engine is dead: %s", reason)
+        if self.output is not None:
+            self.output.fail_all(EngineDeadError(reason))
+
+    def is_healthy(self) -> bool:
+        return (self._started and self._dead is None and self.executor is not None
+                and self.executor.is_alive() and self.core is not None and self.core.running
+                and self.output is not None and self.output.running)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if not self._started:
+            raise EngineDeadError("engine not started (use `async with` or `await engine.start()`)")
+
+    # -- requests -------------------------------------------------------------------
+
+    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0) -> RequestState:
+        """Validate and queue a request; returns its state (read it with ``stream``)."""
+        self._check_alive()
+        assert self.output is not None and self.core is not None
+        params = self.inputs.params(params)
+        processed = await self.inputs.process(prompt)
+        self._check_alive()
+        if params.max_tokens is not None and len(processed.token_ids) + 1 > self.max_model_len:
+            raise ParamError("prompt", "the prompt leaves no room for output")
+        rid = request_id if request_id is not None else self.inputs.new_request_id()
+        if rid in self.output.requests:
+            raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
+        n = params.n
+        child_ids = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
+        state = self.output.register(rid, processed.prompt, processed.token_ids, params, child_ids)
+        reqs = []
+        for i, cid in enumerate(child_ids):
+            p = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(Request(cid, processed.token_ids, p, priority=priority))
+        self.stats["prompt_tokens"] += len(processed.token_ids) * n
+        self.core.send(AddRequests(reqs))
+        return state
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        state = await self.add_request(prompt, params, request_id, priority)
+        async for out in self.stream(state):
+            yield out
+
+    async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out = await state.next_output()
+                if out is None:
+                    finished = True
+                    return
+                if out.finished:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(state.req_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self.output is None or self.core is None:
+            return
+        children = self.output.abort(request_id)
+        if children:
+            self.core.send(AbortRequests(children))
+
+    def _abort_children(self, child_ids: list[str]) -> None:
+        if self.core is not None:
+            self.core.send(AbortRequests(child_ids))
+
+    def _on_finish(self, state: RequestState) -> None:
+        self.stats["requests_finished"] += 1
+        self.stats["generation_tokens"] += sum(len(s.token_ids) for s in state.seqs)
+
+    # -- introspection ----------------------------------------------------------------
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage if self._started else 0.0
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) in the scheduler."""
+        if not self._started:
+            return 0, 0
+        return self.scheduler.num_running, self.scheduler.num_waiting
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inputs.encode(text, add_special_tokens)

@@ -1,0 +1,105 @@
+"""InputProcessor: validate, template and tokenize a request before it reaches the core.
+
+Everything a user can get wrong is caught here and raised as ParamError naming
+the field, so the core and workers only ever see valid requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from aiolm.params import ParamError, SamplingParams
+
+PromptType = str | dict[str, Any] | Sequence[dict[str, Any]]
+_LARGE_PROMPT_CHARS = 8192  # tokenize off the loop above this
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...], max_logprobs: int = 20) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.max_logprobs = max_logprobs
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, **template_kwargs: Any) -> str:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ParamError("messages", "must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ParamError(f"messages[{i}]", "must be an object with a 'role'")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ParamError("messages", "this model has no chat template; use a plain prompt")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **template_kwargs)
+        except Exception as e:  # jinja errors: the messages do not fit the template
+            raise ParamError("messages", f"cannot apply the chat template: {e}") from e
+
+    async def process(self, prompt: PromptType) -> ProcessedPrompt:
+        """A string, {"prompt_token_ids": [...]}, {"prompt": str} or a list of chat messages."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ParamError("prompt_token_ids", "must be a list of integers")
+            return self._check(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            prompt = prompt["prompt"]
+        if isinstance(prompt, (list, tuple)):
+            text = self.chat_prompt(prompt)
+            return self._check(ProcessedPrompt(text, await self._encode(text, special=False)))
+        if not isinstance(prompt, str):
+            raise ParamError("prompt", f"must be a string, token ids or chat messages, got {type(prompt).__name__}")
+        return self._check(ProcessedPrompt(prompt, await self._encode(prompt, special=True)))
+
+    async def _encode(self, text: str, special: bool) -> list[int]:
+        if len(text) > _LARGE_PROMPT_CHARS:
+            return await asyncio.to_thread(self.encode, text, special)
+        return self.encode(text, special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _check(self, p: ProcessedPrompt) -> ProcessedPrompt:
+        n = len(p.token_ids)
+        if n == 0:
+            raise ParamError("prompt", "the prompt is empty")
+        bad = next((t for t in p.token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise ParamError("prompt", f"the prompt has {n} tokens; this model's maximum context length is "
+                                       f"{self.max_model_len} tokens, and at least one must be left for output")
+        return p
+
+    def params(self, params: SamplingParams | None) -> SamplingParams:
+        """Validate against the model and fill in the model's EOS ids."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ParamError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ParamError("logprobs", f"at most {self.max_logprobs} top logprobs, got {params.logprobs}")
+        for tok in (params.logit_bias or {}):
+            if not 0 <= tok < self.vocab_size:
+                raise ParamError("logit_bias", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
+        for tok in params.stop_token_ids:
+            if tok >= self.vocab_size:
+                raise ParamError("stop_token_ids", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
+        return params.clone(eos_token_ids=self.eos_token_ids)

@@ -1,0 +1,217 @@
+"""OutputProcessor: turns the core's token outputs into text, streams and finish reasons.
+
+Per request it keeps one RequestState: a TextStream per sequence (incremental
+detokenizer + stop strings), token ids, logprobs. A consumer's stream is a single
+slot: each step only marks the state dirty and wakes the consumer, who builds the
+output when it reads, so a slow consumer gets merged deltas, never a growing queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiolm.actors import Actor
+from aiolm.core.outputs import EngineCoreOutput, LogprobsLists
+from aiolm.engine.detokenizer import TextStream
+from aiolm.engine.errors import EngineDeadError, RequestError
+from aiolm.engine.messages import StepOutputs
+from aiolm.outputs import CompletionOutput, Logprob, RequestOutput
+from aiolm.params import OutputKind, SamplingParams
+
+
+@dataclass
+class SeqState:
+    index: int
+    child_id: str
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0  # for delta mode: what the consumer has already seen
+    sent_tokens: int = 0
+
+
+class RequestState:
+    """One user request (n sequences) and the single-slot stream its consumer reads."""
+
+    def __init__(self, req_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams, seqs: list[SeqState]) -> None:
+        self.req_id = req_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs = seqs
+        self.error: BaseException | None = None
+        self.num_cached_tokens = 0
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.delivered_final = False
+        self._event = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._event.set()
+
+    async def next_output(self) -> RequestOutput | None:
+        """Wait for news and build the output; None once the final one was delivered."""
+        while True:
+            if self.delivered_final:
+                return None
+            await self._event.wait()
+            self._event.clear()
+            if self.error is not None and not self.finished:
+                raise self.error
+            done = self.finished
+            if self.params.output_kind is OutputKind.FINAL_ONLY and not done:
+                continue
+            out = self.build(delta=self.params.output_kind is OutputKind.DELTA)
+            if out is None:
+                continue
+            self.delivered_final = done
+            return out
+
+    def build(self, delta: bool) -> RequestOutput | None:
+        outs = []
+        for s in self.seqs:
+            text = s.text.text
+            if delta:
+                t, ids = text[s.sent_text:], s.token_ids[s.sent_tokens:]
+                lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                if not t and not ids and s.finish_reason is None:
+                    continue
+                s.sent_text, s.sent_tokens = len(text), len(s.token_ids)
+            else:
+                t, ids, lps = text, list(s.token_ids), (list(s.logprobs) if s.logprobs is not None else None)
+            outs.append(CompletionOutput(s.index, t, ids, s.finish_reason, s.stop_reason, lps,
+                                         s.cumulative_logprob))
+        if delta and not outs and not self.finished:
+            return None
+        metrics = {}
+        if self.first_token_time is not None:
+            metrics["ttft"] = self.first_token_time - self.arrival
+        if self.finish_time is not None:
+            metrics["e2e"] = self.finish_time - self.arrival
+        return RequestOutput(self.req_id, self.prompt, self.prompt_ids, outs, self.finished,
+                             self.num_cached_tokens, metrics=metrics)
+
+
+class OutputProcessor(Actor[StepOutputs]):
+    name = "output-processor"
+
+    def __init__(self, tokenizer: Any, abort_children: Callable[[list[str]], None],
+                 on_finish: Callable[[RequestState], None] | None = None) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.abort_children = abort_children
+        self.on_finish = on_finish
+        self.requests: dict[str, RequestState] = {}
+        self.children: dict[str, tuple[RequestState, SeqState]] = {}
+
+    def register(self, req_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams, child_ids: list[str]) -> RequestState:
+        seqs = []
+        for i, cid in enumerate(child_ids):
+            stream = TextStream.from_params(self.tokenizer, prompt_ids, params)
+            seqs.append(SeqState(i, cid, stream, logprobs=[] if params.logprobs is not None else None,
+                                 cumulative_logprob=0.0 if params.logprobs is not None else None))
+        state = RequestState(req_id, prompt, prompt_ids, params, seqs)
+        self.requests[req_id] = state
+        for s in seqs:
+            self.children[s.child_id] = (state, s)
+        return state
+
+    def abort(self, req_id: str) -> list[str]:
+        """Mark a request aborted; returns child ids the core must still abort."""
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return []
+        live = []
+        for s in state.seqs:
+            if self.children.pop(s.child_id, None) is not None and s.finish_reason is None:
+                s.finish_reason = "abort"
+                live.append(s.child_id)
+        self._finished(state)
+        return live
+
+    def fail_all(self, error: BaseException) -> None:
+        for state in list(self.requests.values()):
+            state.fail(error)
+        self.requests.clear()
+        self.children.clear()
+
+    async def run(self) -> None:
+        while True:
+            msg = await self.mailbox.receive()
+            self.process(msg.outputs)
+            for more in self.mailbox.drain():
+                self.process(more.outputs)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.monotonic()
+        stopped: list[str] = []
+        for o in outputs:
+            entry = self.children.get(o.req_id)
+            if entry is None:
+                continue  # finished here already (stop string) or aborted by the user
+            state, seq = entry
+            if o.new_token_ids:
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                    state.num_cached_tokens = o.num_cached_tokens
+                state.last_token_time = now
+                seq.token_ids.extend(o.new_token_ids)
+                if seq.logprobs is not None and o.new_logprobs is not None:
+                    self._add_logprobs(seq, o.new_logprobs)
+                token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
+                _, stop_str = seq.text.push(o.new_token_ids, stop_terminated=token_stop)
+                if stop_str is not None and o.finish_reason is None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    stopped.append(seq.child_id)
+            if o.finish_reason is not None and seq.finish_reason is None:
+                if o.finish_reason == "error":
+                    state.error = RequestError(o.error or "request failed")
+                seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
+                seq.text.finish()
+            if seq.finish_reason is not None:
+                self.children.pop(seq.child_id, None)
+                if state.finished:
+                    self.requests.pop(state.req_id, None)
+                    state.finish_time = now
+                    self._finished(state)
+            state.wake()
+        if stopped:
+            self.abort_children(stopped)
+
+    def _finished(self, state: RequestState) -> None:
+        state.finish_time = state.finish_time or time.monotonic()
+        state.wake()
+        if self.on_finish is not None:
+            self.on_finish(state)
+
+    def _add_logprobs(self, seq: SeqState, lp: LogprobsLists) -> None:
+        assert seq.logprobs is not None
+        for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            entry: dict[int, Logprob] = {}
+            for j, (tid, val) in enumerate(zip(ids, vals)):
+                if tid not in entry:
+                    entry[tid] = Logprob(val, rank if j == 0 else j, self.tokenizer.decode([tid]))
+            seq.logprobs.append(entry)
+            if seq.cumulative_logprob is not None and vals:
+                seq.cumulative_logprob += vals[0]
+
+
+__all__ = ["OutputProcessor", "RequestState", "EngineDeadError"]

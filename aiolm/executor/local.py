@@ -1,0 +1,48 @@
+"""In-process executor: the model runner in this process, run in a worker thread.
+
+For tests and debugging; production uses worker processes. The forward pass runs
+in a thread so the event loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.executor.base import Executor
+from aiolm.worker.model_runner import ModelRunner, RunnerConfig
+
+
+class LocalExecutor(Executor):
+    def __init__(self, cfg: RunnerConfig) -> None:
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self.runner: ModelRunner | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiolm-local")
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self._pool, ModelRunner, self.cfg)
+        self.num_blocks = self.runner.num_blocks
+
+    async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "executor not started"
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.execute, out)
+
+    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        assert self.runner is not None
+        runner = self.runner
+
+        def call() -> Any:
+            if callable(method):
+                return method(runner, *args, **(kwargs or {}))
+            return getattr(runner, method)(*args, **(kwargs or {}))
+
+        return [await asyncio.get_running_loop().run_in_executor(self._pool, call)]
+
+    async def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+        self.runner = None

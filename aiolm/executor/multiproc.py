@@ -1,0 +1,184 @@
+"""Worker processes fed through shared-memory rings, one process per rank.
+
+Workers are started with subprocess as ``python -m aiolm.worker`` (never fork or
+multiprocessing spawn, which would re-import the user's ``__main__``). One
+request ring broadcasts each step to every rank; each rank answers on its own
+response ring, which the engine awaits on its event loop. A monitor task notices
+a dead worker within a fraction of a second and fails the engine loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+from typing import Any, Callable
+
+from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.executor.base import Executor, ExecutorError
+from aiolm.ipc import codec
+from aiolm.ipc.shm_ring import PeerDied, RingClosed, ShmRing
+from aiolm.worker.model_runner import RunnerConfig
+from aiolm.worker.worker import SHUTDOWN, encode_config
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
+                 on_death: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.world_size = world_size
+        self.block_size = cfg.block_size
+        self.startup_timeout = startup_timeout
+        self.on_death = on_death
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.requests: ShmRing | None = None
+        self.responses: list[ShmRing] = []
+        self._monitor: asyncio.Task[None] | None = None
+        self._dead: str | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def start(self) -> None:
+        self.requests = ShmRing.create(num_readers=self.world_size, num_slots=8, slot_size=1 << 20)
+        self.responses = [ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
+                          for _ in range(self.world_size)]
+        port = _free_port() if self.world_size > 1 else 0
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            for rank in range(self.world_size):
+                cmd = [sys.executable, "-m", "aiolm.worker", "--rank", str(rank),
+                       "--world-size", str(self.world_size),
+                       "--request-ring", str(self.requests.handle()),
+                       "--response-ring", str(self.responses[rank].handle()),
+                       "--parent-pid", str(os.getpid()), "--dist-port", str(port),
+                       "--config", encode_config(self.cfg)]
+                self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(self._handshake(r) for r in range(self.world_size))),
+                self.startup_timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.num_blocks = min(i["num_blocks"] for i in infos)
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _handshake(self, rank: int) -> dict[str, int]:
+        while True:
+            try:
+                buf = await self.responses[rank].read_async(timeout=0.5)
+                break
+            except TimeoutError:
+                code = self.procs[rank].poll()
+                if code is not None:
+                    raise ExecutorError(f"worker {rank} exited with code {code} during start-up")
+            except (PeerDied, RingClosed) as e:
+                raise ExecutorError(f"worker {rank} died during start-up") from e
+        msg = codec.decode(buf)
+        if msg[0] != "ready":
+            raise ExecutorError(f"worker {rank} failed to start: {msg[1]}")
+        return msg[1]
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            for rank, p in enumerate(self.procs):
+                code = p.poll()
+                if code is not None and not self._closed:
+                    self._fail(f"worker {rank} (pid {p.pid}) exited with code {code}")
+                    return
+            await asyncio.sleep(0.2)
+
+    def _fail(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+            log.error("%s", reason)
+            if self.on_death is not None:
+                self.on_death(reason)
+
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._closed
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ExecutorError(self._dead)
+        if self._closed or self.requests is None:
+            raise ExecutorError("executor is shut down")
+
+    async def _send(self, data: bytes) -> None:
+        self._check()
+        assert self.requests is not None
+        try:
+            await self.requests.write_async(data)
+        except (PeerDied, RingClosed) as e:
+            self._fail(f"a worker died: {e}")
+            raise ExecutorError(self._dead or str(e)) from e
+
+    async def _recv(self, rank: int) -> bytes:
+        while True:
+            self._check()
+            try:
+                return await self.responses[rank].read_async(timeout=0.5)
+            except TimeoutError:
+                code = self.procs[rank].poll()
+                if code is not None:
+                    self._fail(f"worker {rank} (pid {self.procs[rank].pid}) exited with code {code}")
+            except (PeerDied, RingClosed) as e:
+                self._fail(f"worker {rank} died: {e}")
+
+    async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        async with self._lock:
+            await self._send(codec.encode_scheduler_output(out))
+            return codec.decode_model_runner_output(await self._recv(0))
+
+    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        async with self._lock:
+            await self._send(codec.encode_rpc(method, args, kwargs))
+            results = []
+            for rank in range(self.world_size):
+                msg = codec.decode(await self._recv(rank))
+                if msg[0] != "ok":
+                    raise ExecutorError(f"rpc {method!r} failed on worker {rank}: {msg[1]}")
+                results.append(msg[1])
+            return results
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+        if self.requests is not None and self._dead is None:
+            try:
+                self.requests.write(codec.encode(SHUTDOWN), timeout=1.0)
+            except Exception:
+                pass
+        for p in self.procs:
+            await _reap(p, 5.0)
+        for ring in [self.requests, *self.responses]:
+            if ring is not None:
+                ring.close()
+                ring.unlink()
+
+
+async def _reap(p: subprocess.Popen[bytes], timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (None, "terminate", "kill"):
+        if sig is not None and p.poll() is None:
+            getattr(p, sig)()
+        deadline = loop.time() + timeout
+        while p.poll() is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if p.poll() is not None:
+            return

@@ -1,0 +1,5 @@
+import sys
+
+from aiolm.worker.worker import main
+
+sys.exit(main())

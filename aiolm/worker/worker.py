@@ -1,0 +1,106 @@
+"""Worker process main: one per tensor-parallel rank, started as its own program.
+
+``python -m aiolm.worker --rank R ...`` attaches to the engine's request ring (as
+reader R) and to its own response ring (as writer), builds the model runner,
+reports ready with its KV capacity, then executes whatever arrives until the
+engine closes the ring or dies. It never forks and never imports user code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import os
+import pickle
+import sys
+import traceback
+
+from aiolm.ipc import codec
+from aiolm.ipc.lifeline import exit_on_signals, parent_alive
+from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
+
+log = logging.getLogger("aiolm.worker")
+
+SHUTDOWN = "shutdown"
+
+
+def encode_config(cfg: object) -> str:
+    return base64.b64encode(pickle.dumps(cfg)).decode()
+
+
+def decode_config(text: str) -> object:
+    return pickle.loads(base64.b64decode(text))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m aiolm.worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--request-ring", required=True)
+    p.add_argument("--response-ring", required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--dist-port", type=int, default=0, help="loopback port for the rank rendezvous")
+    p.add_argument("--config", required=True, help="base64 pickle of RunnerConfig")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
+    exit_on_signals()
+    handles = [RingHandle.parse(args.request_ring), RingHandle.parse(args.response_ring)]
+    requests = ShmRing.attach(handles[0], reader_rank=args.rank)
+    responses = ShmRing.attach(handles[1], reader_rank=None)
+    try:
+        return _serve(args, requests, responses)
+    finally:
+        if not parent_alive(args.parent_pid):
+            for h in handles:  # the engine was killed: nobody else will unlink its rings
+                h.unlink()
+        requests.close()
+        responses.close()
+
+
+def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> int:
+    from aiolm.distributed.parallel_state import TPGroup, set_tp_group
+    from aiolm.worker.model_runner import ModelRunner
+
+    if args.world_size > 1:
+        from aiolm.distributed.gloo_group import make_group
+
+        set_tp_group(make_group(args.rank, args.world_size, args.dist_port))
+    else:
+        set_tp_group(TPGroup())
+    try:
+        runner = ModelRunner(decode_config(args.config))  # type: ignore[arg-type]
+    except BaseException as e:
+        responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
+        return 1
+    responses.write(codec.encode(("ready", runner.kv_cache_info())))
+    from aiolm.core.outputs import SchedulerOutput
+
+    while True:
+        try:
+            buf = requests.read(timeout=1.0)
+        except TimeoutError:
+            if not parent_alive(args.parent_pid):
+                return 0
+            continue
+        except RingClosed:
+            return 0
+        msg = codec.decode(buf)
+        if isinstance(msg, SchedulerOutput):
+            out = runner.execute(msg)
+            if args.rank == 0:
+                responses.write(codec.encode_model_runner_output(out))
+        elif isinstance(msg, codec.RpcCall):
+            try:
+                fn = msg.method if callable(msg.method) else getattr(runner, msg.method)
+                result = fn(runner, *msg.args, **msg.kwargs) if callable(msg.method) else fn(*msg.args, **msg.kwargs)
+                responses.write(codec.encode(("ok", result)))
+            except Exception as e:
+                responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
+        elif msg == SHUTDOWN:
+            return 0

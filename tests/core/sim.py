@@ -1,0 +1,190 @@
+"""Test helpers: build requests and schedulers, and a worker simulator.
+
+The simulator keeps only what real workers keep (per request: tokens, block ids,
+computed count), rebuilt purely from SchedulerOutput diffs, and checks after
+every step that it equals the scheduler's truth. That proves the diff protocol.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.request import Request, RequestStatus
+from aiolm.core.scheduler import Scheduler, SchedulerConfig
+from aiolm.params import SamplingParams
+
+EOS = 0
+
+
+def make_request(
+    req_id: str,
+    prompt: list[int] | int,
+    max_tokens: int | None = 16,
+    priority: int = 0,
+    arrival_time: float | None = None,
+    cache_salt: str | None = None,
+    **sp_kwargs,
+) -> Request:
+    """A request whose prompt is ``prompt`` or, for an int, that many tokens 1..n."""
+    tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    sp_kwargs.setdefault("eos_token_ids", (EOS,))
+    sp = SamplingParams(max_tokens=max_tokens, **sp_kwargs)
+    return Request(req_id, tokens, sp, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+
+
+def make_scheduler(**kwargs) -> Scheduler:
+    kwargs.setdefault("num_blocks", 64)
+    kwargs.setdefault("block_size", 4)
+    kwargs.setdefault("hash_seed", 0)
+    return Scheduler(SchedulerConfig(**kwargs))
+
+
+@dataclass
+class WorkerRequest:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass
+class WorkerSim:
+    """A model runner's persistent batch, fed only by diffs."""
+
+    reqs: dict[str, WorkerRequest] = field(default_factory=dict)
+    seen_new: list[str] = field(default_factory=list)
+
+    def apply(self, so: SchedulerOutput) -> list[str]:
+        """Apply one step's diff; return the ids whose prefill is complete (they sample)."""
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        new_ids = [nr.req_id for nr in so.scheduled_new_reqs]
+        cached_ids = list(so.scheduled_cached_reqs.req_ids)
+        assert not set(new_ids) & set(cached_ids), "a request is both new and cached"
+        assert len(set(new_ids + cached_ids)) == len(new_ids) + len(cached_ids)
+        assert set(new_ids + cached_ids) == set(so.num_scheduled_tokens)
+        for nr in so.scheduled_new_reqs:
+            assert nr.req_id not in self.reqs, f"{nr.req_id} re-sent as new while held"
+            self.reqs[nr.req_id] = WorkerRequest(
+                list(nr.prompt_token_ids) + list(nr.output_token_ids), list(nr.block_ids),
+                nr.num_computed_tokens)
+            self.seen_new.append(nr.req_id)
+        c = so.scheduled_cached_reqs
+        for rid, toks, blks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
+            st = self.reqs[rid]
+            assert st.num_computed == ncomp, f"{rid}: worker computed {st.num_computed}, told {ncomp}"
+            st.tokens.extend(toks)
+            st.block_ids.extend(blks)
+        sampling = []
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.reqs[rid]
+            assert n >= 1
+            assert st.num_computed + n <= len(st.tokens), f"{rid} scheduled past its tokens"
+            st.num_computed += n
+            if st.num_computed == len(st.tokens):
+                sampling.append(rid)
+        return sampling
+
+    def check(self, sched: Scheduler, so: SchedulerOutput) -> None:
+        """The worker view must equal the scheduler's truth for every running request."""
+        assert set(self.reqs) == {r.req_id for r in sched.running}
+        kv = sched.kv_cache_manager
+        for rid in so.num_scheduled_tokens:
+            st = self.reqs[rid]
+            req = sched.requests[rid]
+            assert st.tokens == req.all_token_ids, rid
+            assert st.block_ids == kv.get_block_ids(rid), rid
+            assert st.num_computed == req.num_computed_tokens, rid
+            assert len(st.block_ids) * kv.block_size >= st.num_computed
+
+
+def fake_output(sampling: list[str], rng: random.Random | None = None, eos_prob: float = 0.0,
+                vocab: int = 50, token: int | None = None) -> ModelRunnerOutput:
+    """One sampled token per request that finished its prefill; the rest get []."""
+    rng = rng or random.Random(0)
+    toks = []
+    for _ in sampling:
+        if token is not None:
+            toks.append([token])
+        elif rng.random() < eos_prob:
+            toks.append([EOS])
+        else:
+            toks.append([rng.randrange(1, vocab)])
+    return ModelRunnerOutput(req_ids=list(sampling), sampled_token_ids=toks)
+
+
+def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None:
+    """Global invariants of scheduler + KV cache after a step."""
+    kv = sched.kv_cache_manager
+    cfg = sched.config
+    assert kv.check_invariants() == []
+    running_ids = [r.req_id for r in sched.running]
+    waiting_ids = [r.req_id for r in sched.waiting]
+    assert len(set(running_ids)) == len(running_ids)
+    assert not set(running_ids) & set(waiting_ids)
+    assert set(running_ids) | set(waiting_ids) == set(sched.requests)
+    assert len(running_ids) <= cfg.max_num_seqs
+    assert set(kv.req_to_blocks) <= set(running_ids)
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+        assert len(kv.get_blocks(r.req_id)) * kv.block_size >= r.num_computed_tokens
+        assert r.num_computed_tokens <= r.num_tokens
+    for r in sched.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.num_computed_tokens == 0
+    assert kv.num_free_blocks + sum(1 for b in kv.pool.blocks[1:] if b.ref_cnt) == kv.num_usable_blocks
+    if so is not None:
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
+        if so.total_num_scheduled_tokens < cfg.max_num_batched_tokens:
+            # Work conservation: with budget left, no running request is skipped.
+            for r in sched.running:
+                assert r.req_id in so.num_scheduled_tokens or r.num_computed_tokens == r.num_tokens, (
+                    f"{r.req_id} skipped although budget was left")
+        if cfg.long_prefill_token_threshold:
+            assert max(so.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
+
+
+class Driver:
+    """Runs schedule -> worker sim -> fake output -> update, checking everything each step."""
+
+    def __init__(self, sched: Scheduler, seed: int = 0, eos_prob: float = 0.0) -> None:
+        self.sched = sched
+        self.worker = WorkerSim()
+        self.rng = random.Random(seed)
+        self.eos_prob = eos_prob
+        self.outputs: dict[str, list] = {}
+        self.finished: dict[str, object] = {}
+        self.history: list[SchedulerOutput] = []
+
+    def step(self, token: int | None = None):
+        so = self.sched.schedule()
+        self.history.append(so)
+        check_scheduler(self.sched, so)
+        sampling = self.worker.apply(so)
+        self.worker.check(self.sched, so)
+        mro = fake_output(sampling, self.rng, self.eos_prob, token=token)
+        outs = self.sched.update_from_output(so, mro)
+        self.record(outs)
+        check_scheduler(self.sched)
+        return so, outs
+
+    def record(self, outs) -> None:
+        for o in outs:
+            assert o.req_id not in self.finished, f"output after finish for {o.req_id}"
+            self.outputs.setdefault(o.req_id, []).extend(o.new_token_ids)
+            if o.finished:
+                self.finished[o.req_id] = o
+
+    def drain(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step()
+        assert not self.sched.has_unfinished_requests(), "requests did not finish"
+        kv = self.sched.kv_cache_manager
+        assert kv.usage == 0.0
+        assert kv.num_free_blocks == kv.num_usable_blocks
+        assert kv.check_invariants() == []
