@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: install
-	$(BIN)/aiolm serve
+	$(BIN)/aiolm serve $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -30,8 +30,8 @@ import marshal
 import pickle
 import types
 import typing
-from itertools import chain, repeat
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any, Callable
 
 import cloudpickle

@@ -562,13 +562,9 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int,
     no_k = (~has_k).squeeze(1).nonzero().squeeze(1)
     if no_k.numel():
         # Top-p-only rows: candidate probabilities relative to the full vocabulary.
-        # The normaliser is computed in place on one copy (x itself must stay
-        # intact for rows that a wider pass redoes).
-        xs = x.index_select(0, no_k)
-        if kn.temperature is not None:
-            xs.div_(kn.temperature[no_k])
         top = vals[no_k]
-        z = xs.sub_(top[:, :1]).exp_().sum(dim=-1, keepdim=True)
+        temp = None if kn.temperature is None else kn.temperature[no_k]
+        z = _softmax_normaliser(x, no_k, top[:, :1], temp)
         probs[no_k] = (top - top[:, :1]).exp_().div_(z)
     fits = has_k
     if kn.top_p is not None:
@@ -582,6 +578,27 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int,
         probs.masked_fill_(probs < probs[:, :1] * kn.min_p, 0.0)  # column 0 is the max
     choice = _inverse_cdf(probs, u)
     return idx.gather(1, choice.unsqueeze(1)).squeeze(1), fits.squeeze(1)
+
+
+def _softmax_normaliser(x: torch.Tensor, rows: torch.Tensor, row_max: torch.Tensor,
+                        temperature: torch.Tensor | None, chunk: int = 16) -> torch.Tensor:
+    """sum(exp(x[row] / t - max)) for each row in ``rows``, as a [k, 1] column.
+
+    Goes through one small reused buffer, chunk by chunk: ``x`` must stay intact
+    (a wider pass may redo some rows) and a full-size temporary would cost more
+    in page faults than the exponentials do.
+    """
+    z = torch.empty(rows.numel(), 1, dtype=x.dtype, device=x.device)
+    buf = torch.empty(min(chunk, rows.numel()), x.shape[1], dtype=x.dtype, device=x.device)
+    for start in range(0, rows.numel(), chunk):
+        end = min(start + chunk, rows.numel())
+        b = buf[: end - start]
+        torch.index_select(x, 0, rows[start:end], out=b)
+        if temperature is not None:
+            b.div_(temperature[start:end])
+        b.sub_(row_max[start:end]).exp_()
+        torch.sum(b, dim=-1, keepdim=True, out=z[start:end])
+    return z
 
 
 def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,10 @@ class Peer:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.err: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self.err.append), daemon=True).start()
+        self.pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True),
+                      threading.Thread(target=self._pump, args=(self.proc.stderr, self.err.append), daemon=True)]
+        for t in self.pumps:
+            t.start()
 
     @staticmethod
     def _pump(stream, sink) -> None:
@@ -72,6 +74,11 @@ class Peer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        for t in self.pumps:  # EOF once every holder of the pipes (grandchildren too) is gone
+            t.join(5)
+        if not any(t.is_alive() for t in self.pumps):
+            self.proc.stdout.close()
+            self.proc.stderr.close()
 
 
 @pytest.fixture
