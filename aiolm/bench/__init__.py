@@ -1,0 +1,1 @@
+"""`aiolm bench`: throughput, latency and serving benchmarks (see docs/benchmarks.md)."""

@@ -1,0 +1,43 @@
+"""Seeded random workloads, identical for aiolm and every peer.
+
+The offline-64 workload of PEERS.md: numpy default_rng(seed); prompt lengths
+integers(lo, hi+1), output lengths integers(lo, hi+1), then each prompt as
+integers(100, 40001, size=len) token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Item:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def random_workload(num_requests: int = 64, prompt_len: tuple[int, int] = (64, 256),
+                    output_len: tuple[int, int] = (32, 128), seed: int = 0) -> list[Item]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    plens = rng.integers(prompt_len[0], prompt_len[1] + 1, size=num_requests)
+    olens = rng.integers(output_len[0], output_len[1] + 1, size=num_requests)
+    return [Item(rng.integers(100, 40001, size=int(p)).tolist(), int(o)) for p, o in zip(plens, olens)]
+
+
+def jsonl_workload(path: str | Path) -> list[Item]:
+    """Lines of {"prompt_token_ids": [...], "max_tokens": N}."""
+    items = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            items.append(Item(list(d["prompt_token_ids"]), int(d["max_tokens"])))
+    return items
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
