@@ -48,6 +48,9 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        # Responses each rank still owes. A caller cancelled while awaiting its answer
+        # leaves one behind; the next reader skips it instead of taking it as its own.
+        self._owed = [0] * world_size
 
     async def start(self) -> None:
         self.requests = ShmRing.create(num_readers=self.world_size, num_slots=8, slot_size=1 << 20)
@@ -65,14 +68,32 @@ class MultiprocExecutor(Executor):
                        "--parent-pid", str(os.getpid()), "--dist-port", str(port),
                        "--config", encode_config(self.cfg)]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
-            infos = await asyncio.wait_for(
-                asyncio.gather(*(self._handshake(r) for r in range(self.world_size))),
-                self.startup_timeout)
+            infos = await self._handshakes()
         except BaseException:
-            await self.shutdown()
+            # Workers that are still loading will not read a shutdown message soon.
+            await self._stop(grace=0.5)
             raise
         self.num_blocks = min(i["num_blocks"] for i in infos)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _handshakes(self) -> list[dict[str, int]]:
+        """Every rank's ready message; the first failure (or the timeout) cancels the rest."""
+        tasks = [asyncio.ensure_future(self._handshake(r)) for r in range(self.world_size)]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=self.startup_timeout,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            if pending:
+                ranks = [r for r, t in enumerate(tasks) if not t.done()]
+                raise ExecutorError(f"worker(s) {ranks} did not report ready within "
+                                    f"{self.startup_timeout:g} s")
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _handshake(self, rank: int) -> dict[str, int]:
         while True:
@@ -115,7 +136,7 @@ class MultiprocExecutor(Executor):
         if self._closed or self.requests is None:
             raise ExecutorError("executor is shut down")
 
-    async def _send(self, data: bytes) -> None:
+    async def _send(self, data: bytes, responders: range) -> None:
         self._check()
         assert self.requests is not None
         try:
@@ -123,12 +144,18 @@ class MultiprocExecutor(Executor):
         except (PeerDied, RingClosed) as e:
             self._fail(f"a worker died: {e}")
             raise ExecutorError(self._dead or str(e)) from e
+        for rank in responders:
+            self._owed[rank] += 1
 
     async def _recv(self, rank: int) -> bytes:
         while True:
             self._check()
             try:
-                return await self.responses[rank].read_async(timeout=0.5)
+                buf = await self.responses[rank].read_async(timeout=0.5)
+                self._owed[rank] -= 1
+                if self._owed[rank] > 0:
+                    continue  # the answer to a cancelled call
+                return buf
             except TimeoutError:
                 code = self.procs[rank].poll()
                 if code is not None:
@@ -138,13 +165,13 @@ class MultiprocExecutor(Executor):
 
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:
-            await self._send(codec.encode_scheduler_output(out))
+            await self._send(codec.encode_scheduler_output(out), range(1))
             return codec.decode_model_runner_output(await self._recv(0))
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         async with self._lock:
-            await self._send(codec.encode_rpc(method, args, kwargs))
+            await self._send(codec.encode_rpc(method, args, kwargs), range(self.world_size))
             results = []
             for rank in range(self.world_size):
                 msg = codec.decode(await self._recv(rank))
@@ -154,18 +181,25 @@ class MultiprocExecutor(Executor):
             return results
 
     async def shutdown(self) -> None:
+        await self._stop(grace=5.0)
+
+    async def _stop(self, grace: float) -> None:
         if self._closed:
             return
         self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
-        if self.requests is not None and self._dead is None:
-            try:
-                self.requests.write(codec.encode(SHUTDOWN), timeout=1.0)
-            except Exception:
-                pass
+        if self.requests is not None:
+            if self._dead is None:
+                try:
+                    await self.requests.write_async(codec.encode(SHUTDOWN), timeout=1.0)
+                except Exception:
+                    pass
+            # Closing the writer end also tells workers that never get the message
+            # (survivors of a dead rank) to exit: their read raises RingClosed.
+            self.requests.close()
         for p in self.procs:
-            await _reap(p, 5.0)
+            await _reap(p, grace)
         for ring in [self.requests, *self.responses]:
             if ring is not None:
                 ring.close()

@@ -99,6 +99,11 @@ class InputBatch:
         if params.seed is not None:
             gen = torch.Generator()
             gen.manual_seed(params.seed)
+            if n_o and not (params.greedy or params.top_k == 1):
+                # Resumed after preemption: replay the one draw per sampled token the
+                # sampler already made, so the seeded sequence continues unchanged.
+                for _ in range(n_o):
+                    torch.rand(1, dtype=torch.float64, generator=gen)
         self.generators[row] = gen
         self.row_of[rid] = row
         self.num_rows = max(self.num_rows, row + 1)
