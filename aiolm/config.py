@@ -19,6 +19,8 @@ def _f(default: Any, help: str) -> Any:
 @dataclass
 class EngineArgs:
     model: str | None = _f(None, "Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
+    gpu_memory_utilization: float = _f(0.9, "on CUDA: fraction of device memory for weights, activations and KV cache")
     dtype: str = _f("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens (default: min(model, 8192))")
     max_num_seqs: int = _f(128, "most requests in one batch")
@@ -42,8 +44,19 @@ class EngineArgs:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.executor == "local" and self.tensor_parallel_size != 1:
             raise ValueError("executor 'local' runs one rank; use executor 'mp' for tensor_parallel_size > 1")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device: {self.device!r} is not supported; supported: auto, cpu, cuda")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -55,7 +68,7 @@ class EngineArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             else:
-                typ = int if f.type in ("int", "int | None") else str
+                typ = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
                 parser.add_argument(flag, type=typ, default=f.default, help=help_text)
 
     @classmethod

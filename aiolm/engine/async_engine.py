@@ -11,6 +11,7 @@ the request and frees its KV blocks in the same step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any, AsyncIterator
 
@@ -67,7 +68,9 @@ class AsyncEngine:
         runner_cfg = RunnerConfig(
             model=str(self.source.origin), dtype=a.dtype, max_num_seqs=a.max_num_seqs,
             max_model_len=self.max_model_len, block_size=a.block_size,
-            kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed)
+            kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
+            device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
+            max_num_batched_tokens=a.max_num_batched_tokens)
         if a.executor == "local":
             from aiolm.executor.local import LocalExecutor
 
@@ -161,8 +164,11 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         state = await self.add_request(prompt, params, request_id, priority)
-        async for out in self.stream(state):
-            yield out
+        # aclosing: when the caller leaves early, the inner stream (and its abort) is closed
+        # right here, not later by the garbage collector's async-generator finaliser.
+        async with contextlib.aclosing(self.stream(state)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         finished = False

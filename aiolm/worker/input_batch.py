@@ -34,7 +34,9 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -97,13 +99,13 @@ class InputBatch:
         self.params[row] = params
         gen = None
         if params.seed is not None:
-            gen = torch.Generator()
+            gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
             if n_o and not (params.greedy or params.top_k == 1):
                 # Resumed after preemption: replay the one draw per sampled token the
                 # sampler already made, so the seeded sequence continues unchanged.
                 for _ in range(n_o):
-                    torch.rand(1, dtype=torch.float64, generator=gen)
+                    torch.rand(1, dtype=torch.float64, generator=gen, device=self.device)
         self.generators[row] = gen
         self.row_of[rid] = row
         self.num_rows = max(self.num_rows, row + 1)

@@ -34,6 +34,8 @@ class RunnerConfig:
     max_model_len: int = 2048
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes of KV cache per rank on CPU
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of the device for weights + activations + KV
+    max_num_batched_tokens: int = 2048  # sizes the profiling run on CUDA
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     seed: int = 0
 
@@ -51,7 +53,8 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         local_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         per_block = 2 * cfg.block_size * local_kv_heads * mc.head_dim * mc.num_layers * self.dtype.itemsize
-        self.num_blocks = int(cfg.kv_cache_memory // per_block)
+        kv_bytes = self._profile_kv_bytes() if self.device.type == "cuda" else cfg.kv_cache_memory
+        self.num_blocks = int(kv_bytes // per_block)
         min_blocks = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
         if self.num_blocks < min_blocks:
             raise ValueError(f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {self.num_blocks} blocks, "
@@ -60,7 +63,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.num_blocks, cfg.block_size, local_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(mc.num_layers)]
-        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
+        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(cfg.seed)
@@ -119,6 +122,34 @@ class ModelRunner:
             default_generator=self.default_generator)
         self._meta_key = key
         return self._meta
+
+    @torch.inference_mode()
+    def _profile_kv_bytes(self) -> int:
+        """Run the largest step once without a cache to measure peak activations, then
+        give the KV cache what is left of ``gpu_memory_utilization`` of the device."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
+        mc = self.source.config
+        local_kv = self.model.layers[0].self_attn.num_kv_heads
+        bs = self.cfg.block_size
+        nblk = (n + bs - 1) // bs + 1
+        caches = [torch.zeros(kv_cache_shape(nblk, bs, local_kv, mc.head_dim), dtype=self.dtype,
+                              device=self.device) for _ in range(mc.num_layers)]
+        meta = AttentionMetadata.build([n], [n], [list(range(1, nblk))], bs, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), caches, meta)
+        self.model.compute_logits(hidden[-min(n, self.cfg.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_for_kv = int(total * self.cfg.gpu_memory_utilization) - peak
+        if free_for_kv <= 0:
+            raise ValueError(f"gpu_memory_utilization {self.cfg.gpu_memory_utilization} leaves no room for "
+                             f"the KV cache (weights + activations peak at {peak / 2**30:.2f} GiB)")
+        return free_for_kv
 
     def kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}
