@@ -90,7 +90,8 @@ class SamplingParams:
               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
               f"must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**63 - 1024), "seed",
+              f"must be a 64-bit signed integer, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             check(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")

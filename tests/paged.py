@@ -62,3 +62,19 @@ class PagedHarness:
                 break
             logits = self.step(nxt)
         return outs
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
+    """A plain greedy loop with an explicit all-ones mask (pad id == eos id in SmolLM2)."""
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new):
+            res = model(ids if past is None else ids[:, -1:], attention_mask=torch.ones_like(ids),
+                        past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out

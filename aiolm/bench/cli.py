@@ -23,7 +23,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def standalone(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="aiolm bench")
+    p = argparse.ArgumentParser(prog="aiolm")
     sub = p.add_subparsers(dest="cmd", required=True)
     add_parser(sub)
     return main(p.parse_args(["bench", *(argv or [])]) if argv is not None else p.parse_args())

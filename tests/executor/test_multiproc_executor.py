@@ -26,7 +26,7 @@ from aiolm.executor import ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.params import SamplingParams
 from aiolm.worker.model_runner import RunnerConfig
-from conftest import hf_greedy
+from paged import hf_greedy
 
 BLOCK = 4
 MAX_MODEL_LEN = 96

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import hf_greedy
+from paged import hf_greedy
 from paged import PagedHarness
 
 PROMPTS = [

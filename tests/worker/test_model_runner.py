@@ -21,7 +21,7 @@ from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams
 from aiolm.worker.model_runner import RunnerConfig
-from conftest import hf_greedy
+from paged import hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,136 @@
+"""The ASGI app: ``build_app(engine)`` for embedding, ``create_app()`` for ASGI servers.
+
+    uvicorn --factory aiolm.server:create_app          # settings from AIOLM_* variables
+    hypercorn 'aiolm.server:create_app()'
+    granian --interface asgi --factory aiolm.server:create_app
+
+The engine starts and stops with the ASGI lifespan; at shutdown in-flight
+requests get ``shutdown_timeout`` seconds to finish, the rest are aborted, and
+``engine.shutdown()`` stops the workers and unlinks their shared memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from aiolm.server import chat, completions, misc
+from aiolm.server.context import ServingContext
+from aiolm.server.errors import APIError, json_response
+from aiolm.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from aiolm.server.openapi import openapi_schema
+from aiolm.server.settings import ServerSettings, from_environment
+from aiolm.server.sse import ClientGone
+
+log = logging.getLogger("aiolm.server")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    messages = {404: f"no route for {request.method} {request.url.path}",
+                405: f"method {request.method} is not allowed on {request.url.path}"}
+    msg = messages.get(exc.status_code, str(exc.detail))
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return APIError(exc.status_code, msg, code=codes.get(exc.status_code),
+                    headers=dict(exc.headers or {})).response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # Nobody is listening; the status is for the access log (nginx's "client closed request").
+    return Response(status_code=499)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
+
+
+def _routes() -> list[Route]:
+    async def openapi(request: Request) -> Response:
+        ctx: ServingContext = request.app.state.ctx
+        return json_response(openapi_schema(ctx.settings.limits, ctx.model_name))
+
+    return [
+        Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
+        Route("/v1/completions", completions.create_completion, methods=["POST"]),
+        Route("/v1/models", misc.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", misc.get_model, methods=["GET"]),
+        Route("/health", misc.health, methods=["GET"]),
+        Route("/ping", misc.health, methods=["GET"]),
+        Route("/version", misc.version, methods=["GET"]),
+        Route("/tokenize", misc.tokenize, methods=["POST"]),
+        Route("/detokenize", misc.detokenize, methods=["POST"]),
+        Route("/metrics", misc.metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+
+
+def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine: bool = True) -> Starlette:
+    """An OpenAI-compatible Starlette app serving ``engine`` (an AsyncEngine).
+
+    With ``manage_engine`` the ASGI lifespan starts the engine and shuts it down;
+    without it the caller owns the engine's life cycle.
+    """
+    settings = settings or ServerSettings()
+    ctx = ServingContext(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        log.info("serving %s (max_model_len %s)", ctx.model_name, getattr(engine, "max_model_len", "?"))
+        try:
+            yield
+        finally:
+            await ctx.drain(settings.shutdown_timeout)
+            if manage_engine:
+                await engine.shutdown()
+            log.info("engine shut down")
+
+    middleware = [Middleware(RequestContextMiddleware, access_log_enabled=settings.access_log)]
+    if settings.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                                     allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"]))
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes))
+    if settings.api_key:
+        middleware.append(Middleware(AuthMiddleware, api_key=settings.api_key))
+    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
+                                ClientDisconnect: _client_gone, Exception: _internal_error}
+    app = Starlette(routes=_routes(), middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    app.state.ctx = ctx
+    return app
+
+
+def create_app() -> Starlette:
+    """App factory for ASGI servers: engine and server settings from AIOLM_* variables."""
+    from aiolm.engine.async_engine import AsyncEngine
+
+    engine_args, settings = from_environment()
+    _default_logging()
+    return build_app(AsyncEngine(engine_args), settings)
+
+
+def _default_logging() -> None:
+    """Under a foreign ASGI server nobody configures our loggers; without this the
+    access log and engine errors would vanish. Leaves any existing setup alone."""
+    pkg = logging.getLogger("aiolm")
+    if pkg.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)

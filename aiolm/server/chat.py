@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from aiolm.params import OutputKind, ParamError
+from aiolm.server.errors import bad_request, json_response
+from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
+from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.logprobs import chat_logprobs
+from aiolm.server.protocol import chat_request, check_unsupported_chat, message_text, param_error, sampling_params
+from aiolm.server.sse import EventStream, until_disconnect
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def create_chat_completion(request: Request) -> Response | EventStream:
+    ctx = context(request)
+    body = await read_json(request, ctx.settings.max_request_bytes)
+    req = chat_request(ctx.settings.limits).parse(body)
+    check_model(ctx, req["model"])
+    check_unsupported_chat(req)
+    if req["continue_final_message"] and req["add_generation_prompt"] and "add_generation_prompt" in body:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          param="continue_final_message")
+    engine = ctx.engine
+    messages = [{"role": m["role"], "content": message_text(m["content"]) or "",
+                 **({"name": m["name"]} if m["name"] else {})} for m in req["messages"]]
+    cont = req["continue_final_message"]
+    try:
+        kwargs = {"continue_final_message": True} if cont else {}
+        text = engine.inputs.chat_prompt(messages, add_generation_prompt=req["add_generation_prompt"] and not cont,
+                                         **kwargs)
+    except ParamError as e:
+        raise param_error(e) from None
+    ids = await tokenize(engine, text, add_special_tokens=False)
+    if req["max_completion_tokens"] is not None:
+        max_tokens, mt_param = req["max_completion_tokens"], "max_completion_tokens"
+    else:
+        max_tokens, mt_param = req["max_tokens"], "max_tokens"
+    check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req["min_tokens"])
+    top_n = req["top_logprobs"] or 0
+    stream = req["stream"]
+    params = sampling_params(req, max_tokens, top_n if req["logprobs"] else None,
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+    rid = ctx.new_id("chatcmpl")
+    gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
+                     rename={"prompt": "messages", "max_tokens": mt_param})
+    await gen.start()
+    log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req["n"], stream=stream, user=req["user"])
+    meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
+    if stream:
+        opts = req["stream_options"] or {}
+        chunk_meta = {**meta, "object": "chat.completion.chunk"}
+        events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
+                              engine.tokenizer, request)
+        return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
+    (final,) = await until_disconnect(request.receive, gen.collect())
+    choices = []
+    completion_tokens = 0
+    for c in final.outputs:
+        completion_tokens += len(c.token_ids)
+        choices.append({
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine.tokenizer) if req["logprobs"] else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    log_extra(request, completion_tokens=completion_tokens)
+    return json_response({**meta, "choices": choices,
+                          "usage": _usage(len(ids), completion_tokens), "system_fingerprint": None})
+
+
+async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
+                       top_n: int, tokenizer: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
+    want_logprobs = gen.params.logprobs is not None
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {**meta, "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    for i in range(n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    completion_tokens = 0
+    try:
+        async for _, out in gen.stream():
+            choices = []
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer) if want_logprobs and c.token_ids else None
+                if not c.text and not c.finished and lp is None:
+                    continue
+                choice: dict[str, Any] = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                                          "logprobs": lp, "finish_reason": c.finish_reason}
+                if c.finished:
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+            if choices:
+                yield chunk(choices)
+    except Exception as e:  # the stream has started: report in-band, as OpenAI does
+        yield engine_error(e).body()
+        return
+    finally:  # also when the response is closed early: free the engine request now, not at GC
+        await gen.abort()
+    log_extra(request, completion_tokens=completion_tokens)
+    if include_usage:
+        yield {**meta, "choices": [], "system_fingerprint": None,
+               "usage": _usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,144 @@
+"""POST /v1/completions: one or many prompts (text or token ids), each with ``n`` choices.
+
+Choice indexes run prompt-major (``prompt_index * n + i``), like OpenAI.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from aiolm.params import OutputKind
+from aiolm.server.errors import bad_request, json_response
+from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
+from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.logprobs import CompletionLogprobs, merge
+from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params
+from aiolm.server.sse import EventStream, until_disconnect
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    """Normalize OpenAI's four prompt shapes to a list of strings or token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def _prepare(ctx: Any, raw: list[str | list[int]], add_special: bool, max_tokens: int,
+                   min_tokens: int) -> list[Prompt]:
+    prompts = []
+    for i, p in enumerate(raw):
+        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            ids = await tokenize(ctx.engine, p, add_special) if p else []
+            prompt = Prompt(p, ids)
+        else:
+            vocab = ctx.engine.inputs.vocab_size
+            bad = next((t for t in p if t >= vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+            prompt = Prompt(None, list(p))
+        check_lengths(ctx, len(prompt.token_ids), max_tokens, param, "max_tokens", min_tokens)
+        prompts.append(prompt)
+    return prompts
+
+
+def _usage(prompts: list[Prompt], completion_tokens: int) -> dict[str, int]:
+    p = sum(len(x.token_ids) for x in prompts)
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+
+async def create_completion(request: Request) -> Response | EventStream:
+    ctx = context(request)
+    body = await read_json(request, ctx.settings.max_request_bytes)
+    req = completion_request(ctx.settings.limits).parse(body)
+    check_model(ctx, req["model"])
+    check_unsupported_completion(req)
+    raw = _prompt_list(req["prompt"])
+    max_tokens = req["max_tokens"]
+    prompts = await _prepare(ctx, raw, req["add_special_tokens"], max_tokens, req["min_tokens"])
+    stream = req["stream"]
+    params = sampling_params(req, max_tokens, req["logprobs"],
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+    tok = ctx.engine.tokenizer
+    for p in prompts:  # echo needs the text of token-id prompts
+        if p.text is None and req["echo"]:
+            p.text = tok.decode(p.token_ids)
+    rid = ctx.new_id("cmpl")
+    gen = Generation(ctx, prompts, params, rid, req["priority"])
+    await gen.start()
+    n = req["n"]
+    log_extra(request, engine_request_id=rid, prompt_tokens=sum(len(p.token_ids) for p in prompts),
+              n=n, prompts=len(prompts), stream=stream, user=req["user"])
+    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+    if stream:
+        opts = req["stream_options"] or {}
+        events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request)
+        return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
+    finals = await until_disconnect(request.receive, gen.collect())
+    choices = []
+    completion_tokens = 0
+    for pi, (prompt, final) in enumerate(zip(prompts, finals)):
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            echo = (prompt.text or "") if req["echo"] else ""
+            lp = None
+            if req["logprobs"] is not None:
+                b = CompletionLogprobs(req["logprobs"], tok)
+                echoed = b.prompt(prompt.token_ids) if req["echo"] else None
+                lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
+            choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    log_extra(request, completion_tokens=completion_tokens)
+    return json_response({**meta, "choices": choices, "usage": _usage(prompts, completion_tokens),
+                          "system_fingerprint": None})
+
+
+async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: dict[str, Any],
+                  include_usage: bool, tok: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
+    n, top_n = req["n"], req["logprobs"]
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {**meta, "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    builders: dict[int, CompletionLogprobs] = {}
+    if top_n is not None:
+        builders = {pi * n + i: CompletionLogprobs(top_n, tok) for pi in range(len(prompts)) for i in range(n)}
+    if req["echo"]:
+        for pi, p in enumerate(prompts):
+            for i in range(n):
+                idx = pi * n + i
+                lp = builders[idx].prompt(p.token_ids) if top_n is not None else None
+                yield chunk([{"index": idx, "text": p.text or "", "logprobs": lp, "finish_reason": None}])
+    completion_tokens = 0
+    try:
+        async for pi, out in gen.stream():
+            choices = []
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                idx = pi * n + c.index
+                lp = builders[idx].generated(c.token_ids, c.logprobs or []) if top_n is not None else None
+                if not c.text and not c.finished and not c.token_ids:
+                    continue
+                choice = {"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                if c.finished:
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+            if choices:
+                yield chunk(choices)
+    except Exception as e:  # the stream has started: report in-band
+        yield engine_error(e).body()
+        return
+    finally:  # also when the response is closed early: free the engine request now, not at GC
+        await gen.abort()
+    log_extra(request, completion_tokens=completion_tokens)
+    if include_usage:
+        yield {**meta, "choices": [], "system_fingerprint": None, "usage": _usage(prompts, completion_tokens)}

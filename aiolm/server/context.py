@@ -1,0 +1,43 @@
+"""What every route needs: the engine, the settings, the metrics, the live requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiolm.metrics import EngineMetrics
+from aiolm.server.settings import ServerSettings
+
+log = logging.getLogger("aiolm.server")
+
+
+class ServingContext:
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = EngineMetrics(engine)
+        self.created = int(time.time())
+        self.inflight: set[str] = set()  # engine request ids being served right now
+        self.draining = False
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.engine, "model_name", None) or "aiolm")
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def drain(self, timeout: float) -> None:
+        """Let in-flight generations finish for up to ``timeout`` s, then abort the rest."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("aborting %d request(s) still running at shutdown", len(self.inflight))
+            for rid in list(self.inflight):
+                await self.engine.abort(rid)

@@ -1,0 +1,177 @@
+"""Engine side of a completion: tokenize, check lengths, submit, stream or collect.
+
+Shared by chat and completions. Every path out (finish, error, client gone,
+cancellation) aborts what is still running in the engine and drops the request
+from the in-flight set, so nothing outlives its HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiolm.engine.errors import EngineDeadError, RequestError
+from aiolm.outputs import RequestOutput
+from aiolm.params import ParamError, SamplingParams
+from aiolm.server.context import ServingContext
+from aiolm.server.errors import APIError, bad_request
+from aiolm.server.protocol import param_error
+
+_OFFLOAD_CHARS = 8192  # tokenize off the event loop above this
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIError:
+    """Map an engine exception to the HTTP error a client should see."""
+    if isinstance(e, ParamError):
+        return param_error(e, rename)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not available: {e}", code="engine_dead", type="server_error")
+    if isinstance(e, RequestError):
+        return APIError(400, f"the request failed: {e}", code="request_failed")
+    if isinstance(e, APIError):
+        return e
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+async def tokenize(engine: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _OFFLOAD_CHARS:
+        return await asyncio.to_thread(engine.inputs.encode, text, add_special_tokens)
+    return engine.inputs.encode(text, add_special_tokens)
+
+
+def check_lengths(ctx: ServingContext, num_prompt: int, max_tokens: int | None,
+                  prompt_param: str, max_tokens_param: str, min_tokens: int = 0) -> None:
+    """Refuse what cannot fit in the context, with vLLM's wording (400, not a silent clip)."""
+    limit = ctx.engine.max_model_len
+    if num_prompt == 0:
+        raise bad_request(f"'{prompt_param}' is empty", param=prompt_param)
+    if num_prompt >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{num_prompt} input tokens, which leaves no room for output. Please reduce the length "
+            f"of the input.", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and num_prompt + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in the "
+            f"completion). Please reduce the length of the input or completion.",
+            param=max_tokens_param, code="context_length_exceeded")
+    room = limit - num_prompt if max_tokens is None else max_tokens
+    if min_tokens > room:
+        raise bad_request(f"'min_tokens' ({min_tokens}) is more than can be generated ({room})",
+                          param="min_tokens")
+
+
+class Generation:
+    """The engine requests behind one HTTP request (one per prompt, each with ``n`` choices)."""
+
+    def __init__(self, ctx: ServingContext, prompts: list[Prompt], params: SamplingParams,
+                 request_id: str, priority: int = 0, rename: dict[str, str] | None = None) -> None:
+        self.ctx = ctx
+        self.prompts = prompts
+        self.params = params
+        self.request_id = request_id
+        self.priority = priority
+        self.rename = rename
+        self.states: list[Any] = []
+        self._done: set[str] = set()
+
+    async def start(self) -> None:
+        """Submit every prompt; if any is refused, abort the ones already in and raise."""
+        engine = self.ctx.engine
+        if self.ctx.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+        try:
+            for i, p in enumerate(self.prompts):
+                rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
+                prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
+                state = await engine.add_request(prompt, self.params, rid, self.priority)
+                self.states.append(state)
+                self.ctx.inflight.add(rid)
+        except BaseException as e:
+            await self.abort()
+            if isinstance(e, Exception):
+                raise engine_error(e, self.rename) from None
+            raise
+
+    async def abort(self) -> None:
+        for st in self.states:
+            if st.req_id not in self._done:
+                self._done.add(st.req_id)
+                self.ctx.inflight.discard(st.req_id)
+                await self.ctx.engine.abort(st.req_id)
+                self.ctx.metrics.observe_aborted(len(st.seqs))
+
+    def _finished(self, i: int, out: RequestOutput) -> None:
+        st = self.states[i]
+        self._done.add(st.req_id)
+        self.ctx.inflight.discard(st.req_id)
+        seqs = [(len(s.token_ids), s.finish_reason) for s in st.seqs]
+        self.ctx.metrics.observe_finished(out.metrics, len(st.prompt_ids), seqs)
+
+    async def _one(self, i: int) -> AsyncIterator[RequestOutput]:
+        async for out in self.ctx.engine.stream(self.states[i]):
+            if out.finished:
+                self._finished(i, out)
+            yield out
+
+    async def collect(self) -> list[RequestOutput]:
+        """The final output of every prompt (use OutputKind.FINAL_ONLY)."""
+        try:
+            finals: list[RequestOutput] = []
+            for i in range(len(self.states)):
+                last = None
+                async for out in self._one(i):
+                    last = out
+                if last is None:
+                    raise APIError(500, "the engine ended a request without output", type="server_error")
+                finals.append(last)
+            return finals
+        finally:
+            await self.abort()
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta output) as they come, merged over prompts."""
+        try:
+            if len(self.states) == 1:
+                async for out in self._one(0):
+                    yield 0, out
+                return
+            async for item in self._merged():
+                yield item
+        finally:
+            await self.abort()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self._one(i):
+                    queue.put_nowait((i, out, None))
+                queue.put_nowait((i, None, None))
+            except Exception as e:
+                queue.put_nowait((i, None, e))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.states))]
+        try:
+            live = len(tasks)
+            while live:
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    live -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,125 @@
+"""Pure-ASGI middleware: request ids and access logs, body-size limit, API-key auth.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through
+untouched and the disconnect watcher sees the real ``receive`` channel.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from aiolm.server.errors import APIError
+
+access_log = logging.getLogger("aiolm.access")
+_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+REQUEST_ID_KEY = "aiolm.request_id"
+LOG_EXTRA_KEY = "aiolm.log"  # handlers add fields here (model, tokens, ...) for the access log
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+class RequestContextMiddleware:
+    """Gives each request an id (the client's ``X-Request-Id`` if sane), echoes it in
+    the response, and writes one JSON access-log line when the response ends."""
+
+    def __init__(self, app: ASGIApp, access_log_enabled: bool = True) -> None:
+        self.app = app
+        self.enabled = access_log_enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        rid = given if given and _ID_OK.match(given) else uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = rid
+        extra: dict[str, Any] = {}
+        scope[LOG_EXTRA_KEY] = extra
+        start = time.perf_counter()
+        status = 0
+        sent = 0
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", rid.encode("latin-1")))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if self.enabled:
+                client = scope.get("client")
+                line = {
+                    "event": "http_request", "request_id": rid, "method": scope.get("method"),
+                    "path": scope.get("path"), "status": status or 500,
+                    "duration_ms": round(1e3 * (time.perf_counter() - start), 2), "bytes_out": sent,
+                    "client": f"{client[0]}:{client[1]}" if client else None,
+                    "user_agent": _header(scope, b"user-agent"), **extra,
+                }
+                access_log.info(json.dumps(line, ensure_ascii=False, default=str))
+
+
+class BodyLimitMiddleware:
+    """413 as soon as the declared Content-Length is over the limit (the JSON reader
+    enforces the same limit on bodies without one)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = _header(scope, b"content-length")
+            if length is not None:
+                try:
+                    n = int(length)
+                except ValueError:
+                    await APIError(400, "invalid Content-Length header").response()(scope, receive, send)
+                    return
+                if n > self.max_bytes:
+                    err = APIError(413, f"the request body is {n} bytes; the limit is {self.max_bytes}",
+                                   code="request_too_large", headers={"connection": "close"})
+                    await err.response()(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/ping"})
+
+
+class AuthMiddleware:
+    """``Authorization: Bearer <key>`` on everything but the probes and the schema."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope.get("path") not in OPEN_PATHS:
+            got = (_header(scope, b"authorization") or "").encode("latin-1")
+            if not hmac.compare_digest(got, self.expected):
+                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,82 @@
+"""The small endpoints: models, health, version, tokenize/detokenize, metrics."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+import aiolm
+from aiolm.metrics import CONTENT_TYPE
+from aiolm.params import ParamError
+from aiolm.server.errors import APIError, bad_request, json_response
+from aiolm.server.generation import tokenize as encode
+from aiolm.server.http import check_model, context, read_json
+from aiolm.server.protocol import detokenize_request, message_text, param_error, tokenize_request
+
+
+def _model_card(request: Request) -> dict:
+    ctx = context(request)
+    engine = ctx.engine
+    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "aiolm",
+            "root": ctx.model_name, "parent": None, "max_model_len": getattr(engine, "max_model_len", None)}
+
+
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def get_model(request: Request) -> Response:
+    ctx = context(request)
+    name = request.path_params["model"]
+    if name != ctx.model_name:
+        raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+    return json_response(_model_card(request))
+
+
+async def health(request: Request) -> Response:
+    engine = context(request).engine
+    if engine.is_healthy():
+        return json_response({"status": "ok"})
+    reason = engine.dead_reason or "the engine is not running"
+    return APIError(503, f"unhealthy: {reason}", code="engine_dead", type="server_error").response()
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": aiolm.__version__})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(context(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def tokenize(request: Request) -> Response:
+    ctx = context(request)
+    req = tokenize_request().parse(await read_json(request, ctx.settings.max_request_bytes))
+    check_model(ctx, req["model"])
+    engine = ctx.engine
+    if (req["prompt"] is None) == (req["messages"] is None):
+        raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if req["messages"] is not None:
+        msgs = [{"role": m["role"], "content": message_text(m["content"]) or ""} for m in req["messages"]]
+        try:
+            text = engine.inputs.chat_prompt(msgs, add_generation_prompt=req["add_generation_prompt"])
+        except ParamError as e:
+            raise param_error(e) from None
+        ids = await encode(engine, text, False)
+    else:
+        ids = await encode(engine, req["prompt"], req["add_special_tokens"])
+    out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if req["return_token_strs"]:
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return json_response(out)
+
+
+async def detokenize(request: Request) -> Response:
+    ctx = context(request)
+    req = detokenize_request().parse(await read_json(request, ctx.settings.max_request_bytes))
+    check_model(ctx, req["model"])
+    vocab = ctx.engine.inputs.vocab_size
+    for i, t in enumerate(req["tokens"]):
+        if t >= vocab:
+            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param=f"tokens[{i}]")
+    return json_response({"prompt": ctx.engine.tokenizer.decode(req["tokens"])})

@@ -1,0 +1,179 @@
+"""The request bodies of the OpenAI-compatible API and their mapping to SamplingParams.
+
+Field specs here are the single definition of each endpoint's input: they
+validate requests (400 naming the field) and generate ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.server.errors import APIError, bad_request
+from aiolm.server.schema import Bool, Enum, Field, Int, ListOf, MapOf, Num, Obj, OneOf, Spec, Str
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP = 64
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request bounds an operator sets (``aiolm serve --max-n`` ...)."""
+
+    max_n: int = 16
+    max_prompts: int = 64  # prompts in one /v1/completions batch
+    max_logprobs: int = MAX_LOGPROBS
+
+
+def _sampling_fields(limits: Limits) -> dict[str, Field]:
+    """Fields chat and completions share (OpenAI's plus vLLM's usual extensions)."""
+    stop = OneOf(Str(min_len=1), ListOf(Str(min_len=1), max_items=MAX_STOP),
+                 what="a non-empty string or a list of non-empty strings")
+    return {
+        "model": Field(Str(), doc="served model name; optional"),
+        "n": Field(Int(1, limits.max_n), default=1, doc="how many choices to generate"),
+        "max_tokens": Field(Int(ge=1), doc="most tokens to generate"),
+        "temperature": Field(Num(ge=0), default=1.0),
+        "top_p": Field(Num(gt=0, le=1), default=1.0),
+        "top_k": Field(Int(-1, 2**31 - 1), default=0, doc="-1 or 0 disables"),
+        "min_p": Field(Num(ge=0, le=1), default=0.0),
+        "seed": Field(Int(INT64_MIN, INT64_MAX)),
+        "stop": Field(stop),
+        "stop_token_ids": Field(ListOf(Int(ge=0), max_items=MAX_STOP)),
+        "presence_penalty": Field(Num(ge=-2, le=2), default=0.0),
+        "frequency_penalty": Field(Num(ge=-2, le=2), default=0.0),
+        "repetition_penalty": Field(Num(gt=0, le=2), default=1.0),
+        "logit_bias": Field(MapOf(Num(ge=-100, le=100), max_items=1024), doc="token id -> bias"),
+        "ignore_eos": Field(Bool(), default=False),
+        "min_tokens": Field(Int(0, 2**31 - 1), default=0),
+        "user": Field(Str(max_len=256)),
+        "stream": Field(Bool(), default=False),
+        "stream_options": Field(Obj({"include_usage": Field(Bool(), default=False),
+                                     "continuous_usage_stats": Field(Bool(), default=False)})),
+        "skip_special_tokens": Field(Bool(), default=True),
+        "spaces_between_special_tokens": Field(Bool(), default=True),
+        "include_stop_str_in_output": Field(Bool(), default=False),
+        "priority": Field(Int(-(2**31), 2**31 - 1), default=0),
+    }
+
+
+def _content_spec() -> Spec:
+    part = Obj({"type": Field(Enum(("text",)), required=True), "text": Field(Str(), required=True)})
+    return OneOf(Str(), ListOf(part, max_items=256), what="a string or a list of text parts")
+
+
+def chat_request(limits: Limits) -> Obj:
+    message = Obj({
+        "role": Field(Enum(("system", "developer", "user", "assistant", "tool")), required=True),
+        "content": Field(_content_spec()),
+        "name": Field(Str()),
+    })
+    fields = {
+        "messages": Field(ListOf(message, min_items=1, max_items=4096), required=True),
+        **_sampling_fields(limits),
+        "max_completion_tokens": Field(Int(ge=1), doc="most tokens to generate (wins over max_tokens)"),
+        "logprobs": Field(Bool(), default=False),
+        "top_logprobs": Field(Int(0, limits.max_logprobs)),
+        "response_format": Field(Obj({"type": Field(Enum(("text", "json_object", "json_schema")),
+                                                    required=True)})),
+        "tools": Field(ListOf(MapOf(_Any()))),
+        "add_generation_prompt": Field(Bool(), default=True),
+        "continue_final_message": Field(Bool(), default=False),
+    }
+    return Obj(fields)
+
+
+def completion_request(limits: Limits) -> Obj:
+    token_ids = ListOf(Int(ge=0), min_items=1)
+    prompt = OneOf(Str(), ListOf(Str(), min_items=1, max_items=limits.max_prompts), token_ids,
+                   ListOf(token_ids, min_items=1, max_items=limits.max_prompts),
+                   what="a string, a list of strings, a list of token ids or a list of lists of token ids")
+    fields = {
+        "prompt": Field(prompt, required=True),
+        **_sampling_fields(limits),
+        "echo": Field(Bool(), default=False),
+        "logprobs": Field(Int(0, limits.max_logprobs)),
+        "best_of": Field(Int(1, limits.max_n)),
+        "suffix": Field(Str()),
+        "add_special_tokens": Field(Bool(), default=True),
+    }
+    fields["max_tokens"] = Field(Int(ge=1), default=16, doc="most tokens to generate")
+    return Obj(fields)
+
+
+def tokenize_request() -> Obj:
+    return Obj({
+        "model": Field(Str()),
+        "prompt": Field(Str()),
+        "messages": Field(chat_request(Limits()).fields["messages"].spec),
+        "add_special_tokens": Field(Bool(), default=True),
+        "add_generation_prompt": Field(Bool(), default=True),
+        "return_token_strs": Field(Bool(), default=False),
+    })
+
+
+def detokenize_request() -> Obj:
+    return Obj({"model": Field(Str()), "tokens": Field(ListOf(Int(ge=0)), required=True)})
+
+
+class _Any(Spec):
+    what = "any JSON value"
+
+    def parse(self, value: Any, name: str) -> Any:
+        return value
+
+    def schema(self) -> dict[str, Any]:
+        return {}
+
+
+# -- from a validated body to engine inputs ------------------------------------------------
+
+
+def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                    kind: OutputKind) -> SamplingParams:
+    """Build SamplingParams; anything the engine still refuses becomes a 400 naming the field."""
+    try:
+        return SamplingParams(
+            n=req["n"], temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"],
+            min_p=req["min_p"], seed=req["seed"], presence_penalty=req["presence_penalty"],
+            frequency_penalty=req["frequency_penalty"], repetition_penalty=req["repetition_penalty"],
+            logit_bias=req["logit_bias"], max_tokens=max_tokens, min_tokens=req["min_tokens"],
+            stop=list(req["stop"]) if isinstance(req["stop"], list) else (req["stop"] or []),
+            stop_token_ids=list(req["stop_token_ids"] or []),
+            include_stop_str_in_output=req["include_stop_str_in_output"], ignore_eos=req["ignore_eos"],
+            logprobs=logprobs, skip_special_tokens=req["skip_special_tokens"],
+            spaces_between_special_tokens=req["spaces_between_special_tokens"], output_kind=kind)
+    except ParamError as e:
+        raise param_error(e) from None
+
+
+def param_error(e: ParamError, rename: dict[str, str] | None = None) -> APIError:
+    param = (rename or {}).get(e.param, e.param)
+    return bad_request(f"'{param}': {e.message}", param=param)
+
+
+def message_text(content: Any) -> str | None:
+    """OpenAI allows content as a list of parts; the engine's template wants a string."""
+    if content is None or isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def check_unsupported_chat(req: dict[str, Any]) -> None:
+    fmt = req["response_format"]
+    if fmt is not None and fmt["type"] != "text":
+        raise bad_request(f"response_format {fmt['type']!r} is not supported; only 'text'",
+                          param="response_format.type")
+    if req["tools"]:
+        raise bad_request("tool calling is not supported by this server", param="tools")
+    if req["top_logprobs"] is not None and req["top_logprobs"] > 0 and not req["logprobs"]:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+
+
+def check_unsupported_completion(req: dict[str, Any]) -> None:
+    if req["suffix"]:
+        raise bad_request("'suffix' is not supported", param="suffix")
+    if req["best_of"] is not None and req["best_of"] != req["n"]:
+        raise bad_request("'best_of' other than 'n' is not supported", param="best_of")

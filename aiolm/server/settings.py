@@ -1,0 +1,132 @@
+"""Server settings: one argparse definition for ``aiolm serve`` and for ``create_app()``.
+
+``create_app()`` (used by ``uvicorn --factory``, hypercorn, granian) has no command
+line of its own, so it reads the same flags from the environment:
+
+- ``AIOLM_CONFIG``: a JSON (or TOML) file whose keys are flag names
+  (``{"max_model_len": 1024, "api_key": "..."}``),
+- ``AIOLM_ARGS``: a string of flags, exactly as given to ``aiolm serve``,
+- ``AIOLM_MODEL``, ``AIOLM_API_KEY``, ``AIOLM_ALLOWED_ORIGINS``: the common ones.
+
+Later sources win: config file < AIOLM_ARGS < the single-purpose variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from aiolm.config import EngineArgs
+from aiolm.server.protocol import Limits
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    max_request_bytes: int = 8 << 20
+    max_n: int = 16
+    max_prompts: int = 64
+    shutdown_timeout: float = 30.0
+    access_log: bool = True
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_n=self.max_n, max_prompts=self.max_prompts)
+
+
+def _origins(v: str) -> list[str]:
+    return [o.strip() for o in v.split(",") if o.strip()]
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP-side flags (the engine's come from EngineArgs.add_cli_args)."""
+    d = ServerSettings()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=os.environ.get("AIOLM_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' (also AIOLM_API_KEY); /health and /metrics stay open")
+    g.add_argument("--allowed-origins", type=_origins, default=[],
+                   help="comma-separated CORS origins ('*' for any); none by default")
+    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request body accepted (413 above)")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest 'n' (choices per request)")
+    g.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                   help="most prompts in one /v1/completions request")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests may finish after SIGTERM before they are aborted")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON line per HTTP request on the 'aiolm.access' logger")
+    g.add_argument("--log-level", default="info", help="debug, info, warning, error")
+
+
+def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        api_key=ns.api_key or None, allowed_origins=list(ns.allowed_origins or []),
+        max_request_bytes=ns.max_request_bytes, max_n=ns.max_n, max_prompts=ns.max_prompts,
+        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log)
+
+
+def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve the OpenAI-compatible API.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    EngineArgs.add_cli_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def parse_serve_args(
+    argv: list[str], parser: argparse.ArgumentParser | None = None, defaults: Mapping[str, Any] | None = None,
+) -> tuple[EngineArgs, ServerSettings, argparse.Namespace]:
+    parser = parser or build_parser()
+    if defaults:
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(defaults) - known)
+        if unknown:
+            raise SystemExit(f"unknown settings in the config: {', '.join(unknown)}")
+        parser.set_defaults(**defaults)
+    ns = parser.parse_args(argv)
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    try:
+        engine_args = EngineArgs.from_namespace(ns)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    return engine_args, settings_from_namespace(ns), ns
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            raise SystemExit(f"{path}: TOML configs need Python 3.11+; use JSON") from None
+        data = tomllib.loads(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: the config must be an object of flag names")
+    return {k.replace("-", "_"): (_origins(v) if k.replace("-", "_") == "allowed_origins" and isinstance(v, str)
+                                  else v) for k, v in data.items()}
+
+
+def from_environment(env: Mapping[str, str] | None = None) -> tuple[EngineArgs, ServerSettings]:
+    """Settings for ``create_app()`` from AIOLM_* variables (see the module docstring)."""
+    env = os.environ if env is None else env
+    defaults = _read_config(env["AIOLM_CONFIG"]) if env.get("AIOLM_CONFIG") else {}
+    argv = shlex.split(env.get("AIOLM_ARGS", ""))
+    for var, flag in (("AIOLM_MODEL", "--model"), ("AIOLM_API_KEY", "--api-key"),
+                      ("AIOLM_ALLOWED_ORIGINS", "--allowed-origins")):
+        if env.get(var):
+            argv += [flag, env[var]]
+    engine_args, settings, _ = parse_serve_args(argv, build_parser("create_app"), defaults)
+    return engine_args, settings

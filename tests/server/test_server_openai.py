@@ -1,0 +1,360 @@
+"""The real model behind a real `aiolm serve` process, driven by the real `openai` client.
+
+One server for the whole module (model load is the expensive part); generation
+lengths are kept small because this runs on a couple of shared CPU cores.
+Teardown sends SIGTERM and asserts the server exits 0 (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import API_KEY, ROOT, from_schema, json_values, server  # noqa: F401  (fixture)
+
+TIMEOUT = 180.0
+PARIS_Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _aclient(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[re.sub(r"\{.*\}", "", key) if "_bucket" not in key else key] = float(value)
+    return out
+
+
+def _wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        idle = (m["aiolm:num_requests_running"] == 0 and m["aiolm:num_requests_waiting"] == 0
+                and m["aiolm:kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_models_health_and_auth(server, client, model):
+    assert model
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.base_url + "/version", timeout=10).json()["version"]
+    bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"]
+
+
+def test_chat_capital_of_france(client, model, server):
+    r = client.chat.completions.create(model=model, messages=PARIS_Q, temperature=0, max_tokens=16,
+                                       logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    # usage is right: prompt tokens as /tokenize counts them, one logprob entry per generated token
+    tok = httpx.post(server.base_url + "/tokenize", json={"messages": PARIS_Q},
+                     headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    assert r.usage.prompt_tokens == tok["count"]
+    assert r.usage.completion_tokens == len(choice.logprobs.content) >= 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    for entry in choice.logprobs.content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-4
+
+
+def test_chat_stream_matches_non_stream(client, model):
+    kw = dict(model=model, messages=PARIS_Q, temperature=0, max_tokens=16)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_async_n2_stream_and_usage(server, model):
+    async def run():
+        async with _aclient(server) as ac:
+            full = await ac.completions.create(model=model, prompt="The sky is", max_tokens=6, n=2,
+                                               temperature=0.9, seed=3)
+            assert [c.index for c in full.choices] == [0, 1]
+            assert 2 <= full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 0
+
+            stream = await ac.completions.create(model=model, prompt=["The sky is", "Grass is"], max_tokens=5, n=2,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 logprobs=1, temperature=0)
+            texts: dict[int, str] = {}
+            ntoks: dict[int, int] = {}
+            usage = None
+            async for chunk in stream:
+                if chunk.usage:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    ntoks[c.index] = ntoks.get(c.index, 0) + len(c.logprobs.tokens)
+            assert sorted(texts) == [0, 1, 2, 3]
+            assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: both samples agree
+            assert usage is not None and usage.completion_tokens == sum(ntoks.values())
+            return texts
+
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+
+
+def test_completion_echo_and_token_prompts(client, model, server):
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello there"},
+                     headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt="Hello there", max_tokens=4, temperature=0, echo=True)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert by_text.choices[0].text.startswith("Hello there")
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.usage.prompt_tokens == len(ids) == by_ids.usage.prompt_tokens
+
+
+def test_stop_sequences(client, model):
+    kw = dict(model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    free = client.completions.create(**kw).choices[0].text
+    assert len(free) > 6
+    stop = free[4:7]
+    cut = free[:free.index(stop)]
+    stopped = client.completions.create(**kw, stop=[stop, "never-appears"]).choices[0]
+    assert stopped.text == cut and stopped.finish_reason == "stop"
+    chat = client.chat.completions.create(model=model, messages=PARIS_Q, temperature=0, max_tokens=16, stop=" Paris")
+    assert "Paris" not in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible(client, model):
+    kw = dict(model=model, messages=[{"role": "user", "content": "Tell me a fun fact."}], temperature=0.8,
+              max_tokens=8, seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b and a
+
+
+def test_logprobs_completions(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
+    assert "".join(lp.tokens) == r.choices[0].text
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 1 <= len(top) <= 2
+        assert max(top.values()) >= value - 1e-4  # greedy: the sampled token is the best
+
+
+def test_request_errors(client, model, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=PARIS_Q, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hello " * 1100, max_tokens=4)
+    assert e.value.body["param"] == "prompt" and "maximum context length" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hello", max_tokens=1024)
+    assert e.value.body["param"] == "max_tokens" and "maximum context length" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=PARIS_Q)
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    big = httpx.post(server.base_url + "/v1/completions", headers=auth, timeout=30,
+                     json={"prompt": "x" * (300 << 10)})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, server.base_url + path, headers=auth, timeout=10)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(server.base_url + "/v1/completions", headers={**auth, "content-type": "application/json"},
+                   content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(server.base_url + "/health", headers={"x-request-id": "trace-42"}, timeout=10)
+    assert r.headers["x-request-id"] == "trace-42"
+
+
+@pytest.mark.slow
+def test_disconnect_frees_the_request(server, model):
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    body = {"model": model, "prompt": "Write a very long story about dragons.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, headers=auth, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 2:
+                    break  # hang up mid-stream
+        # non-streaming: the client gives up while the server still generates
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={**body, "stream": False}, timeout=3)
+    m = _wait_idle(server, 10.0)
+    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:num_requests_waiting"] == 0
+    assert m["aiolm:kv_cache_usage_perc"] == 0
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams(server, model):
+    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await ac.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+            max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True})
+        text, usage = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    async def run():
+        async with _aclient(server) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+
+    t0 = time.monotonic()
+    results = asyncio.run(asyncio.wait_for(run(), 240))
+    assert len(results) == 32
+    assert all(text and 1 <= usage <= 16 for text, usage in results), results
+    m = _wait_idle(server)
+    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0
+    print(f"32 streams in {time.monotonic() - t0:.1f}s")
+
+
+def test_example_client_runs(server):
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), server.base_url + "/v1"],
+                         env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "completion 1:" in out.stdout
+
+
+@pytest.mark.slow
+def test_fuzz_against_openapi_schema(server, model):
+    """Bodies from /openapi.json, some with wrong-typed or extra fields: never 5xx, never a hang."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    spec = httpx.get(server.base_url + "/openapi.json", timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    targets = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
+               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+    budget_s = float(os.environ.get("AIOLM_FUZZ_SECONDS", "60"))
+    start = time.monotonic()
+    counts = {"sent": 0, "2xx": 0, "4xx": 0}
+
+    def cheap(body):
+        """Keep generation short on CPU: small max_tokens/n, the served model name."""
+        if isinstance(body, dict):
+            for k in ("max_tokens", "max_completion_tokens", "min_tokens"):
+                if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > 3:
+                    body[k] = 1 + body[k] % 3
+            if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:
+                body["n"] = 2
+            if isinstance(body.get("best_of"), int) and not isinstance(body["best_of"], bool):
+                body["best_of"] = body.get("n")
+            if body.get("max_tokens") is None:  # absent or null: chat would run to max_model_len
+                body["max_tokens"] = 2
+        return body
+
+    def mutate(draw_body):
+        return st.one_of(
+            draw_body,
+            st.tuples(draw_body, st.text(max_size=8), json_values()).map(
+                lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0]),
+            json_values(),
+        )
+
+    strategies = []
+    for path, name in targets.items():
+        body = from_schema(schemas[name]).map(
+            lambda b: {**b, "model": model} if isinstance(b, dict) and "model" in b and b.get("model") else b)
+        strategies.append(st.tuples(st.just(path), mutate(body).map(cheap)))
+
+    @settings(max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.one_of(strategies))
+    def check(case):
+        if time.monotonic() - start > budget_s:
+            return
+        path, body = case
+        counts["sent"] += 1
+        r = httpx.post(server.base_url + path, headers=auth, timeout=60, content=json.dumps(body).encode())
+        assert r.status_code < 500, (path, body, r.status_code, r.text[:500])
+        if r.status_code >= 400:
+            counts["4xx"] += 1
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, r.text
+        else:
+            counts["2xx"] += 1
+            if isinstance(body, dict) and body.get("stream") is True:
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+
+    auth["content-type"] = "application/json"
+    check()
+    # raw garbage too
+    for raw in (b"", b"null", b"[]", b'"x"', b"{" * 50, b"\x00\xff", b'{"prompt": NaN}', b'{"messages": [{}]}'):
+        r = httpx.post(server.base_url + "/v1/chat/completions", headers=auth, content=raw, timeout=30)
+        assert r.status_code == 400, (raw, r.text)
+    assert counts["sent"] > 10 and counts["2xx"] > 0 and counts["4xx"] > 0, counts
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    m = _wait_idle(server, 15.0)
+    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0
+    print(f"fuzz: {counts} in {time.monotonic() - start:.0f}s")
+
+
+def test_sigterm_lets_in_flight_requests_finish(server, model):
+    """Keep last: SIGTERM mid-stream; the stream still ends properly and the server exits 0."""
+    import threading
+
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    codes: list[int] = []
+    with httpx.Client(base_url=server.base_url, headers=auth, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:
+                    threading.Thread(target=lambda: codes.append(server.stop())).start()
+    assert events[-1] == "[DONE]"
+    finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+    assert finals[-1] == "length"
+    deadline = time.monotonic() + 60
+    while not codes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert codes == [0], server.log()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.base_url + "/health", timeout=5)
