@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread: test processes share two cores with worker processes, and OpenMP
+# spin-waiting makes oversubscribed torch threads many times slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import Any, AsyncIterator
 
@@ -40,6 +41,7 @@ class AsyncEngine:
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self._submissions = itertools.count()
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "AsyncEngine":
@@ -151,7 +153,10 @@ class AsyncEngine:
         if rid in self.output.requests:
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
         n = params.n
-        child_ids = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
+        # Internal ids are unique per submission, so a user id reused after an abort can never
+        # receive the old request's late outputs (a stale abort or token still in a mailbox).
+        base = f"{rid}@{next(self._submissions)}"
+        child_ids = [base] if n == 1 else [f"{base}#{i}" for i in range(n)]
         state = self.output.register(rid, processed.prompt, processed.token_ids, params, child_ids)
         reqs = []
         for i, cid in enumerate(child_ids):

@@ -1,0 +1,101 @@
+"""Offline throughput: N requests with random prompt and output lengths through aiolm.LLM.
+
+Seeded workload (numpy ``default_rng(0)``): prompt lengths in [64, 256] tokens,
+output lengths in [32, 128] tokens, prompt token ids drawn from [100, 40000];
+greedy, ``ignore_eos`` so every request produces exactly its output length.
+All requests are submitted at once; each repeat is timed from submission to the
+last output, after one untimed warm-up request. Reports the median repeat.
+
+    python benchmarks/bench_offline.py [--num-requests 64] [--repeats 3] [--json]
+                                       [--dtype auto] [--executor mp] [any engine flag]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import numpy as np
+
+from aiolm import LLM, EngineArgs, SamplingParams
+
+
+def workload(num_requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(64, 257, size=num_requests)
+    output_lens = rng.integers(32, 129, size=num_requests)
+    prompts = [rng.integers(100, 40001, size=int(n)).tolist() for n in prompt_lens]
+    return prompts, [int(n) for n in output_lens]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args()
+    engine_args = EngineArgs.from_namespace(args)
+
+    prompts, output_lens = workload(args.num_requests, args.workload_seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
+
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    startup = time.perf_counter() - t0
+    try:
+        llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        times = []
+        for r in range(args.repeats):
+            t = time.perf_counter()
+            outs = llm.generate(inputs, params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            if got != output_lens:
+                raise SystemExit(f"repeat {r}: output lengths differ from the requested ones")
+            if not args.json:
+                print(f"repeat {r + 1}/{args.repeats}: {times[-1]:.2f}s", file=sys.stderr)
+        num_blocks = llm.engine.executor.num_blocks
+    finally:
+        llm.close()
+
+    total = statistics.median(times)
+    out_tokens = sum(output_lens)
+    in_tokens = sum(len(x) for x in prompts)
+    result = {
+        "num_requests": args.num_requests,
+        "repeats": args.repeats,
+        "total_time_s": round(total, 4),
+        "times_s": [round(t, 4) for t in times],
+        "output_tokens": out_tokens,
+        "prompt_tokens": in_tokens,
+        "output_tok_per_s": round(out_tokens / total, 2),
+        "total_tok_per_s": round((out_tokens + in_tokens) / total, 2),
+        "requests_per_s": round(args.num_requests / total, 3),
+        "startup_s": round(startup, 2),
+        "kv_blocks": num_blocks,
+        "engine_args": {k: v for k, v in vars(engine_args).items() if v is not None},
+        "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"requests:        {args.num_requests} ({in_tokens} prompt tokens, {out_tokens} output tokens)")
+        print(f"total time:      {total:.2f} s (median of {args.repeats})")
+        print(f"output tokens/s: {result['output_tok_per_s']:.1f}")
+        print(f"total tokens/s:  {result['total_tok_per_s']:.1f}")
+        print(f"requests/s:      {result['requests_per_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Helpers shared by the end-to-end engine tests: an engine loop in a thread, light args."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any, Coroutine, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+# Light engine: small context and KV cache; one torch thread per worker, because
+# extra intra-op threads only fight each other on a small, shared CPU machine.
+ENGINE_ARGS: dict[str, Any] = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=32,
+                                   max_num_batched_tokens=1024, num_threads=1, executor="mp")
+
+
+class LoopThread:
+    """An event loop (uvloop when installed) running forever in a daemon thread."""
+
+    def __init__(self) -> None:
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        """Run a coroutine on the loop and wait for its result (cancelled on timeout)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """References computed in the test process: one thread is much faster on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,48 @@
+"""The examples run as their own programs, as a user would run them (both at once, to save time)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 600
+
+
+def test_examples_run_standalone():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    common = ["--max-tokens", "8", "--num-threads", "1"]
+    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "examples" / name), *common], cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("embed_in_app.py", "offline_batch.py")}
+    results = {}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=TIMEOUT)
+            results[name] = (p.returncode, out, err)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for name, (rc, out, err) in results.items():
+        assert rc == 0, f"{name} exited with {rc}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
+
+    _, out, _ = results["embed_in_app.py"]
+    assert "Paris" in out.split("chat answer:")[1]
+    assert "impatient user left after 3 updates" in out
+    assert "healthy=True requests=(0, 0) kv_cache_usage=0.000" in out
+    assert out.rstrip().endswith("engine shut down")
+
+    _, out, err = results["offline_batch.py"]
+    assert "'The capital of France is' -> ' Paris" in out
+    assert "6 prompts, " in out
+    assert out.count("chat ") == 3
+    assert out.rstrip().endswith("done")
+    assert "Generating" in err  # the progress bar
