@@ -90,7 +90,7 @@ class AsyncEngine:
             policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching))
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
-        self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish)
+        self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats)
         self.core = EngineCore(self.scheduler, self.executor, self.output)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
@@ -205,7 +205,6 @@ class AsyncEngine:
 
     def _on_finish(self, state: RequestState) -> None:
         self.stats["requests_finished"] += 1
-        self.stats["generation_tokens"] += sum(len(s.token_ids) for s in state.seqs)
 
     # -- introspection ----------------------------------------------------------------
 

@@ -113,12 +113,15 @@ class OutputProcessor(Actor[StepOutputs]):
     name = "output-processor"
 
     def __init__(self, tokenizer: Any, abort_children: Callable[[list[str]], None],
-                 on_finish: Callable[[RequestState], None] | None = None) -> None:
+                 on_finish: Callable[[RequestState], None] | None = None,
+                 stats: dict[str, int] | None = None) -> None:
         super().__init__()
         self.tokenizer = tokenizer
         self.abort_children = abort_children
         self.on_finish = on_finish
         self.requests: dict[str, RequestState] = {}
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("generation_tokens", 0)
         self.children: dict[str, tuple[RequestState, SeqState]] = {}
 
     def register(self, req_id: str, prompt: str | None, prompt_ids: list[int],
@@ -173,6 +176,7 @@ class OutputProcessor(Actor[StepOutputs]):
                     state.first_token_time = now
                     state.num_cached_tokens = o.num_cached_tokens
                 state.last_token_time = now
+                self.stats["generation_tokens"] += len(o.new_token_ids)
                 seq.token_ids.extend(o.new_token_ids)
                 if seq.logprobs is not None and o.new_logprobs is not None:
                     self._add_logprobs(seq, o.new_logprobs)
