@@ -36,6 +36,7 @@ class EngineArgs:
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
+    log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
 
     def __post_init__(self) -> None:
         if self.executor not in ("mp", "local"):

@@ -91,7 +91,7 @@ class AsyncEngine:
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats)
-        self.core = EngineCore(self.scheduler, self.executor, self.output)
+        self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
         self._started = True

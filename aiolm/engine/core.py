@@ -43,6 +43,10 @@ class EngineCore(Actor[CoreMessage]):
         self.executor = executor
         self.output = output
         self.log_steps = log_steps
+        if log_steps:  # asked for explicitly: make sure the lines are seen
+            log.setLevel(logging.INFO)
+            if not logging.getLogger().handlers and not log.handlers:
+                log.addHandler(logging.StreamHandler())
         self.times = StepTimes()
 
     def _handle(self, msg: CoreMessage) -> None:
