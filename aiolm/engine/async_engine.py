@@ -90,7 +90,8 @@ class AsyncEngine:
             policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching))
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
-        self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats)
+        self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
+                                      self._add_siblings)
         self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
@@ -163,7 +164,10 @@ class AsyncEngine:
             p = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(Request(cid, processed.token_ids, p, priority=priority))
         self.stats["prompt_tokens"] += len(processed.token_ids) * n
-        self.core.send(AddRequests(reqs))
+        # n > 1: the siblings join once the first sequence's prompt is in the KV cache,
+        # so they reuse its full blocks through the prefix cache instead of recomputing them.
+        state.pending_siblings = reqs[1:]
+        self.core.send(AddRequests(reqs[:1]))
         return state
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -198,6 +202,10 @@ class AsyncEngine:
         children = self.output.abort(request_id)
         if children:
             self.core.send(AbortRequests(children))
+
+    def _add_siblings(self, reqs: list[Request]) -> None:
+        if self.core is not None:
+            self.core.send(AddRequests(reqs))
 
     def _abort_children(self, child_ids: list[str]) -> None:
         if self.core is not None:

@@ -53,6 +53,7 @@ class RequestState:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.delivered_final = False
+        self.pending_siblings: list[Any] = []  # n > 1: Requests to add once sequence 0 has prefilled
         self._event = asyncio.Event()
 
     @property
@@ -114,12 +115,14 @@ class OutputProcessor(Actor[StepOutputs]):
 
     def __init__(self, tokenizer: Any, abort_children: Callable[[list[str]], None],
                  on_finish: Callable[[RequestState], None] | None = None,
-                 stats: dict[str, int] | None = None) -> None:
+                 stats: dict[str, int] | None = None,
+                 add_siblings: Callable[[list[Any]], None] | None = None) -> None:
         super().__init__()
         self.tokenizer = tokenizer
         self.abort_children = abort_children
         self.on_finish = on_finish
         self.requests: dict[str, RequestState] = {}
+        self.add_siblings = add_siblings
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("generation_tokens", 0)
         self.children: dict[str, tuple[RequestState, SeqState]] = {}
@@ -142,6 +145,7 @@ class OutputProcessor(Actor[StepOutputs]):
         state = self.requests.pop(req_id, None)
         if state is None:
             return []
+        state.pending_siblings = []  # never sent to the core: nothing to abort there
         live = []
         for s in state.seqs:
             if self.children.pop(s.child_id, None) is not None and s.finish_reason is None:
@@ -171,6 +175,10 @@ class OutputProcessor(Actor[StepOutputs]):
             if entry is None:
                 continue  # finished here already (stop string) or aborted by the user
             state, seq = entry
+            if state.pending_siblings and seq.index == 0:
+                siblings, state.pending_siblings = state.pending_siblings, []
+                if self.add_siblings is not None:
+                    self.add_siblings(siblings)
             if o.new_token_ids:
                 if state.first_token_time is None:
                     state.first_token_time = now

@@ -324,6 +324,21 @@ def test_n3_with_seeds_is_reproducible(engine, run, tokenizer):
     assert len(set(a)) > 1  # the three sequences draw from different generators
 
 
+def test_n_sequences_share_the_prompt_kv_through_the_prefix_cache(engine, run, tokenizer):
+    """Siblings join after sequence 0's prefill, so they hit its full prompt blocks."""
+    ids = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16
+
+    async def go():
+        before = engine.scheduler.prefix_cache_stats.hits
+        outs = await collect(engine, {"prompt_token_ids": ids},
+                             SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
+        return outs[-1], engine.scheduler.prefix_cache_stats.hits - before
+
+    final, hits = run(go())
+    assert [len(c.token_ids) for c in final.outputs] == [4, 4, 4]
+    assert hits >= 2 * 96  # both siblings reused the 96 tokens of full blocks
+
+
 # --- delta output --------------------------------------------------------------------------
 
 def test_delta_outputs_concatenate_to_the_cumulative_text(engine, run):
