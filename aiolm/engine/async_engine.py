@@ -148,8 +148,6 @@ class AsyncEngine:
         params = self.inputs.params(params)
         processed = await self.inputs.process(prompt)
         self._check_alive()
-        if params.max_tokens is not None and len(processed.token_ids) + 1 > self.max_model_len:
-            raise ParamError("prompt", "the prompt leaves no room for output")
         rid = request_id if request_id is not None else self.inputs.new_request_id()
         if rid in self.output.requests:
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")

@@ -7,12 +7,13 @@ in a thread so the event loop stays responsive.
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor
-from aiolm.worker.model_runner import ModelRunner, RunnerConfig
+from aiolm.worker.model_runner import ModelRunner, RunnerConfig, call_on_runner
 
 
 class LocalExecutor(Executor):
@@ -34,13 +35,7 @@ class LocalExecutor(Executor):
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         assert self.runner is not None
-        runner = self.runner
-
-        def call() -> Any:
-            if callable(method):
-                return method(runner, *args, **(kwargs or {}))
-            return getattr(runner, method)(*args, **(kwargs or {}))
-
+        call = functools.partial(call_on_runner, self.runner, method, args, kwargs)
         return [await asyncio.get_running_loop().run_in_executor(self._pool, call)]
 
     async def shutdown(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -157,3 +158,11 @@ class ModelRunner:
 
 def _needs_prompt(params: object) -> bool:
     return getattr(params, "repetition_penalty", 1.0) != 1.0
+
+
+def call_on_runner(runner: ModelRunner, method: str | Callable[..., Any], args: tuple = (),
+                   kwargs: dict[str, Any] | None = None) -> Any:
+    """One rank's part of collective_rpc: a runner method by name, or fn(runner, ...)."""
+    if callable(method):
+        return method(runner, *args, **(kwargs or {}))
+    return getattr(runner, method)(*args, **(kwargs or {}))

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> int:
     from aiolm.distributed.parallel_state import TPGroup, set_tp_group
-    from aiolm.worker.model_runner import ModelRunner
+    from aiolm.worker.model_runner import ModelRunner, call_on_runner
 
     if args.world_size > 1:
         from aiolm.distributed.gloo_group import make_group
@@ -97,8 +97,7 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
                 responses.write(codec.encode_model_runner_output(out))
         elif isinstance(msg, codec.RpcCall):
             try:
-                fn = msg.method if callable(msg.method) else getattr(runner, msg.method)
-                result = fn(runner, *msg.args, **msg.kwargs) if callable(msg.method) else fn(*msg.args, **msg.kwargs)
+                result = call_on_runner(runner, msg.method, msg.args, msg.kwargs)
                 responses.write(codec.encode(("ok", result)))
             except Exception as e:
                 responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
