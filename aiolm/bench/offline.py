@@ -11,6 +11,7 @@ from typing import Any
 
 from aiolm.bench.workload import Item, jsonl_workload, parse_range, random_workload
 from aiolm.config import EngineArgs
+from aiolm.engine.core import StepTimes
 from aiolm.params import OutputKind, SamplingParams
 
 
@@ -36,15 +37,17 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
     async with AsyncEngine(EngineArgs.from_namespace(args)) as engine:
         await _run_items(engine, items[: min(4, len(items))])  # warm-up
         engine.scheduler.reset_prefix_cache()
+        engine.core.times = StepTimes()
         times = []
         for _ in range(args.repeats):
             times.append(await _run_items(engine, items))
             engine.scheduler.reset_prefix_cache()
+        costs = engine.core.times.summary()
     med = statistics.median(times)
     return {"benchmark": "throughput", "requests": len(items), "output_tokens": out_tokens,
             "prompt_tokens": in_tokens, "times_s": times, "median_s": med,
             "output_tok_s": out_tokens / med, "total_tok_s": (in_tokens + out_tokens) / med,
-            "requests_s": len(items) / med}
+            "requests_s": len(items) / med, "step_costs_ms": costs}
 
 
 async def latency(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,10 +57,12 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
                             (args.output_len_fixed, args.output_len_fixed), args.seed)
     async with AsyncEngine(EngineArgs.from_namespace(args)) as engine:
         await _run_items(engine, items)  # warm-up
+        engine.core.times = StepTimes()
         times = []
         for _ in range(args.repeats):
             engine.scheduler.reset_prefix_cache()
             times.append(await _run_items(engine, items))
+        costs = engine.core.times.summary()
     times.sort()
 
     def pct(p: float) -> float:
@@ -66,7 +71,8 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
             "output_len": args.output_len_fixed, "mean_s": statistics.fmean(times),
             "p50_s": pct(50), "p90_s": pct(90), "p99_s": pct(99),
-            "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times)}
+            "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times),
+            "step_costs_ms": costs}
 
 
 def add_args(sub: argparse._SubParsersAction) -> None:

@@ -76,6 +76,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Only for requests that asked for logprobs: req_id -> logprobs of its new tokens.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Rank 0's seconds in [input preparation, forward pass, logits + sampling], for cost accounting.
+    worker_times: list[float] = field(default_factory=list)
 
 
 @dataclass

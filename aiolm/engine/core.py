@@ -22,15 +22,58 @@ from aiolm.params import ParamError
 log = logging.getLogger(__name__)
 
 
+COST_PARTS = ("schedule", "ipc", "prepare", "forward", "sample", "update", "output")
+OVERHEAD_PARTS = ("schedule", "ipc", "prepare", "update", "output")  # all but forward and sampling
+
+
+@dataclass
+class CostSums:
+    steps: int = 0
+    requests: int = 0
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_PARTS, 0.0))
+
+    def add(self, costs: dict[str, float], reqs: int) -> None:
+        self.steps += 1
+        self.requests += reqs
+        for k, v in costs.items():
+            self.parts[k] += v
+
+    def mean_ms(self) -> dict[str, float]:
+        """Average milliseconds per step for each part, the engine ``overhead`` and batch size."""
+        n = max(1, self.steps)
+        out = {k: 1e3 * v / n for k, v in self.parts.items()}
+        out["overhead"] = sum(out[k] for k in OVERHEAD_PARTS)
+        out["steps"] = self.steps
+        out["mean_requests"] = self.requests / n
+        return out
+
+
 @dataclass
 class StepTimes:
-    """Per-step cost accounting (seconds), summed; logged per step when debugging."""
+    """Per-step cost accounting in seconds, summed over all steps and over pure-decode steps.
 
-    steps: int = 0
-    schedule: float = 0.0
-    execute: float = 0.0
-    update: float = 0.0
+    schedule and update run in the engine core; prepare (input tensors), forward and
+    sample are rank 0's own clock; ipc is the rest of the executor round trip (rings,
+    codec, wake-ups); output is detokenizing and streaming a step's results, which
+    the output processor does while the next step runs.
+    """
+
+    all: CostSums = field(default_factory=CostSums)
+    decode: CostSums = field(default_factory=CostSums)
     last: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return self.all.steps
+
+    def add(self, costs: dict[str, float], reqs: int, tokens: int) -> None:
+        self.all.add(costs, reqs)
+        if tokens == reqs:
+            self.decode.add(costs, reqs)
+        self.last = costs
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {"all_steps": self.all.mean_ms(), "decode_steps": self.decode.mean_ms()}
 
 
 class EngineCore(Actor[CoreMessage]):
@@ -85,15 +128,18 @@ class EngineCore(Actor[CoreMessage]):
             t3 = time.perf_counter()
             if outputs:
                 self.output.send(StepOutputs(outputs))
-            self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), t0, t1, t2, t3)
+            self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens),
+                          result.worker_times if result is not None else [], t0, t1, t2, t3)
 
-    def _account(self, tokens: int, reqs: int, t0: float, t1: float, t2: float, t3: float) -> None:
-        tm = self.times
-        tm.steps += 1
-        tm.schedule += t1 - t0
-        tm.execute += t2 - t1
-        tm.update += t3 - t2
-        tm.last = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2}
+    def _account(self, tokens: int, reqs: int, worker: list[float],
+                 t0: float, t1: float, t2: float, t3: float) -> None:
+        prepare, forward, sample = worker if len(worker) == 3 else (0.0, 0.0, 0.0)
+        output = self.output.take_busy_time()  # the previous step's outputs, processed during this one
+        costs = {"schedule": t1 - t0, "ipc": max(0.0, (t2 - t1) - prepare - forward - sample),
+                 "prepare": prepare, "forward": forward, "sample": sample, "update": t3 - t2,
+                 "output": output}
+        self.times.add(costs, reqs, tokens)
         if self.log_steps:
-            log.info("step %d: %d reqs %d tokens schedule %.3f ms execute %.3f ms update %.3f ms",
-                     tm.steps, reqs, tokens, 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2))
+            log.info("step %d: %d reqs %d tokens | %s | overhead %.3f ms", self.times.steps, reqs, tokens,
+                     " ".join(f"{k} {1e3 * v:.3f}" for k, v in costs.items()),
+                     1e3 * sum(costs[k] for k in OVERHEAD_PARTS))

@@ -126,6 +126,12 @@ class OutputProcessor(Actor[StepOutputs]):
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("generation_tokens", 0)
         self.children: dict[str, tuple[RequestState, SeqState]] = {}
+        self._busy = 0.0  # seconds spent processing since take_busy_time() last read it
+
+    def take_busy_time(self) -> float:
+        """Processing time since the last call (the engine core's per-step cost accounting)."""
+        busy, self._busy = self._busy, 0.0
+        return busy
 
     def register(self, req_id: str, prompt: str | None, prompt_ids: list[int],
                  params: SamplingParams, child_ids: list[str]) -> RequestState:
@@ -163,9 +169,11 @@ class OutputProcessor(Actor[StepOutputs]):
     async def run(self) -> None:
         while True:
             msg = await self.mailbox.receive()
+            t0 = time.perf_counter()
             self.process(msg.outputs)
             for more in self.mailbox.drain():
                 self.process(more.outputs)
+            self._busy += time.perf_counter() - t0
 
     def process(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.monotonic()

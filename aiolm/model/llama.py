@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
-from aiolm.attention.torch_backend import TorchAttention
+from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model.config import ModelConfig
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, _Packable
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
 
@@ -36,7 +36,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = CpuPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,6 +110,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
+
+    def pack_for_cpu(self) -> int:
+        """Swap float32 CPU weights for oneDNN-packed copies once loading is done.
+
+        The lm_head keeps its plain weight when tied, since the embedding reads it.
+        Returns how many layers were packed.
+        """
+        n = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, _Packable))
+        return n + self.lm_head.pack_for_cpu(keep_weight=self.config.tie_word_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

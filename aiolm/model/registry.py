@@ -49,7 +49,10 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(f"{source.path}: no implementation for {source.config.architecture}")
     model = cls(source.config, max_positions)
     model.load_weights(source.iter_weights())
-    return model.to(dtype=dtype, device=device).eval()
+    model = model.to(dtype=dtype, device=device).eval()
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        model.pack_for_cpu()
+    return model
 
 
 def build_from_config(cfg: ModelConfig) -> LlamaForCausalLM:

@@ -8,6 +8,7 @@ makes tensors of it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,6 +75,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         self.batch.update(out)
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -83,7 +85,9 @@ class ModelRunner:
             seq_lens=step.seq_lens, block_table=step.block_table, slot_mapping=step.slot_mapping,
             query_lens_cpu=step.query_lens, seq_lens_cpu=step.seq_lens_list,
             block_size=self.cfg.block_size)
+        t1 = time.perf_counter()
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        t2 = time.perf_counter()
         sample_idx = [i for i, s in enumerate(step.sample_mask) if s]
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -104,7 +108,9 @@ class ModelRunner:
                     logprobs[step.req_ids[i]] = lp
         else:
             self._meta_key = None
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs)
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
+                                 worker_times=[t1 - t0, t2 - t1, t3 - t2])
 
     def _sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         """Reuse last step's metadata when the same requests sample again (pure decode)."""

@@ -528,3 +528,31 @@ def test_duplicate_live_request_id_is_refused_and_unknown_abort_is_harmless(engi
 
     again = run(go())
     assert again[-1].request_id == "dup" and len(again[-1].outputs[0].token_ids) == 2
+
+
+# --- per-step cost accounting ---------------------------------------------------------------
+
+def test_step_cost_accounting_splits_each_step_into_its_parts(engine, run):
+    """Every part is measured (not zero, not negative), the worker's own clock fits inside
+    the executor round trip, and pure-decode steps are counted with their batch size."""
+    from aiolm.engine.core import COST_PARTS, StepTimes
+
+    async def go():
+        engine.core.times = StepTimes()
+        await asyncio.gather(*(collect(engine, {"prompt_token_ids": list(range(100, 140 + i))}, greedy(12))
+                               for i in range(4)))
+        await wait_idle(engine)
+        return engine.core.times
+
+    times = run(go(), timeout=120)
+    s = times.summary()
+    every, dec = s["all_steps"], s["decode_steps"]
+    assert every["steps"] >= 12 and dec["steps"] >= 10
+    assert 3.5 <= dec["mean_requests"] <= 4.0  # the four requests decode together
+    for part in COST_PARTS:
+        assert every[part] >= 0.0, part
+    for part in ("schedule", "ipc", "prepare", "forward", "sample", "update", "output"):
+        assert every[part] > 0.0, f"{part} was never measured"
+    assert every["forward"] > every["prepare"]  # 30 layers cost more than building a few tensors
+    assert every["overhead"] == pytest.approx(sum(every[k] for k in
+                                                 ("schedule", "ipc", "prepare", "update", "output")))

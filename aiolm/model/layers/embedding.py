@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,8 +35,23 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice; gathered to full vocabulary on return."""
 
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self, keep_weight: bool) -> bool:
+        """Pack the weight for oneDNN; keep the plain copy when the embedding shares it."""
+        packed = pack_weight(self.weight.data)
+        if packed is None:
+            return False
+        self.packed = packed
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        return True
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.linear(hidden, self.weight)
+        if self.packed is not None:
+            out = packed_linear(hidden, self.packed, None)
+        else:
+            out = nn.functional.linear(hidden, self.weight)
         if self.tp.world_size > 1:
             out = self.tp.all_gather(out)
         return out[:, : self.vocab_size]

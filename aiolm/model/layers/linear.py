@@ -11,9 +11,31 @@ import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
 
 
-class ColumnParallelLinear(nn.Module):
+class _Packable(nn.Module):
+    """A layer whose float32 CPU weight can be swapped for a oneDNN-packed copy once loaded."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Pack the weight and drop the plain copy (loading is over); True if packed."""
+        packed = pack_weight(self.weight.data)
+        if packed is None:
+            return False
+        self.packed = packed
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return nn.functional.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(_Packable):
     """y = x W^T (+ b) with W's rows (outputs) split across ranks; shards laid side by side."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
@@ -30,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's part of Hugging Face tensor ``shard`` into its slice."""
@@ -61,7 +83,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().load_shard(name, loaded, shard)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Packable):
     """y = all_reduce(x_local W_local^T): each rank holds a slice of the input features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -75,8 +97,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:

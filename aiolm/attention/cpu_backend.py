@@ -1,0 +1,33 @@
+"""Paged attention on the CPU through aiolm's C++ kernel, with torch as the fallback.
+
+The kernel reads K/V pages in place for decode rows and prefill chunks in one
+call; the torch reference gathers pages into contiguous tensors first, which on
+a many-request decode step costs more than the attention itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiolm.attention import cpu_kernels
+from aiolm.attention.metadata import AttentionMetadata
+from aiolm.attention.torch_backend import TorchAttention, write_kv
+
+
+class CpuPagedAttention(TorchAttention):
+    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors, else the torch path."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.use_kernel = cpu_kernels.load()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not (self.use_kernel and q.device.type == "cpu" and q.dtype == torch.float32
+                and kv_cache.dtype == torch.float32):
+            return super().forward(q, k, v, kv_cache, meta)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        torch.ops.aiolm.paged_attention(out, q, kv_cache[0], kv_cache[1], meta.block_table,
+                                        meta.query_start_loc, meta.seq_lens, self.scale)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)

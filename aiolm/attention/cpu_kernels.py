@@ -1,0 +1,104 @@
+"""Builds and loads aiolm's C++ CPU kernels (``torch.ops.aiolm.*``) on first use.
+
+The source ships with the package and is compiled once per machine into the
+aiolm cache folder, keyed by the source, torch's version and the CPU's flags, so
+it is tuned for the host (-march=native) without a build step at install time.
+Only a C++ compiler is needed (no ninja, no pybind11). When no compiler is
+found or the build fails, ``load()`` returns False with the reason logged and
+callers fall back to plain torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("AIOLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "aiolm")
+    return Path(base) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compile_command(src: list[Path], out: Path, compiler: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, f"-I{sysconfig.get_paths()['include']}",
+            *map(str, src), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+            f"-Wl,-rpath,{torch_lib}"]
+
+
+def library_path() -> Path:
+    h = hashlib.sha256()
+    for p in _SOURCES:
+        h.update(p.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return cache_dir() / f"aiolm_cpu_{h.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = _compile_command(_SOURCES, Path(tmp), compiler)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> bool:
+    """Make ``torch.ops.aiolm.paged_attention`` available; False (logged) if it can't be."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get("AIOLM_DISABLE_CPU_KERNELS") == "1":
+            _state["ok"] = False
+            return False
+        try:
+            path = library_path()
+            if not path.exists():
+                log.info("building aiolm CPU kernels into %s (once per machine)", path)
+                _build(path)
+            torch.ops.load_library(str(path))
+            _state["ok"] = True
+        except Exception as e:  # no compiler, a failed build: plain torch still works
+            log.warning("aiolm CPU kernels unavailable, using plain torch attention: %s", e)
+            _state["ok"] = False
+        return bool(_state["ok"])

@@ -1,0 +1,225 @@
+// Paged attention for the CPU: every request of a flat, variable-length batch
+// (decode rows and prefill chunks alike) attends to its KV pages where they
+// lie, with no gather into contiguous buffers and no padding to the longest
+// sequence.
+//
+// Work items are (request, kv head, tile of query rows), split over torch's own
+// intra-op threads with at::parallel_for. A key/value row is loaded once for
+// all query heads that share it (GQA), and the softmax is computed online,
+// one page at a time, so nothing of size seq_len is ever materialised.
+//
+// Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+// q [num_tokens, num_heads, head_dim]; out the same shape as q.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+
+constexpr int64_t kTile = 16;      // query rows per work item in prefill chunks
+constexpr int kMaxGroup = 16;      // query heads per kv head we keep in registers/stack
+
+inline v8f load8(const float* p) {
+  v8f v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(v8f v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  if (d % 8 == 0) {
+    v8f acc0 = {0, 0, 0, 0, 0, 0, 0, 0};
+    v8f acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      acc0 += load8(a + i) * load8(b + i);
+      acc1 += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i < d; i += 8) acc0 += load8(a + i) * load8(b + i);
+    return hsum(acc0 + acc1);
+  }
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t d) {
+  if (d % 8 == 0) {
+    v8f av = {a, a, a, a, a, a, a, a};
+    for (int64_t i = 0; i < d; i += 8) store8(y + i, load8(y + i) + av * load8(x + i));
+    return;
+  }
+  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+}
+
+inline void scale_inplace(float* y, float a, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) y[i] *= a;
+}
+
+struct Shapes {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, group, table_width;
+  int64_t q_tok_stride, q_head_stride;    // strides of q and out
+  int64_t kv_block_stride, kv_row_stride;  // strides of the caches
+};
+
+// One query row of one kv head's group: softmax(q K^T * scale) V over keys
+// [0, n_keys), reading the keys page by page from the block table.
+void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table,
+                int64_t n_keys, int64_t kh, const float* kc, const float* vc, float scale,
+                std::vector<float>& scratch) {
+  const int64_t g_count = s.group, d = s.head_dim, bs = s.block_size;
+  float m[kMaxGroup], l[kMaxGroup];
+  float* acc = scratch.data();                  // [group, d]
+  float* scores = scratch.data() + g_count * d; // [group, bs]
+  for (int64_t g = 0; g < g_count; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + g_count * d, 0.f);
+  const int64_t n_blocks = (n_keys + bs - 1) / bs;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t block = table[b];
+    const int64_t rows = std::min(bs, n_keys - b * bs);
+    const float* kb = kc + block * s.kv_block_stride + kh * d;
+    const float* vb = vc + block * s.kv_block_stride + kh * d;
+    for (int64_t g = 0; g < g_count; ++g) {
+      const float* qg = q_row + g * s.q_head_stride;
+      float* sg = scores + g * bs;
+      float bmax = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < rows; ++t) {
+        const float x = dot(qg, kb + t * s.kv_row_stride, d) * scale;
+        sg[t] = x;
+        bmax = std::max(bmax, x);
+      }
+      const float new_m = std::max(m[g], bmax);
+      const float correction = std::exp(m[g] - new_m);  // exp(-inf) = 0 on the first page
+      float sum = 0.f;
+      for (int64_t t = 0; t < rows; ++t) {
+        const float p = std::exp(sg[t] - new_m);
+        sg[t] = p;
+        sum += p;
+      }
+      l[g] = l[g] * correction + sum;
+      m[g] = new_m;
+      if (correction != 1.f) scale_inplace(acc + g * d, correction, d);
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* vrow = vb + t * s.kv_row_stride;
+      for (int64_t g = 0; g < g_count; ++g) axpy(acc + g * d, scores[g * bs + t], vrow, d);
+    }
+  }
+  for (int64_t g = 0; g < g_count; ++g) {
+    const float inv = 1.f / l[g];
+    float* og = out_row + g * s.q_head_stride;
+    const float* ag = acc + g * d;
+    for (int64_t i = 0; i < d; ++i) og[i] = ag[i] * inv;
+  }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "aiolm::paged_attention: float32 tensors expected");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong,
+              "aiolm::paged_attention: int64 block_table, query_start_loc and seq_lens expected");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] alike");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "head_dim must be contiguous and each page dense");
+  TORCH_CHECK(block_table.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "metadata tensors must be contiguous");
+
+  Shapes s;
+  s.num_heads = q.size(1);
+  s.num_kv_heads = k_cache.size(2);
+  s.head_dim = q.size(2);
+  s.block_size = k_cache.size(1);
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  s.group = s.num_heads / s.num_kv_heads;
+  TORCH_CHECK(s.group <= kMaxGroup, "at most ", kMaxGroup, " query heads per kv head");
+  TORCH_CHECK(k_cache.size(3) == s.head_dim, "head_dim of q and the caches differ");
+  s.table_width = block_table.size(1);
+  s.q_tok_stride = q.stride(0);
+  s.q_head_stride = q.stride(1);
+  TORCH_CHECK(out.stride(0) == s.q_tok_stride && out.stride(1) == s.q_head_stride,
+              "out must have the strides of q");
+  s.kv_block_stride = k_cache.stride(0);
+  s.kv_row_stride = k_cache.stride(1);
+
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* slen = seq_lens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+
+  // Work items: (request, tile of query rows), times kv heads.
+  std::vector<int64_t> item_req, item_row0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(n >= 0 && n <= slen[r], "request ", r, ": more query tokens than sequence tokens");
+    TORCH_CHECK((slen[r] + s.block_size - 1) / s.block_size <= s.table_width,
+                "request ", r, ": block table too narrow for its sequence");
+    for (int64_t i = 0; i < n; i += kTile) {
+      item_req.push_back(r);
+      item_row0.push_back(i);
+    }
+  }
+  const int64_t n_items = static_cast<int64_t>(item_req.size()) * s.num_kv_heads;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  // Items differ in cost (a decode row vs. a prefill tile), so threads take them
+  // one at a time from a shared counter rather than in fixed, equal ranges.
+  std::atomic<int64_t> next{0};
+  const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(s.group * (s.head_dim + s.block_size));
+    for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
+      const int64_t kh = it % s.num_kv_heads;
+      const int64_t w = it / s.num_kv_heads;
+      const int64_t r = item_req[w];
+      const int64_t n = qsl[r + 1] - qsl[r];
+      const int64_t ctx = slen[r] - n;
+      const int64_t row_end = std::min(n, item_row0[w] + kTile);
+      for (int64_t i = item_row0[w]; i < row_end; ++i) {
+        const int64_t tok = qsl[r] + i;
+        const int64_t off = tok * s.q_tok_stride + kh * s.group * s.q_head_stride;
+        attend_row(s, qp + off, op + off, table + r * s.table_width, ctx + i + 1, kh, kc, vc, fscale,
+                   scratch);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(aiolm, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("paged_attention", &paged_attention); }
