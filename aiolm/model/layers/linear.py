@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model import gguf_blocks
 from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
 
 
@@ -19,6 +20,7 @@ class _Packable(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    gguf_blocks: tuple[torch.Tensor, int] | None = None  # (blocks, type id): see model/gguf_blocks.py
 
     def pack_for_cpu(self) -> bool:
         """Pack the weight and drop the plain copy (loading is over); True if packed."""
@@ -30,6 +32,8 @@ class _Packable(nn.Module):
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gguf_blocks is not None and x.shape[0] <= gguf_blocks.MAX_ROWS:
+            return gguf_blocks.gguf_linear(x, *self.gguf_blocks, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return nn.functional.linear(x, self.weight, bias)

@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -84,7 +84,7 @@ def _build(target: Path) -> None:
 
 
 def load() -> bool:
-    """Make ``torch.ops.aiolm.paged_attention`` available; False (logged) if it can't be."""
+    """Make ``torch.ops.aiolm.*`` (paged_attention, gguf_linear) available; False (logged) if not."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -99,6 +99,6 @@ def load() -> bool:
             torch.ops.load_library(str(path))
             _state["ok"] = True
         except Exception as e:  # no compiler, a failed build: plain torch still works
-            log.warning("aiolm CPU kernels unavailable, using plain torch attention: %s", e)
+            log.warning("aiolm CPU kernels unavailable, using plain torch instead: %s", e)
             _state["ok"] = False
         return bool(_state["ok"])

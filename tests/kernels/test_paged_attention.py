@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from aiolm.attention import cpu_kernels
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import TorchAttention, kv_cache_shape, write_kv
 

@@ -1,0 +1,83 @@
+"""Keep a GGUF model's quantized blocks next to its float32 weights, for small batches.
+
+A GGUF model is converted to float32 once (gguf_convert.py), and large batches run
+on those float32 weights. Decoding a handful of sequences, though, is bound by
+reading the weights, and the file's own Q4_0/Q4_1/Q8_0 blocks are 3.5-7x smaller
+while holding exactly the values the float32 copy was dequantized from. So the
+linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from
+them when a step has at most ``MAX_ROWS`` rows; the answers are those of the
+float32 path up to the order of the sums.
+
+Only with one tensor-parallel rank, and only where every tensor fused into a
+layer has the same block type.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
+
+log = logging.getLogger(__name__)
+
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
+MAX_ROWS = 8  # above this many rows, oneDNN's float32 GEMM is faster (benchmarks/bench_linear.py)
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.aiolm.gguf_linear(x, blocks, qtype)
+    return y if bias is None else y + bias
+
+
+def attach(model: Any, gguf_path: Path) -> int:
+    """Give each linear layer of ``model`` its GGUF blocks; returns how many layers got them."""
+    import gguf
+
+    from aiolm.distributed.parallel_state import get_tp_group
+
+    if get_tp_group().world_size != 1:
+        return 0
+    cfg = model.config
+    permute = cfg.architecture in ("llama", "mistral")
+    reader = gguf.GGUFReader(str(gguf_path))
+    raw: dict[str, tuple[np.ndarray, str]] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is not None and t.tensor_type.name in TYPE_IDS:
+            raw[name] = (t.data, t.tensor_type.name)
+
+    def rows(name: str) -> tuple[np.ndarray, str] | None:
+        got = raw.get(name)
+        if got is None:
+            return None
+        data, ttype = got
+        data = np.asarray(data, dtype=np.uint8)
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            data = unpermute_rope_rows(data, heads)
+        return data, ttype
+
+    def give(layer: Any, names: list[str]) -> int:
+        parts = [rows(n) for n in names]
+        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:  # type: ignore[index]
+            return 0
+        blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([p[0] for p in parts])))  # type: ignore[index]
+        layer.gguf_blocks = (blocks, TYPE_IDS[parts[0][1]])  # type: ignore[index]
+        return 1
+
+    n = 0
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        n += give(layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+        n += give(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
+        n += give(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        n += give(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    n += give(model.lm_head, [head])
+    log.info("%d layers also keep their GGUF blocks for batches of up to %d rows", n, MAX_ROWS)
+    return n
