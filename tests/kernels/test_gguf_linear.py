@@ -24,19 +24,22 @@ def test_matches_dequantized_matmul(qtype, rows):
     blocks = gguf.quants.quantize(w, t)
     deq = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, t), dtype=np.float32).reshape(w.shape))
     x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
-    got = torch.ops.aiolm.gguf_linear(x, torch.from_numpy(blocks), gguf_blocks.TYPE_IDS[qtype])
+    got = gguf_blocks.GGUFWeight.from_blocks(blocks, qtype).linear(x)
     want = (x.double() @ deq.double().t()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_keeps_leading_dims_and_rejects_mismatches():
     w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
-    blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
-    assert torch.ops.aiolm.gguf_linear(torch.zeros(2, 3, 64), blocks, 8).shape == (2, 3, 8)
+    g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), "Q8_0")
+    assert g.linear(torch.zeros(2, 3, 64)).shape == (2, 3, 8)
     with pytest.raises(RuntimeError, match="x has 32 features, W has 64"):
-        torch.ops.aiolm.gguf_linear(torch.zeros(1, 32), blocks, 8)
+        g.linear(torch.zeros(1, 32))
     with pytest.raises(RuntimeError, match="unsupported GGUF type id 12"):
-        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), blocks, 12)
+        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12)
+    with pytest.raises(RuntimeError, match="Q4_1 needs float32 mins"):
+        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs[:, :32].contiguous().view(torch.uint8),
+                                    g.scale, g.mins, 3)
 
 
 def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_source, tokenizer):
@@ -47,15 +50,15 @@ def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_sourc
     from aiolm.model.registry import build_model
 
     model = build_model(real_source, torch.float32)
-    layers = [m for m in model.modules() if getattr(m, "gguf_blocks", None) is not None]
+    layers = [m for m in model.modules() if getattr(m, "gguf_weight", None) is not None]
     assert len(layers) == 4 * model.config.num_layers + 1  # every linear layer and the LM head
-    assert {m.gguf_blocks[1] for m in layers} == {3, 8}  # the file's Q4_1 layers, its Q8_0 embedding
+    assert {m.gguf_weight.qtype for m in layers} == {3, 8}  # the file's Q4_1 layers, its Q8_0 embedding
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          add_generation_prompt=True, tokenize=False)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     with_blocks = PagedHarness(model).greedy([prompt], 24)[0]
     for m in layers:
-        m.gguf_blocks = None
+        m.gguf_weight = None
     without = PagedHarness(model).greedy([prompt], 24)[0]
     assert with_blocks == without
     assert "Paris" in tokenizer.decode(with_blocks)

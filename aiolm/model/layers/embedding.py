@@ -37,7 +37,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice; gathered to full vocabulary on return."""
 
     packed: torch.Tensor | None = None
-    gguf_blocks: tuple[torch.Tensor, int] | None = None  # (blocks, type id): see model/gguf_blocks.py
+    gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
 
     def pack_for_cpu(self, keep_weight: bool) -> bool:
         """Pack the weight for oneDNN; keep the plain copy when the embedding shares it."""
@@ -50,8 +50,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gguf_blocks is not None and hidden.shape[0] <= gguf_blocks.MAX_ROWS:
-            out = gguf_blocks.gguf_linear(hidden, *self.gguf_blocks, None)
+        if self.gguf_weight is not None and hidden.shape[0] <= gguf_blocks.MAX_ROWS:
+            out = self.gguf_weight.linear(hidden)
         elif self.packed is not None:
             out = packed_linear(hidden, self.packed, None)
         else:

@@ -20,7 +20,7 @@ class _Packable(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
-    gguf_blocks: tuple[torch.Tensor, int] | None = None  # (blocks, type id): see model/gguf_blocks.py
+    gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
 
     def pack_for_cpu(self) -> bool:
         """Pack the weight and drop the plain copy (loading is over); True if packed."""
@@ -32,8 +32,8 @@ class _Packable(nn.Module):
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.gguf_blocks is not None and x.shape[0] <= gguf_blocks.MAX_ROWS:
-            return gguf_blocks.gguf_linear(x, *self.gguf_blocks, bias)
+        if self.gguf_weight is not None and x.shape[0] <= gguf_blocks.MAX_ROWS:
+            return self.gguf_weight.linear(x, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return nn.functional.linear(x, self.weight, bias)
