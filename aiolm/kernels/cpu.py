@@ -83,8 +83,16 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
+def ready(t: torch.Tensor) -> bool:
+    """True if the fused float32 CPU kernels can take ``t`` (cheap enough to call per op)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        return False
+    ok = _state.get("ok")
+    return bool(ok) if ok is not None else load()
+
+
 def load() -> bool:
-    """Make ``torch.ops.aiolm.*`` (paged_attention, gguf_linear) available; False (logged) if not."""
+    """Make ``torch.ops.aiolm.*`` available; False (logged) if they can't be."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])

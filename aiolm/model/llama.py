@@ -14,6 +14,7 @@ from torch import nn
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.config import ModelConfig
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, _Packable
@@ -60,7 +61,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.ready(gate_up):
+            return self.down_proj(torch.ops.aiolm.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -72,10 +76,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output; residual: the stream before it (None at layer 0).
+        Returns this layer's output and the stream it is to be added to."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # Hugging Face parameter suffix -> (our fused module suffix, shard index)
@@ -103,9 +114,12 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, cache, meta)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,16 @@
-"""RMSNorm computed in float32 like the Hugging Face reference, whatever the dtype."""
+"""RMSNorm computed in float32 like the Hugging Face reference, whatever the dtype.
+
+With a ``residual``, the layer first adds it (x + residual) and returns both the
+normalised sum and the sum, the new residual stream; on float32 CPU tensors that
+is one fused kernel that works in place.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from aiolm.kernels import cpu as cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +19,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and cpu_kernels.ready(x) and self.weight.dtype == torch.float32:
+            if residual is None:
+                return torch.ops.aiolm.rms_norm(x, self.weight, self.eps)
+            torch.ops.aiolm.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from aiolm.kernels import cpu as cpu_kernels
+
 
 def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -49,7 +51,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hk, D], positions: [T]."""
+        """q: [T, H, D], k: [T, Hk, D], positions: [T]. May rotate q and k in place."""
+        if cpu_kernels.ready(q) and self.cos.dtype == torch.float32:
+            torch.ops.aiolm.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)

@@ -1,0 +1,147 @@
+// Fused element-wise steps of a decoder layer, for float32 on the CPU.
+//
+// Each replaces a chain of small torch ops (RMSNorm is six, rotary eight,
+// SiLU-and-mul three). On a batch of a few tokens each of those ops costs more
+// in dispatch and a trip through memory than in arithmetic, and there are
+// 30 layers of them per step.
+//
+//   rms_norm(x, w, eps)              -> w * x / sqrt(mean(x^2) + eps), per row
+//   add_rms_norm_(x, residual, w, eps)  residual += x; x = rms_norm(residual)
+//   rotary_(q, k, positions, cos, sin)  rotate-half RoPE, in place on q and k
+//   silu_and_mul(x)                  -> silu(x[:, :n]) * x[:, n:]
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "aiolm: ", name, " must be float32");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "aiolm: ", name, " must be [rows, features] with dense rows");
+}
+
+int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+inline void norm_row(const float* in, float* out, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += in[i] * in[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * inv);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(1),
+              "aiolm::rms_norm: weight must be float32 [features]");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_for(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * xs, op + r * n, wp, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "aiolm::add_rms_norm_: x and residual differ in shape");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(1),
+              "aiolm::add_rms_norm_: weight must be float32 [features]");
+  const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_for(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* xr = xp + r * xs;
+      float* rr = rp + r * rs;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+      norm_row(rr, xr, wp, n, static_cast<float>(eps));
+    }
+  });
+}
+
+void rotate(float* x, const float* c, const float* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] - b * s[i];
+    x[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+             const at::Tensor& sin) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "aiolm::rotary_: float32 q, k");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(2),
+              "aiolm::rotary_: q, k must be [tokens, heads, head_dim] with dense head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == q.size(0),
+              "aiolm::rotary_: positions must be int64 [tokens]");
+  const int64_t d = q.size(2), half = d / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == d,
+              "aiolm::rotary_: cos, sin must be float32 [positions, head_dim]");
+  const int64_t T = q.size(0), hq = q.size(1), hk = k.size(1), max_pos = cos.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "aiolm::rotary_: position ", pp[t], " outside [0, ", max_pos, ")");
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, grain_for((hq + hk) * d), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + pp[t] * d;
+      const float* s = sp + pp[t] * d;
+      for (int64_t h = 0; h < hq; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1), c, s, half);
+      for (int64_t h = 0; h < hk; ++h) rotate(kp + t * k.stride(0) + h * k.stride(1), c, s, half);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "aiolm::silu_and_mul: an even number of features is needed");
+  const int64_t n = x.size(1) / 2, xs = x.stride(0);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_for(2 * n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = xp + r * xs;
+      const float* u = g + n;
+      float* o = op + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aiolm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,67 @@
+"""The fused float32 CPU ops against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiolm.kernels import cpu as cpu_kernels
+from aiolm.model.layers.norm import RMSNorm
+from aiolm.model.layers.rotary import RotaryEmbedding, _apply
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
+
+
+def _ref_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows,size", [(1, 576), (7, 64), (300, 96), (3, 13)])
+def test_rms_norm_and_the_fused_residual_add(rows, size):
+    torch.manual_seed(rows)
+    x, res, w = torch.randn(rows, size) * 3, torch.randn(rows, size), torch.rand(size) + 0.5
+    torch.testing.assert_close(torch.ops.aiolm.rms_norm(x, w, 1e-5), _ref_norm(x, w, 1e-5))
+    x2, res2 = x.clone(), res.clone()
+    torch.ops.aiolm.add_rms_norm_(x2, res2, w, 1e-5)
+    torch.testing.assert_close(res2, x + res)
+    torch.testing.assert_close(x2, _ref_norm(x + res, w, 1e-5))
+
+
+def test_rms_norm_module_gives_the_same_answer_on_both_paths():
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, res = torch.randn(5, 64), torch.randn(5, 64)
+    fused_h, fused_r = norm(x.clone(), res.clone())
+    want_r = x + res
+    torch.testing.assert_close(fused_r, want_r)
+    torch.testing.assert_close(fused_h, norm._norm(want_r))
+    torch.testing.assert_close(norm(x.double()).float(), norm(x))  # float64 takes the torch path
+
+
+def test_rotary_in_place_on_strided_views_of_a_fused_qkv():
+    torch.manual_seed(1)
+    heads, kv_heads, d, t = 9, 3, 64, 11
+    rope = RotaryEmbedding(d, 4096, 10000.0)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    q = qkv[:, : heads * d].reshape(t, heads, d)  # strided views, as the model has them
+    k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(t, kv_heads, d)
+    pos = torch.tensor([0, 1, 2, 5, 100, 4095, 7, 7, 3, 2000, 9])
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    want_q, want_k = _apply(q, cos, sin), _apply(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    got_q, got_k = rope(pos, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+    with pytest.raises(RuntimeError, match="position 4096 outside"):
+        rope(torch.full((t,), 4096), q, k)
+
+
+def test_silu_and_mul():
+    torch.manual_seed(2)
+    x = torch.randn(6, 2 * 100) * 4
+    x[0, 0] = -100.0  # exp overflow side
+    want = torch.nn.functional.silu(x[:, :100]) * x[:, 100:]
+    torch.testing.assert_close(torch.ops.aiolm.silu_and_mul(x), want)
