@@ -24,7 +24,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -58,7 +59,7 @@ def _compile_command(src: list[Path], out: Path, compiler: str) -> list[str]:
 
 def library_path() -> Path:
     h = hashlib.sha256()
-    for p in _SOURCES:
+    for p in sorted(_CSRC.glob("*.[ch]*")):  # sources and the headers they include
         h.update(p.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())

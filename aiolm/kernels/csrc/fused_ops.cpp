@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec.h"
+
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -124,7 +126,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const float* g = xp + r * xs;
       const float* u = g + n;
       float* o = op + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = aiolm_vec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
   return out;

@@ -3,10 +3,10 @@
 // lie, with no gather into contiguous buffers and no padding to the longest
 // sequence.
 //
-// Work items are (request, kv head, tile of query rows), split over torch's own
-// intra-op threads with at::parallel_for. A key/value row is loaded once for
-// all query heads that share it (GQA), and the softmax is computed online,
-// one page at a time, so nothing of size seq_len is ever materialised.
+// Work items are (request, tile of query rows), split over torch's own intra-op
+// threads with at::parallel_for. Each page is read from memory once per query
+// row and used by every head while it is in cache, and the softmax is computed
+// online, one page at a time, so nothing of size seq_len is ever materialised.
 //
 // Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
 // q [num_tokens, num_heads, head_dim]; out the same shape as q.
@@ -15,9 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -31,7 +29,6 @@ namespace {
 typedef float v8f __attribute__((vector_size(32)));
 
 constexpr int64_t kTile = 16;      // query rows per work item in prefill chunks
-constexpr int kMaxGroup = 16;      // query heads per kv head we keep in registers/stack
 
 inline v8f load8(const float* p) {
   v8f v;
@@ -71,27 +68,6 @@ inline void axpy(float* y, float a, const float* x, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp on 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and p the degree-6
-// Taylor polynomial (relative error ~1e-7, float32's own rounding). The softmax takes
-// an exp per score; the scalar libm call cost more than the dot products.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
 
 // scores[t] = exp(scores[t] - m) for t < n; returns their sum.
 inline float exp_shifted(float* scores, int64_t n, float m) {
@@ -101,7 +77,7 @@ inline float exp_shifted(float* scores, int64_t n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+    const __m256 p = aiolm_vec::exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
     _mm256_storeu_ps(scores + t, p);
     acc = _mm256_add_ps(acc, p);
   }
@@ -120,6 +96,54 @@ inline void scale_inplace(float* y, float a, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] *= a;
 }
 
+// Scores of one query head against `rows` keys, head_dim = 8 * ND: q is held in
+// registers and each key row streams through once, with two keys in flight.
+template <int ND>
+inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_t rows, float scale,
+                          float* out) {
+  v8f qv[ND];
+  for (int i = 0; i < ND; ++i) qv[i] = load8(q + 8 * i);
+  float bmax = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  for (; t + 2 <= rows; t += 2) {
+    const float* k0 = k + t * stride;
+    const float* k1 = k0 + stride;
+    v8f a0 = qv[0] * load8(k0), a1 = qv[0] * load8(k1);
+    for (int i = 1; i < ND; ++i) {
+      a0 += qv[i] * load8(k0 + 8 * i);
+      a1 += qv[i] * load8(k1 + 8 * i);
+    }
+    const float x0 = hsum(a0) * scale, x1 = hsum(a1) * scale;
+    out[t] = x0;
+    out[t + 1] = x1;
+    bmax = std::max(bmax, std::max(x0, x1));
+  }
+  for (; t < rows; ++t) {
+    const float* k0 = k + t * stride;
+    v8f a0 = qv[0] * load8(k0);
+    for (int i = 1; i < ND; ++i) a0 += qv[i] * load8(k0 + 8 * i);
+    out[t] = hsum(a0) * scale;
+    bmax = std::max(bmax, out[t]);
+  }
+  return bmax;
+}
+
+// acc = acc * correction + sum_t p[t] v[t], head_dim = 8 * ND, the accumulator in registers.
+template <int ND>
+inline void accumulate_fixed(float* acc, float correction, const float* p, const float* v, int64_t stride,
+                             int64_t rows) {
+  const v8f c = {correction, correction, correction, correction, correction, correction, correction, correction};
+  v8f a[ND];
+  for (int i = 0; i < ND; ++i) a[i] = load8(acc + 8 * i) * c;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float pt = p[t];
+    const v8f pv = {pt, pt, pt, pt, pt, pt, pt, pt};
+    const float* vr = v + t * stride;
+    for (int i = 0; i < ND; ++i) a[i] += pv * load8(vr + 8 * i);
+  }
+  for (int i = 0; i < ND; ++i) store8(acc + 8 * i, a[i]);
+}
+
 struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, group, table_width;
   int64_t q_tok_stride, q_head_stride;    // strides of q
@@ -127,51 +151,67 @@ struct Shapes {
   int64_t kv_block_stride, kv_row_stride;  // strides of the caches
 };
 
-// One query row of one kv head's group: softmax(q K^T * scale) V over keys
-// [0, n_keys), reading the keys page by page from the block table.
+// One query row, all heads: softmax(q K^T * scale) V over keys [0, n_keys),
+// reading the pages listed in the block table. Every head is done page by page
+// so that a page (all kv heads of block_size tokens, contiguous) comes from
+// memory once and is then reused from cache by every query head.
 void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table,
-                int64_t n_keys, int64_t kh, const float* kc, const float* vc, float scale,
-                std::vector<float>& scratch) {
-  const int64_t g_count = s.group, d = s.head_dim, bs = s.block_size;
-  float m[kMaxGroup], l[kMaxGroup];
-  float* acc = scratch.data();                  // [group, d]
-  float* scores = scratch.data() + g_count * d; // [group, bs]
-  for (int64_t g = 0; g < g_count; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
+                int64_t n_keys, const float* kc, const float* vc, float scale, std::vector<float>& scratch) {
+  const int64_t H = s.num_heads, d = s.head_dim, bs = s.block_size, G = s.group;
+  float* acc = scratch.data();          // [H, d]
+  float* scores = acc + H * d;          // [H, bs]
+  float* m = scores + H * bs;           // [H] running max
+  float* l = m + H;                     // [H] running sum of exp
+  for (int64_t h = 0; h < H; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.f;
   }
-  std::fill(acc, acc + g_count * d, 0.f);
+  std::fill(acc, acc + H * d, 0.f);
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t block = table[b];
     const int64_t rows = std::min(bs, n_keys - b * bs);
-    const float* kb = kc + block * s.kv_block_stride + kh * d;
-    const float* vb = vc + block * s.kv_block_stride + kh * d;
-    for (int64_t g = 0; g < g_count; ++g) {
-      const float* qg = q_row + g * s.q_head_stride;
-      float* sg = scores + g * bs;
-      float bmax = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < rows; ++t) {
-        const float x = dot(qg, kb + t * s.kv_row_stride, d) * scale;
-        sg[t] = x;
-        bmax = std::max(bmax, x);
+    for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
+      const float* kb = kc + block * s.kv_block_stride + kh * d;
+      const float* vb = vc + block * s.kv_block_stride + kh * d;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* qh = q_row + h * s.q_head_stride;
+        float* sh = scores + h * bs;
+        float bmax;
+        if (d == 64) {
+          bmax = scores_fixed<8>(qh, kb, s.kv_row_stride, rows, scale, sh);
+        } else if (d == 128) {
+          bmax = scores_fixed<16>(qh, kb, s.kv_row_stride, rows, scale, sh);
+        } else {
+          bmax = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < rows; ++t) {
+            const float x = dot(qh, kb + t * s.kv_row_stride, d) * scale;
+            sh[t] = x;
+            bmax = std::max(bmax, x);
+          }
+        }
+        const float new_m = std::max(m[h], bmax);
+        const float correction = std::exp(m[h] - new_m);  // exp(-inf) = 0 on the first page
+        l[h] = l[h] * correction + exp_shifted(sh, rows, new_m);
+        m[h] = new_m;
+        float* ah = acc + h * d;
+        if (d == 64) {
+          accumulate_fixed<8>(ah, correction, sh, vb, s.kv_row_stride, rows);
+        } else if (d == 128) {
+          accumulate_fixed<16>(ah, correction, sh, vb, s.kv_row_stride, rows);
+        } else {
+          if (correction != 1.f) scale_inplace(ah, correction, d);
+          for (int64_t t = 0; t < rows; ++t) axpy(ah, sh[t], vb + t * s.kv_row_stride, d);
+        }
       }
-      const float new_m = std::max(m[g], bmax);
-      const float correction = std::exp(m[g] - new_m);  // exp(-inf) = 0 on the first page
-      l[g] = l[g] * correction + exp_shifted(sg, rows, new_m);
-      m[g] = new_m;
-      if (correction != 1.f) scale_inplace(acc + g * d, correction, d);
-    }
-    for (int64_t t = 0; t < rows; ++t) {
-      const float* vrow = vb + t * s.kv_row_stride;
-      for (int64_t g = 0; g < g_count; ++g) axpy(acc + g * d, scores[g * bs + t], vrow, d);
     }
   }
-  for (int64_t g = 0; g < g_count; ++g) {
-    const float inv = 1.f / l[g];
-    float* og = out_row + g * s.o_head_stride;
-    const float* ag = acc + g * d;
-    for (int64_t i = 0; i < d; ++i) og[i] = ag[i] * inv;
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / l[h];
+    float* oh = out_row + h * s.o_head_stride;
+    const float* ah = acc + h * d;
+    for (int64_t i = 0; i < d; ++i) oh[i] = ah[i] * inv;
   }
 }
 
@@ -201,7 +241,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   s.block_size = k_cache.size(1);
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   s.group = s.num_heads / s.num_kv_heads;
-  TORCH_CHECK(s.group <= kMaxGroup, "at most ", kMaxGroup, " query heads per kv head");
   TORCH_CHECK(k_cache.size(3) == s.head_dim, "head_dim of q and the caches differ");
   s.table_width = block_table.size(1);
   s.q_tok_stride = q.stride(0);
@@ -228,7 +267,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       item_row0.push_back(i);
     }
   }
-  const int64_t n_items = static_cast<int64_t>(item_req.size()) * s.num_kv_heads;
+  const int64_t n_items = static_cast<int64_t>(item_req.size());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
@@ -240,20 +279,16 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   std::atomic<int64_t> next{0};
   const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(s.group * (s.head_dim + s.block_size));
-    for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-      const int64_t kh = it % s.num_kv_heads;
-      const int64_t w = it / s.num_kv_heads;
+    std::vector<float> scratch(s.num_heads * (s.head_dim + s.block_size + 2));
+    for (int64_t w = next.fetch_add(1); w < n_items; w = next.fetch_add(1)) {
       const int64_t r = item_req[w];
       const int64_t n = qsl[r + 1] - qsl[r];
       const int64_t ctx = slen[r] - n;
       const int64_t row_end = std::min(n, item_row0[w] + kTile);
       for (int64_t i = item_row0[w]; i < row_end; ++i) {
         const int64_t tok = qsl[r] + i;
-        const int64_t qoff = tok * s.q_tok_stride + kh * s.group * s.q_head_stride;
-        const int64_t ooff = tok * s.o_tok_stride + kh * s.group * s.o_head_stride;
-        attend_row(s, qp + qoff, op + ooff, table + r * s.table_width, ctx + i + 1, kh, kc, vc, fscale,
-                   scratch);
+        attend_row(s, qp + tok * s.q_tok_stride, op + tok * s.o_tok_stride, table + r * s.table_width,
+                   ctx + i + 1, kc, vc, fscale, scratch);
       }
     }
   });
