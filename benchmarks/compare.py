@@ -140,9 +140,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
-    servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str]]] = [
+    # (name, dtype, command, environment, extra client flags)
+    servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str], list[str]]] = [
         ("aiolm", "float32", lambda port: [str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1",
-                                           "--port", str(port), "--max-model-len", "2048"], {}),
+                                           "--port", str(port), "--max-model-len", "2048"], {}, []),
     ]
     wanted = a.peers.split(",")
     if "vllm" not in wanted:
@@ -153,15 +154,17 @@ def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, 
             str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
             "--seed", "0", "--gpu-memory-utilization", "0.5"],
-            {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
+            {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []))
     else:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
     if "llamacpp" in wanted and (PEERS / "llamacpp/bin/python").exists():
         servers.append(("llama.cpp", "q4_1", lambda port: [
             str(PEERS / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-            "--port", str(port), "--n_threads", "2", "--n_ctx", "4096", "--n_batch", "512"], {}))
+            "--port", str(port), "--n_threads", "2", "--n_ctx", "4096", "--n_batch", "512"], {},
+            # it takes no token-id prompts and has no ignore_eos: text prompts, and outputs may end early
+            ["--text-prompts"]))
     rows = []
-    for name, dtype, cmd, env in servers:
+    for name, dtype, cmd, env, client_flags in servers:
         port = _free_port()
         c = cmd(port)
         print("$", " ".join(c), flush=True)
@@ -178,7 +181,7 @@ def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, 
             for _ in range(a.repeats + 1):  # the first run warms the server up and is dropped
                 r = _result(_aiolm_bench(["serve", "--base-url", url, "--model", model, "--num-requests",
                                           str(a.serve_requests), "--max-concurrency", str(a.concurrency),
-                                          "--json"]), a.timeout)
+                                          *client_flags, "--json"]), a.timeout)
                 if r is None or r["failed"]:
                     print(f"  {name}: failed requests: {r and r['errors']}", flush=True)
                     runs = []

@@ -35,7 +35,8 @@ class Result:
 
 
 async def _one(client: Any, url: str, model: str, item: Item, timeout: float) -> Result:
-    body = {"model": model, "prompt": item.prompt_token_ids, "max_tokens": item.max_tokens,
+    prompt = item.prompt_text if item.prompt_text is not None else item.prompt_token_ids
+    body = {"model": model, "prompt": prompt, "max_tokens": item.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -144,6 +145,9 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prompt-len", default="64-256")
     s.add_argument("--output-len", default="32-128")
     s.add_argument("--dataset")
+    s.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text (decoded with the embedded model's tokenizer) to servers "
+                        "that refuse token ids")
     s.add_argument("--request-rate", default="inf", help="req/s (comma list to sweep); inf = all at once")
     s.add_argument("--max-concurrency", type=int, default=0, help="0 = unbounded")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -159,6 +163,11 @@ def add_args(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     items = (jsonl_workload(args.dataset) if args.dataset else
              random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed))
+    if args.text_prompts:
+        from aiolm.bench.workload import as_text
+        from aiolm.model.loader import resolve_model
+
+        items = as_text(items, resolve_model(None).load_tokenizer())
     rates = [float(r) for r in str(args.request_rate).split(",")]
     results = []
     for rate in rates:

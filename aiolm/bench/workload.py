@@ -16,6 +16,13 @@ from pathlib import Path
 class Item:
     prompt_token_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # sent instead of the ids to servers that only take text
+
+
+def as_text(items: list[Item], tokenizer: object) -> list[Item]:
+    """The same prompts as text, for servers that refuse token-id prompts (llama-cpp-python)."""
+    return [Item(it.prompt_token_ids, it.max_tokens, tokenizer.decode(it.prompt_token_ids))  # type: ignore[attr-defined]
+            for it in items]
 
 
 def random_workload(num_requests: int = 64, prompt_len: tuple[int, int] = (64, 256),

@@ -78,6 +78,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Rank 0's seconds in [input preparation, forward pass, logits + sampling], for cost accounting.
     worker_times: list[float] = field(default_factory=list)
+    # Rank 0's time.perf_counter() (CLOCK_MONOTONIC, shared by processes) when the step's message
+    # was read and when this reply was written: splits the round trip into its two legs.
+    worker_clock: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiolm.actors import Actor
-from aiolm.core.outputs import EngineCoreOutput
+from aiolm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from aiolm.core.scheduler import Scheduler
 from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepOutputs
 from aiolm.engine.output import OutputProcessor
@@ -22,7 +22,8 @@ from aiolm.params import ParamError
 log = logging.getLogger(__name__)
 
 
-COST_PARTS = ("schedule", "ipc", "prepare", "forward", "sample", "update", "output")
+COST_PARTS = ("schedule", "ipc", "prepare", "forward", "sample", "update", "output",
+              "ipc_send", "ipc_reply")  # the last two: the legs of ipc, for diagnosis
 OVERHEAD_PARTS = ("schedule", "ipc", "prepare", "update", "output")  # all but forward and sampling
 
 
@@ -54,7 +55,8 @@ class StepTimes:
 
     schedule and update run in the engine core; prepare (input tensors), forward and
     sample are rank 0's own clock; ipc is the rest of the executor round trip (rings,
-    codec, wake-ups); output is detokenizing and streaming a step's results, which
+    codec, wake-ups), of which ipc_send runs from the engine's send to rank 0's read and
+    ipc_reply from rank 0's reply to the engine resuming; output is detokenizing and streaming a step's results, which
     the output processor does while the next step runs.
     """
 
@@ -128,16 +130,18 @@ class EngineCore(Actor[CoreMessage]):
             t3 = time.perf_counter()
             if outputs:
                 self.output.send(StepOutputs(outputs))
-            self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens),
-                          result.worker_times if result is not None else [], t0, t1, t2, t3)
+            self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result, t0, t1, t2, t3)
 
-    def _account(self, tokens: int, reqs: int, worker: list[float],
+    def _account(self, tokens: int, reqs: int, result: ModelRunnerOutput | None,
                  t0: float, t1: float, t2: float, t3: float) -> None:
+        worker = result.worker_times if result is not None else []
         prepare, forward, sample = worker if len(worker) == 3 else (0.0, 0.0, 0.0)
+        clock = result.worker_clock if result is not None else []
+        sent, replied = (clock[0] - t1, t2 - clock[1]) if len(clock) == 2 else (0.0, 0.0)
         output = self.output.take_busy_time()  # the previous step's outputs, processed during this one
         costs = {"schedule": t1 - t0, "ipc": max(0.0, (t2 - t1) - prepare - forward - sample),
                  "prepare": prepare, "forward": forward, "sample": sample, "update": t3 - t2,
-                 "output": output}
+                 "output": output, "ipc_send": max(0.0, sent), "ipc_reply": max(0.0, replied)}
         self.times.add(costs, reqs, tokens)
         if self.log_steps:
             log.info("step %d: %d reqs %d tokens | %s | overhead %.3f ms", self.times.steps, reqs, tokens,

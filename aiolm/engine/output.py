@@ -212,7 +212,8 @@ class OutputProcessor(Actor[StepOutputs]):
                     self.requests.pop(state.req_id, None)
                     state.finish_time = now
                     self._finished(state)
-            state.wake()
+            if state.finished or state.params.output_kind is not OutputKind.FINAL_ONLY:
+                state.wake()  # a final-only consumer has nothing to read before the end
         if stopped:
             self.abort_children(stopped)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 
 from aiolm.ipc import codec
@@ -90,10 +91,12 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
             continue
         except RingClosed:
             return 0
+        received = time.perf_counter()
         msg = codec.decode(buf)
         if isinstance(msg, SchedulerOutput):
             out = runner.execute(msg)
             if args.rank == 0:
+                out.worker_clock = [received, time.perf_counter()]
                 responses.write(codec.encode_model_runner_output(out))
         elif isinstance(msg, codec.RpcCall):
             try:
