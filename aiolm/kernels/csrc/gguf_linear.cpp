@@ -148,7 +148,15 @@ void run_rows(const uint8_t* qs, const float* scale, const float* mins, const fl
   };
 #ifdef AIOLM_AVX2
   int64_t r0 = 0;
-  // Pairs of x rows against 4 weight rows; a last single row against 8.
+  // Eight x rows share each unpacked block; then pairs against 4 weight rows; a last
+  // single row against 8 weight rows (every tile keeps <= 8 accumulators in registers).
+  for (; r0 + 8 <= M; r0 += 8) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float out[1][8];
+      tile<T, 1, 8>(qs + n * qs_row, scale + n * nblocks, qs_row, nblocks, x + r0 * K, K, out);
+      for (int r = 0; r < 8; ++r) finish(n, r0 + r, out[0][r]);
+    }
+  }
   for (; r0 + 2 <= M; r0 += 2) {
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {

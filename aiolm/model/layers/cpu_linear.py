@@ -3,7 +3,7 @@
 ``F.linear`` on a CPU goes to MKL's sgemm, which re-lays out the weight on every
 call and, on AMD CPUs, takes a slower path; a oneDNN primitive over a
 pre-reordered weight does neither. Measured with this machine's two threads
-(benchmarks/bench_linear.py) it is 1.2-2x faster for SmolLM2's shapes, the LM
+(benchmarks/bench_linear.py) it is 1.1-2x faster for SmolLM2's shapes, the LM
 head most of all. Packing is float32-only and falls back to ``F.linear`` when
 the ops are missing or disagree with it on a probe.
 """
