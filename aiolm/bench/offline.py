@@ -69,7 +69,7 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
         return times[min(len(times) - 1, int(p / 100 * len(times)))]
 
     return {"benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
-            "output_len": args.output_len_fixed, "mean_s": statistics.fmean(times),
+            "output_len": args.output_len_fixed, "times_s": times, "mean_s": statistics.fmean(times),
             "p50_s": pct(50), "p90_s": pct(90), "p99_s": pct(99),
             "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times),
             "step_costs_ms": costs}

@@ -17,7 +17,8 @@ from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.config import ModelConfig
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, _Packable
+from aiolm.model.layers.linear import (ColumnParallelLinear, PackableLinear, QKVParallelLinear,
+                                       RowParallelLinear)
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
 
@@ -131,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         The lm_head keeps its plain weight when tied, since the embedding reads it.
         Returns how many layers were packed.
         """
-        n = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, _Packable))
+        n = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, PackableLinear))
         return n + self.lm_head.pack_for_cpu(keep_weight=self.config.tie_word_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,7 +15,7 @@ from aiolm.model import gguf_blocks
 from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
 
 
-class _Packable(nn.Module):
+class PackableLinear(nn.Module):
     """A layer whose float32 CPU weight can be swapped for a oneDNN-packed copy once loaded."""
 
     weight: nn.Parameter
@@ -39,7 +39,7 @@ class _Packable(nn.Module):
         return nn.functional.linear(x, self.weight, bias)
 
 
-class ColumnParallelLinear(_Packable):
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T (+ b) with W's rows (outputs) split across ranks; shards laid side by side."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
@@ -87,7 +87,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().load_shard(name, loaded, shard)
 
 
-class RowParallelLinear(_Packable):
+class RowParallelLinear(PackableLinear):
     """y = all_reduce(x_local W_local^T): each rank holds a slice of the input features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
