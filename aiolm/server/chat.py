@@ -10,16 +10,11 @@ from starlette.responses import Response
 
 from aiolm.params import OutputKind, ParamError
 from aiolm.server.errors import bad_request, json_response
-from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
+from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import chat_logprobs
 from aiolm.server.protocol import chat_request, check_unsupported_chat, message_text, param_error, sampling_params
 from aiolm.server.sse import EventStream, until_disconnect
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def create_chat_completion(request: Request) -> Response | EventStream:
@@ -74,7 +69,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     log_extra(request, completion_tokens=completion_tokens)
     return json_response({**meta, "choices": choices,
-                          "usage": _usage(len(ids), completion_tokens), "system_fingerprint": None})
+                          "usage": usage(len(ids), completion_tokens), "system_fingerprint": None})
 
 
 async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
@@ -114,4 +109,4 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
         yield {**meta, "choices": [], "system_fingerprint": None,
-               "usage": _usage(prompt_tokens, completion_tokens)}
+               "usage": usage(prompt_tokens, completion_tokens)}

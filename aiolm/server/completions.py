@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from aiolm.params import OutputKind
 from aiolm.server.errors import bad_request, json_response
-from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
+from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import CompletionLogprobs, merge
 from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params
@@ -46,11 +46,6 @@ async def _prepare(ctx: Any, raw: list[str | list[int]], add_special: bool, max_
         check_lengths(ctx, len(prompt.token_ids), max_tokens, param, "max_tokens", min_tokens)
         prompts.append(prompt)
     return prompts
-
-
-def _usage(prompts: list[Prompt], completion_tokens: int) -> dict[str, int]:
-    p = sum(len(x.token_ids) for x in prompts)
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
 
 async def create_completion(request: Request) -> Response | EventStream:
@@ -95,7 +90,8 @@ async def create_completion(request: Request) -> Response | EventStream:
             choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     log_extra(request, completion_tokens=completion_tokens)
-    return json_response({**meta, "choices": choices, "usage": _usage(prompts, completion_tokens),
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return json_response({**meta, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
                           "system_fingerprint": None})
 
 
@@ -141,4 +137,5 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        yield {**meta, "choices": [], "system_fingerprint": None, "usage": _usage(prompts, completion_tokens)}
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        yield {**meta, "choices": [], "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}

@@ -27,6 +27,12 @@ class Prompt:
     token_ids: list[int]
 
 
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The OpenAI ``usage`` object of a chat or text completion."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIError:
     """Map an engine exception to the HTTP error a client should see."""
     if isinstance(e, ParamError):
