@@ -15,16 +15,13 @@ from aiolm.attention.torch_backend import TorchAttention, write_kv
 
 
 class CpuPagedAttention(TorchAttention):
-    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors, else the torch path."""
+    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors, else the torch path.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        self.use_kernel = cpu_kernels.load()
+    The kernels are built on the first float32 CPU call, never for a model on another device."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if not (self.use_kernel and q.device.type == "cpu" and q.dtype == torch.float32
-                and kv_cache.dtype == torch.float32):
+        if not (cpu_kernels.ready(q) and kv_cache.dtype == torch.float32):
             return super().forward(q, k, v, kv_cache, meta)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # dense, whatever q's strides (a view of qkv)

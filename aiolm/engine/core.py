@@ -62,7 +62,6 @@ class StepTimes:
 
     all: CostSums = field(default_factory=CostSums)
     decode: CostSums = field(default_factory=CostSums)
-    last: dict[str, float] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -72,7 +71,6 @@ class StepTimes:
         self.all.add(costs, reqs)
         if tokens == reqs:
             self.decode.add(costs, reqs)
-        self.last = costs
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {"all_steps": self.all.mean_ms(), "decode_steps": self.decode.mean_ms()}

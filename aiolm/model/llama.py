@@ -132,8 +132,9 @@ class LlamaForCausalLM(nn.Module):
         The lm_head keeps its plain weight when tied, since the embedding reads it.
         Returns how many layers were packed.
         """
-        n = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, PackableLinear))
-        return n + self.lm_head.pack_for_cpu(keep_weight=self.config.tie_word_embeddings)
+        tied = self.config.tie_word_embeddings
+        return sum(m.pack_for_cpu(keep_weight=tied and m is self.lm_head)
+                   for m in self.modules() if isinstance(m, PackableLinear))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.model import gguf_blocks
-from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
+from aiolm.model.layers.linear import PackableLinear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,29 +32,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: part.shape[0]].copy_(part)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Logits for this rank's vocabulary slice; gathered to full vocabulary on return."""
 
-    packed: torch.Tensor | None = None
-    gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
-
-    def pack_for_cpu(self, keep_weight: bool) -> bool:
-        """Pack the weight for oneDNN; keep the plain copy when the embedding shares it."""
-        packed = pack_weight(self.weight.data)
-        if packed is None:
-            return False
-        self.packed = packed
-        if not keep_weight:
-            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        return True
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gguf_weight is not None and hidden.shape[0] <= gguf_blocks.MAX_ROWS:
-            out = self.gguf_weight.linear(hidden)
-        elif self.packed is not None:
-            out = packed_linear(hidden, self.packed, None)
-        else:
-            out = nn.functional.linear(hidden, self.weight)
+        out = self._matmul(hidden)
         if self.tp.world_size > 1:
             out = self.tp.all_gather(out)
         return out[:, : self.vocab_size]

@@ -22,13 +22,15 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
 
-    def pack_for_cpu(self) -> bool:
-        """Pack the weight and drop the plain copy (loading is over); True if packed."""
+    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
+        """Pack the weight and, unless another layer reads it (a tied embedding), drop the
+        plain copy now that loading is over; True if packed."""
         packed = pack_weight(self.weight.data)
         if packed is None:
             return False
         self.packed = packed
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
