@@ -9,6 +9,7 @@ sends SIGTERM and the test asserts a clean exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -79,6 +80,16 @@ class ServerProcess:
         self._log.close()
         return self.returncode
 
+    @contextlib.contextmanager
+    def serving(self, name: str = "server") -> Iterator["ServerProcess"]:
+        """Ready on entry; on exit SIGTERM, and the process must exit with 0."""
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            code = self.stop()
+            assert code == 0, f"{name} exited with {code} on SIGTERM:\n{self.log()}"
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -97,12 +108,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess(serve_cmd(port, "--api-key", API_KEY, "--max-request-bytes", str(256 << 10),
                                   "--shutdown-timeout", "5"), port, log)
-    try:
-        srv.wait_ready()
+    with srv.serving():
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, f"server exited with {code} on SIGTERM:\n{srv.log()}"
 
 
 

@@ -24,13 +24,8 @@ def hserver(tmp_path_factory: pytest.TempPathFactory):
     env = {"AIOLM_ARGS": shlex.join([*LIGHT_ENGINE_FLAGS, "--served-model-name", "smol"]),
            "AIOLM_API_KEY": "hk"}
     cmd = [sys.executable, "-m", "hypercorn", "aiolm.server:create_app()", "--config", str(cfg)]
-    srv = ServerProcess(cmd, port, tmp / "server.log", env)
-    try:
-        srv.wait_ready()
+    with ServerProcess(cmd, port, tmp / "server.log", env).serving("hypercorn") as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, f"hypercorn exited with {code} on SIGTERM:\n{srv.log()}"
 
 
 def test_chat_and_stream_under_hypercorn(hserver):
