@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(hidden)
 
     def pack_for_cpu(self) -> int:
-        """Swap float32 CPU weights for oneDNN-packed copies once loading is done.
+        """Swap float32 CPU weights for packed copies (layers/cpu_linear.py) once loading is done.
 
         The lm_head keeps its plain weight when tied, since the embedding reads it.
         Returns how many layers were packed.

@@ -12,14 +12,14 @@ from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model import gguf_blocks
-from aiolm.model.layers.cpu_linear import pack_weight, packed_linear
+from aiolm.model.layers.cpu_linear import PackedWeight, pack_weight
 
 
 class PackableLinear(nn.Module):
-    """A layer whose float32 CPU weight can be swapped for a oneDNN-packed copy once loaded."""
+    """A layer whose float32 CPU weight can be swapped for a packed copy once loaded (cpu_linear.py)."""
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
     gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
@@ -37,7 +37,7 @@ class PackableLinear(nn.Module):
         if self.gguf_weight is not None and x.shape[0] <= gguf_blocks.MAX_ROWS:
             return self.gguf_weight.linear(x, bias)
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
+            return self.packed.linear(x, bias)
         return nn.functional.linear(x, self.weight, bias)
 
 

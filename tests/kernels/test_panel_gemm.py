@@ -1,0 +1,50 @@
+"""aiolm::panel_linear (the float32 CPU GEMM) against a float64 matmul, and the layers using it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiolm.kernels import cpu as cpu_kernels
+from aiolm.model.layers.cpu_linear import pack_weight, to_panels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().t()).float()
+
+
+# rows: every micro-kernel height (1-6), partial tiles, and both sides of the 128-row packing switch;
+# outputs: whole panels, a partial last panel, fewer columns than one panel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64, 128, 129, 301])
+@pytest.mark.parametrize("out_features", [48, 40, 5])
+def test_matches_float64_matmul(rows, out_features):
+    g = torch.Generator().manual_seed(rows * 100 + out_features)
+    w = torch.randn(out_features, 72, generator=g)
+    x = torch.randn(rows, 72, generator=g)
+    got = torch.ops.aiolm.panel_linear(x, to_panels(w), out_features)
+    want = _reference(x, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_packed_weight_keeps_leading_dims_adds_bias_and_reads_strided_input():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(20, 32, generator=g), torch.randn(20, generator=g)
+    packed = pack_weight(w)
+    assert packed is not None and packed.panels
+    x = torch.randn(2, 3, 64, generator=g)[..., ::2]  # not contiguous
+    got = packed.linear(x, b)
+    assert got.shape == (2, 3, 20)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_mismatched_shapes():
+    p = to_panels(torch.randn(20, 32))
+    with pytest.raises(RuntimeError, match="x has 16 features, W has 32"):
+        torch.ops.aiolm.panel_linear(torch.zeros(1, 16), p, 20)
+    with pytest.raises(RuntimeError, match="2 panels cannot hold 40 columns"):
+        torch.ops.aiolm.panel_linear(torch.zeros(1, 32), p, 40)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        torch.ops.aiolm.panel_linear(torch.zeros(1, 32, dtype=torch.float64), p, 20)
+    assert torch.ops.aiolm.panel_linear(torch.zeros(0, 32), p, 20).shape == (0, 20)
