@@ -30,7 +30,8 @@ namespace {
 
 constexpr int64_t NR = 16;  // columns per panel
 constexpr int64_t MR = 6;   // rows per micro-kernel call
-constexpr int64_t PACK_ROWS = 128;  // above this many rows x is packed first
+constexpr int64_t PACK_ROWS = 128;   // above this many rows x is packed first
+constexpr int64_t CHUNK_ROWS = 252;  // rows packed and run at a time (a multiple of MR)
 
 #ifdef AIOLM_AVX2
 // y[r][0:16] = sum_k x[r * ldx + k * KS] * panel[k][0:16] for R <= 6 rows: KS = 1 reads
@@ -154,21 +155,26 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panels_range<false>(xp, M, K, wp, N, yp, p0, p1); });
   } else {
-    const int64_t tiles = (M + MR - 1) / MR;
-    at::Tensor packed = at::empty({tiles * K * MR}, x.options());
-    const float* xs = x.data_ptr<float>();
+    // In chunks of rows, so a chunk's packed x (CHUNK_ROWS * K floats) stays in L3
+    // next to the panels: 30 layers at 2048 rows took ~10% longer as one chunk.
+    at::Tensor packed = at::empty({std::min(M, CHUNK_ROWS) * K + MR * K}, x.options());
     float* xp = packed.data_ptr<float>();
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        float* dst = xp + t * K * MR;
-        const int64_t rows = std::min(MR, M - t * MR);
-        for (int64_t r = 0; r < MR; ++r) {
-          const float* src = xs + (t * MR + std::min(r, rows - 1)) * K;  // pad with a copy of the last row
-          for (int64_t k = 0; k < K; ++k) dst[k * MR + r] = src[k];
+    for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
+      const int64_t rows_c = std::min(CHUNK_ROWS, M - c0), tiles = (rows_c + MR - 1) / MR;
+      const float* xs = x.data_ptr<float>() + c0 * K;
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          float* dst = xp + t * K * MR;
+          const int64_t rows = std::min(MR, rows_c - t * MR);
+          for (int64_t r = 0; r < MR; ++r) {
+            const float* src = xs + (t * MR + std::min(r, rows - 1)) * K;  // pad with a copy of the last row
+            for (int64_t k = 0; k < K; ++k) dst[k * MR + r] = src[k];
+          }
         }
-      }
-    });
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panels_range<true>(xp, M, K, wp, N, yp, p0, p1); });
+      });
+      float* yc = yp + c0 * N;
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panels_range<true>(xp, rows_c, K, wp, N, yc, p0, p1); });
+    }
   }
   return y.view(out_sizes);
 }
