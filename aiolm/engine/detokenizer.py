@@ -148,16 +148,35 @@ class IncrementalDetokenizer:
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add output tokens; return the text they finalized (may be "")."""
-        out = []
         drop = self._drop
-        for tid in new_token_ids:
-            if tid in drop:
-                continue
-            delta = self._step(int(tid))
+        ids = [int(t) for t in new_token_ids if t not in drop]
+        self.num_tokens += len(new_token_ids)
+        if len(ids) > 1:
+            delta = self._push_run(ids)
+            if delta is not None:
+                return self._emit(delta)
+        out = []
+        for tid in ids:
+            delta = self._step(tid)
             if delta:
                 out.append(delta)
-        self.num_tokens += len(new_token_ids)
         return self._emit("".join(out))
+
+    def _push_run(self, ids: list[int]) -> str | None:
+        """Release several ids with two decodes instead of two per id, when they end on a
+        whole character; None (nothing changed) otherwise, for the id-by-id path.
+
+        The window is then cut to its last few ids, the same decoding context a
+        prompt gives the first output token.
+        """
+        w = self._window + ids
+        text = self._decode(w)
+        prefix = self._prefix_text
+        if text.endswith(_FFFD) or not text.startswith(prefix):
+            return None
+        keep = w[-_PROMPT_CONTEXT_TOKENS:]
+        self._window, self._read, self._prefix_text = keep, len(keep), self._decode(keep)
+        return text[len(prefix):]
 
     def finish(self) -> str:
         """Release whatever is pending, invalid bytes (as U+FFFD) included."""

@@ -34,6 +34,16 @@ class SeqState:
     stop_reason: int | str | None = None
     sent_text: int = 0  # for delta mode: what the consumer has already seen
     sent_tokens: int = 0
+    # Text nobody reads before the end (final-only output, no stop strings) is
+    # detokenized once at the finish, a run of ids at a time, not on every step.
+    defer_text: bool = False
+    num_pushed: int = 0  # token_ids already pushed into ``text``
+
+    def push_text(self, stop_terminated: bool = False) -> str | None:
+        """Push the ids ``text`` has not seen; the stop string they matched, if any."""
+        ids = self.token_ids[self.num_pushed:]
+        self.num_pushed = len(self.token_ids)
+        return self.text.push(ids, stop_terminated=stop_terminated)[1] if ids else None
 
 
 class RequestState:
@@ -136,10 +146,12 @@ class OutputProcessor(Actor[StepOutputs]):
     def register(self, req_id: str, prompt: str | None, prompt_ids: list[int],
                  params: SamplingParams, child_ids: list[str]) -> RequestState:
         seqs = []
+        defer = params.output_kind is OutputKind.FINAL_ONLY and not params.stop
         for i, cid in enumerate(child_ids):
             stream = TextStream.from_params(self.tokenizer, prompt_ids, params)
             seqs.append(SeqState(i, cid, stream, logprobs=[] if params.logprobs is not None else None,
-                                 cumulative_logprob=0.0 if params.logprobs is not None else None))
+                                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                                 defer_text=defer))
         state = RequestState(req_id, prompt, prompt_ids, params, seqs)
         self.requests[req_id] = state
         for s in seqs:
@@ -155,6 +167,7 @@ class OutputProcessor(Actor[StepOutputs]):
         live = []
         for s in state.seqs:
             if self.children.pop(s.child_id, None) is not None and s.finish_reason is None:
+                s.push_text()
                 s.finish_reason = "abort"
                 live.append(s.child_id)
         self._finished(state)
@@ -197,7 +210,8 @@ class OutputProcessor(Actor[StepOutputs]):
                 if seq.logprobs is not None and o.new_logprobs is not None:
                     self._add_logprobs(seq, o.new_logprobs)
                 token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
-                _, stop_str = seq.text.push(o.new_token_ids, stop_terminated=token_stop)
+                stop_str = (None if seq.defer_text and o.finish_reason is None
+                            else seq.push_text(stop_terminated=token_stop))
                 if stop_str is not None and o.finish_reason is None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     stopped.append(seq.child_id)
@@ -205,6 +219,7 @@ class OutputProcessor(Actor[StepOutputs]):
                 if o.finish_reason == "error":
                     state.error = RequestError(o.error or "request failed")
                 seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
+                seq.push_text()  # an error or abort ending a deferred sequence with no new ids
                 seq.text.finish()
             if seq.finish_reason is not None:
                 self.children.pop(seq.child_id, None)
@@ -212,7 +227,8 @@ class OutputProcessor(Actor[StepOutputs]):
                     self.requests.pop(state.req_id, None)
                     state.finish_time = now
                     self._finished(state)
-            if state.finished or state.params.output_kind is not OutputKind.FINAL_ONLY:
+            if state.params.output_kind is not OutputKind.FINAL_ONLY or (
+                    seq.finish_reason is not None and state.finished):
                 state.wake()  # a final-only consumer has nothing to read before the end
         if stopped:
             self.abort_children(stopped)

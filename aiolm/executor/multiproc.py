@@ -64,6 +64,12 @@ class MultiprocExecutor(Executor):
         port = _free_port() if self.world_size > 1 else 0
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # libgomp's threads spin for milliseconds after each parallel region by default,
+        # so between steps they hold the cores that the engine loop and the worker's own
+        # main thread need in order to wake up. 10000 spins (~0.1 ms) still bridge the
+        # gaps inside a forward pass: at 64 requests ipc_send fell from 1.4 to 0.5 ms
+        # with the forward unchanged (docs/benchmarks.md). A user's setting wins.
+        env.setdefault("GOMP_SPINCOUNT", "10000")
         try:
             for rank in range(self.world_size):
                 cmd = [sys.executable, "-m", "aiolm.worker", "--rank", str(rank),

@@ -333,3 +333,49 @@ def test_text_stream_from_params(tok):
     ids = tok.encode("<|im_start|>Hey! you", add_special_tokens=False)
     ts = TextStream.from_params(tok, [], params)
     assert run_stream(ts, ids) == ("<|im_start|>Hey!", "!")
+
+
+def test_final_only_output_defers_detokenizing_and_gives_the_streamed_text(tok, byte_token_ids):
+    """A final-only request without stop strings is detokenized once at its end, in runs of
+    ids; its text equals the text a streaming request builds step by step, with a stop
+    token dropped, and an abort flushes what was deferred."""
+    from aiolm.core.outputs import EngineCoreOutput
+    from aiolm.engine.output import OutputProcessor
+    from aiolm.params import OutputKind, SamplingParams
+
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    texts = TEXTS[:7] + ["x" + "".join(chr(0x4F60 + i) for i in range(5))]
+    op = OutputProcessor(tok, abort_children=lambda ids: None)
+    kinds = {"final": OutputKind.FINAL_ONLY, "stream": OutputKind.CUMULATIVE}
+    states = {}
+    for i, _ in enumerate(texts):
+        for name, kind in kinds.items():
+            rid = f"{name}{i}"
+            states[rid] = op.register(rid, None, prompt, SamplingParams(max_tokens=500, output_kind=kind), [rid])
+    assert all(s.seqs[0].defer_text == rid.startswith("final") for rid, s in states.items())
+    ids = {i: tok.encode(t, add_special_tokens=False) + [eos] for i, t in enumerate(texts)}
+    ids[0] = ids[0][:-1] + [byte_token_ids[0xE4]]  # ends mid-character, by length
+    for step in range(max(map(len, ids.values()))):
+        outs = []
+        for i, seq in ids.items():
+            if step < len(seq):
+                last = step == len(seq) - 1
+                reason = None if not last else ("length" if i == 0 else "stop")
+                for name in kinds:
+                    outs.append(EngineCoreOutput(f"{name}{i}", [seq[step]], finish_reason=reason,
+                                                 stop_reason=eos if reason == "stop" else None))
+        op.process(outs)
+        if step == 3:  # deferred: nothing detokenized yet
+            assert states["final1"].seqs[0].text.text == "" and states["stream1"].seqs[0].text.text
+    for i, t in enumerate(texts):
+        final, streamed = states[f"final{i}"].build(delta=False), states[f"stream{i}"].build(delta=False)
+        assert final.finished and final.outputs[0].text == streamed.outputs[0].text
+        want = tok.decode(ids[i] if i == 0 else ids[i][:-1])
+        assert final.outputs[0].text == want, (i, final.outputs[0].text, want)
+
+    st = op.register("late", None, prompt, SamplingParams(max_tokens=50, output_kind=OutputKind.FINAL_ONLY), ["late"])
+    op.process([EngineCoreOutput("late", [t]) for t in tok.encode(" partial answer", add_special_tokens=False)])
+    assert st.seqs[0].text.text == ""
+    op.abort("late")
+    assert st.build(delta=False).outputs[0].text == " partial answer"
