@@ -97,7 +97,9 @@ inline void scale_inplace(float* y, float a, int64_t d) {
 }
 
 // Scores of one query head against `rows` keys, head_dim = 8 * ND: q is held in
-// registers and each key row streams through once, with two keys in flight.
+// registers. Eight keys are in flight at once, each with its own accumulator, and
+// their eight horizontal sums come out of one hadd tree as a vector (a horizontal
+// sum per key, done alone, cost more than the key's FMAs).
 template <int ND>
 inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_t rows, float scale,
                           float* out) {
@@ -105,19 +107,28 @@ inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_
   for (int i = 0; i < ND; ++i) qv[i] = load8(q + 8 * i);
   float bmax = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
-  for (; t + 2 <= rows; t += 2) {
-    const float* k0 = k + t * stride;
-    const float* k1 = k0 + stride;
-    v8f a0 = qv[0] * load8(k0), a1 = qv[0] * load8(k1);
-    for (int i = 1; i < ND; ++i) {
-      a0 += qv[i] * load8(k0 + 8 * i);
-      a1 += qv[i] * load8(k1 + 8 * i);
-    }
-    const float x0 = hsum(a0) * scale, x1 = hsum(a1) * scale;
-    out[t] = x0;
-    out[t + 1] = x1;
-    bmax = std::max(bmax, std::max(x0, x1));
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sv = _mm256_set1_ps(scale);
+  __m256 mv = _mm256_set1_ps(bmax);
+  for (; t + 8 <= rows; t += 8) {
+    const float* kt = k + t * stride;
+    v8f a[8];
+    for (int j = 0; j < 8; ++j) a[j] = qv[0] * load8(kt + j * stride);
+    for (int i = 1; i < ND; ++i)
+      for (int j = 0; j < 8; ++j) a[j] += qv[i] * load8(kt + j * stride + 8 * i);
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(__m256(a[0]), __m256(a[1])),
+                                     _mm256_hadd_ps(__m256(a[2]), __m256(a[3])));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(__m256(a[4]), __m256(a[5])),
+                                     _mm256_hadd_ps(__m256(a[6]), __m256(a[7])));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    const __m256 x = _mm256_mul_ps(sums, sv);
+    _mm256_storeu_ps(out + t, x);
+    mv = _mm256_max_ps(mv, x);
   }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  for (int j = 0; j < 8; ++j) bmax = std::max(bmax, lanes[j]);
+#endif
   for (; t < rows; ++t) {
     const float* k0 = k + t * stride;
     v8f a0 = qv[0] * load8(k0);
@@ -171,6 +182,15 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t block = table[b];
     const int64_t rows = std::min(bs, n_keys - b * bs);
+    if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
+      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
+      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
+      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * 4;
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(kn + off, 0, 3);
+        __builtin_prefetch(vn + off, 0, 3);
+      }
+    }
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
       const float* kb = kc + block * s.kv_block_stride + kh * d;
       const float* vb = vc + block * s.kv_block_stride + kh * d;
