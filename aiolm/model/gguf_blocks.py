@@ -27,7 +27,7 @@ from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
 log = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
-MAX_ROWS = 16  # above this many rows oneDNN's float32 GEMM wins a decode step (benchmarks/bench_linear.py)
+MAX_ROWS = 16  # above this many rows the float32 panel GEMM wins a decode step (benchmarks/bench_linear.py)
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
