@@ -21,6 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "linear_rows.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -209,12 +211,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scale.sizes(),
                 "aiolm::gguf_linear: Q4_1 needs float32 mins [N, nblocks]");
   TORCH_CHECK(x_in.size(-1) == K, "aiolm::gguf_linear: x has ", x_in.size(-1), " features, W has ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  auto out_sizes = x_in.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.view(out_sizes);
+  const aiolm_linear::Rows io(x_in, K, N);
+  const at::Tensor& x = io.x;
+  const int64_t M = io.m();
+  if (M == 0 || N == 0) return io.result();
   const float* xp = x.data_ptr<float>();
   at::Tensor xsum_t;
   const float* xs = nullptr;
@@ -232,7 +232,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   const float* sp = scale.data_ptr<float>();
   const float* mp = has_min ? mins.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  float* yp = io.y.data_ptr<float>();
   at::parallel_for(0, N / 8 + (N % 8 != 0), 4, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
     switch (qtype) {
@@ -241,7 +241,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
       default: run_rows<Q8_0>(qp, sp, mp, xs, qs_row, nblocks, xp, K, M, yp, N, n0, n1); break;
     }
   });
-  return y.view(out_sizes);
+  return io.result();
 }
 
 }  // namespace

@@ -185,7 +185,7 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
     if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
       const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
       const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
-      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * 4;
+      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(float));
       for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(kn + off, 0, 3);
         __builtin_prefetch(vn + off, 0, 3);

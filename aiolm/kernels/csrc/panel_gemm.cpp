@@ -8,14 +8,18 @@
 //
 // The micro-kernel holds a 6 x 16 block of y in twelve AVX registers: per k
 // it loads one panel row (two vectors) and broadcasts six x values, i.e. 12
-// FMAs for 8 loads. Each thread takes a contiguous range of panels and
-// runs each of them over a block of rows held in L2. Sums run over k in order, one accumulator per output: only the
-// order differs from a naive dot product.
+// FMAs for 8 loads. Each thread takes a contiguous range of panels and runs
+// each of them over all rows: up to PACK_ROWS rows read in place (they stay in
+// L2), above that packed into 6-row tiles, CHUNK_ROWS rows at a time. Sums run
+// over k in order, one accumulator per output: only the order differs from a
+// naive dot product.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "linear_rows.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,7 +39,9 @@ constexpr int64_t CHUNK_ROWS = 252;  // rows packed and run at a time (a multipl
 
 #ifdef AIOLM_AVX2
 // y[r][0:16] = sum_k x[r * ldx + k * KS] * panel[k][0:16] for R <= 6 rows: KS = 1 reads
-// rows of x in place, KS = 6 a tile packed k-major; ldy is y's row stride.
+// rows of x in place, KS = 6 a tile packed k-major; ldy is y's row stride. The rows are
+// spelled out one by one: written as arrays and loops, GCC 12 spilled the accumulators
+// to the stack and the kernel ran at half speed.
 template <int R, int KS>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
                                                   int64_t K, float* y, int64_t ldy) {
@@ -140,14 +146,12 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   TORCH_CHECK(N > (P - 1) * NR && N <= P * NR, "aiolm::panel_linear: ", P, " panels cannot hold ", N, " columns");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 32 == 0, "aiolm::panel_linear: panels not 32-byte aligned");
   TORCH_CHECK(x_in.size(-1) == K, "aiolm::panel_linear: x has ", x_in.size(-1), " features, W has ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  auto out_sizes = x_in.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.view(out_sizes);
+  const aiolm_linear::Rows io(x_in, K, N);
+  const at::Tensor& x = io.x;
+  const int64_t M = io.m();
+  if (M == 0 || N == 0) return io.result();
   const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = io.y.data_ptr<float>();
   // Threads split the panels and run each over every row. Up to PACK_ROWS rows,
   // x stays in L2 as it is; above, it is first packed into 6-row tiles so the
   // stream a micro-kernel reads from L3 is contiguous.
@@ -176,7 +180,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
       at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panels_range<true>(xp, rows_c, K, wp, N, yc, p0, p1); });
     }
   }
-  return y.view(out_sizes);
+  return io.result();
 }
 
 }  // namespace
