@@ -15,10 +15,12 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().t()).float()
 
 
-# rows: every micro-kernel height (1-6), partial tiles, and both sides of the 128-row packing switch;
-# outputs: whole panels, a partial last panel, fewer columns than one panel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64, 128, 129, 301])
-@pytest.mark.parametrize("out_features", [48, 40, 5])
+# rows: every micro-kernel height (1-6 with AVX2, 1-12 with AVX-512), partial tiles, and both
+# sides of the 128-row packing switch; outputs: whole panels and pairs of panels (64), an odd
+# panel after whole pairs (48), a partial last panel alone (40) or in a pair (24), fewer
+# columns than one panel (5)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13, 64, 128, 129, 301])
+@pytest.mark.parametrize("out_features", [64, 48, 40, 24, 5])
 def test_matches_float64_matmul(rows, out_features):
     g = torch.Generator().manual_seed(rows * 100 + out_features)
     w = torch.randn(out_features, 72, generator=g)

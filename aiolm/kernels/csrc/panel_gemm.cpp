@@ -2,17 +2,19 @@
 // panels[p][k][j] = W[16 p + j][k] (zero rows pad the last panel).
 //
 // Why not oneDNN: in a real decode step (30 layers, four shapes each, 16-128
-// rows) oneDNN's float32 GEMM reaches ~75-90 GFLOP/s on this AVX2 machine,
-// while a plain register-blocked kernel over this layout keeps ~115-140,
-// close to what the two cores can do (benchmarks/bench_linear.py).
+// rows) oneDNN's float32 GEMM reached ~75-90 GFLOP/s on an AVX2 machine where
+// a plain register-blocked kernel over this layout keeps ~115-140, close to
+// what its two cores can do (benchmarks/bench_linear.py).
 //
-// The micro-kernel holds a 6 x 16 block of y in twelve AVX registers: per k
-// it loads one panel row (two vectors) and broadcasts six x values, i.e. 12
-// FMAs for 8 loads. Each thread takes a contiguous range of panels and runs
-// each of them over all rows: up to PACK_ROWS rows read in place (they stay in
-// L2), above that packed into 6-row tiles, CHUNK_ROWS rows at a time. Sums run
-// over k in order, one accumulator per output: only the order differs from a
-// naive dot product.
+// The micro-kernel holds an MR x (16 NP) block of y in registers: with AVX2 a
+// 6 x 16 block in twelve ymm (per k one panel row, two vectors, and six
+// broadcasts of x feed 12 FMAs); with AVX-512 a 12 x 32 block over two panels
+// side by side in 24 zmm (two loads and twelve broadcasts feed 24 FMAs). Each
+// thread takes a contiguous range of panel groups and runs each of them over
+// all rows: up to PACK_ROWS rows read in place (they stay in L2), above that
+// packed into MR-row tiles, CHUNK_ROWS rows at a time. Sums run over k in
+// order, one accumulator per output, in both builds: only the order differs
+// from a naive dot product, and the two builds give the same bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,18 +35,56 @@
 namespace {
 
 constexpr int64_t NR = 16;  // columns per panel
-constexpr int64_t MR = 6;   // rows per micro-kernel call
+
+#if defined(__AVX512F__)
+#define AIOLM_AVX512 1
+constexpr int64_t MR = 12;  // rows per micro-kernel call
+constexpr int64_t NP = 2;   // panels per micro-kernel call
+#else
+constexpr int64_t MR = 6;
+constexpr int64_t NP = 1;
+#endif
 constexpr int64_t PACK_ROWS = 128;   // above this many rows x is packed first
 constexpr int64_t CHUNK_ROWS = 252;  // rows packed and run at a time (a multiple of MR)
+static_assert(CHUNK_ROWS % MR == 0, "CHUNK_ROWS must hold whole tiles");
 
-#ifdef AIOLM_AVX2
+#if defined(AIOLM_AVX512)
+// y[r][0:16 * NPC] = sum_k x[r * ldx + k * KS] * panel_j[k][0:16] for R <= 12 rows and
+// NPC <= 2 panels (panel j at panel + j * pstride). GCC keeps these fixed-size
+// arrays in registers once every loop over them is unrolled.
+template <int R, int KS, int NPC>
+inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
+                                                  int64_t pstride, int64_t K, float* y, int64_t ldy) {
+  __m512 c[R][NPC];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < NPC; ++j) c[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NPC];
+#pragma GCC unroll 2
+    for (int j = 0; j < NPC; ++j) b[j] = _mm512_loadu_ps(panel + j * pstride + k * NR);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k * KS]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NPC; ++j) c[r][j] = _mm512_fmadd_ps(a, b[j], c[r][j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < NPC; ++j) _mm512_storeu_ps(y + r * ldy + j * NR, c[r][j]);
+}
+#elif defined(AIOLM_AVX2)
 // y[r][0:16] = sum_k x[r * ldx + k * KS] * panel[k][0:16] for R <= 6 rows: KS = 1 reads
 // rows of x in place, KS = 6 a tile packed k-major; ldy is y's row stride. The rows are
 // spelled out one by one: written as arrays and loops, GCC 12 spilled the accumulators
 // to the stack and the kernel ran at half speed.
-template <int R, int KS>
+template <int R, int KS, int NPC>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
-                                                  int64_t K, float* y, int64_t ldy) {
+                                                  int64_t, int64_t K, float* y, int64_t ldy) {
+  static_assert(NPC == 1, "one panel per call with AVX2");
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
@@ -89,8 +129,9 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
   if constexpr (R > 5) { _mm256_storeu_ps(y + 5 * ldy, c50); _mm256_storeu_ps(y + 5 * ldy + 8, c51); }
 }
 #else
-template <int R, int KS>
-inline void micro(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy) {
+template <int R, int KS, int NPC>
+inline void micro(const float* x, int64_t ldx, const float* panel, int64_t, int64_t K, float* y, int64_t ldy) {
+  static_assert(NPC == 1, "one panel per call without AVX2");
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
@@ -99,40 +140,55 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t K, fl
 }
 #endif
 
-template <int KS>
-inline void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y,
-                       int64_t ldy) {
+template <int KS, int NPC>
+inline void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t K,
+                       float* y, int64_t ldy) {
   switch (rows) {
-    case 6: micro<6, KS>(x, ldx, panel, K, y, ldy); break;
-    case 5: micro<5, KS>(x, ldx, panel, K, y, ldy); break;
-    case 4: micro<4, KS>(x, ldx, panel, K, y, ldy); break;
-    case 3: micro<3, KS>(x, ldx, panel, K, y, ldy); break;
-    case 2: micro<2, KS>(x, ldx, panel, K, y, ldy); break;
-    default: micro<1, KS>(x, ldx, panel, K, y, ldy); break;
+#if defined(AIOLM_AVX512)
+    case 12: micro<12, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 11: micro<11, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 10: micro<10, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 9: micro<9, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 8: micro<8, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 7: micro<7, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+#endif
+    case 6: micro<6, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 5: micro<5, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 4: micro<4, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 3: micro<3, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 2: micro<2, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    default: micro<1, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
   }
 }
 
-// All M rows against panels [p0, p1). With PACKED, x is in tiles of 6 rows laid
-// out k-major (tile t, k, r at [(t * K + k) * 6 + r]), so a micro-kernel call
-// streams one contiguous block instead of six rows.
+// All M rows against the groups of NP panels [g0, g1) (the last group may hold
+// fewer). With PACKED, x is in tiles of MR rows laid out k-major (tile t, k, r at
+// [(t * K + k) * MR + r]), so a micro-kernel call streams one contiguous block
+// instead of MR rows.
 template <bool PACKED>
-void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, float* y, int64_t p0,
-                  int64_t p1) {
-  alignas(32) float tail[MR * NR];
-  for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = panels + p * K * NR;
-    const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N, float* y,
+                  int64_t g0, int64_t g1) {
+  alignas(64) float tail[MR * NR * NP];
+  const int64_t pstride = K * NR;
+  constexpr int KS = PACKED ? MR : 1;
+  const int64_t ldx = PACKED ? 1 : K;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t p = g * NP, np = std::min(NP, P - p);
+    const float* panel = panels + p * pstride;
+    const int64_t n0 = p * NR, cols = std::min(np * NR, N - n0);
+    const bool whole = cols == NP * NR;  // else the last group: through a buffer
     for (int64_t m = 0; m < M; m += MR) {
       const int64_t rows = std::min(MR, M - m);
-      const float* xt = x + m * K;  // tile m / 6 starts at (m / 6) * K * 6 when packed
-      constexpr int KS = PACKED ? MR : 1;
-      const int64_t ldx = PACKED ? 1 : K;
-      if (cols == NR) {
-        micro_rows<KS>(rows, xt, ldx, panel, K, y + m * N + n0, N);
+      const float* xt = x + m * K;  // tile m / MR starts at (m / MR) * K * MR when packed
+      float* yt = whole ? y + m * N + n0 : tail;
+      const int64_t ldy = whole ? N : NP * NR;
+      if (np == NP) {
+        micro_rows<KS, NP>(rows, xt, ldx, panel, pstride, K, yt, ldy);
       } else {
-        micro_rows<KS>(rows, xt, ldx, panel, K, tail, NR);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m + r) * N + n0, tail + r * NR, cols * sizeof(float));
+        micro_rows<KS, 1>(rows, xt, ldx, panel, pstride, K, yt, ldy);
       }
+      if (!whole)
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m + r) * N + n0, tail + r * ldy, cols * sizeof(float));
     }
   }
 }
@@ -152,12 +208,13 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   if (M == 0 || N == 0) return io.result();
   const float* wp = panels.data_ptr<float>();
   float* yp = io.y.data_ptr<float>();
+  const int64_t G = (P + NP - 1) / NP;  // groups of panels, the unit the threads split
   // Threads split the panels and run each over every row. Up to PACK_ROWS rows,
   // x stays in L2 as it is; above, it is first packed into 6-row tiles so the
   // stream a micro-kernel reads from L3 is contiguous.
   if (M <= PACK_ROWS) {
     const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panels_range<false>(xp, M, K, wp, N, yp, p0, p1); });
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<false>(xp, M, K, wp, P, N, yp, g0, g1); });
   } else {
     // In chunks of rows, so a chunk's packed x (CHUNK_ROWS * K floats) stays in L3
     // next to the panels: 30 layers at 2048 rows took ~10% longer as one chunk.
@@ -177,7 +234,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
         }
       });
       float* yc = yp + c0 * N;
-      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panels_range<true>(xp, rows_c, K, wp, N, yc, p0, p1); });
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<true>(xp, rows_c, K, wp, P, N, yc, g0, g1); });
     }
   }
   return io.result();
