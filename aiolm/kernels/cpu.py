@@ -45,6 +45,12 @@ def _cpu_flags() -> str:
     return ""
 
 
+def has_avx512() -> bool:
+    """Whether the kernels are built with AVX-512 here (-march=native), which moves the
+    batch sizes at which one kernel beats another."""
+    return " avx512f" in _cpu_flags()
+
+
 def _compile_command(src: list[Path], out: Path, compiler: str) -> list[str]:
     from torch.utils import cpp_extension
 

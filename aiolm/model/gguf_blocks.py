@@ -22,12 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
-MAX_ROWS = 16  # above this many rows the float32 panel GEMM wins a decode step (benchmarks/bench_linear.py)
+# Above this many rows the float32 panel GEMM wins a decode step (benchmarks/bench_linear.py):
+# 16 on an AVX2 CPU, but only 4 where the panel GEMM runs on AVX-512 (twice as fast).
+MAX_ROWS = 4 if cpu_kernels.has_avx512() else 16
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)

@@ -126,14 +126,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
-    def pack_for_cpu(self) -> int:
+    def pack_for_cpu(self, matmul_dtype: torch.dtype = torch.float32) -> int:
         """Swap float32 CPU weights for packed copies (layers/cpu_linear.py) once loading is done.
 
-        The lm_head keeps its plain weight when tied, since the embedding reads it.
-        Returns how many layers were packed.
+        The decoder layers multiply in ``matmul_dtype``; the lm_head always in float32, so
+        that greedy picks and logprobs do not hang on bfloat16's 8-bit logits. It keeps
+        its plain weight when tied, since the embedding reads it. Returns how many layers
+        were packed.
         """
         tied = self.config.tie_word_embeddings
-        return sum(m.pack_for_cpu(keep_weight=tied and m is self.lm_head)
+        return sum(m.pack_for_cpu(keep_weight=tied and m is self.lm_head,
+                                  dtype=torch.float32 if m is self.lm_head else matmul_dtype)
                    for m in self.modules() if isinstance(m, PackableLinear))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

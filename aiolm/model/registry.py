@@ -23,6 +23,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' -> float32 on CPU, bfloat16 on CUDA (when supported), else float16.
 
+    On a CPU, bfloat16 asks for bfloat16 matmuls in an otherwise float32 model
+    (build_model).
+
     On CPUs without AMX, fp32 matmuls are faster than bf16 ones (measured in
     PEERS.md: 244 vs 166 GFLOP/s here), and fp32 keeps exact parity, so CPU auto
     means float32.
@@ -51,9 +54,15 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(f"{source.path}: no implementation for {source.config.architecture}")
     model = cls(source.config, max_positions)
     model.load_weights(source.iter_weights())
+    on_cpu = torch.device(device).type == "cpu"
+    # bfloat16 on a CPU means bfloat16 matmuls only (layers/cpu_linear.py): the speed of
+    # its matrix units where the answers least feel it, with every other tensor float32.
+    matmul_dtype = dtype
+    if on_cpu and dtype == torch.bfloat16:
+        dtype = torch.float32
     model = model.to(dtype=dtype, device=device).eval()
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        model.pack_for_cpu()
+    if on_cpu and dtype == torch.float32:
+        model.pack_for_cpu(matmul_dtype)
         if source.origin.suffix == ".gguf" and cpu_kernels.load():
             gguf_blocks.attach(model, source.origin)
     return model

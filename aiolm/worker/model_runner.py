@@ -51,6 +51,7 @@ class ModelRunner:
         self.source = resolve_model(cfg.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model = build_model(self.source, self.dtype, self.device, max_positions=cfg.max_model_len)
+        self.dtype = self.model.embed_tokens.weight.dtype  # activations and KV cache (float32 for CPU bfloat16)
         mc = self.source.config
         self.vocab_size = mc.vocab_size
         local_kv_heads = self.model.layers[0].self_attn.num_kv_heads

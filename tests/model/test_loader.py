@@ -760,10 +760,19 @@ def test_resolve_dtype():
     assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
 
 
-def test_build_model_casts_to_dtype(tiny_hf_dir):
+def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_rest_float32(tiny_hf_dir):
+    exact = build_model(resolve_model(tiny_hf_dir), torch.float32)
     model = build_model(resolve_model(tiny_hf_dir), torch.bfloat16)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # embeddings, norms: float32
+    mlp = model.layers[0].mlp
+    assert mlp.gate_up_proj.packed.data.dtype == torch.bfloat16
+    assert model.lm_head.packed.data.dtype == torch.float32  # logits stay float32
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    got, want = mlp(x), exact.layers[0].mlp(x)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, want)  # it did round to bfloat16 ...
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # ... and only that
 
 
 # ----------------------------------------------------------------------------- RoPE row order

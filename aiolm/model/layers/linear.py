@@ -22,10 +22,10 @@ class PackableLinear(nn.Module):
     packed: PackedWeight | None = None
     gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
 
-    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
-        """Pack the weight and, unless another layer reads it (a tied embedding), drop the
-        plain copy now that loading is over; True if packed."""
-        packed = pack_weight(self.weight.data)
+    def pack_for_cpu(self, keep_weight: bool = False, dtype: torch.dtype = torch.float32) -> bool:
+        """Pack the weight to multiply in ``dtype`` and, unless another layer reads it (a tied
+        embedding), drop the plain copy now that loading is over; True if packed."""
+        packed = pack_weight(self.weight.data, dtype)
         if packed is None:
             return False
         self.packed = packed
