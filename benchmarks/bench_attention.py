@@ -1,10 +1,12 @@
-"""Decode attention over a paged KV cache: 64 requests x 256 keys, 30 layers' caches.
+"""Attention over a paged KV cache: a decode step (64 requests x 256 keys, 30 layers'
+caches) and one layer of a 2048-token prefill (12 prompts of 160 tokens and one of 128).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_attention.py
 
 Pages are placed at random and each layer has its own cache, so K/V come from
 memory as in a real step; prints the time of the 30 layers and the bytes of K/V
-read per second (this machine reads ~17 GB/s with 2 threads).
+read per second (the AVX2 machine read ~17 GB/s with 2 threads, the AVX-512 one
+~22); then the prefill layer's time and GFLOP/s.
 """
 
 import statistics
@@ -36,3 +38,22 @@ for _ in range(9):
 mb = B*ctx*KVH*D*2*4*L/1e6
 t=statistics.median(ts)
 print(f"30 layers {t*1e3:.1f} ms  ({t*1e3/L:.2f} ms/layer, {mb/t/1e3:.1f} GB/s)")
+
+lens = [160] * 12 + [128]
+tables, nxt = [], 0
+for n in lens:
+    tables.append(list(range(nxt, nxt + n // bs)))
+    nxt += n // bs
+pk, pv = torch.randn(nxt, bs, KVH, D), torch.randn(nxt, bs, KVH, D)
+pt = torch.tensor(tables[:-1] + [tables[-1] + [0, 0]], dtype=torch.long)
+pq = torch.randn(sum(lens), H, D); pout = torch.empty_like(pq)
+pqsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.long)
+psl = torch.tensor(lens, dtype=torch.long)
+def prefill():
+    torch.ops.aiolm.paged_attention(pout, pq, pk, pv, pt, pqsl, psl, 0.125)
+prefill(); ts = []
+for _ in range(15):
+    t0 = time.perf_counter(); prefill(); ts.append(time.perf_counter() - t0)
+t = statistics.median(ts)
+flops = sum(n * (n + 1) / 2 for n in lens) * H * D * 4
+print(f"prefill, one layer, {sum(lens)} tokens: {t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)")

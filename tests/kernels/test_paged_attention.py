@@ -26,7 +26,8 @@ def _batch(rng: random.Random, shapes: list[tuple[int, int]], block_size: int, n
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),   # SmolLM2's shape
+    (9, 3, 64, 16),   # SmolLM2's shape (prefill tiles take the transposed-K kernel)
+    (8, 2, 128, 16),  # head_dim 128 in tiles
     (4, 4, 32, 8),    # no GQA
     (8, 1, 16, 4),    # MQA, tiny pages
     (6, 2, 12, 16),   # head_dim not a multiple of 8 takes the scalar path
