@@ -20,7 +20,14 @@ for peer in ${want[@]}; do
       ;;
     llamacpp)
       python3 -m venv "$DIR/llamacpp"
-      CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=ON" \
+      args="-DGGML_NATIVE=ON"
+      if grep -q amx_int8 /proc/cpuinfo; then
+        # a native build turns on ggml's AMX path, which segfaults in llama_decode on this model
+        # (Sapphire Rapids, 0.3.36): the same AVX-512 build without it
+        args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+        args="$args -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"
+      fi
+      CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$args" \
         "$DIR/llamacpp/bin/pip" install -q "llama-cpp-python[server]==0.3.36" numpy
       ;;
     *) echo "unknown peer $peer (vllm, transformers, llamacpp)" >&2; exit 2 ;;
