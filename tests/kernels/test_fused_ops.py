@@ -65,3 +65,17 @@ def test_silu_and_mul():
     x[0, 0] = -100.0  # exp overflow side
     want = torch.nn.functional.silu(x[:, :100]) * x[:, 100:]
     torch.testing.assert_close(torch.ops.aiolm.silu_and_mul(x), want)
+
+
+def test_silu_and_mul_in_bfloat16_rounds_the_float32_result_once():
+    """bfloat16 in and out (gate/up straight from a bfloat16 matmul): the float32 arithmetic
+    of the float32 kernel, rounded to nearest even like torch's own cast."""
+    torch.manual_seed(3)
+    x = (torch.randn(70, 2 * 1536) * 4).bfloat16()
+    x[0, 0], x[1, 5] = float("nan"), float("-inf")
+    got = torch.ops.aiolm.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (70, 1536)
+    want = torch.ops.aiolm.silu_and_mul(x.float()).bfloat16()
+    assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    assert torch.isnan(got[0, 0])
+

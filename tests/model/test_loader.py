@@ -773,6 +773,12 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
     assert got.dtype == torch.float32
     assert not torch.equal(got, want)  # it did round to bfloat16 ...
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # ... and only that
+    # gate/up reaches the fused SiLU as bfloat16 and the down projection reads its bfloat16 output:
+    # the same numbers as the float32 hand-over, which rounds the same values at the same places
+    up = mlp.gate_up_proj.packed.linear(x)
+    assert up.dtype == torch.float32
+    unfused = mlp.down_proj.packed.linear(torch.ops.aiolm.silu_and_mul(up))
+    assert torch.equal(got, unfused)
 
 
 # ----------------------------------------------------------------------------- RoPE row order

@@ -8,7 +8,7 @@
 //   rms_norm(x, w, eps)              -> w * x / sqrt(mean(x^2) + eps), per row
 //   add_rms_norm_(x, residual, w, eps)  residual += x; x = rms_norm(residual)
 //   rotary_(q, k, positions, cos, sin)  rotate-half RoPE, in place on q and k
-//   silu_and_mul(x)                  -> silu(x[:, :n]) * x[:, n:]
+//   silu_and_mul(x)                  -> silu(x[:, :n]) * x[:, n:] (x float32, or bfloat16 in and out)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,6 +17,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "vec.h"
 
@@ -114,29 +116,69 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
   });
 }
 
+// silu(g) * u over n floats, eight at a time where AVX2 is.
+inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = aiolm_vec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as torch's own float -> bfloat16 conversion does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "aiolm: x must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "aiolm: x must be [rows, features] with dense rows");
   TORCH_CHECK(x.size(1) % 2 == 0, "aiolm::silu_and_mul: an even number of features is needed");
   const int64_t n = x.size(1) / 2, xs = x.stride(0);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    // bfloat16 matmuls on both sides (layers/cpu_linear.py): in and out as bfloat16, the
+    // arithmetic in float32, so the gate/up output and the down input skip two casts.
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    at::parallel_for(0, x.size(0), grain_for(2 * n), [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(3 * n);
+      float *g = buf.data(), *u = g + n, *o = u + n;
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* xr = xp + r * xs;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          g[i] = bf16_to_float(xr[i]);
+          u[i] = bf16_to_float(xr[n + i]);
+        }
+        silu_mul_row(g, u, o, n);
+        uint16_t* orow = op + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) orow[i] = float_to_bf16(o[i]);
+      }
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), grain_for(2 * n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = xp + r * xs;
-      const float* u = g + n;
-      float* o = op + r * n;
-      int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = aiolm_vec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(xp + r * xs, xp + r * xs + n, op + r * n, n);
   });
   return out;
 }

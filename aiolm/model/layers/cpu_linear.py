@@ -39,12 +39,15 @@ class PackedWeight:
     out_features: int
     panels: bool  # True: aiolm::panel_linear's [P, in, 16]; False: oneDNN's opaque layout
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, keep_bf16: bool = False) -> torch.Tensor:
+        """y in float32; with ``keep_bf16``, a bfloat16 matmul's y as it comes (the next op reads bfloat16)."""
         if self.panels:
             y = torch.ops.aiolm.panel_linear(x, self.data, self.out_features)
             return y if bias is None else y.add_(bias)
         if self.data.dtype == torch.bfloat16:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, None, "none", [], "").float()
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, None, "none", [], "")
+            if not keep_bf16:
+                y = y.float()
             return y if bias is None else y.add_(bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 

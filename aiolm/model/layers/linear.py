@@ -33,12 +33,13 @@ class PackableLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return True
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, keep_bf16: bool = False) -> torch.Tensor:
+        """x W^T (+ b): float32 out, or with ``keep_bf16`` bfloat16 where the matmul is bfloat16."""
         if self.gguf_weight is not None and x.shape[0] <= gguf_blocks.MAX_ROWS:
-            return self.gguf_weight.linear(x, bias)
+            return self.gguf_weight.linear(x.float(), bias)
         if self.packed is not None:
-            return self.packed.linear(x, bias)
-        return nn.functional.linear(x, self.weight, bias)
+            return self.packed.linear(x, bias, keep_bf16)
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight, bias)
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -57,8 +58,8 @@ class ColumnParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
+        return self._matmul(x, self.bias, keep_bf16)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's part of Hugging Face tensor ``shard`` into its slice."""
