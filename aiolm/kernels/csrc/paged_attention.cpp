@@ -304,6 +304,44 @@ inline void scores_rows16(int64_t n, const float* qb, int64_t d, const float* kt
   }
 }
 
+// ob[j] = ob[j] * c[j] + sum_t p[j][t] v[t] for n query vectors (rows of p, 16 apart) over
+// `rows` keys of a page. With AVX-512, four query vectors at a time share each v load
+// (per lane the same FMAs in the same order as accumulate_fixed, which does the rest).
+template <int ND>
+inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p, const float* v, int64_t stride,
+                            int64_t rows) {
+  constexpr int64_t d = 8 * ND;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  constexpr int NZ = ND / 2;
+  for (; j + 4 <= n; j += 4) {
+    __m512 a[4][NZ];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m512 cr = _mm512_set1_ps(c[j + r]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NZ; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(ob + (j + r) * d + 16 * i), cr);
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      __m512 vv[NZ];
+#pragma GCC unroll 8
+      for (int i = 0; i < NZ; ++i) vv[i] = _mm512_loadu_ps(v + t * stride + 16 * i);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[(j + r) * 16 + t]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NZ; ++i) a[r][i] = _mm512_fmadd_ps(pr, vv[i], a[r][i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < NZ; ++i) _mm512_storeu_ps(ob + (j + r) * d + 16 * i, a[r][i]);
+  }
+#endif
+  for (; j < n; ++j) accumulate_fixed<ND>(ob + j * d, c[j], p + j * 16, v, stride, rows);
+}
+
 // Query rows [i0, i1) of one request (a prefill tile), all heads, for pages of 16
 // keys and head_dim = 8 * ND: per kv head, the tile's rows times the group's query
 // heads form a block of query vectors that meets each page once, K transposed so
@@ -318,7 +356,8 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
   float* sb = ob + R * d;      // [R, 16] scores, then probabilities
   float* mb = sb + R * bs;     // [R] running max
   float* lb = mb + R;          // [R] running sum of exp
-  float* kt = lb + R;          // [d, 16] the page's keys, transposed
+  float* cb = lb + R;          // [R] this page's correction of the running sums
+  float* kt = cb + R;          // [d, 16] the page's keys, transposed
   const int64_t n_keys = ctx + i1, n_blocks = (n_keys + bs - 1) / bs;
   for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
     for (int64_t i = i0; i < i1; ++i)
@@ -346,11 +385,12 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
         float bmax = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < seen; ++t) bmax = std::max(bmax, sh[t]);
         const float new_m = std::max(mb[j], bmax);
-        const float correction = std::exp(mb[j] - new_m);  // exp(-inf) = 0 on the first page
-        lb[j] = lb[j] * correction + exp_shifted(sh, seen, new_m);
+        cb[j] = std::exp(mb[j] - new_m);  // exp(-inf) = 0 on the first page
+        lb[j] = lb[j] * cb[j] + exp_shifted(sh, seen, new_m);
         mb[j] = new_m;
-        accumulate_fixed<ND>(ob + j * d, correction, sh, vb, s.kv_row_stride, seen);
+        for (int64_t t = seen; t < rows; ++t) sh[t] = 0.f;  // keys after row j's own: weight 0
       }
+      accumulate_rows<ND>(R - j0, ob + j0 * d, cb + j0, sb + j0 * bs, vb, s.kv_row_stride, rows);
     }
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t g = 0; g < G; ++g) {
@@ -430,7 +470,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
     const int64_t R = kTile * s.group;
     std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 2),
-                                        R * (2 * s.head_dim + s.block_size + 2) + s.head_dim * s.block_size));
+                                        R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
     for (int64_t w = next.fetch_add(1); w < n_items; w = next.fetch_add(1)) {
       const int64_t r = item_req[w];
       const int64_t n = qsl[r + 1] - qsl[r];
