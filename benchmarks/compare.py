@@ -274,7 +274,7 @@ def plot(raw: dict[str, list[dict[str, Any]]], path: str) -> None:
         names, vals = zip(*bars)
         colors = ["tab:blue" if n.startswith("aiolm") else "tab:gray" for n in names]
         ax.bar(range(len(vals)), vals, color=colors)
-        ax.set_xticks(range(len(vals)), names, fontsize=8)
+        ax.set_xticks(range(len(vals)), names, fontsize=7, rotation=30, ha="right")
         ax.set_title(title, fontsize=9)
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}" if v >= 10 else f"{v:.1f}", ha="center", va="bottom", fontsize=8)
