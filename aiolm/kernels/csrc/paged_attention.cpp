@@ -97,6 +97,17 @@ inline float exp_shifted(float* scores, int64_t n, float m) {
   return sum;
 }
 
+// One page of the online softmax for one query vector: folds the page's n scores
+// (their max bmax) into the running max m and sum l, turns the scores into exp(s - m)
+// in place, and returns the factor the running output must be scaled by first.
+inline float softmax_page(float* scores, int64_t n, float bmax, float& m, float& l) {
+  const float new_m = std::max(m, bmax);
+  const float correction = std::exp(m - new_m);  // exp(-inf) = 0 on the first page
+  l = l * correction + exp_shifted(scores, n, new_m);
+  m = new_m;
+  return correction;
+}
+
 inline void scale_inplace(float* y, float a, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] *= a;
 }
@@ -216,10 +227,7 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
             bmax = std::max(bmax, x);
           }
         }
-        const float new_m = std::max(m[h], bmax);
-        const float correction = std::exp(m[h] - new_m);  // exp(-inf) = 0 on the first page
-        l[h] = l[h] * correction + exp_shifted(sh, rows, new_m);
-        m[h] = new_m;
+        const float correction = softmax_page(sh, rows, bmax, m[h], l[h]);
         float* ah = acc + h * d;
         if (d == 64) {
           accumulate_fixed<8>(ah, correction, sh, vb, s.kv_row_stride, rows);
@@ -384,10 +392,7 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
         float* sh = sb + j * bs;
         float bmax = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < seen; ++t) bmax = std::max(bmax, sh[t]);
-        const float new_m = std::max(mb[j], bmax);
-        cb[j] = std::exp(mb[j] - new_m);  // exp(-inf) = 0 on the first page
-        lb[j] = lb[j] * cb[j] + exp_shifted(sh, seen, new_m);
-        mb[j] = new_m;
+        cb[j] = softmax_page(sh, seen, bmax, mb[j], lb[j]);
         for (int64_t t = seen; t < rows; ++t) sh[t] = 0.f;  // keys after row j's own: weight 0
       }
       accumulate_rows<ND>(R - j0, ob + j0 * d, cb + j0, sb + j0 * bs, vb, s.kv_row_stride, rows);

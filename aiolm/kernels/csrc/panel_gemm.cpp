@@ -210,7 +210,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   float* yp = io.y.data_ptr<float>();
   const int64_t G = (P + NP - 1) / NP;  // groups of panels, the unit the threads split
   // Threads split the panels and run each over every row. Up to PACK_ROWS rows,
-  // x stays in L2 as it is; above, it is first packed into 6-row tiles so the
+  // x stays in L2 as it is; above, it is first packed into MR-row tiles so the
   // stream a micro-kernel reads from L3 is contiguous.
   if (M <= PACK_ROWS) {
     const float* xp = x.data_ptr<float>();
