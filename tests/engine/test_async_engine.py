@@ -61,14 +61,17 @@ async def collect(engine: AsyncEngine, prompt: Any, params: SamplingParams,
 
 
 async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
-    """Poll until the scheduler holds no request and every KV block is free again."""
+    """Poll until the scheduler holds no request, every KV block is free again and the output
+    processor has taken in every request's last tokens (it runs a step behind the scheduler)."""
     deadline = time.monotonic() + timeout
     while True:
-        if engine.num_requests() == (0, 0) and engine.kv_cache_usage() == 0.0:
+        if (engine.num_requests() == (0, 0) and engine.kv_cache_usage() == 0.0
+                and not engine.output.requests):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle after {timeout}s: requests {engine.num_requests()}, "
-                                 f"KV usage {engine.kv_cache_usage():.3f}")
+                                 f"KV usage {engine.kv_cache_usage():.3f}, "
+                                 f"unfinished outputs {list(engine.output.requests)}")
         await asyncio.sleep(0.02)
 
 
