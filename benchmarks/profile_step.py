@@ -1,9 +1,9 @@
 """Where one forward step of the real model spends its time, by op (torch profiler).
 
-    python benchmarks/profile_step.py prefill|decode [--dtype float32|bfloat16]
+    python benchmarks/profile_step.py prefill|decode [--dtype float32|bfloat16] [--decodes N]
 
 prefill: 13 prompts, 2048 tokens (12 x 160 + 128), no cached context;
-decode: 64 sequences with 200-token contexts, one token each. Both end with the
+decode: 64 (--decodes) sequences with 200-token contexts, one token each. Both end with the
 LM head on each sequence's last token, as the model runner does. Prints the
 median step time of 5 and the profiler's table of 3 more.
 """
@@ -30,13 +30,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("step", choices=["prefill", "decode"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--decodes", type=int, default=64, help="sequences in a decode step")
     a = ap.parse_args()
     src = resolve_model(None)
     model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=2048)
     cfg, bs = src.config, 16
     kv_heads = model.layers[0].self_attn.num_kv_heads
     caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-    qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * 64, [200] * 64)
+    qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
     tables, nxt = [], 1
     for s in slens:
         n = -(-s // bs)
@@ -62,7 +63,7 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
 
 
 if __name__ == "__main__":
