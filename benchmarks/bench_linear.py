@@ -56,7 +56,7 @@ def main() -> None:
     print("| layer | rows | F.linear GFLOP/s | oneDNN packed | panels | GGUF blocks |\n|---|---|---|---|---|---|")
     for name, mod in layers:
         g = mod.gguf_weight
-        n, k = g.scale.shape[0], g.scale.shape[1] * 32
+        n, k = g.n, g.scale.shape[1] // 8 * 32
         w = torch.randn(n, k)
         dnnl_w, panels = onednn(w), to_panels(w)
         for m in (1, 8, 16, 64, 512):
@@ -69,7 +69,7 @@ def main() -> None:
             gg = flops / timed(lambda: g.linear(x), reps) / 1e9
             print(f"| {name} | {m} | {f32:.0f} | {dnnl:.0f} | {pan:.0f} | {gg:.0f} |", flush=True)
 
-    shapes = [(mod.gguf_weight.scale.shape[0], mod.gguf_weight.scale.shape[1] * 32) for _, mod in layers[:4]]
+    shapes = [(mod.gguf_weight.n, mod.gguf_weight.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
     print("\n| rows | 30 layers' linears, oneDNN (ms) | panels (ms) | panels GFLOP/s |\n|---|---|---|---|")
     for m in (16, 32, 64, 128, 512, 2048):
         weights = [[torch.randn(n, k) for n, k in shapes] for _ in range(30)]

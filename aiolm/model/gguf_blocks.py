@@ -39,12 +39,14 @@ _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
 
 @dataclass(frozen=True)
 class GGUFWeight:
-    """A weight's blocks split into the arrays aiolm::gguf_linear reads."""
+    """A weight's blocks regrouped into the arrays aiolm::gguf_linear reads: output rows
+    in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
-    qs: torch.Tensor  # uint8/int8 [N, nblocks * quant bytes]
-    scale: torch.Tensor  # float32 [N, nblocks]
-    mins: torch.Tensor  # float32 [N, nblocks] for Q4_1, else empty
+    qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
+    scale: torch.Tensor  # float32 [N/8, nblocks * 8]
+    mins: torch.Tensor  # float32 [N/8, nblocks * 8] for Q4_1, else empty
     qtype: int
+    n: int  # output rows (the last group is padded with zero blocks)
 
     @classmethod
     def from_blocks(cls, blocks: np.ndarray, ttype: str) -> "GGUFWeight":
@@ -52,17 +54,25 @@ class GGUFWeight:
         size, off, has_min = _LAYOUT[ttype]
         n = blocks.shape[0]
         b = np.ascontiguousarray(blocks).reshape(n, -1, size)
-        qs = np.ascontiguousarray(b[:, :, off:]).reshape(n, -1)
+        pad = -n % 8
+        if pad:
+            b = np.concatenate([b, np.zeros((pad,) + b.shape[1:], np.uint8)])
+        groups, nblocks = b.shape[0] // 8, b.shape[1]
+
+        def grouped(a: np.ndarray) -> np.ndarray:  # [N, nblocks, k] -> [N/8, nblocks * 8 * k]
+            a = a.reshape(groups, 8, nblocks, -1).transpose(0, 2, 1, 3)
+            return np.ascontiguousarray(a).reshape(groups, -1)
+
+        qs = grouped(b[:, :, off:])
         if ttype == "Q8_0":
             qs = qs.view(np.int8)
-        scale = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        mins = (b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min
+        scale = grouped(b[:, :, 0:2].copy().view(np.float16).astype(np.float32))
+        mins = (grouped(b[:, :, 2:4].copy().view(np.float16).astype(np.float32)) if has_min
                 else np.zeros((0,), np.float32))
-        return cls(torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(scale)),
-                   torch.from_numpy(np.ascontiguousarray(mins)), TYPE_IDS[ttype])
+        return cls(torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(mins), TYPE_IDS[ttype], n)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype)
+        y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
         return y if bias is None else y + bias
 
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 def test_matches_dequantized_matmul(qtype, rows):
     rng = np.random.default_rng(rows)
-    w = rng.standard_normal((40, 96)).astype(np.float32)
+    w = rng.standard_normal((43, 96)).astype(np.float32)  # 5 groups of 8 rows and a padded one
     w[3] *= 1e-3  # tiny scales
     w[5] = np.abs(w[5]) + 2  # all positive: Q4_1's minimum is far from 0
     t = getattr(gguf.GGMLQuantizationType, qtype)
@@ -36,10 +36,10 @@ def test_keeps_leading_dims_and_rejects_mismatches():
     with pytest.raises(RuntimeError, match="x has 32 features, W has 64"):
         g.linear(torch.zeros(1, 32))
     with pytest.raises(RuntimeError, match="unsupported GGUF type id 12"):
-        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12)
+        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12, g.n)
     with pytest.raises(RuntimeError, match="Q4_1 needs float32 mins"):
-        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs[:, :32].contiguous().view(torch.uint8),
-                                    g.scale, g.mins, 3)
+        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs[:, :g.qs.shape[1] // 2].contiguous().view(torch.uint8),
+                                    g.scale, g.mins, 3, g.n)
 
 
 def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_source, tokenizer):

@@ -4,14 +4,16 @@
 // values they hold are exactly the ones the float32 path uses (it dequantizes
 // the same blocks), so only the order of the sums differs.
 //
-// The blocks are split at load time (aiolm/model/gguf_blocks.py) into
-//   qs:    uint8 [N, nblocks * 16] (4-bit: weight j in the low nibble of byte j,
-//          weight j + 16 in its high nibble) or int8 [N, nblocks * 32] (Q8_0)
-//   scale: float32 [N, nblocks]   (d)
-//   min:   float32 [N, nblocks]   (m, Q4_1 only; empty otherwise)
+// The blocks are regrouped at load time (aiolm/model/gguf_blocks.py): output
+// rows in groups of 8 (the last padded with zero blocks), and within a group
+// block b of all 8 rows side by side, so that a tile of rows reads one stream:
+//   qs:    uint8 [N/8, nblocks * 8 * 16] (4-bit: weight j in the low nibble of
+//          byte j, weight j + 16 in its high nibble) or int8 [N/8, nblocks * 8 * 32] (Q8_0)
+//   scale: float32 [N/8, nblocks * 8]   (d)
+//   min:   float32 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
 // so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
 // block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
-// are computed once per call and the m terms become one dot product per row.
+// are computed once per call and the m terms of a group's 8 rows are one vector.
 //
 // Each block's accumulation is a loop-carried FMA; several output rows are
 // processed together so that those chains run side by side.
@@ -72,9 +74,10 @@ inline void unpack16(const uint8_t* qs, __m512 f[2]) {
   }
 }
 
+// NR rows of a group (qs and scale pointing at its first) against MR rows of x.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const float* scale, int64_t qs_row, int64_t nblocks, const float* x,
-                 int64_t K, float out[NR][MR]) {
+inline void tile(const uint8_t* qs, const float* scale, int64_t nblocks, const float* x, int64_t K,
+                 float out[NR][MR]) {
   constexpr int64_t QB = T == Q8_0 ? 32 : 16;
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
@@ -82,8 +85,8 @@ inline void tile(const uint8_t* qs, const float* scale, int64_t qs_row, int64_t 
   for (int64_t b = 0; b < nblocks; ++b) {
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
-      unpack16<T>(qs + i * qs_row + b * QB, f);
-      const __m512 d = _mm512_set1_ps(scale[i * nblocks + b]);
+      unpack16<T>(qs + (b * 8 + i) * QB, f);
+      const __m512 d = _mm512_set1_ps(scale[b * 8 + i]);
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;
         const __m512 t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
@@ -136,8 +139,8 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
 
 // NR weight rows against MR rows of x: NR * MR independent accumulator chains.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const float* scale, int64_t qs_row, int64_t nblocks, const float* x,
-                 int64_t K, float out[NR][MR]) {
+inline void tile(const uint8_t* qs, const float* scale, int64_t nblocks, const float* x, int64_t K,
+                 float out[NR][MR]) {
   constexpr int64_t QB = T == Q8_0 ? 32 : 16;
   __m256 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
@@ -145,8 +148,8 @@ inline void tile(const uint8_t* qs, const float* scale, int64_t qs_row, int64_t 
   for (int64_t b = 0; b < nblocks; ++b) {
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
-      unpack<T>(qs + i * qs_row + b * QB, f);
-      const __m256 d = _mm256_broadcast_ss(scale + i * nblocks + b);
+      unpack<T>(qs + (b * 8 + i) * QB, f);
+      const __m256 d = _mm256_broadcast_ss(scale + b * 8 + i);
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
         __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
@@ -185,97 +188,132 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// Scalar reference for CPUs without AVX2/FMA, one output feature and one row of x.
-float dot_scalar(int64_t qtype, const uint8_t* qs, const float* scale, int64_t nblocks, const float* x) {
+// Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
+float dot_scalar(int64_t qtype, const uint8_t* qs, const float* scale, int64_t nblocks, int64_t i, const float* x) {
   float acc = 0.f;
   for (int64_t b = 0; b < nblocks; ++b) {
     float t = 0.f;
     if (qtype == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(qs + b * 32);
+      const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
       for (int j = 0; j < 32; ++j) t += static_cast<float>(q[j]) * x[b * QK + j];
     } else {
-      const uint8_t* q = qs + b * 16;
+      const uint8_t* q = qs + (b * 8 + i) * 16;
       const float off = qtype == Q4_0 ? 8.f : 0.f;
       for (int j = 0; j < 16; ++j) {
         t += (static_cast<float>(q[j] & 0xf) - off) * x[b * QK + j];
         t += (static_cast<float>(q[j] >> 4) - off) * x[b * QK + j + 16];
       }
     }
-    acc += scale[b] * t;
+    acc += scale[b * 8 + i] * t;
   }
   return acc;
 }
 
+// Groups [g0, g1) of 8 output rows against the M rows of x.
 template <int64_t T>
-void run_rows(const uint8_t* qs, const float* scale, const float* mins, const float* xsum, int64_t qs_row,
-              int64_t nblocks, const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t n0,
-              int64_t n1) {
-  auto finish = [&](int64_t n, int64_t r, float v) {
-    if (mins != nullptr) v += dot(mins + n * nblocks, xsum + r * nblocks, nblocks);  // + sum_b m_b sum(x_b)
-    y[r * N + n] = v;
-  };
+void run_groups(const uint8_t* qs, const float* scale, const float* mins, const float* xsum, int64_t nblocks,
+                const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int64_t QB = T == Q8_0 ? 32 : 16;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* qg = qs + g * nblocks * 8 * QB;
+    const float* sg = scale + g * nblocks * 8;
+    const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
+    // sum_b m_b sum(x_b) of the group's 8 rows for one row of x: the mins are stored 8 wide
+    float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    auto mins_for = [&](int64_t r) {
+      if (mins == nullptr) return;
+      const float* mg = mins + g * nblocks * 8;
+      const float* xs = xsum + r * nblocks;
 #ifdef AIOLM_AVX2
-  int64_t r0 = 0;
-  // Eight x rows share each unpacked block; then pairs against 4 weight rows; a last
-  // single row against 8 weight rows (every tile keeps <= 8 accumulators in registers).
-  for (; r0 + 8 <= M; r0 += 8) {
-    for (int64_t n = n0; n < n1; ++n) {
-      float out[1][8];
-      tile<T, 1, 8>(qs + n * qs_row, scale + n * nblocks, qs_row, nblocks, x + r0 * K, K, out);
-      for (int r = 0; r < 8; ++r) finish(n, r0 + r, out[0][r]);
-    }
-  }
-  for (; r0 + 2 <= M; r0 += 2) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-      float out[4][2];
-      tile<T, 4, 2>(qs + n * qs_row, scale + n * nblocks, qs_row, nblocks, x + r0 * K, K, out);
-      for (int i = 0; i < 4; ++i)
-        for (int r = 0; r < 2; ++r) finish(n + i, r0 + r, out[i][r]);
-    }
-    for (; n < n1; ++n) {
-      float out[1][2];
-      tile<T, 1, 2>(qs + n * qs_row, scale + n * nblocks, qs_row, nblocks, x + r0 * K, K, out);
-      for (int r = 0; r < 2; ++r) finish(n, r0 + r, out[0][r]);
-    }
-  }
-  if (r0 < M) {
-    int64_t n = n0;
-    for (; n + 8 <= n1; n += 8) {
-      float out[8][1];
-      tile<T, 8, 1>(qs + n * qs_row, scale + n * nblocks, qs_row, nblocks, x + r0 * K, K, out);
-      for (int i = 0; i < 8; ++i) finish(n + i, r0, out[i][0]);
-    }
-    for (; n < n1; ++n) {
-      float out[1][1];
-      tile<T, 1, 1>(qs + n * qs_row, scale + n * nblocks, qs_row, nblocks, x + r0 * K, K, out);
-      finish(n, r0, out[0][0]);
-    }
-  }
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8), _mm256_set1_ps(xs[b]), a);
+      _mm256_storeu_ps(mterm, a);
 #else
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t n = n0; n < n1; ++n)
-      finish(n, r, dot_scalar(T, qs + n * qs_row, scale + n * nblocks, nblocks, x + r * K));
+      for (int i = 0; i < 8; ++i) {
+        mterm[i] = 0.f;
+        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += mg[b * 8 + i] * xs[b];
+      }
 #endif
+    };
+    auto put = [&](int64_t i, int64_t r, float v) {
+      if (i < nn) y[r * N + n0 + i] = v + mterm[i];
+    };
+#ifdef AIOLM_AVX2
+    int64_t r0 = 0;
+#ifdef AIOLM_AVX512
+    // Pairs of x rows against all 8 rows of the group (16 accumulators in zmm registers).
+    for (; r0 + 2 <= M; r0 += 2) {
+      float out[8][2];
+      tile<T, 8, 2>(qg, sg, nblocks, x + r0 * K, K, out);
+      for (int r = 0; r < 2; ++r) {
+        mins_for(r0 + r);
+        for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
+      }
+    }
+#else
+    // Eight x rows share each unpacked block; then pairs against 4 weight rows (every
+    // tile keeps <= 8 accumulators in the 16 ymm registers).
+    for (; r0 + 8 <= M; r0 += 8) {
+      float out[8][8];
+      for (int i = 0; i < 8; ++i) {
+        float o[1][8];
+        tile<T, 1, 8>(qg + i * QB, sg + i, nblocks, x + r0 * K, K, o);
+        for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
+      }
+      for (int r = 0; r < 8; ++r) {
+        mins_for(r0 + r);
+        for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
+      }
+    }
+    for (; r0 + 2 <= M; r0 += 2) {
+      float out[8][2];
+      for (int h = 0; h < 8; h += 4) {
+        float o[4][2];
+        tile<T, 4, 2>(qg + h * QB, sg + h, nblocks, x + r0 * K, K, o);
+        for (int i = 0; i < 4; ++i)
+          for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
+      }
+      for (int r = 0; r < 2; ++r) {
+        mins_for(r0 + r);
+        for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
+      }
+    }
+#endif
+    if (r0 < M) {  // a last single row against all 8 rows of the group
+      float out[8][1];
+      tile<T, 8, 1>(qg, sg, nblocks, x + r0 * K, K, out);
+      mins_for(r0);
+      for (int i = 0; i < 8; ++i) put(i, r0, out[i][0]);
+    }
+#else
+    for (int64_t r = 0; r < M; ++r) {
+      mins_for(r);
+      for (int64_t i = 0; i < nn; ++i) put(i, r, dot_scalar(T, qg, sg, nblocks, i, x + r * K));
+    }
+#endif
+  }
 }
 
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scale,
-                       const at::Tensor& mins, int64_t qtype) {
+                       const at::Tensor& mins, int64_t qtype, int64_t N) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "aiolm::gguf_linear: x must be float32");
   const int64_t qb = qs_bytes(qtype);
   TORCH_CHECK((qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar) && qs.dim() == 2 &&
                   qs.is_contiguous(),
-              "aiolm::gguf_linear: qs must be a contiguous 8-bit [N, nblocks * bytes] tensor");
-  const int64_t N = qs.size(0), qs_row = qs.size(1);
-  TORCH_CHECK(qs_row % qb == 0, "aiolm::gguf_linear: a row of ", qs_row, " bytes is not whole blocks");
-  const int64_t nblocks = qs_row / qb, K = nblocks * QK;
+              "aiolm::gguf_linear: qs must be a contiguous 8-bit [N/8, nblocks * 8 * bytes] tensor");
+  const int64_t groups = qs.size(0), group_bytes = qs.size(1);
+  TORCH_CHECK(N > (groups - 1) * 8 && N <= groups * 8, "aiolm::gguf_linear: ", N, " output rows do not fill ",
+              groups, " groups of 8");
+  TORCH_CHECK(group_bytes % (8 * qb) == 0, "aiolm::gguf_linear: a group of ", group_bytes,
+              " bytes is not whole blocks");
+  const int64_t nblocks = group_bytes / (8 * qb), K = nblocks * QK;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == N && scale.size(1) == nblocks,
-              "aiolm::gguf_linear: scale must be float32 [N, nblocks]");
+                  scale.size(0) == groups && scale.size(1) == nblocks * 8,
+              "aiolm::gguf_linear: scale must be float32 [N/8, nblocks * 8]");
   const bool has_min = qtype == Q4_1;
   if (has_min)
     TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scale.sizes(),
-                "aiolm::gguf_linear: Q4_1 needs float32 mins [N, nblocks]");
+                "aiolm::gguf_linear: Q4_1 needs float32 mins [N/8, nblocks * 8]");
   TORCH_CHECK(x_in.size(-1) == K, "aiolm::gguf_linear: x has ", x_in.size(-1), " features, W has ", K);
   const aiolm_linear::Rows io(x_in, K, N);
   const at::Tensor& x = io.x;
@@ -297,12 +335,11 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* sp = scale.data_ptr<float>();
   const float* mp = has_min ? mins.data_ptr<float>() : nullptr;
   float* yp = io.y.data_ptr<float>();
-  at::parallel_for(0, N / 8 + (N % 8 != 0), 4, [&](int64_t g0, int64_t g1) {
-    const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     switch (qtype) {
-      case Q4_0: run_rows<Q4_0>(qp, sp, mp, xs, qs_row, nblocks, xp, K, M, yp, N, n0, n1); break;
-      case Q4_1: run_rows<Q4_1>(qp, sp, mp, xs, qs_row, nblocks, xp, K, M, yp, N, n0, n1); break;
-      default: run_rows<Q8_0>(qp, sp, mp, xs, qs_row, nblocks, xp, K, M, yp, N, n0, n1); break;
+      case Q4_0: run_groups<Q4_0>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1); break;
+      case Q4_1: run_groups<Q4_1>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1); break;
+      default: run_groups<Q8_0>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1); break;
     }
   });
   return io.result();
@@ -311,7 +348,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aiolm, m) {
-  m.def("gguf_linear(Tensor x, Tensor qs, Tensor scale, Tensor mins, int qtype) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor qs, Tensor scale, Tensor mins, int qtype, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("gguf_linear", &gguf_linear); }
