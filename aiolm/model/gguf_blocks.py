@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
 # Above this many rows the float32 panel GEMM wins a decode step (benchmarks/bench_linear.py):
-# 16 on an AVX2 CPU, but only 4 where the panel GEMM runs on AVX-512 (twice as fast).
-MAX_ROWS = 4 if cpu_kernels.has_avx512() else 16
+# 16 on an AVX2 CPU, but only 6 where the panel GEMM runs on AVX-512 (twice as fast).
+MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
