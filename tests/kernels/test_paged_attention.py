@@ -28,6 +28,8 @@ def _batch(rng: random.Random, shapes: list[tuple[int, int]], block_size: int, n
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),   # SmolLM2's shape (prefill tiles take the transposed-K kernel)
     (8, 2, 128, 16),  # head_dim 128 in tiles
+    (10, 2, 64, 32),  # AVX-512 decode rows: 5 query heads per kv head (3 + 2), two 16-key halves a page
+    (4, 4, 64, 8),    # AVX-512 decode rows: one query head per kv head, half-empty score vectors
     (4, 4, 32, 8),    # no GQA
     (8, 1, 16, 4),    # MQA, tiny pages
     (6, 2, 12, 16),   # head_dim not a multiple of 8 takes the scalar path

@@ -248,6 +248,141 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
   }
 }
 
+#if defined(__AVX512F__)
+// Lane t of the result = the sum of a[t]'s 16 lanes: four rounds of pairwise shuffles
+// and adds (46 instructions for 16 keys; a horizontal sum per key costs more).
+inline __m512 reduce16(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit chunks: [key i: 2 chunks | key i + 8: 2 chunks]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[i], a[i + 8], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // chunks: keys i, i + 8, i + 4, i + 12 (4 partial sums each)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[i], b[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // per chunk: [c[i]'s key, c[i + 2]'s key] interleaved, 2 partials each
+    d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[i], c[i + 2]), _mm512_unpackhi_ps(c[i], c[i + 2]));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // e's lanes hold keys 0 2 1 3 | 8 10 9 11 | 4 6 5 7 | 12 14 13 15
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// Scaled scores of one query head (NZ zmm in registers) against n <= 16 keys; returns their max.
+template <int NZ>
+inline float scores16(const __m512 qv[NZ], const float* k, int64_t stride, int64_t n, float scale, float* out) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    a[t] = _mm512_setzero_ps();
+    if (t < n) {
+      const float* kt = k + t * stride;
+#pragma GCC unroll 8
+      for (int i = 0; i < NZ; ++i) a[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + 16 * i), a[t]);
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 x = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(out, valid, x);
+  return _mm512_mask_reduce_max_ps(valid, x);
+}
+
+// acc[g] = acc[g] * c[g] + sum_t p[g][t] v[t] for GC query heads at once (p rows `pstride`
+// apart, acc rows d apart): each row of V is loaded once for all of them.
+template <int NZ, int GC>
+inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t pstride, const float* v,
+                             int64_t stride, int64_t rows) {
+  constexpr int64_t d = 16 * NZ;
+  __m512 a[GC][NZ];
+#pragma GCC unroll 4
+  for (int g = 0; g < GC; ++g) {
+    const __m512 cg = _mm512_set1_ps(c[g]);
+#pragma GCC unroll 8
+    for (int i = 0; i < NZ; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + 16 * i), cg);
+  }
+  for (int64_t t = 0; t < rows; ++t) {
+    __m512 vv[NZ];
+#pragma GCC unroll 8
+    for (int i = 0; i < NZ; ++i) vv[i] = _mm512_loadu_ps(v + t * stride + 16 * i);
+#pragma GCC unroll 4
+    for (int g = 0; g < GC; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * pstride + t]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NZ; ++i) a[g][i] = _mm512_fmadd_ps(pg, vv[i], a[g][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GC; ++g)
+#pragma GCC unroll 8
+    for (int i = 0; i < NZ; ++i) _mm512_storeu_ps(acc + g * d + 16 * i, a[g][i]);
+}
+
+// One query row (a decode step), all heads, head_dim = 16 * NZ: page by page as attend_row
+// does, with the scores of 16 keys reduced together and each V row loaded once for the
+// query heads that share it (up to 12 accumulators in zmm registers).
+template <int NZ>
+void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t n_keys,
+                  const float* kc, const float* vc, float scale, std::vector<float>& scratch) {
+  constexpr int64_t d = 16 * NZ;
+  constexpr int GC = NZ == 4 ? 3 : 1;  // query heads per V pass
+  const int64_t H = s.num_heads, bs = s.block_size, G = s.group;
+  float* acc = scratch.data();  // [H, d]
+  float* scores = acc + H * d;  // [H, bs]
+  float* m = scores + H * bs;   // [H] running max
+  float* l = m + H;             // [H] running sum of exp
+  float* c = l + H;             // [H] this page's correction
+  for (int64_t h = 0; h < H; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.f;
+  }
+  std::fill(acc, acc + H * d, 0.f);
+  const int64_t n_blocks = (n_keys + bs - 1) / bs;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t block = table[b];
+    const int64_t rows = std::min(bs, n_keys - b * bs);
+    if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
+      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
+      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
+      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(float));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(kn + off, 0, 3);
+        __builtin_prefetch(vn + off, 0, 3);
+      }
+    }
+    for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
+      const float* kb = kc + block * s.kv_block_stride + kh * d;
+      const float* vb = vc + block * s.kv_block_stride + kh * d;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        __m512 qv[NZ];
+        for (int i = 0; i < NZ; ++i) qv[i] = _mm512_loadu_ps(q_row + h * s.q_head_stride + 16 * i);
+        float* sh = scores + h * bs;
+        float bmax = -std::numeric_limits<float>::infinity();
+        for (int64_t t0 = 0; t0 < rows; t0 += 16)
+          bmax = std::max(bmax, scores16<NZ>(qv, kb + t0 * s.kv_row_stride, s.kv_row_stride,
+                                             std::min<int64_t>(16, rows - t0), scale, sh + t0));
+        c[h] = softmax_page(sh, rows, bmax, m[h], l[h]);
+      }
+      int64_t g = 0;
+      for (; g + GC <= G; g += GC) {
+        const int64_t h = kh * G + g;
+        accumulate_heads<NZ, GC>(acc + h * d, c + h, scores + h * bs, bs, vb, s.kv_row_stride, rows);
+      }
+      for (; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        accumulate_heads<NZ, 1>(acc + h * d, c + h, scores + h * bs, bs, vb, s.kv_row_stride, rows);
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / l[h];
+    float* oh = out_row + h * s.o_head_stride;
+    const float* ah = acc + h * d;
+    for (int64_t i = 0; i < d; ++i) oh[i] = ah[i] * inv;
+  }
+}
+#endif
+
 // Scores of J query vectors (rows of qb, d floats each) against one page of 16 keys
 // held transposed (kt[dd * 16 + t]): each k vector serves J queries, with no
 // horizontal sums. sb gets J rows of 16 scaled scores.
@@ -474,7 +609,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const bool tiles = s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
   at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
     const int64_t R = kTile * s.group;
-    std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 2),
+    std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 3),
                                         R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
     for (int64_t w = next.fetch_add(1); w < n_items; w = next.fetch_add(1)) {
       const int64_t r = item_req[w];
@@ -495,8 +630,20 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       }
       for (int64_t i = item_row0[w]; i < row_end; ++i) {
         const int64_t tok = qsl[r] + i;
-        attend_row(s, qp + tok * s.q_tok_stride, op + tok * s.o_tok_stride, table + r * s.table_width,
-                   ctx + i + 1, kc, vc, fscale, scratch);
+        const float* qr = qp + tok * s.q_tok_stride;
+        float* orow = op + tok * s.o_tok_stride;
+        const int64_t* tr = table + r * s.table_width;
+#if defined(__AVX512F__)
+        if (s.head_dim == 64) {
+          attend_row_z<4>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+          continue;
+        }
+        if (s.head_dim == 128) {
+          attend_row_z<8>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+          continue;
+        }
+#endif
+        attend_row(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
       }
     }
   });
