@@ -90,9 +90,10 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
-def ready(t: torch.Tensor) -> bool:
-    """True if the fused float32 CPU kernels can take ``t`` (cheap enough to call per op)."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+def ready(t: torch.Tensor, bf16_too: bool = False) -> bool:
+    """True if the fused float32 CPU kernels can take ``t`` (cheap enough to call per op);
+    ``bf16_too`` for the kernels that also take bfloat16."""
+    if t.dtype != torch.float32 and not (bf16_too and t.dtype == torch.bfloat16) or t.device.type != "cpu":
         return False
     ok = _state.get("ok")
     return bool(ok) if ok is not None else load()

@@ -52,7 +52,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta), keep_bf16=True)
 
 
 class MLP(nn.Module):
@@ -62,13 +62,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # bfloat16 matmuls hand gate/up over as bfloat16: the fused kernel reads it and writes
-        # the down projection's bfloat16 input, two casts fewer
+        # bfloat16 matmuls hand their outputs on as bfloat16 (the values they computed):
+        # silu_and_mul reads and writes bfloat16, and so does the next add_rms_norm_
         gate_up = self.gate_up_proj(x, keep_bf16=True)
-        if cpu_kernels.ready(x):
-            return self.down_proj(torch.ops.aiolm.silu_and_mul(gate_up))
+        if cpu_kernels.ready(gate_up, bf16_too=True):
+            return self.down_proj(torch.ops.aiolm.silu_and_mul(gate_up), keep_bf16=True)
         gate, up = gate_up.to(x.dtype).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate) * up, keep_bf16=True)
 
 
 class DecoderLayer(nn.Module):
@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, cache, meta)
         if residual is None:
             return self.norm(x)
-        return self.norm(x, residual)[0]
+        return self.norm(x.to(residual.dtype), residual)[0]  # float32 into the LM head
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

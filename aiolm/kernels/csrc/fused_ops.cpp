@@ -6,7 +6,7 @@
 // 30 layers of them per step.
 //
 //   rms_norm(x, w, eps)              -> w * x / sqrt(mean(x^2) + eps), per row
-//   add_rms_norm_(x, residual, w, eps)  residual += x; x = rms_norm(residual)
+//   add_rms_norm_(x, residual, w, eps)  residual += x; x = rms_norm(residual) (x float32, or bfloat16)
 //   rotary_(q, k, positions, cos, sin)  rotate-half RoPE, in place on q and k
 //   silu_and_mul(x)                  -> silu(x[:, :n]) * x[:, n:] (x float32, or bfloat16 in and out)
 
@@ -55,16 +55,51 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as torch's own float -> bfloat16 conversion does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
-  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "aiolm::add_rms_norm_: x must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "aiolm: x must be [rows, features] with dense rows");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "aiolm::add_rms_norm_: x and residual differ in shape");
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(1),
               "aiolm::add_rms_norm_: weight must be float32 [features]");
   const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
-  float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    // A bfloat16 matmul's output in, the next bfloat16 matmul's input out (layers/cpu_linear.py):
+    // the sum and the norm in float32, the result rounded as that matmul would round it.
+    uint16_t* xp = reinterpret_cast<uint16_t*>(x.data_ptr());
+    at::parallel_for(0, x.size(0), grain_for(n), [&](int64_t r0, int64_t r1) {
+      std::vector<float> h(n);
+      for (int64_t r = r0; r < r1; ++r) {
+        uint16_t* xr = xp + r * xs;
+        float* rr = rp + r * rs;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) rr[i] += bf16_to_float(xr[i]);
+        norm_row(rr, h.data(), wp, n, static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) xr[i] = float_to_bf16(h[i]);
+      }
+    });
+    return;
+  }
+  float* xp = x.data_ptr<float>();
   at::parallel_for(0, x.size(0), grain_for(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* xr = xp + r * xs;
@@ -116,9 +151,17 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
   });
 }
 
-// silu(g) * u over n floats, eight at a time where AVX2 is.
+// silu(g) * u over n floats, sixteen or eight at a time (the same bits either way).
 inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one16 = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = aiolm_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one16, e)), _mm512_loadu_ps(u + i)));
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 one = _mm256_set1_ps(1.f);
   for (; i + 8 <= n; i += 8) {
@@ -130,20 +173,6 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// Round to nearest even, as torch's own float -> bfloat16 conversion does; NaN stays NaN.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,

@@ -103,8 +103,10 @@ class RowParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._matmul(x))
+    def forward(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
+        """``keep_bf16``: hand a bfloat16 matmul's output on as it is (one rank: the sum of
+        ranks' parts is taken in float32)."""
+        y = self.tp.all_reduce(self._matmul(x, keep_bf16=keep_bf16 and self.tp.world_size == 1))
         return y if self.bias is None else y + self.bias
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
