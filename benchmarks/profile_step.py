@@ -36,7 +36,9 @@ def main() -> None:
     model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=2048)
     cfg, bs = src.config, 16
     kv_heads = model.layers[0].self_attn.num_kv_heads
-    caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    kv_dtype = torch.float16 if a.dtype == "bfloat16" else torch.float32  # as the model runner keeps it
+    caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype)
+              for _ in range(cfg.num_layers)]
     qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
     tables, nxt = [], 1
     for s in slens:

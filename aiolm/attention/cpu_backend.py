@@ -15,13 +15,14 @@ from aiolm.attention.torch_backend import TorchAttention, write_kv
 
 
 class CpuPagedAttention(TorchAttention):
-    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors, else the torch path.
+    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors over a float32 or
+    float16 cache, else the torch path.
 
     The kernels are built on the first float32 CPU call, never for a model on another device."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if not (cpu_kernels.ready(q) and kv_cache.dtype == torch.float32):
+        if not (cpu_kernels.ready(q) and kv_cache.dtype in (torch.float32, torch.float16)):
             return super().forward(q, k, v, kv_cache, meta)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # dense, whatever q's strides (a view of qkv)

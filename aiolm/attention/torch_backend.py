@@ -20,8 +20,8 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _, nb, bs, hk, d = kv_cache.shape
-    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 class TorchAttention:
@@ -58,12 +58,13 @@ class TorchAttention:
         ids = blocks[:nblk]
         k = kv_cache[0].index_select(0, ids).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
         v = kv_cache[1].index_select(0, ids).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-        return k, v
+        return k, v  # in the cache's dtype: _prefill computes in q's
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
                  seq_len: int, block_size: int) -> torch.Tensor:
         n = q.shape[0]
         k, v = self._gather(kv_cache, blocks, seq_len, block_size)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qh = q.transpose(0, 1)  # [H, n, D]
         kh = k.transpose(0, 1)
         vh = v.transpose(0, 1)
@@ -95,8 +96,8 @@ class TorchAttention:
         b = len(rows)
         hk, d = self.num_kv_heads, self.head_dim
         flat = table.reshape(-1)  # index_select copies pages far faster than advanced indexing
-        k = kv_cache[0].index_select(0, flat).view(b, nblk * bs, hk, d).transpose(1, 2)  # [B, Hk, L, D]
-        v = kv_cache[1].index_select(0, flat).view(b, nblk * bs, hk, d).transpose(1, 2)
+        k = kv_cache[0].index_select(0, flat).to(q.dtype).view(b, nblk * bs, hk, d).transpose(1, 2)  # [B, Hk, L, D]
+        v = kv_cache[1].index_select(0, flat).to(q.dtype).view(b, nblk * bs, hk, d).transpose(1, 2)
         seq = torch.tensor(slens, device=q.device).view(b, 1)
         mask = (torch.arange(nblk * bs, device=q.device).view(1, -1) < seq).view(b, 1, 1, -1)
         qb = q.index_select(0, tok).view(b, self.num_heads, 1, d)

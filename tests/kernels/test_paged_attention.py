@@ -34,7 +34,9 @@ def _batch(rng: random.Random, shapes: list[tuple[int, int]], block_size: int, n
     (8, 1, 16, 4),    # MQA, tiny pages
     (6, 2, 12, 16),   # head_dim not a multiple of 8 takes the scalar path
 ])
-def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, block_size, cache_dtype):
+    """float16: the cache of CPU bfloat16 matmuls; both read the same rounded values."""
     rng = random.Random(heads * 100 + head_dim)
     torch.manual_seed(heads)
     # decode rows, a whole prompt, a chunk after cached context, a 1-token prompt, a long decode
@@ -43,7 +45,7 @@ def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, blo
     meta = _batch(rng, shapes, block_size, num_blocks)
     t = meta.num_tokens
     ref = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
-    cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim))
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)).to(cache_dtype)
     cache2 = cache.clone()
     q = torch.randn(t, heads, head_dim)
     k = torch.randn(t, kv_heads, head_dim)

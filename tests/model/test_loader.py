@@ -770,15 +770,21 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
     assert model.lm_head.packed.data.dtype == torch.float32  # logits stay float32
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     got, want = mlp(x), exact.layers[0].mlp(x)
-    assert got.dtype == torch.float32
-    assert not torch.equal(got, want)  # it did round to bfloat16 ...
-    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # ... and only that
+    assert got.dtype == torch.bfloat16  # the down matmul's output, handed on to add_rms_norm_ as it is
+    assert not torch.equal(got.float(), want)  # it did round to bfloat16 ...
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # ... only that
     # gate/up reaches the fused SiLU as bfloat16 and the down projection reads its bfloat16 output:
     # the same numbers as the float32 hand-over, which rounds the same values at the same places
     up = mlp.gate_up_proj.packed.linear(x)
     assert up.dtype == torch.float32
     unfused = mlp.down_proj.packed.linear(torch.ops.aiolm.silu_and_mul(up))
-    assert torch.equal(got, unfused)
+    assert torch.equal(got.float(), unfused)
+    # add_rms_norm_ on that bfloat16 output: the float32 sum and norm, rounded once at the end
+    res = torch.randn(5, model.config.hidden_size)
+    res32 = res.clone()
+    h, res = model.layers[1].input_layernorm(got.clone(), res)
+    h32, res32 = exact.layers[1].input_layernorm(got.float(), res32)
+    assert h.dtype == torch.bfloat16 and torch.equal(res, res32) and torch.equal(h, h32.to(torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- RoPE row order

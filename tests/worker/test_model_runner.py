@@ -11,6 +11,7 @@ the tokens of a plain transformers greedy loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -172,3 +173,14 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
             await ex.shutdown()
 
     _check_run(loop.run_until_complete(run()), expected)
+
+
+def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks(real_source):
+    """bfloat16 matmuls on a CPU: float32 activations, the KV cache in float16, so the same
+    kv_cache_memory holds twice the blocks (and a decode step reads half the bytes)."""
+    from aiolm.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(dataclasses.replace(runner_config(real_source), dtype="bfloat16"))
+    assert runner.dtype == torch.float32 and runner.kv_dtype == torch.float16
+    assert {c.dtype for c in runner.kv_caches} == {torch.float16}
+    assert runner.num_blocks == 2 * KV_BLOCKS

@@ -12,14 +12,19 @@
 // transposed so that their scores are plain FMAs (~1.4x the row-by-row speed on
 // a 2048-token prefill: benchmarks/bench_attention.py).
 //
-// Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
-// q [num_tokens, num_heads, head_dim]; out the same shape as q.
+// Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], float32
+// or float16; q [num_tokens, num_heads, head_dim] float32; out the same shape as q.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "vec.h"
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -43,11 +48,36 @@ inline v8f load8(const float* p) {
 
 inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
+// The KV cache holds float32, or float16 (CPU bfloat16 matmuls: half the bytes a decode
+// step reads, and 8x finer than bfloat16). Reads of K and V go through these overloads.
+using half = c10::Half;
+
+inline float to_float(float x) { return x; }
+inline float to_float(half x) { return static_cast<float>(x); }
+
+inline v8f load8(const half* p) {
+#if defined(__F16C__)
+  return v8f(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 inline float hsum(v8f v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t d) {
   if (d % 8 == 0) {
     v8f acc0 = {0, 0, 0, 0, 0, 0, 0, 0};
     v8f acc1 = acc0;
@@ -60,17 +90,18 @@ inline float dot(const float* a, const float* b, int64_t d) {
     return hsum(acc0 + acc1);
   }
   float s = 0.f;
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < d; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t d) {
+template <typename KV>
+inline void axpy(float* y, float a, const KV* x, int64_t d) {
   if (d % 8 == 0) {
     v8f av = {a, a, a, a, a, a, a, a};
     for (int64_t i = 0; i < d; i += 8) store8(y + i, load8(y + i) + av * load8(x + i));
     return;
   }
-  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < d; ++i) y[i] += a * to_float(x[i]);
 }
 
 
@@ -116,8 +147,8 @@ inline void scale_inplace(float* y, float a, int64_t d) {
 // registers. Eight keys are in flight at once, each with its own accumulator, and
 // their eight horizontal sums come out of one hadd tree as a vector (a horizontal
 // sum per key, done alone, cost more than the key's FMAs).
-template <int ND>
-inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_t rows, float scale,
+template <int ND, typename KV>
+inline float scores_fixed(const float* q, const KV* k, int64_t stride, int64_t rows, float scale,
                           float* out) {
   v8f qv[ND];
   for (int i = 0; i < ND; ++i) qv[i] = load8(q + 8 * i);
@@ -127,7 +158,7 @@ inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_
   const __m256 sv = _mm256_set1_ps(scale);
   __m256 mv = _mm256_set1_ps(bmax);
   for (; t + 8 <= rows; t += 8) {
-    const float* kt = k + t * stride;
+    const KV* kt = k + t * stride;
     v8f a[8];
     for (int j = 0; j < 8; ++j) a[j] = qv[0] * load8(kt + j * stride);
     for (int i = 1; i < ND; ++i)
@@ -146,7 +177,7 @@ inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_
   for (int j = 0; j < 8; ++j) bmax = std::max(bmax, lanes[j]);
 #endif
   for (; t < rows; ++t) {
-    const float* k0 = k + t * stride;
+    const KV* k0 = k + t * stride;
     v8f a0 = qv[0] * load8(k0);
     for (int i = 1; i < ND; ++i) a0 += qv[i] * load8(k0 + 8 * i);
     out[t] = hsum(a0) * scale;
@@ -156,8 +187,8 @@ inline float scores_fixed(const float* q, const float* k, int64_t stride, int64_
 }
 
 // acc = acc * correction + sum_t p[t] v[t], head_dim = 8 * ND, the accumulator in registers.
-template <int ND>
-inline void accumulate_fixed(float* acc, float correction, const float* p, const float* v, int64_t stride,
+template <int ND, typename KV>
+inline void accumulate_fixed(float* acc, float correction, const float* p, const KV* v, int64_t stride,
                              int64_t rows) {
   const v8f c = {correction, correction, correction, correction, correction, correction, correction, correction};
   v8f a[ND];
@@ -165,7 +196,7 @@ inline void accumulate_fixed(float* acc, float correction, const float* p, const
   for (int64_t t = 0; t < rows; ++t) {
     const float pt = p[t];
     const v8f pv = {pt, pt, pt, pt, pt, pt, pt, pt};
-    const float* vr = v + t * stride;
+    const KV* vr = v + t * stride;
     for (int i = 0; i < ND; ++i) a[i] += pv * load8(vr + 8 * i);
   }
   for (int i = 0; i < ND; ++i) store8(acc + 8 * i, a[i]);
@@ -182,8 +213,9 @@ struct Shapes {
 // reading the pages listed in the block table. Every head is done page by page
 // so that a page (all kv heads of block_size tokens, contiguous) comes from
 // memory once and is then reused from cache by every query head.
+template <typename KV>
 void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table,
-                int64_t n_keys, const float* kc, const float* vc, float scale, std::vector<float>& scratch) {
+                int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
   const int64_t H = s.num_heads, d = s.head_dim, bs = s.block_size, G = s.group;
   float* acc = scratch.data();          // [H, d]
   float* scores = acc + H * d;          // [H, bs]
@@ -201,15 +233,15 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
     if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
       const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
       const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
-      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(float));
+      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
       for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(kn + off, 0, 3);
         __builtin_prefetch(vn + off, 0, 3);
       }
     }
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
-      const float* kb = kc + block * s.kv_block_stride + kh * d;
-      const float* vb = vc + block * s.kv_block_stride + kh * d;
+      const KV* kb = kc + block * s.kv_block_stride + kh * d;
+      const KV* vb = vc + block * s.kv_block_stride + kh * d;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
         const float* qh = q_row + h * s.q_head_stride;
@@ -269,16 +301,16 @@ inline __m512 reduce16(__m512 a[16]) {
 }
 
 // Scaled scores of one query head (NZ zmm in registers) against n <= 16 keys; returns their max.
-template <int NZ>
-inline float scores16(const __m512 qv[NZ], const float* k, int64_t stride, int64_t n, float scale, float* out) {
+template <int NZ, typename KV>
+inline float scores16(const __m512 qv[NZ], const KV* k, int64_t stride, int64_t n, float scale, float* out) {
   __m512 a[16];
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
     a[t] = _mm512_setzero_ps();
     if (t < n) {
-      const float* kt = k + t * stride;
+      const KV* kt = k + t * stride;
 #pragma GCC unroll 8
-      for (int i = 0; i < NZ; ++i) a[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + 16 * i), a[t]);
+      for (int i = 0; i < NZ; ++i) a[t] = _mm512_fmadd_ps(qv[i], load16(kt + 16 * i), a[t]);
     }
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -289,8 +321,8 @@ inline float scores16(const __m512 qv[NZ], const float* k, int64_t stride, int64
 
 // acc[g] = acc[g] * c[g] + sum_t p[g][t] v[t] for GC query heads at once (p rows `pstride`
 // apart, acc rows d apart): each row of V is loaded once for all of them.
-template <int NZ, int GC>
-inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t pstride, const float* v,
+template <int NZ, int GC, typename KV>
+inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t pstride, const KV* v,
                              int64_t stride, int64_t rows) {
   constexpr int64_t d = 16 * NZ;
   __m512 a[GC][NZ];
@@ -303,7 +335,7 @@ inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t
   for (int64_t t = 0; t < rows; ++t) {
     __m512 vv[NZ];
 #pragma GCC unroll 8
-    for (int i = 0; i < NZ; ++i) vv[i] = _mm512_loadu_ps(v + t * stride + 16 * i);
+    for (int i = 0; i < NZ; ++i) vv[i] = load16(v + t * stride + 16 * i);
 #pragma GCC unroll 4
     for (int g = 0; g < GC; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * pstride + t]);
@@ -320,9 +352,9 @@ inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t
 // One query row (a decode step), all heads, head_dim = 16 * NZ: page by page as attend_row
 // does, with the scores of 16 keys reduced together and each V row loaded once for the
 // query heads that share it (up to 12 accumulators in zmm registers).
-template <int NZ>
+template <int NZ, typename KV>
 void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t n_keys,
-                  const float* kc, const float* vc, float scale, std::vector<float>& scratch) {
+                  const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
   constexpr int64_t d = 16 * NZ;
   constexpr int GC = NZ == 4 ? 3 : 1;  // query heads per V pass
   const int64_t H = s.num_heads, bs = s.block_size, G = s.group;
@@ -343,15 +375,15 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
     if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
       const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
       const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
-      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(float));
+      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
       for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(kn + off, 0, 3);
         __builtin_prefetch(vn + off, 0, 3);
       }
     }
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
-      const float* kb = kc + block * s.kv_block_stride + kh * d;
-      const float* vb = vc + block * s.kv_block_stride + kh * d;
+      const KV* kb = kc + block * s.kv_block_stride + kh * d;
+      const KV* vb = vc + block * s.kv_block_stride + kh * d;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
         __m512 qv[NZ];
@@ -450,8 +482,8 @@ inline void scores_rows16(int64_t n, const float* qb, int64_t d, const float* kt
 // ob[j] = ob[j] * c[j] + sum_t p[j][t] v[t] for n query vectors (rows of p, 16 apart) over
 // `rows` keys of a page. With AVX-512, four query vectors at a time share each v load
 // (per lane the same FMAs in the same order as accumulate_fixed, which does the rest).
-template <int ND>
-inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p, const float* v, int64_t stride,
+template <int ND, typename KV>
+inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p, const KV* v, int64_t stride,
                             int64_t rows) {
   constexpr int64_t d = 8 * ND;
   int64_t j = 0;
@@ -468,7 +500,7 @@ inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p
     for (int64_t t = 0; t < rows; ++t) {
       __m512 vv[NZ];
 #pragma GCC unroll 8
-      for (int i = 0; i < NZ; ++i) vv[i] = _mm512_loadu_ps(v + t * stride + 16 * i);
+      for (int i = 0; i < NZ; ++i) vv[i] = load16(v + t * stride + 16 * i);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
         const __m512 pr = _mm512_set1_ps(p[(j + r) * 16 + t]);
@@ -489,9 +521,9 @@ inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p
 // keys and head_dim = 8 * ND: per kv head, the tile's rows times the group's query
 // heads form a block of query vectors that meets each page once, K transposed so
 // the scores come from plain FMAs. Rows see keys up to their own position (causal).
-template <int ND>
+template <int ND, typename KV>
 void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const int64_t* table, int64_t ctx,
-                 int64_t i0, int64_t i1, const float* kc, const float* vc, float scale, std::vector<float>& scratch) {
+                 int64_t i0, int64_t i1, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
   constexpr int64_t d = 8 * ND, bs = 16;
   const int64_t G = s.group, R = (i1 - i0) * G;
   float* qb = scratch.data();  // [R, d] query vectors, row-major by (row, head in group)
@@ -512,10 +544,13 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
     std::fill(lb, lb + R, 0.f);
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t key0 = b * bs, rows = std::min(bs, n_keys - key0);
-      const float* kb = kc + table[b] * s.kv_block_stride + kh * d;
-      const float* vb = vc + table[b] * s.kv_block_stride + kh * d;
+      const KV* kb = kc + table[b] * s.kv_block_stride + kh * d;
+      const KV* vb = vc + table[b] * s.kv_block_stride + kh * d;
       for (int64_t t = 0; t < rows; ++t)
-        for (int64_t dd = 0; dd < d; ++dd) kt[dd * bs + t] = kb[t * s.kv_row_stride + dd];
+        for (int64_t dd = 0; dd < d; dd += 8) {
+          const v8f r = load8(kb + t * s.kv_row_stride + dd);
+          for (int j = 0; j < 8; ++j) kt[(dd + j) * bs + t] = r[j];
+        }
       for (int64_t t = rows; t < bs; ++t)
         for (int64_t dd = 0; dd < d; ++dd) kt[dd * bs + t] = 0.f;
       // rows of the tile that see none of this page's keys are skipped (the tile's first rows)
@@ -542,12 +577,68 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
   }
 }
 
+// Every work item, on torch's threads: K and V of element type KV.
+template <typename KV>
+void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std::vector<int64_t>& item_row0,
+               const int64_t* qsl, const int64_t* slen, const int64_t* table, const float* qp, float* op,
+               const KV* kc, const KV* vc, float fscale) {
+  const int64_t n_items = static_cast<int64_t>(item_req.size());
+  // Items differ in cost (a decode row vs. a prefill tile), so threads take them
+  // one at a time from a shared counter rather than in fixed, equal ranges.
+  std::atomic<int64_t> next{0};
+  const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  // Prefill tiles of several rows take attend_tile where it has a kernel for the shape.
+  const bool tiles = s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
+  at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
+    const int64_t R = kTile * s.group;
+    std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 3),
+                                        R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
+    for (int64_t w = next.fetch_add(1); w < n_items; w = next.fetch_add(1)) {
+      const int64_t r = item_req[w];
+      const int64_t n = qsl[r + 1] - qsl[r];
+      const int64_t ctx = slen[r] - n;
+      const int64_t row_end = std::min(n, item_row0[w] + kTile);
+      if (tiles && row_end - item_row0[w] > 1) {
+        const int64_t tok = qsl[r] + item_row0[w];
+        const float* qt = qp + tok * s.q_tok_stride;
+        float* ot = op + tok * s.o_tok_stride;
+        const int64_t* tr = table + r * s.table_width;
+        if (s.head_dim == 64) {
+          attend_tile<8>(s, qt, ot, tr, ctx, item_row0[w], row_end, kc, vc, fscale, scratch);
+        } else {
+          attend_tile<16>(s, qt, ot, tr, ctx, item_row0[w], row_end, kc, vc, fscale, scratch);
+        }
+        continue;
+      }
+      for (int64_t i = item_row0[w]; i < row_end; ++i) {
+        const int64_t tok = qsl[r] + i;
+        const float* qr = qp + tok * s.q_tok_stride;
+        float* orow = op + tok * s.o_tok_stride;
+        const int64_t* tr = table + r * s.table_width;
+#if defined(__AVX512F__)
+        if (s.head_dim == 64) {
+          attend_row_z<4>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+          continue;
+        }
+        if (s.head_dim == 128) {
+          attend_row_z<8>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+          continue;
+        }
+#endif
+        attend_row(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+      }
+    }
+  });
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "aiolm::paged_attention: float32 tensors expected");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "aiolm::paged_attention: float32 q and out expected");
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "aiolm::paged_attention: float32 or float16 caches expected, both alike");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong,
               "aiolm::paged_attention: int64 block_table, query_start_loc and seq_lens expected");
@@ -597,56 +688,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t n_items = static_cast<int64_t>(item_req.size());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-
-  // Items differ in cost (a decode row vs. a prefill tile), so threads take them
-  // one at a time from a shared counter rather than in fixed, equal ranges.
-  std::atomic<int64_t> next{0};
-  const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  // Prefill tiles of several rows take attend_tile where it has a kernel for the shape.
-  const bool tiles = s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
-  at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
-    const int64_t R = kTile * s.group;
-    std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 3),
-                                        R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
-    for (int64_t w = next.fetch_add(1); w < n_items; w = next.fetch_add(1)) {
-      const int64_t r = item_req[w];
-      const int64_t n = qsl[r + 1] - qsl[r];
-      const int64_t ctx = slen[r] - n;
-      const int64_t row_end = std::min(n, item_row0[w] + kTile);
-      if (tiles && row_end - item_row0[w] > 1) {
-        const int64_t tok = qsl[r] + item_row0[w];
-        const float* qt = qp + tok * s.q_tok_stride;
-        float* ot = op + tok * s.o_tok_stride;
-        const int64_t* tr = table + r * s.table_width;
-        if (s.head_dim == 64) {
-          attend_tile<8>(s, qt, ot, tr, ctx, item_row0[w], row_end, kc, vc, fscale, scratch);
-        } else {
-          attend_tile<16>(s, qt, ot, tr, ctx, item_row0[w], row_end, kc, vc, fscale, scratch);
-        }
-        continue;
-      }
-      for (int64_t i = item_row0[w]; i < row_end; ++i) {
-        const int64_t tok = qsl[r] + i;
-        const float* qr = qp + tok * s.q_tok_stride;
-        float* orow = op + tok * s.o_tok_stride;
-        const int64_t* tr = table + r * s.table_width;
-#if defined(__AVX512F__)
-        if (s.head_dim == 64) {
-          attend_row_z<4>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
-          continue;
-        }
-        if (s.head_dim == 128) {
-          attend_row_z<8>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
-          continue;
-        }
-#endif
-        attend_row(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
-      }
-    }
-  });
+  if (k_cache.scalar_type() == at::kHalf) {
+    run_items(s, item_req, item_row0, qsl, slen, table, qp, op, reinterpret_cast<const half*>(k_cache.data_ptr()),
+              reinterpret_cast<const half*>(v_cache.data_ptr()), fscale);
+  } else {
+    run_items(s, item_req, item_row0, qsl, slen, table, qp, op, k_cache.data_ptr<float>(),
+              v_cache.data_ptr<float>(), fscale);
+  }
 }
 
 }  // namespace
