@@ -22,7 +22,8 @@ class EngineArgs:
     device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
     gpu_memory_utilization: float = _f(0.9, "on CUDA: fraction of device memory for weights, activations and KV cache")
     dtype: str = _f("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA; "
-                            "bfloat16 on CPU: bfloat16 matmuls in the decoder layers, all else float32)")
+                            "bfloat16 on CPU: bfloat16 matmuls in the decoder layers, a float16 KV cache, "
+                            "all else float32)")
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens (default: min(model, 8192))")
     max_num_seqs: int = _f(128, "most requests in one batch")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill splits longer prompts)")

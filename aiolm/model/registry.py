@@ -24,7 +24,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' -> float32 on CPU, bfloat16 on CUDA (when supported), else float16.
 
     On a CPU, bfloat16 asks for bfloat16 matmuls in an otherwise float32 model
-    (build_model).
+    (build_model), whose KV cache the model runner keeps in float16.
 
     On CPUs without AMX, fp32 matmuls are faster than bf16 ones (measured in
     PEERS.md: 244 vs 166 GFLOP/s here), and fp32 keeps exact parity, so CPU auto
