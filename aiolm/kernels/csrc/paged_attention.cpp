@@ -105,11 +105,21 @@ inline void axpy(float* y, float a, const KV* x, int64_t d) {
 }
 
 
-// scores[t] = exp(scores[t] - m) for t < n; returns their sum.
+// scores[t] = exp(scores[t] - m) for t < n; returns their sum (16 or 8 lanes at a time).
 inline float exp_shifted(float* scores, int64_t n, float m) {
   float sum = 0.f;
   int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  const __m512 mv16 = _mm512_set1_ps(m);
+  __m512 acc16 = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 p = aiolm_vec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + t), mv16));
+    _mm512_mask_storeu_ps(scores + t, k, p);
+    acc16 = _mm512_add_ps(acc16, _mm512_maskz_mov_ps(k, p));
+  }
+  sum = _mm512_reduce_add_ps(acc16);
+#elif defined(__AVX2__) && defined(__FMA__)
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) {
