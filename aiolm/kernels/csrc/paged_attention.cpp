@@ -219,6 +219,46 @@ struct Shapes {
   int64_t kv_block_stride, kv_row_stride;  // strides of the caches
 };
 
+// One query row's online-softmax state for every head, laid out in the worker's scratch:
+// the output accumulators, a page of scores, the running max and sum, and the page's
+// correction of them.
+struct RowState {
+  float *acc, *scores, *m, *l, *c;  // [H, d], [H, block_size], [H], [H], [H]
+
+  RowState(const Shapes& s, std::vector<float>& scratch)
+      : acc(scratch.data()), scores(acc + s.num_heads * s.head_dim), m(scores + s.num_heads * s.block_size),
+        l(m + s.num_heads), c(l + s.num_heads) {
+    std::fill(m, m + s.num_heads, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + s.num_heads, 0.f);
+    std::fill(acc, acc + s.num_heads * s.head_dim, 0.f);
+  }
+
+  // out = acc / l, head by head.
+  void write(const Shapes& s, float* out_row) const {
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      const float inv = 1.f / l[h];
+      float* oh = out_row + h * s.o_head_stride;
+      const float* ah = acc + h * s.head_dim;
+      for (int64_t i = 0; i < s.head_dim; ++i) oh[i] = ah[i] * inv;
+    }
+  }
+};
+
+// Pages lie anywhere: ask for page b + 1 of a row's n_keys keys while page b is used.
+template <typename KV>
+inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b, int64_t n_keys, const KV* kc,
+                               const KV* vc) {
+  const int64_t bs = s.block_size;
+  if ((b + 1) * bs >= n_keys) return;
+  const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
+  const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
+  const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(kn + off, 0, 3);
+    __builtin_prefetch(vn + off, 0, 3);
+  }
+}
+
 // One query row, all heads: softmax(q K^T * scale) V over keys [0, n_keys),
 // reading the pages listed in the block table. Every head is done page by page
 // so that a page (all kv heads of block_size tokens, contiguous) comes from
@@ -226,29 +266,14 @@ struct Shapes {
 template <typename KV>
 void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table,
                 int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
-  const int64_t H = s.num_heads, d = s.head_dim, bs = s.block_size, G = s.group;
-  float* acc = scratch.data();          // [H, d]
-  float* scores = acc + H * d;          // [H, bs]
-  float* m = scores + H * bs;           // [H] running max
-  float* l = m + H;                     // [H] running sum of exp
-  for (int64_t h = 0; h < H; ++h) {
-    m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0.f;
-  }
-  std::fill(acc, acc + H * d, 0.f);
+  const int64_t d = s.head_dim, bs = s.block_size, G = s.group;
+  RowState st(s, scratch);
+  float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l;
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t block = table[b];
     const int64_t rows = std::min(bs, n_keys - b * bs);
-    if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
-      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
-      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
-      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kn + off, 0, 3);
-        __builtin_prefetch(vn + off, 0, 3);
-      }
-    }
+    prefetch_next_page(s, table, b, n_keys, kc, vc);
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
       const KV* kb = kc + block * s.kv_block_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + kh * d;
@@ -282,12 +307,7 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    const float inv = 1.f / l[h];
-    float* oh = out_row + h * s.o_head_stride;
-    const float* ah = acc + h * d;
-    for (int64_t i = 0; i < d; ++i) oh[i] = ah[i] * inv;
-  }
+  st.write(s, out_row);
 }
 
 #if defined(__AVX512F__)
@@ -367,30 +387,14 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
                   const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
   constexpr int64_t d = 16 * NZ;
   constexpr int GC = NZ == 4 ? 3 : 1;  // query heads per V pass
-  const int64_t H = s.num_heads, bs = s.block_size, G = s.group;
-  float* acc = scratch.data();  // [H, d]
-  float* scores = acc + H * d;  // [H, bs]
-  float* m = scores + H * bs;   // [H] running max
-  float* l = m + H;             // [H] running sum of exp
-  float* c = l + H;             // [H] this page's correction
-  for (int64_t h = 0; h < H; ++h) {
-    m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0.f;
-  }
-  std::fill(acc, acc + H * d, 0.f);
+  const int64_t bs = s.block_size, G = s.group;
+  RowState st(s, scratch);
+  float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l, *c = st.c;
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t block = table[b];
     const int64_t rows = std::min(bs, n_keys - b * bs);
-    if (b + 1 < n_blocks) {  // pages lie anywhere: ask for the next one while this one is used
-      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
-      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
-      const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kn + off, 0, 3);
-        __builtin_prefetch(vn + off, 0, 3);
-      }
-    }
+    prefetch_next_page(s, table, b, n_keys, kc, vc);
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
       const KV* kb = kc + block * s.kv_block_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + kh * d;
@@ -416,12 +420,7 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    const float inv = 1.f / l[h];
-    float* oh = out_row + h * s.o_head_stride;
-    const float* ah = acc + h * d;
-    for (int64_t i = 0; i < d; ++i) oh[i] = ah[i] * inv;
-  }
+  st.write(s, out_row);
 }
 #endif
 
