@@ -165,27 +165,20 @@ inline void tile(const uint8_t* qs, const float* scale, int64_t nblocks, const f
 }
 #endif
 
-// sum_i a_i b_i in vector lanes: a scalar loop is one chain of dependent adds, and it
-// runs once per output feature (the Q4_1 mins term, the block sums of x).
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.f;
+// The sum of one block's 32 values of x, in vector lanes (a scalar loop is one chain of
+// dependent adds): Q4_1's m * sum(x) term needs it for every block of every row.
+inline float block_sum(const float* x) {
 #if defined(AIOLM_AVX512)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-    i = n;
-  }
-  s = _mm512_reduce_add_ps(acc);
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
 #elif defined(AIOLM_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  s = hsum256(acc);
-#endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  __m256 acc = _mm256_loadu_ps(x);
+  for (int i = 8; i < QK; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+  return hsum256(acc);
+#else
+  float s = 0.f;
+  for (int i = 0; i < QK; ++i) s += x[i];
   return s;
+#endif
 }
 
 // Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
@@ -325,10 +318,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   if (has_min) {
     xsum_t = at::empty({M, nblocks}, x.options());
     float* w = xsum_t.data_ptr<float>();
-    static const float ones[QK] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
-                                   1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
     for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nblocks; ++b) w[r * nblocks + b] = dot(xp + r * K + b * QK, ones, QK);
+      for (int64_t b = 0; b < nblocks; ++b) w[r * nblocks + b] = block_sum(xp + r * K + b * QK);
     xs = w;
   }
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
