@@ -18,7 +18,7 @@ from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import kv_cache_shape
 from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aiolm.model.loader import resolve_model
-from aiolm.model.registry import build_model, resolve_dtype
+from aiolm.model.registry import build_model, kv_cache_dtype, resolve_dtype
 from aiolm.worker.input_batch import InputBatch
 from aiolm.worker.sampler import Sampler, SamplingMetadata
 
@@ -52,10 +52,7 @@ class ModelRunner:
         requested = resolve_dtype(cfg.dtype, self.device)
         self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len)
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
-        # CPU bfloat16 matmuls keep the KV cache in float16: half the bytes a decode step
-        # reads, and 8x finer than bfloat16 (whose cache changed greedy answers here)
-        cpu_bf16 = self.device.type == "cpu" and requested == torch.bfloat16
-        self.kv_dtype = torch.float16 if cpu_bf16 else self.dtype
+        self.kv_dtype = kv_cache_dtype(requested, self.device)
         mc = self.source.config
         self.vocab_size = mc.vocab_size
         local_kv_heads = self.model.layers[0].self_attn.num_kv_heads
