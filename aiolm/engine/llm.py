@@ -1,13 +1,21 @@
 """LLM: offline batch generation on a private event loop in a background thread.
 
 The loop lives in its own thread so LLM works from scripts, notebooks (which
-already run a loop) and stdin alike.
+already run a loop) and stdin alike. It is a uvloop loop where uvloop is
+installed, like the server's and the CLI's.
+
+Shutdown does not rely on ``__del__``: by the time the interpreter clears module
+globals its daemon threads are frozen, so waiting on the loop thread from there
+hangs forever. A ``weakref.finalize`` stops the engine instead, either when the
+LLM is collected or from ``atexit``, while the loop thread still runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import weakref
 from typing import Any, Coroutine, Sequence, TypeVar
 
 from aiolm.config import EngineArgs
@@ -17,14 +25,59 @@ from aiolm.outputs import RequestOutput
 from aiolm.params import SamplingParams
 
 T = TypeVar("T")
+log = logging.getLogger("aiolm.llm")
+_SHUTDOWN_TIMEOUT = 30.0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop where uvloop is installed, else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class _LoopThread:
+    """An event loop running forever in a daemon thread; coroutines are submitted from outside."""
+
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="aiolm-llm", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if not self.thread.is_alive():
+            coro.close()
+            raise RuntimeError("the LLM is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
+
+
+def _shutdown(runner: _LoopThread, engine: AsyncEngine) -> None:
+    """Stop the engine (workers, shared memory) and the loop; safe to call twice."""
+    try:
+        if runner.thread.is_alive():
+            runner.run(engine.shutdown(), timeout=_SHUTDOWN_TIMEOUT)
+    except Exception:
+        log.exception("LLM shutdown failed")
+    finally:
+        runner.stop()
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="aiolm-llm", daemon=True)
-        self._thread.start()
-        self.engine = AsyncEngine(EngineArgs(model=model, **engine_args))
+        args = EngineArgs(model=model, **engine_args)  # a bad argument fails before any thread starts
+        self._runner = _LoopThread()
+        self.engine = AsyncEngine(args)
+        # Runs at collection or at interpreter exit (atexit), whichever comes first.
+        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.engine)
         try:
             self._run(self.engine.start())
         except BaseException:
@@ -33,7 +86,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._runner.run(coro)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -82,24 +135,14 @@ class LLM:
         return [r for r in results if r is not None]
 
     def close(self) -> None:
-        if self._loop.is_running():
-            try:
-                self._run(self.engine.shutdown())
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(timeout=10)
+        """Stop the engine and its workers now (also done at exit or when collected)."""
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _final():

@@ -34,6 +34,7 @@ class SeqState:
     stop_reason: int | str | None = None
     sent_text: int = 0  # for delta mode: what the consumer has already seen
     sent_tokens: int = 0
+    sent_finish: bool = False  # delta mode: the finish reason was delivered, never repeat it
     # Text nobody reads before the end (final-only output, no stop strings) is
     # detokenized once at the finish, a run of ids at a time, not on every step.
     defer_text: bool = False
@@ -102,9 +103,10 @@ class RequestState:
             if delta:
                 t, ids = text[s.sent_text:], s.token_ids[s.sent_tokens:]
                 lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
-                if not t and not ids and s.finish_reason is None:
+                if not t and not ids and (s.finish_reason is None or s.sent_finish):
                     continue
                 s.sent_text, s.sent_tokens = len(text), len(s.token_ids)
+                s.sent_finish = s.finish_reason is not None
             else:
                 t, ids, lps = text, list(s.token_ids), (list(s.logprobs) if s.logprobs is not None else None)
             outs.append(CompletionOutput(s.index, t, ids, s.finish_reason, s.stop_reason, lps,

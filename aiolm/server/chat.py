@@ -99,8 +99,8 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
                 choices.append(choice)
-            if choices:
-                yield chunk(choices)
+            for choice in choices:  # one choice per chunk, as OpenAI streams n > 1
+                yield chunk([choice])
     except Exception as e:  # the stream has started: report in-band, as OpenAI does
         yield engine_error(e).body()
         return

@@ -128,8 +128,8 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
                 choices.append(choice)
-            if choices:
-                yield chunk(choices)
+            for choice in choices:  # one choice per chunk, as OpenAI streams n > 1
+                yield chunk([choice])
     except Exception as e:  # the stream has started: report in-band
         yield engine_error(e).body()
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -40,9 +41,54 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if _may_hold_surrogates(body):
+        try:
+            where = lone_surrogate_path(value)
+        except RecursionError:
+            raise bad_request("the request body is nested too deeply", code="invalid_json") from None
+        if where is not None:
+            raise bad_request(f"'{where}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                              param=where, code="invalid_unicode")
+    return value
+
+
+def _may_hold_surrogates(body: bytes | bytearray) -> bool:
+    """Surrogates reach json.loads only as \\uD800-\\uDFFF escapes or as their UTF-8 bytes
+    (decoded with 'surrogatepass'); bodies without either skip the walk."""
+    return b"\\ud" in body or b"\\uD" in body or _RAW_SURROGATE.search(body) is not None
+
+
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string or key holding a lone surrogate.
+
+    A valid pair was already joined into one code point by json.loads, so any code point
+    left in U+D800-U+DFFF is unpaired and would fail every UTF-8 encode downstream."""
+    if isinstance(value, str):
+        return (path or "body") if _SURROGATE.search(value) else None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if _SURROGATE.search(k):  # name the key in escapes: it cannot be encoded as it is
+                k = k.encode("utf-8", "backslashreplace").decode()
+                return f"{path}.{k}" if path else k
+            key_path = f"{path}.{k}" if path else k
+            found = lone_surrogate_path(v, key_path)
+            if found is not None:
+                return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:

@@ -241,6 +241,8 @@ class OneOf(Spec):
                 return alt.parse(value, name)
             except APIError:
                 continue
+        if isinstance(value, list) and not value:
+            raise bad_request(f"'{name}' is an empty list; it must be {self.what}", param=name)
         raise self.fail(value, name)
 
     def schema(self) -> dict[str, Any]:
@@ -248,6 +250,8 @@ class OneOf(Spec):
 
 
 def _matches_type(spec: Spec, value: Any) -> bool:
+    if isinstance(spec, ListOf) and isinstance(value, list) and value:
+        return _matches_type(spec.item, value[0])  # a list's shape is told by its first item
     kinds = {Int: int, Num: (int, float), Bool: bool, Str: str, Enum: str, ListOf: list, MapOf: dict, Obj: dict}
     for cls, typ in kinds.items():
         if isinstance(spec, cls):

@@ -15,7 +15,7 @@ def llm():
     with LLM(**ENGINE_ARGS) as model:
         yield model
     assert all(p.poll() is not None for p in model.engine.executor.procs)
-    assert not model._thread.is_alive()
+    assert not model._runner.thread.is_alive()
 
 
 def greedy(max_tokens: int) -> SamplingParams:

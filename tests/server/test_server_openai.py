@@ -133,6 +133,38 @@ def test_completions_async_n2_stream_and_usage(server, model):
     asyncio.run(asyncio.wait_for(run(), TIMEOUT))
 
 
+def test_n_streams_send_each_finish_reason_once(server, client, model):
+    # Different lengths per choice (sampled, with a stop on "."), so some finish while others run.
+    body = {"model": model, "prompt": "List some colours:", "max_tokens": 24, "n": 3, "stream": True,
+            "temperature": 1.0, "seed": 5, "stop": ["."]}
+    finishes: dict[int, int] = {}
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:])["choices"]
+            assert len(choices) == 1, f"one choice per chunk, got {choices}"
+            c = choices[0]
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"] is not None:
+                finishes[c["index"]] = finishes.get(c["index"], 0) + 1
+            else:
+                assert c["index"] not in finishes, f"choice {c['index']} sent after its finish_reason"
+    assert finishes == {0: 1, 1: 1, 2: 1}
+    chat = client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=12, n=2, stream=True,
+                                          temperature=1.0, seed=7)
+    per_index: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in chat:
+        assert len(chunk.choices) == 1
+        c = chunk.choices[0]
+        if c.finish_reason:
+            per_index[c.index].append(c.finish_reason)
+    assert all(len(v) == 1 for v in per_index.values()), per_index
+
+
 def test_completion_echo_and_token_prompts(client, model, server):
     ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello there"},
                      headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).json()["tokens"]
@@ -197,6 +229,16 @@ def test_request_errors(client, model, server):
     r = httpx.post(server.base_url + "/v1/completions", headers={**auth, "content-type": "application/json"},
                    content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    for path, body, param in (("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                               "messages[0].content"),
+                              ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+                              ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt")):
+        r = httpx.post(server.base_url + path, headers={**auth, "content-type": "application/json"},
+                       content=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[5, -1], max_tokens=2)
+    assert e.value.body["param"] == "prompt[1]"
     r = httpx.get(server.base_url + "/health", headers={"x-request-id": "trace-42"}, timeout=10)
     assert r.headers["x-request-id"] == "trace-42"
 

@@ -93,9 +93,11 @@ BAD_COMPLETION = [
     ({}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt[1]"),
+    ({"prompt": [-1, 5]}, "prompt[0]"),
+    ({"prompt": [[3], [4, -2]]}, "prompt[1][1]"),
     ({"prompt": [[5], [2**40]], "echo": True}, "prompt[1]"),
-    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt[1]"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
     ({"prompt": "x", "echo": "y"}, "echo"),
@@ -136,6 +138,27 @@ def test_http_edges_have_openai_error_bodies(fake_engine):
         _assert_error(c.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), 400)
         _assert_error(c.post("/detokenize", json={"tokens": [-1]}), 400, "tokens[0]")
         _assert_error(c.get("/v1/models/other"), 404)
+
+
+SURROGATES = [  # valid JSON, not valid Unicode: a 400 naming the field, never a 500
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/completions", b'{"prompt": ["ok", "x\\udfffy"]}', "prompt[1]"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\xed\xa0\x80"]}', "stop[0]"),
+    ("/tokenize", b'{"prompt": "\\uDBFF"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', "logit_bias.\\ud800"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", SURROGATES, ids=[p for _, _, p in SURROGATES])
+def test_lone_surrogates_are_a_400_naming_the_field(fake_engine, caplog, path, body, param):
+    with _client(fake_engine) as c:
+        err = _assert_error(c.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+        assert err["code"] == "invalid_unicode" and "surrogate" in err["message"]
+        # A valid pair is one character, not an error.
+        ok = c.post("/tokenize", content=b'{"prompt": "smile \\ud83d\\ude00"}',
+                    headers={"content-type": "application/json"})
+        assert ok.status_code == 200, ok.text
+    assert "Traceback" not in caplog.text
 
 
 def test_body_limit_is_413(fake_engine):
