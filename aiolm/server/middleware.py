@@ -112,12 +112,14 @@ class AuthMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope.get("path") not in OPEN_PATHS:
-            got = (_header(scope, b"authorization") or "").encode("latin-1")
-            if not hmac.compare_digest(got, self.expected):
+            # RFC 7235: the scheme is case-insensitive and one or more spaces end it.
+            scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+            ok = hmac.compare_digest(token.strip(" ").encode("latin-1"), self.expected)
+            if scheme.lower() != "bearer" or not ok:
                 err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key", headers={"www-authenticate": "Bearer"})
                 await err.response()(scope, receive, send)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from aiolm.config import EngineArgs
+from aiolm.config import CliParser, EngineArgs, int_in
 from aiolm.server.protocol import Limits
 
 
@@ -40,6 +40,16 @@ class ServerSettings:
         return Limits(max_n=self.max_n, max_prompts=self.max_prompts)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0")
+    return value
+
+
 def _origins(v: str) -> list[str]:
     return [o.strip() for o in v.split(",") if o.strip()]
 
@@ -49,17 +59,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     d = ServerSettings()
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--port", type=int_in(1, 65535), default=8000, help="port to listen on")
     g.add_argument("--api-key", default=os.environ.get("AIOLM_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' (also AIOLM_API_KEY); /health and /metrics stay open")
     g.add_argument("--allowed-origins", type=_origins, default=[],
                    help="comma-separated CORS origins ('*' for any); none by default")
-    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+    g.add_argument("--max-request-bytes", type=int_in(1), default=d.max_request_bytes,
                    help="largest request body accepted (413 above)")
-    g.add_argument("--max-n", type=int, default=d.max_n, help="largest 'n' (choices per request)")
-    g.add_argument("--max-prompts", type=int, default=d.max_prompts,
+    g.add_argument("--max-n", type=int_in(1), default=d.max_n, help="largest 'n' (choices per request)")
+    g.add_argument("--max-prompts", type=int_in(1), default=d.max_prompts,
                    help="most prompts in one /v1/completions request")
-    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+    g.add_argument("--shutdown-timeout", type=_seconds, default=d.shutdown_timeout,
                    help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per HTTP request on the 'aiolm.access' logger")
@@ -74,7 +84,7 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve the OpenAI-compatible API.")
+    parser = CliParser(prog=prog, description="Serve the OpenAI-compatible API.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     EngineArgs.add_cli_args(parser)

@@ -13,6 +13,7 @@ import base64
 import logging
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
     exit_on_signals()
+    # Ctrl-C in a terminal reaches the whole foreground process group; the engine decides
+    # what an interrupt means (stop an answer, shut down) and stops its workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("aiolm.kernels").setLevel(logging.INFO)  # the first-use build's progress
     handles = [RingHandle.parse(args.request_ring), RingHandle.parse(args.response_ring)]
     requests = ShmRing.attach(handles[0], reader_rank=args.rank)
     responses = ShmRing.attach(handles[1], reader_rank=None)

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
+import select
+import socket
 import subprocess
 import sys
+import termios
+import time
 
 import pytest
 
@@ -40,3 +47,102 @@ def test_chat_reads_stdin_until_eof():
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     assert len(lines) == 2 and lines[0] == lines[1] and "Paris" in lines[0]
+
+
+BAD_ARGS = [
+    (["serve", "--port", "70000"], "--port: 70000 is out of range"),
+    (["serve", "--port", "0"], "--port: 0 is out of range"),
+    (["serve", "--max-model-len", "0"], "max_model_len must be >= 2"),
+    (["serve", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    (["serve", "--dtype", "float8"], "dtype: 'float8' is not supported"),
+    (["serve", "/no/such/model.gguf"], "no such file or directory"),
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: 0 is out of range"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature"),
+    (["chat", "--top-p", "2"], "--top-p"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_fail_at_once_in_one_line(args, message):
+    out = _aiolm(*args, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "loaded" not in out.stderr
+
+
+def test_busy_port_is_reported_before_the_model_loads():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = _aiolm("serve", "--port", str(port), timeout=60)
+    assert out.returncode == 2 and "already in use" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.slow
+def test_chat_default_sampling_answers_and_says_the_load_time():
+    out = _aiolm("chat", "--max-tokens", "24", *FLAGS, stdin="What is the capital of France?\n")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "loaded SmolLM2-135M-Instruct" in out.stderr and "Traceback" not in out.stderr
+
+
+class _Terminal:
+    """A program on a pseudo-terminal, so Ctrl-C is a real SIGINT to its process group."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.screen = ""
+
+    def read_until(self, text: str, timeout: float, start: int = 0) -> int:
+        deadline = time.monotonic() + timeout
+        while text not in self.screen[start:]:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None and not select.select([self.master], [], [], 0)[0]:
+                raise AssertionError(f"{text!r} did not appear; screen:\n{self.screen[-3000:]}")
+            if select.select([self.master], [], [], min(left, 0.5))[0]:
+                try:
+                    self.screen += os.read(self.master, 4096).decode(errors="replace")
+                except OSError:  # the program closed the terminal
+                    pass
+        return self.screen.index(text, start) + len(text)
+
+    def send(self, data: str) -> None:
+        os.write(self.master, data.encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.master)
+
+
+@pytest.mark.slow
+def test_chat_ctrl_c_stops_the_answer_then_leaves():
+    term = _Terminal([sys.executable, "-m", "aiolm.cli", "chat", "--temperature", "0", "--max-tokens", "400",
+                      *FLAGS])
+    try:
+        at = term.read_until("> ", 240)
+        term.send("Write a very long story about a dragon.\n")
+        at = term.read_until("dragon", 120, at)  # the echo of the question
+        term.read_until(" ", 120, at + 1)  # the answer has started streaming
+        term.send("\x03")
+        at = term.read_until("[stopped]", 30, at)
+        at = term.read_until("> ", 30, at)
+        term.send("What is the capital of France?\n")
+        at = term.read_until("Paris", 120, at)
+        at = term.read_until("> ", 120, at)
+        term.send("\x03")  # Ctrl-C at the prompt leaves
+        assert term.proc.wait(60) == 0
+        try:
+            while select.select([term.master], [], [], 0.2)[0]:
+                term.screen += os.read(term.master, 4096).decode(errors="replace")
+        except OSError:
+            pass
+        assert "Traceback" not in term.screen, term.screen[-3000:]
+    finally:
+        term.close()

@@ -179,7 +179,10 @@ def test_api_key(fake_engine):
         err = _assert_error(c.post("/v1/chat/completions", json=CHAT), 401)
         assert err["code"] == "invalid_api_key"
         _assert_error(c.get("/v1/models", headers={"authorization": "Bearer wrong"}), 401)
-        assert c.get("/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
+        for header in ("Bearer sekrit", "bearer sekrit", "BEARER  sekrit"):  # RFC 7235: any case
+            assert c.get("/v1/models", headers={"authorization": header}).status_code == 200, header
+        for header in ("Basic sekrit", "Bearersekrit", "sekrit", "Bearer sekri"):
+            _assert_error(c.get("/v1/models", headers={"authorization": header}), 401)
         assert c.get("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
 
