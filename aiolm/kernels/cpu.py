@@ -1,6 +1,6 @@
 """Builds and loads aiolm's C++ CPU kernels (``torch.ops.aiolm.*``) on first use.
 
-The source ships with the package and is compiled once per machine into the
+The sources live in the project's ``ext/cpu`` (wheels carry them as data files) and are compiled once per machine into the
 aiolm cache folder, keyed by the source, torch's version and the CPU's flags, so
 it is tuned for the host (-march=native) without a build step at install time.
 Only a C++ compiler is needed (no ninja, no pybind11). When no compiler is
@@ -11,6 +11,7 @@ callers fall back to plain torch.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -18,13 +19,29 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
+
+
+def source_dir() -> Path:
+    """The kernels' sources: ``ext/cpu`` of a source checkout (editable installs), else the
+    copy a wheel installs as data files under ``share/aiolm/ext/cpu``."""
+    checkout = Path(__file__).resolve().parents[2] / "ext" / "cpu"
+    if checkout.is_dir():
+        return checkout
+    for f in importlib.metadata.files("aiolm") or []:
+        if f.name == "vec.h" and "ext" in f.parts:
+            return Path(str(f.locate())).resolve().parent
+    raise RuntimeError("aiolm's kernel sources (ext/cpu) are not installed")
+
+
+_CSRC = source_dir()
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -51,16 +68,19 @@ def has_avx512() -> bool:
     return " avx512f" in _cpu_flags()
 
 
-def _compile_command(src: list[Path], out: Path, compiler: str) -> list[str]:
+def _compile_flags() -> list[str]:
     from torch.utils import cpp_extension
 
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, f"-I{sysconfig.get_paths()['include']}",
-            *map(str, src), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
-            f"-Wl,-rpath,{torch_lib}"]
+    return ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *includes, f"-I{sysconfig.get_paths()['include']}"]
+
+
+def _link_command(objects: list[Path], out: Path, compiler: str) -> list[str]:
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(out), f"-L{torch_lib}", "-lc10",
+            "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
 
 
 def library_path() -> Path:
@@ -73,21 +93,37 @@ def library_path() -> Path:
 
 
 def _build(target: Path) -> None:
+    """Compile each source on its own (in parallel, one progress line each), then link."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = _compile_command(_SOURCES, Path(tmp), compiler)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        flags = _compile_flags()
+        done = [0]
+
+        def compile_one(src: Path) -> Path:
+            obj = Path(tmp) / (src.stem + ".o")
+            t0 = time.monotonic()
+            proc = subprocess.run([compiler, *flags, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling {src.name} failed:\n{proc.stderr[-4000:]}")
+            with _lock_progress:
+                done[0] += 1
+                log.info("built kernel %d of %d: %s (%.0fs)", done[0], len(_SOURCES), src.name,
+                         time.monotonic() - t0)
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
+            objects = list(pool.map(compile_one, _SOURCES))
+        library = Path(tmp) / target.name
+        proc = subprocess.run(_link_command(objects, library, compiler), capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            raise RuntimeError(f"linking the CPU kernels failed:\n{proc.stderr[-4000:]}")
+        os.replace(library, target)  # atomic: concurrent builders never load a half-written library
+
+
+_lock_progress = threading.Lock()
 
 
 def ready(t: torch.Tensor, bf16_too: bool = False) -> bool:
@@ -110,7 +146,7 @@ def load() -> bool:
         try:
             path = library_path()
             if not path.exists():
-                log.info("building aiolm CPU kernels into %s (once per machine)", path)
+                log.info("building aiolm CPU kernels (%d sources) into %s, once per machine", len(_SOURCES), path)
                 _build(path)
             torch.ops.load_library(str(path))
             _state["ok"] = True

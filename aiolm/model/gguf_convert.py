@@ -9,6 +9,7 @@ weights are the Hugging Face ones and RoPE (rotate-half) is right.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from aiolm.model.config import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # GGUF architecture name -> (HF architectures entry, model_type)
 _ARCHS = {
@@ -127,7 +130,10 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     cfg = read_hf_config(reader, path)
     permute = cfg["model_type"] in ("llama", "mistral")
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        if i % max(1, total // 10) == 0:
+            log.info("converting %s: tensor %d of %d", path.name, i + 1, total)
         name = hf_name(t.name)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config

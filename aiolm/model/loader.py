@@ -157,11 +157,42 @@ def _chat_template(folder: Path) -> str | None:
     return None
 
 
-def _gguf_cache_folder(gguf_path: Path) -> Path:
+def gguf_content_hash(gguf_path: Path) -> str:
+    """sha256 of the file's bytes, hashed once per (path, size, mtime) and remembered.
+
+    The conversion cache is keyed by content, so every copy of the same GGUF (another
+    checkout, another virtual environment) shares one converted folder."""
     st = gguf_path.stat()
-    key = hashlib.sha256(
-        f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]
-    final = cache_root() / f"{gguf_path.stem}-{key}"
+    stamp = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = cache_root() / "gguf-hashes.json"
+    known = _read_hash_index(index_path)
+    if stamp in known:
+        return known[stamp]
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    known = {**_read_hash_index(index_path), stamp: digest}  # re-read: another process may have added some
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gguf-hashes.", dir=index_path.parent)
+    with os.fdopen(fd, "w") as out:
+        json.dump(known, out)
+    os.replace(tmp, index_path)  # atomic; a lost race only costs hashing again later
+    return digest
+
+
+def _read_hash_index(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _gguf_cache_folder(gguf_path: Path) -> Path:
+    key = hashlib.sha256(f"{gguf_content_hash(gguf_path)}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]
+    final = cache_root() / f"gguf-{key}"
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

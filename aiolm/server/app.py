@@ -121,6 +121,9 @@ def create_app() -> Starlette:
 
     engine_args, settings = from_environment()
     _default_logging()
+    if settings.access_log:
+        # uvicorn would log every request a second time; ours has the request id and timings.
+        logging.getLogger("uvicorn.access").disabled = True
     return build_app(AsyncEngine(engine_args), settings)
 
 

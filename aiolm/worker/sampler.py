@@ -27,7 +27,7 @@ Choices made for CPU speed (the reference targets GPUs):
   tables, never a dense [rows, vocab] count table.
 - Full-size temporaries are avoided where it is easy: fresh 50 MB tensors cost
   page faults that can exceed the arithmetic done on them.
-- The argmax of float32 CPU rows is aiolm's kernel (kernels/csrc/argmax.cpp, the
+- The argmax of float32 CPU rows is aiolm's kernel (ext/cpu/argmax.cpp, the
   same indices as ``torch.argmax``): torch's reads ~4 GB/s over the vocabulary.
 
 All per-batch state lives in :class:`SamplingMetadata`, built once per batch

@@ -203,7 +203,7 @@ def assert_logits_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], at
 
 
 def final_folders(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def temp_folders(root: Path) -> list[Path]:
@@ -375,7 +375,7 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "blk.0.attn_q.weight" in msg and "IQ4_NL" in msg and "Q4_K" in msg and str(path) in msg
     # the failed conversion leaves neither a cache folder nor a temporary one behind
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert final_folders(tmp_path / "cache") == [] and temp_folders(tmp_path / "cache") == []
 
 
 def test_gguf_unknown_architecture_and_missing_metadata(tmp_path, monkeypatch):
@@ -387,7 +387,7 @@ def test_gguf_unknown_architecture_and_missing_metadata(tmp_path, monkeypatch):
     write_small_gguf(tmp_path / "m.gguf", one, skip=("feed_forward_length",))
     with pytest.raises(ModelLoadError, match=r"llama\.feed_forward_length missing"):
         resolve_model(tmp_path / "m.gguf")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert final_folders(tmp_path / "cache") == [] and temp_folders(tmp_path / "cache") == []
 
 
 def test_not_a_gguf_file(tmp_path, monkeypatch):
@@ -397,7 +397,7 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="not a readable GGUF file") as e:
         resolve_model(bad)
     assert str(bad) in str(e.value)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert final_folders(tmp_path / "cache") == [] and temp_folders(tmp_path / "cache") == []
     other = tmp_path / "model.bin"
     other.write_bytes(b"\0" * 16)
     with pytest.raises(ModelLoadError, match=r"not a \.gguf file.*config\.json"):
@@ -406,14 +406,15 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- GGUF: cache
 
-def test_cache_is_reused_and_keyed_by_mtime(tied_gguf, tmp_path, monkeypatch):
+def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("AIOLM_CACHE_DIR", str(cache))
     assert cache_root() == cache
     path = tmp_path / "model.gguf"
     shutil.copy(tied_gguf, path)
     first = resolve_model(path)
-    assert first.path.parent == cache and first.path.name.startswith("model-")
+    assert first.path.parent == cache and first.path.name.startswith("gguf-")
+    assert first.name == "model"  # the served name still comes from the file the user named
     stamps = {f.name: f.stat().st_mtime_ns for f in first.path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
             "chat_template.jinja"} <= set(stamps)
@@ -426,10 +427,25 @@ def test_cache_is_reused_and_keyed_by_mtime(tied_gguf, tmp_path, monkeypatch):
     assert elapsed < 1.0, f"second resolve took {elapsed:.2f}s: reconverted?"
     assert final_folders(cache) == [first.path] and temp_folders(cache) == []
 
+    # The same bytes elsewhere, or touched: the same folder, nothing converted again.
+    other = tmp_path / "elsewhere" / "renamed.gguf"
+    other.parent.mkdir()
+    shutil.copy(path, other)
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    third = resolve_model(path)
-    assert third.path != first.path and third.path.name.startswith("model-")
+    for again in (resolve_model(other), resolve_model(path)):
+        assert again.path == first.path
+    assert {f.name: f.stat().st_mtime_ns for f in first.path.iterdir()} == stamps
+    assert resolve_model(other).name == "renamed"
+
+    # Other bytes: another folder.
+    with open(other, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    third = resolve_model(other)
+    assert third.path != first.path and third.path.name.startswith("gguf-")
     assert (third.path / "config.json").exists() and (third.path / "model.safetensors").exists()
     assert final_folders(cache) == sorted([first.path, third.path]) and temp_folders(cache) == []
 

@@ -2,7 +2,7 @@
 
 ``F.linear`` goes to MKL's sgemm, which re-lays out the weight on every call and
 takes a slow path on AMD CPUs. aiolm's own kernel (``aiolm::panel_linear``,
-kernels/csrc/panel_gemm.cpp) reads the weight as panels of 16 output columns;
+ext/cpu/panel_gemm.cpp) reads the weight as panels of 16 output columns;
 in a whole model's sequence of layers it beats oneDNN's packed GEMM by 15-40%
 at 16-128 rows and matches it above (benchmarks/bench_linear.py). Without the
 compiled kernels, oneDNN's packed weight is the fallback. Either layout is
