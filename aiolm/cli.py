@@ -52,6 +52,7 @@ def serve(argv: list[str]) -> int:
     parser = build_parser()
     engine_args, settings, ns = parse_serve_args(argv, parser)
     _check_model_path(parser, engine_args.model)
+    _check_device(parser, engine_args)
     _setup_logging(ns.log_level)
     # Bound before the engine stack is even imported: a busy port fails at once.
     sock = _listen_socket(parser, ns.host, ns.port)
@@ -74,6 +75,14 @@ def _check_model_path(parser: argparse.ArgumentParser, model: str | None) -> Non
     if model is not None and not os.path.exists(os.path.expanduser(model)):
         parser.error(f"model {model!r}: no such file or directory (give a Hugging Face model folder or a "
                      f".gguf file; no model hub is contacted)")
+
+
+def _check_device(parser: argparse.ArgumentParser, args: EngineArgs) -> None:
+    if args.device != "cpu":
+        try:
+            args.resolved_device()
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def _listen_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
@@ -159,7 +168,9 @@ def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
     _check_model_path(parser, ns.model)
     try:
         _sampling(ns, CHAT_DEFAULTS)  # the request flags, checked now rather than after the model loaded
-        return AsyncEngine(EngineArgs.from_namespace(ns))
+        args = EngineArgs.from_namespace(ns)
+        _check_device(parser, args)
+        return AsyncEngine(args)
     except ParamError as e:
         parser.error(f"--{e.param.replace('_', '-')}: {e.message}")
     except (TypeError, ValueError) as e:
@@ -238,7 +249,7 @@ def chat(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
         await _start(engine)
-        gen = engine.source.generation_config
+        gen = engine.generation_config
         params = _sampling(ns, {k: gen.get(k, v) for k, v in CHAT_DEFAULTS.items()})
         answering: list[asyncio.Task[str]] = []
         leave = asyncio.Event()

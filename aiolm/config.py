@@ -7,7 +7,9 @@ flags, so ``aiolm serve --max-num-seqs`` and ``LLM(max_num_seqs=...)`` never dri
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
@@ -56,6 +58,8 @@ class EngineArgs:
     block_size: int = _f(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
     tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer")
+    attention_backend: str = _f("auto", "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, "
+                                        "triton on CUDA; torch is the reference)")
     executor: str = _f("mp", "mp (worker processes through shared memory) or local (in process, for debugging)")
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
@@ -77,6 +81,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not supported; "
+                             f"supported: auto, cpu, torch, triton")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: {self.dtype!r} is not supported; supported: auto, float32, bfloat16, float16")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -89,10 +96,15 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
     def resolved_device(self) -> str:
-        if self.device == "auto":
-            import torch
+        """The device to run on; a clear error when CUDA is asked for and torch has none."""
+        import torch
 
+        if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: torch {torch.__version__} sees no CUDA device "
+                             f"({'a CPU-only build' if not torch.version.cuda else 'no GPU or driver found'}); "
+                             f"use --device cpu")
         return self.device
 
     @classmethod
@@ -112,3 +124,33 @@ class EngineArgs:
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What a worker needs to build its model runner: small and picklable, so the engine
+    process can send it without importing anything of the model stack."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache per rank on CPU
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of the device for weights + activations + KV
+    max_num_batched_tokens: int = 2048  # sizes the profiling run on CUDA
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    seed: int = 0
+
+    def encode(self) -> str:
+        """The config as one command-line-safe string (base64 of a pickle)."""
+        return base64.b64encode(pickle.dumps(self)).decode()
+
+    @staticmethod
+    def decode(text: str) -> "RunnerConfig":
+        cfg = pickle.loads(base64.b64decode(text))
+        if not isinstance(cfg, RunnerConfig):
+            raise ValueError(f"not a RunnerConfig: {type(cfg).__name__}")
+        return cfg

@@ -44,8 +44,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from paged import PagedHarness
 
-    from aiolm.model import gguf_blocks
-    from aiolm.model.layers.cpu_linear import to_panels
+    from aiolm.platforms import gguf_blocks
+    from aiolm.platforms.cpu_linear import to_panels
     from aiolm.model.loader import resolve_model
     from aiolm.model.registry import build_model
 
@@ -55,7 +55,7 @@ def main() -> None:
               ("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("lm_head", model.lm_head)]
     print("| layer | rows | F.linear GFLOP/s | oneDNN packed | panels | GGUF blocks |\n|---|---|---|---|---|---|")
     for name, mod in layers:
-        g = mod.gguf_weight
+        g = mod.method.blocks
         n, k = g.n, g.scale.shape[1] // 8 * 32
         w = torch.randn(n, k)
         dnnl_w, panels = onednn(w), to_panels(w)
@@ -64,12 +64,12 @@ def main() -> None:
             flops = 2 * m * n * k
             reps = max(3, int(2e9 / flops))
             f32 = flops / timed(lambda: torch.nn.functional.linear(x, w), reps) / 1e9
-            dnnl = flops / timed(lambda: dnnl_w.linear(x), reps) / 1e9
+            dnnl = flops / timed(lambda: dnnl_w(x), reps) / 1e9
             pan = flops / timed(lambda: torch.ops.aiolm.panel_linear(x, panels, n), reps) / 1e9
             gg = flops / timed(lambda: g.linear(x), reps) / 1e9
             print(f"| {name} | {m} | {f32:.0f} | {dnnl:.0f} | {pan:.0f} | {gg:.0f} |", flush=True)
 
-    shapes = [(mod.gguf_weight.n, mod.gguf_weight.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
+    shapes = [(mod.method.blocks.n, mod.method.blocks.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
     print("\n| rows | 30 layers' linears, oneDNN (ms) | panels (ms) | panels GFLOP/s |\n|---|---|---|---|")
     for m in (16, 32, 64, 128, 512, 2048):
         weights = [[torch.randn(n, k) for n, k in shapes] for _ in range(30)]
@@ -80,7 +80,7 @@ def main() -> None:
         def run_dnnl() -> None:
             for ws in dnnl_ws:
                 for (_, k), w in zip(shapes, ws):
-                    w.linear(xs[k])
+                    w(xs[k])
 
         def run_panels() -> None:
             for ws in panel_ws:
@@ -103,7 +103,7 @@ def main() -> None:
 
 
 def onednn(w: torch.Tensor):
-    from aiolm.model.layers.cpu_linear import PackedWeight
+    from aiolm.platforms.cpu_linear import PackedWeight
 
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), w.shape[0], panels=False)
 

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 from aiolm.attention.metadata import AttentionMetadata  # noqa: E402
 from aiolm.attention.torch_backend import kv_cache_shape  # noqa: E402
 from aiolm.model.loader import resolve_model  # noqa: E402
-from aiolm.model.registry import build_model, kv_cache_dtype  # noqa: E402
+from aiolm.model.registry import build_model  # noqa: E402
+from aiolm.platforms import get_platform  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=2048)
     cfg, bs = src.config, 16
     kv_heads = model.layers[0].self_attn.num_kv_heads
-    kv_dtype = kv_cache_dtype(getattr(torch, a.dtype), "cpu")  # as the model runner keeps it
+    kv_dtype = get_platform("cpu").kv_cache_dtype(getattr(torch, a.dtype))  # as the model runner keeps it
     caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype)
               for _ in range(cfg.num_layers)]
     qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)

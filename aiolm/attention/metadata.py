@@ -6,10 +6,25 @@ tokens of its sequence of seq_lens[i] tokens, whose KV lives in the pages listed
 block_table[i]. slot_mapping says where each new token's K/V is written
 (block_id * block_size + offset). Host-side lists ride along so the CPU backend
 never has to synchronise on device tensors.
+
+GPU kernels take the same batch as int32 (``cu_seqlens_q``, ``seq_lens_i32``,
+``block_table_i32``) plus ``max_seqlen_q`` / ``max_seqlen_k`` for their grids;
+those are made on first use, so backends that do not read them pay nothing.
+
+What is per layer rather than per step (the softmax scale, a sliding window,
+logit soft-capping) is given to the backend when the layer is built:
+
+    backend(num_heads, num_kv_heads, head_dim, scale, sliding_window=None, soft_cap=None)
+
+and ``backend.forward(q, k, v, kv_cache, meta)`` writes k/v into the cache by
+``slot_mapping`` and returns attention over the pages, ``[num_tokens, heads * head_dim]``.
+A query at position p sees the keys at positions j <= p, and with a sliding window
+W only those with j > p - W.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +52,28 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    # -- what GPU kernels read: int32 copies, made once per step on first use -----------
+
+    @functools.cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        return self.query_start_loc.to(torch.int32)
+
+    @functools.cached_property
+    def seq_lens_i32(self) -> torch.Tensor:
+        return self.seq_lens.to(torch.int32)
+
+    @functools.cached_property
+    def block_table_i32(self) -> torch.Tensor:
+        return self.block_table.to(torch.int32)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return self.max_query_len
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return self.max_seq_len
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]],

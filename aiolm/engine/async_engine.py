@@ -16,7 +16,7 @@ import itertools
 import logging
 from typing import Any, AsyncIterator
 
-from aiolm.config import EngineArgs
+from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.engine.core import EngineCore
@@ -27,7 +27,6 @@ from aiolm.engine.output import OutputProcessor, RequestState
 from aiolm.executor.base import Executor
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
-from aiolm.worker.model_runner import RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,8 @@ class AsyncEngine:
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         self.model_name = a.served_model_name or self.source.name
         runner_cfg = RunnerConfig(
-            model=str(self.source.origin), dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+            model=str(self.source.origin), dtype=a.dtype, attention_backend=a.attention_backend,
+            max_num_seqs=a.max_num_seqs,
             max_model_len=self.max_model_len, block_size=a.block_size,
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
             device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
@@ -223,5 +223,31 @@ class AsyncEngine:
             return 0, 0
         return self.scheduler.num_running, self.scheduler.num_waiting
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    # -- what servers and tools may use: the model's tokenizer and chat template -------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inputs.vocab_size
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The model's generation_config.json (sampling defaults), empty when it has none."""
+        return dict(self.source.generation_config)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.inputs.encode(text, add_special_tokens)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenize(text, add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The prompt text of ``messages`` through the model's chat template (ParamError if unusable)."""
+        return self.inputs.chat_prompt(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The tokenizer's own string for each id (byte-level pieces, not decoded text)."""
+        return self.tokenizer.convert_ids_to_tokens(token_ids)

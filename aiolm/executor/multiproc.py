@@ -17,12 +17,11 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+from aiolm.config import RunnerConfig
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, ShmRing
-from aiolm.worker.model_runner import RunnerConfig
-from aiolm.worker.worker import SHUTDOWN, encode_config
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class MultiprocExecutor(Executor):
                        "--request-ring", str(self.requests.handle()),
                        "--response-ring", str(self.responses[rank].handle()),
                        "--parent-pid", str(os.getpid()), "--dist-port", str(port),
-                       "--config", encode_config(self.cfg)]
+                       "--config", self.cfg.encode()]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
             infos = await self._handshakes()
         except BaseException:
@@ -203,7 +202,7 @@ class MultiprocExecutor(Executor):
         if self.requests is not None:
             if self._dead is None:
                 try:
-                    await self.requests.write_async(codec.encode(SHUTDOWN), timeout=1.0)
+                    await self.requests.write_async(codec.encode(codec.SHUTDOWN), timeout=1.0)
                 except Exception:
                     pass
             # Closing the writer end also tells workers that never get the message

@@ -52,6 +52,8 @@ __all__ = [
     "register_struct",
 ]
 
+SHUTDOWN = "shutdown"  # the message that tells a worker to exit
+
 _TAG_STRUCT = 0x53  # b"S": marshal of a flattened registered dataclass
 _TAG_PICKLE = 0x50  # b"P": pickle protocol 5 (cloudpickle output uses this tag too)
 

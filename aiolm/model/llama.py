@@ -12,13 +12,12 @@ import torch
 from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
-from aiolm.attention.cpu_backend import CpuPagedAttention
+from aiolm.attention.selector import attention_backend
 from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.kernels import cpu as cpu_kernels
+from aiolm.kernels import ops
 from aiolm.model.config import ModelConfig
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from aiolm.model.layers.linear import (ColumnParallelLinear, PackableLinear, QKVParallelLinear,
-                                       RowParallelLinear)
+from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
 
@@ -38,7 +37,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = CpuPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = attention_backend()(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -52,7 +51,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta), keep_bf16=True)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
@@ -62,13 +61,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # bfloat16 matmuls hand their outputs on as bfloat16 (the values they computed):
-        # silu_and_mul reads and writes bfloat16, and so does the next add_rms_norm_
-        gate_up = self.gate_up_proj(x, keep_bf16=True)
-        if cpu_kernels.ready(gate_up, bf16_too=True):
-            return self.down_proj(torch.ops.aiolm.silu_and_mul(gate_up), keep_bf16=True)
-        gate, up = gate_up.to(x.dtype).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up, keep_bf16=True)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -127,19 +120,6 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
-
-    def pack_for_cpu(self, matmul_dtype: torch.dtype = torch.float32) -> int:
-        """Swap float32 CPU weights for packed copies (layers/cpu_linear.py) once loading is done.
-
-        The decoder layers multiply in ``matmul_dtype``; the lm_head always in float32, so
-        that greedy picks and logprobs do not hang on bfloat16's 8-bit logits. It keeps
-        its plain weight when tied, since the embedding reads it. Returns how many layers
-        were packed.
-        """
-        tied = self.config.tie_word_embeddings
-        return sum(m.pack_for_cpu(keep_weight=tied and m is self.lm_head,
-                                  dtype=torch.float32 if m is self.lm_head else matmul_dtype)
-                   for m in self.modules() if isinstance(m, PackableLinear))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

@@ -32,7 +32,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     cont = req["continue_final_message"]
     try:
         kwargs = {"continue_final_message": True} if cont else {}
-        text = engine.inputs.chat_prompt(messages, add_generation_prompt=req["add_generation_prompt"] and not cont,
+        text = engine.render_chat(messages, add_generation_prompt=req["add_generation_prompt"] and not cont,
                                          **kwargs)
     except ParamError as e:
         raise param_error(e) from None
@@ -56,7 +56,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         opts = req["stream_options"] or {}
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
         events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
-                              engine.tokenizer, request)
+                              engine, request)
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -65,7 +65,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         completion_tokens += len(c.token_ids)
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine.tokenizer) if req["logprobs"] else None,
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req["logprobs"] else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     log_extra(request, completion_tokens=completion_tokens)
     return json_response({**meta, "choices": choices,

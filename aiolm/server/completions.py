@@ -38,7 +38,7 @@ async def _prepare(ctx: Any, raw: list[str | list[int]], add_special: bool, max_
             ids = await tokenize(ctx.engine, p, add_special) if p else []
             prompt = Prompt(p, ids)
         else:
-            vocab = ctx.engine.inputs.vocab_size
+            vocab = ctx.engine.vocab_size
             bad = next((t for t in p if t >= vocab), None)
             if bad is not None:
                 raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
@@ -60,7 +60,7 @@ async def create_completion(request: Request) -> Response | EventStream:
     stream = req["stream"]
     params = sampling_params(req, max_tokens, req["logprobs"],
                              OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
-    tok = ctx.engine.tokenizer
+    tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req["echo"]:
             p.text = tok.decode(p.token_ids)

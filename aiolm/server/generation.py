@@ -48,8 +48,8 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIE
 
 async def tokenize(engine: Any, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(engine.inputs.encode, text, add_special_tokens)
-    return engine.inputs.encode(text, add_special_tokens)
+        return await asyncio.to_thread(engine.tokenize, text, add_special_tokens)
+    return engine.tokenize(text, add_special_tokens)
 
 
 def check_lengths(ctx: ServingContext, num_prompt: int, max_tokens: int | None,

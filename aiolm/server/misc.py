@@ -59,7 +59,7 @@ async def tokenize(request: Request) -> Response:
     if req["messages"] is not None:
         msgs = [{"role": m["role"], "content": message_text(m["content"]) or ""} for m in req["messages"]]
         try:
-            text = engine.inputs.chat_prompt(msgs, add_generation_prompt=req["add_generation_prompt"])
+            text = engine.render_chat(msgs, add_generation_prompt=req["add_generation_prompt"])
         except ParamError as e:
             raise param_error(e) from None
         ids = await encode(engine, text, False)
@@ -67,7 +67,7 @@ async def tokenize(request: Request) -> Response:
         ids = await encode(engine, req["prompt"], req["add_special_tokens"])
     out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     if req["return_token_strs"]:
-        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        out["token_strs"] = engine.token_strings(ids)
     return json_response(out)
 
 
@@ -75,8 +75,8 @@ async def detokenize(request: Request) -> Response:
     ctx = context(request)
     req = detokenize_request().parse(await read_json(request, ctx.settings.max_request_bytes))
     check_model(ctx, req["model"])
-    vocab = ctx.engine.inputs.vocab_size
+    vocab = ctx.engine.vocab_size
     for i, t in enumerate(req["tokens"]):
         if t >= vocab:
             raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param=f"tokens[{i}]")
-    return json_response({"prompt": ctx.engine.tokenizer.decode(req["tokens"])})
+    return json_response({"prompt": ctx.engine.decode(req["tokens"])})

@@ -9,37 +9,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import kv_cache_shape
+from aiolm.config import RunnerConfig
 from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aiolm.model.loader import resolve_model
-from aiolm.model.registry import build_model, kv_cache_dtype, resolve_dtype
+from aiolm.model.registry import build_model
+from aiolm.platforms import get_platform
 from aiolm.worker.input_batch import InputBatch
 from aiolm.worker.sampler import Sampler, SamplingMetadata
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """What a worker needs to build its runner; small and picklable for the handshake."""
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache per rank on CPU
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of the device for weights + activations + KV
-    max_num_batched_tokens: int = 2048  # sizes the profiling run on CUDA
-    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    seed: int = 0
 
 
 class ModelRunner:
@@ -48,23 +32,27 @@ class ModelRunner:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
+        self.platform = get_platform(self.device)
+        self.platform.install()
         self.source = resolve_model(cfg.model)
-        requested = resolve_dtype(cfg.dtype, self.device)
-        self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len)
+        requested = self.platform.resolve_dtype(cfg.dtype)
+        self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
+                                 attention=cfg.attention_backend)
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
-        self.kv_dtype = kv_cache_dtype(requested, self.device)
+        self.kv_dtype = self.platform.kv_cache_dtype(requested)
         mc = self.source.config
         self.vocab_size = mc.vocab_size
-        local_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        per_block = 2 * cfg.block_size * local_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
-        kv_bytes = self._profile_kv_bytes() if self.device.type == "cuda" else cfg.kv_cache_memory
+        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
+        kv_bytes = self.platform.kv_cache_bytes(self)
         self.num_blocks = int(kv_bytes // per_block)
         min_blocks = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
         if self.num_blocks < min_blocks:
             raise ValueError(f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {self.num_blocks} blocks, "
                              f"fewer than one max_model_len sequence needs ({min_blocks}); "
                              f"raise kv_cache_memory or lower max_model_len")
-        shape = kv_cache_shape(self.num_blocks, cfg.block_size, local_kv_heads, mc.head_dim)
+        shape = kv_cache_shape(self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(mc.num_layers)]
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
@@ -131,34 +119,6 @@ class ModelRunner:
             default_generator=self.default_generator)
         self._meta_key = key
         return self._meta
-
-    @torch.inference_mode()
-    def _profile_kv_bytes(self) -> int:
-        """Run the largest step once without a cache to measure peak activations, then
-        give the KV cache what is left of ``gpu_memory_utilization`` of the device."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
-        mc = self.source.config
-        local_kv = self.model.layers[0].self_attn.num_kv_heads
-        bs = self.cfg.block_size
-        nblk = (n + bs - 1) // bs + 1
-        caches = [torch.zeros(kv_cache_shape(nblk, bs, local_kv, mc.head_dim), dtype=self.dtype,
-                              device=self.device) for _ in range(mc.num_layers)]
-        meta = AttentionMetadata.build([n], [n], [list(range(1, nblk))], bs, self.device)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device), caches, meta)
-        self.model.compute_logits(hidden[-min(n, self.cfg.max_num_seqs):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_for_kv = int(total * self.cfg.gpu_memory_utilization) - peak
-        if free_for_kv <= 0:
-            raise ValueError(f"gpu_memory_utilization {self.cfg.gpu_memory_utilization} leaves no room for "
-                             f"the KV cache (weights + activations peak at {peak / 2**30:.2f} GiB)")
-        return free_for_kv
 
     def kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}

@@ -9,31 +9,19 @@ engine closes the ring or dies. It never forks and never imports user code.
 from __future__ import annotations
 
 import argparse
-import base64
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
 import traceback
 
+from aiolm.config import RunnerConfig
 from aiolm.ipc import codec
 from aiolm.ipc.lifeline import exit_on_signals, parent_alive
 from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
 
 log = logging.getLogger("aiolm.worker")
-
-SHUTDOWN = "shutdown"
-
-
-def encode_config(cfg: object) -> str:
-    return base64.b64encode(pickle.dumps(cfg)).decode()
-
-
-def decode_config(text: str) -> object:
-    return pickle.loads(base64.b64decode(text))
-
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aiolm.worker")
@@ -70,17 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> int:
-    from aiolm.distributed.parallel_state import TPGroup, set_tp_group
+    from aiolm.distributed.parallel_state import set_tp_group
+    from aiolm.platforms import get_platform
     from aiolm.worker.model_runner import ModelRunner, call_on_runner
 
-    if args.world_size > 1:
-        from aiolm.distributed.gloo_group import make_group
-
-        set_tp_group(make_group(args.rank, args.world_size, args.dist_port))
-    else:
-        set_tp_group(TPGroup())
     try:
-        runner = ModelRunner(decode_config(args.config))  # type: ignore[arg-type]
+        cfg = RunnerConfig.decode(args.config)
+        set_tp_group(get_platform(cfg.device).make_tp_group(args.rank, args.world_size, args.dist_port))
+        runner = ModelRunner(cfg)
     except BaseException as e:
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
@@ -109,5 +94,5 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
                 responses.write(codec.encode(("ok", result)))
             except Exception as e:
                 responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
-        elif msg == SHUTDOWN:
+        elif msg == codec.SHUTDOWN:
             return 0

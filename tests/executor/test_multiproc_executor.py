@@ -25,7 +25,7 @@ from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.executor import ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.params import SamplingParams
-from aiolm.worker.model_runner import RunnerConfig
+from aiolm.config import RunnerConfig
 from paged import hf_greedy
 
 BLOCK = 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.layers.cpu_linear import pack_weight, to_panels
+from aiolm.platforms.cpu_linear import pack_weight, to_panels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -36,7 +36,7 @@ def test_packed_weight_keeps_leading_dims_adds_bias_and_reads_strided_input():
     packed = pack_weight(w)
     assert packed is not None and packed.panels
     x = torch.randn(2, 3, 64, generator=g)[..., ::2]  # not contiguous
-    got = packed.linear(x, b)
+    got = packed(x, b)
     assert got.shape == (2, 3, 20)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 

@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from aiolm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from aiolm.model.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
 from aiolm.model.loader import cache_root, embedded_model_path, resolve_model
-from aiolm.model.registry import build_model, resolve_dtype
+from aiolm.model.registry import build_model
+from aiolm.platforms import get_platform
 from paged import PagedHarness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -466,7 +467,7 @@ while not Path(barrier, "parent").exists():
         sys.exit("parent never gave the start signal")
     time.sleep(0.001)
 root = cache_root()
-before = sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.exists() else []
+before = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.exists() else []
 src = resolve_model(gguf_path)
 print(json.dumps({"path": str(src.path), "before": before}))
 """
@@ -766,14 +767,14 @@ def test_checkpoint_missing_or_unknown_weights(tiny_hf_dir, tmp_path):
 
 
 def test_resolve_dtype():
-    cpu = torch.device("cpu")
+    resolve_dtype = get_platform("cpu").resolve_dtype
     with pytest.raises(ModelLoadError) as e:
-        resolve_dtype("float64", cpu)
+        resolve_dtype("float64")
     msg = str(e.value)
     assert "'float64'" in msg and all(s in msg for s in ("auto", "float32", "bfloat16", "float16"))
-    assert resolve_dtype("auto", cpu) is torch.float32
-    assert resolve_dtype("float32", cpu) is torch.float32
-    assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    assert resolve_dtype("auto") is torch.float32
+    assert resolve_dtype("float32") is torch.float32
+    assert resolve_dtype("bfloat16") is torch.bfloat16
 
 
 def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_rest_float32(tiny_hf_dir):
@@ -782,8 +783,8 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
     assert not model.training
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # embeddings, norms: float32
     mlp = model.layers[0].mlp
-    assert mlp.gate_up_proj.packed.data.dtype == torch.bfloat16
-    assert model.lm_head.packed.data.dtype == torch.float32  # logits stay float32
+    assert mlp.gate_up_proj.method.data.dtype == torch.bfloat16
+    assert model.lm_head.method.data.dtype == torch.float32  # logits stay float32
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     got, want = mlp(x), exact.layers[0].mlp(x)
     assert got.dtype == torch.bfloat16  # the down matmul's output, handed on to add_rms_norm_ as it is
@@ -791,9 +792,9 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # ... only that
     # gate/up reaches the fused SiLU as bfloat16 and the down projection reads its bfloat16 output:
     # the same numbers as the float32 hand-over, which rounds the same values at the same places
-    up = mlp.gate_up_proj.packed.linear(x)
+    up = dataclasses.replace(mlp.gate_up_proj.method, hand_over_bf16=False)(x)
     assert up.dtype == torch.float32
-    unfused = mlp.down_proj.packed.linear(torch.ops.aiolm.silu_and_mul(up))
+    unfused = dataclasses.replace(mlp.down_proj.method, hand_over_bf16=False)(torch.ops.aiolm.silu_and_mul(up))
     assert torch.equal(got.float(), unfused)
     # add_rms_norm_ on that bfloat16 output: the float32 sum and norm, rounded once at the end
     res = torch.randn(5, model.config.hidden_size)

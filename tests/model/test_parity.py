@@ -124,3 +124,30 @@ def test_tiny_random_qwen_matches_transformers(kind, tmp_path, tokenizer):
     expected = [hf_greedy(hf, p, 12) for p in prompts]
     assert PagedHarness(ours, block_size=4).greedy(prompts, 12) == expected
     assert PagedHarness(ours, block_size=4).greedy(prompts, 12, split=3) == expected
+
+
+@pytest.mark.slow
+def test_torch_reference_attention_backend_gives_the_same_tokens(real_source, real_model, reference, tokenizer):
+    """--attention-backend torch (the reference every backend is tested against) against the
+    default CPU kernels: the same greedy tokens on the real model."""
+    from aiolm.attention.cpu_backend import CpuPagedAttention
+    from aiolm.attention.torch_backend import TorchAttention
+    from aiolm.model.registry import build_model
+
+    prompts, expected = reference
+    model = build_model(real_source, torch.float32, attention="torch")
+    assert type(model.layers[0].self_attn.attn) is TorchAttention
+    assert type(real_model.layers[0].self_attn.attn) is CpuPagedAttention  # 'auto' on a CPU
+    ours = PagedHarness(model).greedy(prompts[-2:], 24)
+    assert ours == [e[:24] for e in expected[-2:]]
+
+
+def test_attention_backend_choice_is_checked():
+    from aiolm.platforms import get_platform
+
+    cpu = get_platform("cpu")
+    with pytest.raises(ValueError, match="'triton' does not run on cpu"):
+        cpu.attention_backend("triton")
+    with pytest.raises(ValueError, match="'flash' is not known"):
+        cpu.attention_backend("flash")
+    assert cpu.attention_backend("torch").__name__ == "TorchAttention"

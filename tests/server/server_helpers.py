@@ -139,29 +139,6 @@ class _State:
         self.aborted = asyncio.Event()
 
 
-class FakeTokenizer:
-    """One token per character (ids = code points), enough for format tests."""
-
-    chat_template = "fake"
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [chr(i) for i in ids]
-
-
-class FakeInputs:
-    vocab_size = 0x110000
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
 class FakeEngine:
     """Generates "abcdefghij..." one character per step, ``step_delay`` apart."""
 
@@ -170,14 +147,29 @@ class FakeEngine:
 
     def __init__(self, step_delay: float = 0.0) -> None:
         self.step_delay = step_delay
-        self.tokenizer = FakeTokenizer()
-        self.inputs = FakeInputs()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.live: dict[str, _State] = {}
         self.aborted: list[str] = []
         self.started = False
         self.dead: str | None = None
         self.scheduler = None
+
+    # One token per character (ids = code points): enough for format tests.
+    vocab_size = 0x110000
+    generation_config: dict[str, Any] = {}
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
 
     async def start(self) -> None:
         self.started = True

@@ -21,7 +21,7 @@ import torch
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams
-from aiolm.worker.model_runner import RunnerConfig
+from aiolm.config import RunnerConfig
 from paged import hf_greedy
 
 pytestmark = pytest.mark.slow

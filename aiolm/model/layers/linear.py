@@ -7,39 +7,33 @@ Fused layers load each Hugging Face shard into its slice via ``load_shard``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.model import gguf_blocks
-from aiolm.model.layers.cpu_linear import PackedWeight, pack_weight
+
+LinearMethod = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class PackableLinear(nn.Module):
-    """A layer whose float32 CPU weight can be swapped for a packed copy once loaded (cpu_linear.py)."""
+    """A linear layer whose multiply the platform may replace once weights are loaded.
+
+    ``method(x, bias)`` is set by the platform's weight preparation (a packed layout, a
+    quantized copy); until then, or where it sets none, the layer multiplies by its plain
+    weight. Its output dtype is the method's business: the layer only passes it on."""
 
     weight: nn.Parameter
-    packed: PackedWeight | None = None
-    gguf_weight: gguf_blocks.GGUFWeight | None = None  # the GGUF file's blocks: see model/gguf_blocks.py
+    method: LinearMethod | None = None
 
-    def pack_for_cpu(self, keep_weight: bool = False, dtype: torch.dtype = torch.float32) -> bool:
-        """Pack the weight to multiply in ``dtype`` and, unless another layer reads it (a tied
-        embedding), drop the plain copy now that loading is over; True if packed."""
-        packed = pack_weight(self.weight.data, dtype)
-        if packed is None:
-            return False
-        self.packed = packed
-        if not keep_weight:
-            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        return True
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, keep_bf16: bool = False) -> torch.Tensor:
-        """x W^T (+ b): float32 out, or with ``keep_bf16`` bfloat16 where the matmul is bfloat16."""
-        if self.gguf_weight is not None and x.shape[0] <= gguf_blocks.MAX_ROWS:
-            return self.gguf_weight.linear(x.float(), bias)
-        if self.packed is not None:
-            return self.packed.linear(x, bias, keep_bf16)
+    def dense(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return nn.functional.linear(x.to(self.weight.dtype), self.weight, bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.method is not None:
+            return self.method(x, bias)
+        return self.dense(x, bias)
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -58,8 +52,8 @@ class ColumnParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
-        return self._matmul(x, self.bias, keep_bf16)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's part of Hugging Face tensor ``shard`` into its slice."""
@@ -103,10 +97,8 @@ class RowParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
-        """``keep_bf16``: hand a bfloat16 matmul's output on as it is (one rank: the sum of
-        ranks' parts is taken in float32)."""
-        y = self.tp.all_reduce(self._matmul(x, keep_bf16=keep_bf16 and self.tp.world_size == 1))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiolm.kernels import cpu as cpu_kernels
+from aiolm.kernels import ops
 
 
 def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -52,15 +52,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hk, D], positions: [T]. May rotate q and k in place."""
-        if cpu_kernels.ready(q) and self.cos.dtype == torch.float32:
-            torch.ops.aiolm.rotary_(q, k, positions, self.cos, self.sin)
-            return q, k
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return ops.rotary(positions, q, k, self.cos, self.sin)

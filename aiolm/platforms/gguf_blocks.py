@@ -8,7 +8,7 @@ linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from
 them when a step has at most ``MAX_ROWS`` rows; the answers are those of the
 float32 path up to the order of the sums.
 
-Only with one tensor-parallel rank, and only where every tensor fused into a
+The CPU platform attaches them after packing (platforms/cpu.py). Only with one tensor-parallel rank, and only where every tensor fused into a
 layer has the same block type.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -76,6 +76,20 @@ class GGUFWeight:
         return y if bias is None else y + bias
 
 
+@dataclass(frozen=True)
+class GGUFLinear:
+    """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks, larger
+    ones through the float32 method the layer had before."""
+
+    blocks: GGUFWeight
+    fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS:
+            return self.blocks.linear(x.float(), bias)
+        return self.fallback(x, bias)
+
+
 def attach(model: Any, gguf_path: Path) -> int:
     """Give each linear layer of ``model`` its GGUF blocks; returns how many layers got them."""
     import gguf
@@ -109,7 +123,8 @@ def attach(model: Any, gguf_path: Path) -> int:
         if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:  # type: ignore[index]
             return 0
         blocks = np.concatenate([p[0] for p in parts])  # type: ignore[index]
-        layer.gguf_weight = GGUFWeight.from_blocks(blocks, parts[0][1])  # type: ignore[index]
+        layer.method = GGUFLinear(GGUFWeight.from_blocks(blocks, parts[0][1]),  # type: ignore[index]
+                                  layer.method or layer.dense)
         return 1
 
     n = 0

@@ -17,6 +17,7 @@ matmuls stays float32.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -38,15 +39,16 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     panels: bool  # True: aiolm::panel_linear's [P, in, 16]; False: oneDNN's opaque layout
+    hand_over_bf16: bool = False  # a bfloat16 matmul's y as it comes (the next op reads bfloat16)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, keep_bf16: bool = False) -> torch.Tensor:
-        """y in float32; with ``keep_bf16``, a bfloat16 matmul's y as it comes (the next op reads bfloat16)."""
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y in float32, or in bfloat16 for a bfloat16 matmul that hands its output over."""
         if self.panels:
             y = torch.ops.aiolm.panel_linear(x, self.data, self.out_features)
             return y if bias is None else y.add_(bias)
         if self.data.dtype == torch.bfloat16:
             y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, None, "none", [], "")
-            if not keep_bf16:
+            if not self.hand_over_bf16:
                 y = y.float()
             return y if bias is None else y.add_(bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
@@ -84,10 +86,44 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Pac
     if packed is None:
         return None
     probe = torch.randn(7, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    got = packed.linear(probe)
+    got = packed(probe).float()
     want = nn.functional.linear(probe.to(dtype), weight.to(dtype)).float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
         log.warning("packed linear disagrees with F.linear on a probe; not using it")
         return None
     return packed
+
+
+def pack_model(model: nn.Module, matmul_dtype: torch.dtype, hand_over_bf16: bool) -> int:
+    """Swap each float32 linear's weight for a packed copy once loading is done.
+
+    The decoder layers multiply in ``matmul_dtype``; the LM head always in float32, so
+    that greedy picks and logprobs do not hang on bfloat16's 8-bit logits, and it keeps
+    its plain weight when tied, since the embedding reads it. With ``hand_over_bf16``,
+    bfloat16 matmuls whose output feeds a kernel that reads bfloat16 (gate/up into
+    silu_and_mul, o/down into the fused residual norm, with one rank) return it as it
+    is; QKV's output goes to RoPE and attention in float32. Returns how many were packed.
+    """
+    from aiolm.model.layers.linear import PackableLinear, QKVParallelLinear, RowParallelLinear
+
+    head = getattr(model, "lm_head", None)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, PackableLinear):
+            continue
+        is_head = m is head
+        dtype = torch.float32 if is_head else matmul_dtype
+        packed = pack_weight(m.weight.data, dtype)
+        if packed is None:
+            continue
+        feeds_bf16 = not isinstance(m, QKVParallelLinear) and not (
+            isinstance(m, RowParallelLinear) and m.tp.world_size > 1)
+        if hand_over_bf16 and feeds_bf16 and not is_head and dtype == torch.bfloat16:
+            packed = dataclasses.replace(packed, hand_over_bf16=True)
+        m.method = packed
+        if not (tied and is_head):
+            m.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        n += 1
+    return n

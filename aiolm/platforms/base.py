@@ -1,0 +1,93 @@
+"""What every platform supplies to a worker (the contract; cpu.py and cuda.py fill it in)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from aiolm.kernels.ops import TorchOps
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# --attention-backend names -> "module:Class"; imported only when chosen.
+ATTENTION_BACKENDS = {
+    "cpu": "aiolm.attention.cpu_backend:CpuPagedAttention",
+    "torch": "aiolm.attention.torch_backend:TorchAttention",
+    "triton": "aiolm.attention.triton_backend:TritonAttention",
+}
+
+
+class Platform:
+    """One kind of device. Subclasses override what differs; the defaults are plain torch."""
+
+    name = "base"
+    # The backends this platform can run, best first: 'auto' takes the first that imports.
+    attention_backends: tuple[str, ...] = ("torch",)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.name)
+
+    def resolve_dtype(self, dtype: str) -> torch.dtype:
+        """The model dtype for ``--dtype`` ('auto' is the platform's default)."""
+        if dtype == "auto":
+            return self.default_dtype()
+        if dtype not in DTYPES:
+            from aiolm.model.config import ModelLoadError
+
+            raise ModelLoadError(f"dtype: {dtype!r} is not supported; supported: auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model built in ``dtype``."""
+        return dtype
+
+    def ops(self) -> TorchOps:
+        """The implementation behind ``aiolm.kernels.ops`` on this platform."""
+        return TorchOps()
+
+    def attention_backend(self, name: str = "auto") -> type:
+        """The attention class for ``--attention-backend`` (auto|cpu|torch|triton)."""
+        names = self.attention_backends if name == "auto" else (name,)
+        if name != "auto" and name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {name!r} is not known; known: auto, {', '.join(ATTENTION_BACKENDS)}")
+        if name != "auto" and name not in self.attention_backends:
+            raise ValueError(f"attention backend {name!r} does not run on {self.name}; "
+                             f"supported here: auto, {', '.join(self.attention_backends)}")
+        errors = []
+        for n in names:
+            module, _, cls = ATTENTION_BACKENDS[n].partition(":")
+            try:
+                return getattr(__import__(module, fromlist=[cls]), cls)
+            except ImportError as e:  # e.g. triton not installed: try the next one
+                errors.append(f"{n}: {e}")
+        raise ValueError(f"no attention backend can run on {self.name}: {'; '.join(errors)}")
+
+    def install(self) -> None:
+        """Make this platform's ops the ones model layers call in this process."""
+        from aiolm.kernels import ops
+
+        ops.install(self.ops())
+
+    def prepare_model(self, model: nn.Module, source: Any, dtype: torch.dtype) -> nn.Module:
+        """After loading: move to the device in ``dtype`` and lay weights out for this platform."""
+        return model.to(dtype=dtype, device=self.device).eval()
+
+    def kv_cache_bytes(self, runner: Any) -> int:
+        """Bytes the KV cache of ``runner`` (a ModelRunner with its model loaded) may take."""
+        return runner.cfg.kv_cache_memory
+
+    def make_tp_group(self, rank: int, world_size: int, port: int) -> Any:
+        """The tensor-parallel group whose all-reduce row-parallel layers end in."""
+        from aiolm.distributed.parallel_state import TPGroup
+
+        if world_size == 1:
+            return TPGroup()
+        from aiolm.distributed.gloo_group import make_group
+
+        return make_group(rank, world_size, port)

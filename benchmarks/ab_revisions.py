@@ -1,0 +1,81 @@
+"""Benchmark two revisions of aiolm round-robin in one run: before vs after a change.
+
+    python benchmarks/ab_revisions.py BEFORE [AFTER] --rounds 3 -- bench throughput --repeats 1
+    python benchmarks/ab_revisions.py 9cd6f87 HEAD --rounds 3 -- bench latency --batch-size 1
+
+Each revision is checked out once into a temporary git worktree; every round runs the
+aiolm command (``python -m aiolm.cli ...`` with that worktree first on the path) once per
+revision, alternating which goes first, so the machine's slow spells fall on both alike.
+AFTER defaults to the working tree itself. Prints each run and the medians of the
+``--json`` fields that bench prints (output_throughput / decode tok/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _checkout(rev: str, into: Path) -> Path:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(into), rev], check=True)
+    return into
+
+
+def _run(tree: Path, command: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-m", "aiolm.cli", *command, "--json"], cwd=tree, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _headline(result: dict) -> tuple[str, float]:
+    for key in ("output_throughput", "output_tok_s", "decode_tok_s", "tok_s"):
+        if key in result:
+            return key, float(result[key])
+    number = next((k for k, v in result.items() if isinstance(v, (int, float))), None)
+    if number is None:
+        raise SystemExit(f"no number in the bench output: {result}")
+    return number, float(result[number])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before")
+    ap.add_argument("after", nargs="?", default=None, help="a revision (default: this working tree)")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if not command:
+        raise SystemExit("give the aiolm command after --, e.g. -- bench throughput --repeats 1")
+    with tempfile.TemporaryDirectory(prefix="aiolm-ab-") as tmp:
+        trees = {"before": _checkout(a.before, Path(tmp) / "before")}
+        trees["after"] = _checkout(a.after, Path(tmp) / "after") if a.after else ROOT
+        try:
+            results: dict[str, list[float]] = {"before": [], "after": []}
+            key = ""
+            for r in range(a.rounds):
+                order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+                for name in order:
+                    key, value = _headline(_run(trees[name], command))
+                    results[name].append(value)
+                    print(f"round {r + 1} {name}: {key} = {value:.2f}", flush=True)
+            med = {n: statistics.median(v) for n, v in results.items()}
+            print(f"median {key}: before {med['before']:.2f}, after {med['after']:.2f} "
+                  f"({med['after'] / med['before']:.3f}x)")
+        finally:
+            for name, tree in trees.items():
+                if tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+if __name__ == "__main__":
+    main()
