@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from tests.server.server_helpers import API_KEY, ServerProcess, free_port, serve_cmd
+# The server tests' helpers (a real server subprocess, the fake engine), imported the way
+# tests/server's own modules import them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from server_helpers import API_KEY, ServerProcess, free_port, serve_cmd  # noqa: E402
 
 
 def chromium_executable() -> str | None:
@@ -25,7 +29,9 @@ def chromium_executable() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: the sync Playwright API keeps an event loop running in this
+# thread while it is open, and later tests that call asyncio.run() must not see it.
+@pytest.fixture(scope="module")
 def browser() -> Iterator:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the 'test' extra)")
     exe = chromium_executable()

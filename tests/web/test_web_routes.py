@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import tomllib
 
 import pytest
 from starlette.testclient import TestClient
@@ -13,7 +12,7 @@ from starlette.testclient import TestClient
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, from_environment, parse_serve_args
 from aiolm.server.webui import WEB_DIR
-from tests.server.server_helpers import ROOT, FakeEngine
+from server_helpers import ROOT, FakeEngine
 
 
 def _client(**settings) -> TestClient:
@@ -61,6 +60,7 @@ def test_no_web_ui_turns_it_off():
 
 
 def test_every_page_file_is_package_data():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     globs = data["aiolm.server"]
     files = sorted(p.name for p in WEB_DIR.iterdir() if p.is_file())

@@ -125,15 +125,15 @@ async function send(text) {
     }
     el.dataset.state = "done";
   } catch (e) {
-    if (e.name === "AbortError") {
-      el.dataset.state = "stopped";
-    } else if (!answer) { // refused before any text: give the prompt back to edit and resend
+    if (!answer) { // stopped or refused before any text: give the prompt back to edit and resend
       userEl.remove();
       el.remove();
-      ui.prompt.value = text;
+      if (!ui.prompt.value) ui.prompt.value = text;
       ui.empty.hidden = ui.messages.querySelector(".msg") !== null;
-      showError(e.message, e.param);
+      if (e.name !== "AbortError") showError(e.message, e.param);
       if (e.status === 401) askForKey();
+    } else if (e.name === "AbortError") {
+      el.dataset.state = "stopped";
     } else {
       el.dataset.state = "error";
       showError(e.message);
