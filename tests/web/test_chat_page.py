@@ -206,6 +206,7 @@ def test_api_key_is_asked_for_and_kept_in_the_tab_only(browser, keyed_server, ar
     page.press("#api-key", "Enter")
     expect(error).to_contain_text("refused this API key")
     expect(page.locator("#model")).to_have_text("not connected")
+    assert page.evaluate("sessionStorage.getItem('aiolm.apiKey')") is None  # a refused key is not kept
 
     page.fill("#api-key", API_KEY)
     page.click("#key-save")

@@ -164,6 +164,7 @@ async function connect() {
     state.model = await fetchModel(state.key);
     ui.model.textContent = state.model.id;
     ui.model.title = `max_model_len ${state.model.max_model_len ?? "?"}`;
+    if (state.key) sessionStorage.setItem(KEY_STORAGE, state.key); // only a key the server took
     ui.keyForm.hidden = !state.key; // a key that works: the server has one, so keep the field
     ui.keyHint.textContent = "Key accepted. It is kept in this tab only.";
     showError("");
@@ -171,6 +172,7 @@ async function connect() {
   } catch (e) {
     ui.model.textContent = "not connected";
     if (e.status === 401) {
+      sessionStorage.removeItem(KEY_STORAGE);
       askForKey();
       showError(state.key ? "The server refused this API key." : "This server needs an API key.");
     } else {
@@ -202,8 +204,6 @@ ui.newChat.addEventListener("click", () => {
 ui.keyForm.addEventListener("submit", async (ev) => {
   ev.preventDefault();
   state.key = ui.apiKey.value.trim();
-  if (state.key) sessionStorage.setItem(KEY_STORAGE, state.key);
-  else sessionStorage.removeItem(KEY_STORAGE);
   if (await connect()) ui.prompt.focus();
 });
 ui.messages.addEventListener("click", async (ev) => {
