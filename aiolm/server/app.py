@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from aiolm.server import chat, completions, misc
 from aiolm.server.context import ServingContext
@@ -30,6 +30,7 @@ from aiolm.server.middleware import AuthMiddleware, BodyLimitMiddleware, Request
 from aiolm.server.openapi import openapi_schema
 from aiolm.server.settings import ServerSettings, from_environment
 from aiolm.server.sse import ClientGone
+from aiolm.server.webui import web_routes
 
 log = logging.getLogger("aiolm.server")
 
@@ -59,7 +60,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
 
 
-def _routes() -> list[Route]:
+def _routes(settings: ServerSettings) -> list[BaseRoute]:
     async def openapi(request: Request) -> Response:
         ctx: ServingContext = request.app.state.ctx
         return json_response(openapi_schema(ctx.settings.limits, ctx.model_name))
@@ -76,6 +77,7 @@ def _routes() -> list[Route]:
         Route("/detokenize", misc.detokenize, methods=["POST"]),
         Route("/metrics", misc.metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *(web_routes() if settings.web_ui else []),
     ]
 
 
@@ -110,7 +112,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine
         middleware.append(Middleware(AuthMiddleware, api_key=settings.api_key))
     handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                                 ClientDisconnect: _client_gone, Exception: _internal_error}
-    app = Starlette(routes=_routes(), middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=_routes(settings), middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.ctx = ctx
     return app
 

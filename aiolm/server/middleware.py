@@ -104,18 +104,24 @@ class BodyLimitMiddleware:
         await self.app(scope, receive, send)
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/ping", "/"})
+# The chat page's static files: the page must load before it can ask for the key.
+OPEN_PREFIXES = ("/web/",)
+
+
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class AuthMiddleware:
-    """``Authorization: Bearer <key>`` on everything but the probes and the schema."""
+    """``Authorization: Bearer <key>`` on everything but the probes, the schema and the chat page."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope.get("path") not in OPEN_PATHS:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and not _is_open(scope.get("path", "")):
             # RFC 7235: the scheme is case-insensitive and one or more spaces end it.
             scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
             ok = hmac.compare_digest(token.strip(" ").encode("latin-1"), self.expected)

@@ -34,6 +34,7 @@ class ServerSettings:
     max_prompts: int = 64
     shutdown_timeout: float = 30.0
     access_log: bool = True
+    web_ui: bool = True
 
     @property
     def limits(self) -> Limits:
@@ -73,6 +74,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per HTTP request on the 'aiolm.access' logger")
+    g.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=d.web_ui,
+                   help="serve the chat page at / (static files in aiolm/server/web)")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
 
 
@@ -80,7 +83,7 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         api_key=ns.api_key or None, allowed_origins=list(ns.allowed_origins or []),
         max_request_bytes=ns.max_request_bytes, max_n=ns.max_n, max_prompts=ns.max_prompts,
-        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log)
+        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui)
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:

@@ -1,0 +1,222 @@
+// The chat page: conversation state, the controls, and one streaming request at a time.
+import { fetchModel, streamChat } from "./api.js";
+import { renderMarkdown } from "./markdown.js";
+
+const KEY_STORAGE = "aiolm.apiKey"; // sessionStorage only: the key leaves with the tab
+const $ = (id) => document.getElementById(id);
+const ui = {
+  model: $("model"), messages: $("messages"), empty: $("empty"), error: $("error"),
+  prompt: $("prompt"), send: $("send"), stop: $("stop"), composer: $("composer"), newChat: $("new-chat"),
+  system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"), topP: $("top-p"),
+  keyForm: $("key-form"), apiKey: $("api-key"), keyHint: $("key-hint"),
+};
+
+const state = {
+  key: sessionStorage.getItem(KEY_STORAGE) || "",
+  model: null,
+  history: [], // {role, content} turns sent back with every request
+  controller: null, // the AbortController of the request in flight
+};
+
+// The controls a refused request can name in its error's "param".
+const PARAM_INPUTS = { temperature: ui.temperature, max_tokens: ui.maxTokens, top_p: ui.topP };
+
+function showError(message, param = null) {
+  ui.error.textContent = message;
+  ui.error.hidden = !message;
+  for (const [name, input] of Object.entries(PARAM_INPUTS)) {
+    if (name === param) input.setAttribute("aria-invalid", "true");
+    else input.removeAttribute("aria-invalid");
+  }
+}
+
+function addMessage(role, text) {
+  ui.empty.hidden = true;
+  const el = document.createElement("article");
+  el.className = `msg ${role}`;
+  el.dataset.role = role;
+  const who = document.createElement("div");
+  who.className = "who";
+  who.textContent = role === "user" ? "You" : state.model?.id ?? "assistant";
+  const body = document.createElement("div");
+  body.className = "body";
+  const meta = document.createElement("div");
+  meta.className = "meta";
+  el.append(who, body, meta);
+  if (role === "user") body.textContent = text;
+  ui.messages.append(el);
+  scrollDown(true);
+  return el;
+}
+
+function renderAnswer(el, text) {
+  const body = el.querySelector(".body");
+  body.innerHTML = renderMarkdown(text); // safe: the renderer escapes everything it does not build
+  for (const pre of body.querySelectorAll("pre")) {
+    const copy = document.createElement("button");
+    copy.type = "button";
+    copy.className = "copy";
+    copy.textContent = "Copy";
+    pre.append(copy);
+  }
+}
+
+function scrollDown(force = false) {
+  const m = ui.messages;
+  if (force || m.scrollHeight - m.scrollTop - m.clientHeight < 80) m.scrollTop = m.scrollHeight;
+}
+
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = Object.assign(document.createElement("textarea"), { value: text });
+  document.body.append(area);
+  area.select();
+  document.execCommand("copy"); // plain-http pages have no Clipboard API
+  area.remove();
+}
+
+function number(input) {
+  const v = input.value.trim();
+  return v === "" ? undefined : Number(v);
+}
+
+function setBusy(busy) {
+  ui.send.hidden = busy;
+  ui.stop.hidden = !busy;
+}
+
+function formatStats(usage, t0, tFirst, tEnd) {
+  const parts = [`${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens`];
+  const decode = (tEnd - tFirst) / 1000;
+  if (usage.completion_tokens > 1 && decode > 0) {
+    parts.push(`${((usage.completion_tokens - 1) / decode).toFixed(1)} tokens/s`);
+  }
+  if (tFirst) parts.push(`first token ${Math.round(tFirst - t0)} ms`);
+  return parts.join(" · ");
+}
+
+async function send(text) {
+  if (state.controller || !text.trim()) return;
+  showError("");
+  const system = ui.system.value.trim();
+  const userTurn = { role: "user", content: text };
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...state.history, userTurn];
+  const request = { model: state.model?.id, messages, temperature: number(ui.temperature),
+                    max_tokens: number(ui.maxTokens), top_p: number(ui.topP) };
+  const userEl = addMessage("user", text);
+  const el = addMessage("assistant");
+  el.dataset.state = "streaming";
+  ui.prompt.value = "";
+  state.controller = new AbortController();
+  setBusy(true);
+  let answer = "";
+  let usage = null;
+  let frame = 0;
+  const t0 = performance.now();
+  let tFirst = 0;
+  try {
+    for await (const chunk of streamChat(state.key, request, state.controller.signal)) {
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices?.[0]?.delta?.content;
+      if (!delta) continue;
+      tFirst ||= performance.now();
+      answer += delta;
+      frame ||= requestAnimationFrame(() => { frame = 0; renderAnswer(el, answer); scrollDown(); });
+    }
+    el.dataset.state = "done";
+  } catch (e) {
+    if (!answer) { // stopped or refused before any text: give the prompt back to edit and resend
+      userEl.remove();
+      el.remove();
+      if (!ui.prompt.value) ui.prompt.value = text;
+      ui.empty.hidden = ui.messages.querySelector(".msg") !== null;
+      if (e.name !== "AbortError") showError(e.message, e.param);
+      if (e.status === 401) askForKey();
+    } else if (e.name === "AbortError") {
+      el.dataset.state = "stopped";
+    } else {
+      el.dataset.state = "error";
+      showError(e.message);
+    }
+  } finally {
+    cancelAnimationFrame(frame);
+    state.controller = null;
+    setBusy(false);
+  }
+  if (!el.isConnected) return;
+  renderAnswer(el, answer);
+  state.history.push(userTurn, { role: "assistant", content: answer });
+  const meta = el.querySelector(".meta");
+  if (el.dataset.state === "stopped") meta.textContent = "stopped";
+  else if (usage) meta.textContent = formatStats(usage, t0, tFirst, performance.now());
+  scrollDown();
+  ui.prompt.focus();
+}
+
+function askForKey() {
+  ui.keyForm.hidden = false;
+  ui.keyHint.textContent = "This server needs a key. It is kept in this tab only.";
+  ui.apiKey.focus();
+}
+
+async function connect() {
+  try {
+    state.model = await fetchModel(state.key);
+    ui.model.textContent = state.model.id;
+    ui.model.title = `max_model_len ${state.model.max_model_len ?? "?"}`;
+    if (state.key) sessionStorage.setItem(KEY_STORAGE, state.key); // only a key the server took
+    ui.keyForm.hidden = !state.key; // a key that works: the server has one, so keep the field
+    ui.keyHint.textContent = "Key accepted. It is kept in this tab only.";
+    showError("");
+    return true;
+  } catch (e) {
+    ui.model.textContent = "not connected";
+    if (e.status === 401) {
+      sessionStorage.removeItem(KEY_STORAGE);
+      askForKey();
+      showError(state.key ? "The server refused this API key." : "This server needs an API key.");
+    } else {
+      showError(e.message);
+    }
+    return false;
+  }
+}
+
+ui.composer.addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  send(ui.prompt.value);
+});
+ui.prompt.addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+    ev.preventDefault();
+    send(ui.prompt.value);
+  }
+});
+ui.stop.addEventListener("click", () => state.controller?.abort());
+ui.newChat.addEventListener("click", () => {
+  state.controller?.abort();
+  state.history = [];
+  for (const el of ui.messages.querySelectorAll(".msg")) el.remove();
+  ui.empty.hidden = false;
+  showError("");
+  ui.prompt.focus();
+});
+ui.keyForm.addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  state.key = ui.apiKey.value.trim();
+  if (await connect()) ui.prompt.focus();
+});
+ui.messages.addEventListener("click", async (ev) => {
+  const button = ev.target.closest(".copy");
+  if (!button) return;
+  const code = button.parentElement.querySelector("code")?.textContent ?? "";
+  try {
+    await copyText(code);
+    button.textContent = "Copied";
+  } catch {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+});
+
+connect().then((ok) => ok && ui.prompt.focus());

@@ -1,0 +1,76 @@
+"""Fixtures for the chat page tests: headless Chromium driven by Playwright, and real servers.
+
+Chromium comes from the system (Debian's ``chromium`` package, or ``AIOLM_CHROMIUM``);
+Playwright never downloads a browser here. Where none can be found or launched the
+browser tests skip and say why. Screenshots go to ``AIOLM_TEST_ARTIFACTS`` (default:
+a pytest temporary folder).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+# The server tests' helpers (a real server subprocess, the fake engine), imported the way
+# tests/server's own modules import them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from server_helpers import API_KEY, ServerProcess, free_port, serve_cmd  # noqa: E402
+
+
+def chromium_executable() -> str | None:
+    given = os.environ.get("AIOLM_CHROMIUM")
+    if given:
+        return given if Path(given).exists() else shutil.which(given)
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+# Module scope, not session: the sync Playwright API keeps an event loop running in this
+# thread while it is open, and later tests that call asyncio.run() must not see it.
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the 'test' extra)")
+    exe = chromium_executable()
+    if exe is None:
+        pytest.skip("no Chromium executable found: apt-get install chromium, or set AIOLM_CHROMIUM")
+    with sync_api.sync_playwright() as p:
+        try:
+            b = p.chromium.launch(executable_path=exe)
+        except sync_api.Error as e:
+            pytest.skip(f"Chromium at {exe} could not be launched: {e}")
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("AIOLM_TEST_ARTIFACTS")
+    path = Path(given) if given else tmp_path_factory.mktemp("artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _serve(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> Iterator[ServerProcess]:
+    port = free_port()
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    srv = ServerProcess(serve_cmd(port, "--shutdown-timeout", "5", *flags), port, log)
+    with srv.serving(name):
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A real `aiolm serve` without a key."""
+    yield from _serve(tmp_path_factory, "chat-server")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A real `aiolm serve --api-key`."""
+    yield from _serve(tmp_path_factory, "keyed-server", "--api-key", API_KEY)
