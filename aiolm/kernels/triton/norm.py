@@ -25,8 +25,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sx, sr, so, eps,
         tl.store(res_ptr + row * sr + cols, x, mask=ok)
         x = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
-    y = (x * inv).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds it
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # arithmetic in float32 only
     tl.store(out_ptr + row * so + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
 
 

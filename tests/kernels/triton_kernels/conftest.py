@@ -29,3 +29,4 @@ collect_ignore_glob = [] if HAVE_TRITON else ["test_*.py"]
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if ON_GPU else "cpu"
+

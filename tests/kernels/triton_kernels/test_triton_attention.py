@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_batch import TOLERANCE, make_batch, reference_attention
+from triton_cases import TOLERANCE, make_batch, reference_attention
 
 MIXED = [(0, 20), (16, 5), (37, 1), (31, 1), (32, 1), (5, 11), (0, 1)]
 DECODE_LONG = [(99, 1), (256, 1), (12, 1)]
