@@ -17,7 +17,10 @@ import importlib.util
 
 def available() -> bool:
     """True where the triton package is installed (it may still lack a GPU to run on)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["triton"] set to None
+        return False
 
 
 def interpreting() -> bool:

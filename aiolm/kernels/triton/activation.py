@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, sx, so, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -16,7 +15,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, sx, so, N: tl.constexpr, BLOCK: tl.const
     gate = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * sx + N + cols, mask=ok, other=0.0).to(tl.float32)
     if GELU:
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
         act = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh via sigmoid
     else:
         act = gate * tl.sigmoid(gate)

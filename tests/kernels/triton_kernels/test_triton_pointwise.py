@@ -77,8 +77,6 @@ def _ref_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("neox", [True, False])
 def test_rope_layouts(dtype, neox, device):
-    from aiolm.kernels.triton.rope import rotary_
-
     _check_rope(dtype, neox, heads=6, kv_heads=2, head_dim=64, rot=64, half_width=False, device=device)
 
 
