@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aiolm.kernels.triton.jit_math import tanh
+
 
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, sx, so, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
@@ -16,7 +18,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, sx, so, N: tl.constexpr, BLOCK: tl.const
     up = tl.load(x_ptr + row * sx + N + cols, mask=ok, other=0.0).to(tl.float32)
     if GELU:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
-        act = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh via sigmoid
+        act = 0.5 * gate * (1.0 + tanh(inner))
     else:
         act = gate * tl.sigmoid(gate)
     tl.store(out_ptr + row * so + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)

@@ -26,12 +26,7 @@ import triton
 import triton.language as tl
 
 from aiolm.kernels.triton import interpreting
-
-
-@triton.jit
-def _tanh(x):
-    # tl.math has no tanh on every triton build; this form is exact enough in float32
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+from aiolm.kernels.triton.jit_math import tanh
 
 
 @triton.jit
@@ -100,7 +95,7 @@ def _attention_kernel(
             s = tl.dot(q, k)
         s = s * scale
         if USE_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
+            s = soft_cap * tanh(s / soft_cap)
         kpos = page * BLOCK_SIZE + offs
         visible = row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
         if USE_WINDOW:
@@ -183,6 +178,9 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size}: the kernel needs a power of two of at least 16 "
+                         f"(a page is one tl.dot operand)")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("q, out and the cache need a contiguous head_dim")
     if t == 0 or num_seqs == 0:

@@ -91,6 +91,13 @@ def test_head_dim_not_a_power_of_two(device):
     _check(MIXED, 6, 2, 80, 16, torch.float16, device)
 
 
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_rejects_pages_a_dot_cannot_take(block_size, device):
+    b = make_batch([(0, 3)], 4, 4, 64, block_size, torch.float32, device)
+    with pytest.raises(ValueError, match="block_size"):
+        _run(b, 0.125)
+
+
 def test_choose_num_splits():
     from aiolm.kernels.triton.attention import choose_num_splits
 
