@@ -45,3 +45,14 @@ def test_all_padding_writes_nothing(device):
     k = torch.randn(4, 2, 64, device=device)
     write_kv(cache, k, k, torch.full((4,), -1, dtype=torch.int64, device=device))
     assert torch.equal(cache, before)
+
+
+def test_kernels_were_built_for_the_device(device):
+    """triton picks interpreter or compiler when @triton.jit runs, at the kernel module's
+    import; conftest.py sets TRITON_INTERPRET before that, and this checks it took."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from aiolm.kernels.triton import attention, cache
+
+    for kernel in (cache._write_kv_kernel, attention._attention_kernel, attention._reduce_kernel):
+        assert isinstance(kernel, InterpretedFunction) == (device == "cpu")

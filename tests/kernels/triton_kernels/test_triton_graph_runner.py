@@ -112,3 +112,25 @@ def test_capture_needs_cuda():
     runner = CudaGraphRunner(lambda *a: torch.zeros(1), [1, 2], 4, 16, 64, "cpu")
     with pytest.raises(RuntimeError, match="CUDA"):
         runner.capture()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_capture_every_size_and_replay_each_batch(device):
+    from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
+
+    if device != "cuda":
+        pytest.skip("TRITON_INTERPRET=1 was forced: the kernels run on the CPU")
+    lens = [3, 20, 9, 33, 16, 1, 47, 30]
+    layer, blocks = _prefilled(device, lens)
+    sizes = capture_sizes(max_num_seqs=8)
+    runner = CudaGraphRunner(layer, sizes, MAX_LEN // BLOCK, BLOCK, MAX_LEN, device)
+    runner.capture()
+    assert sorted(runner.graphs) == sizes
+    for n in range(1, 9):
+        ids, pos, meta = _decode_step(lens[:n], blocks[:n], device, seed=n)
+        start = layer.cache.clone()
+        want = layer(ids, pos, meta)
+        layer.cache.copy_(start)
+        got = runner.run(plan_step(n, n, sizes).size, ids, pos, meta)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        layer.cache.copy_(start)  # every n decodes from the same prefix
