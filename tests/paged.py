@@ -11,12 +11,14 @@ from aiolm.attention.torch_backend import kv_cache_shape
 class PagedHarness:
     """Owns a KV cache and hands out blocks sequentially; enough to test model maths."""
 
-    def __init__(self, model, num_blocks: int = 256, block_size: int = 16, dtype=torch.float32) -> None:
+    def __init__(self, model, num_blocks: int = 256, block_size: int = 16, dtype=torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        self.device = torch.device(device)
         shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.next_block = 1  # block 0 is the null block
         self.blocks: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -40,11 +42,12 @@ class PagedHarness:
             slens.append(end)
             tables.append(self._ensure(seq, end))
             self.lens[seq] = end
-        meta = AttentionMetadata.build(qlens, slens, tables, self.block_size)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
+        meta = AttentionMetadata.build(qlens, slens, tables, self.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
+                            self.caches, meta)
         last = meta.query_start_loc[1:] - 1
         logits = self.model.compute_logits(hidden[last]).float()
-        return {seq: logits[i] for i, seq in enumerate(chunks)}
+        return {seq: logits[i].cpu() for i, seq in enumerate(chunks)}
 
     def greedy(self, prompts: list[list[int]], max_new: int, split: int | None = None) -> list[list[int]]:
         """Greedy-decode all prompts together; ``split`` prefills in two passes."""

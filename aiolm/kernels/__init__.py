@@ -1,1 +1,2 @@
-"""aiolm's native kernels: C++ for the CPU (built on first use, see cpu.py)."""
+"""aiolm's native kernels: C++ for the CPU (built on first use, see cpu.py), Triton for GPUs
+(triton/, imported only where triton is installed)."""
