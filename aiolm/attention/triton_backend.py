@@ -23,10 +23,6 @@ from aiolm.kernels.triton.attention import choose_num_splits, paged_attention
 from aiolm.kernels.triton.cache import write_kv
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
-
-
 class TritonAttention:
     """GQA paged attention; ``sliding_window`` W: a query at position p sees keys in
     (p - W, p]; ``soft_cap`` c: scores become tanh(s / c) * c before the softmax."""
@@ -54,8 +50,8 @@ class TritonAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         splits = choose_num_splits(meta.num_reqs, self.num_kv_heads, meta.max_query_len, meta.max_seq_len,
                                    meta.block_size, self._programs_to_fill(q.device))
-        paged_attention(out, q, kv_cache[0], kv_cache[1], _int32(meta.block_table),
-                        _int32(meta.query_start_loc), _int32(meta.seq_lens), meta.max_query_len,
+        paged_attention(out, q, kv_cache[0], kv_cache[1], meta.block_table_i32,
+                        meta.cu_seqlens_q, meta.seq_lens_i32, meta.max_seqlen_q,
                         self.scale, window=self.sliding_window, soft_cap=self.soft_cap, num_splits=splits)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 

@@ -8,6 +8,7 @@ norms, attention arithmetic, the residual stream and the logits in float32.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -56,7 +57,11 @@ class CpuKernelOps(TorchOps):
 
 class CpuPlatform(Platform):
     name = "cpu"
-    attention_backends = ("cpu", "torch")
+
+    @property
+    def attention_backends(self) -> tuple[str, ...]:  # type: ignore[override]
+        # Triton kernels run on a CPU only through triton's interpreter (tests, checks).
+        return ("cpu", "torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("cpu", "torch")
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         """'auto' is float32: it keeps exact parity with transformers, and without AMX the

@@ -3,7 +3,7 @@
     python benchmarks/gpu/check.py parity       greedy tokens: CUDA (torch and Triton attention) vs CPU
     python benchmarks/gpu/check.py graphs       CudaGraphRunner replay vs eager on the real model
     python benchmarks/gpu/check.py decode-speed decode step time, eager vs graphs, Triton attention
-    python benchmarks/gpu/check.py engine       what the engine itself cannot do on a GPU yet
+    python benchmarks/gpu/check.py engine       offline-64 and single-stream through the engine (Triton, eager)
 
 Exit status: 0 passed, 1 failed, 2 no GPU, 3 skipped (a line "skipped: <reason>" says why).
 The model is the embedded SmolLM2-135M; nothing is downloaded.
@@ -27,21 +27,12 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea:",
 SKIP = 3
 
 
-def _model(device: str, dtype: torch.dtype = torch.float32):
+def _model(device: str, dtype: torch.dtype = torch.float32, attention: str = "auto"):
     from aiolm.model.loader import resolve_model
     from aiolm.model.registry import build_model
 
     source = resolve_model(None)
-    return source, build_model(source, dtype, torch.device(device))
-
-
-def _use_triton(model) -> None:
-    """No attention selector in the model yet: swap each layer's backend by hand."""
-    from aiolm.attention.triton_backend import TritonAttention
-
-    for layer in model.layers:
-        a = layer.self_attn
-        a.attn = TritonAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale)
+    return source, build_model(source, dtype, torch.device(device), attention=attention)
 
 
 def parity(max_new: int) -> int:
@@ -51,10 +42,11 @@ def parity(max_new: int) -> int:
     tok = source.load_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     want = PagedHarness(cpu_model).greedy(prompts, max_new, split=4)
-    _, cuda_model = _model("cuda")
-    results = {"cuda torch attention": PagedHarness(cuda_model, device="cuda").greedy(prompts, max_new, split=4)}
-    _use_triton(cuda_model)
-    results["cuda triton attention"] = PagedHarness(cuda_model, device="cuda").greedy(prompts, max_new, split=4)
+    results = {}
+    for attention in ("torch", "triton"):
+        _, cuda_model = _model("cuda", attention=attention)
+        results[f"cuda {attention} attention"] = PagedHarness(cuda_model, device="cuda").greedy(
+            prompts, max_new, split=4)
     ok = True
     for name, got in results.items():
         same = [sum(a == b for a, b in zip(g, w)) for g, w in zip(got, want)]
@@ -66,9 +58,7 @@ def parity(max_new: int) -> int:
 
 
 def _triton_model():
-    _, model = _model("cuda", torch.bfloat16)
-    _use_triton(model)
-    return model
+    return _model("cuda", torch.bfloat16, attention="triton")[1]
 
 
 def _decode_setup(model, batch: int, context: int, device: str = "cuda"):
@@ -147,9 +137,24 @@ def decode_speed(max_num_seqs: int, steps: int) -> int:
 
 
 def engine() -> int:
-    print("skipped: the model runner has no attention-backend selector nor CudaGraphRunner hook yet "
-          "(issue 14 seams); engine-level parity and throughput with Triton + graphs wait for them")
-    return SKIP
+    """The whole engine on the GPU (worker process, Triton attention, bfloat16): offline-64
+    throughput and single-stream decode through `aiolm bench`. CUDA graphs are not yet
+    called by the model runner, so these are eager numbers."""
+    import json
+    import subprocess
+
+    runs = {"offline-64": ["bench", "throughput", "--repeats", "2"],
+            "single stream": ["bench", "latency", "--batch-size", "1", "--input-len", "128",
+                              "--output-len", "128", "--repeats", "3"]}
+    for name, cmd in runs.items():
+        out = subprocess.run([sys.executable, "-m", "aiolm.cli", *cmd, "--device", "cuda", "--attention-backend",
+                              "triton", "--json"], capture_output=True, text=True, timeout=420)
+        if out.returncode != 0:
+            print(f"{name}: FAILED\n{out.stderr[-3000:]}")
+            return 1
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{name}: {r.get('output_tok_s', r.get('decode_tok_s')):.1f} tok/s (eager, Triton attention, bfloat16)")
+    return 0
 
 
 def main() -> int:
@@ -162,13 +167,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU: torch.cuda.is_available() is False")
         return 2
-    if a.part == "engine":
-        return engine()
     from aiolm.kernels import triton as triton_kernels
 
     if not triton_kernels.available():
         print("skipped: triton is not installed")
         return SKIP
+    if a.part == "engine":
+        return engine()
     if a.part == "parity":
         return parity(a.max_new)
     if a.part == "graphs":

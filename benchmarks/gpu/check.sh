@@ -6,8 +6,8 @@
 #
 # Parts: the Triton kernel tests compiled for the GPU (no interpreter), greedy parity with
 # the CPU path, CUDA-graph replay against eager, decode step time eager vs graphs, and the
-# engine-level checks that wait for the model runner's integration (they print
-# "skipped: <reason>"). Each part has its own hard timeout; a summary table ends the run.
+# whole engine on the GPU (offline-64 and single stream, Triton attention; eager, since the
+# model runner does not call the graphs yet). Each part has its own hard timeout; a summary table ends the run.
 # Exit status: 0 all passed or skipped, 1 a part failed, 2 no GPU.
 set -uo pipefail
 
