@@ -60,6 +60,8 @@ class EngineArgs:
     tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer")
     attention_backend: str = _f("auto", "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, "
                                         "triton on CUDA; torch is the reference)")
+    enforce_eager: bool = _f(False, "on CUDA: never replay CUDA graphs (every step runs eagerly)")
+    max_cudagraph_size: int = _f(256, "on CUDA: largest decode batch captured as a CUDA graph")
     executor: str = _f("mp", "mp (worker processes through shared memory) or local (in process, for debugging)")
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
@@ -89,7 +91,7 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), "
                              f"got {self.max_model_len}")
-        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("kv_cache_memory", 1),
+        for name, low in (("max_cudagraph_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("kv_cache_memory", 1),
                           ("block_size", 1), ("long_prefill_token_threshold", 0), ("num_threads", 0),
                           ("max_logprobs", 0), ("seed", 0)):
             if getattr(self, name) < low:
@@ -135,6 +137,8 @@ class RunnerConfig:
     dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # on CUDA: no graph capture
+    max_cudagraph_size: int = 256
     max_num_seqs: int = 256
     max_model_len: int = 2048
     block_size: int = 16

@@ -27,6 +27,8 @@ class TritonAttention:
     """GQA paged attention; ``sliding_window`` W: a query at position p sees keys in
     (p - W, p]; ``soft_cap`` c: scores become tanh(s / c) * c before the softmax."""
 
+    cuda_graph_safe = True  # no host reads of device tensors, no allocation that depends on the data
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None) -> None:
         if num_heads % num_kv_heads:

@@ -68,6 +68,7 @@ class AsyncEngine:
         self.model_name = a.served_model_name or self.source.name
         runner_cfg = RunnerConfig(
             model=str(self.source.origin), dtype=a.dtype, attention_backend=a.attention_backend,
+            enforce_eager=a.enforce_eager, max_cudagraph_size=a.max_cudagraph_size,
             max_num_seqs=a.max_num_seqs,
             max_model_len=self.max_model_len, block_size=a.block_size,
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,

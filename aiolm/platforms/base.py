@@ -30,6 +30,10 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.name)
 
+    def worker_device(self, device: str, rank: int) -> torch.device:
+        """The device the worker of ``rank`` runs on."""
+        return torch.device(device)
+
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         """The model dtype for ``--dtype`` ('auto' is the platform's default)."""
         if dtype == "auto":

@@ -19,6 +19,16 @@ class CudaPlatform(Platform):
             raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device "
                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
 
+    def worker_device(self, device: str, rank: int) -> torch.device:
+        """Each rank on its own GPU: 'cuda' means cuda:<rank> (one node); an explicit index stays."""
+        d = torch.device(device)
+        if d.index is None:
+            if rank >= torch.cuda.device_count():
+                raise ValueError(f"rank {rank} needs GPU {rank}, but only {torch.cuda.device_count()} are visible")
+            d = torch.device("cuda", rank)
+        torch.cuda.set_device(d)
+        return d
+
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 

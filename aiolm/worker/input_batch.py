@@ -169,8 +169,11 @@ class InputBatch:
         np.cumsum(q, out=qsl[1:])
         sample = (seq >= self.num_tokens[rows]).tolist()
 
+        pin = device.type == "cuda"  # page-locked staging: the copy to the GPU does not block the host
+
         def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+            host = torch.from_numpy(np.ascontiguousarray(a))
+            return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
         return StepInputs(
             input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), query_start_loc=t(qsl),

@@ -20,6 +20,8 @@ from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
+from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
 from aiolm.worker.input_batch import InputBatch
 from aiolm.worker.sampler import Sampler, SamplingMetadata
 
@@ -31,8 +33,8 @@ class ModelRunner:
         self.cfg = cfg
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        self.device = torch.device(cfg.device)
-        self.platform = get_platform(self.device)
+        self.platform = get_platform(cfg.device)
+        self.device = self.platform.worker_device(cfg.device, get_tp_group().rank)
         self.platform.install()
         self.source = resolve_model(cfg.model)
         requested = self.platform.resolve_dtype(cfg.dtype)
@@ -56,6 +58,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(mc.num_layers)]
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
+        self.graphs = self._capture_graphs()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(cfg.seed)
@@ -76,7 +79,11 @@ class ModelRunner:
             query_lens_cpu=step.query_lens, seq_lens_cpu=step.seq_lens_list,
             block_size=self.cfg.block_size)
         t1 = time.perf_counter()
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
+        if plan is not None and not plan.eager:
+            hidden = self.graphs.run(plan.size, step.input_ids, step.positions, meta)  # type: ignore[union-attr]
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         t2 = time.perf_counter()
         sample_idx = [i for i, s in enumerate(step.sample_mask) if s]
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
@@ -119,6 +126,22 @@ class ModelRunner:
             default_generator=self.default_generator)
         self._meta_key = key
         return self._meta
+
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        """On CUDA, decode steps of up to ``max_cudagraph_size`` rows replay captured graphs
+        (worker/cuda_graph.py), when the attention backend can be captured."""
+        cfg = self.cfg
+        attn = self.model.layers[0].self_attn.attn
+        if self.device.type != "cuda" or cfg.enforce_eager or not getattr(attn, "cuda_graph_safe", False):
+            return None
+        sizes = capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_size)
+        graphs = CudaGraphRunner(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), sizes,
+                                 self.batch.max_blocks, cfg.block_size, cfg.max_model_len, self.device)
+        t0, before = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+        graphs.capture()
+        log.info("captured CUDA graphs for %d decode sizes (1..%d) in %.1fs, %.0f MiB", len(sizes), sizes[-1],
+                 time.perf_counter() - t0, (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+        return graphs
 
     def kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}
