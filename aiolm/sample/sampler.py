@@ -45,8 +45,7 @@ from aiolm.kernels.sampling_ops import argmax_rows
 from aiolm.params import SamplingParams
 from aiolm.sample import logits_processors
 from aiolm.sample.logits_processors import BatchRows, LogitsProcessor
-from aiolm.sample.tensors import float_column as _col
-from aiolm.sample.tensors import long_tensor as _long
+from aiolm.sample.tensors import float_column, long_tensor
 
 _NEG_INF = float("-inf")
 # Candidates searched for a top-p nucleus before falling back to a full sort.
@@ -84,13 +83,13 @@ class Knobs:
 
         return cls(
             temperature=None if all(p.temperature == 1.0 for p in params)
-            else _col([p.temperature for p in params], device),
+            else float_column([p.temperature for p in params], device),
             top_k=None if all(k(p) == vocab_size for p in params)
-            else _long([k(p) for p in params], device).unsqueeze(1),
+            else long_tensor([k(p) for p in params], device).unsqueeze(1),
             top_p=None if all(p.top_p >= 1.0 for p in params)
-            else _col([p.top_p for p in params], device),
+            else float_column([p.top_p for p in params], device),
             min_p=None if all(p.min_p == 0.0 for p in params)
-            else _col([p.min_p for p in params], device),
+            else float_column([p.min_p for p in params], device),
         )
 
     def select(self, idx: torch.Tensor) -> Knobs:
@@ -129,16 +128,16 @@ class RandomRows:
             width = max(width, _TOP_P_CANDIDATES)
         first = min(width, vocab_size)
         knobs = Knobs.build(ps, vocab_size, device)
-        cand_pos = _long(cand, device) if cand else None
+        cand_pos = long_tensor(cand, device) if cand else None
         return cls(
-            rows=None if len(rows) == len(params) else _long(rows, device),
+            rows=None if len(rows) == len(params) else long_tensor(rows, device),
             row_list=rows,
             generators=[generators[i] for i in rows],
             knobs=knobs,
             cand_pos=cand_pos,
             cand_knobs=None if cand_pos is None else knobs.select(cand_pos),
             cand_widths=[first] + ([_WIDE_CANDIDATES] if first < _WIDE_CANDIDATES < vocab_size else []),
-            plain_pos=_long(plain, device) if plain else None,
+            plain_pos=long_tensor(plain, device) if plain else None,
         )
 
 
@@ -216,7 +215,7 @@ class SamplingMetadata:
                 BatchRows(params, output_token_ids, prompt_token_ids, vocab_size, dev), registry),
             processor_names=frozenset(proc.name for proc in registry),
             num_logprobs=num_logprobs,
-            logprob_rows=_long(lp_rows, dev) if lp_rows and len(lp_rows) < n else None,
+            logprob_rows=long_tensor(lp_rows, dev) if lp_rows and len(lp_rows) < n else None,
             logprob_row_list=lp_rows,
             max_num_logprobs=max((num_logprobs[i] or 0 for i in lp_rows), default=0),
         )
@@ -447,7 +446,7 @@ def _draw_uniforms(rnd: RandomRows, default: torch.Generator | None, skip: set[i
     u = torch.full((n,), 0.5, dtype=torch.float64, device=device)  # 0.5: skipped rows
     if unseeded:
         vals = torch.rand(len(unseeded), dtype=torch.float64, generator=default, device=gen_dev)
-        u[_long(unseeded, device)] = vals.to(device)
+        u[long_tensor(unseeded, device)] = vals.to(device)
     pos: list[int] = []
     draws: list[torch.Tensor] = []
     for j, (row, gen) in enumerate(zip(rnd.row_list, rnd.generators)):
@@ -455,7 +454,7 @@ def _draw_uniforms(rnd: RandomRows, default: torch.Generator | None, skip: set[i
             pos.append(j)
             draws.append(torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).to(device))
     if pos:
-        u[_long(pos, device)] = torch.cat(draws)
+        u[long_tensor(pos, device)] = torch.cat(draws)
     return u
 
 

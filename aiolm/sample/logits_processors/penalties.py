@@ -102,7 +102,8 @@ class Penalties(LogitsProcessor):
             if hist_first:
                 assert self.rep_factor is not None
                 rows = [r for r, _ in hist_first]
-                self.rep_factor[long_tensor(rows, self.device)] = float_column([self._rep[r] for r in rows], self.device)
+                self.rep_factor[long_tensor(rows, self.device)] = float_column([self._rep[r] for r in rows],
+                                                                               self.device)
         if out_w:
             self.out_idx = _grow(self.out_idx, max(self._out_len), out_first)
             _write(self.out_idx, out_w)
@@ -115,7 +116,7 @@ class Penalties(LogitsProcessor):
             if out_first and self.presence is not None:
                 first = [r for r, _ in out_first]
                 self.presence[long_tensor(first, self.device)] = float_column([self._pres[r] for r in first],
-                                                                self.device)
+                                                                              self.device)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Penalise ``logits`` in place: repetition first, then presence and frequency."""
