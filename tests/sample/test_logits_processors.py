@@ -10,7 +10,7 @@ import torch
 
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
-from aiolm.params import SamplingParams
+from aiolm.params import ParamError, SamplingParams
 from aiolm.sample import logits_processors
 from aiolm.sample.logits_processors import BatchRows, LogitsProcessor
 from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
@@ -117,6 +117,37 @@ def test_processor_state_follows_advance_and_rebuild():
     # Rebuilt with the rows swapped (the persistent batch moved them): state comes from history.
     m2 = meta(params[::-1], outputs=[[2], [3, 2]], vocab=4, registry=reg)
     assert sampler(logits, m2).sampled.tolist() == [2, 3]
+
+
+def test_allowed_token_ids_restricts_only_the_rows_that_ask():
+    torch.manual_seed(3)
+    vocab = 50
+    logits = torch.randn(4, vocab) * 3
+    allowed = [7, 11, 45, 99]  # 99 is outside the vocabulary: ignored
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0)]
+    out = sampler(logits, meta(params, vocab=vocab)).sampled.tolist()
+    assert out[0] == max((7, 11, 45), key=lambda t: logits[0, t].item())
+    assert out[1] == logits[1].argmax().item() and out[3] == logits[3].argmax().item()
+    draws = sample_rows(logits[2], SamplingParams(allowed_token_ids=allowed), 3000, vocab)
+    assert set(draws.unique().tolist()) == {7, 11, 45}
+    # Every row constrained takes the in-place path; the same picks.
+    assert sampler(logits[:1], meta(params[:1], vocab=vocab)).sampled.tolist() == out[:1]
+    # No in-vocabulary id at all: the row is left unconstrained rather than left with nothing.
+    p = SamplingParams(temperature=0.0, allowed_token_ids=[vocab, vocab + 1])
+    assert meta([p], vocab=vocab).allowed_token_ids is None
+
+
+def test_allowed_token_ids_are_validated():
+    for bad in ([], [-1], ["a"], [1.5], 3):
+        with pytest.raises(ParamError) as e:
+            SamplingParams(allowed_token_ids=bad)
+        assert e.value.param == "allowed_token_ids"
+
+
+def sample_rows(row: torch.Tensor, params: SamplingParams, n: int, vocab: int) -> torch.Tensor:
+    logits = row.unsqueeze(0).expand(n, -1).contiguous()
+    return sampler(logits, meta([params] * n, vocab=vocab)).sampled
 
 
 @pytest.mark.slow

@@ -2,9 +2,9 @@
 
 Adding one: a module here with a :class:`LogitsProcessor` subclass (the
 contract is in ``interface.py``) and its class in :data:`REGISTRY`. The order
-matters: ``logit_bias`` first and ``min_tokens`` after it, so a stop id stays
-forbidden whatever its bias; penalties last, still before temperature, so
-their strength does not scale with it.
+matters: ``allowed_token_ids`` and ``min_tokens`` forbid tokens with -inf, which
+no later bias or penalty can undo; penalties last, still before temperature,
+so their strength does not scale with it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from aiolm.params import SamplingParams
+from aiolm.sample.logits_processors.allowed_token_ids import AllowedTokenIds
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
 from aiolm.sample.logits_processors.logit_bias import LogitBias
 from aiolm.sample.logits_processors.min_tokens import MinTokens
 from aiolm.sample.logits_processors.penalties import Penalties
 
 REGISTRY: list[type[LogitsProcessor]] = [
+    AllowedTokenIds,
     LogitBias,
     MinTokens,
     Penalties,
