@@ -145,6 +145,26 @@ def test_allowed_token_ids_are_validated():
         assert e.value.param == "allowed_token_ids"
 
 
+def test_bad_words_forbid_completing_a_sequence_through_advance_and_rebuild():
+    logits = torch.tensor([[0.0, 3.0, 4.0, 1.0, 0.0, 5.0]]).expand(2, -1).contiguous()
+    words = [[5], [3, 2], [1, 1, 2], [9, 1]]  # [9, 1]: 9 is outside the vocabulary, never matches
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=words), SamplingParams(temperature=0.0)]
+    m = meta(params, outputs=[[3], [3]], vocab=6)
+    picks = []
+    for forced in ([1], [2], [3], [1]):  # what each row "generated" after the pick
+        picks.append(sampler(logits, m).sampled.tolist())
+        m.advance([forced, forced])
+    # 5 is always banned; 2 after a 3, and after 1, 1; row 1 keeps the argmax.
+    assert picks == [[1, 5], [2, 5], [2, 5], [1, 5]]
+    # Rebuilt from history: the output ends with 1, 1, so 2 is banned.
+    assert sampler(logits, meta(params, outputs=[[0, 1, 1], []], vocab=6)).sampled.tolist() == [1, 5]
+    draws = sample_rows(logits[0], SamplingParams(bad_words_token_ids=[[5], [2]]), 3000, 6)
+    assert 5 not in draws.tolist() and 2 not in draws.tolist() and 1 in draws.tolist()
+    with pytest.raises(ParamError) as e:
+        SamplingParams(bad_words_token_ids=[[1], []])
+    assert e.value.param == "bad_words_token_ids"
+
+
 def sample_rows(row: torch.Tensor, params: SamplingParams, n: int, vocab: int) -> torch.Tensor:
     logits = row.unsqueeze(0).expand(n, -1).contiguous()
     return sampler(logits, meta([params] * n, vocab=vocab)).sampled

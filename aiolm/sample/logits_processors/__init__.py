@@ -1,10 +1,12 @@
 """The logits processors, in the order the sampler applies them.
 
 Adding one: a module here with a :class:`LogitsProcessor` subclass (the
-contract is in ``interface.py``) and its class in :data:`REGISTRY`. The order
-matters: ``allowed_token_ids`` and ``min_tokens`` forbid tokens with -inf, which
-no later bias or penalty can undo; penalties last, still before temperature,
-so their strength does not scale with it.
+contract is in ``interface.py``) and its class in :data:`REGISTRY`. Where two
+processors do not commute the order is the definition: ``logit_bias`` comes
+before the penalties because the repetition penalty scales the biased logit
+(as in vLLM). The ones that forbid a token set it to -inf, which nothing after
+them undoes. All of them run before temperature, so a penalty's strength does
+not scale with it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors.allowed_token_ids import AllowedTokenIds
+from aiolm.sample.logits_processors.bad_words import BadWords
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
 from aiolm.sample.logits_processors.logit_bias import LogitBias
 from aiolm.sample.logits_processors.min_tokens import MinTokens
@@ -20,6 +23,7 @@ from aiolm.sample.logits_processors.penalties import Penalties
 
 REGISTRY: list[type[LogitsProcessor]] = [
     AllowedTokenIds,
+    BadWords,
     LogitBias,
     MinTokens,
     Penalties,
