@@ -213,7 +213,7 @@ class SamplingMetadata:
             default_generator=default_generator,
             processors=logits_processors.build_active(
                 BatchRows(params, output_token_ids, prompt_token_ids, vocab_size, dev), registry),
-            processor_names=frozenset(proc.name for proc in registry),
+            processor_names=frozenset(kind.name for kind in registry),
             num_logprobs=num_logprobs,
             logprob_rows=long_tensor(lp_rows, dev) if lp_rows and len(lp_rows) < n else None,
             logprob_row_list=lp_rows,
