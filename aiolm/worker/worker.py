@@ -24,6 +24,22 @@ from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
 log = logging.getLogger("aiolm.worker")
 
 SHUTDOWN = "shutdown"
+# Test-only fault injection: "raise@N" makes rank 0 of the first worker set raise inside
+# its Nth step (the executor numbers worker sets in AIOLM_WORKER_INCARNATION), so the
+# reliability tests can drive the step-error path on the real model.
+FAULT_ENV = "AIOLM_TEST_FAULT"
+INCARNATION_ENV = "AIOLM_WORKER_INCARNATION"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault hook."""
+
+
+def _fault_step(rank: int) -> int:
+    spec = os.environ.get(FAULT_ENV, "")
+    if rank != 0 or not spec.startswith("raise@") or os.environ.get(INCARNATION_ENV, "0") != "0":
+        return -1
+    return int(spec.split("@", 1)[1])
 
 
 def encode_config(cfg: object) -> str:
@@ -82,6 +98,8 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
     responses.write(codec.encode(("ready", runner.kv_cache_info())))
     from aiolm.core.outputs import SchedulerOutput
 
+    fault_at = _fault_step(args.rank)
+    steps = 0
     while True:
         try:
             buf = requests.read(timeout=1.0)
@@ -94,7 +112,19 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
         received = time.perf_counter()
         msg = codec.decode(buf)
         if isinstance(msg, SchedulerOutput):
-            out = runner.execute(msg)
+            steps += 1
+            try:
+                if steps == fault_at:
+                    raise InjectedFault(f"{FAULT_ENV}: injected failure in step {steps}")
+                out = runner.execute(msg)
+            except Exception as e:
+                # The persistent batch may be half-updated: report the cause with its
+                # traceback through the response ring (the engine logs it and replaces
+                # this worker set), then exit.
+                tb = traceback.format_exc()
+                log.error("step %d failed:\n%s", steps, tb)
+                responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", tb)))
+                return 1
             if args.rank == 0:
                 out.worker_clock = [received, time.perf_counter()]
                 responses.write(codec.encode_model_runner_output(out))

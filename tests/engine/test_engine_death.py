@@ -1,4 +1,4 @@
-"""A dead worker fails every in-flight stream loudly and leaves nothing behind.
+"""With recovery off, a dead worker fails every in-flight stream loudly and leaves nothing behind.
 
 This engine is private to the module: the test kills its worker process.
 """
@@ -36,7 +36,7 @@ def _worker_pids_for(ring_name: str) -> list[int]:
 
 def test_killed_worker_fails_streams_refuses_requests_and_cleans_up():
     lt = LoopThread()
-    engine = AsyncEngine(**ENGINE_ARGS)
+    engine = AsyncEngine(**ENGINE_ARGS, worker_recovery=False)
     try:
         lt.run(engine.start(), timeout=600)
         ex = engine.executor
