@@ -56,7 +56,7 @@ def serve(argv: list[str]) -> int:
                             log_config=None)
     server = _server_class()(config)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and app.state.ctx.engine_died is None else 1
 
 
 def _server_class() -> Any:

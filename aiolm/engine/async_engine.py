@@ -180,19 +180,23 @@ class AsyncEngine:
             return False, self._dead
         if not self._started or self.core is None or self.output is None:
             return False, "the engine is not running"
+        if not (self.core.running and self.output.running):
+            return False, "an engine actor stopped"
         recovering = self.recovering
         if recovering is not None:
             return False, f"recovering from a worker failure: {recovering}"
-        if not (self.core.running and self.output.running):
-            return False, "an engine actor stopped"
-        if not self.core.executor.is_alive():
-            return False, "a worker failed; recovery is starting"
         return True, None
 
     @property
     def recovering(self) -> str | None:
-        """Why the workers are being replaced right now, else None."""
-        return self.supervisor.recovering if self.supervisor is not None else None
+        """Why the workers are failed or being replaced right now, else None."""
+        if self._dead is not None or self.core is None:
+            return None
+        if self.supervisor is not None and self.supervisor.recovering is not None:
+            return self.supervisor.recovering
+        if not self.core.executor.is_alive():
+            return "a worker failed; its replacement is starting"
+        return None
 
     @property
     def dead_reason(self) -> str | None:

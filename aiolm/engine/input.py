@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from aiolm.params import ParamError, SamplingParams
 
 PromptType = str | dict[str, Any] | Sequence[dict[str, Any]]
-_LARGE_PROMPT_CHARS = 8192  # tokenize off the loop above this
+_LARGE_PROMPT_CHARS = 8192  # tokenize, and render chat templates, off the loop above this
+_LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, whatever their size
 
 
 @dataclass
@@ -52,6 +53,18 @@ class InputProcessor:
         except Exception as e:  # jinja errors: the messages do not fit the template
             raise ParamError("messages", f"cannot apply the chat template: {e}") from e
 
+    async def chat_prompt_async(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                                chat_template: str | None = None, **template_kwargs: Any) -> str:
+        """``chat_prompt`` in a thread when the conversation is large (the template's
+        work grows with it), so a big chat body cannot stall the event loop."""
+        size = len(messages) if isinstance(messages, (list, tuple)) else 0
+        chars = sum(len(m["content"]) for m in messages[:_LARGE_CHAT_MESSAGES + 1]
+                    if isinstance(m, dict) and isinstance(m.get("content"), str)) if size else 0
+        if size > _LARGE_CHAT_MESSAGES or chars > _LARGE_PROMPT_CHARS:
+            return await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt, chat_template,
+                                           **template_kwargs)
+        return self.chat_prompt(messages, add_generation_prompt, chat_template, **template_kwargs)
+
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
         """A string, {"prompt_token_ids": [...]}, {"prompt": str} or a list of chat messages."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -63,7 +76,7 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt" in prompt:
             prompt = prompt["prompt"]
         if isinstance(prompt, (list, tuple)):
-            text = self.chat_prompt(prompt)
+            text = await self.chat_prompt_async(prompt)
             return self._check(ProcessedPrompt(text, await self._encode(text, special=False)))
         if not isinstance(prompt, str):
             raise ParamError("prompt", f"must be a string, token ids or chat messages, got {type(prompt).__name__}")

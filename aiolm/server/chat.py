@@ -32,8 +32,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     cont = req["continue_final_message"]
     try:
         kwargs = {"continue_final_message": True} if cont else {}
-        text = engine.inputs.chat_prompt(messages, add_generation_prompt=req["add_generation_prompt"] and not cont,
-                                         **kwargs)
+        text = await engine.inputs.chat_prompt_async(
+            messages, add_generation_prompt=req["add_generation_prompt"] and not cont, **kwargs)
     except ParamError as e:
         raise param_error(e) from None
     ids = await tokenize(engine, text, add_special_tokens=False)

@@ -37,6 +37,10 @@ async def health(request: Request) -> Response:
     engine = context(request).engine
     if engine.is_healthy():
         return json_response({"status": "ok"})
+    recovering = getattr(engine, "recovering", None)
+    if recovering is not None:
+        return APIError(503, f"unhealthy: recovering from a worker failure: {recovering}", code="recovering",
+                        type="server_error", headers={"retry-after": "5"}).response()
     reason = engine.dead_reason or "the engine is not running"
     return APIError(503, f"unhealthy: {reason}", code="engine_dead", type="server_error").response()
 

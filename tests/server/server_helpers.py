@@ -161,6 +161,10 @@ class FakeInputs:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    async def chat_prompt_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                **kw: Any) -> str:
+        return self.chat_prompt(messages, add_generation_prompt, **kw)
+
 
 class FakeEngine:
     """Generates "abcdefghij..." one character per step, ``step_delay`` apart."""
