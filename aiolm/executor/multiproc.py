@@ -27,7 +27,7 @@ from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
 from aiolm.worker.model_runner import RunnerConfig
-from aiolm.worker.worker import INCARNATION_ENV, SHUTDOWN, encode_config
+from aiolm.worker.worker import SHUTDOWN, encode_config
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class MultiprocExecutor(Executor):
                  incarnation: int = 0) -> None:
         self.cfg = cfg
         self.step_timeout = step_timeout  # 0: no watchdog
-        self.incarnation = incarnation  # how many worker sets came before this one
+        self.incarnation = incarnation  # how many worker sets came before this one (for logs)
         self.world_size = world_size
         self.block_size = cfg.block_size
         self.startup_timeout = startup_timeout
@@ -80,7 +80,6 @@ class MultiprocExecutor(Executor):
         # gaps inside a forward pass: at 64 requests ipc_send fell from 1.4 to 0.5 ms
         # with the forward unchanged (docs/benchmarks.md). A user's setting wins.
         env.setdefault("GOMP_SPINCOUNT", "10000")
-        env[INCARNATION_ENV] = str(self.incarnation)
         try:
             for rank in range(self.world_size):
                 cmd = [sys.executable, "-m", "aiolm.worker", "--rank", str(rank),
@@ -96,6 +95,8 @@ class MultiprocExecutor(Executor):
             await self._stop(grace=0.5)
             raise
         self.num_blocks = min(i["num_blocks"] for i in infos)
+        if self.incarnation:
+            log.info("worker set %d started: pids %s", self.incarnation, [p.pid for p in self.procs])
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
     async def _handshakes(self) -> list[dict[str, int]]:

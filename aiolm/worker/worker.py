@@ -24,22 +24,25 @@ from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
 log = logging.getLogger("aiolm.worker")
 
 SHUTDOWN = "shutdown"
-# Test-only fault injection: "raise@N" makes rank 0 of the first worker set raise inside
-# its Nth step (the executor numbers worker sets in AIOLM_WORKER_INCARNATION), so the
-# reliability tests can drive the step-error path on the real model.
+# Test-only fault injection: with AIOLM_TEST_FAULT=<path>, rank 0 raises inside the
+# next step once that file exists (and removes it, so the fault fires once), which
+# lets the reliability tests drive the step-error path on the real model.
 FAULT_ENV = "AIOLM_TEST_FAULT"
-INCARNATION_ENV = "AIOLM_WORKER_INCARNATION"
 
 
 class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook."""
 
 
-def _fault_step(rank: int) -> int:
-    spec = os.environ.get(FAULT_ENV, "")
-    if rank != 0 or not spec.startswith("raise@") or os.environ.get(INCARNATION_ENV, "0") != "0":
-        return -1
-    return int(spec.split("@", 1)[1])
+def _injected_fault(rank: int) -> None:
+    path = os.environ.get(FAULT_ENV)
+    if rank != 0 or not path:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    raise InjectedFault(f"{FAULT_ENV}: fault injected by {path}")
 
 
 def encode_config(cfg: object) -> str:
@@ -98,7 +101,6 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
     responses.write(codec.encode(("ready", runner.kv_cache_info())))
     from aiolm.core.outputs import SchedulerOutput
 
-    fault_at = _fault_step(args.rank)
     steps = 0
     while True:
         try:
@@ -114,8 +116,7 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
         if isinstance(msg, SchedulerOutput):
             steps += 1
             try:
-                if steps == fault_at:
-                    raise InjectedFault(f"{FAULT_ENV}: injected failure in step {steps}")
+                _injected_fault(args.rank)
                 out = runner.execute(msg)
             except Exception as e:
                 # The persistent batch may be half-updated: report the cause with its
