@@ -33,6 +33,19 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_logprobs = max_logprobs
         self._ids = itertools.count()
+        # No token covers more characters than the longest vocabulary entry, so a text
+        # longer than this (doubled: normalizers may drop characters) cannot fit in the
+        # context; refusing it unread keeps megabyte prompts from costing seconds of CPU.
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        longest = max((len(t) for t in vocab), default=0)
+        self.max_prompt_chars: int | None = 2 * max_model_len * longest if longest else None
+
+    def too_long(self, text: str) -> str | None:
+        """Why ``text`` cannot fit in the context without tokenizing it, or None."""
+        if self.max_prompt_chars is None or len(text) <= self.max_prompt_chars:
+            return None
+        return (f"the prompt has {len(text)} characters, more than can fit in this model's maximum context "
+                f"length of {self.max_model_len} tokens (at most {self.max_prompt_chars} characters)")
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -83,6 +96,9 @@ class InputProcessor:
         return self._check(ProcessedPrompt(prompt, await self._encode(prompt, special=True)))
 
     async def _encode(self, text: str, special: bool) -> list[int]:
+        why = self.too_long(text)
+        if why is not None:
+            raise ParamError("prompt", why)
         if len(text) > _LARGE_PROMPT_CHARS:
             return await asyncio.to_thread(self.encode, text, special)
         return self.encode(text, special)

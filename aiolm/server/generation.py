@@ -53,7 +53,10 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIE
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
-async def tokenize(engine: Any, text: str, add_special_tokens: bool) -> list[int]:
+async def tokenize(engine: Any, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    why = getattr(engine.inputs, "too_long", lambda _: None)(text)
+    if why is not None:  # cannot fit whatever its tokens: refuse before paying for tokenizing
+        raise bad_request(why, param=param, code="context_length_exceeded")
     if len(text) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(engine.inputs.encode, text, add_special_tokens)
     return engine.inputs.encode(text, add_special_tokens)
