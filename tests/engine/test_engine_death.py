@@ -69,6 +69,16 @@ def test_killed_worker_fails_streams_refuses_requests_and_cleans_up():
         assert not engine.is_healthy()
         assert engine.dead_reason and "worker" in engine.dead_reason
 
+        async def stopped():  # death stops both actors and the executor, without a shutdown call
+            for _ in range(100):
+                if not engine.core.running and not engine.output.running and ex._closed:
+                    break
+                await asyncio.sleep(0.05)
+            return engine.core.running, engine.output.running, ex._closed, engine.num_requests()
+
+        assert lt.run(stopped(), timeout=30) == (False, False, True, (0, 0))
+        assert engine.kv_cache_usage() == 0.0
+
         async def refused():
             with pytest.raises(EngineDeadError):
                 async for _ in engine.generate("Hello", SamplingParams(max_tokens=2)):
