@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -107,6 +108,11 @@ class AsyncEngine:
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
         self._started = True
+        # The start-up heap (transformers, tokenizer, jinja) lives as long as the process;
+        # left in the collector's oldest generation, each full collection would walk all
+        # of it on the event loop (a pause that grows with the heap). Freeze it instead.
+        gc.collect()
+        gc.freeze()
 
     async def _make_executor(self, runner_cfg: RunnerConfig, incarnation: int) -> Executor:
         """A started executor; ``incarnation`` counts the worker sets before it."""

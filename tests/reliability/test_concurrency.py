@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -52,7 +53,10 @@ def _round(base_url: str, seed: int) -> list:
 
 def test_300_streams_with_disconnects_complete_correctly_and_leave_nothing(server):
     reference = asyncio.run(reference_texts(server.base_url, PROMPTS, MAX_TOKENS))
+    t0 = time.monotonic()
     outs = _round(server.base_url, seed=1)
+    print(f"\n  {CLIENTS} clients ({sum(o.disconnected for o in outs)} leaving early) in "
+          f"{time.monotonic() - t0:.1f} s")
     for i, o in enumerate(outs):
         if not o.disconnected:
             assert o.finish_reason == "length", (i, o)
@@ -65,6 +69,7 @@ def test_300_streams_with_disconnects_complete_correctly_and_leave_nothing(serve
     g = wait_idle_gauges(server.base_url)
     assert g == {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}, g
     second = resources(server.proc.pid)
+    print(f"\n  after round 1: {first}\n  after round 2: {second}")
     assert second.fds <= first.fds + 2, (first, second)
     assert second.threads <= first.threads, (first, second)
     assert second.shm == first.shm and len(second.shm) == 2, (first, second)

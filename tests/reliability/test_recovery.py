@@ -109,7 +109,11 @@ def _log(server: ServerProcess) -> str:
     return server.log_path.read_text(errors="replace")
 
 
-def _check_recovered(server, reference, outs, watch_seen, old_pid) -> int:
+def _check_recovered(server, reference, outs, watch_seen, old_pid, t_fault: float = 0.0) -> int:
+    down = [t for t, s, _ in watch_seen if s == 503]
+    if t_fault and down:
+        print(f"\n  /health 503 from +{down[0] - t_fault:.1f} s to +{down[-1] - t_fault:.1f} s after the fault; "
+              f"streams done +{max(o.ended_at for o in outs) - t_fault:.1f} s")
     errors = [o.error for o in outs if o.error]
     assert not errors, f"streams failed: {errors}\n{server.log()}"
     assert [o.finish_reason for o in outs] == ["length"] * len(outs)
@@ -128,7 +132,7 @@ def test_sigkill_during_decoding_recovers_with_the_same_text(server, reference):
     watch = HealthWatch(server.base_url)
     t_fault, outs = _streams_through(server, lambda: os.kill(pid, signal.SIGKILL))
     seen = watch.stop()
-    _check_recovered(server, reference, outs, seen, pid)
+    _check_recovered(server, reference, outs, seen, pid, t_fault)
     assert "restarting the workers (restart 1)" in _log(server)
 
 
@@ -137,7 +141,7 @@ def test_stopped_worker_is_caught_by_the_watchdog(server, reference):
     watch = HealthWatch(server.base_url)
     t_fault, outs = _streams_through(server, lambda: os.kill(pid, signal.SIGSTOP))
     seen = watch.stop()
-    _check_recovered(server, reference, outs, seen, pid)
+    _check_recovered(server, reference, outs, seen, pid, t_fault)
     first_503 = next(t for t, s, _ in seen if s == 503 and t > t_fault)
     # The watchdog fires once a step has waited --step-timeout (checked every 0.5 s).
     assert first_503 - t_fault < STEP_TIMEOUT + 3.0, f"hung worker noticed {first_503 - t_fault:.1f} s after SIGSTOP"
@@ -150,7 +154,7 @@ def test_step_exception_is_reported_with_its_traceback_and_recovered(server, ref
     watch = HealthWatch(server.base_url)
     t_fault, outs = _streams_through(server, lambda: server.fault_file.touch())
     seen = watch.stop()
-    _check_recovered(server, reference, outs, seen, pid)
+    _check_recovered(server, reference, outs, seen, pid, t_fault)
     log = _log(server)
     assert "worker 0 failed in a step: InjectedFault" in log, log
     assert "Traceback (most recent call last)" in log and "_injected_fault" in log
@@ -159,6 +163,7 @@ def test_step_exception_is_reported_with_its_traceback_and_recovered(server, ref
 def test_no_growth_over_the_restarts(server):
     after = resources(server.proc.pid)
     before = server.before
+    print(f"\n  server before the faults: {before}\n  after three restarts:     {after}")
     # Three worker sets were replaced: nothing may grow with them.
     assert after.fds <= before.fds + 2, (before, after)
     assert after.threads <= before.threads + 2, (before, after)
