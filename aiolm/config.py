@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+SERVE_MAX_WAITING = 1024  # `aiolm serve`'s --max-waiting-requests: a server bounds its queue
+
+
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -45,8 +48,10 @@ class EngineArgs:
     worker_restart_window: float = _f(600.0, "seconds over which --max-worker-restarts is counted")
     step_timeout: float = _f(0.0, "seconds one step may take before its worker counts as hung and is replaced "
                                   "(0 = 120 on CPU, 600 on CUDA)")
-    max_waiting_requests: int = _f(1024, "sequences that may wait beyond the --max-num-seqs running ones; "
-                                         "more are refused (EngineBusyError, HTTP 429)")
+    max_waiting_requests: int | None = _f(None, "sequences that may wait beyond the --max-num-seqs running ones; "
+                                                "more are refused (EngineBusyError, HTTP 429). None: no bound "
+                                                "(the Python default, so LLM.generate takes any batch); "
+                                                f"`aiolm serve` defaults to {SERVE_MAX_WAITING}")
 
     def __post_init__(self) -> None:
         if self.executor not in ("mp", "local"):
@@ -63,7 +68,7 @@ class EngineArgs:
             raise ValueError("max_worker_restarts must be >= 0 and worker_restart_window > 0")
         if self.step_timeout < 0:
             raise ValueError(f"step_timeout must be >= 0, got {self.step_timeout}")
-        if self.max_waiting_requests < 0:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")

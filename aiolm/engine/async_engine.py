@@ -10,8 +10,8 @@ the request and frees its KV blocks in the same step.
 Failures: a failed worker set is replaced and in-flight requests are recomputed
 (aiolm/engine/recovery.py); meanwhile new requests get EngineRecoveringError. When
 recovery is off or gives up, the engine dies: every stream fails with
-EngineDeadError, both actors and the executor stop, and ``on_death`` callbacks run.
-Admission is bounded: beyond ``max_num_seqs + max_waiting_requests`` live
+EngineDeadError, both actors and the executor stop, and ``death_callbacks`` run.
+Admission may be bounded: beyond ``max_num_seqs + max_waiting_requests`` live
 sequences a new request gets EngineBusyError; ``timeout`` bounds one request.
 """
 
@@ -265,6 +265,8 @@ class AsyncEngine:
         """
         assert self.output is not None
         a = self.args
+        if a.max_waiting_requests is None:
+            return
         live = len(self.output.children)
         room = a.max_num_seqs + a.max_waiting_requests - live
         if n > room:

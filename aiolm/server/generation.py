@@ -161,6 +161,8 @@ class Generation:
                     raise APIError(500, "the engine ended a request without output", type="server_error")
                 finals.append(last)
             return finals
+        except (EngineDeadError, RequestError, EngineBusyError) as e:  # a dead engine, a timeout: not a 500
+            raise engine_error(e, self.rename) from None
         finally:
             await self.abort()
 

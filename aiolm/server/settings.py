@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from aiolm.config import EngineArgs
+from aiolm.config import SERVE_MAX_WAITING, EngineArgs
 from aiolm.server.protocol import Limits
 
 
@@ -99,6 +99,7 @@ def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     EngineArgs.add_cli_args(parser)
+    parser.set_defaults(max_waiting_requests=SERVE_MAX_WAITING)  # a server bounds its queue
     add_server_args(parser)
     return parser
 
