@@ -34,10 +34,7 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook."""
 
 
-def _injected_fault(rank: int) -> None:
-    path = os.environ.get(FAULT_ENV)
-    if rank != 0 or not path:
-        return
+def _injected_fault(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -102,6 +99,7 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
     from aiolm.core.outputs import SchedulerOutput
 
     steps = 0
+    fault_path = os.environ.get(FAULT_ENV) if args.rank == 0 else None
     while True:
         try:
             buf = requests.read(timeout=1.0)
@@ -116,7 +114,8 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
         if isinstance(msg, SchedulerOutput):
             steps += 1
             try:
-                _injected_fault(args.rank)
+                if fault_path:
+                    _injected_fault(fault_path)
                 out = runner.execute(msg)
             except Exception as e:
                 # The persistent batch may be half-updated: report the cause with its
