@@ -22,6 +22,9 @@ _EXPORTS = {
     "Logprob": "aiolm.outputs",
     "EngineDeadError": "aiolm.engine.errors",
     "RequestError": "aiolm.engine.errors",
+    "EngineBusyError": "aiolm.engine.errors",
+    "EngineRecoveringError": "aiolm.engine.errors",
+    "RequestTimeoutError": "aiolm.engine.errors",
 }
 
 __all__ = list(_EXPORTS)

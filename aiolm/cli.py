@@ -68,7 +68,7 @@ def serve(argv: list[str]) -> int:
                             log_config=None)
     server = _server_class()(config)
     server.run(sockets=[sock])
-    return 0 if server.started else 1
+    return 0 if server.started and app.state.ctx.engine_died is None else 1
 
 
 def _check_model_path(parser: argparse.ArgumentParser, model: str | None) -> None:

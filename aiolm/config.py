@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
 
+SERVE_MAX_WAITING = 1024  # `aiolm serve`'s --max-waiting-requests: a server bounds its queue
+
+
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -69,6 +72,16 @@ class EngineArgs:
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
+    worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
+                                     "(--no-worker-recovery: the engine fails fast instead)")
+    max_worker_restarts: int = _f(3, "most worker restarts within --worker-restart-window before the engine gives up")
+    worker_restart_window: float = _f(600.0, "seconds over which --max-worker-restarts is counted")
+    step_timeout: float = _f(0.0, "seconds one step may take before its worker counts as hung and is replaced "
+                                  "(0 = 120 on CPU, 600 on CUDA)")
+    max_waiting_requests: int | None = _f(None, "sequences that may wait beyond the --max-num-seqs running ones; "
+                                                "more are refused (EngineBusyError, HTTP 429). None: no bound "
+                                                "(the Python default, so LLM.generate takes any batch); "
+                                                f"`aiolm serve` defaults to {SERVE_MAX_WAITING}")
 
     def __post_init__(self) -> None:
         if self.executor not in ("mp", "local"):
@@ -81,6 +94,12 @@ class EngineArgs:
             raise ValueError(f"device: {self.device!r} is not supported; supported: auto, cpu, cuda")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_worker_restarts < 0 or self.worker_restart_window <= 0:
+            raise ValueError("max_worker_restarts must be >= 0 and worker_restart_window > 0")
+        if self.step_timeout < 0:
+            raise ValueError(f"step_timeout must be >= 0, got {self.step_timeout}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
@@ -108,6 +127,11 @@ class EngineArgs:
                              f"({'a CPU-only build' if not torch.version.cuda else 'no GPU or driver found'}); "
                              f"use --device cpu")
         return self.device
+
+    def resolved_step_timeout(self) -> float:
+        if self.step_timeout > 0:
+            return self.step_timeout
+        return 600.0 if self.resolved_device().startswith("cuda") else 120.0
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

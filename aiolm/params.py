@@ -29,6 +29,11 @@ class OutputKind(enum.Enum):
 
 
 _GREEDY_EPS = 1e-5
+# Stop strings are searched on the event loop for every generated token of every
+# sequence: their count and length bound that work (docs/reliability.md).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOTAL_CHARS = 4096
 
 
 @dataclass
@@ -131,6 +136,14 @@ class SamplingParams:
                   f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
               "stop", "must be a non-empty string or a list of non-empty strings")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+              f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        check(longest <= MAX_STOP_STRING_CHARS, "stop",
+              f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters, one has {longest}")
+        total = sum(len(s) for s in self.stop)
+        check(total <= MAX_STOP_TOTAL_CHARS, "stop",
+              f"the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all, got {total}")
         check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "must be a list of non-negative integers")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),

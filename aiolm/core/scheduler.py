@@ -187,6 +187,27 @@ class Scheduler:
             outputs.append(self._output(req, []))
         return outputs
 
+    def reset_workers(self, num_blocks: int) -> None:
+        """The workers were replaced and no KV survived: start a new block pool of
+        ``num_blocks`` and queue every live request to be recomputed from its prompt
+        plus the tokens it already generated (preemption by recompute, for all).
+        Running requests go first, in batch order, ahead of those already waiting."""
+        cfg = self.config
+        cfg.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.hash_seed)
+        queued = [*self.running, *self.waiting]
+        self.running = []
+        self.waiting = PriorityQueue() if cfg.policy == "priority" else FCFSQueue()
+        for req in queued:
+            req.num_computed_tokens = 0
+            if req.status == RequestStatus.RUNNING:
+                req.status = RequestStatus.PREEMPTED
+            req.block_hashes = []  # the new pool's hasher may have another root (a random one)
+            self.kv_cache_manager.attach(req)
+            self.waiting.add(req)
+        self._worker_num_tokens.clear()
+        self._finished_req_ids.clear()
+
     # -- counts and stats ------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:

@@ -6,24 +6,33 @@
 
 Leaving the ``async for`` early (break, cancellation, a client disconnect) aborts
 the request and frees its KV blocks in the same step.
+
+Failures: a failed worker set is replaced and in-flight requests are recomputed
+(aiolm/engine/recovery.py); meanwhile new requests get EngineRecoveringError. When
+recovery is off or gives up, the engine dies: every stream fails with
+EngineDeadError, both actors and the executor stop, and ``death_callbacks`` run.
+Admission may be bounded: beyond ``max_num_seqs + max_waiting_requests`` live
+sequences a new request gets EngineBusyError; ``timeout`` bounds one request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.engine.core import EngineCore
-from aiolm.engine.errors import EngineDeadError
+from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestTimeoutError
 from aiolm.engine.input import InputProcessor, PromptType
-from aiolm.engine.messages import AbortRequests, AddRequests
+from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output import OutputProcessor, RequestState
+from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
@@ -36,11 +45,19 @@ class AsyncEngine:
         self.args = args if args is not None else EngineArgs(**kwargs)
         self._started = False
         self._dead: str | None = None
-        self.executor: Executor | None = None
+        self._executor: Executor | None = None
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self._submissions = itertools.count()
+        self.supervisor: WorkerSupervisor | None = None
+        self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
+        self._stopping: asyncio.Task[None] | None = None
+
+    @property
+    def executor(self) -> Executor | None:
+        """The current executor (the core's: recovery replaces it)."""
+        return self.core.executor if self.core is not None else self._executor
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "AsyncEngine":
@@ -74,15 +91,9 @@ class AsyncEngine:
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
             device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens)
-        if a.executor == "local":
-            from aiolm.executor.local import LocalExecutor
-
-            self.executor = LocalExecutor(runner_cfg)
-        else:
-            from aiolm.executor.multiproc import MultiprocExecutor
-
-            self.executor = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, on_death=self._on_worker_death)
-        await self.executor.start()
+        self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,
+                                           a.max_worker_restarts, a.worker_restart_window)
+        self._executor = await self._make_executor(runner_cfg, 0)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.executor.num_blocks, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=max(a.max_num_batched_tokens, 1),
@@ -93,41 +104,106 @@ class AsyncEngine:
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
                                       self._add_siblings)
-        self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs)
+        self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs,
+                               supervisor=self.supervisor)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
         self._started = True
+        # The start-up heap (transformers, tokenizer, jinja) lives as long as the process;
+        # left in the collector's oldest generation, each full collection would walk all
+        # of it on the event loop (a pause that grows with the heap). Freeze it instead.
+        gc.collect()
+        gc.freeze()
+
+    async def _make_executor(self, runner_cfg: RunnerConfig, incarnation: int) -> Executor:
+        """A started executor; ``incarnation`` counts the worker sets before it."""
+        a = self.args
+        if a.executor == "local":
+            from aiolm.executor.local import LocalExecutor
+
+            ex: Executor = LocalExecutor(runner_cfg)
+        else:
+            from aiolm.executor.multiproc import MultiprocExecutor
+
+            holder: list[Executor] = []
+            ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size,
+                                   on_death=lambda reason: self._on_worker_death(holder[0], reason),
+                                   step_timeout=a.resolved_step_timeout(), incarnation=incarnation)
+            holder.append(ex)
+        await ex.start()
+        return ex
 
     async def shutdown(self) -> None:
         if self._dead is None:
             self._dead = "engine shut down"
+        await self._stop_all()
+        if self._stopping is not None:
+            await asyncio.gather(self._stopping, return_exceptions=True)
+        self._started = False
+
+    async def _stop_all(self) -> None:
+        """Fail every stream, stop both actors, then the executor (the core's current one)."""
         if self.output is not None:
-            self.output.fail_all(EngineDeadError(self._dead))
+            self.output.fail_all(EngineDeadError(self._dead or "engine stopped"))
         for actor in (self.core, self.output):
             if actor is not None:
                 await actor.stop()
-        if self.executor is not None:
-            await self.executor.shutdown()
-        self._started = False
+        for ex in {id(e): e for e in (self.executor, self._executor) if e is not None}.values():
+            await ex.shutdown()
 
     def _on_crash(self, actor: Any, error: BaseException) -> None:
-        self._die(f"{actor.name} failed: {type(error).__name__}: {error}")
+        if isinstance(error, EngineDeadError):
+            self._die(str(error))
+        else:
+            self._die(f"{actor.name} failed: {type(error).__name__}: {error}")
 
-    def _on_worker_death(self, reason: str) -> None:
-        self._die(reason)
+    def _on_worker_death(self, executor: Executor, reason: str) -> None:
+        if self.core is not None and self.core.running:
+            self.core.send(WorkerFailed(executor, reason))  # the core recovers, or dies trying
+        else:
+            self._die(reason)
 
     def _die(self, reason: str) -> None:
+        """Fail every stream now; stop actors and workers in the background; tell listeners."""
         if self._dead is not None:
             return
         self._dead = reason
         log.error("engine is dead: %s", reason)
         if self.output is not None:
             self.output.fail_all(EngineDeadError(reason))
+        self._stopping = asyncio.get_running_loop().create_task(self._stop_all(), name="engine-stop")
+        for cb in self.death_callbacks:
+            try:
+                cb(reason)
+            except Exception:
+                log.exception("an engine death callback failed")
 
     def is_healthy(self) -> bool:
-        return (self._started and self._dead is None and self.executor is not None
-                and self.executor.is_alive() and self.core is not None and self.core.running
-                and self.output is not None and self.output.running)
+        return self.health()[0]
+
+    def health(self) -> tuple[bool, str | None]:
+        """(serving normally, why not): dead, recovering, or not started."""
+        if self._dead is not None:
+            return False, self._dead
+        if not self._started or self.core is None or self.output is None:
+            return False, "the engine is not running"
+        if not (self.core.running and self.output.running):
+            return False, "an engine actor stopped"
+        recovering = self.recovering
+        if recovering is not None:
+            return False, f"recovering from a worker failure: {recovering}"
+        return True, None
+
+    @property
+    def recovering(self) -> str | None:
+        """Why the workers are failed or being replaced right now, else None."""
+        if self._dead is not None or self.core is None:
+            return None
+        if self.supervisor is not None and self.supervisor.recovering is not None:
+            return self.supervisor.recovering
+        if not self.core.executor.is_alive():
+            return "a worker failed; its replacement is starting"
+        return None
 
     @property
     def dead_reason(self) -> str | None:
@@ -138,21 +214,32 @@ class AsyncEngine:
             raise EngineDeadError(self._dead)
         if not self._started:
             raise EngineDeadError("engine not started (use `async with` or `await engine.start()`)")
+        if self.recovering is not None:
+            raise EngineRecoveringError(f"the engine is replacing failed workers ({self.recovering}); "
+                                        "retry shortly", retry_after=5.0)
 
     # -- requests -------------------------------------------------------------------
 
     async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0) -> RequestState:
-        """Validate and queue a request; returns its state (read it with ``stream``)."""
+                          request_id: str | None = None, priority: int = 0,
+                          timeout: float | None = None) -> RequestState:
+        """Validate and queue a request; returns its state (read it with ``stream``).
+
+        ``timeout``: seconds from now after which the request is aborted (its blocks
+        freed) and its stream raises RequestTimeoutError.
+        """
         self._check_alive()
         assert self.output is not None and self.core is not None
         params = self.inputs.params(params)
+        if timeout is not None and not timeout > 0:
+            raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
         processed = await self.inputs.process(prompt)
         self._check_alive()
         rid = request_id if request_id is not None else self.inputs.new_request_id()
         if rid in self.output.requests:
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
         n = params.n
+        self._admit(n)
         # Internal ids are unique per submission, so a user id reused after an abort can never
         # receive the old request's late outputs (a stale abort or token still in a mailbox).
         base = f"{rid}@{next(self._submissions)}"
@@ -166,12 +253,40 @@ class AsyncEngine:
         # n > 1: the siblings join once the first sequence's prompt is in the KV cache,
         # so they reuse its full blocks through the prefix cache instead of recomputing them.
         state.pending_siblings = reqs[1:]
+        if timeout is not None:
+            state.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, state, timeout)
         self.core.send(AddRequests(reqs[:1]))
         return state
 
+    def _admit(self, n: int) -> None:
+        """Refuse ``n`` more sequences when running seats plus the waiting bound are taken.
+
+        Counted over live sequences (registered, not finished), so requests still in the
+        core's mailbox count too; no await separates this check from the registration.
+        """
+        assert self.output is not None
+        a = self.args
+        if a.max_waiting_requests is None:
+            return
+        live = len(self.output.children)
+        room = a.max_num_seqs + a.max_waiting_requests - live
+        if n > room:
+            raise EngineBusyError(f"the engine is full: {live} sequences live, room for "
+                                  f"{a.max_num_seqs} running and {a.max_waiting_requests} waiting "
+                                  f"(--max-waiting-requests); retry later", retry_after=1.0)
+
+    def _expire(self, state: RequestState, timeout: float) -> None:
+        if self.output is None or self.output.requests.get(state.req_id) is not state:
+            return  # finished or aborted meanwhile
+        children = self.output.expire(state.req_id, RequestTimeoutError(
+            f"request {state.req_id!r} ran past its timeout of {timeout:g} s and was aborted"))
+        if children and self.core is not None:
+            self.core.send(AbortRequests(children))
+
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        state = await self.add_request(prompt, params, request_id, priority)
+                       request_id: str | None = None, priority: int = 0,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        state = await self.add_request(prompt, params, request_id, priority, timeout)
         # aclosing: when the caller leaves early, the inner stream (and its abort) is closed
         # right here, not later by the garbage collector's async-generator finaliser.
         async with contextlib.aclosing(self.stream(state)) as outputs:
@@ -212,15 +327,18 @@ class AsyncEngine:
 
     def _on_finish(self, state: RequestState) -> None:
         self.stats["requests_finished"] += 1
+        if state.expiry is not None:
+            state.expiry.cancel()
+            state.expiry = None
 
     # -- introspection ----------------------------------------------------------------
 
     def kv_cache_usage(self) -> float:
-        return self.scheduler.kv_cache_usage if self._started else 0.0
+        return self.scheduler.kv_cache_usage if self._started and self._dead is None else 0.0
 
     def num_requests(self) -> tuple[int, int]:
-        """(running, waiting) in the scheduler."""
-        if not self._started:
+        """(running, waiting) in the scheduler; nothing runs in a dead engine."""
+        if not self._started or self._dead is not None:
             return 0, 0
         return self.scheduler.num_running, self.scheduler.num_waiting
 
@@ -238,6 +356,10 @@ class AsyncEngine:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.inputs.encode(text, add_special_tokens)
 
+    def prompt_too_long(self, text: str) -> str | None:
+        """Why ``text`` cannot fit in the context whatever its tokens (decided without tokenizing), or None."""
+        return self.inputs.too_long(text)
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenize(text, add_special_tokens)
 
@@ -245,6 +367,12 @@ class AsyncEngine:
                     **template_kwargs: Any) -> str:
         """The prompt text of ``messages`` through the model's chat template (ParamError if unusable)."""
         return self.inputs.chat_prompt(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                **template_kwargs: Any) -> str:
+        """``render_chat``, in a thread when the conversation is large enough to stall the loop."""
+        return await self.inputs.chat_prompt_async(messages, add_generation_prompt=add_generation_prompt,
+                                                   **template_kwargs)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

@@ -3,6 +3,11 @@
 drain mailbox (adds, aborts) -> schedule -> execute on the executor (awaited, the
 loop stays free) -> update the scheduler -> hand outputs to the OutputProcessor.
 With nothing to do it sleeps on its mailbox; it never spins.
+
+When the executor fails (a worker died, hung or raised), the core asks its
+WorkerSupervisor for a new one and requeues every live request for recompute;
+the failed step's tokens are dropped, so no stream sees a token twice. Without a
+supervisor, or once it gives up, the failure ends this actor (the engine dies).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from dataclasses import dataclass, field
 from aiolm.actors import Actor
 from aiolm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from aiolm.core.scheduler import Scheduler
-from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepOutputs
+from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepOutputs, WorkerFailed
 from aiolm.engine.output import OutputProcessor
-from aiolm.executor.base import Executor
+from aiolm.engine.recovery import WorkerSupervisor
+from aiolm.executor.base import Executor, ExecutorError
 from aiolm.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -80,10 +86,12 @@ class EngineCore(Actor[CoreMessage]):
     name = "engine-core"
 
     def __init__(self, scheduler: Scheduler, executor: Executor, output: OutputProcessor,
-                 log_steps: bool = False) -> None:
+                 log_steps: bool = False, supervisor: WorkerSupervisor | None = None) -> None:
         super().__init__()
         self.scheduler = scheduler
         self.executor = executor
+        self.supervisor = supervisor
+        self._failure: BaseException | None = None  # reported by the monitor, handled before the next step
         self.output = output
         self.log_steps = log_steps
         if log_steps:  # asked for explicitly: make sure the lines are seen
@@ -106,6 +114,21 @@ class EngineCore(Actor[CoreMessage]):
             outs = self.scheduler.abort_requests(msg.req_ids)
             if outs:
                 self.output.send(StepOutputs(outs))
+        elif isinstance(msg, WorkerFailed):
+            if msg.executor is self.executor and self._failure is None:
+                self._failure = ExecutorError(msg.reason)
+
+    async def _recover(self, error: BaseException) -> None:
+        """Replace the executor and requeue every live request; raises when that is not allowed."""
+        self._failure = None
+        if self.supervisor is None:
+            raise error
+        self.executor = await self.supervisor.replace(self.executor, error)
+        # Adds and aborts that queued up meanwhile, before the requeue so aborts free now.
+        for msg in self.mailbox.drain():
+            self._handle(msg)
+        self._failure = None  # reports about the old executor only
+        self.scheduler.reset_workers(self.executor.num_blocks)
 
     async def run(self) -> None:
         sched = self.scheduler
@@ -114,12 +137,22 @@ class EngineCore(Actor[CoreMessage]):
                 self._handle(await self.mailbox.receive())
             for msg in self.mailbox.drain():
                 self._handle(msg)
+            if self._failure is not None:
+                await self._recover(self._failure)
             if not sched.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
             out = sched.schedule()
             t1 = time.perf_counter()
-            result = await self.executor.execute(out)
+            try:
+                result = await self.executor.execute(out)
+            except ExecutorError as e:
+                await self._recover(e)
+                # Outputs the scheduler finished by itself in schedule() still go out.
+                outputs = sched.update_from_output(out, None)
+                if outputs:
+                    self.output.send(StepOutputs(outputs))
+                continue
             t2 = time.perf_counter()
             # Aborts that arrived during the step: apply before update so their blocks free now.
             for msg in self.mailbox.drain():

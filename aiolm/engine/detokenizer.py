@@ -245,6 +245,39 @@ class IncrementalDetokenizer:
         return text[len(prefix):]
 
 
+class PrefixMatcher:
+    """Tracks the longest suffix of a growing text that is a proper prefix of ``pattern``
+    (the Knuth-Morris-Pratt automaton): O(1) amortized per character fed."""
+
+    __slots__ = ("pattern", "_fail", "state")
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        fail = [0] * len(pattern)  # fail[i]: longest proper border of pattern[:i + 1]
+        k = 0
+        for i in range(1, len(pattern)):
+            while k and pattern[i] != pattern[k]:
+                k = fail[k - 1]
+            if pattern[i] == pattern[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+        self.state = 0
+
+    def feed(self, text: str) -> int:
+        """Advance over ``text``; returns the new state (a length < len(pattern))."""
+        p, fail, k, m = self.pattern, self._fail, self.state, len(self.pattern)
+        for c in text:
+            while k and p[k] != c:
+                k = fail[k - 1]
+            if p[k] == c:
+                k += 1
+                if k == m:  # a whole match (in text not stop-checked): keep its longest border
+                    k = fail[k - 1]
+        self.state = k
+        return k
+
+
 class StopChecker:
     """Finds stop strings in a stream of text deltas and cuts the output.
 
@@ -258,6 +291,7 @@ class StopChecker:
         self.stop: list[str] = [s for s in dict.fromkeys(stop) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self._keep = max((len(s) for s in self.stop), default=1) - 1
+        self._matchers = [] if include_stop_str_in_output else [PrefixMatcher(s) for s in self.stop]
         self._tail = ""  # last ``_keep`` chars seen (search context)
         self._held = 0  # how many trailing chars of ``_tail`` are unemitted
         self.matched: str | None = None
@@ -289,7 +323,7 @@ class StopChecker:
                 self.matched = s
                 self.done = True
                 return window[unemitted_at:max(cut, unemitted_at)], s
-        hold = 0 if self.include_stop_str_in_output else self._hold_len(window)
+        hold = 0 if self.include_stop_str_in_output else self._hold_len(delta)
         hold = min(hold, len(window) - unemitted_at)
         self._held = hold
         self._tail = window[-self._keep:] if self._keep else ""
@@ -302,19 +336,17 @@ class StopChecker:
         self.done = True
         return self._tail[len(self._tail) - self._held:] if self._held else ""
 
-    def _hold_len(self, window: str) -> int:
-        """Length of the longest suffix of ``window`` that is a proper prefix of a stop."""
-        n = len(window)
+    def _hold_len(self, delta: str) -> int:
+        """Length of the longest suffix of the text so far that is a proper prefix of a stop.
+
+        Each stop string's KMP automaton advances over the new text only, so the work
+        per delta is linear in its length (amortized), whatever the stop strings are.
+        """
         best = 0
-        for s in self.stop:
-            first = s[0]
-            # Candidates start where the suffix is shorter than s and longer than best.
-            p = window.find(first, max(0, n - len(s) + 1), n - best)
-            while p >= 0:
-                if s.startswith(window[p:]):
-                    best = n - p
-                    break
-                p = window.find(first, p + 1, n - best)
+        for m in self._matchers:
+            k = m.feed(delta)
+            if k > best:
+                best = k
         return best
 
 

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from aiolm.params import ParamError, SamplingParams
 
 PromptType = str | dict[str, Any] | Sequence[dict[str, Any]]
-_LARGE_PROMPT_CHARS = 8192  # tokenize off the loop above this
+_LARGE_PROMPT_CHARS = 8192  # tokenize, and render chat templates, off the loop above this
+_LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, whatever their size
 
 
 @dataclass
@@ -32,6 +33,19 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_logprobs = max_logprobs
         self._ids = itertools.count()
+        # No token covers more characters than the longest vocabulary entry, so a text
+        # longer than this (doubled: normalizers may drop characters) cannot fit in the
+        # context; refusing it unread keeps megabyte prompts from costing seconds of CPU.
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        longest = max((len(t) for t in vocab), default=0)
+        self.max_prompt_chars: int | None = 2 * max_model_len * longest if longest else None
+
+    def too_long(self, text: str) -> str | None:
+        """Why ``text`` cannot fit in the context without tokenizing it, or None."""
+        if self.max_prompt_chars is None or len(text) <= self.max_prompt_chars:
+            return None
+        return (f"the prompt has {len(text)} characters, more than can fit in this model's maximum context "
+                f"length of {self.max_model_len} tokens (at most {self.max_prompt_chars} characters)")
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -52,6 +66,18 @@ class InputProcessor:
         except Exception as e:  # jinja errors: the messages do not fit the template
             raise ParamError("messages", f"cannot apply the chat template: {e}") from e
 
+    async def chat_prompt_async(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                                chat_template: str | None = None, **template_kwargs: Any) -> str:
+        """``chat_prompt`` in a thread when the conversation is large (the template's
+        work grows with it), so a big chat body cannot stall the event loop."""
+        size = len(messages) if isinstance(messages, (list, tuple)) else 0
+        chars = sum(len(m["content"]) for m in messages[:_LARGE_CHAT_MESSAGES + 1]
+                    if isinstance(m, dict) and isinstance(m.get("content"), str)) if size else 0
+        if size > _LARGE_CHAT_MESSAGES or chars > _LARGE_PROMPT_CHARS:
+            return await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt, chat_template,
+                                           **template_kwargs)
+        return self.chat_prompt(messages, add_generation_prompt, chat_template, **template_kwargs)
+
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
         """A string, {"prompt_token_ids": [...]}, {"prompt": str} or a list of chat messages."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -63,13 +89,16 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt" in prompt:
             prompt = prompt["prompt"]
         if isinstance(prompt, (list, tuple)):
-            text = self.chat_prompt(prompt)
+            text = await self.chat_prompt_async(prompt)
             return self._check(ProcessedPrompt(text, await self._encode(text, special=False)))
         if not isinstance(prompt, str):
             raise ParamError("prompt", f"must be a string, token ids or chat messages, got {type(prompt).__name__}")
         return self._check(ProcessedPrompt(prompt, await self._encode(prompt, special=True)))
 
     async def _encode(self, text: str, special: bool) -> list[int]:
+        why = self.too_long(text)
+        if why is not None:
+            raise ParamError("prompt", why)
         if len(text) > _LARGE_PROMPT_CHARS:
             return await asyncio.to_thread(self.encode, text, special)
         return self.encode(text, special)

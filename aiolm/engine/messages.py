@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from aiolm.core.outputs import EngineCoreOutput
 from aiolm.core.request import Request
@@ -23,4 +24,12 @@ class StepOutputs:
     outputs: list[EngineCoreOutput]
 
 
-CoreMessage = AddRequests | AbortRequests
+@dataclass
+class WorkerFailed:
+    """An executor's monitor saw a worker die while the core may be idle."""
+
+    executor: Any  # the failed executor: a stale report about a replaced one is ignored
+    reason: str
+
+
+CoreMessage = AddRequests | AbortRequests | WorkerFailed

@@ -65,6 +65,7 @@ class RequestState:
         self.finish_time: float | None = None
         self.delivered_final = False
         self.pending_siblings: list[Any] = []  # n > 1: Requests to add once sequence 0 has prefilled
+        self.expiry: asyncio.TimerHandle | None = None  # the request's timeout, if it has one
         self._event = asyncio.Event()
 
     @property
@@ -122,6 +123,30 @@ class RequestState:
                              self.num_cached_tokens, metrics=metrics)
 
 
+class TokenTexts:
+    """Each vocabulary token's text as logprobs show it (``decode([id])``), decoded once.
+
+    A logprobs request asks for up to 21 token texts per generated token; one
+    tokenizer call per entry made that work grow with the client's ``logprobs``.
+    Here the ids not yet known are decoded in one batched call and kept: the table
+    is bounded by the vocabulary, and common tokens cost a dict lookup.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def lookup(self, ids: list[int]) -> dict[int, str]:
+        texts = self._texts
+        missing = list({t for t in ids if t not in texts})
+        if missing:
+            batch = getattr(self.tokenizer, "batch_decode", None)
+            decoded = (batch([[t] for t in missing]) if batch is not None
+                       else [self.tokenizer.decode([t]) for t in missing])
+            texts.update(zip(missing, decoded))
+        return texts
+
+
 class OutputProcessor(Actor[StepOutputs]):
     name = "output-processor"
 
@@ -138,6 +163,7 @@ class OutputProcessor(Actor[StepOutputs]):
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("generation_tokens", 0)
         self.children: dict[str, tuple[RequestState, SeqState]] = {}
+        self.token_texts = TokenTexts(tokenizer)
         self._busy = 0.0  # seconds spent processing since take_busy_time() last read it
 
     def take_busy_time(self) -> float:
@@ -173,6 +199,17 @@ class OutputProcessor(Actor[StepOutputs]):
                 s.finish_reason = "abort"
                 live.append(s.child_id)
         self._finished(state)
+        return live
+
+    def expire(self, req_id: str, error: BaseException) -> list[str]:
+        """End a request with ``error`` (its stream raises it); returns child ids the core must abort."""
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return []
+        state.pending_siblings = []
+        live = [s.child_id for s in state.seqs
+                if self.children.pop(s.child_id, None) is not None and s.finish_reason is None]
+        state.fail(error)
         return live
 
     def fail_all(self, error: BaseException) -> None:
@@ -243,11 +280,12 @@ class OutputProcessor(Actor[StepOutputs]):
 
     def _add_logprobs(self, seq: SeqState, lp: LogprobsLists) -> None:
         assert seq.logprobs is not None
+        pieces = self.token_texts.lookup([t for ids in lp.token_ids for t in ids])
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
             entry: dict[int, Logprob] = {}
             for j, (tid, val) in enumerate(zip(ids, vals)):
                 if tid not in entry:
-                    entry[tid] = Logprob(val, rank if j == 0 else j, self.tokenizer.decode([tid]))
+                    entry[tid] = Logprob(val, rank if j == 0 else j, pieces[tid])
             seq.logprobs.append(entry)
             if seq.cumulative_logprob is not None and vals:
                 seq.cumulative_logprob += vals[0]

@@ -9,7 +9,14 @@ from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class ExecutorError(RuntimeError):
-    """A worker failed or died; the engine cannot go on."""
+    """A worker failed, hung or died; this executor cannot go on (a new one may).
+
+    ``detail`` carries what the worker reported, usually its traceback.
+    """
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 class Executor(abc.ABC):

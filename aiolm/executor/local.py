@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from aiolm.executor.base import Executor
+from aiolm.executor.base import Executor, ExecutorError
 from aiolm.worker.model_runner import ModelRunner, RunnerConfig, call_on_runner
 
 
@@ -30,7 +31,10 @@ class LocalExecutor(Executor):
 
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "executor not started"
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.execute, out)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.execute, out)
+        except Exception as e:  # the runner's batch state is suspect now: the engine replaces it
+            raise ExecutorError(f"the step failed: {type(e).__name__}: {e}", traceback.format_exc()) from e
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -4,7 +4,11 @@ Workers are started with subprocess as ``python -m aiolm.worker`` (never fork or
 multiprocessing spawn, which would re-import the user's ``__main__``). One
 request ring broadcasts each step to every rank; each rank answers on its own
 response ring, which the engine awaits on its event loop. A monitor task notices
-a dead worker within a fraction of a second and fails the engine loudly.
+a dead worker within a fraction of a second, a step that outlasts ``step_timeout``
+marks its worker hung, and a worker whose step raised sends its traceback back
+through the response ring. Each of these makes the executor unusable and tells
+``on_death``; the engine's recovery (aiolm/engine/recovery.py) then replaces the
+whole worker set with a new executor.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, ShmRing
+from aiolm.ipc.stale import sweep_stale_segments
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,11 @@ def _free_port() -> int:
 
 class MultiprocExecutor(Executor):
     def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
-                 on_death: Callable[[str], None] | None = None) -> None:
+                 on_death: Callable[[str], None] | None = None, step_timeout: float = 0.0,
+                 incarnation: int = 0) -> None:
         self.cfg = cfg
+        self.step_timeout = step_timeout  # 0: no watchdog
+        self.incarnation = incarnation  # how many worker sets came before this one (for logs)
         self.world_size = world_size
         self.block_size = cfg.block_size
         self.startup_timeout = startup_timeout
@@ -50,6 +58,7 @@ class MultiprocExecutor(Executor):
         self.responses: list[ShmRing] = []
         self._monitor: asyncio.Task[None] | None = None
         self._dead: str | None = None
+        self._detail: str | None = None
         self._lock = asyncio.Lock()
         self._closed = False
         # Responses each rank still owes. A caller cancelled while awaiting its answer
@@ -57,6 +66,7 @@ class MultiprocExecutor(Executor):
         self._owed = [0] * world_size
 
     async def start(self) -> None:
+        sweep_stale_segments()
         self.requests = ShmRing.create(num_readers=self.world_size, num_slots=8, slot_size=1 << 20)
         self.responses = [ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
                           for _ in range(self.world_size)]
@@ -84,6 +94,8 @@ class MultiprocExecutor(Executor):
             await self._stop(grace=0.5)
             raise
         self.num_blocks = min(i["num_blocks"] for i in infos)
+        if self.incarnation:
+            log.info("worker set %d started: pids %s", self.incarnation, [p.pid for p in self.procs])
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
     async def _handshakes(self) -> list[dict[str, int]]:
@@ -130,9 +142,10 @@ class MultiprocExecutor(Executor):
                     return
             await asyncio.sleep(0.2)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, detail: str | None = None) -> None:
         if self._dead is None:
             self._dead = reason
+            self._detail = detail
             log.error("%s", reason)
             if self.on_death is not None:
                 self.on_death(reason)
@@ -142,7 +155,7 @@ class MultiprocExecutor(Executor):
 
     def _check(self) -> None:
         if self._dead is not None:
-            raise ExecutorError(self._dead)
+            raise ExecutorError(self._dead, self._detail)
         if self._closed or self.requests is None:
             raise ExecutorError("executor is shut down")
 
@@ -157,9 +170,18 @@ class MultiprocExecutor(Executor):
         for rank in responders:
             self._owed[rank] += 1
 
-    async def _recv(self, rank: int) -> bytes:
+    async def _recv(self, rank: int, timeout: float = 0.0) -> bytes:
+        """Rank's next answer; with ``timeout`` > 0 a worker silent that long counts as hung."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout > 0 else None
         while True:
             self._check()
+            if deadline is not None and loop.time() > deadline:
+                p = self.procs[rank]
+                self._fail(f"worker {rank} (pid {p.pid}) is hung: no answer to a step within {timeout:g} s "
+                           f"(--step-timeout)")
+                p.kill()  # SIGKILL also ends a stopped process; nothing it holds is needed now
+                continue
             try:
                 buf = await self.responses[rank].read_async(timeout=0.5, spin_s=RESPONSE_SPIN_S)
                 self._owed[rank] -= 1
@@ -176,7 +198,14 @@ class MultiprocExecutor(Executor):
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:
             await self._send(codec.encode_scheduler_output(out), range(1))
-            return codec.decode_model_runner_output(await self._recv(0))
+            msg = codec.decode(await self._recv(0, self.step_timeout))
+            if isinstance(msg, ModelRunnerOutput):
+                return msg
+            if isinstance(msg, tuple) and msg and msg[0] == "error":
+                # The worker's step raised; it sent the cause and exits.
+                self._fail(f"worker 0 failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
+                raise ExecutorError(self._dead or msg[1], self._detail)
+            raise ExecutorError(f"worker 0 answered a step with {type(msg).__name__}")
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -191,7 +220,8 @@ class MultiprocExecutor(Executor):
             return results
 
     async def shutdown(self) -> None:
-        await self._stop(grace=5.0)
+        # A failed set has nothing worth waiting for: survivors get a short grace.
+        await self._stop(grace=5.0 if self._dead is None else 1.0)
 
     async def _stop(self, grace: float) -> None:
         if self._closed:

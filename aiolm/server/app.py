@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -26,7 +28,8 @@ from starlette.routing import BaseRoute, Route
 from aiolm.server import chat, completions, misc
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
-from aiolm.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from aiolm.server.middleware import (AuthMiddleware, BodyLimitMiddleware, BodyTimeoutMiddleware,
+                                     RequestContextMiddleware)
 from aiolm.server.openapi import openapi_schema
 from aiolm.server.settings import ServerSettings, from_environment
 from aiolm.server.sse import ClientGone
@@ -94,6 +97,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if manage_engine:
             await engine.start()
+        if settings.exit_on_engine_death and hasattr(engine, "death_callbacks"):
+            engine.death_callbacks.append(lambda reason: _exit_on_death(ctx, reason))
         log.info("serving %s (max_model_len %s)", ctx.model_name, getattr(engine, "max_model_len", "?"))
         try:
             yield
@@ -108,6 +113,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine
         middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                                      allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"]))
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes))
+    middleware.append(Middleware(BodyTimeoutMiddleware, timeout=settings.body_timeout))
     if settings.api_key:
         middleware.append(Middleware(AuthMiddleware, api_key=settings.api_key))
     handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
@@ -115,6 +121,14 @@ def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine
     app = Starlette(routes=_routes(settings), middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.ctx = ctx
     return app
+
+
+def _exit_on_death(ctx: ServingContext, reason: str) -> None:
+    """The engine cannot serve again: stop the server the way SIGTERM does (streams have
+    already failed), so a process supervisor starts a fresh one; `aiolm serve` exits 1."""
+    ctx.engine_died = reason
+    log.critical("the engine is dead (%s); stopping the server", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def create_app() -> Starlette:

@@ -32,11 +32,11 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     cont = req["continue_final_message"]
     try:
         kwargs = {"continue_final_message": True} if cont else {}
-        text = engine.render_chat(messages, add_generation_prompt=req["add_generation_prompt"] and not cont,
-                                         **kwargs)
+        text = await engine.render_chat_async(
+            messages, add_generation_prompt=req["add_generation_prompt"] and not cont, **kwargs)
     except ParamError as e:
         raise param_error(e) from None
-    ids = await tokenize(engine, text, add_special_tokens=False)
+    ids = await tokenize(engine, text, add_special_tokens=False, param="messages")
     if req["max_completion_tokens"] is not None:
         max_tokens, mt_param = req["max_completion_tokens"], "max_completion_tokens"
     else:

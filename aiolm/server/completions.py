@@ -35,7 +35,7 @@ async def _prepare(ctx: Any, raw: list[str | list[int]], add_special: bool, max_
     for i, p in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = await tokenize(ctx.engine, p, add_special) if p else []
+            ids = await tokenize(ctx.engine, p, add_special, param) if p else []
             prompt = Prompt(p, ids)
         else:
             vocab = ctx.engine.vocab_size

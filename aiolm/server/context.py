@@ -22,6 +22,7 @@ class ServingContext:
         self.created = int(time.time())
         self.inflight: set[str] = set()  # engine request ids being served right now
         self.draining = False
+        self.engine_died: str | None = None  # set when the engine died and the server is stopping
 
     @property
     def model_name(self) -> str:

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from aiolm.engine.errors import EngineDeadError, RequestError
+from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestError, RequestTimeoutError
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
 from aiolm.server.context import ServingContext
@@ -39,6 +39,13 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIE
         return param_error(e, rename)
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not available: {e}", code="engine_dead", type="server_error")
+    if isinstance(e, EngineBusyError):  # retrying later can succeed: say when
+        retry = {"retry-after": str(max(1, round(e.retry_after)))}
+        if isinstance(e, EngineRecoveringError):
+            return APIError(503, str(e), code="recovering", type="server_error", headers=retry)
+        return APIError(429, str(e), code="too_many_requests", headers=retry)
+    if isinstance(e, RequestTimeoutError):
+        return APIError(408, str(e), code="request_timeout")
     if isinstance(e, RequestError):
         return APIError(400, f"the request failed: {e}", code="request_failed")
     if isinstance(e, APIError):
@@ -46,7 +53,10 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIE
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
-async def tokenize(engine: Any, text: str, add_special_tokens: bool) -> list[int]:
+async def tokenize(engine: Any, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    why = engine.prompt_too_long(text)
+    if why is not None:  # cannot fit whatever its tokens: refuse before paying for tokenizing
+        raise bad_request(why, param=param, code="context_length_exceeded")
     if len(text) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(engine.tokenize, text, add_special_tokens)
     return engine.tokenize(text, add_special_tokens)
@@ -92,13 +102,24 @@ class Generation:
     async def start(self) -> None:
         """Submit every prompt; if any is refused, abort the ones already in and raise."""
         engine = self.ctx.engine
+        settings = self.ctx.settings
         if self.ctx.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+        if self.priority and not settings.allow_request_priority:
+            raise bad_request("'priority' is not enabled on this server (start it with --allow-request-priority)",
+                              param="priority")
+        seqs = len(self.prompts) * self.params.n
+        if seqs > settings.max_seqs_per_request:
+            raise bad_request(f"this request asks for {seqs} sequences ({len(self.prompts)} prompt(s) x n="
+                              f"{self.params.n}); the limit is {settings.max_seqs_per_request} "
+                              f"(--max-seqs-per-request)", param="n")
+        timeout = settings.request_timeout or None
         try:
             for i, p in enumerate(self.prompts):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
-                state = await engine.add_request(prompt, self.params, rid, self.priority)
+                state = await engine.add_request(prompt, self.params, rid, self.priority,
+                                                 **({"timeout": timeout} if timeout else {}))
                 self.states.append(state)
                 self.ctx.inflight.add(rid)
         except BaseException as e:
@@ -140,6 +161,8 @@ class Generation:
                     raise APIError(500, "the engine ended a request without output", type="server_error")
                 finals.append(last)
             return finals
+        except (EngineDeadError, RequestError, EngineBusyError) as e:  # a dead engine, a timeout: not a 500
+            raise engine_error(e, self.rename) from None
         finally:
             await self.abort()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -11,6 +12,8 @@ from starlette.requests import Request
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.middleware import LOG_EXTRA_KEY
+
+_OFFLOAD_BYTES = 64 << 10  # parse bodies above this off the event loop
 
 
 def context(request: Request) -> ServingContext:
@@ -41,7 +44,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        value = json.loads(body)
+        value = await asyncio.to_thread(json.loads, body) if len(body) > _OFFLOAD_BYTES else json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if _may_hold_surrogates(body):

@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: request ids and access logs, body-size limit, API-key auth.
+"""Pure-ASGI middleware: request ids and access logs, body-size limit, body-read
+timeout, API-key auth.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through
 untouched and the disconnect watcher sees the real ``receive`` channel.
@@ -6,6 +7,7 @@ untouched and the disconnect watcher sees the real ``receive`` channel.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -102,6 +104,45 @@ class BodyLimitMiddleware:
                     await err.response()(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+class BodyTimeoutMiddleware:
+    """408 when a request body does not arrive whole within ``timeout`` seconds.
+
+    A slow client (slowloris) would otherwise hold a connection and a handler
+    forever, a byte at a time. The deadline covers the whole body, not each
+    chunk, so trickling cannot extend it; once the body is in, ``receive`` is
+    passed through untouched (the disconnect watcher waits on it for as long
+    as a response streams).
+    """
+
+    def __init__(self, app: ASGIApp, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.timeout <= 0:
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            left = deadline - loop.time()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s",
+                               code="request_timeout", headers={"connection": "close"}) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, timed_receive, send)
 
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/ping", "/"})

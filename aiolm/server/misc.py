@@ -37,6 +37,10 @@ async def health(request: Request) -> Response:
     engine = context(request).engine
     if engine.is_healthy():
         return json_response({"status": "ok"})
+    recovering = getattr(engine, "recovering", None)
+    if recovering is not None:
+        return APIError(503, f"unhealthy: recovering from a worker failure: {recovering}", code="recovering",
+                        type="server_error", headers={"retry-after": "5"}).response()
     reason = engine.dead_reason or "the engine is not running"
     return APIError(503, f"unhealthy: {reason}", code="engine_dead", type="server_error").response()
 
@@ -59,7 +63,7 @@ async def tokenize(request: Request) -> Response:
     if req["messages"] is not None:
         msgs = [{"role": m["role"], "content": message_text(m["content"]) or ""} for m in req["messages"]]
         try:
-            text = engine.render_chat(msgs, add_generation_prompt=req["add_generation_prompt"])
+            text = await engine.render_chat_async(msgs, add_generation_prompt=req["add_generation_prompt"])
         except ParamError as e:
             raise param_error(e) from None
         ids = await encode(engine, text, False)

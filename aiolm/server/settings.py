@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from aiolm.config import CliParser, EngineArgs, int_in
+from aiolm.config import SERVE_MAX_WAITING, CliParser, EngineArgs, int_in
 from aiolm.server.protocol import Limits
 
 
@@ -35,6 +35,12 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     access_log: bool = True
     web_ui: bool = True
+    # Reliability (docs/reliability.md): what one client may ask for and how long it may take.
+    max_seqs_per_request: int = 64  # prompts x n of one HTTP request
+    allow_request_priority: bool = False
+    body_timeout: float = 30.0  # seconds for a whole request body to arrive
+    request_timeout: float = 0.0  # default per-request timeout in seconds (0 = none)
+    exit_on_engine_death: bool = False  # `aiolm serve` turns it on
 
     @property
     def limits(self) -> Limits:
@@ -77,13 +83,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=d.web_ui,
                    help="serve the chat page at / (static files in aiolm/server/web)")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    g.add_argument("--max-seqs-per-request", type=int_in(1), default=d.max_seqs_per_request,
+                   help="most sequences (prompts x n) one HTTP request may start (400 above)")
+    g.add_argument("--allow-request-priority", action=argparse.BooleanOptionalAction, default=False,
+                   help="honour the 'priority' field of requests (otherwise a non-zero one is a 400)")
+    g.add_argument("--body-timeout", type=_seconds, default=d.body_timeout,
+                   help="seconds a client may take to send a whole request body (408 after)")
+    g.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
+                   help="seconds a generation may run before it is aborted and its KV blocks freed "
+                        "(0 = no limit)")
+    g.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the server (exit status 1) once the engine is dead, so a supervisor "
+                        "restarts it; otherwise it stays up answering 503")
 
 
 def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         api_key=ns.api_key or None, allowed_origins=list(ns.allowed_origins or []),
         max_request_bytes=ns.max_request_bytes, max_n=ns.max_n, max_prompts=ns.max_prompts,
-        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui)
+        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui,
+        max_seqs_per_request=ns.max_seqs_per_request, allow_request_priority=ns.allow_request_priority,
+        body_timeout=ns.body_timeout, request_timeout=ns.request_timeout,
+        exit_on_engine_death=ns.exit_on_engine_death)
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
@@ -91,6 +112,7 @@ def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     EngineArgs.add_cli_args(parser)
+    parser.set_defaults(max_waiting_requests=SERVE_MAX_WAITING)  # a server bounds its queue
     add_server_args(parser)
     return parser
 

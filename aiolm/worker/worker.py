@@ -23,6 +23,24 @@ from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
 
 log = logging.getLogger("aiolm.worker")
 
+# Test-only fault injection: with AIOLM_TEST_FAULT=<path>, rank 0 raises inside the
+# next step once that file exists (and removes it, so the fault fires once), which
+# lets the reliability tests drive the step-error path on the real model.
+FAULT_ENV = "AIOLM_TEST_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault hook."""
+
+
+def _injected_fault(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    raise InjectedFault(f"{FAULT_ENV}: fault injected by {path}")
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aiolm.worker")
     p.add_argument("--rank", type=int, required=True)
@@ -72,6 +90,8 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
     responses.write(codec.encode(("ready", runner.kv_cache_info())))
     from aiolm.core.outputs import SchedulerOutput
 
+    steps = 0
+    fault_path = os.environ.get(FAULT_ENV) if args.rank == 0 else None
     while True:
         try:
             buf = requests.read(timeout=1.0)
@@ -84,7 +104,19 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
         received = time.perf_counter()
         msg = codec.decode(buf)
         if isinstance(msg, SchedulerOutput):
-            out = runner.execute(msg)
+            steps += 1
+            try:
+                if fault_path:
+                    _injected_fault(fault_path)
+                out = runner.execute(msg)
+            except Exception as e:
+                # The persistent batch may be half-updated: report the cause with its
+                # traceback through the response ring (the engine logs it and replaces
+                # this worker set), then exit.
+                tb = traceback.format_exc()
+                log.error("step %d failed:\n%s", steps, tb)
+                responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", tb)))
+                return 1
             if args.rank == 0:
                 out.worker_clock = [received, time.perf_counter()]
                 responses.write(codec.encode_model_runner_output(out))

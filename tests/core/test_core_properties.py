@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from aiolm.core.kv_cache import BlockHasher
 from aiolm.core.request import Request
 
-from .sim import Driver, check_scheduler, make_request, make_scheduler
+from .sim import Driver, WorkerSim, check_scheduler, make_request, make_scheduler
 
 # A few shared prefixes so prefix-cache hits, sharing and eviction all happen.
 PREFIXES = [list(range(1, 13)), list(range(20, 29)), [5] * 8]
@@ -64,6 +64,23 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self.driver.step()
+
+    @precondition(lambda self: bool(self.sched.requests))
+    @rule(extra_blocks=st.integers(-2, 4), mid_step=st.booleans())
+    def replace_workers(self, extra_blocks, mid_step):
+        """The worker set failed (during a step, or between steps) and a new one took over:
+        no KV survived, every live request is recomputed, and no token is lost or repeated."""
+        lost = self.sched.schedule() if mid_step else None  # its results never come back
+        num_blocks = max(4, self.sched.config.num_blocks + extra_blocks)
+        self.sched.reset_workers(num_blocks)
+        self.driver.worker = WorkerSim()
+        assert self.sched.num_running == 0 and self.sched.kv_cache_manager.usage == 0.0
+        for rid, req in self.sched.requests.items():
+            assert req.num_computed_tokens == 0
+            assert req.output_token_ids == self.driver.outputs.get(rid, [])
+        if lost is not None:  # as the engine core does: report what schedule() finished by itself
+            self.driver.record(self.sched.update_from_output(lost, None))
+        check_scheduler(self.sched)
 
     @precondition(lambda self: bool(self.sched.requests))
     @rule(pick=st.integers(0, 10**6))

@@ -46,6 +46,16 @@ class LoopThread:
             self.loop.close()
 
 
+def thread_schedstat() -> tuple[float, float] | None:
+    """(seconds on CPU, seconds waiting on a run queue) of the calling thread, if the kernel says."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 @contextlib.contextmanager
 def one_torch_thread():
     """References computed in the test process: one thread is much faster on a loaded machine."""

@@ -9,7 +9,6 @@ each test submits coroutines to that loop.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 
 from aiolm import AsyncEngine, OutputKind, ParamError, RequestOutput, SamplingParams
 from paged import hf_greedy
-from engine_harness import ENGINE_ARGS, LoopThread, one_torch_thread
+from engine_harness import ENGINE_ARGS, LoopThread, one_torch_thread, thread_schedstat
 
 pytestmark = pytest.mark.slow
 
@@ -394,16 +393,6 @@ def test_logprobs_match_the_reference_distribution(engine, run, tokenizer, hf_re
 
 # --- the loop stays free during a long prefill -------------------------------------------
 
-def _thread_schedstat() -> tuple[float, float] | None:
-    """(seconds on CPU, seconds waiting on a run queue) of the calling thread, if the kernel says."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            on_cpu, waiting = f.read().split()[:2]
-        return int(on_cpu) / 1e9, int(waiting) / 1e9
-    except (OSError, ValueError):
-        return None
-
-
 def test_loop_stays_responsive_during_a_long_prefill(engine, run):
     """A ticker on the engine's loop keeps its 5 ms period within 20 ms during a ~900-token prefill.
 
@@ -423,9 +412,9 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
 
         async def ticker():
             while not done.is_set():
-                t, s0 = time.perf_counter(), _thread_schedstat()
+                t, s0 = time.perf_counter(), thread_schedstat()
                 await asyncio.sleep(period)
-                t1, s1 = time.perf_counter(), _thread_schedstat()
+                t1, s1 = time.perf_counter(), thread_schedstat()
                 if s0 is None or s1 is None:
                     ticks.append((t1 - t - period, 0.0, 0.0))
                 else:

@@ -1,4 +1,4 @@
-"""A dead worker fails every in-flight stream loudly and leaves nothing behind.
+"""With recovery off, a dead worker fails every in-flight stream loudly and leaves nothing behind.
 
 This engine is private to the module: the test kills its worker process.
 """
@@ -36,7 +36,7 @@ def _worker_pids_for(ring_name: str) -> list[int]:
 
 def test_killed_worker_fails_streams_refuses_requests_and_cleans_up():
     lt = LoopThread()
-    engine = AsyncEngine(**ENGINE_ARGS)
+    engine = AsyncEngine(**ENGINE_ARGS, worker_recovery=False)
     try:
         lt.run(engine.start(), timeout=600)
         ex = engine.executor
@@ -68,6 +68,16 @@ def test_killed_worker_fails_streams_refuses_requests_and_cleans_up():
         assert max(delays) < 2.0, f"streams failed {delays} s after the kill"
         assert not engine.is_healthy()
         assert engine.dead_reason and "worker" in engine.dead_reason
+
+        async def stopped():  # death stops both actors and the executor, without a shutdown call
+            for _ in range(100):
+                if not engine.core.running and not engine.output.running and ex._closed:
+                    break
+                await asyncio.sleep(0.05)
+            return engine.core.running, engine.output.running, ex._closed, engine.num_requests()
+
+        assert lt.run(stopped(), timeout=30) == (False, False, True, (0, 0))
+        assert engine.kv_cache_usage() == 0.0
 
         async def refused():
             with pytest.raises(EngineDeadError):

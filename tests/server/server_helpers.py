@@ -165,6 +165,13 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                **kw: Any) -> str:
+        return self.render_chat(messages, add_generation_prompt, **kw)
+
+    def prompt_too_long(self, text: str) -> str | None:
+        return None
+
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
 
