@@ -1,21 +1,81 @@
-"""Architecture name -> model class, and building a ready model from a ModelSource."""
+"""Hugging Face architecture -> model family, and building a ready model from a ModelSource.
+
+A family is one module under aiolm/model/ holding its layers, its weight names and
+``config_from_hf(cfg, architecture, source)``, the mapping of a Hugging Face config
+to the ModelConfig (or the family's subclass of it) that its model reads. Adding one
+is that module and a line in MODELS.
+"""
 
 from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model import gguf_blocks
 from aiolm.model.config import ModelConfig, ModelLoadError
-from aiolm.model.llama import LlamaForCausalLM
-from aiolm.model.loader import ModelSource
 
-MODELS: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
+if TYPE_CHECKING:
+    from aiolm.model.loader import ModelSource
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # ModelConfig.architecture
+    module: str  # aiolm.model.<module>: its model class and config_from_hf
+    model_class: str
+
+
+MODELS: dict[str, ModelFamily] = {
+    "LlamaForCausalLM": ModelFamily("llama", "llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ModelFamily("mistral", "llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ModelFamily("qwen2", "llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ModelFamily("qwen3", "llama", "LlamaForCausalLM"),
+    "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM"),
 }
+# config.json's model_type, for configs that do not list architectures
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+class CausalLM(Protocol):
+    """What the model runner and the loader use of a family's model (an nn.Module)."""
+
+    config: ModelConfig
+    embed_tokens: torch.nn.Module
+    layers: torch.nn.ModuleList
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: Any) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def load_weights(self, weights: Any) -> None: ...
+    def pack_for_cpu(self, matmul_dtype: torch.dtype = torch.float32) -> int: ...
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _family(architecture: str) -> ModelFamily:
+    return next(f for f in MODELS.values() if f.name == architecture)
+
+
+def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json, by the family of its architecture."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in MODELS), None) or _MODEL_TYPES.get(cfg.get("model_type") or "")
+    if arch is None:
+        raise ModelLoadError(f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; "
+                             f"supported: {', '.join(sorted(MODELS))}")
+    family = MODELS[arch]
+    module = importlib.import_module(f"aiolm.model.{family.module}")
+    return module.config_from_hf(cfg, family.name, source)
+
+
+def model_class(cfg: ModelConfig) -> type:
+    family = _family(cfg.architecture)
+    return getattr(importlib.import_module(f"aiolm.model.{family.module}"), family.model_class)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,11 +117,8 @@ def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtyp
 
 
 def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
-    cls = MODELS.get(source.config.architecture)
-    if cls is None:
-        raise ModelLoadError(f"{source.path}: no implementation for {source.config.architecture}")
-    model = cls(source.config, max_positions)
+                device: torch.device | str = "cpu", max_positions: int | None = None) -> CausalLM:
+    model = model_class(source.config)(source.config, max_positions)
     model.load_weights(source.iter_weights())
     on_cpu = torch.device(device).type == "cpu"
     # bfloat16 on a CPU means bfloat16 matmuls only (layers/cpu_linear.py): the speed of
@@ -77,5 +134,5 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     return model
 
 
-def build_from_config(cfg: ModelConfig) -> LlamaForCausalLM:
-    return MODELS[cfg.architecture](cfg)
+def build_from_config(cfg: ModelConfig) -> CausalLM:
+    return model_class(cfg)(cfg)
