@@ -27,18 +27,17 @@ class ModelFamily:
     name: str  # ModelConfig.architecture
     module: str  # aiolm.model.<module>: its model class and config_from_hf
     model_class: str
+    model_type: str  # config.json's model_type, for configs that list no architectures
 
 
+# Hugging Face architecture -> the family that runs it
 MODELS: dict[str, ModelFamily] = {
-    "LlamaForCausalLM": ModelFamily("llama", "llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ModelFamily("mistral", "llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ModelFamily("qwen2", "llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ModelFamily("qwen3", "llama", "LlamaForCausalLM"),
-    "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM"),
+    "LlamaForCausalLM": ModelFamily("llama", "llama", "LlamaForCausalLM", "llama"),
+    "MistralForCausalLM": ModelFamily("mistral", "llama", "LlamaForCausalLM", "mistral"),
+    "Qwen2ForCausalLM": ModelFamily("qwen2", "llama", "LlamaForCausalLM", "qwen2"),
+    "Qwen3ForCausalLM": ModelFamily("qwen3", "llama", "LlamaForCausalLM", "qwen3"),
+    "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", "gemma3_text"),
 }
-# config.json's model_type, for configs that do not list architectures
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 class CausalLM(Protocol):
@@ -57,13 +56,17 @@ class CausalLM(Protocol):
 
 
 def _family(architecture: str) -> ModelFamily:
-    return next(f for f in MODELS.values() if f.name == architecture)
+    family = next((f for f in MODELS.values() if f.name == architecture), None)
+    if family is None:
+        raise ModelLoadError(f"no implementation for architecture {architecture!r}")
+    return family
 
 
 def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json, by the family of its architecture."""
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in MODELS), None) or _MODEL_TYPES.get(cfg.get("model_type") or "")
+    arch = next((a for a in archs if a in MODELS), None) or next(
+        (a for a, f in MODELS.items() if f.model_type == cfg.get("model_type")), None)
     if arch is None:
         raise ModelLoadError(f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; "
                              f"supported: {', '.join(sorted(MODELS))}")

@@ -5,13 +5,19 @@ embedded model's real tokenizer; transformers runs them with eager attention in 
 greedy loop (explicit all-ones mask). Prompts are longer than the window of 16 keys, so
 every answer depends on the window being honoured. Each model runs on the CPU backend
 (the C++ paged attention the layers build) and on the torch reference backend
-(TorchAttention put in place of each layer's backend, same window and scale).
+(TorchAttention put in place of each layer's backend, same window and scale), and once
+more in a process started with AIOLM_DISABLE_CPU_KERNELS=1, where no C++ kernel runs at
+all and the layers' own attention falls back to the torch backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +143,32 @@ def test_greedy_matches_transformers_past_the_window(family, prompts, backend):
     assert PagedHarness(model, block_size=4).greedy(prompts, NEW_TOKENS, split=3) == expected
 
 
+_PLAIN_TORCH_CHILD = """
+import json, sys
+import torch
+from aiolm.kernels import cpu
+from aiolm.model.loader import resolve_model
+from aiolm.model.registry import build_model
+from paged import PagedHarness
+assert not cpu.load()
+model = build_model(resolve_model(sys.argv[1]), torch.float32)
+prompts = json.loads(sys.argv[2])
+print(json.dumps([PagedHarness(model, block_size=bs).greedy(prompts, int(sys.argv[3]), split=split)
+                  for bs, split in ((16, None), (4, 3))]))
+"""
+
+
+def test_greedy_matches_transformers_with_no_cpu_kernels_at_all(family, prompts):
+    kind, folder, _, expected = family
+    tests = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_TORCH_CHILD, str(folder), json.dumps(prompts),
+                           str(NEW_TOKENS)], cwd=tests.parent, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "AIOLM_DISABLE_CPU_KERNELS": "1", "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [expected, expected]
+
+
 def test_logits_match_and_the_window_matters(family, prompts):
     """Last-position logits close to transformers' (Gemma's soft-capped ones included);
     the same weights without windows are visibly off, so the comparison sees the window."""
@@ -193,3 +225,17 @@ def test_sliding_window_fields_of_the_llama_family():
         read_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})
     with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
         read_config({**base, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
+
+
+@pytest.mark.slow
+def test_engine_serves_the_family_from_its_folder(family, prompts):
+    """The whole path: the registry names the family, worker processes build it, the
+    KV cache is sized from its config, and greedy answers are transformers' own."""
+    from aiolm import LLM, SamplingParams
+
+    kind, folder, _, expected = family
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(str(folder), max_model_len=128, kv_cache_memory=16 << 20, max_num_seqs=4, num_threads=1,
+             block_size=16) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
