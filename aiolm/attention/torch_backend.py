@@ -4,6 +4,10 @@ KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
 Decode rows (one query token) are computed together as one batched, masked
 attention; rows with several query tokens (prefill chunks) one request at a time
 with a causal mask offset by the context already in the cache.
+
+Per layer, a backend may have a sliding window (a query at position p sees keys j
+with p - window < j <= p, Hugging Face's convention) and a tanh soft-cap of the
+scaled scores; both are off (None) by default.
 """
 
 from __future__ import annotations
@@ -27,11 +31,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 class TorchAttention:
     """Paged attention with GQA; the reference every other backend is tested against."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding window must be at least 1 key, got {sliding_window}")
+        if soft_cap is not None and soft_cap <= 0:
+            raise ValueError(f"attention soft-cap must be positive, got {soft_cap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.window = sliding_window
+        self.softcap = soft_cap
         self.group = num_heads // num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -71,14 +82,33 @@ class TorchAttention:
         if self.group > 1:
             kh = kh.repeat_interleave(self.group, dim=0)
             vh = vh.repeat_interleave(self.group, dim=0)
-        if n == seq_len:
+        if n == seq_len and self.window is None and self.softcap is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:
-            ctx = seq_len - n
-            rows = torch.arange(n, device=q.device).unsqueeze(1) + ctx
+            rows = torch.arange(n, device=q.device).unsqueeze(1) + (seq_len - n)  # query positions
             cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=cols <= rows, scale=self.scale)
+            o = self._attend(qh, kh, vh, self._visible(rows, cols))
         return o.transpose(0, 1)
+
+    def _visible(self, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Which keys a query at ``pos`` sees: causal, and within the window if there is one."""
+        mask = keys <= pos
+        if self.window is not None:
+            mask &= keys > pos - self.window
+        return mask
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                **sdpa: bool) -> torch.Tensor:
+        """softmax(cap(q k^T * scale) masked) v; SDPA when there is no soft-cap to apply."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **sdpa)
+        if self.group > 1 and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(self.group, dim=-3)
+            v = v.repeat_interleave(self.group, dim=-3)
+        s = (q @ k.transpose(-1, -2)) * self.scale
+        s = torch.tanh(s / self.softcap) * self.softcap
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 rows: list[int], out: torch.Tensor) -> None:
@@ -98,9 +128,8 @@ class TorchAttention:
         flat = table.reshape(-1)  # index_select copies pages far faster than advanced indexing
         k = kv_cache[0].index_select(0, flat).to(q.dtype).view(b, nblk * bs, hk, d).transpose(1, 2)  # [B, Hk, L, D]
         v = kv_cache[1].index_select(0, flat).to(q.dtype).view(b, nblk * bs, hk, d).transpose(1, 2)
-        seq = torch.tensor(slens, device=q.device).view(b, 1)
-        mask = (torch.arange(nblk * bs, device=q.device).view(1, -1) < seq).view(b, 1, 1, -1)
+        pos = torch.tensor(slens, device=q.device).view(b, 1) - 1  # each row's query position
+        mask = self._visible(pos, torch.arange(nblk * bs, device=q.device).view(1, -1)).view(b, 1, 1, -1)
         qb = q.index_select(0, tok).view(b, self.num_heads, 1, d)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=self.group > 1).view(b, self.num_heads, d)
+        o = self._attend(qb, k, v, mask, enable_gqa=self.group > 1).view(b, self.num_heads, d)
         out.index_copy_(0, tok, o)

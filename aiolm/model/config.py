@@ -1,20 +1,16 @@
 """The architecture facts the model code needs, read from a Hugging Face config.
 
 One small frozen dataclass instead of passing transformers' config objects around,
-so workers, tests and the loader agree on exactly which fields matter.
+so workers, tests and the loader agree on exactly which fields matter. ``ModelConfig``
+holds what every decoder has (sizes, norms, RoPE, per-layer sliding windows); a family
+whose layers need more subclasses it in its own module (``gemma3.Gemma3Config``). Which
+family reads which Hugging Face architecture is the registry's table (registry.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 class ModelLoadError(ValueError):
@@ -23,7 +19,7 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES' values
+    architecture: str  # the registry's name for it: llama, mistral, qwen2, qwen3, gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,23 +32,24 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: bias on q/k/v projections
-    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm on each head of q and k before RoPE
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # per layer: how many keys back a query sees (itself included), None for all of them;
+    # empty when no layer has a window
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, None if it attends to the whole sequence."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            model_type = cfg.get("model_type")
-            if model_type in SUPPORTED_ARCHITECTURES.values():
-                arch = model_type
-            else:
-                raise ModelLoadError(
-                    f"{source}: unknown architecture {archs or model_type!r}; "
-                    f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json", *, architecture: str,
+                **family: Any) -> "ModelConfig":
+        """The fields every decoder has, as Llama-style configs spell them; a family module
+        passes ``family`` values for the fields it spells or defaults differently, and for
+        its subclass's own fields."""
 
         def need(key: str) -> Any:
             if key not in cfg:
@@ -67,8 +64,8 @@ class ModelConfig:
             rope_params if rope_params.get("rope_type", "default") != "default" else None)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=arch,
+        fields: dict[str, Any] = dict(
+            architecture=architecture,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
@@ -80,9 +77,18 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=False,
             rope_scaling=dict(scaling) if scaling else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        fields.update(family)
+        windows = tuple(fields.get("sliding_windows") or ())
+        if windows and len(windows) != fields["num_layers"]:
+            raise ModelLoadError(f"{source}: {len(windows)} layer types for {fields['num_layers']} layers")
+        for w in windows:
+            if w is not None and (not isinstance(w, int) or w < 1):
+                raise ModelLoadError(f"{source}: sliding_window must be a positive integer, got {w!r}")
+        fields["sliding_windows"] = windows if any(w is not None for w in windows) else ()
+        return cls(**fields)

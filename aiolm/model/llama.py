@@ -1,12 +1,13 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token batch.
 
 One implementation; the per-architecture differences are flags on ModelConfig:
-QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), tied embeddings, RoPE scaling.
+QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), tied embeddings, RoPE scaling,
+sliding windows (Mistral; Qwen2 / Qwen3 where the config enables them).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from aiolm.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         tp = get_tp_group().world_size
         if cfg.num_heads % tp:
@@ -37,7 +38,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = attention_backend()(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = attention_backend()(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                        sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -65,10 +67,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -99,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                  cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, cfg.window(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -162,3 +164,28 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - seen)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config.json") -> ModelConfig:
+    """Llama, Mistral, Qwen2 and Qwen3 configs, read as transformers reads them: Qwen2's
+    QKV bias by default, Qwen3's QK-norm, and the sliding windows each one honours."""
+    return ModelConfig.from_hf(
+        cfg, source, architecture=architecture,
+        attention_bias=bool(cfg.get("attention_bias", architecture == "qwen2")),
+        qk_norm=architecture == "qwen3",
+        sliding_windows=_sliding_windows(cfg, architecture))
+
+
+def _sliding_windows(cfg: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """Mistral windows every layer; Qwen2 / Qwen3 only with use_sliding_window, the layers
+    their layer_types mark (or those from max_window_layers on); Llama none."""
+    window, n = cfg.get("sliding_window"), int(cfg.get("num_hidden_layers", 0))
+    if window is None:
+        return ()
+    if architecture == "mistral":
+        return (window,) * n
+    if architecture in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention" for i in range(n)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return ()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from aiolm.model.config import ModelConfig, ModelLoadError
+from aiolm.model.registry import read_config
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def _read_folder(folder: Path, origin: Path) -> ModelSource:
     if not cfg_path.exists():
         raise ModelLoadError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
     hf_config = _read_json(cfg_path)
-    config = ModelConfig.from_hf(hf_config, str(cfg_path))
+    config = read_config(hf_config, str(cfg_path))
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
     return ModelSource(folder, origin, config, hf_config, _chat_template(folder), gen)

@@ -14,6 +14,12 @@
 //
 // Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], float32
 // or float16; q [num_tokens, num_heads, head_dim] float32; out the same shape as q.
+//
+// Two optional arguments, both 0 when unused: `window`, a sliding window (a query at
+// position p sees keys j with p - window < j <= p, as Hugging Face masks them; the pages
+// before a row's window are never read), and `softcap`, tanh soft-capping of the scaled
+// scores (s -> softcap * tanh(s / softcap)). Without them every path runs as before, with
+// one compare per page: the window's first key is 0.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -149,6 +155,19 @@ inline float softmax_page(float* scores, int64_t n, float bmax, float& m, float&
   return correction;
 }
 
+// Soft-caps n scores in place; returns the capped page max (tanh is monotonic, so it is
+// the cap of the max). Only called when a cap is set.
+inline float softcap_page(float* scores, int64_t n, float bmax, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t t = 0; t < n; ++t) scores[t] = cap * std::tanh(scores[t] * inv);
+  return cap * std::tanh(bmax * inv);
+}
+
+// The first key a query at position `pos` sees: 0 without a window.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 inline void scale_inplace(float* y, float a, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] *= a;
 }
@@ -217,6 +236,8 @@ struct Shapes {
   int64_t q_tok_stride, q_head_stride;    // strides of q
   int64_t o_tok_stride, o_head_stride;    // strides of out
   int64_t kv_block_stride, kv_row_stride;  // strides of the caches
+  int64_t window;                          // sliding window in keys; 0: none
+  float softcap;                           // tanh cap of the scaled scores; 0: none
 };
 
 // One query row's online-softmax state for every head, laid out in the worker's scratch:
@@ -259,24 +280,26 @@ inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b,
   }
 }
 
-// One query row, all heads: softmax(q K^T * scale) V over keys [0, n_keys),
+// One query row, all heads: softmax(q K^T * scale) V over keys [key0, n_keys),
 // reading the pages listed in the block table. Every head is done page by page
 // so that a page (all kv heads of block_size tokens, contiguous) comes from
-// memory once and is then reused from cache by every query head.
+// memory once and is then reused from cache by every query head. key0 > 0 only
+// under a sliding window: the row's first page is then read from key0's offset.
 template <typename KV>
-void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table,
+void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t key0,
                 int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
   const int64_t d = s.head_dim, bs = s.block_size, G = s.group;
   RowState st(s, scratch);
   float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l;
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  for (int64_t b = key0 / bs; b < n_blocks; ++b) {
     const int64_t block = table[b];
-    const int64_t rows = std::min(bs, n_keys - b * bs);
+    const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
+    const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
     prefetch_next_page(s, table, b, n_keys, kc, vc);
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
-      const KV* kb = kc + block * s.kv_block_stride + kh * d;
-      const KV* vb = vc + block * s.kv_block_stride + kh * d;
+      const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
+      const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
         const float* qh = q_row + h * s.q_head_stride;
@@ -294,6 +317,7 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
             bmax = std::max(bmax, x);
           }
         }
+        if (s.softcap > 0.f) bmax = softcap_page(sh, rows, bmax, s.softcap);
         const float correction = softmax_page(sh, rows, bmax, m[h], l[h]);
         float* ah = acc + h * d;
         if (d == 64) {
@@ -383,21 +407,22 @@ inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t
 // does, with the scores of 16 keys reduced together and each V row loaded once for the
 // query heads that share it (up to 12 accumulators in zmm registers).
 template <int NZ, typename KV>
-void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t n_keys,
-                  const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
+void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t key0,
+                  int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
   constexpr int64_t d = 16 * NZ;
   constexpr int GC = NZ == 4 ? 3 : 1;  // query heads per V pass
   const int64_t bs = s.block_size, G = s.group;
   RowState st(s, scratch);
   float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l, *c = st.c;
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  for (int64_t b = key0 / bs; b < n_blocks; ++b) {
     const int64_t block = table[b];
-    const int64_t rows = std::min(bs, n_keys - b * bs);
+    const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
+    const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
     prefetch_next_page(s, table, b, n_keys, kc, vc);
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
-      const KV* kb = kc + block * s.kv_block_stride + kh * d;
-      const KV* vb = vc + block * s.kv_block_stride + kh * d;
+      const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
+      const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
         __m512 qv[NZ];
@@ -407,6 +432,7 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
         for (int64_t t0 = 0; t0 < rows; t0 += 16)
           bmax = std::max(bmax, scores16<NZ>(qv, kb + t0 * s.kv_row_stride, s.kv_row_stride,
                                              std::min<int64_t>(16, rows - t0), scale, sh + t0));
+        if (s.softcap > 0.f) bmax = softcap_page(sh, rows, bmax, s.softcap);
         c[h] = softmax_page(sh, rows, bmax, m[h], l[h]);
       }
       int64_t g = 0;
@@ -529,7 +555,9 @@ inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p
 // Query rows [i0, i1) of one request (a prefill tile), all heads, for pages of 16
 // keys and head_dim = 8 * ND: per kv head, the tile's rows times the group's query
 // heads form a block of query vectors that meets each page once, K transposed so
-// the scores come from plain FMAs. Rows see keys up to their own position (causal).
+// the scores come from plain FMAs. Rows see keys up to their own position (causal) and,
+// under a sliding window, from their window's first key: pages before the first row's
+// window are not read, and rows whose window has passed a page skip it.
 template <int ND, typename KV>
 void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const int64_t* table, int64_t ctx,
                  int64_t i0, int64_t i1, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
@@ -543,6 +571,7 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
   float* cb = lb + R;          // [R] this page's correction of the running sums
   float* kt = cb + R;          // [d, 16] the page's keys, transposed
   const int64_t n_keys = ctx + i1, n_blocks = (n_keys + bs - 1) / bs;
+  const int64_t b_first = window_start(ctx + i0, s.window) / bs;
   for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t g = 0; g < G; ++g)
@@ -551,8 +580,14 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
     std::fill(ob, ob + R * d, 0.f);
     std::fill(mb, mb + R, -std::numeric_limits<float>::infinity());
     std::fill(lb, lb + R, 0.f);
-    for (int64_t b = 0; b < n_blocks; ++b) {
+    for (int64_t b = b_first; b < n_blocks; ++b) {
       const int64_t key0 = b * bs, rows = std::min(bs, n_keys - key0);
+      // rows [first, last) of the tile see keys of this page: the first ones see none yet
+      // (causal), the last ones none any more (their window starts after it)
+      const int64_t first = std::max<int64_t>(i0, key0 - ctx);
+      const int64_t last = s.window > 0 ? std::min<int64_t>(i1, key0 + rows + s.window - 1 - ctx) : i1;
+      if (last <= first) continue;
+      const int64_t j0 = (first - i0) * G, j1 = (last - i0) * G;
       const KV* kb = kc + table[b] * s.kv_block_stride + kh * d;
       const KV* vb = vc + table[b] * s.kv_block_stride + kh * d;
       for (int64_t t = 0; t < rows; ++t)
@@ -562,19 +597,20 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
         }
       for (int64_t t = rows; t < bs; ++t)
         for (int64_t dd = 0; dd < d; ++dd) kt[dd * bs + t] = 0.f;
-      // rows of the tile that see none of this page's keys are skipped (the tile's first rows)
-      const int64_t first = std::max<int64_t>(i0, key0 - ctx);
-      const int64_t j0 = (first - i0) * G;
-      scores_rows16(R - j0, qb + j0 * d, d, kt, scale, sb + j0 * bs);
-      for (int64_t j = j0; j < R; ++j) {
-        const int64_t seen = std::min(rows, ctx + i0 + j / G + 1 - key0);  // keys of this page row j sees
+      scores_rows16(j1 - j0, qb + j0 * d, d, kt, scale, sb + j0 * bs);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t pos = ctx + i0 + j / G;  // row j's position; it sees keys [beg, end) of this page
+        const int64_t end = std::min(rows, pos + 1 - key0);
+        const int64_t beg = std::max<int64_t>(0, window_start(pos, s.window) - key0);
         float* sh = sb + j * bs;
         float bmax = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < seen; ++t) bmax = std::max(bmax, sh[t]);
-        cb[j] = softmax_page(sh, seen, bmax, mb[j], lb[j]);
-        for (int64_t t = seen; t < rows; ++t) sh[t] = 0.f;  // keys after row j's own: weight 0
+        for (int64_t t = beg; t < end; ++t) bmax = std::max(bmax, sh[t]);
+        if (s.softcap > 0.f) bmax = softcap_page(sh + beg, end - beg, bmax, s.softcap);
+        cb[j] = softmax_page(sh + beg, end - beg, bmax, mb[j], lb[j]);
+        for (int64_t t = 0; t < beg; ++t) sh[t] = 0.f;  // keys before row j's window: weight 0
+        for (int64_t t = end; t < rows; ++t) sh[t] = 0.f;  // keys after row j's own: weight 0
       }
-      accumulate_rows<ND>(R - j0, ob + j0 * d, cb + j0, sb + j0 * bs, vb, s.kv_row_stride, rows);
+      accumulate_rows<ND>(j1 - j0, ob + j0 * d, cb + j0, sb + j0 * bs, vb, s.kv_row_stride, rows);
     }
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t g = 0; g < G; ++g) {
@@ -624,17 +660,18 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
         const float* qr = qp + tok * s.q_tok_stride;
         float* orow = op + tok * s.o_tok_stride;
         const int64_t* tr = table + r * s.table_width;
+        const int64_t key0 = window_start(ctx + i, s.window);
 #if defined(__AVX512F__)
         if (s.head_dim == 64) {
-          attend_row_z<4>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+          attend_row_z<4>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch);
           continue;
         }
         if (s.head_dim == 128) {
-          attend_row_z<8>(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+          attend_row_z<8>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch);
           continue;
         }
 #endif
-        attend_row(s, qr, orow, tr, ctx + i + 1, kc, vc, fscale, scratch);
+        attend_row(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch);
       }
     }
   });
@@ -642,7 +679,8 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
-                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                     int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "aiolm::paged_attention: float32 q and out expected");
   TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
@@ -660,6 +698,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
               "head_dim must be contiguous and each page dense");
   TORCH_CHECK(block_table.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "metadata tensors must be contiguous");
+  TORCH_CHECK(window >= 0, "aiolm::paged_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "aiolm::paged_attention: softcap must be >= 0 (0: none), got ", softcap);
 
   Shapes s;
   s.num_heads = q.size(1);
@@ -676,6 +716,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   s.o_head_stride = out.stride(1);
   s.kv_block_stride = k_cache.stride(0);
   s.kv_row_stride = k_cache.stride(1);
+  s.window = window;
+  s.softcap = static_cast<float>(softcap);
 
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -712,7 +754,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 TORCH_LIBRARY(aiolm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int window=0, float softcap=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("paged_attention", &paged_attention); }

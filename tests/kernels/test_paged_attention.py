@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +101,146 @@ def test_build_is_cached_and_atomic():
     assert path.exists() and path.stat().st_size > 0
     assert path.name.startswith("aiolm_cpu_") and path.suffix == ".so"
     assert not list(path.parent.glob("tmp*.so"))
+
+
+# ----------------------------------------------------------------------------- sliding windows, soft-caps
+
+def _dense_reference(q, cache, meta, scale, window, softcap):
+    """Query by query from the gathered keys, written independently of both backends:
+    a query at position p sees keys j with p - window < j <= p (Hugging Face's mask)."""
+    heads, kv_heads = q.shape[1], cache.shape[3]
+    bs = meta.block_size
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for r, (n, seq) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        slots = [int(meta.block_table[r, j // bs]) * bs + j % bs for j in range(seq)]
+        k = cache[0].reshape(-1, kv_heads, q.shape[2])[slots].float()
+        v = cache[1].reshape(-1, kv_heads, q.shape[2])[slots].float()
+        for i in range(n):
+            p = seq - n + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            for h in range(heads):
+                kh = h // (heads // kv_heads)
+                s = (k[lo:p + 1, kh] @ q[starts[r] + i, h]) * scale
+                if softcap is not None:
+                    s = softcap * torch.tanh(s / softcap)
+                out[starts[r] + i, h] = torch.softmax(s, 0) @ v[lo:p + 1, kh]
+    return out
+
+
+# (query_len, seq_len): decode rows deep past the window, a whole prompt longer than the
+# window, prefill chunks after cached context (crossing page boundaries at odd offsets),
+# a prompt shorter than the window, and 1-token rows at the very start
+WINDOW_SHAPES = [(1, 37), (1, 130), (40, 40), (23, 61), (17, 100), (5, 12), (1, 1), (33, 33), (1, 17)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),   # prefill tiles (transposed keys), AVX-512 decode rows
+    (8, 2, 128, 16),  # head_dim 128 in tiles and decode rows
+    (10, 2, 64, 32),  # pages of 32: rows take attend_row_z / attend_row, not tiles
+    (4, 4, 32, 8),    # head_dim 32: the generic row path for everything
+    (6, 2, 12, 4),    # head_dim not a multiple of 8: the scalar path
+])
+@pytest.mark.parametrize("window", [1, 5, 16, 19, 64])
+@pytest.mark.parametrize("softcap", [None, 7.5])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_sliding_window_and_softcap_match_references(heads, kv_heads, head_dim, block_size, window, softcap,
+                                                     cache_dtype):
+    rng = random.Random(heads * 1000 + window)
+    torch.manual_seed(window + head_dim)
+    meta = _batch(rng, WINDOW_SHAPES, block_size, 300)
+    t = meta.num_tokens
+    scale = head_dim ** -0.5
+    cache = torch.randn(kv_cache_shape(300, block_size, kv_heads, head_dim)).to(cache_dtype)
+    q = 2 * torch.randn(t, heads, head_dim)  # scores of several units: the cap bends them
+    k = torch.randn(t, kv_heads, head_dim)
+    v = torch.randn(t, kv_heads, head_dim)
+    ref = TorchAttention(heads, kv_heads, head_dim, scale, sliding_window=window, soft_cap=softcap)
+    want = ref.forward(q, k, v, cache, meta)
+    dense = _dense_reference(q, cache, meta, scale, window, softcap)
+    torch.testing.assert_close(want, dense.view(t, -1), rtol=1e-5, atol=2e-5)
+    out = torch.empty_like(q)
+    torch.ops.aiolm.paged_attention(out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc,
+                                    meta.seq_lens, scale, window, softcap or 0.0)
+    torch.testing.assert_close(out.view(t, -1), want, rtol=1e-5, atol=2e-5)
+    if window < 40:  # the window changed the answer for the rows past it: the test can see it
+        full = TorchAttention(heads, kv_heads, head_dim, scale, soft_cap=softcap).forward(q, k, v, cache, meta)
+        assert (full - want).abs().max() > 1e-2
+
+
+def test_window_wider_than_every_sequence_changes_nothing():
+    """window >= seq_len is full causal attention, bit for bit with no window at all."""
+    rng = random.Random(3)
+    meta = _batch(rng, WINDOW_SHAPES, 16, 300)
+    cache = torch.randn(kv_cache_shape(300, 16, 3, 64))
+    q = torch.randn(meta.num_tokens, 9, 64)
+    outs = []
+    for window in (0, 131, 4096):
+        out = torch.empty_like(q)
+        torch.ops.aiolm.paged_attention(out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc,
+                                        meta.seq_lens, 0.125, window)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_window_rows_never_read_pages_before_their_window():
+    """Pages wholly before every row's window are not read: NaNs there change nothing."""
+    bs, window = 16, 20
+    meta = AttentionMetadata.build([1, 24], [100, 100], [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]], bs)
+    cache = torch.randn(kv_cache_shape(16, bs, 2, 64))
+    q = torch.randn(25, 4, 64)
+    out = torch.empty_like(q)
+    args = (meta.block_table, meta.query_start_loc, meta.seq_lens, 0.125, window)
+    torch.ops.aiolm.paged_attention(out, q, cache[0], cache[1], *args)
+    poisoned = cache.clone()
+    # decode row at 99 sees 80..99 (pages 5-6); prefill rows 76..99 see 57.. (pages 3-6)
+    poisoned[:, [1, 2, 3, 4, 8, 9, 10]] = float("nan")
+    again = torch.empty_like(q)
+    torch.ops.aiolm.paged_attention(again, q, poisoned[0], poisoned[1], *args)
+    assert torch.equal(out, again)
+
+
+def test_rejects_negative_window_and_softcap():
+    cache = torch.zeros(kv_cache_shape(4, 4, 1, 8))
+    meta = AttentionMetadata.build([2], [8], [[1, 2]], 4)
+    q = torch.zeros(2, 2, 8)
+    args = (torch.empty_like(q), q, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        torch.ops.aiolm.paged_attention(*args, -1)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        torch.ops.aiolm.paged_attention(*args, 0, -2.0)
+
+
+# The machine builds the kernels for its own CPU (-march=native); the other ISA paths are
+# built here from the same source, alone, and run in a child process that loads them in
+# place of the cache's library.
+ISA_BUILDS = {"avx2": ["-mno-avx512f"], "baseline-x86-64": ["-march=x86-64"]}
+_CHILD = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+from aiolm.kernels import cpu
+cpu._state["ok"] = True  # the library just loaded stands in for the machine's own build
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", sys.argv[3]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(ISA_BUILDS))
+def test_other_isa_builds_match_the_references(isa, tmp_path):
+    flags = [f for f in cpu_kernels._compile_flags()
+             if not (f.startswith("-march") and ISA_BUILDS[isa][0].startswith("-march"))] + ISA_BUILDS[isa]
+    src = cpu_kernels.source_dir() / "paged_attention.cpp"
+    obj, lib = tmp_path / "pa.o", tmp_path / "pa.so"
+    subprocess.run(["c++", *flags, "-w", "-c", str(src), "-o", str(obj)], check=True, timeout=600)
+    subprocess.run(cpu_kernels._link_command([obj], lib, "c++"), check=True, timeout=120)
+    macros = subprocess.run(["c++", *flags, "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
+                            text=True, check=True).stdout
+    assert ("__AVX512F__" in macros) is False and ("__AVX2__" in macros) == (isa == "avx2")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(lib), __file__,
+                           "sliding_window or mixed_batches or wider_than or never_read or finite"],
+                          cwd=root, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout

@@ -27,10 +27,10 @@ from gguf.quants import quantize as gguf_quantize
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aiolm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from aiolm.model.config import ModelLoadError
 from aiolm.model.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
 from aiolm.model.loader import cache_root, embedded_model_path, resolve_model
-from aiolm.model.registry import build_model
+from aiolm.model.registry import MODELS, build_model, read_config
 from aiolm.platforms import get_platform
 from paged import PagedHarness
 
@@ -617,15 +617,15 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
 def test_hf_rope_config_spellings():
     base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
                 num_hidden_layers=1, num_attention_heads=2)
-    assert ModelConfig.from_hf(base).rope_theta == 10000.0
-    assert ModelConfig.from_hf({**base, "rope_theta": 5e5}).rope_theta == 5e5
-    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7e5}})
+    assert read_config(base).rope_theta == 10000.0
+    assert read_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
+    new = read_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7e5}})
     assert new.rope_theta == 7e5 and new.rope_scaling is None
-    scaled = ModelConfig.from_hf({**base, "rope_parameters": LLAMA3_ROPE})
+    scaled = read_config({**base, "rope_parameters": LLAMA3_ROPE})
     assert scaled.rope_theta == 20000.0 and scaled.rope_scaling["factor"] == 8.0
-    legacy = ModelConfig.from_hf({**base, "rope_theta": 3.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    legacy = read_config({**base, "rope_theta": 3.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert legacy.rope_theta == 3.0 and legacy.rope_scaling == {"type": "linear", "factor": 2.0}
-    assert ModelConfig.from_hf({**base, "architectures": None, "model_type": "qwen2"}).attention_bias
+    assert read_config({**base, "architectures": None, "model_type": "qwen2"}).attention_bias
 
 
 @pytest.fixture(scope="module")
@@ -716,7 +716,7 @@ def test_unknown_architecture_lists_supported(tiny_hf_dir, tmp_path):
         resolve_model(folder)
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and str(folder / "config.json") in msg
-    assert all(a in msg for a in SUPPORTED_ARCHITECTURES)
+    assert all(a in msg for a in MODELS)
 
 
 def test_config_missing_field(tiny_hf_dir, tmp_path):

@@ -1,0 +1,241 @@
+"""Gemma 3 (text) decoder over a flat token batch: ``Gemma3ForCausalLM`` checkpoints.
+
+What sets it apart from the Llama family (llama.py), each as transformers computes it:
+
+- layers alternate between a sliding window and global attention (``layer_types``,
+  or older configs' ``sliding_window_pattern``: every n-th layer global), and each
+  kind has its own RoPE: ``rope_local_base_freq`` for the local layers, the global
+  theta (and ``rope_scaling``, if any) for the global ones;
+- queries are scaled by ``query_pre_attn_scalar ** -0.5``, after a per-head RMSNorm
+  of q and k;
+- every norm multiplies by ``1 + weight``: the loader adds the 1 once, so the norms
+  are the plain RMSNorm layers Llama uses (float32 math, same bits);
+- four norms per layer: input and post-attention around attention, pre- and
+  post-feedforward around the MLP, each branch added to the residual after its
+  post-norm;
+- the MLP is GeGLU (tanh-approximated GELU of the gate, times up);
+- embeddings are scaled by sqrt(hidden_size); the final logits are tanh soft-capped
+  when ``final_logit_softcapping`` is set.
+
+Weights keep Hugging Face's names; q/k/v and gate/up are fused as in llama.py, whose
+loading and CPU packing this module reuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from aiolm.attention.metadata import AttentionMetadata
+from aiolm.attention.selector import attention_backend
+from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model.config import ModelConfig, ModelLoadError
+from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aiolm.model.layers.norm import RMSNorm
+from aiolm.model.layers.rotary import RotaryEmbedding
+from aiolm.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # transformers' name -> F.gelu's approximate
+
+
+@dataclass(frozen=True)
+class Gemma3Config(ModelConfig):
+    query_pre_attn_scalar: float = 256.0
+    local_layers: tuple[bool, ...] = ()  # per layer: a sliding_attention layer (its own RoPE base)
+    rope_local_theta: float = 10000.0  # RoPE base of the local layers
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+
+
+def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config.json") -> Gemma3Config:
+    """A Gemma 3 text config, in transformers 5's spelling (``rope_parameters`` per layer
+    type) or the original one (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``,
+    ``sliding_window_pattern``); defaults are transformers' Gemma3TextConfig's."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention is not supported (decoders only)")
+    n = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ModelLoadError(f"{source}: {len(types)} layer_types for {n} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ModelLoadError(f"{source}: layer_types {sorted(unknown)} are not supported; "
+                             f"supported: sliding_attention, full_attention")
+    window = cfg.get("sliding_window", 4096)
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        glob, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        theta, local_theta = glob.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+        scaling = glob if glob.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: RoPE scaling of the sliding-window layers is not supported")
+    else:
+        theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4)
+        scaling = cfg.get("rope_scaling")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _ACTIVATIONS:
+        raise ModelLoadError(f"{source}: hidden_activation {activation!r} is not supported; "
+                             f"supported: {', '.join(_ACTIVATIONS)}")
+    if cfg.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 does not apply it either (Gemma 2 did); the checkpoints set null
+        log.warning("%s: attn_logit_softcapping is ignored, as transformers' Gemma 3 ignores it", source)
+    cap = cfg.get("final_logit_softcapping")
+    return Gemma3Config.from_hf(
+        cfg, source, architecture=architecture,
+        head_dim=int(cfg.get("head_dim", 256)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qk_norm=True,
+        rope_theta=float(theta),
+        rope_scaling=dict(scaling) if scaling else None,
+        sliding_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        local_layers=tuple(t == "sliding_attention" for t in types),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        rope_local_theta=float(local_theta),
+        final_logit_softcapping=float(cap) if cap is not None else None,
+        hidden_activation=activation,
+    )
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: Gemma3Config, rotary: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        tp = get_tp_group().world_size
+        if cfg.num_heads % tp:
+            raise ValueError(f"num_attention_heads {cfg.num_heads} not divisible by tensor parallel size {tp}")
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = attention_backend()(self.num_heads, self.num_kv_heads, self.head_dim,
+                                        cfg.query_pre_attn_scalar ** -0.5, sliding_window=window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, cfg: Gemma3Config) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.approximate = _ACTIVATIONS[cfg.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.gelu(gate, approximate=self.approximate) * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, rotary: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Gemma3Attention(cfg, rotary, window)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.mlp = Gemma3MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's post-feedforward output; residual: the stream before it
+        (None at layer 0). Returns this layer's output and the stream it is to be added to."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)  # residual += attention branch
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg: Gemma3Config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        length = max_positions or cfg.max_position_embeddings
+        global_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_theta, cfg.rope_scaling)
+        local_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_local_theta)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, local_rope if cfg.local_layers[i] else global_rope, cfg.window(i))
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
+        x = self.embed_tokens(input_ids)
+        # as transformers scales: sqrt(hidden) in float32, then rounded to the activations' dtype
+        x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, cache, meta)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face-named tensors, fused and checked as llama.py does, with each norm's
+        weight w stored as 1 + w: Gemma's norms multiply by 1 + w, which transformers forms
+        in float32 on every call, so a float32 model gets the same product."""
+        LlamaForCausalLM.load_weights(self, _offset_norms(weights))  # type: ignore[arg-type]
+
+    def _check_complete(self, seen: set[str]) -> None:
+        """Called by load_weights: every parameter arrived (lm_head only when untied)."""
+        expected = {f"{name}#0" for name, _ in self.named_parameters() if not name.startswith("lm_head")}
+        for i in range(self.config.num_layers):  # fused layers: one entry per Hugging Face shard
+            p = f"layers.{i}"
+            expected -= {f"{p}.self_attn.qkv_proj.weight#0", f"{p}.mlp.gate_up_proj.weight#0"}
+            expected |= {f"{p}.self_attn.qkv_proj.weight#{s}" for s in range(3)}
+            expected |= {f"{p}.mlp.gate_up_proj.weight#{s}" for s in range(2)}
+            if self.config.attention_bias:
+                expected -= {f"{p}.self_attn.qkv_proj.bias#0"}
+                expected |= {f"{p}.self_attn.qkv_proj.bias#{s}" for s in range(3)}
+        if not self.config.tie_word_embeddings:
+            expected.add("lm_head.weight#0")
+        missing = sorted(expected - seen)
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _offset_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0
+        yield name, tensor
