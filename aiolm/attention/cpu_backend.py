@@ -28,5 +28,5 @@ class CpuPagedAttention(TorchAttention):
         out = torch.empty(q.shape, dtype=q.dtype)  # dense, whatever q's strides (a view of qkv)
         torch.ops.aiolm.paged_attention(out, q, kv_cache[0], kv_cache[1], meta.block_table,
                                         meta.query_start_loc, meta.seq_lens, self.scale,
-                                        self.window or 0, self.softcap or 0.0)
+                                        self.sliding_window or 0, self.soft_cap or 0.0)
         return out.view(q.shape[0], self.num_heads * self.head_dim)

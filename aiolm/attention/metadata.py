@@ -30,6 +30,37 @@ from dataclasses import dataclass
 import torch
 
 
+class AttentionBackend:
+    """One layer's attention over the paged cache; every backend derives from this.
+
+    The constructor takes what is fixed per layer (module docstring) and checks it once;
+    ``forward`` is the per-step work."""
+
+    cuda_graph_safe = False  # True where a CUDA graph can capture forward (no host syncs)
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 key, got {sliding_window}")
+        if soft_cap is not None and soft_cap <= 0:
+            raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
+        self.group = num_heads // num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens (written by ``slot_mapping``).
+        Returns [T, H * D]."""
+        raise NotImplementedError
+
+
 @dataclass
 class AttentionMetadata:
     num_tokens: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aiolm.attention.metadata import AttentionMetadata
+from aiolm.attention.metadata import AttentionBackend, AttentionMetadata
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -28,22 +28,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-class TorchAttention:
+class TorchAttention(AttentionBackend):
     """Paged attention with GQA; the reference every other backend is tested against."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding window must be at least 1 key, got {sliding_window}")
-        if soft_cap is not None and soft_cap <= 0:
-            raise ValueError(f"attention soft-cap must be positive, got {soft_cap}")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.window = sliding_window
-        self.softcap = soft_cap
-        self.group = num_heads // num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -82,7 +68,7 @@ class TorchAttention:
         if self.group > 1:
             kh = kh.repeat_interleave(self.group, dim=0)
             vh = vh.repeat_interleave(self.group, dim=0)
-        if n == seq_len and self.window is None and self.softcap is None:
+        if n == seq_len and self.sliding_window is None and self.soft_cap is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:
             rows = torch.arange(n, device=q.device).unsqueeze(1) + (seq_len - n)  # query positions
@@ -93,20 +79,20 @@ class TorchAttention:
     def _visible(self, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Which keys a query at ``pos`` sees: causal, and within the window if there is one."""
         mask = keys <= pos
-        if self.window is not None:
-            mask &= keys > pos - self.window
+        if self.sliding_window is not None:
+            mask &= keys > pos - self.sliding_window
         return mask
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 **sdpa: bool) -> torch.Tensor:
         """softmax(cap(q k^T * scale) masked) v; SDPA when there is no soft-cap to apply."""
-        if self.softcap is None:
+        if self.soft_cap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **sdpa)
         if self.group > 1 and k.shape[-3] != q.shape[-3]:
             k = k.repeat_interleave(self.group, dim=-3)
             v = v.repeat_interleave(self.group, dim=-3)
         s = (q @ k.transpose(-1, -2)) * self.scale
-        s = torch.tanh(s / self.softcap) * self.softcap
+        s = torch.tanh(s / self.soft_cap) * self.soft_cap
         s = s.masked_fill(~mask, float("-inf"))
         return torch.softmax(s, dim=-1) @ v
 

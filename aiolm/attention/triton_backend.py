@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from aiolm.attention.metadata import AttentionMetadata
+from aiolm.attention.metadata import AttentionBackend, AttentionMetadata
 from aiolm.kernels.triton.attention import choose_num_splits, paged_attention
 from aiolm.kernels.triton.cache import write_kv
 
 
-class TritonAttention:
+class TritonAttention(AttentionBackend):
     """GQA paged attention; ``sliding_window`` W: a query at position p sees keys in
     (p - W, p]; ``soft_cap`` c: scores become tanh(s / c) * c before the softmax."""
 
@@ -31,18 +31,7 @@ class TritonAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
-        if soft_cap is not None and soft_cap <= 0:
-            raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.soft_cap = soft_cap
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, soft_cap)
         self._target_programs: int | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

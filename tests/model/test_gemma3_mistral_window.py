@@ -89,7 +89,7 @@ def _torch_backend(model):
     for layer in model.layers:
         a = layer.self_attn.attn
         layer.self_attn.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.scale,
-                                              sliding_window=a.window, soft_cap=a.softcap)
+                                              sliding_window=a.sliding_window, soft_cap=a.soft_cap)
     return model
 
 
@@ -125,7 +125,7 @@ def test_config_maps_windows_and_family_fields(family):
     else:
         assert cfg.architecture == "mistral" and cfg.sliding_windows == (WINDOW, WINDOW)
     model = build_model(src, torch.float32)
-    assert [layer.self_attn.attn.window for layer in model.layers] == [cfg.window(i) for i in range(cfg.num_layers)]
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == [cfg.window(i) for i in range(cfg.num_layers)]
     assert src.load_tokenizer()("hello")["input_ids"]  # the folder carries the real tokenizer
 
 

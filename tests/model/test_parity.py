@@ -142,12 +142,15 @@ def test_torch_reference_attention_backend_gives_the_same_tokens(real_source, re
     assert ours == [e[:24] for e in expected[-2:]]
 
 
-def test_attention_backend_choice_is_checked():
+def test_attention_backend_choice_is_checked(monkeypatch):
     from aiolm.platforms import get_platform
 
     cpu = get_platform("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Triton tests' conftest sets it
     with pytest.raises(ValueError, match="'triton' does not run on cpu"):
         cpu.attention_backend("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton's CPU interpreter: offered for tests and checks
+    assert cpu.attention_backend("triton").__name__ == "TritonAttention"
     with pytest.raises(ValueError, match="'flash' is not known"):
         cpu.attention_backend("flash")
     assert cpu.attention_backend("torch").__name__ == "TorchAttention"
