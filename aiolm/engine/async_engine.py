@@ -65,6 +65,11 @@ class AsyncEngine:
         self.source = await asyncio.to_thread(resolve_model, a.model)
         self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         mc = self.source.config
+        from aiolm.distributed.sharding import split_error
+
+        why = split_error(a.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+        if why is not None:
+            raise ValueError(f"{self.source.name}: {why}")
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         self.model_name = a.served_model_name or self.source.name
         runner_cfg = RunnerConfig(
@@ -80,7 +85,8 @@ class AsyncEngine:
         else:
             from aiolm.executor.multiproc import MultiprocExecutor
 
-            self.executor = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, on_death=self._on_worker_death)
+            self.executor = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, on_death=self._on_worker_death,
+                                              all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
         await self.executor.start()
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.executor.num_blocks, max_num_seqs=a.max_num_seqs,

@@ -40,9 +40,15 @@ def _free_port() -> int:
 
 class MultiprocExecutor(Executor):
     def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
-                 on_death: Callable[[str], None] | None = None) -> None:
+                 on_death: Callable[[str], None] | None = None, all_reduce: str = "auto",
+                 cpu_bind: str = "auto") -> None:
         self.cfg = cfg
         self.world_size = world_size
+        self.all_reduce_requested = all_reduce
+        self.cpu_bind = cpu_bind
+        self.all_reduce: str | None = None  # what the ranks run, from their handshake
+        self.all_reduce_shm: str | None = None  # the CPU all-reduce segment, owned here
+        self._unlink_shm: Callable[[], bool] | None = None
         self.block_size = cfg.block_size
         self.startup_timeout = startup_timeout
         self.on_death = on_death
@@ -71,12 +77,15 @@ class MultiprocExecutor(Executor):
         # with the forward unchanged (docs/benchmarks.md). A user's setting wins.
         env.setdefault("GOMP_SPINCOUNT", "10000")
         try:
+            self._make_all_reduce_segment()
             for rank in range(self.world_size):
                 cmd = [sys.executable, "-m", "aiolm.worker", "--rank", str(rank),
                        "--world-size", str(self.world_size),
                        "--request-ring", str(self.requests.handle()),
                        "--response-ring", str(self.responses[rank].handle()),
                        "--parent-pid", str(os.getpid()), "--dist-port", str(port),
+                       "--all-reduce", self.all_reduce_requested, "--cpu-bind", self.cpu_bind,
+                       *(["--all-reduce-shm", self.all_reduce_shm] if self.all_reduce_shm else []),
                        "--config", encode_config(self.cfg)]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
             infos = await self._handshakes()
@@ -85,7 +94,33 @@ class MultiprocExecutor(Executor):
             await self._stop(grace=0.5)
             raise
         self.num_blocks = min(i["num_blocks"] for i in infos)
+        self.all_reduce = str(infos[0].get("all_reduce"))
+        if self.world_size > 1:
+            log.info("%d tensor-parallel ranks, all-reduce: %s", self.world_size, self.all_reduce)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    def _make_all_reduce_segment(self) -> None:
+        """The CPU ranks' shared all-reduce segment (communicator.py decides who uses it).
+
+        Created here so that its name has one owner that outlives every rank: a
+        SIGKILLed rank leaves nothing behind, and shutdown unlinks it.
+        """
+        from aiolm.distributed.communicator import check_for_device, requested_all_reduce
+
+        requested = requested_all_reduce(self.all_reduce_requested)
+        self.all_reduce_requested = requested
+        device_type = self.cfg.device.split(":", 1)[0]
+        check_for_device(requested, device_type)
+        if self.world_size == 1 or device_type != "cpu" or requested not in ("auto", "shm"):
+            return
+        from aiolm.distributed.shm_allreduce import create_segment
+
+        try:
+            self.all_reduce_shm, self._unlink_shm = create_segment(self.world_size)
+        except OSError as e:
+            if requested == "shm":
+                raise ExecutorError(f"cannot create the shared-memory all-reduce segment: {e}") from e
+            log.warning("no shared-memory all-reduce (%s); the ranks fall back to gloo", e)
 
     async def _handshakes(self) -> list[dict[str, int]]:
         """Every rank's ready message; the first failure (or the timeout) cancels the rest."""
@@ -215,6 +250,8 @@ class MultiprocExecutor(Executor):
             if ring is not None:
                 ring.close()
                 ring.unlink()
+        if self._unlink_shm is not None:
+            self._unlink_shm()
 
 
 async def _reap(p: subprocess.Popen[bytes], timeout: float) -> None:

@@ -62,7 +62,7 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     if cls is None:
         raise ModelLoadError(f"{source.path}: no implementation for {source.config.architecture}")
     model = cls(source.config, max_positions)
-    model.load_weights(source.iter_weights())
+    model.load_weights(source.iter_weights(lazy=True))  # a rank reads only its slices
     on_cpu = torch.device(device).type == "cpu"
     # bfloat16 on a CPU means bfloat16 matmuls only (layers/cpu_linear.py): the speed of
     # its matrix units where the answers least feel it, with every other tensor float32.

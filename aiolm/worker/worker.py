@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from aiolm.ipc import codec
+from aiolm.ipc import codec, segment
 from aiolm.ipc.lifeline import exit_on_signals, parent_alive
 from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
 
@@ -34,6 +34,11 @@ def decode_config(text: str) -> object:
     return pickle.loads(base64.b64decode(text))
 
 
+def torch_device_type(device: str) -> str:
+    """'cpu' or 'cuda' for a RunnerConfig device string ('cuda:1' -> 'cuda')."""
+    return device.split(":", 1)[0]
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aiolm.worker")
     p.add_argument("--rank", type=int, required=True)
@@ -42,6 +47,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--response-ring", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--dist-port", type=int, default=0, help="loopback port for the rank rendezvous")
+    p.add_argument("--all-reduce", default="auto", help="distributed/communicator.py CHOICES")
+    p.add_argument("--all-reduce-shm", default=None, help="the engine's all-reduce segment (CPU)")
+    p.add_argument("--cpu-bind", default="auto", help="auto, none, or cpu lists per rank: 0-3;4-7")
     p.add_argument("--config", required=True, help="base64 pickle of RunnerConfig")
     return p.parse_args(argv)
 
@@ -60,26 +68,31 @@ def main(argv: list[str] | None = None) -> int:
         if not parent_alive(args.parent_pid):
             for h in handles:  # the engine was killed: nobody else will unlink its rings
                 h.unlink()
+            if args.all_reduce_shm:
+                segment.unlink(args.all_reduce_shm)
         requests.close()
         responses.close()
 
 
 def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> int:
-    from aiolm.distributed.parallel_state import TPGroup, set_tp_group
+    from aiolm.distributed.communicator import make_tp_group
+    from aiolm.distributed.cpu_bind import bind_rank
+    from aiolm.distributed.parallel_state import set_tp_group
     from aiolm.worker.model_runner import ModelRunner, call_on_runner
 
-    if args.world_size > 1:
-        from aiolm.distributed.gloo_group import make_group
-
-        set_tp_group(make_group(args.rank, args.world_size, args.dist_port))
-    else:
-        set_tp_group(TPGroup())
     try:
-        runner = ModelRunner(decode_config(args.config))  # type: ignore[arg-type]
+        cfg = decode_config(args.config)
+        device_type = torch_device_type(cfg.device)  # type: ignore[attr-defined]
+        if device_type == "cpu":
+            bind_rank(args.rank, args.world_size, args.cpu_bind)
+        group, all_reduce = make_tp_group(args.rank, args.world_size, device_type, args.all_reduce,
+                                          shm_name=args.all_reduce_shm, port=args.dist_port)
+        set_tp_group(group)
+        runner = ModelRunner(cfg)  # type: ignore[arg-type]
     except BaseException as e:
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
-    responses.write(codec.encode(("ready", runner.kv_cache_info())))
+    responses.write(codec.encode(("ready", dict(runner.kv_cache_info(), all_reduce=all_reduce))))
     from aiolm.core.outputs import SchedulerOutput
 
     while True:
