@@ -11,23 +11,27 @@ head counts and the sizes that would work.
 from __future__ import annotations
 
 
+def _problems(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[str]:
+    problems = []
+    if num_heads % tp:
+        problems.append(f"its {num_heads} attention heads are not divisible by {tp}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        problems.append(f"its {num_kv_heads} KV heads neither divide into {tp} ranks nor replicate evenly over them")
+    if intermediate_size % tp:
+        problems.append(f"its MLP intermediate size {intermediate_size} is not divisible by {tp}")
+    return problems
+
+
 def split_error(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
     """Why ``tp`` ranks cannot split this model, or None if they can."""
     if tp < 1:
         return f"tensor_parallel_size must be >= 1, got {tp}"
-    problems = []
-    if num_heads % tp:
-        problems.append(f"{num_heads} attention heads")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        problems.append(f"{num_kv_heads} KV heads (neither divisible by {tp} nor dividing it)")
-    if intermediate_size % tp:
-        problems.append(f"MLP intermediate size {intermediate_size}")
+    problems = _problems(tp, num_heads, num_kv_heads, intermediate_size)
     if not problems:
         return None
-    ok = [n for n in range(1, num_heads + 1) if split_error(n, num_heads, num_kv_heads, intermediate_size) is None]
-    return (f"tensor_parallel_size {tp} cannot split this model: {', '.join(problems)} not divisible "
-            f"by {tp} (model has {num_heads} attention heads and {num_kv_heads} KV heads); "
-            f"sizes that work: {', '.join(map(str, ok))}")
+    ok = [n for n in range(1, num_heads + 1) if not _problems(n, num_heads, num_kv_heads, intermediate_size)]
+    return (f"tensor_parallel_size {tp} cannot split this model: {'; '.join(problems)} "
+            f"(sizes that work: {', '.join(map(str, ok))})")
 
 
 def kv_head_for_rank(rank: int, tp: int, num_kv_heads: int) -> range:

@@ -159,12 +159,20 @@ class MultiprocExecutor(Executor):
 
     async def _watch(self) -> None:
         while not self._closed:
-            for rank, p in enumerate(self.procs):
-                code = p.poll()
-                if code is not None and not self._closed:
-                    self._fail(f"worker {rank} (pid {p.pid}) exited with code {code}")
-                    return
+            why = self._exited()
+            if why is not None and not self._closed:
+                self._fail(why)
+                return
             await asyncio.sleep(0.2)
+
+    def _exited(self) -> str | None:
+        """Which workers have exited, one killed by a signal first: when a rank dies, its
+        tensor-parallel peers exit right after it on losing it, and the cause is the first."""
+        exited = [(r, p.pid, p.poll()) for r, p in enumerate(self.procs)]
+        exited = sorted((e for e in exited if e[2] is not None), key=lambda e: (e[2] >= 0, e[0]))  # type: ignore[operator]
+        if not exited:
+            return None
+        return "; ".join(f"worker {r} (pid {pid}) exited with code {code}" for r, pid, code in exited)
 
     def _fail(self, reason: str) -> None:
         if self._dead is None:
@@ -188,7 +196,7 @@ class MultiprocExecutor(Executor):
         try:
             await self.requests.write_async(data)
         except (PeerDied, RingClosed) as e:
-            self._fail(f"a worker died: {e}")
+            self._fail(self._exited() or f"a worker died: {e}")
             raise ExecutorError(self._dead or str(e)) from e
         for rank in responders:
             self._owed[rank] += 1
@@ -203,11 +211,10 @@ class MultiprocExecutor(Executor):
                     continue  # the answer to a cancelled call
                 return buf
             except TimeoutError:
-                code = self.procs[rank].poll()
-                if code is not None:
-                    self._fail(f"worker {rank} (pid {self.procs[rank].pid}) exited with code {code}")
+                if self.procs[rank].poll() is not None:
+                    self._fail(self._exited() or f"worker {rank} exited")
             except (PeerDied, RingClosed) as e:
-                self._fail(f"worker {rank} died: {e}")
+                self._fail(self._exited() or f"worker {rank} died: {e}")
 
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:

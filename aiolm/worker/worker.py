@@ -19,7 +19,7 @@ import traceback
 
 from aiolm.ipc import codec, segment
 from aiolm.ipc.lifeline import exit_on_signals, parent_alive
-from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
+from aiolm.ipc.shm_ring import PeerDied, RingClosed, RingHandle, ShmRing
 
 log = logging.getLogger("aiolm.worker")
 
@@ -107,7 +107,11 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
         received = time.perf_counter()
         msg = codec.decode(buf)
         if isinstance(msg, SchedulerOutput):
-            out = runner.execute(msg)
+            try:
+                out = runner.execute(msg)
+            except (PeerDied, TimeoutError) as e:  # a tensor-parallel peer is gone or stuck
+                log.error("rank %d stops: %s", args.rank, e)
+                return 1
             if args.rank == 0:
                 out.worker_clock = [received, time.perf_counter()]
                 responses.write(codec.encode_model_runner_output(out))
