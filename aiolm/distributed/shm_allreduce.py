@@ -10,7 +10,7 @@ N-1; bfloat16 and float16 accumulate in float32), so every rank gets the same bi
 Segment layout (created by the engine, attached by each rank; all words u64)::
 
     [header 64B: magic, version, world_size, slot_bytes]
-    [rank line 64B x N: arrived generation, pid]
+    [rank line 64B x N: arrived generation, pid, sleeping]
     [buffer 0: slot x N][buffer 1: slot x N]
 
 Generations and the two buffers: call g writes buffer g % 2. A rank may overwrite
@@ -20,9 +20,14 @@ completed the one before), which the rank saw while waiting in call g - 1. So
 one barrier per call is enough. Tensors larger than a slot go through chunk by
 chunk, one generation per chunk.
 
-Waiting spins briefly, then yields the core, then sleeps in short steps (ranks
-may share cores). Every few milliseconds it checks that the peers it waits for
-are alive (their pid is in the segment), so a SIGKILLed rank turns into
+Waiting spins for a few tens of microseconds (peers usually arrive within
+that), then sleeps on the rank's wake socket the way the rings do (ipc/wakeup.py):
+it sets its ``sleeping`` word, re-checks, and blocks; a rank that publishes pokes
+the peers whose ``sleeping`` word is set, so a busy group pays no syscall. Why not
+sched_yield or short sleeps: on a loaded machine a yielding rank hands its core to
+other processes for a whole time slice, while a rank woken from a blocking wait
+runs at once. Every few milliseconds of sleep it checks that the peers it waits
+for are alive (their pid is in the segment), so a SIGKILLed rank turns into
 ``PeerDied`` within a fraction of a second instead of a hang; a live peer that
 never arrives raises ``TimeoutError`` after ``timeout_s``. After either error the
 group is unusable (ranks' generations disagree), and the worker exits.
@@ -42,7 +47,7 @@ import torch
 
 from aiolm.ipc import segment
 from aiolm.ipc.shm_ring import PeerDied
-from aiolm.ipc.wakeup import pid_alive
+from aiolm.ipc.wakeup import Poker, WakeChannel, pid_alive, wake_address
 
 __all__ = ["DEFAULT_SLOT_BYTES", "PeerDied", "ShmAllReduce", "create_segment"]
 
@@ -50,12 +55,12 @@ _MAGIC = 0x31524C414D4C41  # b"ALMALR1"
 _VERSION = 1
 _LINE = 64
 _H_MAGIC, _H_VERSION, _H_WORLD, _H_SLOT = range(4)
-_R_BASE = _LINE // 8  # rank r: word _R_BASE + 8 r = arrived generation, + 1 = pid
-DEFAULT_SLOT_BYTES = 2 << 20
-_SPINS = 200  # polls before yielding the core: a few tens of microseconds
-_YIELDS = 200  # sched_yield polls before sleeping
-_SLEEP_S = 50e-6
-_CHECK_S = 0.02  # how often a waiting rank checks its peers' pids
+_R_BASE = _LINE // 8  # rank r: word _R_BASE + 8 r = arrived generation, + 1 = pid, + 2 = sleeping
+# A prefill step's hidden states (2048 tokens x 576 float32 = 4.7 MB) in one chunk: every
+# chunk is a barrier, and each barrier where a rank had to sleep costs a wake-up.
+DEFAULT_SLOT_BYTES = 8 << 20
+_SPIN_S = 30e-6  # polling before sleeping on the wake socket
+_CHECK_S = 0.02  # how often a sleeping rank checks its peers' pids
 _ACCUMULATE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
@@ -107,7 +112,15 @@ class ShmAllReduce:
         self.timeout_s = timeout_s
         self._gen = int(u[_R_BASE + 8 * rank])
         self._my_word = _R_BASE + 8 * rank
-        self._peer_words = [_R_BASE + 8 * p for p in range(self.world_size) if p != rank]
+        peers = [p for p in range(self.world_size) if p != rank]
+        self._peer_words = [_R_BASE + 8 * p for p in peers]
+        self._peer_wakes = [(_R_BASE + 8 * p + 2, wake_address(name, f"r{p}")) for p in peers]
+        try:
+            self._wake = WakeChannel(wake_address(name, f"r{rank}"))
+        except OSError as e:
+            self.close()
+            raise RuntimeError(f"{name}: rank {rank} is already attached by a live process") from e
+        self._poker = Poker()
         u[self._my_word + 1] = os.getpid()
         data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_data_offset(self.world_size),
                                 count=2 * self.world_size * self.slot_bytes)
@@ -121,26 +134,32 @@ class ShmAllReduce:
         """Until every peer has published ``gen``; PeerDied / TimeoutError otherwise."""
         u = self._u
         pending = [w for w in self._peer_words if u[w] < gen]
-        n = 0
-        deadline = next_check = 0.0
-        while pending:
-            n += 1
-            if n <= _SPINS:
+        if pending:
+            spin_until = time.perf_counter() + _SPIN_S
+            while pending and time.perf_counter() < spin_until:
                 pending = [w for w in pending if u[w] < gen]
-                continue
-            if n <= _SPINS + _YIELDS:
-                os.sched_yield()
-            else:
-                time.sleep(_SLEEP_S)
-            pending = [w for w in pending if u[w] < gen]
-            now = time.monotonic()
-            if not deadline:
-                deadline, next_check = now + self.timeout_s, now + _CHECK_S
-            elif pending and now >= next_check:
-                next_check = now + _CHECK_S
-                self._check_peers(pending, now > deadline)
+        if pending:
+            self._sleep_until(gen, pending)
         if segment.WEAK_ORDER:
             segment.fence()
+
+    def _sleep_until(self, gen: int, pending: list[int]) -> None:
+        u, sleep_word = self._u, self._my_word + 2
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                # Set ``sleeping``, then re-check: a peer publishes, then reads our word,
+                # so one of the two always sees the other (no lost wake-up).
+                u[sleep_word] = gen
+                segment.fence()
+                pending = [w for w in pending if u[w] < gen]
+                if not pending:
+                    return
+                if not self._wake.wait(_CHECK_S):
+                    self._check_peers(pending, time.monotonic() > deadline)
+                self._wake.drain()
+        finally:
+            u[sleep_word] = 0
 
     def _check_peers(self, pending: list[int], late: bool) -> None:
         u = self._u
@@ -162,9 +181,14 @@ class ShmAllReduce:
         self._gen += 1
         buf = self._gen & 1
         self._slots[buf, self.rank].view(src.dtype)[: src.numel()].copy_(src)
+        u = self._u
         if segment.WEAK_ORDER:
             segment.fence()
-        self._u[self._my_word] = self._gen
+        u[self._my_word] = self._gen
+        segment.fence()  # the publish before reading the peers' sleeping words
+        for word, addr in self._peer_wakes:
+            if u[word]:
+                self._poker.poke(addr)
         self._wait_all(self._gen)
         return buf
 
@@ -222,6 +246,9 @@ class ShmAllReduce:
 
     def close(self) -> None:
         """Unmap (the creator unlinks the name)."""
+        for end in ("_wake", "_poker"):
+            if end in self.__dict__:
+                self.__dict__.pop(end).close()
         self.__dict__.pop("_slots", None)
         if getattr(self, "_u", None) is not None:
             self._u.release()
