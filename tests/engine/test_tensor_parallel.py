@@ -146,3 +146,19 @@ def test_tp2_on_smollm2_is_refused_before_any_worker_starts():
         lt.run(engine.shutdown(), timeout=60)
         lt.close()
     assert _our_segments() == before
+
+
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_GPUS < 2, reason=f"needs CUDA with at least 2 GPUs ({_GPUS} visible)")
+def test_tp2_on_cuda_gives_tp1_tokens(tiny_llama):
+    async def tokens(tp: int) -> list[list[int]]:
+        async with AsyncEngine(model=tiny_llama, tensor_parallel_size=tp, dtype="float32", device="cuda",
+                               max_model_len=1024, max_num_seqs=8) as engine:
+            if tp > 1:
+                assert engine.executor.all_reduce in ("symm_mem", "nccl")  # type: ignore[union-attr]
+            return await _greedy_tokens(engine)
+
+    assert asyncio.run(tokens(2)) == asyncio.run(tokens(1))
