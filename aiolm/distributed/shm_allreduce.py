@@ -39,6 +39,7 @@ Lifetime: the creator (the engine, ``create``) owns the name: mode 0600, unique
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import time
 from typing import Callable
@@ -49,16 +50,19 @@ from aiolm.ipc import segment
 from aiolm.ipc.shm_ring import PeerDied
 from aiolm.ipc.wakeup import Poker, WakeChannel, pid_alive, wake_address
 
-__all__ = ["DEFAULT_SLOT_BYTES", "PeerDied", "ShmAllReduce", "create_segment"]
+__all__ = ["PeerDied", "ShmAllReduce", "create_segment", "default_slot_bytes"]
 
 _MAGIC = 0x31524C414D4C41  # b"ALMALR1"
 _VERSION = 1
 _LINE = 64
 _H_MAGIC, _H_VERSION, _H_WORLD, _H_SLOT = range(4)
 _R_BASE = _LINE // 8  # rank r: word _R_BASE + 8 r = arrived generation, + 1 = pid, + 2 = sleeping
-# A prefill step's hidden states (2048 tokens x 576 float32 = 4.7 MB) in one chunk: every
-# chunk is a barrier, and each barrier where a rank had to sleep costs a wake-up.
-DEFAULT_SLOT_BYTES = 8 << 20
+# Up to a prefill step's hidden states (2048 tokens x 576 float32 = 4.7 MB) in one chunk:
+# every chunk is a barrier, and each barrier where a rank had to sleep costs a wake-up.
+# But the whole segment stays within SEGMENT_BUDGET, as containers often give /dev/shm
+# only 64 MB (and touching pages past a full tmpfs kills the process with SIGBUS).
+MAX_SLOT_BYTES = 8 << 20
+SEGMENT_BUDGET = 32 << 20
 _SPIN_S = 30e-6  # polling before sleeping on the wake socket
 _CHECK_S = 0.02  # how often a sleeping rank checks its peers' pids
 _ACCUMULATE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
@@ -68,17 +72,30 @@ def _data_offset(world_size: int) -> int:
     return _LINE * (1 + world_size)
 
 
-def create_segment(world_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> tuple[str, Callable[[], bool]]:
+def default_slot_bytes(world_size: int) -> int:
+    return min(MAX_SLOT_BYTES, SEGMENT_BUDGET // (2 * world_size) // _LINE * _LINE)
+
+
+def create_segment(world_size: int, slot_bytes: int | None = None) -> tuple[str, Callable[[], bool]]:
     """Create the segment for ``world_size`` ranks; returns its name and an unlink function.
 
     The caller (the engine) owns the name and calls the unlink function on shutdown;
-    an atexit hook unlinks it otherwise.
+    an atexit hook unlinks it otherwise. OSError if /dev/shm has no room for it.
     """
     if not 2 <= world_size <= 64:
         raise ValueError(f"world_size must be in 2..64, got {world_size}")
+    slot_bytes = default_slot_bytes(world_size) if slot_bytes is None else slot_bytes
     if slot_bytes < _LINE or slot_bytes % _LINE:
         raise ValueError(f"slot_bytes must be a positive multiple of {_LINE}, got {slot_bytes}")
-    name, mm, hook = segment.create(_data_offset(world_size) + 2 * world_size * slot_bytes)
+    size = _data_offset(world_size) + 2 * world_size * slot_bytes
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:  # no /dev/shm to ask: let the creation itself decide
+        free = size
+    if free < size:
+        raise OSError(errno.ENOSPC, f"/dev/shm has {free >> 20} MiB free, the all-reduce needs {size >> 20} MiB")
+    name, mm, hook = segment.create(size)
     u = memoryview(mm).cast("Q")
     u[_H_WORLD], u[_H_SLOT], u[_H_VERSION] = world_size, slot_bytes, _VERSION
     u[_H_MAGIC] = _MAGIC  # last: marks the header complete
