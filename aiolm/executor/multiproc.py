@@ -159,15 +159,28 @@ class MultiprocExecutor(Executor):
 
     async def _watch(self) -> None:
         while not self._closed:
-            why = self._exited()
-            if why is not None and not self._closed:
-                self._fail(why)
+            if self._exited() is not None and not self._closed:
+                self._fail(await self._death_reason("a worker exited"))
                 return
             await asyncio.sleep(0.2)
 
+    async def _death_reason(self, fallback: str, wait_s: float = 0.5) -> str:
+        """Why the workers are failing, once the cause can be named: a rank killed by a
+        signal takes a moment to become reapable (its threads are still being torn down)
+        while its peers may already have noticed, exited or closed their rings."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            codes = [p.poll() for p in self.procs]
+            done = any(c is not None and c < 0 for c in codes) or all(c is not None for c in codes)
+            if done or loop.time() >= deadline:
+                return self._exited() or fallback
+            await asyncio.sleep(0.02)
+
     def _exited(self) -> str | None:
         """Which workers have exited, one killed by a signal first: when a rank dies, its
-        tensor-parallel peers exit right after it on losing it, and the cause is the first."""
+        tensor-parallel peers exit right after it on losing it, and the cause is the first.
+        None while all run."""
         exited = [(r, p.pid, p.poll()) for r, p in enumerate(self.procs)]
         exited = sorted((e for e in exited if e[2] is not None), key=lambda e: (e[2] >= 0, e[0]))  # type: ignore[operator]
         if not exited:
@@ -196,7 +209,7 @@ class MultiprocExecutor(Executor):
         try:
             await self.requests.write_async(data)
         except (PeerDied, RingClosed) as e:
-            self._fail(self._exited() or f"a worker died: {e}")
+            self._fail(await self._death_reason(f"a worker died: {e}"))
             raise ExecutorError(self._dead or str(e)) from e
         for rank in responders:
             self._owed[rank] += 1
@@ -212,9 +225,9 @@ class MultiprocExecutor(Executor):
                 return buf
             except TimeoutError:
                 if self.procs[rank].poll() is not None:
-                    self._fail(self._exited() or f"worker {rank} exited")
+                    self._fail(await self._death_reason(f"worker {rank} exited"))
             except (PeerDied, RingClosed) as e:
-                self._fail(self._exited() or f"worker {rank} died: {e}")
+                self._fail(await self._death_reason(f"worker {rank} died: {e}"))
 
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:
