@@ -14,6 +14,7 @@ import asyncio
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,35 @@ def test_tp2_on_cuda_gives_tp1_tokens(tiny_llama):
             return await _greedy_tokens(engine)
 
     assert asyncio.run(tokens(2)) == asyncio.run(tokens(1))
+
+
+@pytest.mark.slow
+def test_sigkilled_engine_leaves_no_segment_behind(tiny_llama):
+    """The engine owns the all-reduce segment; if it is SIGKILLed, its ranks unlink it."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time; from aiolm import LLM; "
+            "llm = LLM(model=sys.argv[1], tensor_parallel_size=2, dtype='float32', max_model_len=256, "
+            "kv_cache_memory=16 << 20, num_threads=1); "
+            "print(llm.engine.executor.all_reduce_shm, flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, tiny_llama], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        name = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert name.startswith(f"aiolm_{proc.pid}_") and os.path.exists(f"/dev/shm/{name}")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _segments_of(proc.pid):
+            time.sleep(0.1)
+        assert not _segments_of(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{pid}_")]
