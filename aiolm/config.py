@@ -60,11 +60,15 @@ class EngineArgs:
     kv_cache_memory: int = _f(1 << 30, "bytes of KV cache per worker on CPU")
     block_size: int = _f(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
-    tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer")
+    tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer (one machine)")
     attention_backend: str = _f("auto", "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, "
                                         "triton on CUDA; torch is the reference)")
     enforce_eager: bool = _f(False, "on CUDA: never replay CUDA graphs (every step runs eagerly)")
     max_cudagraph_size: int = _f(256, "on CUDA: largest decode batch captured as a CUDA graph")
+    all_reduce: str = _f("auto", "all-reduce between tensor-parallel ranks: auto (CPU: shm, CUDA: symm_mem "
+                                 "where valid), shm, gloo, symm_mem, nccl; env AIOLM_ALL_REDUCE overrides auto")
+    cpu_bind: str = _f("auto", "CPU cores of tensor-parallel ranks: auto (disjoint blocks of the allowed "
+                               "cores), none, or one cpu list per rank like 0-3;4-7")
     executor: str = _f("mp", "mp (worker processes through shared memory) or local (in process, for debugging)")
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
@@ -88,6 +92,14 @@ class EngineArgs:
             raise ValueError(f"executor: {self.executor!r} is not supported; supported: mp, local")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        from aiolm.distributed.communicator import CHOICES
+
+        if self.all_reduce not in CHOICES:
+            raise ValueError(f"all_reduce: {self.all_reduce!r} is not supported; supported: {', '.join(CHOICES)}")
+        if self.cpu_bind not in ("auto", "none"):
+            from aiolm.distributed.cpu_bind import parse_cpu_bind
+
+            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
         if self.executor == "local" and self.tensor_parallel_size != 1:
             raise ValueError("executor 'local' runs one rank; use executor 'mp' for tensor_parallel_size > 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -81,6 +81,11 @@ class AsyncEngine:
         self.source = await asyncio.to_thread(resolve_model, a.model)
         self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         mc = self.source.config
+        from aiolm.distributed.sharding import split_error
+
+        why = split_error(a.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+        if why is not None:
+            raise ValueError(f"{self.source.name}: {why}")
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         self.model_name = a.served_model_name or self.source.name
         runner_cfg = RunnerConfig(
@@ -128,7 +133,8 @@ class AsyncEngine:
             holder: list[Executor] = []
             ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size,
                                    on_death=lambda reason: self._on_worker_death(holder[0], reason),
-                                   step_timeout=a.resolved_step_timeout(), incarnation=incarnation)
+                                   step_timeout=a.resolved_step_timeout(), incarnation=incarnation,
+                                   all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
             holder.append(ex)
         await ex.start()
         return ex

@@ -45,11 +45,17 @@ def _free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
                  on_death: Callable[[str], None] | None = None, step_timeout: float = 0.0,
-                 incarnation: int = 0) -> None:
+                 incarnation: int = 0, all_reduce: str = "auto",
+                 cpu_bind: str = "auto") -> None:
         self.cfg = cfg
         self.step_timeout = step_timeout  # 0: no watchdog
         self.incarnation = incarnation  # how many worker sets came before this one (for logs)
         self.world_size = world_size
+        self.all_reduce_requested = all_reduce
+        self.cpu_bind = cpu_bind
+        self.all_reduce: str | None = None  # what the ranks run, from their handshake
+        self.all_reduce_shm: str | None = None  # the CPU all-reduce segment, owned here
+        self._unlink_shm: Callable[[], bool] | None = None
         self.block_size = cfg.block_size
         self.startup_timeout = startup_timeout
         self.on_death = on_death
@@ -76,16 +82,19 @@ class MultiprocExecutor(Executor):
         # libgomp's threads spin for milliseconds after each parallel region by default,
         # so between steps they hold the cores that the engine loop and the worker's own
         # main thread need in order to wake up. 10000 spins (~0.1 ms) still bridge the
-        # gaps inside a forward pass: at 64 requests ipc_send fell from 1.4 to 0.5 ms
-        # with the forward unchanged (docs/benchmarks.md). A user's setting wins.
+        # gaps inside a forward pass, and cut the IPC time of a 64-request step
+        # (docs/benchmarks.md). A user's setting wins.
         env.setdefault("GOMP_SPINCOUNT", "10000")
         try:
+            self._make_all_reduce_segment()
             for rank in range(self.world_size):
                 cmd = [sys.executable, "-m", "aiolm.worker", "--rank", str(rank),
                        "--world-size", str(self.world_size),
                        "--request-ring", str(self.requests.handle()),
                        "--response-ring", str(self.responses[rank].handle()),
                        "--parent-pid", str(os.getpid()), "--dist-port", str(port),
+                       "--all-reduce", self.all_reduce_requested, "--cpu-bind", self.cpu_bind,
+                       *(["--all-reduce-shm", self.all_reduce_shm] if self.all_reduce_shm else []),
                        "--config", self.cfg.encode()]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
             infos = await self._handshakes()
@@ -94,9 +103,35 @@ class MultiprocExecutor(Executor):
             await self._stop(grace=0.5)
             raise
         self.num_blocks = min(i["num_blocks"] for i in infos)
+        self.all_reduce = str(infos[0].get("all_reduce"))
+        if self.world_size > 1:
+            log.info("%d tensor-parallel ranks, all-reduce: %s", self.world_size, self.all_reduce)
         if self.incarnation:
             log.info("worker set %d started: pids %s", self.incarnation, [p.pid for p in self.procs])
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    def _make_all_reduce_segment(self) -> None:
+        """The CPU ranks' shared all-reduce segment (communicator.py decides who uses it).
+
+        Created here so that its name has one owner that outlives every rank: a
+        SIGKILLed rank leaves nothing behind, and shutdown unlinks it.
+        """
+        from aiolm.distributed.communicator import check_for_device, requested_all_reduce
+
+        requested = requested_all_reduce(self.all_reduce_requested)
+        self.all_reduce_requested = requested
+        device_type = self.cfg.device.split(":", 1)[0]
+        check_for_device(requested, device_type)
+        if self.world_size == 1 or device_type != "cpu" or requested not in ("auto", "shm"):
+            return
+        from aiolm.distributed.shm_allreduce import create_segment
+
+        try:
+            self.all_reduce_shm, self._unlink_shm = create_segment(self.world_size)
+        except OSError as e:
+            if requested == "shm":
+                raise ExecutorError(f"cannot create the shared-memory all-reduce segment: {e}") from e
+            log.warning("no shared-memory all-reduce (%s); the ranks fall back to gloo", e)
 
     async def _handshakes(self) -> list[dict[str, int]]:
         """Every rank's ready message; the first failure (or the timeout) cancels the rest."""
@@ -135,12 +170,33 @@ class MultiprocExecutor(Executor):
 
     async def _watch(self) -> None:
         while not self._closed:
-            for rank, p in enumerate(self.procs):
-                code = p.poll()
-                if code is not None and not self._closed:
-                    self._fail(f"worker {rank} (pid {p.pid}) exited with code {code}")
-                    return
+            if self._exited() is not None and not self._closed:
+                self._fail(await self._death_reason("a worker exited"))
+                return
             await asyncio.sleep(0.2)
+
+    async def _death_reason(self, fallback: str, wait_s: float = 0.5) -> str:
+        """Why the workers are failing, once the cause can be named: a rank killed by a
+        signal takes a moment to become reapable (its threads are still being torn down)
+        while its peers may already have noticed, exited or closed their rings."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            codes = [p.poll() for p in self.procs]
+            done = any(c is not None and c < 0 for c in codes) or all(c is not None for c in codes)
+            if done or loop.time() >= deadline:
+                return self._exited() or fallback
+            await asyncio.sleep(0.02)
+
+    def _exited(self) -> str | None:
+        """Which workers have exited, one killed by a signal first: when a rank dies, its
+        tensor-parallel peers exit right after it on losing it, and the cause is the first.
+        None while all run."""
+        exited = [(r, p.pid, p.poll()) for r, p in enumerate(self.procs)]
+        exited = sorted((e for e in exited if e[2] is not None), key=lambda e: (e[2] >= 0, e[0]))  # type: ignore[operator]
+        if not exited:
+            return None
+        return "; ".join(f"worker {r} (pid {pid}) exited with code {code}" for r, pid, code in exited)
 
     def _fail(self, reason: str, detail: str | None = None) -> None:
         if self._dead is None:
@@ -165,7 +221,7 @@ class MultiprocExecutor(Executor):
         try:
             await self.requests.write_async(data)
         except (PeerDied, RingClosed) as e:
-            self._fail(f"a worker died: {e}")
+            self._fail(await self._death_reason(f"a worker died: {e}"))
             raise ExecutorError(self._dead or str(e)) from e
         for rank in responders:
             self._owed[rank] += 1
@@ -189,11 +245,10 @@ class MultiprocExecutor(Executor):
                     continue  # the answer to a cancelled call
                 return buf
             except TimeoutError:
-                code = self.procs[rank].poll()
-                if code is not None:
-                    self._fail(f"worker {rank} (pid {self.procs[rank].pid}) exited with code {code}")
+                if self.procs[rank].poll() is not None:
+                    self._fail(await self._death_reason(f"worker {rank} exited"))
             except (PeerDied, RingClosed) as e:
-                self._fail(f"worker {rank} died: {e}")
+                self._fail(await self._death_reason(f"worker {rank} died: {e}"))
 
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:
@@ -244,6 +299,8 @@ class MultiprocExecutor(Executor):
             if ring is not None:
                 ring.close()
                 ring.unlink()
+        if self._unlink_shm is not None:
+            self._unlink_shm()
 
 
 async def _reap(p: subprocess.Popen[bytes], timeout: float) -> None:

@@ -40,15 +40,11 @@ import atexit
 import functools
 import mmap
 import os
-import platform
-import re
-import secrets
-import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-import posix_ipc
-
+from aiolm.ipc import segment
 from aiolm.ipc.wakeup import Poker, WakeChannel, pid_alive, wake_address
 
 __all__ = ["PeerDied", "RingClosed", "RingHandle", "ShmRing"]
@@ -65,22 +61,10 @@ _SLOT_HDR = 16
 _FIRST, _LAST = 1, 2
 _DETACHED = (1 << 64) - 1  # reader pid word after a clean detach: writer stops waiting for it
 _SLICE_S = 0.25  # longest single block before re-checking peers
-_NAME_RE = re.compile(r"^aiolm_[0-9]+_[0-9a-f]+$")
+_NAME_RE = segment.NAME_RE
 
-# A store->load fence: a lock round trip is a locked (sequentially consistent)
-# instruction in every CPython build. Needed even on x86 for the sleeping
-# handshake (each side stores its own word, then loads the other's).
-_fence_lock = threading.Lock()
-
-
-def _fence() -> None:
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-
-# x86 keeps stores in order and loads in order; other CPUs need a fence between
-# the payload copy and the counter that publishes (or releases) it.
-_WEAK_ORDER = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686", "x86"}
+_fence = segment.fence
+_WEAK_ORDER = segment.WEAK_ORDER
 
 
 class RingClosed(EOFError):
@@ -116,12 +100,7 @@ class RingHandle:
         return _unlink(self.name)
 
 
-def _unlink(name: str) -> bool:
-    try:
-        posix_ipc.unlink_shared_memory("/" + name)
-    except posix_ipc.ExistentialError:
-        return False
-    return True
+_unlink = segment.unlink
 
 
 def _align(n: int, a: int = _LINE) -> int:
@@ -155,7 +134,7 @@ class ShmRing:
         self._owner = owner
         self._spin_s = spin_s
         self._closed = False
-        self._atexit: functools.partial | None = None
+        self._atexit: Callable[[], bool] | None = None
         self._poker = Poker()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
@@ -209,25 +188,7 @@ class ShmRing:
             raise ValueError(f"slot_size must be in [64, 2**32), got {slot_size}")
         stride = _align(_SLOT_HDR + slot_size)
         total = _align(_LINE * (2 + num_readers)) + stride * num_slots
-        for _ in range(16):
-            name = f"aiolm_{os.getpid()}_{secrets.token_hex(6)}"
-            try:
-                shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=total)
-                break
-            except posix_ipc.ExistentialError:
-                continue
-        else:  # pragma: no cover - 16 random 48-bit collisions
-            raise RuntimeError("could not pick a unique shared-memory name")
-        hook = functools.partial(_unlink, name)
-        atexit.register(hook)
-        try:
-            mm = mmap.mmap(shm.fd, total)
-        except BaseException:
-            shm.close_fd()
-            _unlink(name)
-            atexit.unregister(hook)
-            raise
-        shm.close_fd()
+        name, mm, hook = segment.create(total)
         u = memoryview(mm).cast("Q")
         u[_H_READERS], u[_H_SLOTS], u[_H_SLOT_SIZE], u[_H_STRIDE] = num_readers, num_slots, slot_size, stride
         u[_H_VERSION] = _VERSION
@@ -249,11 +210,7 @@ class ShmRing:
         """Open an existing ring as reader ``reader_rank`` (``None``: as its writer)."""
         if isinstance(handle, str):
             handle = RingHandle.parse(handle)
-        shm = posix_ipc.SharedMemory("/" + handle.name)
-        try:
-            mm = mmap.mmap(shm.fd, shm.size)
-        finally:
-            shm.close_fd()
+        mm = segment.attach(handle.name)
         try:
             return cls(handle.name, mm, reader_rank, False, spin_s)
         except BaseException:

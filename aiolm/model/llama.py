@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "load_shard"):
                 module.load_shard(pname, tensor, shard)
             else:
-                getattr(module, pname).data.copy_(tensor)
+                getattr(module, pname).data.copy_(tensor[...])
             seen.add(f"{mod_path}.{pname}#{shard}")
         self._check_complete(seen)
 

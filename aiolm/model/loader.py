@@ -58,14 +58,19 @@ class ModelSource:
                 raise ModelLoadError(f"{f}: listed in model.safetensors.index.json but missing")
         return files
 
-    def iter_weights(self) -> Iterator[tuple[str, "Any"]]:
-        """Yield (hf_name, tensor) lazily, one file open at a time."""
+    def iter_weights(self, lazy: bool = False) -> Iterator[tuple[str, "Any"]]:
+        """Yield (hf_name, tensor) lazily, one file open at a time.
+
+        ``lazy``: yield a ``LazyWeight`` instead, which reads only the part it is indexed
+        with, so a tensor-parallel rank copies only its own slice of each tensor. It is
+        valid until the next item is taken.
+        """
         from safetensors import safe_open
 
         for f in self.safetensors_files():
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    yield name, LazyWeight(st.get_slice(name)) if lazy else st.get_tensor(name)
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -86,6 +91,23 @@ class ModelSource:
             if e is not None and e not in ids:
                 ids.append(int(e))
         return tuple(ids)
+
+
+class LazyWeight:
+    """A tensor still in its safetensors file: ``shape``, and ``w[index]`` reads only that
+    part (``w[...]`` all of it). ``bytes_read`` counts what indexing has read so far."""
+
+    def __init__(self, part: Any) -> None:
+        import torch
+
+        self._part = part
+        self.shape = torch.Size(part.get_shape())
+        self.bytes_read = 0
+
+    def __getitem__(self, index: Any) -> Any:
+        t = self._part[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
 
 def embedded_model_path() -> Path:

@@ -87,7 +87,7 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     platform = get_platform(device)
     with use_attention_backend(platform.attention_backend(attention)):
         model = model_class(source.config)(source.config, max_positions)
-    model.load_weights(source.iter_weights())
+    model.load_weights(source.iter_weights(lazy=True))  # a rank reads only its slices
     return platform.prepare_model(model, source, dtype)
 
 

@@ -86,12 +86,10 @@ class Platform:
         """Bytes the KV cache of ``runner`` (a ModelRunner with its model loaded) may take."""
         return runner.cfg.kv_cache_memory
 
-    def make_tp_group(self, rank: int, world_size: int, port: int) -> Any:
-        """The tensor-parallel group whose all-reduce row-parallel layers end in."""
-        from aiolm.distributed.parallel_state import TPGroup
+    def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
+                      shm_name: str | None = None, cpu_bind: str = "auto") -> tuple[Any, str]:
+        """This rank's tensor-parallel group (whose all-reduce row-parallel layers end in)
+        and the name of the all-reduce behind it (aiolm/distributed/communicator.py)."""
+        from aiolm.distributed.communicator import make_tp_group
 
-        if world_size == 1:
-            return TPGroup()
-        from aiolm.distributed.gloo_group import make_group
-
-        return make_group(rank, world_size, port)
+        return make_tp_group(rank, world_size, self.name, all_reduce, shm_name=shm_name, port=port)

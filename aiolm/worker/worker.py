@@ -17,9 +17,9 @@ import time
 import traceback
 
 from aiolm.config import RunnerConfig
-from aiolm.ipc import codec
+from aiolm.ipc import codec, segment
 from aiolm.ipc.lifeline import exit_on_signals, parent_alive
-from aiolm.ipc.shm_ring import RingClosed, RingHandle, ShmRing
+from aiolm.ipc.shm_ring import PeerDied, RingClosed, RingHandle, ShmRing
 
 log = logging.getLogger("aiolm.worker")
 
@@ -41,6 +41,11 @@ def _injected_fault(path: str) -> None:
     raise InjectedFault(f"{FAULT_ENV}: fault injected by {path}")
 
 
+def torch_device_type(device: str) -> str:
+    """'cpu' or 'cuda' for a RunnerConfig device string ('cuda:1' -> 'cuda')."""
+    return device.split(":", 1)[0]
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aiolm.worker")
     p.add_argument("--rank", type=int, required=True)
@@ -49,6 +54,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--response-ring", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--dist-port", type=int, default=0, help="loopback port for the rank rendezvous")
+    p.add_argument("--all-reduce", default="auto", help="distributed/communicator.py CHOICES")
+    p.add_argument("--all-reduce-shm", default=None, help="the engine's all-reduce segment (CPU)")
+    p.add_argument("--cpu-bind", default="auto", help="auto, none, or cpu lists per rank: 0-3;4-7")
     p.add_argument("--config", required=True, help="base64 pickle of RunnerConfig")
     return p.parse_args(argv)
 
@@ -71,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if not parent_alive(args.parent_pid):
             for h in handles:  # the engine was killed: nobody else will unlink its rings
                 h.unlink()
+            if args.all_reduce_shm:
+                segment.unlink(args.all_reduce_shm)
         requests.close()
         responses.close()
 
@@ -82,12 +92,15 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
 
     try:
         cfg = RunnerConfig.decode(args.config)
-        set_tp_group(get_platform(cfg.device).make_tp_group(args.rank, args.world_size, args.dist_port))
+        group, all_reduce = get_platform(cfg.device).make_tp_group(
+            args.rank, args.world_size, args.dist_port, all_reduce=args.all_reduce,
+            shm_name=args.all_reduce_shm, cpu_bind=args.cpu_bind)
+        set_tp_group(group)
         runner = ModelRunner(cfg)
     except BaseException as e:
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
-    responses.write(codec.encode(("ready", runner.kv_cache_info())))
+    responses.write(codec.encode(("ready", dict(runner.kv_cache_info(), all_reduce=all_reduce))))
     from aiolm.core.outputs import SchedulerOutput
 
     steps = 0
@@ -109,6 +122,9 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
                 if fault_path:
                     _injected_fault(fault_path)
                 out = runner.execute(msg)
+            except (PeerDied, TimeoutError) as e:  # a tensor-parallel peer is gone or stuck
+                log.error("rank %d stops: %s", args.rank, e)
+                return 1
             except Exception as e:
                 # The persistent batch may be half-updated: report the cause with its
                 # traceback through the response ring (the engine logs it and replaces

@@ -244,11 +244,12 @@ def test_cancelled_call_then_worker_killed_mid_step(tiny):
     _assert_clean(ex, before)
 
 
-# -- tensor parallel over gloo -----------------------------------------------------------
+# -- tensor parallel: shared-memory all-reduce, and the gloo fallback ------------------------
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_one_rank_and_transformers_then_a_rank_dies(tiny):
+@pytest.mark.parametrize("all_reduce", ["shm", "gloo"])
+def test_tensor_parallel_2_matches_one_rank_and_transformers_then_a_rank_dies(tiny, all_reduce):
     path, hf = tiny
     prompts = _prompts(4)
     max_new = 10
@@ -269,11 +270,13 @@ def test_tensor_parallel_2_matches_one_rank_and_transformers_then_a_rank_dies(ti
 
     deaths: list[float] = []
     ex = MultiprocExecutor(_cfg(path), world_size=2, startup_timeout=180,
-                           on_death=lambda why: deaths.append(time.monotonic()))
+                           on_death=lambda why: deaths.append(time.monotonic()), all_reduce=all_reduce)
 
     async def two_ranks():
         await ex.start()
         try:
+            assert ex.all_reduce == all_reduce
+            assert (ex.all_reduce_shm is not None) == (all_reduce == "shm")
             infos = await ex.collective_rpc("kv_cache_info")
             assert len(infos) == 2 and all(i["block_size"] == BLOCK for i in infos)
             assert ex.num_blocks == min(i["num_blocks"] for i in infos)

@@ -1,8 +1,10 @@
-"""Linear layers shaped for tensor parallelism (a world of one rank today).
+"""Linear layers shaped for tensor parallelism.
 
 Column-parallel layers split their output features across ranks (QKV, gate/up);
 row-parallel ones split their input features and end in an all-reduce (o, down).
-Fused layers load each Hugging Face shard into its slice via ``load_shard``.
+Fused layers load each Hugging Face shard into its slice via ``load_shard``, which
+indexes the loaded tensor only where this rank's slice lies (a ``LazyWeight`` from
+model/loader.py then reads nothing else).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.distributed.sharding import kv_head_for_rank
 
 LinearMethod = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -67,10 +70,13 @@ class ColumnParallelLinear(PackableLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; KV heads are replicated when there are fewer than ranks."""
+    """Fused q/k/v projection; KV heads are replicated when there are fewer than ranks
+    (distributed/sharding.py says which one a rank holds)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         tp = get_tp_group().world_size
+        if num_kv_heads < tp and tp % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over tensor parallel size {tp}")
         self.kv_replicas = max(1, tp // num_kv_heads)
         kv_global = max(num_kv_heads, tp) * head_dim
         super().__init__(hidden, [num_heads * head_dim, kv_global, kv_global], bias)
@@ -78,10 +84,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
-        if shard > 0 and self.kv_replicas > 1:
-            loaded = loaded.view(self.num_kv_heads, self.head_dim, *loaded.shape[1:])
-            loaded = loaded.repeat_interleave(self.kv_replicas, 0).flatten(0, 1)
-        super().load_shard(name, loaded, shard)
+        if shard == 0 or self.kv_replicas == 1:
+            return super().load_shard(name, loaded, shard)
+        param = self.weight if name == "weight" else self.bias
+        assert param is not None, f"no {name} in this layer"
+        d = self.head_dim
+        if loaded.shape[0] != self.num_kv_heads * d:
+            raise ValueError(f"{name} shard {shard}: expected {self.num_kv_heads * d} rows, got {loaded.shape[0]}")
+        head = kv_head_for_rank(self.tp_rank, self.tp_size, self.num_kv_heads)[0]
+        start = sum(self.local_sizes[:shard])
+        param.data[start:start + d].copy_(loaded[head * d:(head + 1) * d])
 
 
 class RowParallelLinear(PackableLinear):
@@ -104,7 +116,7 @@ class RowParallelLinear(PackableLinear):
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if name == "bias":
             assert self.bias is not None
-            self.bias.data.copy_(loaded)
+            self.bias.data.copy_(loaded[...])
             return
         r = self.tp.rank
         self.weight.data.copy_(loaded[:, r * self.local_in:(r + 1) * self.local_in])
