@@ -4,7 +4,7 @@
 
 1. SmolLM2-135M's linear shapes at several batch sizes: F.linear (MKL) against
    oneDNN with the weight packed once, aiolm::panel_linear over 16-column panels
-   (model/layers/cpu_linear.py) and the GGUF file's own blocks
+   (platforms/cpu_linear.py) and the GGUF file's own blocks
    (aiolm::gguf_linear). Weights stay in cache here, which flatters every method.
 1b. All 30 layers' four linears in sequence, distinct weights per layer as in a
    real step, oneDNN against the panels (runs interleaved, medians).

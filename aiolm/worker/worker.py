@@ -41,11 +41,6 @@ def _injected_fault(path: str) -> None:
     raise InjectedFault(f"{FAULT_ENV}: fault injected by {path}")
 
 
-def torch_device_type(device: str) -> str:
-    """'cpu' or 'cuda' for a RunnerConfig device string ('cuda:1' -> 'cuda')."""
-    return device.split(":", 1)[0]
-
-
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aiolm.worker")
     p.add_argument("--rank", type=int, required=True)
