@@ -69,7 +69,10 @@ def _run_tp(model: str | None, tp: int, kill_rank: int | None = None) -> list[li
     """Greedy tokens of PROMPTS with ``tp`` ranks; then optionally kill a rank mid-stream."""
     before = _our_segments()
     lt = LoopThread()
-    engine = AsyncEngine(model=model, tensor_parallel_size=tp, dtype="float32", **ENGINE_ARGS)
+    # With a rank to kill, recovery is off: this checks the fail-fast path (tests/reliability
+    # covers recovery).
+    engine = AsyncEngine(model=model, tensor_parallel_size=tp, dtype="float32", **ENGINE_ARGS,
+                         worker_recovery=kill_rank is None)
     try:
         lt.run(engine.start(), timeout=600)
         ex = engine.executor
