@@ -237,5 +237,5 @@ class Gemma3ForCausalLM(nn.Module):
 def _offset_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         if name.endswith("norm.weight"):
-            tensor = tensor.float() + 1.0
+            tensor = tensor[...].float() + 1.0  # a norm weight is small: read it whole (LazyWeight or tensor)
         yield name, tensor
