@@ -19,6 +19,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from aiolm.distributed.gloo_group import collectives
 from aiolm.distributed.parallel_state import TPGroup
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,7 @@ def make_group(rank: int, world_size: int, port: int, prefer_symm_mem: bool = Tr
     group = dist.group.WORLD
     assert group is not None
 
-    def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
-        return x
-
-    def all_gather(x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+    nccl_all_reduce, all_gather = collectives(world_size)
 
     reason = symm_mem_unusable_reason(world_size) if prefer_symm_mem else "nccl was asked for"
     symm: SymmMemAllReduce | None = None

@@ -6,6 +6,8 @@ rendezvous port is chosen by the engine and passed on each worker's command line
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -14,6 +16,12 @@ from aiolm.distributed.parallel_state import TPGroup
 
 def make_group(rank: int, world_size: int, port: int) -> TPGroup:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    return TPGroup(rank, world_size, *collectives(world_size))
+
+
+def collectives(world_size: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """All-reduce (in place) and all-gather (concatenated on the last dim) over the default
+    torch.distributed group, whatever its backend (gloo here, NCCL in cuda_allreduce.py)."""
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
@@ -24,4 +32,4 @@ def make_group(rank: int, world_size: int, port: int) -> TPGroup:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
-    return TPGroup(rank, world_size, all_reduce, all_gather)
+    return all_reduce, all_gather
