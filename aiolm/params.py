@@ -45,6 +45,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # None: every token; else only these
+    # Token sequences never to complete: the last token of each is forbidden whenever the
+    # output so far ends with the ones before it (a one-token sequence: always).
+    bad_words_token_ids: list[list[int]] | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
@@ -109,6 +113,15 @@ class SamplingParams:
                       f"bias for token {tok} must be in [-100, 100], got {v!r}")
                 clean[tok] = float(v)
             self.logit_bias = clean
+        if self.allowed_token_ids is not None:
+            check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
+                  and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                  "allowed_token_ids", "must be a non-empty list of non-negative integers")
+        if self.bad_words_token_ids is not None:
+            check(isinstance(self.bad_words_token_ids, list)
+                  and all(isinstance(w, list) and w and all(is_int(t) and t >= 0 for t in w)
+                          for w in self.bad_words_token_ids),
+                  "bad_words_token_ids", "must be a list of non-empty lists of non-negative integers")
         check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",

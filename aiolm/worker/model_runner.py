@@ -18,12 +18,17 @@ from aiolm.attention.torch_backend import kv_cache_shape
 from aiolm.config import RunnerConfig
 from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aiolm.model.loader import resolve_model
+<<<<<<< HEAD
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
+=======
+from aiolm.model.registry import build_model, kv_cache_dtype, resolve_dtype
+from aiolm.sample import logits_processors
+from aiolm.sample.sampler import Sampler, SamplingMetadata
+>>>>>>> logits
 from aiolm.worker.input_batch import InputBatch
-from aiolm.worker.sampler import Sampler, SamplingMetadata
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +125,8 @@ class ModelRunner:
         self._meta = SamplingMetadata.build(
             params,  # type: ignore[arg-type]
             [b.output_tokens(r).tolist() for r in rows],
-            [b.prompt_tokens(r).tolist() if _needs_prompt(b.params[r]) else [] for r in rows],
+            [b.prompt_tokens(r).tolist() if logits_processors.needs_prompt(p) else []  # type: ignore[arg-type]
+             for r, p in zip(rows, params)],
             self.vocab_size, self.device,
             generators=[b.generators[r] for r in rows],
             default_generator=self.default_generator)
@@ -145,10 +151,6 @@ class ModelRunner:
 
     def kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}
-
-
-def _needs_prompt(params: object) -> bool:
-    return getattr(params, "repetition_penalty", 1.0) != 1.0
 
 
 def call_on_runner(runner: ModelRunner, method: str | Callable[..., Any], args: tuple = (),

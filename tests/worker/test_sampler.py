@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aiolm.params import SamplingParams
-from aiolm.worker.sampler import Sampler, SamplingMetadata, make_generator
+from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
 
 sampler = Sampler()
 

@@ -1,0 +1,1 @@
+"""Sampling: the sampler core (``sampler.py``) and the logits processors it runs first."""
