@@ -18,16 +18,12 @@ from aiolm.attention.torch_backend import kv_cache_shape
 from aiolm.config import RunnerConfig
 from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aiolm.model.loader import resolve_model
-<<<<<<< HEAD
+from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
-from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
-=======
-from aiolm.model.registry import build_model, kv_cache_dtype, resolve_dtype
 from aiolm.sample import logits_processors
 from aiolm.sample.sampler import Sampler, SamplingMetadata
->>>>>>> logits
+from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
 from aiolm.worker.input_batch import InputBatch
 
 log = logging.getLogger(__name__)
