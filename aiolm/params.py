@@ -133,8 +133,10 @@ class SamplingParams:
               "stop", "must be a non-empty string or a list of non-empty strings")
         check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "must be a list of non-negative integers")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        # The upper bound is the engine's --max-logprobs, checked where the engine is known
+        # (engine/input.py), so one flag sets it for the server and the library alike.
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+              "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
 
     @property

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from aiolm.config import EngineArgs
 from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.schema import Bool, Enum, Field, Int, ListOf, MapOf, Num, Obj, OneOf, Spec, Str
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 64
-MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,23 @@ class Limits:
 
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions batch
-    max_logprobs: int = MAX_LOGPROBS
+    max_logprobs: int = EngineArgs.max_logprobs  # the engine's --max-logprobs
+    lenient: bool = False  # unknown request fields: a logged warning instead of a 400
+
+
+_NOOP = "accepted for OpenAI compatibility; has no effect on this server"
+
+
+def _noop_fields() -> dict[str, Field]:
+    """Fields OpenAI defines that do not apply to a self-hosted model: accepted, documented, unused."""
+    return {
+        "store": Field(Bool(), doc=_NOOP + " (nothing is stored)"),
+        "metadata": Field(MapOf(Str(max_len=512), max_items=16), doc=_NOOP + " (nothing is stored)"),
+        "service_tier": Field(Str(max_len=64), doc=_NOOP + " (one tier)"),
+        "user": Field(Str(max_len=256), doc=_NOOP + " beyond the access log"),
+        "safety_identifier": Field(Str(max_len=256), doc=_NOOP),
+        "prompt_cache_key": Field(Str(max_len=256), doc=_NOOP + " (prefix caching is automatic)"),
+    }
 
 
 def _sampling_fields(limits: Limits) -> dict[str, Field]:
@@ -48,10 +64,12 @@ def _sampling_fields(limits: Limits) -> dict[str, Field]:
         "logit_bias": Field(MapOf(Num(ge=-100, le=100), max_items=1024), doc="token id -> bias"),
         "ignore_eos": Field(Bool(), default=False),
         "min_tokens": Field(Int(0, 2**31 - 1), default=0),
-        "user": Field(Str(max_len=256)),
+        **_noop_fields(),
         "stream": Field(Bool(), default=False),
         "stream_options": Field(Obj({"include_usage": Field(Bool(), default=False),
-                                     "continuous_usage_stats": Field(Bool(), default=False)})),
+                                     "continuous_usage_stats": Field(Bool(), default=False)},
+                                    lenient=limits.lenient),
+                                doc="only with 'stream': true"),
         "skip_special_tokens": Field(Bool(), default=True),
         "spaces_between_special_tokens": Field(Bool(), default=True),
         "include_stop_str_in_output": Field(Bool(), default=False),
@@ -59,17 +77,19 @@ def _sampling_fields(limits: Limits) -> dict[str, Field]:
     }
 
 
-def _content_spec() -> Spec:
-    part = Obj({"type": Field(Enum(("text",)), required=True), "text": Field(Str(), required=True)})
+def _content_spec(lenient: bool) -> Spec:
+    part = Obj({"type": Field(Enum(("text",)), required=True), "text": Field(Str(), required=True)},
+               lenient=lenient)
     return OneOf(Str(), ListOf(part, max_items=256), what="a string or a list of text parts")
 
 
 def chat_request(limits: Limits) -> Obj:
     message = Obj({
         "role": Field(Enum(("system", "developer", "user", "assistant", "tool")), required=True),
-        "content": Field(_content_spec()),
+        "content": Field(_content_spec(limits.lenient)),
         "name": Field(Str()),
-    })
+        "refusal": Field(Str(), doc=_NOOP + " (an earlier answer's refusal text is not shown to the model)"),
+    }, lenient=limits.lenient)
     fields = {
         "messages": Field(ListOf(message, min_items=1, max_items=4096), required=True),
         **_sampling_fields(limits),
@@ -77,12 +97,16 @@ def chat_request(limits: Limits) -> Obj:
         "logprobs": Field(Bool(), default=False),
         "top_logprobs": Field(Int(0, limits.max_logprobs)),
         "response_format": Field(Obj({"type": Field(Enum(("text", "json_object", "json_schema")),
-                                                    required=True)})),
+                                                    required=True)}, lenient=limits.lenient)),
         "tools": Field(ListOf(MapOf(_Any()))),
+        "tool_choice": Field(OneOf(Enum(("none", "auto", "required")), MapOf(_Any())),
+                             doc="'none' or 'auto' without tools is a no-op; anything else needs tools"),
+        "parallel_tool_calls": Field(Bool(), doc=_NOOP + " without tools"),
+        "modalities": Field(ListOf(Enum(("text",)), max_items=1), doc="only ['text']"),
         "add_generation_prompt": Field(Bool(), default=True),
         "continue_final_message": Field(Bool(), default=False),
     }
-    return Obj(fields)
+    return Obj(fields, lenient=limits.lenient)
 
 
 def completion_request(limits: Limits) -> Obj:
@@ -100,22 +124,23 @@ def completion_request(limits: Limits) -> Obj:
         "add_special_tokens": Field(Bool(), default=True),
     }
     fields["max_tokens"] = Field(Int(ge=1), default=16, doc="most tokens to generate")
-    return Obj(fields)
+    return Obj(fields, lenient=limits.lenient)
 
 
-def tokenize_request() -> Obj:
+def tokenize_request(limits: Limits = Limits()) -> Obj:
     return Obj({
         "model": Field(Str()),
         "prompt": Field(Str()),
-        "messages": Field(chat_request(Limits()).fields["messages"].spec),
+        "messages": Field(chat_request(limits).fields["messages"].spec),
         "add_special_tokens": Field(Bool(), default=True),
         "add_generation_prompt": Field(Bool(), default=True),
         "return_token_strs": Field(Bool(), default=False),
-    })
+    }, lenient=limits.lenient)
 
 
-def detokenize_request() -> Obj:
-    return Obj({"model": Field(Str()), "tokens": Field(ListOf(Int(ge=0)), required=True)})
+def detokenize_request(limits: Limits = Limits()) -> Obj:
+    return Obj({"model": Field(Str()), "tokens": Field(ListOf(Int(ge=0)), required=True)},
+               lenient=limits.lenient)
 
 
 class _Any(Spec):
@@ -161,7 +186,19 @@ def message_text(content: Any) -> str | None:
     return "".join(part["text"] for part in content)
 
 
+def check_stream_options(req: dict[str, Any]) -> None:
+    """OpenAI refuses stream options on a request that does not stream; so do we."""
+    if req["stream_options"] is not None and not req["stream"]:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          param="stream_options")
+
+
 def check_unsupported_chat(req: dict[str, Any]) -> None:
+    check_stream_options(req)
+    choice = req["tool_choice"]
+    if choice is not None and choice not in ("none", "auto") and not req["tools"]:
+        raise bad_request(f"'tool_choice' {choice!r} needs 'tools'; tool calling is not supported by this "
+                          f"server", param="tool_choice")
     fmt = req["response_format"]
     if fmt is not None and fmt["type"] != "text":
         raise bad_request(f"response_format {fmt['type']!r} is not supported; only 'text'",
@@ -173,6 +210,7 @@ def check_unsupported_chat(req: dict[str, Any]) -> None:
 
 
 def check_unsupported_completion(req: dict[str, Any]) -> None:
+    check_stream_options(req)
     if req["suffix"]:
         raise bad_request("'suffix' is not supported", param="suffix")
     if req["best_of"] is not None and req["best_of"] != req["n"]:

@@ -35,10 +35,13 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     access_log: bool = True
     web_ui: bool = True
+    lenient_fields: bool = False
+    max_logprobs: int = EngineArgs.max_logprobs  # the engine's flag, so the API's bounds match it
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_n=self.max_n, max_prompts=self.max_prompts)
+        return Limits(max_n=self.max_n, max_prompts=self.max_prompts, max_logprobs=self.max_logprobs,
+                      lenient=self.lenient_fields)
 
 
 def _seconds(text: str) -> float:
@@ -76,6 +79,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="one JSON line per HTTP request on the 'aiolm.access' logger")
     g.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=d.web_ui,
                    help="serve the chat page at / (static files in aiolm/server/web)")
+    g.add_argument("--lenient-fields", action="store_true", default=d.lenient_fields,
+                   help="log a warning for request fields the server does not implement instead of a 400")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
 
 
@@ -83,7 +88,8 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         api_key=ns.api_key or None, allowed_origins=list(ns.allowed_origins or []),
         max_request_bytes=ns.max_request_bytes, max_n=ns.max_n, max_prompts=ns.max_prompts,
-        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui)
+        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui,
+        lenient_fields=ns.lenient_fields, max_logprobs=ns.max_logprobs)
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:

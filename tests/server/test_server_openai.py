@@ -243,6 +243,24 @@ def test_request_errors(client, model, server):
     assert r.headers["x-request-id"] == "trace-42"
 
 
+def test_unknown_fields_are_refused_through_the_client(client, model):
+    """The openai client's extra_body reaches the server; what it does not implement is a 400 naming it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2,
+                                       extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search" and e.value.body["code"] == "unrecognized_argument"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"frobnicate": 1})
+    assert e.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI refuses this too
+        client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2,
+                                       stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+    out = client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2, store=False,
+                                         metadata={"k": "v"}, user="u", service_tier="auto")
+    assert out.choices[0].finish_reason == "length"  # the no-op fields are accepted
+
+
 @pytest.mark.slow
 def test_disconnect_frees_the_request(server, model):
     auth = {"authorization": f"Bearer {API_KEY}"}
