@@ -68,6 +68,8 @@ class EngineArgs:
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
+    structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
+                                                     "or none (requests asking for them are refused)")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
 
     def __post_init__(self) -> None:
@@ -81,6 +83,9 @@ class EngineArgs:
             raise ValueError(f"device: {self.device!r} is not supported; supported: auto, cpu, cuda")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.structured_outputs_backend not in ("xgrammar", "none"):
+            raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
+                             f"supported: xgrammar, none")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from aiolm.structured.spec import KINDS, StructuredOutputs
+
 
 class ParamError(ValueError):
     """A request parameter is invalid; ``param`` names the field (OpenAI's ``param``)."""
@@ -56,6 +58,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled one
+    # The output must match this grammar (aiolm/structured/); the engine validates its text.
+    structured_outputs: StructuredOutputs | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
@@ -137,6 +141,10 @@ class SamplingParams:
         # (engine/input.py), so one flag sets it for the server and the library alike.
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            check(isinstance(so, StructuredOutputs) and so.kind in KINDS and isinstance(so.text, str),
+                  "structured_outputs", f"must be StructuredOutputs with a kind in {KINDS}")
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
 
     @property

@@ -27,6 +27,7 @@ from aiolm.engine.output import OutputProcessor, RequestState
 from aiolm.executor.base import Executor
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
+from aiolm.structured.backend import Validator
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class AsyncEngine:
         self.executor: Executor | None = None
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
+        self.grammars = Validator(self.args.structured_outputs_backend)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self._submissions = itertools.count()
 
@@ -108,6 +110,7 @@ class AsyncEngine:
                 await actor.stop()
         if self.executor is not None:
             await self.executor.shutdown()
+        self.grammars.close()
         self._started = False
 
     def _on_crash(self, actor: Any, error: BaseException) -> None:
@@ -147,6 +150,7 @@ class AsyncEngine:
         self._check_alive()
         assert self.output is not None and self.core is not None
         params = self.inputs.params(params)
+        await self.grammars.check(params.structured_outputs)  # off the loop, cached by the grammar's text
         processed = await self.inputs.process(prompt)
         self._check_alive()
         rid = request_id if request_id is not None else self.inputs.new_request_id()

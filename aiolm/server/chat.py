@@ -13,7 +13,8 @@ from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import chat_logprobs
-from aiolm.server.protocol import chat_request, check_unsupported_chat, message_text, param_error, sampling_params
+from aiolm.server.protocol import (chat_request, check_unsupported_chat, message_text, param_error, sampling_params,
+                                   structured_spec)
 from aiolm.server.sse import EventStream, until_disconnect
 
 
@@ -23,6 +24,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     req = chat_request(ctx.settings.limits).parse(body)
     check_model(ctx, req["model"])
     check_unsupported_chat(req)
+    structured, structured_param = structured_spec(req)
     if req["continue_final_message"] and req["add_generation_prompt"] and "add_generation_prompt" in body:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
@@ -45,10 +47,10 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     top_n = req["top_logprobs"] or 0
     stream = req["stream"]
     params = sampling_params(req, max_tokens, top_n if req["logprobs"] else None,
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured)
     rid = ctx.new_id("chatcmpl")
     gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
-                     rename={"prompt": "messages", "max_tokens": mt_param})
+                     rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})
     await gen.start()
     log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req["n"], stream=stream, user=req["user"])
     meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}

@@ -16,7 +16,7 @@ from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import CompletionLogprobs, merge
-from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params
+from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params, structured_spec
 from aiolm.server.sse import EventStream, until_disconnect
 
 
@@ -54,18 +54,19 @@ async def create_completion(request: Request) -> Response | EventStream:
     req = completion_request(ctx.settings.limits).parse(body)
     check_model(ctx, req["model"])
     check_unsupported_completion(req)
+    structured, structured_param = structured_spec(req)
     raw = _prompt_list(req["prompt"])
     max_tokens = req["max_tokens"]
     prompts = await _prepare(ctx, raw, req["add_special_tokens"], max_tokens, req["min_tokens"])
     stream = req["stream"]
     params = sampling_params(req, max_tokens, req["logprobs"],
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req["echo"]:
             p.text = tok.decode(p.token_ids)
     rid = ctx.new_id("cmpl")
-    gen = Generation(ctx, prompts, params, rid, req["priority"])
+    gen = Generation(ctx, prompts, params, rid, req["priority"], rename={"structured_outputs": structured_param})
     await gen.start()
     n = req["n"]
     log_extra(request, engine_request_id=rid, prompt_tokens=sum(len(p.token_ids) for p in prompts),

@@ -6,6 +6,7 @@ validate requests (400 naming the field) and generate ``/openapi.json``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from aiolm.config import EngineArgs
 from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.schema import Bool, Enum, Field, Int, ListOf, MapOf, Num, Obj, OneOf, Spec, Str
+from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 64
@@ -74,7 +76,85 @@ def _sampling_fields(limits: Limits) -> dict[str, Field]:
         "spaces_between_special_tokens": Field(Bool(), default=True),
         "include_stop_str_in_output": Field(Bool(), default=False),
         "priority": Field(Int(-(2**31), 2**31 - 1), default=0),
+        **_structured_fields(limits),
     }
+
+
+MAX_CHOICES = 1024
+
+
+def _structured_fields(limits: Limits) -> dict[str, Field]:
+    """Output constraints, in OpenAI's and vLLM's spellings; at most one per request."""
+    schema = OneOf(MapOf(_Any()), Str(min_len=1), what="a JSON schema (an object or its JSON text)")
+    choices = ListOf(Str(min_len=1), min_items=1, max_items=MAX_CHOICES)
+    lenient = limits.lenient
+    return {
+        "response_format": Field(Obj({
+            "type": Field(Enum(("text", "json_object", "json_schema")), required=True),
+            "json_schema": Field(Obj({"name": Field(Str(max_len=256)), "description": Field(Str()),
+                                      "schema": Field(MapOf(_Any())),
+                                      "strict": Field(Bool(), doc="false: properties the schema does not "
+                                                                  "list may be generated")}, lenient=lenient)),
+        }, lenient=lenient), doc="OpenAI's: json_object (any JSON object) or json_schema"),
+        "structured_outputs": Field(Obj({
+            "json": Field(schema), "regex": Field(Str(min_len=1)), "choice": Field(choices),
+            "grammar": Field(Str(min_len=1), doc="EBNF/GBNF whose start rule is 'root'"),
+            "json_object": Field(Bool()),
+        }, lenient=lenient), doc="vLLM's: exactly one of json, regex, choice, grammar, json_object"),
+        "guided_json": Field(schema, doc="vLLM's older spelling of structured_outputs.json"),
+        "guided_regex": Field(Str(min_len=1), doc="vLLM's older spelling of structured_outputs.regex"),
+        "guided_choice": Field(choices, doc="vLLM's older spelling of structured_outputs.choice"),
+        "guided_grammar": Field(Str(min_len=1), doc="vLLM's older spelling of structured_outputs.grammar"),
+    }
+
+
+def _schema_text(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"'{param}' is not valid JSON: {e}", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise bad_request(f"'{param}' must be a JSON schema object", param=param)
+    return json.dumps(value)  # key order kept: it is the order properties are generated in
+
+
+def structured_spec(req: dict[str, Any]) -> tuple[StructuredOutputs | None, str]:
+    """The one output constraint a request asks for, and the field that asked (for errors)."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    fmt = req.get("response_format")
+    if fmt is not None and fmt["type"] == "json_object":
+        found.append(("response_format", StructuredOutputs("json_object")))
+    elif fmt is not None and fmt["type"] == "json_schema":
+        js = fmt["json_schema"]
+        if js is None or js["schema"] is None:
+            raise bad_request("response_format 'json_schema' needs 'json_schema.schema'",
+                              param="response_format.json_schema.schema" if js else "response_format.json_schema")
+        param = "response_format.json_schema.schema"
+        found.append((param, StructuredOutputs("json", _schema_text(js["schema"], param), js["strict"] is not False)))
+    so = req.get("structured_outputs") or {}
+    for key, value in so.items():
+        if value is None or value is False:
+            continue
+        found.append((f"structured_outputs.{key}", _structured_one(key, value, f"structured_outputs.{key}")))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = req.get(f"guided_{key}")
+        if value is not None:
+            found.append((f"guided_{key}", _structured_one(key, value, f"guided_{key}")))
+    if len(found) > 1:
+        raise bad_request(f"'{found[1][0]}' and '{found[0][0]}' both constrain the output; give one",
+                          param=found[1][0])
+    return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+
+
+def _structured_one(key: str, value: Any, param: str) -> StructuredOutputs:
+    if key == "json":
+        return StructuredOutputs("json", _schema_text(value, param))
+    if key == "json_object":
+        return StructuredOutputs("json_object")
+    if key == "choice":
+        return StructuredOutputs("grammar", choice_grammar(value))
+    return StructuredOutputs(key, value)  # regex, grammar
 
 
 def _content_spec(lenient: bool) -> Spec:
@@ -96,8 +176,6 @@ def chat_request(limits: Limits) -> Obj:
         "max_completion_tokens": Field(Int(ge=1), doc="most tokens to generate (wins over max_tokens)"),
         "logprobs": Field(Bool(), default=False),
         "top_logprobs": Field(Int(0, limits.max_logprobs)),
-        "response_format": Field(Obj({"type": Field(Enum(("text", "json_object", "json_schema")),
-                                                    required=True)}, lenient=limits.lenient)),
         "tools": Field(ListOf(MapOf(_Any()))),
         "tool_choice": Field(OneOf(Enum(("none", "auto", "required")), MapOf(_Any())),
                              doc="'none' or 'auto' without tools is a no-op; anything else needs tools"),
@@ -157,7 +235,7 @@ class _Any(Spec):
 
 
 def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                    kind: OutputKind) -> SamplingParams:
+                    kind: OutputKind, structured: StructuredOutputs | None = None) -> SamplingParams:
     """Build SamplingParams; anything the engine still refuses becomes a 400 naming the field."""
     try:
         return SamplingParams(
@@ -169,7 +247,8 @@ def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int |
             stop_token_ids=list(req["stop_token_ids"] or []),
             include_stop_str_in_output=req["include_stop_str_in_output"], ignore_eos=req["ignore_eos"],
             logprobs=logprobs, skip_special_tokens=req["skip_special_tokens"],
-            spaces_between_special_tokens=req["spaces_between_special_tokens"], output_kind=kind)
+            spaces_between_special_tokens=req["spaces_between_special_tokens"], output_kind=kind,
+            structured_outputs=structured)
     except ParamError as e:
         raise param_error(e) from None
 
@@ -199,10 +278,6 @@ def check_unsupported_chat(req: dict[str, Any]) -> None:
     if choice is not None and choice not in ("none", "auto") and not req["tools"]:
         raise bad_request(f"'tool_choice' {choice!r} needs 'tools'; tool calling is not supported by this "
                           f"server", param="tool_choice")
-    fmt = req["response_format"]
-    if fmt is not None and fmt["type"] != "text":
-        raise bad_request(f"response_format {fmt['type']!r} is not supported; only 'text'",
-                          param="response_format.type")
     if req["tools"]:
         raise bad_request("tool calling is not supported by this server", param="tools")
     if req["top_logprobs"] is not None and req["top_logprobs"] > 0 and not req["logprobs"]:
