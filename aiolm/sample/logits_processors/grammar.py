@@ -37,7 +37,20 @@ class _RowMatcher:
         compiled = WorkerCompiler.compile(spec, vocab_size)
         stops = sorted(params.stop_ids()) or None  # None: the tokenizer's own EOS
         self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stops)
+        self.stop_tokens = list(self.matcher.stop_token_ids)
         self.accepted = 0
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The row's allowed next tokens. Past its stop token (a row that ignores EOS keeps
+        going) the grammar has nothing left to allow but its stop tokens; xgrammar refuses
+        to fill a terminated matcher, so that row is written here."""
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        bitmask[row] = 0
+        for t in self.stop_tokens:
+            word, bit = divmod(t, 32)
+            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 bits, two's complement
 
     def catch_up(self, output: Sequence[int]) -> None:
         for t in output[self.accepted:]:
@@ -98,7 +111,7 @@ class Grammar(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> None:
         for j, m in enumerate(self.matchers):
-            m.matcher.fill_next_token_bitmask(self.bitmask, j)
+            m.fill(self.bitmask, j)
         mask: Any = self.bitmask.to(logits.device, non_blocking=True)
         if len(self.rows) == logits.shape[0]:
             _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
