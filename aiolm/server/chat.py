@@ -58,7 +58,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         opts = req["stream_options"] or {}
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
         events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
-                              engine, request)
+                              engine, request, ids if req["return_token_ids"] else None)
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -68,14 +68,19 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": c.text},
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req["logprobs"] else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "token_ids": list(c.token_ids) if req["return_token_ids"] else None})
     log_extra(request, completion_tokens=completion_tokens)
-    return json_response({**meta, "choices": choices,
-                          "usage": usage(len(ids), completion_tokens), "system_fingerprint": None})
+    return json_response({**meta, "choices": choices, "usage": usage(len(ids), completion_tokens),
+                          "system_fingerprint": None,
+                          "prompt_token_ids": ids if req["return_token_ids"] else None})
 
 
 async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
-                       top_n: int, tokenizer: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
+                       top_n: int, tokenizer: Any, request: Request,
+                       prompt_ids: list[int] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
+    delta then carries its new ``token_ids``."""
     want_logprobs = gen.params.logprobs is not None
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,8 +90,11 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
         return out
 
     for i in range(n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+        first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])
+        if prompt_ids is not None and i == 0:
+            first["prompt_token_ids"] = prompt_ids
+        yield first
     completion_tokens = 0
     try:
         async for _, out in gen.stream():
@@ -94,12 +102,14 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer) if want_logprobs and c.token_ids else None
-                if not c.text and not c.finished and lp is None:
+                if not c.text and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
                     continue
                 choice: dict[str, Any] = {"index": c.index, "delta": {"content": c.text} if c.text else {},
                                           "logprobs": lp, "finish_reason": c.finish_reason}
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
+                if prompt_ids is not None:
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
             for choice in choices:  # one choice per chunk, as OpenAI streams n > 1
                 yield chunk([choice])

@@ -88,8 +88,11 @@ async def create_completion(request: Request) -> Response | EventStream:
                 b = CompletionLogprobs(req["logprobs"], tok)
                 echoed = b.prompt(prompt.token_ids) if req["echo"] else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
+            ids = req["return_token_ids"]
             choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "prompt_token_ids": prompt.token_ids if ids else None,
+                            "token_ids": list(c.token_ids) if ids else None})
     log_extra(request, completion_tokens=completion_tokens)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return json_response({**meta, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
@@ -98,7 +101,17 @@ async def create_completion(request: Request) -> Response | EventStream:
 
 async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: dict[str, Any],
                   include_usage: bool, tok: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
-    n, top_n = req["n"], req["logprobs"]
+    n, top_n, ids = req["n"], req["logprobs"], req["return_token_ids"]
+    sent_prompt: set[int] = set()
+
+    def with_ids(choice: dict[str, Any], pi: int, token_ids: list[int]) -> dict[str, Any]:
+        """vLLM's streaming shape: the prompt's ids in a choice's first chunk, then each chunk's ids."""
+        if ids:
+            first = choice["index"] not in sent_prompt
+            sent_prompt.add(choice["index"])
+            choice["prompt_token_ids"] = prompts[pi].token_ids if first else None
+            choice["token_ids"] = token_ids
+        return choice
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
@@ -114,7 +127,8 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
             for i in range(n):
                 idx = pi * n + i
                 lp = builders[idx].prompt(p.token_ids) if top_n is not None else None
-                yield chunk([{"index": idx, "text": p.text or "", "logprobs": lp, "finish_reason": None}])
+                yield chunk([with_ids({"index": idx, "text": p.text or "", "logprobs": lp, "finish_reason": None},
+                                      pi, [])])
     completion_tokens = 0
     try:
         async for pi, out in gen.stream():
@@ -128,7 +142,7 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
                 choice = {"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
-                choices.append(choice)
+                choices.append(with_ids(choice, pi, list(c.token_ids)))
             for choice in choices:  # one choice per chunk, as OpenAI streams n > 1
                 yield chunk([choice])
     except Exception as e:  # the stream has started: report in-band

@@ -76,6 +76,9 @@ def _sampling_fields(limits: Limits) -> dict[str, Field]:
         "spaces_between_special_tokens": Field(Bool(), default=True),
         "include_stop_str_in_output": Field(Bool(), default=False),
         "priority": Field(Int(-(2**31), 2**31 - 1), default=0),
+        "return_token_ids": Field(Bool(), default=False,
+                                  doc="vLLM's: the prompt's token ids ('prompt_token_ids') and each "
+                                      "choice's ('token_ids') next to the text"),
         **_structured_fields(limits),
     }
 

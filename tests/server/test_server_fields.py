@@ -153,3 +153,37 @@ def test_max_logprobs_bounds_every_endpoint(fake_engine):
         assert props["logprobs"]["anyOf"][0]["maximum"] == 3
     ns = build_parser().parse_args(["--max-logprobs", "7"])
     assert settings_from_namespace(ns).limits.max_logprobs == 7
+
+
+def _sse(text: str) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_return_token_ids(fake_engine):
+    with _client(fake_engine) as c:
+        r = c.post("/v1/completions", json={**COMPLETION, "return_token_ids": True}).json()
+        assert r["choices"][0]["prompt_token_ids"] == [ord("h"), ord("i")]
+        assert r["choices"][0]["token_ids"] == [ord("a"), ord("b")]
+        plain = c.post("/v1/completions", json=COMPLETION).json()["choices"][0]
+        assert plain["prompt_token_ids"] is None and plain["token_ids"] is None  # keys present, null
+        chat = c.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True}).json()
+        rendered = [ord(ch) for ch in "<user>hi<assistant>"]
+        assert chat["prompt_token_ids"] == rendered and chat["choices"][0]["token_ids"] == [ord("a"), ord("b")]
+        assert c.post("/v1/chat/completions", json=CHAT).json()["prompt_token_ids"] is None
+        events = _sse(c.post("/v1/completions", json={**COMPLETION, "stream": True, "n": 2,
+                                                      "return_token_ids": True}).text)
+        for i in (0, 1):
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+            assert mine[0]["prompt_token_ids"] == [ord("h"), ord("i")]
+            assert all(m["prompt_token_ids"] is None for m in mine[1:])
+            assert sum((m["token_ids"] for m in mine), []) == fake_engine_tokens(i, 2)
+        events = _sse(c.post("/v1/chat/completions", json={**CHAT, "stream": True, "return_token_ids": True}).text)
+        assert events[0]["prompt_token_ids"] == rendered
+        assert sum((e["choices"][0].get("token_ids", []) for e in events if e["choices"]), []) == [97, 98]
+
+
+def fake_engine_tokens(seq: int, n: int) -> list[int]:
+    """What FakeEngine generates for sequence ``seq``: 'a' + (step + seq) % 26 per step."""
+    return [ord("a") + (step + seq) % 26 for step in range(n)]
