@@ -58,6 +58,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled one
+    # Logprobs of each prompt token given the ones before it (the first has none), with
+    # this many top alternatives; such a request does not reuse cached prefix blocks.
+    prompt_logprobs: int | None = None
     # The output must match this grammar (aiolm/structured/); the engine validates its text.
     structured_outputs: StructuredOutputs | None = None
     skip_special_tokens: bool = True
@@ -141,6 +144,8 @@ class SamplingParams:
         # (engine/input.py), so one flag sets it for the server and the library alike.
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         if self.structured_outputs is not None:
             so = self.structured_outputs
             check(isinstance(so, StructuredOutputs) and so.kind in KINDS and isinstance(so.text, str),
