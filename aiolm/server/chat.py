@@ -12,7 +12,7 @@ from aiolm.params import OutputKind, ParamError
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
-from aiolm.server.logprobs import chat_logprobs
+from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
 from aiolm.server.protocol import (chat_request, check_unsupported_chat, message_text, param_error, sampling_params,
                                    structured_spec)
 from aiolm.server.sse import EventStream, until_disconnect
@@ -47,7 +47,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     top_n = req["top_logprobs"] or 0
     stream = req["stream"]
     params = sampling_params(req, max_tokens, top_n if req["logprobs"] else None,
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured,
+                             req["prompt_logprobs"])
     rid = ctx.new_id("chatcmpl")
     gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
                      rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})
@@ -73,6 +74,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     log_extra(request, completion_tokens=completion_tokens)
     return json_response({**meta, "choices": choices, "usage": usage(len(ids), completion_tokens),
                           "system_fingerprint": None,
+                          "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids,
+                                                                  req["prompt_logprobs"] or 0),
                           "prompt_token_ids": ids if req["return_token_ids"] else None})
 
 

@@ -15,7 +15,7 @@ from aiolm.params import OutputKind
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
-from aiolm.server.logprobs import CompletionLogprobs, merge
+from aiolm.server.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
 from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params, structured_spec
 from aiolm.server.sse import EventStream, until_disconnect
 
@@ -59,8 +59,12 @@ async def create_completion(request: Request) -> Response | EventStream:
     max_tokens = req["max_tokens"]
     prompts = await _prepare(ctx, raw, req["add_special_tokens"], max_tokens, req["min_tokens"])
     stream = req["stream"]
+    # Echoed prompt tokens get real logprobs: the engine scores the prompt too (as vLLM does).
+    scored = req["prompt_logprobs"]
+    if req["echo"] and req["logprobs"] is not None:
+        scored = max(scored or 0, req["logprobs"])
     params = sampling_params(req, max_tokens, req["logprobs"],
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured, scored)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req["echo"]:
@@ -86,11 +90,14 @@ async def create_completion(request: Request) -> Response | EventStream:
             lp = None
             if req["logprobs"] is not None:
                 b = CompletionLogprobs(req["logprobs"], tok)
-                echoed = b.prompt(prompt.token_ids) if req["echo"] else None
+                echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req["echo"] else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
             ids = req["return_token_ids"]
             choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "prompt_logprobs": (prompt_logprobs_json(final.prompt_logprobs, prompt.token_ids,
+                                                                     req["prompt_logprobs"])
+                                                if req["prompt_logprobs"] is not None else None),
                             "prompt_token_ids": prompt.token_ids if ids else None,
                             "token_ids": list(c.token_ids) if ids else None})
     log_extra(request, completion_tokens=completion_tokens)
@@ -122,16 +129,22 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
     builders: dict[int, CompletionLogprobs] = {}
     if top_n is not None:
         builders = {pi * n + i: CompletionLogprobs(top_n, tok) for pi in range(len(prompts)) for i in range(n)}
-    if req["echo"]:
-        for pi, p in enumerate(prompts):
-            for i in range(n):
-                idx = pi * n + i
-                lp = builders[idx].prompt(p.token_ids) if top_n is not None else None
-                yield chunk([with_ids({"index": idx, "text": p.text or "", "logprobs": lp, "finish_reason": None},
-                                      pi, [])])
+    echo_pending = set(range(len(prompts))) if req["echo"] else set()
+
+    def echo(pi: int, plp: Any) -> list[dict[str, Any]]:
+        """A prompt's echo, sent with its first output: that output carries its prompt logprobs."""
+        echo_pending.discard(pi)
+        p = prompts[pi]
+        return [chunk([with_ids({"index": pi * n + i, "text": p.text or "",
+                                 "logprobs": builders[pi * n + i].prompt(p.token_ids, plp) if top_n is not None else None,
+                                 "finish_reason": None}, pi, [])]) for i in range(n)]
+
     completion_tokens = 0
     try:
         async for pi, out in gen.stream():
+            if pi in echo_pending:
+                for c in echo(pi, out.prompt_logprobs):
+                    yield c
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)

@@ -76,6 +76,9 @@ def _sampling_fields(limits: Limits) -> dict[str, Field]:
         "spaces_between_special_tokens": Field(Bool(), default=True),
         "include_stop_str_in_output": Field(Bool(), default=False),
         "priority": Field(Int(-(2**31), 2**31 - 1), default=0),
+        "prompt_logprobs": Field(Int(0, limits.max_logprobs),
+                                 doc="vLLM's: each prompt token's logprob and this many alternatives "
+                                     "('prompt_logprobs' in the response; not with stream)"),
         "return_token_ids": Field(Bool(), default=False,
                                   doc="vLLM's: the prompt's token ids ('prompt_token_ids') and each "
                                       "choice's ('token_ids') next to the text"),
@@ -238,7 +241,8 @@ class _Any(Spec):
 
 
 def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                    kind: OutputKind, structured: StructuredOutputs | None = None) -> SamplingParams:
+                    kind: OutputKind, structured: StructuredOutputs | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Build SamplingParams; anything the engine still refuses becomes a 400 naming the field."""
     try:
         return SamplingParams(
@@ -251,7 +255,7 @@ def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int |
             include_stop_str_in_output=req["include_stop_str_in_output"], ignore_eos=req["ignore_eos"],
             logprobs=logprobs, skip_special_tokens=req["skip_special_tokens"],
             spaces_between_special_tokens=req["spaces_between_special_tokens"], output_kind=kind,
-            structured_outputs=structured)
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs)
     except ParamError as e:
         raise param_error(e) from None
 
@@ -269,10 +273,13 @@ def message_text(content: Any) -> str | None:
 
 
 def check_stream_options(req: dict[str, Any]) -> None:
-    """OpenAI refuses stream options on a request that does not stream; so do we."""
+    """OpenAI refuses stream options on a request that does not stream; so do we. vLLM
+    refuses prompt logprobs on a stream."""
     if req["stream_options"] is not None and not req["stream"]:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                           param="stream_options")
+    if req["prompt_logprobs"] is not None and req["stream"]:
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
 
 
 def check_unsupported_chat(req: dict[str, Any]) -> None:
