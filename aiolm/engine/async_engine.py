@@ -91,6 +91,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len, block_size=a.block_size,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching))
+        self.grammars.configure(self.tokenizer, mc.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,

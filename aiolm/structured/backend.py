@@ -1,9 +1,12 @@
-"""xgrammar behind two small doors: the engine's validator and the worker's compiler.
+"""xgrammar behind two small doors: the engine's validator and each process's compiler.
 
-xgrammar (and the torch it imports) loads on first use only, so an engine that
-never sees a structured request stays torch-free. JSON is generated compact
-(``any_whitespace=False``): a free-whitespace grammar lets a small model fill
-its budget with newlines before the document ends.
+The engine compiles a request's grammar in full (not only parses it) before the
+request is queued, so whatever it accepts also compiles in the worker: a grammar
+that failed there would fail a whole step. xgrammar (and the torch it imports)
+loads on first use only, so an engine that never sees a structured request stays
+torch-free. JSON is generated compact (``any_whitespace=False``): a
+free-whitespace grammar lets a small model fill its budget with newlines before
+the document ends.
 """
 
 from __future__ import annotations
@@ -31,20 +34,6 @@ def xgrammar_module() -> Any:
     return xgrammar
 
 
-def _grammar(spec: StructuredOutputs) -> Any:
-    """The grammar of ``spec`` (xgrammar.Grammar); raises what xgrammar raises on bad text."""
-    xgr = xgrammar_module()
-    if spec.kind == "json":
-        return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
-    if spec.kind == "json_object":
-        return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
-    if spec.kind == "regex":
-        return xgr.Grammar.from_regex(spec.text)
-    if spec.kind == "grammar":
-        return xgr.Grammar.from_ebnf(spec.text)
-    raise ParamError("structured_outputs", f"unknown kind {spec.kind!r}")
-
-
 _WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid grammar",
          "json_object": "invalid JSON grammar"}
 
@@ -60,8 +49,14 @@ class Validator:
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend: {backend!r}; supported: {', '.join(BACKENDS)}")
         self.backend = backend
+        self.vocab_size = 0  # set by configure() once the engine knows its model
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="aiolm-grammar") if backend != "none" else None
         self._verdicts: OrderedDict[tuple, asyncio.Future[str | None]] = OrderedDict()
+
+    def configure(self, tokenizer: Any, vocab_size: int) -> None:
+        """Compile against this tokenizer (the engine's, the same the workers load)."""
+        Compiler.configure(lambda: tokenizer)
+        self.vocab_size = vocab_size
 
     async def check(self, spec: StructuredOutputs | None) -> None:
         """Raise ParamError('structured_outputs', message) if the grammar is refused."""
@@ -73,7 +68,7 @@ class Validator:
         key = spec.key()
         fut = self._verdicts.get(key)
         if fut is None:  # concurrent requests with the same grammar share one check
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, _verdict, spec)
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, _verdict, spec, self.vocab_size)
             self._verdicts[key] = fut
             while len(self._verdicts) > _CACHE_ENTRIES:
                 self._verdicts.popitem(last=False)
@@ -88,22 +83,22 @@ class Validator:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _verdict(spec: StructuredOutputs) -> str | None:
+def _verdict(spec: StructuredOutputs, vocab_size: int) -> str | None:
     try:
-        _grammar(spec)
-    except ParamError as e:
-        return e.message
+        Compiler.compile(spec, vocab_size)
+    except ImportError as e:
+        return f"structured outputs need the xgrammar package ({e})"
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
         return f"{_WHAT.get(spec.kind, 'invalid grammar')}: {str(e).strip() or type(e).__name__}"
     return None
 
 
-class WorkerCompiler:
-    """Worker side: one xgrammar GrammarCompiler per process, built on first use.
+class Compiler:
+    """One xgrammar GrammarCompiler per process (engine or worker), built on first use.
 
-    The tokenizer is loaded lazily through the loader the model runner registers,
-    so a worker that never sees a grammar pays nothing. xgrammar's compiler
-    caches compiled grammars by their text.
+    The tokenizer comes through the loader registered by the engine or the model
+    runner, called on first use, so a worker that never sees a grammar pays
+    nothing. xgrammar's compiler caches compiled grammars by their text.
     """
 
     _lock = threading.Lock()
@@ -117,15 +112,17 @@ class WorkerCompiler:
 
     @classmethod
     def compile(cls, spec: StructuredOutputs, vocab_size: int) -> Any:
+        """The compiled grammar of ``spec``; raises what xgrammar raises on bad text."""
         compiler = cls._get(vocab_size)
-        xgr = xgrammar_module()
         if spec.kind == "json":
             return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
         if spec.kind == "json_object":
             return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.text)
-        return compiler.compile_grammar(xgr.Grammar.from_ebnf(spec.text))
+        if spec.kind == "grammar":
+            return compiler.compile_grammar(spec.text)
+        raise ValueError(f"unknown kind {spec.kind!r}")
 
     @classmethod
     def _get(cls, vocab_size: int) -> Any:

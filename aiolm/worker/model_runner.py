@@ -24,7 +24,7 @@ from aiolm.platforms import get_platform
 from aiolm.sample import logits_processors
 from aiolm.sample.prompt_logprobs import score_prompt
 from aiolm.sample.sampler import Sampler, SamplingMetadata
-from aiolm.structured.backend import WorkerCompiler
+from aiolm.structured.backend import Compiler
 from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
 from aiolm.worker.input_batch import InputBatch
 
@@ -40,7 +40,7 @@ class ModelRunner:
         self.device = self.platform.worker_device(cfg.device, get_tp_group().rank)
         self.platform.install()
         self.source = resolve_model(cfg.model)
-        WorkerCompiler.configure(self.source.load_tokenizer)  # grammars load it on first use
+        Compiler.configure(self.source.load_tokenizer)  # grammars load it on first use
         requested = self.platform.resolve_dtype(cfg.dtype)
         self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
                                  attention=cfg.attention_backend)

@@ -8,7 +8,7 @@ import torch
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors import BatchRows
 from aiolm.sample.logits_processors.grammar import Grammar
-from aiolm.structured.backend import WorkerCompiler
+from aiolm.structured.backend import Compiler
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
 pytest.importorskip("xgrammar")
@@ -21,7 +21,7 @@ def tokenizer():
     from aiolm.model.loader import resolve_model
 
     tok = resolve_model(None).load_tokenizer()
-    WorkerCompiler.configure(lambda: tok)
+    Compiler.configure(lambda: tok)
     return tok
 
 

@@ -97,9 +97,10 @@ def test_structured_field_errors_name_the_field(fake_engine, extra, param):
     assert not fake_engine.live
 
 
-def test_validator_caches_and_refuses_off_the_loop():
+def test_validator_caches_and_refuses_off_the_loop(tokenizer):
     async def run():
         v = Validator("xgrammar")
+        v.configure(tokenizer, len(tokenizer))
         good = StructuredOutputs("regex", "[a-z]+")
         await asyncio.gather(*(v.check(good) for _ in range(8)))  # one shared check
         assert len(v._verdicts) == 1

@@ -16,6 +16,7 @@ kernel, with nothing read back.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,9 @@ import torch
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
 from aiolm.sample.tensors import long_tensor
-from aiolm.structured.backend import WorkerCompiler, xgrammar_module as _xgr
+from aiolm.structured.backend import Compiler, xgrammar_module as _xgr
+
+log = logging.getLogger(__name__)
 
 
 class _RowMatcher:
@@ -34,7 +37,7 @@ class _RowMatcher:
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
         spec = params.structured_outputs
         assert spec is not None
-        compiled = WorkerCompiler.compile(spec, vocab_size)
+        compiled = Compiler.compile(spec, vocab_size)
         stops = sorted(params.stop_ids()) or None  # None: the tokenizer's own EOS
         self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stops)
         self.stop_tokens = list(self.matcher.stop_token_ids)
@@ -97,9 +100,16 @@ class Grammar(LogitsProcessor):
         idx: list[int] = []
         matchers: list[_RowMatcher] = []
         for i, (p, out) in enumerate(zip(rows.params, rows.output_token_ids)):
-            if p.structured_outputs is not None:
-                idx.append(i)
-                matchers.append(_matcher_for(p, out, rows.vocab_size))
+            if p.structured_outputs is None:
+                continue
+            try:
+                m = _matcher_for(p, out, rows.vocab_size)
+            except Exception:  # the engine compiled this text already: cannot happen, must not kill the step
+                log.exception("structured outputs: the worker could not compile a grammar the engine accepted; "
+                              "row %d runs unconstrained", i)
+                continue
+            idx.append(i)
+            matchers.append(m)
         if not idx:
             return None
         return cls(idx, matchers, rows.vocab_size, rows.device)
