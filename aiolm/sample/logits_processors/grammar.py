@@ -9,8 +9,9 @@ with a new one and starts over), and build only feeds it the tokens it has not
 seen. When the grammar is complete only the row's stop tokens stay allowed, so
 the request ends with finish_reason "stop" through the ordinary stop-token path.
 
-Filling the bitmask is host work per row (the matcher walks its own state);
-the mask is then copied to the logits' device and applied there by xgrammar's
+Filling the bitmask is host work per row (the matcher walks its own state),
+done by xgrammar for all rows at once on as many threads as torch uses; the mask
+is then copied to the logits' device and applied there by xgrammar's
 kernel, with nothing read back.
 """
 
@@ -43,13 +44,9 @@ class _RowMatcher:
         self.stop_tokens = list(self.matcher.stop_token_ids)
         self.accepted = 0
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The row's allowed next tokens. Past its stop token (a row that ignores EOS keeps
-        going) the grammar has nothing left to allow but its stop tokens; xgrammar refuses
-        to fill a terminated matcher, so that row is written here."""
-        if not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-            return
+    def fill_stop_only(self, bitmask: torch.Tensor, row: int) -> None:
+        """Past its stop token (a row that ignores EOS keeps going) the grammar has nothing
+        left to allow but its stop tokens; xgrammar refuses to fill a terminated matcher."""
         bitmask[row] = 0
         for t in self.stop_tokens:
             word, bit = divmod(t, 32)
@@ -68,6 +65,13 @@ class _RowMatcher:
 
 
 _matchers: dict[int, tuple[weakref.ref, _RowMatcher]] = {}
+_filler: list[Any] = []
+
+
+def _batch_filler() -> Any:
+    if not _filler:
+        _filler.append(_xgr().BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads())))
+    return _filler[0]
 
 
 def _matcher_for(params: SamplingParams, output: Sequence[int], vocab_size: int) -> _RowMatcher:
@@ -120,8 +124,14 @@ class Grammar(LogitsProcessor):
                 self.matchers[j].accept(t)
 
     def apply(self, logits: torch.Tensor) -> None:
-        for j, m in enumerate(self.matchers):
-            m.fill(self.bitmask, j)
+        live = [j for j, m in enumerate(self.matchers) if not m.matcher.is_terminated()]
+        if live:  # xgrammar fills the rows on its own threads, as many as torch computes with
+            _batch_filler().batch_fill_next_token_bitmask([self.matchers[j].matcher for j in live],
+                                                          self.bitmask, indices=live)
+        if len(live) < len(self.matchers):
+            done = set(range(len(self.matchers))) - set(live)
+            for j in done:
+                self.matchers[j].fill_stop_only(self.bitmask, j)
         mask: Any = self.bitmask.to(logits.device, non_blocking=True)
         if len(self.rows) == logits.shape[0]:
             _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
