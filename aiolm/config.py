@@ -152,6 +152,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048  # sizes the profiling run on CUDA
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     seed: int = 0
+    structured_outputs: bool = True  # get the grammar compiler ready while the model loads
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

@@ -75,7 +75,8 @@ class AsyncEngine:
             max_model_len=self.max_model_len, block_size=a.block_size,
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
             device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
-            max_num_batched_tokens=a.max_num_batched_tokens)
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            structured_outputs=a.structured_outputs_backend != "none")
         if a.executor == "local":
             from aiolm.executor.local import LocalExecutor
 

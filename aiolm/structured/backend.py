@@ -12,6 +12,7 @@ the document ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from aiolm.params import ParamError
 from aiolm.structured.spec import StructuredOutputs
 
+log = logging.getLogger(__name__)
 BACKENDS = ("xgrammar", "none")
 # json_object: any JSON object, compact like the schema kinds (xgrammar's built-in JSON grammar
 # allows free whitespace).
@@ -109,6 +111,18 @@ class Compiler:
     @classmethod
     def configure(cls, tokenizer_loader: Callable[[], Any]) -> None:
         cls._loader = tokenizer_loader
+
+    @classmethod
+    def preload(cls, vocab_size: int) -> None:
+        """Build the compiler in a daemon thread now, so the first grammar does not wait
+        for the tokenizer (seconds) inside a step; a build() meanwhile waits on the lock."""
+        def run() -> None:
+            try:
+                cls._get(vocab_size)
+            except Exception:  # xgrammar missing or the tokenizer unloadable: the first grammar says so
+                log.warning("structured outputs: could not prepare the grammar compiler", exc_info=True)
+
+        threading.Thread(target=run, name="aiolm-grammar-preload", daemon=True).start()
 
     @classmethod
     def compile(cls, spec: StructuredOutputs, vocab_size: int) -> Any:

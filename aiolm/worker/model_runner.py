@@ -41,6 +41,8 @@ class ModelRunner:
         self.platform.install()
         self.source = resolve_model(cfg.model)
         Compiler.configure(self.source.load_tokenizer)  # grammars load it on first use
+        if cfg.structured_outputs:
+            Compiler.preload(self.source.config.vocab_size)  # in a thread, while the model loads
         requested = self.platform.resolve_dtype(cfg.dtype)
         self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
                                  attention=cfg.attention_backend)
