@@ -48,7 +48,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     stream = req["stream"]
     params = sampling_params(req, max_tokens, top_n if req["logprobs"] else None,
                              OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured,
-                             req["prompt_logprobs"])
+                             req["prompt_logprobs"], engine)
     rid = ctx.new_id("chatcmpl")
     gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
                      rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})

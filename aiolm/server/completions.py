@@ -64,7 +64,8 @@ async def create_completion(request: Request) -> Response | EventStream:
     if req["echo"] and req["logprobs"] is not None:
         scored = max(scored or 0, req["logprobs"])
     params = sampling_params(req, max_tokens, req["logprobs"],
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured, scored)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured, scored,
+                             ctx.engine)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req["echo"]:

@@ -18,6 +18,7 @@ from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 64
+MAX_BAD_WORDS = 256
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ def _sampling_fields(limits: Limits) -> dict[str, Field]:
         "spaces_between_special_tokens": Field(Bool(), default=True),
         "include_stop_str_in_output": Field(Bool(), default=False),
         "priority": Field(Int(-(2**31), 2**31 - 1), default=0),
+        "allowed_token_ids": Field(ListOf(Int(ge=0), min_items=1, max_items=1 << 20),
+                                   doc="vLLM's: only these tokens may be generated"),
+        "bad_words": Field(ListOf(Str(min_len=1), max_items=MAX_BAD_WORDS),
+                           doc="vLLM's: words never generated (each as tokenized with and without a "
+                               "leading space)"),
         "prompt_logprobs": Field(Int(0, limits.max_logprobs),
                                  doc="vLLM's: each prompt token's logprob and this many alternatives "
                                      "('prompt_logprobs' in the response; not with stream)"),
@@ -242,7 +248,7 @@ class _Any(Spec):
 
 def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                     kind: OutputKind, structured: StructuredOutputs | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, engine: Any = None) -> SamplingParams:
     """Build SamplingParams; anything the engine still refuses becomes a 400 naming the field."""
     try:
         return SamplingParams(
@@ -255,9 +261,34 @@ def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int |
             include_stop_str_in_output=req["include_stop_str_in_output"], ignore_eos=req["ignore_eos"],
             logprobs=logprobs, skip_special_tokens=req["skip_special_tokens"],
             spaces_between_special_tokens=req["spaces_between_special_tokens"], output_kind=kind,
-            structured_outputs=structured, prompt_logprobs=prompt_logprobs)
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
+            **(token_constraints(req, engine) if engine is not None else {}))
     except ParamError as e:
         raise param_error(e) from None
+
+
+def token_constraints(req: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """vLLM's ``allowed_token_ids`` (checked against the vocabulary) and ``bad_words``
+    (tokenized with and without a leading space, as vLLM does)."""
+    out: dict[str, Any] = {}
+    allowed = req.get("allowed_token_ids")
+    if allowed is not None:
+        vocab = engine.vocab_size
+        for i, t in enumerate(allowed):
+            if t >= vocab:
+                raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})",
+                                  param=f"allowed_token_ids[{i}]")
+        out["allowed_token_ids"] = list(allowed)
+    words = req.get("bad_words")
+    if words:
+        seqs: list[list[int]] = []
+        for w in words:
+            for text in (w, " " + w) if not w.startswith(" ") else (w,):
+                ids = engine.tokenize(text, False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        out["bad_words_token_ids"] = seqs
+    return out
 
 
 def param_error(e: ParamError, rename: dict[str, str] | None = None) -> APIError:

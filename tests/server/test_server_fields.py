@@ -187,3 +187,21 @@ def test_return_token_ids(fake_engine):
 def fake_engine_tokens(seq: int, n: int) -> list[int]:
     """What FakeEngine generates for sequence ``seq``: 'a' + (step + seq) % 26 per step."""
     return [ord("a") + (step + seq) % 26 for step in range(n)]
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine(fake_engine, monkeypatch):
+    seen = []
+    add = fake_engine.add_request
+
+    async def spy(prompt, params, *a, **kw):
+        seen.append((params.allowed_token_ids, params.bad_words_token_ids))
+        return await add(prompt, params, *a, **kw)
+
+    monkeypatch.setattr(fake_engine, "add_request", spy)
+    with _client(fake_engine) as c:
+        r = c.post("/v1/completions", json={**COMPLETION, "allowed_token_ids": [97, 98], "bad_words": ["ab", " c"]})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [2 ** 40]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids[0]"
+    # one char per token in the fake tokenizer: "ab", " ab" and " c" (already spaced: once)
+    assert seen == [([97, 98], [[97, 98], [32, 97, 98], [32, 99]])]

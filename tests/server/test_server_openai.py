@@ -211,6 +211,19 @@ def test_prompt_logprobs_echo_and_token_ids(client, model, server):
         assert e.value.body["param"] == "prompt_logprobs"
 
 
+def test_allowed_token_ids_and_bad_words(client, model, server):
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    allowed = httpx.post(server.base_url + "/tokenize", json={"prompt": " yes no maybe", "add_special_tokens": False},
+                         headers=auth, timeout=30).json()["tokens"]
+    out = client.completions.create(model=model, prompt="Is the sky blue?", max_tokens=5, temperature=0.9, seed=3,
+                                    extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert out.choices[0].token_ids and set(out.choices[0].token_ids) <= set(allowed)
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert "Paris" in client.completions.create(**kw).choices[0].text
+    banned = client.completions.create(**kw, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert "Paris" not in banned and banned
+
+
 def test_stop_sequences(client, model):
     kw = dict(model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
     free = client.completions.create(**kw).choices[0].text
