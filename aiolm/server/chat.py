@@ -59,7 +59,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         opts = req["stream_options"] or {}
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
         events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
-                              engine, request, ids if req["return_token_ids"] else None)
+                              engine, request, ids if req["return_token_ids"] else None,
+                              bool(opts.get("continuous_usage_stats")))
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -81,15 +82,17 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
 
 async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
                        top_n: int, tokenizer: Any, request: Request,
-                       prompt_ids: list[int] | None = None) -> AsyncIterator[dict[str, Any]]:
+                       prompt_ids: list[int] | None = None,
+                       continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
     delta then carries its new ``token_ids``."""
     want_logprobs = gen.params.logprobs is not None
+    completion_tokens = 0
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            out["usage"] = None
+        if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
+            out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return out
 
     for i in range(n):
@@ -98,7 +101,6 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
         if prompt_ids is not None and i == 0:
             first["prompt_token_ids"] = prompt_ids
         yield first
-    completion_tokens = 0
     try:
         async for _, out in gen.stream():
             choices = []

@@ -79,7 +79,8 @@ async def create_completion(request: Request) -> Response | EventStream:
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:
         opts = req["stream_options"] or {}
-        events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request)
+        events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request,
+                         bool(opts.get("continuous_usage_stats")))
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     finals = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -108,7 +109,8 @@ async def create_completion(request: Request) -> Response | EventStream:
 
 
 async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: dict[str, Any],
-                  include_usage: bool, tok: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
+                  include_usage: bool, tok: Any, request: Request,
+                  continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
     n, top_n, ids = req["n"], req["logprobs"], req["return_token_ids"]
     sent_prompt: set[int] = set()
 
@@ -121,10 +123,13 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
             choice["token_ids"] = token_ids
         return choice
 
+    completion_tokens = 0
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            out["usage"] = None
+        if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
+            out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return out
 
     builders: dict[int, CompletionLogprobs] = {}
@@ -140,7 +145,6 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
                                  "logprobs": builders[pi * n + i].prompt(p.token_ids, plp) if top_n is not None else None,
                                  "finish_reason": None}, pi, [])]) for i in range(n)]
 
-    completion_tokens = 0
     try:
         async for pi, out in gen.stream():
             if pi in echo_pending:
@@ -166,5 +170,4 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
         yield {**meta, "choices": [], "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}

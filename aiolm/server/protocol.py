@@ -103,7 +103,8 @@ def _structured_fields(limits: Limits) -> dict[str, Field]:
     return {
         "response_format": Field(Obj({
             "type": Field(Enum(("text", "json_object", "json_schema")), required=True),
-            "json_schema": Field(Obj({"name": Field(Str(max_len=256)), "description": Field(Str()),
+            "json_schema": Field(Obj({"name": Field(Str(max_len=256), doc=_NOOP + " (a label)"),
+                                      "description": Field(Str(), doc=_NOOP + " (not shown to the model)"),
                                       "schema": Field(MapOf(_Any())),
                                       "strict": Field(Bool(), doc="false: properties the schema does not "
                                                                   "list may be generated")}, lenient=lenient)),

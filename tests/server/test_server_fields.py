@@ -205,3 +205,14 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(fake_engine, monkeypat
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids[0]"
     # one char per token in the fake tokenizer: "ab", " ab" and " c" (already spaced: once)
     assert seen == [([97, 98], [[97, 98], [32, 97, 98], [32, 99]])]
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_continuous_usage_stats(fake_engine, path, base):
+    with _client(fake_engine) as c:
+        events = _sse(c.post(path, json={**base, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}).text)
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[-1] == 2 and all(e["usage"]["prompt_tokens"] > 0 for e in events)
+        plain = _sse(c.post(path, json={**base, "stream": True, "stream_options": {"include_usage": True}}).text)
+        assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 2
