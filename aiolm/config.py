@@ -75,6 +75,8 @@ class EngineArgs:
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
+    structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
+                                                     "or none (requests asking for them are refused)")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")
@@ -112,6 +114,9 @@ class EngineArgs:
             raise ValueError(f"step_timeout must be >= 0, got {self.step_timeout}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.structured_outputs_backend not in ("xgrammar", "none"):
+            raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
+                             f"supported: xgrammar, none")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
@@ -183,6 +188,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048  # sizes the profiling run on CUDA
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     seed: int = 0
+    structured_outputs: bool = True  # get the grammar compiler ready while the model loads
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing scores it), then as above.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -41,3 +43,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked

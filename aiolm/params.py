@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from aiolm.structured.spec import KINDS, StructuredOutputs
+
 
 class ParamError(ValueError):
     """A request parameter is invalid; ``param`` names the field (OpenAI's ``param``)."""
@@ -61,6 +63,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled one
+    # Logprobs of each prompt token given the ones before it (the first has none), with
+    # this many top alternatives; such a request does not reuse cached prefix blocks.
+    prompt_logprobs: int | None = None
+    # The output must match this grammar (aiolm/structured/); the engine validates its text.
+    structured_outputs: StructuredOutputs | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
@@ -146,8 +153,16 @@ class SamplingParams:
               f"the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all, got {total}")
         check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "must be a list of non-negative integers")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        # The upper bound is the engine's --max-logprobs, checked where the engine is known
+        # (engine/input.py), so one flag sets it for the server and the library alike.
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+              "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            check(isinstance(so, StructuredOutputs) and so.kind in KINDS and isinstance(so.text, str),
+                  "structured_outputs", f"must be StructuredOutputs with a kind in {KINDS}")
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
 
     @property

@@ -7,7 +7,12 @@ All requests are submitted at once; each repeat is timed from submission to the
 last output, after one untimed warm-up request. Reports the median repeat.
 
     python benchmarks/bench_offline.py [--num-requests 64] [--repeats 3] [--json]
-                                       [--dtype auto] [--executor mp] [any engine flag]
+                                       [--json-schema SCHEMA] [--dtype auto] [--executor mp] [any engine flag]
+
+``--json-schema`` puts that schema (JSON text) on every request as a structured
+output, to measure the grammar's cost on the same workload; a row whose document
+ends early can only emit its stop token from then on (``ignore_eos`` keeps it
+going), and the result counts those tokens (``tokens_after_document``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np
 
 from aiolm import LLM, EngineArgs, SamplingParams
+from aiolm.structured.spec import StructuredOutputs
 
 
 def workload(num_requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -42,12 +48,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--json-schema", default=None, help="a JSON schema (text) every request's output must match")
     EngineArgs.add_cli_args(p)
     args = p.parse_args()
     engine_args = EngineArgs.from_namespace(args)
 
     prompts, output_lens = workload(args.num_requests, args.workload_seed)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    structured = StructuredOutputs("json", args.json_schema) if args.json_schema else None
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
+              for n in output_lens]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
 
     t0 = time.perf_counter()
@@ -63,6 +72,8 @@ def main() -> None:
             got = [len(o.outputs[0].token_ids) for o in outs]
             if got != output_lens:
                 raise SystemExit(f"repeat {r}: output lengths differ from the requested ones")
+            eos = set(llm.engine.inputs.eos_token_ids)
+            after_document = sum(t in eos for o in outs for t in o.outputs[0].token_ids)
             if not args.json:
                 print(f"repeat {r + 1}/{args.repeats}: {times[-1]:.2f}s", file=sys.stderr)
         num_blocks = llm.engine.executor.num_blocks
@@ -84,6 +95,8 @@ def main() -> None:
         "requests_per_s": round(args.num_requests / total, 3),
         "startup_s": round(startup, 2),
         "kv_blocks": num_blocks,
+        "json_schema": args.json_schema,
+        "tokens_after_document": after_document,
         "engine_args": {k: v for k, v in vars(engine_args).items() if v is not None},
         "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
     }

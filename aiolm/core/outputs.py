@@ -68,6 +68,15 @@ class LogprobsLists:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``start``, ``start + 1``, ... (each scored by the position
+    before it), computed in one prefill chunk; ``lists`` holds the actual token first."""
+
+    start: int
+    lists: LogprobsLists
+
+
+@dataclass
 class ModelRunnerOutput:
     """What rank 0 sends back: a token for each request whose prefill is complete."""
 
@@ -76,6 +85,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Only for requests that asked for logprobs: req_id -> logprobs of its new tokens.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Only for requests that asked for prompt logprobs and ran prompt tokens this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Rank 0's seconds in [input preparation, forward pass, logits + sampling], for cost accounting.
     worker_times: list[float] = field(default_factory=list)
     # Rank 0's time.perf_counter() (CLOCK_MONOTONIC, shared by processes) when the step's message
@@ -94,6 +105,8 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # The whole prompt's logprobs (tokens 1..n-1), once, with the request's first token.
+    prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 
+from aiolm.core.outputs import LogprobsLists
 from aiolm.params import SamplingParams
 
 
@@ -61,7 +62,7 @@ class Request:
         "req_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "num_tokens",
         "sampling_params", "arrival_time", "priority", "cache_salt", "status",
         "num_computed_tokens", "num_cached_tokens", "stop_reason", "error",
-        "max_tokens", "min_tokens", "stop_token_ids", "block_hashes",
+        "max_tokens", "min_tokens", "stop_token_ids", "block_hashes", "prompt_logprobs",
         "_block_hasher", "_next_hash_at", "_hash_block_size",
     )
 
@@ -96,6 +97,9 @@ class Request:
         self.min_tokens = sampling_params.min_tokens
         # Computed once: stop_ids() builds a fresh set and this is read for every token.
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_ids())
+        # Prompt logprobs gathered chunk by chunk (prompt tokens 1..), sent with the first token.
+        self.prompt_logprobs: LogprobsLists | None = (
+            LogprobsLists([], [], []) if sampling_params.prompt_logprobs is not None else None)
         self.block_hashes: list[bytes] = []  # one per full block, chained
         self._block_hasher: BlockHasherFn | None = None
         self._hash_block_size = 0

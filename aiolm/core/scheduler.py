@@ -38,6 +38,7 @@ from aiolm.core.outputs import (
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from aiolm.core.request import Request, RequestStatus
@@ -320,7 +321,8 @@ class Scheduler:
                 continue
             hits: list[KVCacheBlock] = []
             num_hit = 0
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
+                # Prompt logprobs need every prompt position computed, so no cached prefix.
                 hits, num_hit = kv.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - num_hit
             if threshold and n > threshold:
@@ -430,6 +432,10 @@ class Scheduler:
         if model_runner_output is None:
             return outputs
         any_finished = False
+        for req_id, plp in model_runner_output.prompt_logprobs.items():
+            req = requests.get(req_id)
+            if req is not None and req.prompt_logprobs is not None:
+                _merge_prompt_logprobs(req.prompt_logprobs, plp)
         logprobs = model_runner_output.logprobs
         max_model_len = self.config.max_model_len
         for req_id, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
@@ -453,11 +459,14 @@ class Scheduler:
             if lp is not None and len(new_tokens) < len(tokens):
                 lp = _trim_logprobs(lp, len(new_tokens))
             if status is None:
-                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, lp, req.num_cached_tokens, None))
+                out = EngineCoreOutput(req_id, new_tokens, None, None, lp, req.num_cached_tokens, None)
             else:
                 any_finished = True
                 self._finish(req, status)
-                outputs.append(self._output(req, new_tokens, lp))
+                out = self._output(req, new_tokens, lp)
+            if req.prompt_logprobs is not None:  # once, with the first token
+                out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+            outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
@@ -508,6 +517,17 @@ class Scheduler:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=req.error,
         )
+
+
+def _merge_prompt_logprobs(into: LogprobsLists, chunk: PromptLogprobs) -> None:
+    """Append a chunk's entries past what ``into`` holds (prompt token 1 is entry 0); a
+    chunk recomputed after a preemption repeats entries already there and adds nothing."""
+    skip = len(into.ranks) + 1 - chunk.start
+    if skip < 0:
+        return  # a gap cannot happen (chunks arrive in order); refuse to misalign rather than guess
+    into.token_ids.extend(chunk.lists.token_ids[skip:])
+    into.logprobs.extend(chunk.lists.logprobs[skip:])
+    into.ranks.extend(chunk.lists.ranks[skip:])
 
 
 def _trim_logprobs(lp: LogprobsLists, n: int) -> LogprobsLists:

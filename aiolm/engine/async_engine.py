@@ -36,6 +36,7 @@ from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
+from aiolm.structured.backend import Validator
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class AsyncEngine:
         self._executor: Executor | None = None
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
+        self.grammars = Validator(self.args.structured_outputs_backend)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self._submissions = itertools.count()
         self.supervisor: WorkerSupervisor | None = None
@@ -95,7 +97,8 @@ class AsyncEngine:
             max_model_len=self.max_model_len, block_size=a.block_size,
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
             device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
-            max_num_batched_tokens=a.max_num_batched_tokens)
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            structured_outputs=a.structured_outputs_backend != "none")
         self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,
                                            a.max_worker_restarts, a.worker_restart_window)
         self._executor = await self._make_executor(runner_cfg, 0)
@@ -105,6 +108,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len, block_size=a.block_size,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching))
+        self.grammars.configure(self.tokenizer, mc.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
@@ -156,6 +160,7 @@ class AsyncEngine:
                 await actor.stop()
         for ex in {id(e): e for e in (self.executor, self._executor) if e is not None}.values():
             await ex.shutdown()
+        self.grammars.close()
 
     def _on_crash(self, actor: Any, error: BaseException) -> None:
         if isinstance(error, EngineDeadError):
@@ -239,6 +244,7 @@ class AsyncEngine:
         params = self.inputs.params(params)
         if timeout is not None and not timeout > 0:
             raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
+        await self.grammars.check(params.structured_outputs)  # off the loop, cached by the grammar's text
         processed = await self.inputs.process(prompt)
         self._check_alive()
         rid = request_id if request_id is not None else self.inputs.new_request_id()

@@ -123,8 +123,10 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ParamError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ParamError("logprobs", f"at most {self.max_logprobs} top logprobs, got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ParamError(name, f"at most {self.max_logprobs} top logprobs, got {value}")
         for tok in (params.logit_bias or {}):
             if not 0 <= tok < self.vocab_size:
                 raise ParamError("logit_bias", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")

@@ -66,6 +66,8 @@ class RequestState:
         self.delivered_final = False
         self.pending_siblings: list[Any] = []  # n > 1: Requests to add once sequence 0 has prefilled
         self.expiry: asyncio.TimerHandle | None = None  # the request's timeout, if it has one
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.sent_prompt_logprobs = False  # delta mode: delivered once, with the first output
         self._event = asyncio.Event()
 
     @property
@@ -119,8 +121,12 @@ class RequestState:
             metrics["ttft"] = self.first_token_time - self.arrival
         if self.finish_time is not None:
             metrics["e2e"] = self.finish_time - self.arrival
+        plp = self.prompt_logprobs
+        if delta and plp is not None:
+            plp = None if self.sent_prompt_logprobs else plp
+            self.sent_prompt_logprobs = True
         return RequestOutput(self.req_id, self.prompt, self.prompt_ids, outs, self.finished,
-                             self.num_cached_tokens, metrics=metrics)
+                             self.num_cached_tokens, metrics=metrics, prompt_logprobs=plp)
 
 
 class TokenTexts:
@@ -246,6 +252,8 @@ class OutputProcessor(Actor[StepOutputs]):
                 state.last_token_time = now
                 self.stats["generation_tokens"] += len(o.new_token_ids)
                 seq.token_ids.extend(o.new_token_ids)
+                if o.prompt_logprobs is not None and state.prompt_logprobs is None:  # n > 1: the first
+                    state.prompt_logprobs = [None, *self._entries(o.prompt_logprobs)]
                 if seq.logprobs is not None and o.new_logprobs is not None:
                     self._add_logprobs(seq, o.new_logprobs)
                 token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
@@ -278,14 +286,22 @@ class OutputProcessor(Actor[StepOutputs]):
         if self.on_finish is not None:
             self.on_finish(state)
 
-    def _add_logprobs(self, seq: SeqState, lp: LogprobsLists) -> None:
-        assert seq.logprobs is not None
+    def _entries(self, lp: LogprobsLists) -> list[dict[int, Logprob]]:
+        """One dict per token: the token itself (its rank), then the top-N (ranks 1..N);
+        the token texts decoded in one batch, each distinct id once."""
         pieces = self.token_texts.lookup([t for ids in lp.token_ids for t in ids])
+        out = []
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
             entry: dict[int, Logprob] = {}
             for j, (tid, val) in enumerate(zip(ids, vals)):
                 if tid not in entry:
                     entry[tid] = Logprob(val, rank if j == 0 else j, pieces[tid])
+            out.append(entry)
+        return out
+
+    def _add_logprobs(self, seq: SeqState, lp: LogprobsLists) -> None:
+        assert seq.logprobs is not None
+        for entry, vals in zip(self._entries(lp), lp.logprobs):
             seq.logprobs.append(entry)
             if seq.cumulative_logprob is not None and vals:
                 seq.cumulative_logprob += vals[0]

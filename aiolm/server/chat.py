@@ -12,8 +12,9 @@ from aiolm.params import OutputKind, ParamError
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
-from aiolm.server.logprobs import chat_logprobs
-from aiolm.server.protocol import chat_request, check_unsupported_chat, message_text, param_error, sampling_params
+from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
+from aiolm.server.protocol import (chat_request, check_unsupported_chat, message_text, param_error, sampling_params,
+                                   structured_spec)
 from aiolm.server.sse import EventStream, until_disconnect
 
 
@@ -23,6 +24,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     req = chat_request(ctx.settings.limits).parse(body)
     check_model(ctx, req["model"])
     check_unsupported_chat(req)
+    structured, structured_param = structured_spec(req)
     if req["continue_final_message"] and req["add_generation_prompt"] and "add_generation_prompt" in body:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
@@ -45,10 +47,11 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     top_n = req["top_logprobs"] or 0
     stream = req["stream"]
     params = sampling_params(req, max_tokens, top_n if req["logprobs"] else None,
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured,
+                             req["prompt_logprobs"], engine)
     rid = ctx.new_id("chatcmpl")
     gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
-                     rename={"prompt": "messages", "max_tokens": mt_param})
+                     rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})
     await gen.start()
     log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req["n"], stream=stream, user=req["user"])
     meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
@@ -56,7 +59,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         opts = req["stream_options"] or {}
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
         events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
-                              engine, request)
+                              engine, request, ids if req["return_token_ids"] else None,
+                              bool(opts.get("continuous_usage_stats")))
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -66,38 +70,51 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": c.text},
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req["logprobs"] else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "token_ids": list(c.token_ids) if req["return_token_ids"] else None})
     log_extra(request, completion_tokens=completion_tokens)
-    return json_response({**meta, "choices": choices,
-                          "usage": usage(len(ids), completion_tokens), "system_fingerprint": None})
+    return json_response({**meta, "choices": choices, "usage": usage(len(ids), completion_tokens),
+                          "system_fingerprint": None,
+                          "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids,
+                                                                  req["prompt_logprobs"] or 0),
+                          "prompt_token_ids": ids if req["return_token_ids"] else None})
 
 
 async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
-                       top_n: int, tokenizer: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
+                       top_n: int, tokenizer: Any, request: Request,
+                       prompt_ids: list[int] | None = None,
+                       continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
+    delta then carries its new ``token_ids``."""
     want_logprobs = gen.params.logprobs is not None
+    completion_tokens = 0
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            out["usage"] = None
+        if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
+            out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return out
 
     for i in range(n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-    completion_tokens = 0
+        first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])
+        if prompt_ids is not None and i == 0:
+            first["prompt_token_ids"] = prompt_ids
+        yield first
     try:
         async for _, out in gen.stream():
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer) if want_logprobs and c.token_ids else None
-                if not c.text and not c.finished and lp is None:
+                if not c.text and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
                     continue
                 choice: dict[str, Any] = {"index": c.index, "delta": {"content": c.text} if c.text else {},
                                           "logprobs": lp, "finish_reason": c.finish_reason}
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
+                if prompt_ids is not None:
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
             for choice in choices:  # one choice per chunk, as OpenAI streams n > 1
                 yield chunk([choice])

@@ -15,8 +15,8 @@ from aiolm.params import OutputKind
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
-from aiolm.server.logprobs import CompletionLogprobs, merge
-from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params
+from aiolm.server.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
+from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params, structured_spec
 from aiolm.server.sse import EventStream, until_disconnect
 
 
@@ -54,18 +54,24 @@ async def create_completion(request: Request) -> Response | EventStream:
     req = completion_request(ctx.settings.limits).parse(body)
     check_model(ctx, req["model"])
     check_unsupported_completion(req)
+    structured, structured_param = structured_spec(req)
     raw = _prompt_list(req["prompt"])
     max_tokens = req["max_tokens"]
     prompts = await _prepare(ctx, raw, req["add_special_tokens"], max_tokens, req["min_tokens"])
     stream = req["stream"]
+    # Echoed prompt tokens get real logprobs: the engine scores the prompt too (as vLLM does).
+    scored = req["prompt_logprobs"]
+    if req["echo"] and req["logprobs"] is not None:
+        scored = max(scored or 0, req["logprobs"])
     params = sampling_params(req, max_tokens, req["logprobs"],
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured, scored,
+                             ctx.engine)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req["echo"]:
             p.text = tok.decode(p.token_ids)
     rid = ctx.new_id("cmpl")
-    gen = Generation(ctx, prompts, params, rid, req["priority"])
+    gen = Generation(ctx, prompts, params, rid, req["priority"], rename={"structured_outputs": structured_param})
     await gen.start()
     n = req["n"]
     log_extra(request, engine_request_id=rid, prompt_tokens=sum(len(p.token_ids) for p in prompts),
@@ -73,7 +79,8 @@ async def create_completion(request: Request) -> Response | EventStream:
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:
         opts = req["stream_options"] or {}
-        events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request)
+        events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request,
+                         bool(opts.get("continuous_usage_stats")))
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     finals = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -85,10 +92,16 @@ async def create_completion(request: Request) -> Response | EventStream:
             lp = None
             if req["logprobs"] is not None:
                 b = CompletionLogprobs(req["logprobs"], tok)
-                echoed = b.prompt(prompt.token_ids) if req["echo"] else None
+                echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req["echo"] else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
+            ids = req["return_token_ids"]
             choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "prompt_logprobs": (prompt_logprobs_json(final.prompt_logprobs, prompt.token_ids,
+                                                                     req["prompt_logprobs"])
+                                                if req["prompt_logprobs"] is not None else None),
+                            "prompt_token_ids": prompt.token_ids if ids else None,
+                            "token_ids": list(c.token_ids) if ids else None})
     log_extra(request, completion_tokens=completion_tokens)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return json_response({**meta, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
@@ -96,27 +109,47 @@ async def create_completion(request: Request) -> Response | EventStream:
 
 
 async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: dict[str, Any],
-                  include_usage: bool, tok: Any, request: Request) -> AsyncIterator[dict[str, Any]]:
-    n, top_n = req["n"], req["logprobs"]
+                  include_usage: bool, tok: Any, request: Request,
+                  continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
+    n, top_n, ids = req["n"], req["logprobs"], req["return_token_ids"]
+    sent_prompt: set[int] = set()
+
+    def with_ids(choice: dict[str, Any], pi: int, token_ids: list[int]) -> dict[str, Any]:
+        """vLLM's streaming shape: the prompt's ids in a choice's first chunk, then each chunk's ids."""
+        if ids:
+            first = choice["index"] not in sent_prompt
+            sent_prompt.add(choice["index"])
+            choice["prompt_token_ids"] = prompts[pi].token_ids if first else None
+            choice["token_ids"] = token_ids
+        return choice
+
+    completion_tokens = 0
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            out["usage"] = None
+        if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
+            out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return out
 
     builders: dict[int, CompletionLogprobs] = {}
     if top_n is not None:
         builders = {pi * n + i: CompletionLogprobs(top_n, tok) for pi in range(len(prompts)) for i in range(n)}
-    if req["echo"]:
-        for pi, p in enumerate(prompts):
-            for i in range(n):
-                idx = pi * n + i
-                lp = builders[idx].prompt(p.token_ids) if top_n is not None else None
-                yield chunk([{"index": idx, "text": p.text or "", "logprobs": lp, "finish_reason": None}])
-    completion_tokens = 0
+    echo_pending = set(range(len(prompts))) if req["echo"] else set()
+
+    def echo(pi: int, plp: Any) -> list[dict[str, Any]]:
+        """A prompt's echo, sent with its first output: that output carries its prompt logprobs."""
+        echo_pending.discard(pi)
+        p = prompts[pi]
+        return [chunk([with_ids({"index": pi * n + i, "text": p.text or "",
+                                 "logprobs": builders[pi * n + i].prompt(p.token_ids, plp) if top_n is not None else None,
+                                 "finish_reason": None}, pi, [])]) for i in range(n)]
+
     try:
         async for pi, out in gen.stream():
+            if pi in echo_pending:
+                for c in echo(pi, out.prompt_logprobs):
+                    yield c
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -127,7 +160,7 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
                 choice = {"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
-                choices.append(choice)
+                choices.append(with_ids(choice, pi, list(c.token_ids)))
             for choice in choices:  # one choice per chunk, as OpenAI streams n > 1
                 yield chunk([choice])
     except Exception as e:  # the stream has started: report in-band
@@ -137,5 +170,4 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
         yield {**meta, "choices": [], "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}

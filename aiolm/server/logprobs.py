@@ -26,6 +26,25 @@ def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:n]
 
 
+def prompt_logprobs_json(plp: list[dict[int, Logprob] | None] | None, token_ids: list[int],
+                         top_n: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else token id ->
+    {logprob, rank, decoded_token} for the token itself and the top ``top_n`` (the engine
+    may have scored more, for echo)."""
+    if plp is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for tid, e in zip(token_ids, plp):
+        if e is None:
+            out.append(None)
+            continue
+        keep = [(tid, e[tid])] if tid in e else []
+        keep += [(t, lp) for t, lp in _top(e, top_n) if t != tid]
+        out.append({str(t): {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in keep})
+    return out
+
+
 def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]] | None, top_n: int,
                   tokenizer: Any) -> dict[str, Any] | None:
     if lps is None:
@@ -47,14 +66,19 @@ class CompletionLogprobs:
         self.tokenizer = tokenizer
         self.offset = offset
 
-    def prompt(self, token_ids: list[int]) -> dict[str, Any]:
-        """Echoed prompt tokens: the engine scores no prompt, so their logprobs are null."""
+    def prompt(self, token_ids: list[int], plp: list[dict[int, Logprob] | None] | None) -> dict[str, Any]:
+        """Echoed prompt tokens with their prompt logprobs (the first token has none: null)."""
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid in token_ids:
-            text = self.tokenizer.decode([tid])
+        for i, tid in enumerate(token_ids):
+            entry = plp[i] if plp is not None and i < len(plp) else None
+            if entry is None:
+                text, value, top = self.tokenizer.decode([tid]), None, None
+            else:
+                text, value = _token(tid, entry, self.tokenizer)
+                top = {lp.decoded_token or "": clamp(lp.logprob) for _, lp in _top(entry, self.top_n)}
             out["tokens"].append(text)
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
+            out["token_logprobs"].append(value)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

@@ -55,7 +55,7 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     ctx = context(request)
-    req = tokenize_request().parse(await read_json(request, ctx.settings.max_request_bytes))
+    req = tokenize_request(ctx.settings.limits).parse(await read_json(request, ctx.settings.max_request_bytes))
     check_model(ctx, req["model"])
     engine = ctx.engine
     if (req["prompt"] is None) == (req["messages"] is None):
@@ -77,7 +77,7 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     ctx = context(request)
-    req = detokenize_request().parse(await read_json(request, ctx.settings.max_request_bytes))
+    req = detokenize_request(ctx.settings.limits).parse(await read_json(request, ctx.settings.max_request_bytes))
     check_model(ctx, req["model"])
     vocab = ctx.engine.vocab_size
     for i, t in enumerate(req["tokens"]):

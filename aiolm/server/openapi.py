@@ -73,8 +73,8 @@ def openapi_schema(limits: Limits, model_name: str) -> dict[str, Any]:
             "schemas": {
                 "ChatCompletionRequest": chat_request(limits).schema(),
                 "CompletionRequest": completion_request(limits).schema(),
-                "TokenizeRequest": tokenize_request().schema(),
-                "DetokenizeRequest": detokenize_request().schema(),
+                "TokenizeRequest": tokenize_request(limits).schema(),
+                "DetokenizeRequest": detokenize_request(limits).schema(),
                 "Error": _ERROR,
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

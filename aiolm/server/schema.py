@@ -3,16 +3,22 @@
 Each spec both checks a value (raising a 400 that names the field, OpenAI's
 ``param``) and describes itself as JSON Schema for ``/openapi.json``, so the
 documented API and the enforced one cannot drift. ``null`` means "not given" for
-every optional field, as in OpenAI's API; unknown fields are ignored.
+every optional field, as in OpenAI's API. A field no spec defines is a 400
+naming it (OpenAI's "Unrecognized request argument"), so a client never
+believes it got something the server silently dropped; a lenient object (the
+``--lenient-fields`` server flag) logs a warning instead.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from aiolm.server.errors import APIError, bad_request
+
+log = logging.getLogger("aiolm.server")
 
 
 def _type_name(v: Any) -> str:
@@ -270,18 +276,33 @@ class Field:
 
 
 class Obj(Spec):
-    """An object with known fields; unknown ones are ignored (OpenAI's behaviour)."""
+    """An object with known fields; an unknown one is a 400 naming it (a warning if ``lenient``)."""
 
     what = "an object"
 
-    def __init__(self, fields: dict[str, Field]) -> None:
+    def __init__(self, fields: dict[str, Field], lenient: bool = False) -> None:
         self.fields = fields
+        self.lenient = lenient
+
+    def _check_unknown(self, value: dict[str, Any], name: str) -> None:
+        unknown = [k for k in value if k not in self.fields]
+        if not unknown:
+            return
+        paths = [f"{name}.{k}" if name else k for k in unknown]
+        listed = ", ".join(repr(p) for p in paths)
+        if self.lenient:
+            log.warning("ignoring request fields this server does not implement: %s", listed)
+            return
+        raise bad_request(f"Unrecognized request argument supplied: {listed} (this server does not "
+                          f"implement {'it' if len(paths) == 1 else 'them'})",
+                          param=paths[0], code="unrecognized_argument")
 
     def parse(self, value: Any, name: str = "") -> dict[str, Any]:
         if not isinstance(value, dict):
             if not name:
                 raise bad_request(f"the request body must be a JSON object, got {_type_name(value)}")
             raise self.fail(value, name)
+        self._check_unknown(value, name)
         out: dict[str, Any] = {}
         for key, f in self.fields.items():
             path = f"{name}.{key}" if name else key
@@ -306,6 +327,8 @@ class Obj(Spec):
                 s["default"] = f.default
             props[key] = s
         out: dict[str, Any] = {"type": "object", "properties": props}
+        if not self.lenient:
+            out["additionalProperties"] = False
         req = [k for k, f in self.fields.items() if f.required]
         if req:
             out["required"] = req

@@ -41,10 +41,13 @@ class ServerSettings:
     body_timeout: float = 30.0  # seconds for a whole request body to arrive
     request_timeout: float = 0.0  # default per-request timeout in seconds (0 = none)
     exit_on_engine_death: bool = False  # `aiolm serve` turns it on
+    lenient_fields: bool = False
+    max_logprobs: int = EngineArgs.max_logprobs  # the engine's flag, so the API's bounds match it
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_n=self.max_n, max_prompts=self.max_prompts)
+        return Limits(max_n=self.max_n, max_prompts=self.max_prompts, max_logprobs=self.max_logprobs,
+                      lenient=self.lenient_fields)
 
 
 def _seconds(text: str) -> float:
@@ -82,6 +85,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="one JSON line per HTTP request on the 'aiolm.access' logger")
     g.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=d.web_ui,
                    help="serve the chat page at / (static files in aiolm/server/web)")
+    g.add_argument("--lenient-fields", action="store_true", default=d.lenient_fields,
+                   help="log a warning for request fields the server does not implement instead of a 400")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
     g.add_argument("--max-seqs-per-request", type=int_in(1), default=d.max_seqs_per_request,
                    help="most sequences (prompts x n) one HTTP request may start (400 above)")
@@ -104,7 +109,8 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
         shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui,
         max_seqs_per_request=ns.max_seqs_per_request, allow_request_priority=ns.allow_request_priority,
         body_timeout=ns.body_timeout, request_timeout=ns.request_timeout,
-        exit_on_engine_death=ns.exit_on_engine_death)
+        exit_on_engine_death=ns.exit_on_engine_death,
+        lenient_fields=ns.lenient_fields, max_logprobs=ns.max_logprobs)
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:

@@ -16,13 +16,15 @@ import torch
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import kv_cache_shape
 from aiolm.config import RunnerConfig
-from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from aiolm.model.loader import resolve_model
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.sample import logits_processors
+from aiolm.sample.prompt_logprobs import score_prompt
 from aiolm.sample.sampler import Sampler, SamplingMetadata
+from aiolm.structured.backend import Compiler
 from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
 from aiolm.worker.input_batch import InputBatch
 
@@ -38,6 +40,9 @@ class ModelRunner:
         self.device = self.platform.worker_device(cfg.device, get_tp_group().rank)
         self.platform.install()
         self.source = resolve_model(cfg.model)
+        Compiler.configure(self.source.load_tokenizer)  # grammars load it on first use
+        if cfg.structured_outputs:
+            Compiler.preload(self.source.config.vocab_size)  # in a thread, while the model loads
         requested = self.platform.resolve_dtype(cfg.dtype)
         self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
                                  attention=cfg.attention_backend)
@@ -106,9 +111,27 @@ class ModelRunner:
                     logprobs[step.req_ids[i]] = lp
         else:
             self._meta_key = None
+        prompt_lps = self._prompt_logprobs(step, hidden)
         t3 = time.perf_counter()
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 worker_times=[t1 - t0, t2 - t1, t3 - t2])
+                                 prompt_logprobs=prompt_lps, worker_times=[t1 - t0, t2 - t1, t3 - t2])
+
+    def _prompt_logprobs(self, step: Any, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """For requests that asked, the prompt tokens this step's positions predict."""
+        out: dict[str, PromptLogprobs] = {}
+        b = self.batch
+        for i, rid in enumerate(step.req_ids):
+            params = b.params[int(step.rows[i])]
+            if params is None or params.prompt_logprobs is None:
+                continue
+            q = step.query_lens[i]
+            first = step.seq_lens_list[i] - q
+            start = int(sum(step.query_lens[:i]))
+            plp = score_prompt(self.model.compute_logits, hidden, start, first, q,
+                               b.prompt_tokens(int(step.rows[i])).tolist(), params.prompt_logprobs)
+            if plp is not None:
+                out[rid] = plp
+        return out
 
     def _sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         """Reuse last step's metadata when the same requests sample again (pure decode)."""

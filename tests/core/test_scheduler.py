@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput
+from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import SchedulerConfig
 from aiolm.params import ParamError, SamplingParams
@@ -408,6 +408,43 @@ def test_second_request_with_same_prompt_reuses_blocks():
     stats = sched.prefix_cache_stats
     assert stats.hits == 28 and stats.queries == 58 and stats.requests == 2
     d.drain()
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_arrive_once_in_order():
+    """Chunks of prompt logprobs are gathered (a repeated one adds nothing) and sent with the first token."""
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=12)
+    prompt = list(range(1, 30))
+    d = Driver(sched)
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    d.drain()
+    sched.add_request(make_request("b", prompt, max_tokens=2, prompt_logprobs=0))
+    firsts = []
+    for _ in range(10):
+        so = sched.schedule()
+        check_scheduler(sched, so)
+        if not so.num_scheduled_tokens:
+            break
+        req = sched.requests["b"]
+        n = so.num_scheduled_tokens["b"]
+        start = req.num_computed_tokens - n  # positions start .. start+n-1 score tokens start+1 ..
+        if so.scheduled_new_reqs:
+            assert so.scheduled_new_reqs[0].num_computed_tokens == 0  # no cached prefix for "b"
+        count = min(n, len(prompt) - 1 - start)
+        plp = {}
+        if count > 0:
+            # send each chunk twice, as after a preemption's recompute: only the new entries count
+            chunk = PromptLogprobs(start + 1, LogprobsLists([[prompt[start + 1 + i]] for i in range(count)],
+                                                            [[-float(start + 1 + i)] for i in range(count)],
+                                                            [1] * count))
+            plp = {"b": chunk}
+            sched.update_from_output(so, ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=plp))
+        done = req.num_computed_tokens == req.num_tokens
+        outs = sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=["b"], sampled_token_ids=[[7] if done else []], prompt_logprobs=plp))
+        firsts += [o for o in outs if o.req_id == "b"]
+    assert firsts[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in firsts[1:])
+    got = firsts[0].prompt_logprobs
+    assert got.token_ids == [[t] for t in prompt[1:]] and got.logprobs == [[-float(i)] for i in range(1, 29)]
 
 
 def test_aborted_requests_computed_blocks_serve_the_same_prompt_again():

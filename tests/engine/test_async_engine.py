@@ -451,7 +451,8 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
     (dict(n=0), "n"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens"),
     (dict(stop=[""]), "stop"),
-    (dict(logprobs=100), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),  # the upper bound is the engine's --max-logprobs (below)
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(seed="x"), "seed"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
 ])
@@ -481,6 +482,8 @@ def test_bad_requests_are_refused_with_the_field_named(engine, run):
             "bias": await refused("hi", SamplingParams(logit_bias={vocab + 5: 1.0})),
             "stop ids": await refused("hi", SamplingParams(stop_token_ids=[vocab])),
             "params type": await refused("hi", {"max_tokens": 3}),
+            "logprobs cap": await refused("hi", SamplingParams(logprobs=engine.args.max_logprobs + 1)),
+            "prompt logprobs cap": await refused("hi", SamplingParams(prompt_logprobs=engine.args.max_logprobs + 1)),
         }
         long_text = await refused("word " * 2000)
         return errs, long_text
@@ -492,6 +495,7 @@ def test_bad_requests_are_refused_with_the_field_named(engine, run):
     assert errs["negative"].param == "prompt"
     assert errs["empty"].param == "prompt"
     assert errs["not ids"].param == "prompt_token_ids"
+    assert errs["logprobs cap"].param == "logprobs" and errs["prompt logprobs cap"].param == "prompt_logprobs"
     assert errs["bad type"].param == "prompt"
     assert errs["bad messages"].param.startswith("messages")
     assert errs["bias"].param == "logit_bias"

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 600
+SERVER_URL = "http://127.0.0.1:8000/v1"  # what README snippets that need `aiolm serve` connect to
 
 
 def test_examples_run_standalone():
@@ -54,6 +55,7 @@ def test_readme_python_snippets_run_as_written():
 
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert len(blocks) >= 2
+    blocks = [b for b in blocks if SERVER_URL not in b]  # those run against a server, below
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for code in blocks]
@@ -69,3 +71,29 @@ def test_readme_python_snippets_run_as_written():
         assert "Paris" in out, f"{code}\n{out}"
     streamed = next(out for code, (out, _) in zip(blocks, results) if "AsyncEngine" in code)
     assert len(streamed.strip().splitlines()) == 1  # deltas printed back to back: the answer once
+
+
+def test_readme_client_snippets_run_against_a_server(tmp_path):
+    """README blocks that talk to `aiolm serve`, verbatim but for the port: a free one here."""
+    import ast
+    import re
+
+    sys.path.insert(0, str(ROOT / "tests" / "server"))
+    from server_helpers import ServerProcess, free_port, serve_cmd
+
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+              if SERVER_URL in b]
+    assert blocks, "the README's structured outputs example"
+    port = free_port()
+    srv = ServerProcess(serve_cmd(port), port, tmp_path / "server.log")
+    with srv.serving():
+        for code in blocks:
+            code = code.replace(SERVER_URL, f"http://127.0.0.1:{port}/v1")
+            p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
+                               timeout=TIMEOUT)
+            assert p.returncode == 0, f"{code}\n{p.stdout}\n{p.stderr[-3000:]}"
+            lines = p.stdout.strip().splitlines()
+            if "json_schema" in code:  # the structured outputs example: a document, then a choice
+                doc = ast.literal_eval(lines[0])  # print() of the parsed dict
+                assert set(doc) == {"city", "population"} and isinstance(doc["population"], int)
+                assert lines[1] in ("yes", "no")

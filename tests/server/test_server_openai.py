@@ -175,6 +175,55 @@ def test_completion_echo_and_token_prompts(client, model, server):
     assert by_text.usage.prompt_tokens == len(ids) == by_ids.usage.prompt_tokens
 
 
+def test_prompt_logprobs_echo_and_token_ids(client, model, server):
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    text = "The capital of France is"
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": text}, headers=auth, timeout=30).json()["tokens"]
+    out = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                    extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    c = out.choices[0]
+    assert c.prompt_token_ids == ids and len(c.token_ids) == 3
+    plp = c.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    actual = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    assert all(v <= 0 for v in actual) and all(1 <= len(e) <= 2 for e in plp[1:])
+    lp = c.logprobs  # echo + logprobs: the echoed prompt carries the same numbers, then the output
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:len(ids)] == pytest.approx(actual, abs=1e-6)
+    assert len(lp.tokens) == len(ids) + 3 and all(v is not None for v in lp.token_logprobs[1:])
+    plain = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0)
+    assert plain.choices[0].prompt_logprobs is None and plain.choices[0].token_ids is None
+    assert plain.choices[0].text == c.text[len(text):]
+    # streamed echo + logprobs: the echo chunk has the prompt's logprobs too
+    chunks = list(client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == text and first.logprobs.token_logprobs[1:] == pytest.approx(actual, abs=1e-6)
+    # chat: the rendered prompt's ids and logprobs at the top of the response
+    msgs = [{"role": "user", "content": "Say hi."}]
+    chat_ids = httpx.post(server.base_url + "/tokenize", json={"messages": msgs}, headers=auth, timeout=30).json()
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    assert chat.prompt_token_ids == chat_ids["tokens"] and len(chat.choices[0].token_ids) == 2
+    assert len(chat.prompt_logprobs) == chat_ids["count"] and chat.prompt_logprobs[0] is None
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=text, max_tokens=1, extra_body=bad)
+        assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_allowed_token_ids_and_bad_words(client, model, server):
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    allowed = httpx.post(server.base_url + "/tokenize", json={"prompt": " yes no maybe", "add_special_tokens": False},
+                         headers=auth, timeout=30).json()["tokens"]
+    out = client.completions.create(model=model, prompt="Is the sky blue?", max_tokens=5, temperature=0.9, seed=3,
+                                    extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert out.choices[0].token_ids and set(out.choices[0].token_ids) <= set(allowed)
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert "Paris" in client.completions.create(**kw).choices[0].text
+    banned = client.completions.create(**kw, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert "Paris" not in banned and banned
+
+
 def test_stop_sequences(client, model):
     kw = dict(model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
     free = client.completions.create(**kw).choices[0].text
@@ -241,6 +290,24 @@ def test_request_errors(client, model, server):
     assert e.value.body["param"] == "prompt[1]"
     r = httpx.get(server.base_url + "/health", headers={"x-request-id": "trace-42"}, timeout=10)
     assert r.headers["x-request-id"] == "trace-42"
+
+
+def test_unknown_fields_are_refused_through_the_client(client, model):
+    """The openai client's extra_body reaches the server; what it does not implement is a 400 naming it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2,
+                                       extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search" and e.value.body["code"] == "unrecognized_argument"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"frobnicate": 1})
+    assert e.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI refuses this too
+        client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2,
+                                       stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+    out = client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2, store=False,
+                                         metadata={"k": "v"}, user="u", service_tier="auto")
+    assert out.choices[0].finish_reason == "length"  # the no-op fields are accepted
 
 
 @pytest.mark.slow

@@ -75,7 +75,8 @@ BAD_CHAT = [
     ({"messages": CHAT["messages"], "min_tokens": 5000}, "min_tokens"),
     ({**CHAT, "ignore_eos": "no"}, "ignore_eos"),
     ({**CHAT, "user": 7}, "user"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format.type"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "model": "gpt-4"}, "model"),
 ]

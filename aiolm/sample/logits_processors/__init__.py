@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors.allowed_token_ids import AllowedTokenIds
 from aiolm.sample.logits_processors.bad_words import BadWords
+from aiolm.sample.logits_processors.grammar import Grammar
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
 from aiolm.sample.logits_processors.logit_bias import LogitBias
 from aiolm.sample.logits_processors.min_tokens import MinTokens
@@ -27,6 +28,7 @@ REGISTRY: list[type[LogitsProcessor]] = [
     LogitBias,
     MinTokens,
     Penalties,
+    Grammar,  # last: only a hard mask, so the order does not matter; the grammar sees the others' bans
 ]
 
 __all__ = ["REGISTRY", "BatchRows", "LogitsProcessor", "build_active", "needs_prompt"]

@@ -1,0 +1,141 @@
+"""``structured_outputs``: a row may only pick tokens its grammar allows next.
+
+Each constrained request has an xgrammar matcher that has accepted exactly the
+row's output tokens. Build does not replay a whole output per rebuild (rows
+join and leave every few steps under continuous batching): the matcher lives
+in a per-process table keyed by the row's SamplingParams object, which the
+persistent batch holds for the request's lifetime (a resumed request arrives
+with a new one and starts over), and build only feeds it the tokens it has not
+seen. When the grammar is complete only the row's stop tokens stay allowed, so
+the request ends with finish_reason "stop" through the ordinary stop-token path.
+
+Filling the bitmask is host work per row (the matcher walks its own state),
+done by xgrammar for all rows at once on as many threads as torch uses; the mask
+is then copied to the logits' device and applied there by xgrammar's
+kernel, with nothing read back.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from aiolm.params import SamplingParams
+from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
+from aiolm.sample.tensors import long_tensor
+from aiolm.structured.backend import Compiler, xgrammar_module as _xgr
+
+log = logging.getLogger(__name__)
+
+
+class _RowMatcher:
+    """A matcher and how many output tokens it has accepted."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        spec = params.structured_outputs
+        assert spec is not None
+        compiled = Compiler.compile(spec, vocab_size)
+        stops = sorted(params.stop_ids()) or None  # None: the tokenizer's own EOS
+        self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stops)
+        self.stop_tokens = list(self.matcher.stop_token_ids)
+        self.accepted = 0
+
+    def fill_stop_only(self, bitmask: torch.Tensor, row: int) -> None:
+        """Past its stop token (a row that ignores EOS keeps going) the grammar has nothing
+        left to allow but its stop tokens; xgrammar refuses to fill a terminated matcher."""
+        bitmask[row] = 0
+        for t in self.stop_tokens:
+            word, bit = divmod(t, 32)
+            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 bits, two's complement
+
+    def catch_up(self, output: Sequence[int]) -> None:
+        for t in output[self.accepted:]:
+            self.accept(t)
+
+    def accept(self, token: int) -> None:
+        # A refused token (one after the stop token, or a forced pick when min_tokens banned
+        # every allowed one) leaves the matcher where it was; the row is ending either way.
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(int(token))
+        self.accepted += 1
+
+
+_matchers: dict[int, tuple[weakref.ref, _RowMatcher]] = {}
+_filler: list[Any] = []
+
+
+def _batch_filler() -> Any:
+    if not _filler:
+        _filler.append(_xgr().BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads())))
+    return _filler[0]
+
+
+def _matcher_for(params: SamplingParams, output: Sequence[int], vocab_size: int) -> _RowMatcher:
+    key = id(params)
+    entry = _matchers.get(key)
+    if entry is None or entry[0]() is not params or entry[1].accepted > len(output):
+        m = _RowMatcher(params, vocab_size)
+        _matchers[key] = (weakref.ref(params), m)
+        weakref.finalize(params, _matchers.pop, key, None)
+        entry = _matchers[key]
+    entry[1].catch_up(output)
+    return entry[1]
+
+
+class Grammar(LogitsProcessor):
+    """Masks each constrained row's logits with its matcher's next-token bitmask."""
+
+    name = "grammar"
+
+    def __init__(self, rows: list[int], matchers: list[_RowMatcher], vocab_size: int,
+                 device: torch.device) -> None:
+        self.rows = rows
+        self.matchers = matchers
+        self.vocab_size = vocab_size
+        self.bitmask = _xgr().allocate_token_bitmask(len(rows), vocab_size)  # host, int32
+        self.index = long_tensor(rows, device)
+
+    @classmethod
+    def build(cls, rows: BatchRows) -> Grammar | None:
+        idx: list[int] = []
+        matchers: list[_RowMatcher] = []
+        for i, (p, out) in enumerate(zip(rows.params, rows.output_token_ids)):
+            if p.structured_outputs is None:
+                continue
+            try:
+                m = _matcher_for(p, out, rows.vocab_size)
+            except Exception:  # the engine compiled this text already: cannot happen, must not kill the step
+                log.exception("structured outputs: the worker could not compile a grammar the engine accepted; "
+                              "row %d runs unconstrained", i)
+                continue
+            idx.append(i)
+            matchers.append(m)
+        if not idx:
+            return None
+        return cls(idx, matchers, rows.vocab_size, rows.device)
+
+    def advance(self, new_token_ids: Sequence[Sequence[int]]) -> None:
+        for j, i in enumerate(self.rows):
+            for t in new_token_ids[i]:
+                self.matchers[j].accept(t)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        live = [j for j, m in enumerate(self.matchers) if not m.matcher.is_terminated()]
+        if live:  # xgrammar fills the rows on its own threads, as many as torch computes with
+            _batch_filler().batch_fill_next_token_bitmask([self.matchers[j].matcher for j in live],
+                                                          self.bitmask, indices=live)
+        if len(live) < len(self.matchers):
+            done = set(range(len(self.matchers))) - set(live)
+            for j in done:
+                self.matchers[j].fill_stop_only(self.bitmask, j)
+        mask: Any = self.bitmask.to(logits.device, non_blocking=True)
+        if len(self.rows) == logits.shape[0]:
+            _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
+            return
+        sub = logits.index_select(0, self.index)
+        _xgr().apply_token_bitmask_inplace(sub, mask, vocab_size=self.vocab_size)
+        logits.index_copy_(0, self.index, sub)

@@ -1,0 +1,151 @@
+"""xgrammar behind two small doors: the engine's validator and each process's compiler.
+
+The engine compiles a request's grammar in full (not only parses it) before the
+request is queued, so whatever it accepts also compiles in the worker: a grammar
+that failed there would fail a whole step. xgrammar (and the torch it imports)
+loads on first use only, so an engine that never sees a structured request stays
+torch-free. JSON is generated compact (``any_whitespace=False``): a
+free-whitespace grammar lets a small model fill its budget with newlines before
+the document ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from aiolm.params import ParamError
+from aiolm.structured.spec import StructuredOutputs
+
+log = logging.getLogger(__name__)
+BACKENDS = ("xgrammar", "none")
+# json_object: any JSON object, compact like the schema kinds (xgrammar's built-in JSON grammar
+# allows free whitespace).
+_ANY_OBJECT = '{"type": "object"}'
+_CACHE_ENTRIES = 256  # distinct grammars remembered per process
+
+
+def xgrammar_module() -> Any:
+    """xgrammar, imported on first use (it imports torch)."""
+    import xgrammar
+
+    return xgrammar
+
+
+_WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid grammar",
+         "json_object": "invalid JSON grammar"}
+
+
+class Validator:
+    """Engine side: checks a request's grammar once per distinct text, in a thread pool.
+
+    A request awaits its own check only; the event loop and other requests run on.
+    The verdict (None or the compiler's message) is cached by the grammar's text.
+    """
+
+    def __init__(self, backend: str = "xgrammar", max_threads: int = 2) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend: {backend!r}; supported: {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.vocab_size = 0  # set by configure() once the engine knows its model
+        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="aiolm-grammar") if backend != "none" else None
+        self._verdicts: OrderedDict[tuple, asyncio.Future[str | None]] = OrderedDict()
+
+    def configure(self, tokenizer: Any, vocab_size: int) -> None:
+        """Compile against this tokenizer (the engine's, the same the workers load)."""
+        Compiler.configure(lambda: tokenizer)
+        self.vocab_size = vocab_size
+
+    async def check(self, spec: StructuredOutputs | None) -> None:
+        """Raise ParamError('structured_outputs', message) if the grammar is refused."""
+        if spec is None:
+            return
+        if self._pool is None:
+            raise ParamError("structured_outputs", "structured outputs are disabled on this server "
+                                                   "(--structured-outputs-backend none)")
+        key = spec.key()
+        fut = self._verdicts.get(key)
+        if fut is None:  # concurrent requests with the same grammar share one check
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, _verdict, spec, self.vocab_size)
+            self._verdicts[key] = fut
+            while len(self._verdicts) > _CACHE_ENTRIES:
+                self._verdicts.popitem(last=False)
+        else:
+            self._verdicts.move_to_end(key)
+        error = await asyncio.shield(fut)
+        if error is not None:
+            raise ParamError("structured_outputs", error)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _verdict(spec: StructuredOutputs, vocab_size: int) -> str | None:
+    try:
+        Compiler.compile(spec, vocab_size)
+    except ImportError as e:
+        return f"structured outputs need the xgrammar package ({e})"
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
+        return f"{_WHAT.get(spec.kind, 'invalid grammar')}: {str(e).strip() or type(e).__name__}"
+    return None
+
+
+class Compiler:
+    """One xgrammar GrammarCompiler per process (engine or worker), built on first use.
+
+    The tokenizer comes through the loader registered by the engine or the model
+    runner, called on first use, so a worker that never sees a grammar pays
+    nothing. xgrammar's compiler caches compiled grammars by their text.
+    """
+
+    _lock = threading.Lock()
+    _loader: Callable[[], Any] | None = None
+    _compiler: Any = None
+    _vocab_size: int = 0
+
+    @classmethod
+    def configure(cls, tokenizer_loader: Callable[[], Any]) -> None:
+        cls._loader = tokenizer_loader
+
+    @classmethod
+    def preload(cls, vocab_size: int) -> None:
+        """Build the compiler in a daemon thread now, so the first grammar does not wait
+        for the tokenizer (seconds) inside a step; a build() meanwhile waits on the lock."""
+        def run() -> None:
+            try:
+                cls._get(vocab_size)
+            except Exception:  # xgrammar missing or the tokenizer unloadable: the first grammar says so
+                log.warning("structured outputs: could not prepare the grammar compiler", exc_info=True)
+
+        threading.Thread(target=run, name="aiolm-grammar-preload", daemon=True).start()
+
+    @classmethod
+    def compile(cls, spec: StructuredOutputs, vocab_size: int) -> Any:
+        """The compiled grammar of ``spec``; raises what xgrammar raises on bad text."""
+        compiler = cls._get(vocab_size)
+        if spec.kind == "json":
+            return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.text)
+        if spec.kind == "grammar":
+            return compiler.compile_grammar(spec.text)
+        raise ValueError(f"unknown kind {spec.kind!r}")
+
+    @classmethod
+    def _get(cls, vocab_size: int) -> Any:
+        with cls._lock:
+            if cls._compiler is None or cls._vocab_size != vocab_size:
+                if cls._loader is None:
+                    raise RuntimeError("structured outputs: no tokenizer registered in this worker")
+                xgr = xgrammar_module()
+                info = xgr.TokenizerInfo.from_huggingface(cls._loader(), vocab_size=vocab_size)
+                cls._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                cls._vocab_size = vocab_size
+            return cls._compiler

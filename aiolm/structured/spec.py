@@ -1,0 +1,37 @@
+"""What a request's output must match, as plain text that travels with its SamplingParams.
+
+The engine validates the text once (``backend.Validator``, off the event loop)
+before the request is queued; the worker compiles the same text into a token
+mask (``aiolm/sample/logits_processors/grammar.py``). Both sides cache by the
+text, so a grammar repeated across requests is compiled once per process. No
+compiled object crosses the process boundary: xgrammar's compiled grammars do
+not pickle, and their serialization (the token-mask cache included) is far
+larger than the text it is compiled from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KINDS = ("json", "json_object", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """``kind``: json (``text`` is a JSON schema), json_object (any JSON object; ``text`` is
+    empty), regex, or grammar (EBNF/GBNF whose start rule is ``root``). ``strict``: with
+    json, properties the schema does not list are not generated."""
+
+    kind: str
+    text: str = ""
+    strict: bool = True
+
+    def key(self) -> tuple[str, str, bool]:
+        return (self.kind, self.text, self.strict)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF that matches exactly one of ``choices`` (vLLM's ``choice`` / ``guided_choice``)."""
+    # JSON string literals are valid EBNF string literals (same escapes) once non-ASCII is kept raw.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

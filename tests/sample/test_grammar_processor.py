@@ -1,0 +1,92 @@
+"""The grammar processor on the embedded model's tokenizer: masks, advance, rebuilds, the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiolm.params import SamplingParams
+from aiolm.sample.logits_processors import BatchRows
+from aiolm.sample.logits_processors.grammar import Grammar
+from aiolm.structured.backend import Compiler
+from aiolm.structured.spec import StructuredOutputs, choice_grammar
+
+pytest.importorskip("xgrammar")
+VOCAB = 49152
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from aiolm.model.loader import resolve_model
+
+    tok = resolve_model(None).load_tokenizer()
+    Compiler.configure(lambda: tok)
+    return tok
+
+
+def _params(spec: StructuredOutputs | None, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=50, structured_outputs=spec, eos_token_ids=(EOS,), **kw)
+
+
+def _rows(params, outputs) -> BatchRows:
+    return BatchRows(params, outputs, [[] for _ in params], VOCAB, torch.device("cpu"))
+
+
+def _greedy(proc: Grammar, logits: torch.Tensor) -> list[int]:
+    logits = logits.clone()
+    proc.apply(logits)
+    return logits.argmax(-1).tolist()
+
+
+def test_rows_follow_their_grammar_to_the_stop_token(tokenizer):
+    torch.manual_seed(0)
+    params = [_params(StructuredOutputs("regex", "[0-9]{3}-ok")), _params(None),
+              _params(StructuredOutputs("grammar", choice_grammar(["alpha", "beta"])))]
+    outputs: list[list[int]] = [[], [], []]
+    proc = Grammar.build(_rows(params, outputs))
+    assert proc is not None and proc.rows == [0, 2]
+    free_row = torch.randn(VOCAB)
+    for _ in range(12):
+        logits = torch.randn(3, VOCAB)
+        logits[1] = free_row
+        picks = _greedy(proc, logits)
+        assert picks[1] == int(free_row.argmax())  # an unconstrained row is left alone
+        new = [[t] if not (o and o[-1] == EOS) else [] for t, o in zip(picks, outputs)]
+        for o, n in zip(outputs, new):
+            o.extend(n)
+        proc.advance(new)
+    text0 = tokenizer.decode(outputs[0][:-1])
+    assert outputs[0][-1] == EOS and len(text0) == 6 and text0[:3].isdigit() and text0.endswith("-ok"), text0
+    assert outputs[2][-1] == EOS and tokenizer.decode(outputs[2][:-1]) in ("alpha", "beta")
+
+
+def test_rebuild_carries_each_matcher_and_replays_only_new_tokens(tokenizer):
+    spec = StructuredOutputs("regex", "xy[0-9]+z")
+    a, b = _params(spec), _params(spec)
+    x_y = tokenizer.encode("xy", add_special_tokens=False)
+    # b joined after a; a has output already, b none; then the rows swap places (a condense)
+    proc = Grammar.build(_rows([a], [x_y]))
+    m_a = proc.matchers[0]
+    assert m_a.accepted == len(x_y)
+    proc2 = Grammar.build(_rows([b, a], [[], x_y]))
+    assert proc2.matchers[1] is m_a and proc2.matchers[0] is not m_a
+    picks = _greedy(proc2, torch.zeros(2, VOCAB))
+    first_b = tokenizer.decode([picks[0]])
+    assert first_b and "xy".startswith(first_b)  # b starts at the beginning; a continues after "xy"
+    assert tokenizer.decode([picks[1]])[0].isdigit()
+
+
+def test_a_row_that_ignores_eos_gets_only_stop_tokens_after_the_end(tokenizer):
+    p = _params(StructuredOutputs("regex", "hi"), ignore_eos=True)
+    out = tokenizer.encode("hi", add_special_tokens=False) + [EOS]  # the stop token, ignored by the engine
+    proc = Grammar.build(_rows([p], [out]))
+    assert proc.matchers[0].matcher.is_terminated()
+    logits = torch.randn(1, VOCAB)
+    proc.apply(logits)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed == [EOS]
+
+
+def test_no_constrained_row_means_no_processor():
+    assert Grammar.build(_rows([_params(None)], [[]])) is None
