@@ -407,13 +407,16 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- GGUF: cache
 
-def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch):
+def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch, caplog):
     cache = tmp_path / "cache"
     monkeypatch.setenv("AIOLM_CACHE_DIR", str(cache))
     assert cache_root() == cache
     path = tmp_path / "model.gguf"
     shutil.copy(tied_gguf, path)
-    first = resolve_model(path)
+    with caplog.at_level("INFO", logger="aiolm.model"):
+        first = resolve_model(path)
+    progress = [r.getMessage() for r in caplog.records if ": tensor " in r.getMessage()]
+    assert progress and progress[0].startswith("converting model.gguf: tensor 1 of ")  # the first start says how far
     assert first.path.parent == cache and first.path.name.startswith("gguf-")
     assert first.name == "model"  # the served name still comes from the file the user named
     stamps = {f.name: f.stat().st_mtime_ns for f in first.path.iterdir()}
