@@ -3,7 +3,7 @@
     python benchmarks/gpu/check.py parity       greedy tokens: CUDA (torch and Triton attention) vs CPU
     python benchmarks/gpu/check.py graphs       CudaGraphRunner replay vs eager on the real model
     python benchmarks/gpu/check.py decode-speed decode step time, eager vs graphs, Triton attention
-    python benchmarks/gpu/check.py engine       offline-64 and single-stream through the engine (Triton, eager)
+    python benchmarks/gpu/check.py engine       offline-64 and single stream through the engine, graphs and eager
 
 Exit status: 0 passed, 1 failed, 2 no GPU, 3 skipped (a line "skipped: <reason>" says why).
 The model is the embedded SmolLM2-135M; nothing is downloaded.
@@ -138,22 +138,26 @@ def decode_speed(max_num_seqs: int, steps: int) -> int:
 
 def engine() -> int:
     """The whole engine on the GPU (worker process, Triton attention, bfloat16): offline-64
-    throughput and single-stream decode through `aiolm bench`. CUDA graphs are not yet
-    called by the model runner, so these are eager numbers."""
+    throughput and single-stream decode through `aiolm bench`, with CUDA graphs (the
+    default) and with --enforce-eager."""
     import json
     import subprocess
 
-    runs = {"offline-64": ["bench", "throughput", "--repeats", "2"],
-            "single stream": ["bench", "latency", "--batch-size", "1", "--input-len", "128",
-                              "--output-len", "128", "--repeats", "3"]}
+    base = ["--device", "cuda", "--attention-backend", "triton", "--json"]
+    runs = {"offline-64, graphs": ["bench", "throughput", "--repeats", "2"],
+            "offline-64, eager": ["bench", "throughput", "--repeats", "2", "--enforce-eager"],
+            "single stream, graphs": ["bench", "latency", "--batch-size", "1", "--input-len", "128",
+                                      "--output-len", "128", "--repeats", "3"],
+            "single stream, eager": ["bench", "latency", "--batch-size", "1", "--input-len", "128",
+                                     "--output-len", "128", "--repeats", "3", "--enforce-eager"]}
     for name, cmd in runs.items():
-        out = subprocess.run([sys.executable, "-m", "aiolm.cli", *cmd, "--device", "cuda", "--attention-backend",
-                              "triton", "--json"], capture_output=True, text=True, timeout=420)
+        out = subprocess.run([sys.executable, "-m", "aiolm.cli", *cmd, *base], capture_output=True, text=True,
+                             timeout=300)
         if out.returncode != 0:
             print(f"{name}: FAILED\n{out.stderr[-3000:]}")
             return 1
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name}: {r.get('output_tok_s', r.get('decode_tok_s')):.1f} tok/s (eager, Triton attention, bfloat16)")
+        print(f"{name}: {r.get('output_tok_s', r.get('decode_tok_s')):.1f} tok/s (bfloat16, Triton attention)")
     return 0
 
 

@@ -6,8 +6,8 @@
 #
 # Parts: the Triton kernel tests compiled for the GPU (no interpreter), greedy parity with
 # the CPU path, CUDA-graph replay against eager, decode step time eager vs graphs, and the
-# whole engine on the GPU (offline-64 and single stream, Triton attention; eager, since the
-# model runner does not call the graphs yet). Each part has its own hard timeout; a summary table ends the run.
+# whole engine on the GPU (offline-64 and single stream through `aiolm bench`, Triton attention),
+# and the all-reduce between GPUs where there are two or more. Each part has its own hard timeout; a summary table ends the run.
 # Exit status: 0 all passed or skipped, 1 a part failed, 2 no GPU.
 set -uo pipefail
 
@@ -68,6 +68,9 @@ run_part parity "$PY" benchmarks/gpu/check.py parity
 run_part graphs "$PY" benchmarks/gpu/check.py graphs
 run_part decode-speed "$PY" benchmarks/gpu/check.py decode-speed
 run_part engine "$PY" benchmarks/gpu/check.py engine
+# 2+ GPUs: torch symmetric-memory all-reduce against NCCL (correctness, decode-size latency);
+# on one GPU it prints why it was skipped.
+run_part allreduce "$PY" benchmarks/gpu/allreduce_check.py
 
 echo
 printf '%-13s %-10s %6s  %s\n' part result sec "last line"
