@@ -290,7 +290,7 @@ def test_auto_reads_hermes_calls_in_real_output(client, model, prefix):
     """The model is made to write a hermes block (a choice constraint), and the server's
     parser turns it into a call, streamed or not."""
     kw = dict(messages=[{"role": "user", "content": "Please add 17 and 25."}], tools=TOOLS, tool_choice="auto",
-              max_tokens=60, temperature=0, extra_body={"structured_outputs": {"choice": [prefix + HERMES]}})
+              max_tokens=120, temperature=0, extra_body={"structured_outputs": {"choice": [prefix + HERMES]}})
     ch = client.chat.completions.create(model=model, **kw).choices[0]
     assert ch.finish_reason == "tool_calls", ch
     assert ch.message.content == (prefix or None)
