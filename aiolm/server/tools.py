@@ -148,8 +148,12 @@ def _check_schema(s: Any, path: str, top: bool = False) -> None:
     req = s.get("required")
     if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
         raise bad_request(f"'{path}.required' must be a list of property names", param=f"{path}.required")
-    if "items" in s:
-        _check_schema(s["items"], f"{path}.items")
+    items = s.get("items")
+    if isinstance(items, list):  # draft 4's tuple form
+        for j, sub in enumerate(items):
+            _check_schema(sub, f"{path}.items[{j}]")
+    elif items is not None:
+        _check_schema(items, f"{path}.items")
     for key in ("anyOf", "oneOf", "allOf"):
         if key in s:
             if not isinstance(s[key], list) or not s[key]:
