@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings, strategies as st
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
@@ -333,3 +334,23 @@ def test_invalid_schema_for_an_enforced_call_is_a_400(client, model):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], tools=[bad],
                                        tool_choice="required", max_tokens=4)
     assert e.value.body["param"] == "tools", e.value.body
+
+
+_PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", "(", ")", '"name"',
+                           '"arguments"', '"parameters"', ":", ",", "=", "f", "a", "1", '"x"', " ", "\n", ";"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(sorted(PARSERS)), pieces=st.lists(_PIECES | st.text(max_size=3), max_size=40),
+       step=st.integers(1, 9))
+def test_parsers_never_raise_and_streaming_agrees(name, pieces, step):
+    text = "".join(pieces)
+    content, calls = PARSERS[name]().extract(text)
+    assert calls or content == text
+    for c in calls:
+        assert isinstance(json.loads(c.arguments), dict)
+    state = StreamState(ToolPlan(parser=PARSERS[name]()))
+    shown = "".join(state.feed(text[i:i + step]) for i in range(0, len(text), step))
+    rest, got = state.finish()
+    assert got == calls
+    assert shown + rest == text if not calls else (shown + rest).strip() == (content or "").strip()
