@@ -13,9 +13,10 @@ from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
-from aiolm.server.protocol import (chat_request, check_unsupported_chat, message_text, param_error, sampling_params,
-                                   structured_spec)
+from aiolm.server.protocol import chat_request, check_unsupported_chat, param_error, sampling_params, structured_spec
 from aiolm.server.sse import EventStream, until_disconnect
+from aiolm.server.tools import (StreamState, ToolPlan, call_deltas, plan_tools, read_output, template_messages,
+                                tool_calls_json)
 
 
 async def create_chat_completion(request: Request) -> Response | EventStream:
@@ -25,15 +26,22 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     check_model(ctx, req["model"])
     check_unsupported_chat(req)
     structured, structured_param = structured_spec(req)
+    plan = plan_tools(req, ctx.settings.tool_call_parser)
+    if plan.enforced is not None:
+        if structured is not None:
+            raise bad_request(f"'{structured_param}' and 'tool_choice' both constrain the output; give one",
+                              param=structured_param)
+        structured, structured_param = plan.enforced, "tools"
     if req["continue_final_message"] and req["add_generation_prompt"] and "add_generation_prompt" in body:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     engine = ctx.engine
-    messages = [{"role": m["role"], "content": message_text(m["content"]) or "",
-                 **({"name": m["name"]} if m["name"] else {})} for m in req["messages"]]
+    messages = template_messages(req["messages"])
     cont = req["continue_final_message"]
     try:
-        kwargs = {"continue_final_message": True} if cont else {}
+        kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
+        if plan.tools:
+            kwargs["tools"] = plan.tools
         text = await engine.render_chat_async(
             messages, add_generation_prompt=req["add_generation_prompt"] and not cont, **kwargs)
     except ParamError as e:
@@ -60,17 +68,24 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
         events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
                               engine, request, ids if req["return_token_ids"] else None,
-                              bool(opts.get("continuous_usage_stats")))
+                              bool(opts.get("continuous_usage_stats")), plan)
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0
     for c in final.outputs:
         completion_tokens += len(c.token_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if plan.active:
+            content, calls = read_output(plan, c.text)
+            message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "index": c.index, "message": message,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req["logprobs"] else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if req["return_token_ids"] else None})
     log_extra(request, completion_tokens=completion_tokens)
     return json_response({**meta, "choices": choices, "usage": usage(len(ids), completion_tokens),
@@ -83,9 +98,10 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
 async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
                        top_n: int, tokenizer: Any, request: Request,
                        prompt_ids: list[int] | None = None,
-                       continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
+                       continuous: bool = False, plan: ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
-    delta then carries its new ``token_ids``."""
+    delta then carries its new ``token_ids``. With tools, content is shown until calls may
+    begin; the calls follow once the choice finishes (aiolm/server/tools.py)."""
     want_logprobs = gen.params.logprobs is not None
     completion_tokens = 0
 
@@ -95,6 +111,7 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
             out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return out
 
+    tool_states = {i: StreamState(plan) for i in range(n)} if plan is not None and plan.active else None
     for i in range(n):
         first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}])
@@ -107,10 +124,29 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer) if want_logprobs and c.token_ids else None
-                if not c.text and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
+                text, finish_reason = c.text, c.finish_reason
+                tool_deltas: list[dict[str, Any]] = []
+                if tool_states is not None:
+                    state = tool_states[c.index]
+                    text = state.feed(c.text)
+                    if c.finished:
+                        rest, calls = state.finish()
+                        text += rest
+                        tool_deltas = call_deltas(calls)
+                        if calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                if tool_deltas:
+                    if text:
+                        yield chunk([{"index": c.index, "delta": {"content": text}, "logprobs": None,
+                                      "finish_reason": None}])
+                        text = ""
+                    for d in tool_deltas[:-1]:
+                        yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                if not text and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
                     continue
-                choice: dict[str, Any] = {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                          "logprobs": lp, "finish_reason": c.finish_reason}
+                delta = tool_deltas[-1] if tool_deltas else ({"content": text} if text else {})
+                choice: dict[str, Any] = {"index": c.index, "delta": delta,
+                                          "logprobs": lp, "finish_reason": finish_reason}
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
                 if prompt_ids is not None:

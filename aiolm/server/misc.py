@@ -11,7 +11,8 @@ from aiolm.params import ParamError
 from aiolm.server.errors import APIError, bad_request, json_response
 from aiolm.server.generation import tokenize as encode
 from aiolm.server.http import check_model, context, read_json
-from aiolm.server.protocol import detokenize_request, message_text, param_error, tokenize_request
+from aiolm.server.protocol import detokenize_request, param_error, tokenize_request
+from aiolm.server.tools import template_messages
 
 
 def _model_card(request: Request) -> dict:
@@ -61,7 +62,7 @@ async def tokenize(request: Request) -> Response:
     if (req["prompt"] is None) == (req["messages"] is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
     if req["messages"] is not None:
-        msgs = [{"role": m["role"], "content": message_text(m["content"]) or ""} for m in req["messages"]]
+        msgs = template_messages(req["messages"])
         try:
             text = await engine.render_chat_async(msgs, add_generation_prompt=req["add_generation_prompt"])
         except ParamError as e:

@@ -14,6 +14,7 @@ from aiolm.config import EngineArgs
 from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.schema import Bool, Enum, Field, Int, ListOf, MapOf, Num, Obj, OneOf, Spec, Str
+from aiolm.server.tools import message_tool_fields, tool_fields
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -182,6 +183,7 @@ def chat_request(limits: Limits) -> Obj:
         "content": Field(_content_spec(limits.lenient)),
         "name": Field(Str()),
         "refusal": Field(Str(), doc=_NOOP + " (an earlier answer's refusal text is not shown to the model)"),
+        **message_tool_fields(limits.lenient),
     }, lenient=limits.lenient)
     fields = {
         "messages": Field(ListOf(message, min_items=1, max_items=4096), required=True),
@@ -189,10 +191,7 @@ def chat_request(limits: Limits) -> Obj:
         "max_completion_tokens": Field(Int(ge=1), doc="most tokens to generate (wins over max_tokens)"),
         "logprobs": Field(Bool(), default=False),
         "top_logprobs": Field(Int(0, limits.max_logprobs)),
-        "tools": Field(ListOf(MapOf(_Any()))),
-        "tool_choice": Field(OneOf(Enum(("none", "auto", "required")), MapOf(_Any())),
-                             doc="'none' or 'auto' without tools is a no-op; anything else needs tools"),
-        "parallel_tool_calls": Field(Bool(), doc=_NOOP + " without tools"),
+        **tool_fields(limits.lenient, _Any()),
         "modalities": Field(ListOf(Enum(("text",)), max_items=1), doc="only ['text']"),
         "add_generation_prompt": Field(Bool(), default=True),
         "continue_final_message": Field(Bool(), default=False),
@@ -297,13 +296,6 @@ def param_error(e: ParamError, rename: dict[str, str] | None = None) -> APIError
     return bad_request(f"'{param}': {e.message}", param=param)
 
 
-def message_text(content: Any) -> str | None:
-    """OpenAI allows content as a list of parts; the engine's template wants a string."""
-    if content is None or isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content)
-
-
 def check_stream_options(req: dict[str, Any]) -> None:
     """OpenAI refuses stream options on a request that does not stream; so do we. vLLM
     refuses prompt logprobs on a stream."""
@@ -316,12 +308,6 @@ def check_stream_options(req: dict[str, Any]) -> None:
 
 def check_unsupported_chat(req: dict[str, Any]) -> None:
     check_stream_options(req)
-    choice = req["tool_choice"]
-    if choice is not None and choice not in ("none", "auto") and not req["tools"]:
-        raise bad_request(f"'tool_choice' {choice!r} needs 'tools'; tool calling is not supported by this "
-                          f"server", param="tool_choice")
-    if req["tools"]:
-        raise bad_request("tool calling is not supported by this server", param="tools")
     if req["top_logprobs"] is not None and req["top_logprobs"] > 0 and not req["logprobs"]:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from aiolm.config import SERVE_MAX_WAITING, CliParser, EngineArgs, int_in
 from aiolm.server.protocol import Limits
+from aiolm.server.tool_parsers import PARSERS
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ServerSettings:
     request_timeout: float = 0.0  # default per-request timeout in seconds (0 = none)
     exit_on_engine_death: bool = False  # `aiolm serve` turns it on
     lenient_fields: bool = False
+    tool_call_parser: str | None = None  # tool_choice 'auto': aiolm/server/tool_parsers
     max_logprobs: int = EngineArgs.max_logprobs  # the engine's flag, so the API's bounds match it
 
     @property
@@ -87,6 +89,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="serve the chat page at / (static files in aiolm/server/web)")
     g.add_argument("--lenient-fields", action="store_true", default=d.lenient_fields,
                    help="log a warning for request fields the server does not implement instead of a 400")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="how to read tool calls in the model's free output (tool_choice 'auto'); "
+                        "hermes: <tool_call> JSON blocks (Qwen, Hermes), llama3_json: a JSON object, "
+                        "pythonic: [f(a=1), ...]")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
     g.add_argument("--max-seqs-per-request", type=int_in(1), default=d.max_seqs_per_request,
                    help="most sequences (prompts x n) one HTTP request may start (400 above)")
@@ -110,7 +116,7 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
         max_seqs_per_request=ns.max_seqs_per_request, allow_request_priority=ns.allow_request_priority,
         body_timeout=ns.body_timeout, request_timeout=ns.request_timeout,
         exit_on_engine_death=ns.exit_on_engine_death,
-        lenient_fields=ns.lenient_fields, max_logprobs=ns.max_logprobs)
+        lenient_fields=ns.lenient_fields, tool_call_parser=ns.tool_call_parser, max_logprobs=ns.max_logprobs)
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:

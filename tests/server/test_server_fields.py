@@ -30,8 +30,9 @@ UNKNOWN = [
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": None}, "frobnicate"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
-     "messages[0].tool_calls"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "hi",
+                                                     "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].function_call"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi", "cache_control": {}}]}]}, "messages[0].content[0].cache_control"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
@@ -98,7 +99,7 @@ def test_openai_fields_that_do_not_apply_are_accepted_no_ops(fake_engine, field,
         assert r.status_code == 200, r.text
         assert r.json()["choices"] == plain
         spec = c.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
-    if field not in ("tool_choice", "modalities"):
+    if field not in ("tool_choice", "modalities", "parallel_tool_calls"):
         assert "no effect" in spec["properties"][field]["description"]
 
 

@@ -77,7 +77,7 @@ BAD_CHAT = [
     ({**CHAT, "user": 7}, "user"),
     ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({**CHAT, "model": "gpt-4"}, "model"),
 ]
 

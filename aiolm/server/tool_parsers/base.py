@@ -1,0 +1,75 @@
+"""The parser interface: where calls may begin (for streaming) and how to read them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI returns it
+
+
+class ToolParser:
+    """``markers``: texts that open the calls. With ``at_start`` they count only at the
+    start of the output (after whitespace); otherwise anywhere. Streaming shows text as
+    content until a marker may begin, then holds the rest for ``extract``."""
+
+    markers: tuple[str, ...] = ()
+    at_start: bool = False
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls); no calls means the whole text is content."""
+        raise NotImplementedError
+
+    def calls_start(self, text: str) -> int | None:
+        """Where calls begin in ``text`` (complete so far), or None if no marker has begun."""
+        if self.at_start:
+            stripped = text.lstrip()
+            return len(text) - len(stripped) if stripped.startswith(self.markers) else None
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found) if found else None
+
+    def safe_prefix(self, text: str) -> int:
+        """How much of ``text`` can be streamed as content now: everything before a marker
+        or before a tail that could still grow into one."""
+        start = self.calls_start(text)
+        if start is not None:
+            return start
+        if self.at_start:
+            stripped = text.lstrip()
+            if not stripped or any(m.startswith(stripped) for m in self.markers):
+                return 0  # calls may still begin
+            return len(text)
+        hold = 0
+        for m in self.markers:
+            for k in range(min(len(m) - 1, len(text)), 0, -1):
+                if text.endswith(m[:k]):
+                    hold = max(hold, k)
+                    break
+        return len(text) - hold
+
+
+def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments",)) -> ParsedCall | None:
+    """``{"name": str, "arguments": {...}}`` (or another arguments key) as a call, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    for key in args_keys:
+        if key in obj:
+            args = obj[key]
+            if isinstance(args, str):  # some models write the arguments as JSON text
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    return None
+            if not isinstance(args, dict):
+                return None
+            return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ParsedCall(obj["name"], "{}")
+
+
+def content_or_none(text: str) -> str | None:
+    return text if text.strip() else None

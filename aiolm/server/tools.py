@@ -1,0 +1,275 @@
+"""Tool calling for /v1/chat/completions: the request fields, the enforced-call schema,
+and turning generated text into OpenAI ``tool_calls``.
+
+``tool_choice`` ``required`` or a named function constrains generation with a JSON
+schema (structured outputs), so those calls always parse. ``auto`` leaves the model
+free and reads its output with the ``--tool-call-parser`` parser; what the parser
+cannot read stays content. ``none`` generates text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiolm.server.errors import bad_request
+from aiolm.server.schema import Bool, Enum, Field, ListOf, MapOf, Obj, OneOf, Spec, Str
+from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
+from aiolm.structured.spec import StructuredOutputs
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def tool_fields(lenient: bool, any_value: Spec) -> dict[str, Field]:
+    function = Obj({"name": Field(Str(min_len=1, max_len=64), required=True),
+                    "description": Field(Str()),
+                    "parameters": Field(MapOf(any_value), doc="a JSON schema of the arguments object"),
+                    "strict": Field(Bool(), doc="calls are always generated to the schema when enforced")},
+                   lenient=lenient)
+    tool = Obj({"type": Field(Enum(("function",)), required=True), "function": Field(function, required=True)},
+               lenient=lenient)
+    named = Obj({"type": Field(Enum(("function",)), required=True),
+                 "function": Field(Obj({"name": Field(Str(min_len=1), required=True)}, lenient=lenient),
+                                   required=True)}, lenient=lenient)
+    return {
+        "tools": Field(ListOf(tool, max_items=MAX_TOOLS), doc="function tools the model may call"),
+        "tool_choice": Field(OneOf(Enum(("none", "auto", "required")), named),
+                             doc="'none', 'auto' (needs --tool-call-parser), 'required' or "
+                                 "{type: function, function: {name}}; default 'auto' with tools"),
+        "parallel_tool_calls": Field(Bool(), doc="with 'required': false generates exactly one call"),
+    }
+
+
+def message_tool_fields(lenient: bool) -> dict[str, Field]:
+    call = Obj({"id": Field(Str(min_len=1), required=True),
+                "type": Field(Enum(("function",)), required=True),
+                "function": Field(Obj({"name": Field(Str(min_len=1), required=True),
+                                       "arguments": Field(Str(), required=True)}, lenient=lenient),
+                                  required=True)}, lenient=lenient)
+    return {"tool_calls": Field(ListOf(call, max_items=MAX_TOOLS), doc="an earlier assistant turn's calls"),
+            "tool_call_id": Field(Str(min_len=1), doc="a tool message: the call it answers")}
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request asks of tools, after validation."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)  # for the chat template
+    enforced: StructuredOutputs | None = None  # required / named
+    named: str | None = None
+    parallel: bool = True
+    parser: ToolParser | None = None  # auto
+
+    @property
+    def active(self) -> bool:
+        return self.enforced is not None or self.parser is not None
+
+
+def plan_tools(req: dict[str, Any], parser_name: str | None) -> ToolPlan:
+    """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (400s name the field)."""
+    tools = req["tools"] or []
+    choice = req["tool_choice"]
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request(f"'tool_choice' {_choice_text(choice)} needs 'tools'", param="tool_choice")
+        return ToolPlan()
+    names: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        if not _NAME.match(fn["name"]):
+            raise bad_request(f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', "
+                              f"got {fn['name']!r}", param=f"tools[{i}].function.name")
+        if fn["name"] in names:
+            raise bad_request(f"'tools[{i}].function.name' {fn['name']!r} is given twice",
+                              param=f"tools[{i}].function.name")
+        params = fn["parameters"] if fn["parameters"] is not None else {"type": "object", "properties": {}}
+        _check_schema(params, f"tools[{i}].function.parameters", top=True)
+        names[fn["name"]] = params
+    template_tools = [{"type": "function", "function": {k: v for k, v in t["function"].items() if v is not None}}
+                      for t in tools]
+    parallel = req["parallel_tool_calls"] is not False
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return ToolPlan(template_tools)
+    if choice == "auto":
+        if parser_name is None:
+            raise bad_request("'tool_choice' 'auto' needs the server started with --tool-call-parser "
+                              "(hermes, llama3_json or pythonic); use 'required', a named function or 'none'",
+                              param="tool_choice")
+        return ToolPlan(template_tools, parser=PARSERS[parser_name](), parallel=parallel)
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise bad_request(f"'tool_choice.function.name' {name!r} is not one of the tools "
+                              f"({', '.join(names)})", param="tool_choice.function.name")
+        schema = _call_schema(name, names[name])
+        return ToolPlan(template_tools, StructuredOutputs("json", json.dumps(schema)), named=name, parallel=False)
+    options = [_call_schema(n, p) for n, p in names.items()]
+    one = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
+    return ToolPlan(template_tools, StructuredOutputs("json", json.dumps(schema)), parallel=parallel)
+
+
+def _choice_text(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else "a named function"
+
+
+def _call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _check_schema(s: Any, path: str, top: bool = False) -> None:
+    """The structural checks a JSON schema must pass; xgrammar checks the rest when enforced."""
+    if isinstance(s, bool):
+        return
+    if not isinstance(s, dict):
+        raise bad_request(f"'{path}' must be a JSON schema object", param=path)
+    typ = s.get("type")
+    types = typ if isinstance(typ, list) else [typ] if typ is not None else []
+    for t in types:
+        if t not in _JSON_TYPES:
+            raise bad_request(f"'{path}.type' must be one of {', '.join(sorted(_JSON_TYPES))}, got {t!r}",
+                              param=f"{path}.type")
+    if top and typ is not None and typ != "object":
+        raise bad_request(f"'{path}' must describe an object (type 'object'), got type {typ!r}",
+                          param=f"{path}.type")
+    props = s.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise bad_request(f"'{path}.properties' must be an object", param=f"{path}.properties")
+        for k, v in props.items():
+            _check_schema(v, f"{path}.properties.{k}")
+    req = s.get("required")
+    if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+        raise bad_request(f"'{path}.required' must be a list of property names", param=f"{path}.required")
+    items = s.get("items")
+    if isinstance(items, list):  # draft 4's tuple form
+        for j, sub in enumerate(items):
+            _check_schema(sub, f"{path}.items[{j}]")
+    elif items is not None:
+        _check_schema(items, f"{path}.items")
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in s:
+            if not isinstance(s[key], list) or not s[key]:
+                raise bad_request(f"'{path}.{key}' must be a non-empty list of schemas", param=f"{path}.{key}")
+            for j, sub in enumerate(s[key]):
+                _check_schema(sub, f"{path}.{key}[{j}]")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validated messages as chat templates want them: a call's arguments as an object
+    (templates serialize it themselves), the tool result under ``tool_call_id``."""
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m["role"], "content": message_text(m["content"]) or ""}
+        if m.get("name"):
+            msg["name"] = m["name"]
+        if m.get("tool_calls"):
+            if m["role"] != "assistant":
+                raise bad_request(f"'messages[{i}].tool_calls' is only for assistant messages",
+                                  param=f"messages[{i}].tool_calls")
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                path = f"messages[{i}].tool_calls[{j}].function.arguments"
+                try:
+                    args = json.loads(c["function"]["arguments"]) if c["function"]["arguments"].strip() else {}
+                except ValueError as e:
+                    raise bad_request(f"'{path}' is not valid JSON: {e}", param=path) from None
+                calls.append({"id": c["id"], "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": args}})
+            msg["tool_calls"] = calls
+        if m.get("tool_call_id"):
+            if m["role"] != "tool":
+                raise bad_request(f"'messages[{i}].tool_call_id' is only for tool messages",
+                                  param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def message_text(content: Any) -> str | None:
+    """OpenAI allows content as a list of parts; the engine's template wants a string."""
+    if content is None or isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def enforced_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:
+    """The calls in a constrained output, or None when it is incomplete (cut by max_tokens)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    items = doc if isinstance(doc, list) else [doc]
+    calls = []
+    for it in items:
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+            return None
+        calls.append(ParsedCall(it["name"], json.dumps(it.get("arguments", {}), ensure_ascii=False)))
+    return calls or None
+
+
+def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of one finished choice."""
+    if plan.enforced is not None:
+        calls = enforced_calls(plan, text)
+        return (None, calls) if calls else (text, [])
+    assert plan.parser is not None
+    content, calls = plan.parser.extract(text)
+    if calls and not plan.parallel:
+        calls = calls[:1]
+    return content, calls
+
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def tool_calls_json(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    return [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def call_deltas(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    """OpenAI's streamed shape: per call, a header delta (index, id, type, name, empty
+    arguments), then its arguments text."""
+    out = []
+    for i, c in enumerate(calls):
+        out.append({"tool_calls": [{"index": i, "id": call_id(), "type": "function",
+                                    "function": {"name": c.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+    return out
+
+
+class StreamState:
+    """One streamed choice: content is shown until tool calls may begin, then held and
+    read once the choice finishes (so streaming and non-streaming agree exactly)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.shown = 0
+
+    def feed(self, delta: str) -> str:
+        """The content that can be shown now."""
+        self.text += delta
+        if self.plan.enforced is not None:
+            return ""
+        assert self.plan.parser is not None
+        upto = max(self.shown, self.plan.parser.safe_prefix(self.text))
+        out, self.shown = self.text[self.shown:upto], upto
+        return out
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """(content still to show, calls)."""
+        content, calls = read_output(self.plan, self.text)
+        if not calls:
+            return self.text[self.shown:], []
+        rest = (content or "")[self.shown:] if content and len(content) > self.shown else ""
+        return rest, calls
