@@ -42,8 +42,9 @@ class CudaPlatform(Platform):
 
     @torch.inference_mode()
     def kv_cache_bytes(self, runner: Any) -> int:
-        """Run the largest step once without a cache to measure peak activations, then
-        give the KV cache what is left of ``gpu_memory_utilization`` of the device."""
+        """Run the largest prefill step and the largest decode step once over a scratch cache
+        to measure peak activations, then give the KV cache what is left of
+        ``gpu_memory_utilization`` of the device."""
         from aiolm.attention.metadata import AttentionMetadata
         from aiolm.attention.torch_backend import kv_cache_shape
 
@@ -59,6 +60,11 @@ class CudaPlatform(Platform):
         ids = torch.zeros(n, dtype=torch.long, device=device)
         hidden = runner.model(ids, torch.arange(n, device=device), caches, meta)
         runner.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):])
+        rows = cfg.max_num_seqs  # a decode step: one token per request, every row sampled
+        meta = AttentionMetadata.build([1] * rows, [1] * rows, [[1]] * rows, bs, device)
+        hidden = runner.model(torch.zeros(rows, dtype=torch.long, device=device),
+                              torch.zeros(rows, dtype=torch.long, device=device), caches, meta)
+        runner.model.compute_logits(hidden).float().softmax(-1)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         del caches, hidden

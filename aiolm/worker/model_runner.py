@@ -55,6 +55,9 @@ class ModelRunner:
         per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
         kv_bytes = self.platform.kv_cache_bytes(self)
         self.num_blocks = int(kv_bytes // per_block)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f requests of max_model_len %d)",
+                 self.num_blocks, cfg.block_size, self.num_blocks * cfg.block_size,
+                 self.num_blocks * cfg.block_size / cfg.max_model_len, cfg.max_model_len)
         min_blocks = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
         if self.num_blocks < min_blocks:
             raise ValueError(f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {self.num_blocks} blocks, "
