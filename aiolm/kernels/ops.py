@@ -1,4 +1,4 @@
-"""The ops model layers call: norms, rotary embedding, gated activations.
+"""The ops model layers call: norms, rotary embedding, SiLU-and-mul.
 
 Layers call the functions at the bottom of this module and never ask what runs
 them. Behind them is one implementation object, installed by the worker's
@@ -44,11 +44,6 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """gelu_tanh(gate) * up for x = [gate | up] (Gemma's GeGLU)."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -90,7 +85,3 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return current().silu_and_mul(x)
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return current().gelu_tanh_and_mul(x)
