@@ -9,6 +9,7 @@ each test submits coroutines to that loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -429,13 +430,22 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
         await tick
         return outs, elapsed, ticks
 
-    outs, elapsed, ticks = run(go())
+    # The test process also holds reference models loaded after the engine froze its
+    # start-up heap; a full collection walking them is the test's pause, not the engine's.
+    gc.collect()
+    gc.freeze()
+    try:
+        outs, elapsed, ticks = run(go())
+    finally:
+        gc.unfreeze()
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 1
     assert elapsed > 0.1 and len(ticks) > 10  # the prefill took long enough to measure
     net = sorted((wall - rq for wall, rq, _ in ticks), reverse=True)
     report = (f"{len(ticks)} ticks during a {elapsed:.2f} s prefill; worst wall lags (ms, lag/run-queue/cpu): "
               f"{[tuple(round(1e3 * x, 1) for x in t) for t in sorted(ticks, reverse=True)[:5]]}")
-    assert max(cpu for _, _, cpu in ticks) < 0.020, report
+    # schedstat's on-CPU counter is brought up to date only at scheduler events, so one
+    # reading can exceed the interval it spans; the loop cannot be busy longer than that.
+    assert max(min(cpu, wall + period) for wall, _, cpu in ticks) < 0.020, report
     assert net[0] < 0.100, report
     assert sum(x >= 0.020 for x in net) <= max(2, len(ticks) // 100), report
     assert sorted(wall for wall, _, _ in ticks)[len(ticks) // 2] < 0.005, report  # typical tick on time
