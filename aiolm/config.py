@@ -11,7 +11,10 @@ import base64
 import dataclasses
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
+
+if TYPE_CHECKING:
+    from aiolm.spec_decode import SpecConfig
 
 
 SERVE_MAX_WAITING = 1024  # `aiolm serve`'s --max-waiting-requests: a server bounds its queue
@@ -77,6 +80,12 @@ class EngineArgs:
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
     structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
                                                      "or none (requests asking for them are refused)")
+    speculative: str | None = _f(None, "speculative decoding: ngram (prompt lookup: drafts copied from what followed "
+                                       "an earlier occurrence of the sequence's last tokens, verified in one "
+                                       "forward pass; greedy output unchanged) or None (off)")
+    num_speculative_tokens: int = _f(4, "with --speculative: most draft tokens verified per request and step")
+    prompt_lookup_min: int = _f(2, "with --speculative ngram: shortest suffix match that yields drafts")
+    prompt_lookup_max: int = _f(5, "with --speculative ngram: longest suffix match tried")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")
@@ -117,6 +126,7 @@ class EngineArgs:
         if self.structured_outputs_backend not in ("xgrammar", "none"):
             raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
                              f"supported: xgrammar, none")
+        self.spec_config()  # raises on a bad combination
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
@@ -132,6 +142,15 @@ class EngineArgs:
                           ("max_logprobs", 0), ("seed", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+    def spec_config(self) -> "SpecConfig | None":
+        """The speculative-decoding settings, or None when ``speculative`` is off."""
+        if self.speculative is None:
+            return None
+        from aiolm.spec_decode import SpecConfig
+
+        return SpecConfig(method=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                          prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
 
     def resolved_device(self) -> str:
         """The device to run on; a clear error when CUDA is asked for and torch has none."""

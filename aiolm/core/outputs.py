@@ -52,6 +52,10 @@ class SchedulerOutput:
     # Requests that ended (finished, aborted or preempted) since the previous step;
     # workers drop them from their persistent batch before applying this step.
     finished_req_ids: set[str]
+    # Speculative decoding: req_id -> draft tokens to verify this step (only requests that
+    # have some). Their num_scheduled_tokens include the drafts, and the worker puts the
+    # drafts after the request's known tokens without counting them as its tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -65,6 +69,10 @@ class LogprobsLists:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]  # rank of the sampled token in the distribution (1 = argmax)
+
+    def slice(self, start: int, stop: int) -> LogprobsLists:
+        """Tokens ``start .. stop - 1`` (a step's tokens cut at a stop, or one request's rows)."""
+        return LogprobsLists(self.token_ids[start:stop], self.logprobs[start:stop], self.ranks[start:stop])
 
 
 @dataclass
@@ -82,6 +90,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     # One list per request in req_ids; empty while a chunked prefill is still partial.
+    # A request that verified drafts gets its accepted drafts plus one more token (1..k+1).
     sampled_token_ids: list[list[int]]
     # Only for requests that asked for logprobs: req_id -> logprobs of its new tokens.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

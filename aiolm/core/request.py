@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from aiolm.core.outputs import LogprobsLists
 from aiolm.params import SamplingParams
+from aiolm.spec_decode.stats import AcceptanceWindow
 
 
 class RequestStatus(enum.IntEnum):
@@ -63,7 +64,7 @@ class Request:
         "sampling_params", "arrival_time", "priority", "cache_salt", "status",
         "num_computed_tokens", "num_cached_tokens", "stop_reason", "error",
         "max_tokens", "min_tokens", "stop_token_ids", "block_hashes", "prompt_logprobs",
-        "_block_hasher", "_next_hash_at", "_hash_block_size",
+        "_block_hasher", "_next_hash_at", "_hash_block_size", "spec_window",
     )
 
     def __init__(
@@ -101,6 +102,9 @@ class Request:
         self.prompt_logprobs: LogprobsLists | None = (
             LogprobsLists([], [], []) if sampling_params.prompt_logprobs is not None else None)
         self.block_hashes: list[bytes] = []  # one per full block, chained
+        # Speculative decoding: the request's acceptance window, or None when it does not
+        # draft (speculation off, or a request the verifier cannot handle exactly).
+        self.spec_window: AcceptanceWindow | None = None
         self._block_hasher: BlockHasherFn | None = None
         self._hash_block_size = 0
         self._next_hash_at = 0  # token count at which the next block becomes full

@@ -15,6 +15,15 @@ that one rule. Each step:
 3. ``num_computed_tokens`` is advanced by what was scheduled, so
    ``update_from_output`` only appends sampled tokens and checks stops.
 
+Speculative decoding (``SchedulerConfig.speculative``): a running request in
+decode gets n-gram drafts (``aiolm/spec_decode/``) and is scheduled for
+``1 + len(drafts)`` tokens, its KV slots reserved for all of them (lookahead;
+dropped again before anyone is preempted for them). ``update_from_output``
+takes back the rejected drafts from ``num_computed_tokens``, so it counts only
+tokens whose KV holds accepted tokens; the rejected drafts' slots stay with the
+request (the next step's drafts write over them) until it finishes or is
+preempted.
+
 The SchedulerOutput is a diff against what the workers already hold (see
 aiolm/core/outputs.py). The engine must call ``update_from_output`` after every
 ``schedule()``, with an empty ModelRunnerOutput (or None) when nothing ran:
@@ -43,6 +52,7 @@ from aiolm.core.outputs import (
 )
 from aiolm.core.request import Request, RequestStatus
 from aiolm.params import ParamError
+from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -60,6 +70,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     hash_seed: int | str | bytes | None = None
+    speculative: SpecConfig | None = None  # None: no drafts
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -152,6 +163,10 @@ class Scheduler:
         self._worker_num_tokens: dict[str, int] = {}
         self._finished_req_ids: set[str] = set()  # to tell the workers next step
         self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max, spec.search_window) if spec else None)
+        self.spec_decode_stats: SpecDecodeStats | None = SpecDecodeStats() if spec else None
 
     # -- intake ------------------------------------------------------------------
 
@@ -168,6 +183,9 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         request.resolve_max_tokens(self.config.max_model_len)
+        spec = self.config.speculative
+        if spec is not None and supports_speculation(request.sampling_params):
+            request.spec_window = AcceptanceWindow(spec.window, spec.min_acceptance, spec.backoff)
         self.kv_cache_manager.attach(request)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
@@ -255,6 +273,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
         scheduled_running: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
+        proposer = self.proposer
         preempted = False
 
         # 1. running requests catch up first.
@@ -266,6 +286,10 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             n = req.num_tokens - req.num_computed_tokens
+            drafts = None
+            if n == 1 and proposer is not None and req.spec_window is not None and req.spec_window.allow():
+                drafts = self._propose(req, budget)
+                n += len(drafts)
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -284,6 +308,10 @@ class Scheduler:
                 new_blocks = allocate(req, n)
                 if new_blocks is not None:
                     break
+                if drafts:  # lookahead slots are optional: go without them before preempting anyone
+                    n -= len(drafts)
+                    drafts = None
+                    continue
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
                     # Alone and still short of blocks: it can never run.
@@ -297,6 +325,7 @@ class Scheduler:
                 if victim.req_id in num_scheduled:
                     budget += num_scheduled.pop(victim.req_id)
                     new_blocks_of.pop(victim.req_id)
+                    spec_tokens.pop(victim.req_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -307,6 +336,8 @@ class Scheduler:
             scheduled_running.append(req)
             num_scheduled[req.req_id] = n
             new_blocks_of[req.req_id] = new_blocks
+            if drafts:
+                spec_tokens[req.req_id] = drafts
             budget -= n
             i += 1
 
@@ -347,7 +378,18 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
 
-        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, spec_tokens)
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request, no more than the step's budget, the context and
+        ``max_tokens`` leave room for (a step emits up to len(drafts) + 1 tokens)."""
+        cfg = self.config
+        assert cfg.speculative is not None and self.proposer is not None
+        k = min(cfg.speculative.num_speculative_tokens, budget - 1, cfg.max_model_len - req.num_tokens,
+                req.max_tokens - req.num_output_tokens - 1)  # type: ignore[operator]
+        if cfg.long_prefill_token_threshold:
+            k = min(k, cfg.long_prefill_token_threshold - 1)
+        return self.proposer.propose(req.all_token_ids, k) if k > 0 else []
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -368,6 +410,7 @@ class Scheduler:
         scheduled_running: list[Request],
         num_scheduled: dict[str, int],
         new_blocks_of: dict[str, list[KVCacheBlock]],
+        spec_tokens: dict[str, list[int]],
     ) -> SchedulerOutput:
         kv = self.kv_cache_manager
         worker_tokens = self._worker_num_tokens
@@ -407,6 +450,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     # -- results -------------------------------------------------------------------
@@ -419,6 +463,10 @@ class Scheduler:
         self._pending_outputs = []
         kv = self.kv_cache_manager
         requests = self.requests
+        rejected: dict[str, int] = {}
+        if scheduler_output.scheduled_spec_decode_tokens and model_runner_output is not None:
+            rejected = self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens,
+                                                model_runner_output)
         # Blocks whose KV this step wrote are now safe to share. Only a step that
         # crossed a block boundary can have filled one, so most decodes skip the call.
         if kv.block_hasher is not None:
@@ -427,6 +475,8 @@ class Scheduler:
                 req = requests.get(req_id)
                 if req is not None and req.status is _RUNNING:
                     c = req.num_computed_tokens
+                    if rejected:
+                        n -= rejected.get(req_id, 0)
                     if c // bs != (c - n) // bs:
                         kv.cache_blocks(req, c)
         if model_runner_output is None:
@@ -457,7 +507,7 @@ class Scheduler:
                         break
             lp = logprobs.get(req_id) if logprobs else None
             if lp is not None and len(new_tokens) < len(tokens):
-                lp = _trim_logprobs(lp, len(new_tokens))
+                lp = lp.slice(0, len(new_tokens))
             if status is None:
                 out = EngineCoreOutput(req_id, new_tokens, None, None, lp, req.num_cached_tokens, None)
             else:
@@ -470,6 +520,27 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _take_back_rejected(self, spec: dict[str, list[int]], mro: ModelRunnerOutput) -> dict[str, int]:
+        """Count accepted drafts and roll ``num_computed_tokens`` back past the rejected ones;
+        returns req_id -> number rejected. A verified request's sampled list holds its
+        accepted drafts plus one token, so ``len - 1`` drafts were accepted."""
+        stats = self.spec_decode_stats
+        assert stats is not None
+        sampled = dict(zip(mro.req_ids, mro.sampled_token_ids))
+        rejected = {}
+        for req_id, drafts in spec.items():
+            req = self.requests.get(req_id)
+            tokens = sampled.get(req_id)
+            if req is None or req.status is not _RUNNING or not tokens:
+                continue  # aborted during the step: its blocks are already free
+            accepted = len(tokens) - 1
+            stats.record(len(drafts), accepted)
+            if req.spec_window is not None:
+                req.spec_window.record(len(drafts), accepted)
+            rejected[req_id] = len(drafts) - accepted
+            req.num_computed_tokens -= len(drafts) - accepted
+        return rejected
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """In order: stop token (not before min_tokens outputs), max_tokens, context full."""
@@ -529,6 +600,3 @@ def _merge_prompt_logprobs(into: LogprobsLists, chunk: PromptLogprobs) -> None:
     into.logprobs.extend(chunk.lists.logprobs[skip:])
     into.ranks.extend(chunk.lists.ranks[skip:])
 
-
-def _trim_logprobs(lp: LogprobsLists, n: int) -> LogprobsLists:
-    return LogprobsLists(token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n])

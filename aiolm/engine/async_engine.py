@@ -36,6 +36,7 @@ from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
+from aiolm.spec_decode import SpecDecodeStats
 from aiolm.structured.backend import Validator
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class AsyncEngine:
             max_num_batched_tokens=max(a.max_num_batched_tokens, 1),
             max_model_len=self.max_model_len, block_size=a.block_size,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
-            policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching))
+            policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching,
+            speculative=a.spec_config()))
         self.grammars.configure(self.tokenizer, mc.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
@@ -146,6 +148,9 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         if self._dead is None:
             self._dead = "engine shut down"
+        stats = self.spec_decode_stats
+        if stats is not None and stats.num_drafts:
+            log.info("%s", stats.summary())
         await self._stop_all()
         if self._stopping is not None:
             await asyncio.gather(self._stopping, return_exceptions=True)
@@ -347,6 +352,13 @@ class AsyncEngine:
 
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_usage if self._started and self._dead is None else 0.0
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's running totals (drafts, accepted per position), or None
+        when it is off; read by metrics and benchmarks."""
+        sched = getattr(self, "scheduler", None)
+        return sched.spec_decode_stats if sched is not None else None
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) in the scheduler; nothing runs in a dead engine."""

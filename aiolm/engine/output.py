@@ -46,6 +46,16 @@ class SeqState:
         self.num_pushed = len(self.token_ids)
         return self.text.push(ids, stop_terminated=stop_terminated)[1] if ids else None
 
+    def push_each(self, ids: list[int], stop_terminated: bool) -> tuple[str | None, int]:
+        """Several ids from one step (speculative decoding), stop-checked one at a time so the
+        ids end where the text does: (the stop string matched or None, how many ids were kept)."""
+        for k, t in enumerate(ids):
+            self.token_ids.append(t)
+            stop = self.push_text(stop_terminated=stop_terminated and k == len(ids) - 1)
+            if stop is not None:
+                return stop, k + 1
+        return None, len(ids)
+
 
 class RequestState:
     """One user request (n sequences) and the single-slot stream its consumer reads."""
@@ -250,15 +260,23 @@ class OutputProcessor(Actor[StepOutputs]):
                     state.first_token_time = now
                     state.num_cached_tokens = o.num_cached_tokens
                 state.last_token_time = now
-                self.stats["generation_tokens"] += len(o.new_token_ids)
-                seq.token_ids.extend(o.new_token_ids)
+                ids = o.new_token_ids
+                token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
+                if len(ids) > 1 and seq.text.stop_checker.stop:
+                    stop_str, kept = seq.push_each(ids, token_stop)
+                else:
+                    seq.token_ids.extend(ids)
+                    kept = len(ids)
+                    stop_str = (None if seq.defer_text and o.finish_reason is None
+                                else seq.push_text(stop_terminated=token_stop))
+                self.stats["generation_tokens"] += kept
                 if o.prompt_logprobs is not None and state.prompt_logprobs is None:  # n > 1: the first
                     state.prompt_logprobs = [None, *self._entries(o.prompt_logprobs)]
                 if seq.logprobs is not None and o.new_logprobs is not None:
-                    self._add_logprobs(seq, o.new_logprobs)
-                token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
-                stop_str = (None if seq.defer_text and o.finish_reason is None
-                            else seq.push_text(stop_terminated=token_stop))
+                    lp = o.new_logprobs
+                    if kept < len(ids):
+                        lp = lp.slice(0, kept)
+                    self._add_logprobs(seq, lp)
                 if stop_str is not None and o.finish_reason is None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     stopped.append(seq.child_id)

@@ -31,6 +31,9 @@ class StepInputs:
     req_ids: list[str]  # scheduled requests, in flat-batch order
     rows: np.ndarray  # their rows in the persistent batch
     sample_mask: list[bool]  # True where the step ends the request's known tokens
+    # Speculative steps only: per scheduled request, how many of its last positions are
+    # drafts (their logits verify them); None when no request has drafts.
+    num_drafts: list[int] | None = None
 
 
 class InputBatch:
@@ -80,6 +83,12 @@ class InputBatch:
                 self.num_blocks[row] = nb + len(blocks)
             self.num_computed[row] = c.num_computed_tokens[i]
         self.condense()
+        # Drafts go right after the known tokens without being counted as tokens, after
+        # condense (which moves only counted tokens); next step's accepted tokens overwrite them.
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            row = self.row_of[rid]
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n:n + len(drafts)] = drafts
 
     def _add(self, rid: str, prompt: list[int], output: list[int], params: SamplingParams,
              blocks: list[int], num_computed: int) -> None:
@@ -168,6 +177,8 @@ class InputBatch:
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         sample = (seq >= self.num_tokens[rows]).tolist()
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = [len(spec.get(r, ())) for r in req_ids] if spec else None  # type: ignore[arg-type]
 
         pin = device.type == "cuda"  # page-locked staging: the copy to the GPU does not block the host
 
@@ -179,7 +190,7 @@ class InputBatch:
             input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), query_start_loc=t(qsl),
             seq_lens=t(seq), block_table=t(self.block_table[rows, :width]),
             query_lens=q.tolist(), seq_lens_list=seq.tolist(), req_ids=req_ids,  # type: ignore[arg-type]
-            rows=rows, sample_mask=sample)
+            rows=rows, sample_mask=sample, num_drafts=num_drafts)
 
     def output_tokens(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]]

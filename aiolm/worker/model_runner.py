@@ -23,6 +23,7 @@ from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.sample import logits_processors
 from aiolm.sample.prompt_logprobs import score_prompt
+from aiolm.sample.rejection import accepted_prefix, row_histories, verify_positions
 from aiolm.sample.sampler import Sampler, SamplingMetadata
 from aiolm.structured.backend import Compiler
 from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
@@ -97,7 +98,9 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(step.sample_mask) if s]
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        if sample_idx:
+        if sample_idx and step.num_drafts is not None:
+            self._verify(out, step, hidden, sample_idx, sampled_ids, logprobs)
+        elif sample_idx:
             last = step.query_start_loc[1:] - 1
             if len(sample_idx) != len(step.req_ids):
                 last = last[torch.tensor(sample_idx, device=self.device)]
@@ -118,6 +121,42 @@ class ModelRunner:
         t3 = time.perf_counter()
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_lps, worker_times=[t1 - t0, t2 - t1, t3 - t2])
+
+    def _verify(self, out: SchedulerOutput, step: Any, hidden: torch.Tensor, sample_idx: list[int],
+                sampled_ids: list[list[int]], logprobs: dict[str, LogprobsLists]) -> None:
+        """A step with drafts: one sampling row per verified position (aiolm/sample/rejection.py);
+        each request gets its accepted drafts plus one token."""
+        b = self.batch
+        nd = step.num_drafts
+        ends = [int(e) for e in step.query_start_loc[1:].tolist()]
+        idx = torch.tensor(verify_positions(sample_idx, ends, nd), device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        spec = out.scheduled_spec_decode_tokens
+        params, outputs, prompts, gens = [], [], [], []
+        for i in sample_idx:
+            r = int(step.rows[i])
+            p = b.params[r]
+            drafts = spec.get(step.req_ids[i], [])
+            prompt = b.prompt_tokens(r).tolist() if logits_processors.needs_prompt(p) else []  # type: ignore[arg-type]
+            for hist in row_histories(b.output_tokens(r).tolist(), drafts):
+                params.append(p)
+                outputs.append(hist)
+                prompts.append(prompt)
+                gens.append(b.generators[r])
+        meta = SamplingMetadata.build(params, outputs, prompts, self.vocab_size, self.device,  # type: ignore[arg-type]
+                                      generators=gens, default_generator=self.default_generator)
+        self._meta_key = None  # the rows were per position: the next step builds afresh
+        result = self.sampler(logits, meta)
+        tokens = result.sampled.tolist()
+        lp = result.logprobs
+        j = 0
+        for i in sample_idx:
+            drafts = spec.get(step.req_ids[i], [])
+            a = accepted_prefix(tokens[j:j + len(drafts)], drafts)
+            sampled_ids[i] = tokens[j:j + a + 1]
+            if lp is not None and lp.token_ids[j]:
+                logprobs[step.req_ids[i]] = lp.slice(j, j + a + 1)
+            j += nd[i] + 1
 
     def _prompt_logprobs(self, step: Any, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
         """For requests that asked, the prompt tokens this step's positions predict."""
