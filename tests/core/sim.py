@@ -54,6 +54,7 @@ class WorkerSim:
 
     reqs: dict[str, WorkerRequest] = field(default_factory=dict)
     seen_new: list[str] = field(default_factory=list)
+    block_size: int = 4
 
     def apply(self, so: SchedulerOutput) -> list[str]:
         """Apply one step's diff; return the ids whose prefill is complete (they sample)."""
@@ -77,14 +78,22 @@ class WorkerSim:
             st.tokens.extend(toks)
             st.block_ids.extend(blks)
         sampling = []
+        spec = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
+            drafts = spec.get(rid, [])
             assert n >= 1
-            assert st.num_computed + n <= len(st.tokens), f"{rid} scheduled past its tokens"
+            assert not drafts or st.num_computed == len(st.tokens) - 1, f"{rid} drafts outside decode"
+            assert st.num_computed + n <= len(st.tokens) + len(drafts), f"{rid} scheduled past its tokens"
+            assert len(st.block_ids) * self.block_size >= st.num_computed + n, f"{rid} lookahead not reserved"
             st.num_computed += n
-            if st.num_computed == len(st.tokens):
+            if st.num_computed >= len(st.tokens):
                 sampling.append(rid)
         return sampling
+
+    def reject(self, rid: str, num_rejected: int) -> None:
+        """The next step's diff sets the real worker's computed count; mirror the rollback."""
+        self.reqs[rid].num_computed -= num_rejected
 
     def check(self, sched: Scheduler, so: SchedulerOutput) -> None:
         """The worker view must equal the scheduler's truth for every running request."""
@@ -100,17 +109,21 @@ class WorkerSim:
 
 
 def fake_output(sampling: list[str], rng: random.Random | None = None, eos_prob: float = 0.0,
-                vocab: int = 50, token: int | None = None) -> ModelRunnerOutput:
-    """One sampled token per request that finished its prefill; the rest get []."""
+                vocab: int = 50, token: int | None = None,
+                spec: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+    """One sampled token per request that finished its prefill; the rest get [].
+    A request with drafts (``spec``) gets a random number of them accepted, then one token."""
     rng = rng or random.Random(0)
     toks = []
-    for _ in sampling:
+    for rid in sampling:
         if token is not None:
-            toks.append([token])
+            tok = token
         elif rng.random() < eos_prob:
-            toks.append([EOS])
+            tok = EOS
         else:
-            toks.append([rng.randrange(1, vocab)])
+            tok = rng.randrange(1, vocab)
+        drafts = spec.get(rid, []) if spec else []
+        toks.append(drafts[:rng.randint(0, len(drafts))] + [tok])
     return ModelRunnerOutput(req_ids=list(sampling), sampled_token_ids=toks)
 
 
@@ -126,10 +139,12 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
     assert set(running_ids) | set(waiting_ids) == set(sched.requests)
     assert len(running_ids) <= cfg.max_num_seqs
     assert set(kv.req_to_blocks) <= set(running_ids)
+    spec = so.scheduled_spec_decode_tokens if so is not None else {}
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         assert len(kv.get_blocks(r.req_id)) * kv.block_size >= r.num_computed_tokens
-        assert r.num_computed_tokens <= r.num_tokens
+        # Between steps only accepted tokens count; right after schedule() drafts do too.
+        assert r.num_computed_tokens <= r.num_tokens + len(spec.get(r.req_id, ()))
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0
@@ -152,7 +167,7 @@ class Driver:
 
     def __init__(self, sched: Scheduler, seed: int = 0, eos_prob: float = 0.0) -> None:
         self.sched = sched
-        self.worker = WorkerSim()
+        self.worker = WorkerSim(block_size=sched.config.block_size)
         self.rng = random.Random(seed)
         self.eos_prob = eos_prob
         self.outputs: dict[str, list] = {}
@@ -165,7 +180,11 @@ class Driver:
         check_scheduler(self.sched, so)
         sampling = self.worker.apply(so)
         self.worker.check(self.sched, so)
-        mro = fake_output(sampling, self.rng, self.eos_prob, token=token)
+        spec = so.scheduled_spec_decode_tokens
+        mro = fake_output(sampling, self.rng, self.eos_prob, token=token, spec=spec)
+        for rid, toks in zip(mro.req_ids, mro.sampled_token_ids):
+            if rid in spec:
+                self.worker.reject(rid, len(spec[rid]) + 1 - len(toks))
         outs = self.sched.update_from_output(so, mro)
         self.record(outs)
         check_scheduler(self.sched)

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from aiolm.core.kv_cache import BlockHasher
 from aiolm.core.request import Request
+from aiolm.spec_decode import SpecConfig
 
 from .sim import Driver, WorkerSim, check_scheduler, make_request, make_scheduler
 
@@ -30,12 +31,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         caching=st.booleans(),
         seed=st.integers(0, 2**16),
+        num_spec=st.sampled_from([0, 0, 1, 3]),
     )
-    def setup(self, num_blocks, budget, max_num_seqs, threshold, policy, caching, seed):
+    def setup(self, num_blocks, budget, max_num_seqs, threshold, policy, caching, seed, num_spec):
+        # Speculation with short n-grams over a small vocabulary: drafts, partial acceptance,
+        # adaptive pauses and lookahead pressure on the small pool all happen.
+        spec = (SpecConfig(num_speculative_tokens=num_spec, prompt_lookup_min=1, prompt_lookup_max=3,
+                           search_window=16, window=2, min_acceptance=0.5, backoff=2) if num_spec else None)
         self.sched = make_scheduler(
             num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=threshold, policy=policy, enable_prefix_caching=caching,
-            max_model_len=48)
+            max_model_len=48, speculative=spec)
         self.driver = Driver(self.sched, seed=seed, eos_prob=0.15)
         self.next_id = 0
         self.added: set[str] = set()
@@ -73,7 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         lost = self.sched.schedule() if mid_step else None  # its results never come back
         num_blocks = max(4, self.sched.config.num_blocks + extra_blocks)
         self.sched.reset_workers(num_blocks)
-        self.driver.worker = WorkerSim()
+        self.driver.worker = WorkerSim(block_size=self.sched.config.block_size)
         assert self.sched.num_running == 0 and self.sched.kv_cache_manager.usage == 0.0
         for rid, req in self.sched.requests.items():
             assert req.num_computed_tokens == 0
@@ -102,6 +108,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         self.driver.drain(max_steps=3000)
+        stats = self.sched.spec_decode_stats
+        if stats is not None:
+            assert stats.num_accepted_tokens <= stats.num_draft_tokens
+            assert sum(stats.drafted_per_position) == stats.num_draft_tokens
         assert set(self.driver.finished) == self.added
         for rid, out in self.driver.finished.items():
             assert out.finish_reason in ("stop", "length", "abort", "error")

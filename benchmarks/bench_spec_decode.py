@@ -1,0 +1,170 @@
+"""Speculative decoding (n-gram) against plain decoding, single stream, round-robin.
+
+    python benchmarks/bench_spec_decode.py --rounds 3 [--num-speculative-tokens 4] [--json]
+
+Two workloads, each one request at a time, greedy (so both modes emit the same
+tokens, which the script checks):
+
+* copy: the chat model is asked to repeat a ~300-token Python block with one
+  function renamed (copy-heavy: most of the answer is in the prompt);
+* random: 128 random prompt tokens, 128 output tokens (ignore_eos): little to copy.
+
+Each round starts an engine per mode in turn (alternating which goes first, so
+the machine's slow spells fall on both) and runs every workload on it. Prints
+per-run decode tok/s (tokens after the first over the time after the first),
+end-to-end tok/s, and the acceptance counters; then the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+from aiolm.config import EngineArgs
+from aiolm.engine.async_engine import AsyncEngine
+from aiolm.params import OutputKind, SamplingParams
+
+CODE = '''class InventoryReport:
+    """Summarise stock levels per warehouse and flag items that need reordering."""
+
+    def __init__(self, warehouses, threshold=10):
+        self.warehouses = warehouses
+        self.threshold = threshold
+        self.lines = []
+
+    def process_items(self, items):
+        totals = {}
+        for item in items:
+            key = (item["warehouse"], item["sku"])
+            totals[key] = totals.get(key, 0) + item["quantity"]
+        for (warehouse, sku), quantity in sorted(totals.items()):
+            status = "reorder" if quantity < self.threshold else "ok"
+            self.lines.append(f"{warehouse:>10} {sku:<12} {quantity:6d} {status}")
+        return totals
+
+    def low_stock(self, totals):
+        return [key for key, quantity in totals.items() if quantity < self.threshold]
+
+    def render(self):
+        header = f"{'warehouse':>10} {'sku':<12} {'qty':>6} status"
+        return "\\n".join([header, "-" * len(header), *self.lines])
+
+
+def main():
+    report = InventoryReport(["north", "south"], threshold=5)
+    totals = report.process_items([
+        {"warehouse": "north", "sku": "A-100", "quantity": 3},
+        {"warehouse": "south", "sku": "B-200", "quantity": 12},
+    ])
+    print(report.render())
+    print(report.low_stock(totals))
+'''
+
+COPY_PROMPT = ("Repeat the following Python code exactly, but rename the method `process_items` to "
+               "`handle_items` everywhere. Output only the code.\n\n```python\n" + CODE + "```")
+
+
+async def _one(engine: AsyncEngine, prompt: Any, params: SamplingParams) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    first = None
+    ids: list[int] = []
+    async for out in engine.generate(prompt, params):
+        if first is None and out.outputs[0].token_ids:
+            first = time.perf_counter()
+        ids.extend(out.outputs[0].token_ids)  # DELTA outputs: each holds the new tokens
+    t1 = time.perf_counter()
+    assert first is not None
+    n = len(ids)
+    return {"tokens": n, "ids": ids, "e2e_tok_s": n / (t1 - t0),
+            "decode_tok_s": (n - 1) / (t1 - first) if n > 1 and t1 > first else 0.0}
+
+
+async def run_mode(args: argparse.Namespace, spec: bool, workloads: dict[str, tuple[Any, SamplingParams]],
+                   ) -> dict[str, dict[str, Any]]:
+    ea = EngineArgs(max_model_len=2048, kv_cache_memory=256 << 20, num_threads=args.num_threads,
+                    speculative="ngram" if spec else None, num_speculative_tokens=args.num_speculative_tokens,
+                    prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    out = {}
+    async with AsyncEngine(ea) as engine:
+        warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        await _one(engine, "Hello", warm)
+        for name, (prompt, params) in workloads.items():
+            before = engine.spec_decode_stats
+            d0 = (before.num_draft_tokens, before.num_accepted_tokens) if before else (0, 0)
+            engine.scheduler.reset_prefix_cache()
+            res = await _one(engine, prompt, params)
+            st = engine.spec_decode_stats
+            if st is not None:
+                drafted, accepted = st.num_draft_tokens - d0[0], st.num_accepted_tokens - d0[1]
+                res.update(drafted=drafted, accepted=accepted,
+                           acceptance=accepted / drafted if drafted else 0.0)
+            out[name] = res
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from aiolm.model.loader import resolve_model
+
+    tok = resolve_model(None).load_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": COPY_PROMPT}], tokenize=False,
+                                   add_generation_prompt=True)
+    copy_ids = tok.encode(text, add_special_tokens=False)
+    rng = np.random.default_rng(0)
+    workloads = {
+        "copy": ({"prompt_token_ids": list(copy_ids)},
+                 SamplingParams(temperature=0, max_tokens=args.copy_max_tokens, output_kind=OutputKind.DELTA)),
+        "random": ({"prompt_token_ids": rng.integers(100, 40001, size=128).tolist()},
+                   SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, output_kind=OutputKind.DELTA)),
+    }
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {"off": {}, "ngram": {}}
+    for r in range(args.rounds):
+        order = [False, True] if r % 2 == 0 else [True, False]
+        for spec in order:
+            mode = "ngram" if spec else "off"
+            res = await run_mode(args, spec, workloads)
+            for name, v in res.items():
+                runs[mode].setdefault(name, []).append(v)
+                extra = (f" drafted {v['drafted']} accepted {v['accepted']} ({100 * v['acceptance']:.0f}%)"
+                         if "drafted" in v else "")
+                print(f"round {r} {mode:5} {name:6} {v['tokens']} tokens decode {v['decode_tok_s']:.1f} tok/s "
+                      f"e2e {v['e2e_tok_s']:.1f} tok/s{extra}", flush=True)
+    summary: dict[str, Any] = {"prompt_tokens_copy": len(copy_ids)}
+    for name in workloads:
+        off, on = runs["off"][name], runs["ngram"][name]
+        same = all(o["ids"] == off[0]["ids"] for o in off + on)
+        med = {m: statistics.median(v["decode_tok_s"] for v in runs[m][name]) for m in runs}
+        med_e2e = {m: statistics.median(v["e2e_tok_s"] for v in runs[m][name]) for m in runs}
+        acc = statistics.median(v["acceptance"] for v in on)
+        summary[name] = {"tokens": off[0]["tokens"], "identical_tokens": same,
+                         "decode_tok_s": med, "e2e_tok_s": med_e2e,
+                         "speedup_decode": med["ngram"] / med["off"], "speedup_e2e": med_e2e["ngram"] / med_e2e["off"],
+                         "acceptance": acc}
+        print(f"{name}: {off[0]['tokens']} tokens, identical={same}, decode off {med['off']:.1f} ngram "
+              f"{med['ngram']:.1f} tok/s (x{med['ngram'] / med['off']:.2f}), e2e off {med_e2e['off']:.1f} "
+              f"ngram {med_e2e['ngram']:.1f} (x{med_e2e['ngram'] / med_e2e['off']:.2f}), acceptance {100 * acc:.0f}%")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--copy-max-tokens", type=int, default=400)
+    ap.add_argument("--num-threads", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    summary = asyncio.run(main_async(args))
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
