@@ -379,3 +379,28 @@ def test_final_only_output_defers_detokenizing_and_gives_the_streamed_text(tok, 
     assert st.seqs[0].text.text == ""
     op.abort("late")
     assert st.build(delta=False).outputs[0].text == " partial answer"
+
+
+def test_several_tokens_in_one_step_end_where_a_stop_string_ends(tok):
+    """A speculative step hands over several tokens at once: the stop string is found after
+    the token that completes it, and the token ids and logprobs stop there too, as if the
+    tokens had come one per step."""
+    from aiolm.core.outputs import EngineCoreOutput, LogprobsLists
+    from aiolm.engine.output import OutputProcessor
+    from aiolm.params import SamplingParams
+
+    ids = tok.encode(" one two three four five", add_special_tokens=False)
+    stop_at = 2  # " three" completes the stop string "two th"
+    aborted: list[list[str]] = []
+    op = OutputProcessor(tok, abort_children=aborted.append)
+    sp = SamplingParams(max_tokens=50, stop=["two th"], logprobs=0)
+    states = {rid: op.register(rid, None, [1], sp, [rid]) for rid in ("burst", "single")}
+    lps = LogprobsLists([[t] for t in ids], [[-0.5 * (j + 1)] for j in range(len(ids))], [1] * len(ids))
+    op.process([EngineCoreOutput("burst", ids, new_logprobs=lps)])
+    for j, t in enumerate(ids):
+        op.process([EngineCoreOutput("single", [t], new_logprobs=lps.slice(j, j + 1))])
+    burst, single = (states[r].build(delta=False).outputs[0] for r in ("burst", "single"))
+    assert burst.token_ids == ids[:stop_at + 1] == single.token_ids
+    assert burst.text == single.text == " one " and burst.stop_reason == single.stop_reason == "two th"
+    assert [next(iter(d.values())).logprob for d in burst.logprobs] == [-0.5, -1.0, -1.5]
+    assert aborted == [["burst"], ["single"]]
