@@ -43,11 +43,12 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
             times.append(await _run_items(engine, items))
             engine.scheduler.reset_prefix_cache()
         costs = engine.core.times.summary()
+        spec = _spec_stats(engine)
     med = statistics.median(times)
     return {"benchmark": "throughput", "requests": len(items), "output_tokens": out_tokens,
             "prompt_tokens": in_tokens, "times_s": times, "median_s": med,
             "output_tok_s": out_tokens / med, "total_tok_s": (in_tokens + out_tokens) / med,
-            "requests_s": len(items) / med, "step_costs_ms": costs}
+            "requests_s": len(items) / med, "step_costs_ms": costs, **spec}
 
 
 async def latency(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,6 +64,7 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
             engine.scheduler.reset_prefix_cache()
             times.append(await _run_items(engine, items))
         costs = engine.core.times.summary()
+        spec = _spec_stats(engine)
     times.sort()
 
     def pct(p: float) -> float:
@@ -72,7 +74,18 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
             "output_len": args.output_len_fixed, "times_s": times, "mean_s": statistics.fmean(times),
             "p50_s": pct(50), "p90_s": pct(90), "p99_s": pct(99),
             "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times),
-            "step_costs_ms": costs}
+            "step_costs_ms": costs, **spec}
+
+
+def _spec_stats(engine: Any) -> dict[str, Any]:
+    """Speculative decoding's counters (warm-up included), when it is on."""
+    st = engine.spec_decode_stats
+    if st is None:
+        return {}
+    return {"spec_decode": {"drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
+                            "accepted_tokens": st.num_accepted_tokens, "acceptance_rate": st.acceptance_rate,
+                            "accepted_per_position": st.accepted_per_position,
+                            "drafted_per_position": st.drafted_per_position}}
 
 
 def add_args(sub: argparse._SubParsersAction) -> None:
