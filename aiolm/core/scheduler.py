@@ -185,7 +185,8 @@ class Scheduler:
         request.resolve_max_tokens(self.config.max_model_len)
         spec = self.config.speculative
         if spec is not None and supports_speculation(request.sampling_params):
-            request.spec_window = AcceptanceWindow(spec.window, spec.min_acceptance, spec.backoff)
+            request.spec_window = AcceptanceWindow(spec.window, spec.min_acceptance, spec.backoff,
+                                                   spec.num_speculative_tokens)
         self.kv_cache_manager.attach(request)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
@@ -384,8 +385,8 @@ class Scheduler:
         """Drafts for a decoding request, no more than the step's budget, the context and
         ``max_tokens`` leave room for (a step emits up to len(drafts) + 1 tokens)."""
         cfg = self.config
-        assert cfg.speculative is not None and self.proposer is not None
-        k = min(cfg.speculative.num_speculative_tokens, budget - 1, cfg.max_model_len - req.num_tokens,
+        assert req.spec_window is not None and self.proposer is not None
+        k = min(req.spec_window.draft_len, budget - 1, cfg.max_model_len - req.num_tokens,
                 req.max_tokens - req.num_output_tokens - 1)  # type: ignore[operator]
         if cfg.long_prefill_token_threshold:
             k = min(k, cfg.long_prefill_token_threshold - 1)

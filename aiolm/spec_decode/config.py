@@ -15,10 +15,12 @@ class SpecConfig:
     what followed the longest earlier match (``prompt_lookup_min``..``prompt_lookup_max``
     tokens) of the sequence's suffix within its last ``search_window`` tokens.
 
-    Adaptive: a request whose drafts were accepted at a rate below ``min_acceptance``
-    over its last ``window`` verifications stops drafting for ``backoff`` steps
-    (doubling while it stays low), so text that does not repeat pays nothing for the
-    wider forward passes.
+    Adaptive (``stats.AcceptanceWindow``): a request whose drafts were accepted at a
+    rate below ``min_acceptance`` over its last ``window`` verifications stops drafting
+    for ``backoff`` steps (doubling while it stays low), and each draft is at most one
+    longer than the accepted run before it, so text that does not repeat pays little
+    for the wider forward passes. On a CPU every verified position costs a good part
+    of a decode step (docs/benchmarks.md), so a low acceptance is a net loss there.
     """
 
     method: str = "ngram"
@@ -27,7 +29,7 @@ class SpecConfig:
     prompt_lookup_max: int = 5
     search_window: int = 2048
     window: int = 8
-    min_acceptance: float = 0.3
+    min_acceptance: float = 0.4
     backoff: int = 16
 
     def __post_init__(self) -> None:

@@ -53,22 +53,31 @@ class SpecDecodeStats:
 
 
 class AcceptanceWindow:
-    """One request's last ``window`` verifications; pauses drafting when their rate is low.
+    """One request's last ``window`` verifications; pauses drafting when their rate is low,
+    and sizes the next draft by the last outcome.
 
     A pause lasts ``backoff`` decode steps and doubles (to 16x) each time the rate is
     still low after it, so a request whose text never repeats is re-tried rarely; a
     good window resets it. Pausing per request keeps a copying request fast while a
     free-writing one in the same batch stops paying for rejected drafts.
+
+    Draft length: each draft position costs a token of forward pass whether or not it
+    is accepted, so after a verification that accepted ``a`` drafts the next draft
+    has at most ``a + 1`` (up to ``max_len``): a copied run keeps the full length,
+    a request whose drafts fail early drafts one token at a time.
     """
 
-    __slots__ = ("_hist", "_drafted", "_accepted", "_min_rate", "_base", "_backoff", "_pause")
+    __slots__ = ("_hist", "_drafted", "_accepted", "_min_rate", "_base", "_backoff", "_pause", "_max_len",
+                 "draft_len")
 
-    def __init__(self, window: int, min_rate: float, backoff: int) -> None:
+    def __init__(self, window: int, min_rate: float, backoff: int, max_len: int = 1 << 30) -> None:
         self._hist: deque[tuple[int, int]] = deque(maxlen=window)
         self._drafted = self._accepted = 0
         self._min_rate = min_rate
         self._base = self._backoff = backoff
         self._pause = 0
+        self._max_len = max_len
+        self.draft_len = max_len  # most drafts worth proposing next
 
     def allow(self) -> bool:
         """Called once per decode step: False while paused (and counts the pause down)."""
@@ -78,6 +87,7 @@ class AcceptanceWindow:
         return True
 
     def record(self, drafted: int, accepted: int) -> None:
+        self.draft_len = min(self._max_len, accepted + 1)
         hist = self._hist
         if len(hist) == hist.maxlen:
             d, a = hist[0]

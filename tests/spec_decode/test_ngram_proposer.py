@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 from aiolm.params import SamplingParams
+from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 from aiolm.structured.spec import StructuredOutputs
 
 
@@ -78,6 +78,20 @@ def test_acceptance_window_pauses_and_backs_off():
     w.record(4, 0)
     w.record(4, 0)
     assert [w.allow() for _ in range(4)] == [False, False, False, True]
+
+
+def test_draft_length_follows_the_last_accepted_run():
+    w = AcceptanceWindow(window=8, min_rate=0.0, backoff=3, max_len=4)
+    assert w.draft_len == 4
+    w.record(4, 1)
+    assert w.draft_len == 2  # one accepted: the next draft has two tokens
+    w.record(2, 2)
+    assert w.draft_len == 3  # all accepted: one more
+    w.record(3, 3)
+    w.record(4, 4)
+    assert w.draft_len == 4  # capped at num_speculative_tokens
+    w.record(4, 0)
+    assert w.draft_len == 1
 
 
 def test_stats_per_position():
