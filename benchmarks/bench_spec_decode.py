@@ -114,6 +114,27 @@ async def run_mode(args: argparse.Namespace, spec: bool, workloads: dict[str, tu
     return out
 
 
+def proposer_cost() -> dict[int, float]:
+    """CPU microseconds of one n-gram proposal over code-like contexts of a few lengths
+    (a 400-token block repeated; frequent tokens like spaces and newlines make many
+    candidate matches): what the scheduler spends per drafting request and step."""
+    import random
+
+    from aiolm.spec_decode import NgramProposer
+
+    p = NgramProposer(4, 2, 5, 2048)
+    rng = random.Random(0)
+    block = [rng.choice([198, 220, 284, 28, 30, 314, 1552, 2362, *range(1000, 1200)]) for _ in range(400)]
+    out = {}
+    for n in (500, 2000, 8000):
+        seq = (block * (n // 400 + 1))[:n]
+        t = time.thread_time()
+        for _ in range(1000):
+            p.propose(seq)
+        out[n] = (time.thread_time() - t) / 1000 * 1e6
+    return out
+
+
 def run_in_process(args: argparse.Namespace, workloads: dict[str, tuple[Any, SamplingParams]],
                    runner: Any, spec: bool) -> dict[str, dict[str, Any]]:
     """Scheduler + model runner in this thread; decode timed by thread CPU time and wall time."""
@@ -202,7 +223,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         f"{k}: {ms:.1f}" for k, ms in v["step_cpu_ms"].items())
                 print(f"round {r} {mode:5} {name:6} {v['tokens']} tokens decode {v['decode_tok_s']:.1f} tok/s "
                       f"{second} {v['e2e_tok_s']:.1f} tok/s{extra}", flush=True)
-    summary: dict[str, Any] = {"prompt_tokens_copy": len(copy_ids)}
+    summary: dict[str, Any] = {"prompt_tokens_copy": len(copy_ids), "proposer_us": proposer_cost()}
+    print("n-gram proposal, CPU us by context length:", summary["proposer_us"])
     for name in workloads:
         off, on = runs["off"][name], runs["ngram"][name]
         same = all(o["ids"] == off[0]["ids"] for o in off + on) if workloads[name][1].greedy else None

@@ -18,7 +18,7 @@ class NgramProposer:
     Pure Python on the scheduler's token list: ``list.index`` finds each earlier
     occurrence of the last token in C, and only those are extended backwards in
     Python, so a step costs one scan of the window plus a few comparisons per
-    occurrence (tens of microseconds, see docs/benchmarks.md). Ties between equally
+    occurrence (measured in docs/benchmarks.md). Ties between equally
     long matches go to the most recent one: a sequence that has started repeating
     itself is best predicted by its latest repetition.
     """
