@@ -46,7 +46,7 @@ def test_drafts_are_scheduled_with_reserved_slots_and_rejected_ones_rolled_back(
 
 def test_a_stop_inside_the_accepted_run_truncates_and_frees():
     sched = make_scheduler(speculative=spec(k=3), block_size=4)
-    req = prefill(sched, make_request("a", REPEAT, max_tokens=20, stop_token_ids=[6]))
+    prefill(sched, make_request("a", REPEAT, max_tokens=20, stop_token_ids=[6]))
     so = sched.schedule()
     assert so.scheduled_spec_decode_tokens == {"a": [5, 6, 7]}
     outs = sched.update_from_output(so, ModelRunnerOutput(["a"], [[5, 6, 7, 1]]))
