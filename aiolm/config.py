@@ -77,6 +77,8 @@ class EngineArgs:
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
     structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
                                                      "or none (requests asking for them are refused)")
+    metrics_prefix: str = _f("aiolm", "prefix of the Prometheus metric names (<prefix>:num_requests_running, ...); "
+                                      "vllm gives vLLM's names, so its Grafana dashboards work unchanged")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")
@@ -117,6 +119,9 @@ class EngineArgs:
         if self.structured_outputs_backend not in ("xgrammar", "none"):
             raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
                              f"supported: xgrammar, none")
+        from aiolm.metrics import check_prefix
+
+        check_prefix(self.metrics_prefix)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

@@ -18,6 +18,7 @@ from aiolm.core.outputs import EngineCoreOutput, LogprobsLists
 from aiolm.engine.detokenizer import TextStream
 from aiolm.engine.errors import EngineDeadError, RequestError
 from aiolm.engine.messages import StepOutputs
+from aiolm.metrics import EngineMetrics, FinishedRequest
 from aiolm.outputs import CompletionOutput, Logprob, RequestOutput
 from aiolm.params import OutputKind, SamplingParams
 
@@ -39,6 +40,7 @@ class SeqState:
     # detokenized once at the finish, a run of ids at a time, not on every step.
     defer_text: bool = False
     num_pushed: int = 0  # token_ids already pushed into ``text``
+    last_token_time: float | None = None  # the engine's time of this sequence's latest tokens
 
     def push_text(self, stop_terminated: bool = False) -> str | None:
         """Push the ids ``text`` has not seen; the stop string they matched, if any."""
@@ -65,6 +67,7 @@ class RequestState:
         self.finish_time: float | None = None
         self.delivered_final = False
         self.pending_siblings: list[Any] = []  # n > 1: Requests to add once sequence 0 has prefilled
+        self.core_request: Any = None  # sequence 0's core Request: when it was first scheduled
         self.expiry: asyncio.TimerHandle | None = None  # the request's timeout, if it has one
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.sent_prompt_logprobs = False  # delta mode: delivered once, with the first output
@@ -159,8 +162,10 @@ class OutputProcessor(Actor[StepOutputs]):
     def __init__(self, tokenizer: Any, abort_children: Callable[[list[str]], None],
                  on_finish: Callable[[RequestState], None] | None = None,
                  stats: dict[str, int] | None = None,
-                 add_siblings: Callable[[list[Any]], None] | None = None) -> None:
+                 add_siblings: Callable[[list[Any]], None] | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
         super().__init__()
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.abort_children = abort_children
         self.on_finish = on_finish
@@ -216,6 +221,7 @@ class OutputProcessor(Actor[StepOutputs]):
         live = [s.child_id for s in state.seqs
                 if self.children.pop(s.child_id, None) is not None and s.finish_reason is None]
         state.fail(error)
+        self._record(state, time.monotonic())
         return live
 
     def fail_all(self, error: BaseException) -> None:
@@ -228,14 +234,18 @@ class OutputProcessor(Actor[StepOutputs]):
         while True:
             msg = await self.mailbox.receive()
             t0 = time.perf_counter()
-            self.process(msg.outputs)
+            self.process(msg.outputs, msg.timestamp)
             for more in self.mailbox.drain():
-                self.process(more.outputs)
+                self.process(more.outputs, more.timestamp)
             self._busy += time.perf_counter() - t0
 
-    def process(self, outputs: list[EngineCoreOutput]) -> None:
-        now = time.monotonic()
+    def process(self, outputs: list[EngineCoreOutput], now: float | None = None) -> None:
+        """Apply one step's outputs; ``now`` is when the engine core had them."""
+        if now is None:
+            now = time.monotonic()
         stopped: list[str] = []
+        prompt_tokens = generation_tokens = 0
+        itl = self.metrics.itl.observe if self.metrics is not None else None
         for o in outputs:
             entry = self.children.get(o.req_id)
             if entry is None:
@@ -250,7 +260,19 @@ class OutputProcessor(Actor[StepOutputs]):
                     state.first_token_time = now
                     state.num_cached_tokens = o.num_cached_tokens
                 state.last_token_time = now
-                self.stats["generation_tokens"] += len(o.new_token_ids)
+                k = len(o.new_token_ids)
+                generation_tokens += k
+                # One inter-token latency per generated token after a sequence's first; a
+                # step that brings several tokens shares its gap among them.
+                last, seq.last_token_time = seq.last_token_time, now
+                if last is None:
+                    prompt_tokens += len(state.prompt_ids)
+                    k, gap = k - 1, 0.0
+                else:
+                    gap = (now - last) / k
+                if itl is not None:
+                    for _ in range(k):
+                        itl(gap)
                 seq.token_ids.extend(o.new_token_ids)
                 if o.prompt_logprobs is not None and state.prompt_logprobs is None:  # n > 1: the first
                     state.prompt_logprobs = [None, *self._entries(o.prompt_logprobs)]
@@ -279,12 +301,28 @@ class OutputProcessor(Actor[StepOutputs]):
                 state.wake()  # a final-only consumer has nothing to read before the end
         if stopped:
             self.abort_children(stopped)
+        self.stats["generation_tokens"] += generation_tokens
+        if self.metrics is not None:
+            self.metrics.add_tokens(prompt_tokens, generation_tokens)
 
     def _finished(self, state: RequestState) -> None:
         state.finish_time = state.finish_time or time.monotonic()
         state.wake()
+        self._record(state, state.finish_time)
         if self.on_finish is not None:
             self.on_finish(state)
+
+    def _record(self, state: RequestState, finish: float) -> None:
+        """The request's metrics, once, when it ends (finished, aborted or timed out)."""
+        if self.metrics is None:
+            return
+        core = state.core_request
+        self.metrics.request_finished(FinishedRequest(
+            reasons=[s.finish_reason or "abort" for s in state.seqs], prompt_tokens=len(state.prompt_ids),
+            output_tokens=[len(s.token_ids) for s in state.seqs], n=state.params.n,
+            max_tokens=state.params.max_tokens, arrival=state.arrival,
+            scheduled=getattr(core, "scheduled_time", None), first_token=state.first_token_time,
+            finish=finish))
 
     def _entries(self, lp: LogprobsLists) -> list[dict[int, Logprob]]:
         """One dict per token: the token itself (its rank), then the top-N (ranks 1..N);

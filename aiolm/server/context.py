@@ -1,4 +1,4 @@
-"""What every route needs: the engine, the settings, the metrics, the live requests."""
+"""What every route needs: the engine, the settings, the live requests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import Any
 
-from aiolm.metrics import EngineMetrics
 from aiolm.server.settings import ServerSettings
 
 log = logging.getLogger("aiolm.server")
@@ -18,7 +17,6 @@ class ServingContext:
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = EngineMetrics(engine)
         self.created = int(time.time())
         self.inflight: set[str] = set()  # engine request ids being served right now
         self.draining = False

@@ -134,19 +134,16 @@ class Generation:
                 self._done.add(st.req_id)
                 self.ctx.inflight.discard(st.req_id)
                 await self.ctx.engine.abort(st.req_id)
-                self.ctx.metrics.observe_aborted(len(st.seqs))
 
-    def _finished(self, i: int, out: RequestOutput) -> None:
+    def _finished(self, i: int) -> None:
         st = self.states[i]
         self._done.add(st.req_id)
         self.ctx.inflight.discard(st.req_id)
-        seqs = [(len(s.token_ids), s.finish_reason) for s in st.seqs]
-        self.ctx.metrics.observe_finished(out.metrics, len(st.prompt_ids), seqs)
 
     async def _one(self, i: int) -> AsyncIterator[RequestOutput]:
         async for out in self.ctx.engine.stream(self.states[i]):
             if out.finished:
-                self._finished(i, out)
+                self._finished(i)
             yield out
 
     async def collect(self) -> list[RequestOutput]:

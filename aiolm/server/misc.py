@@ -51,7 +51,8 @@ async def version(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(context(request).metrics.render(), media_type=CONTENT_TYPE)
+    """The engine's own registry (aiolm/metrics.py): the same series an embedding app exposes."""
+    return Response(context(request).engine.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def tokenize(request: Request) -> Response:

@@ -153,6 +153,10 @@ class FakeEngine:
         self.started = False
         self.dead: str | None = None
         self.scheduler = None
+        from aiolm.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(self)  # the real registry, reading this engine's gauges
+        self.metrics.configure(self.model_name, self.max_model_len)
 
     # One token per character (ids = code points): enough for format tests.
     vocab_size = 0x110000
