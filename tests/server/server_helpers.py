@@ -103,11 +103,11 @@ def serve_cmd(port: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    """One real `aiolm serve` per test module, with an API key; exits 0 on SIGTERM."""
+    """One real `aiolm serve` per test module, with an API key and vLLM's metric names; exits 0 on SIGTERM."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess(serve_cmd(port, "--api-key", API_KEY, "--max-request-bytes", str(256 << 10),
-                                  "--shutdown-timeout", "5"), port, log)
+                                  "--shutdown-timeout", "5", "--metrics-prefix", "vllm"), port, log)
     with srv.serving():
         yield srv
 

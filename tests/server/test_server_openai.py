@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from server_helpers import API_KEY, ROOT, from_schema, json_values, server  # noqa: F401  (fixture)
+from metrics_contract import Scrape, check_contract
 
 TIMEOUT = 180.0
 PARIS_Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -49,12 +50,18 @@ def _metrics(server) -> dict[str, float]:
     return out
 
 
+def _scrape(server) -> Scrape:
+    r = httpx.get(server.base_url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return Scrape(r.text, "vllm")
+
+
 def _wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = _metrics(server)
-        idle = (m["aiolm:num_requests_running"] == 0 and m["aiolm:num_requests_waiting"] == 0
-                and m["aiolm:kv_cache_usage_perc"] == 0)
+        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0)
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -70,6 +77,68 @@ def test_models_health_and_auth(server, client, model):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"]
+
+
+def test_vllm_named_metrics_agree_with_the_responses(server, client, model):
+    """/metrics under --metrics-prefix vllm: every series vLLM's dashboards read, with values
+    (taken as increases over a few requests) that agree with the responses' usage."""
+    _wait_idle(server)
+    before = _scrape(server)
+    usages, max_tokens = [], [6, 9, 7, 5, 5]
+    for mt in max_tokens[:2]:
+        r = client.completions.create(model=model, prompt="The history of the printing press", max_tokens=mt,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        usages.append(r.usage)
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=max_tokens[2],
+                                       temperature=0, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    usages.append([c.usage for c in stream if c.usage is not None][-1])
+    chat = [{"role": "user", "content": "Name three colours of the rainbow, please, in one short line."}]
+    for mt in max_tokens[3:]:  # the same chat twice: the second finds its prompt's blocks cached
+        r = client.chat.completions.create(model=model, messages=chat, max_tokens=mt, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        usages.append(r.usage)
+    reqs = len(usages)
+    prompt = sum(u.prompt_tokens for u in usages)
+    gen = sum(u.completion_tokens for u in usages)
+    assert gen == sum(max_tokens)
+    after = _scrape(server)  # recorded when the engine finishes a request, before its response ends
+    check_contract(after, model)
+
+    def inc(sample: str, **labels: str) -> float:
+        return after.value(sample, **labels) - before.value(sample, **labels)
+
+    def hist(name: str) -> tuple[float, float]:
+        (c1, s1), (c0, s0) = after.hist(name), before.hist(name)
+        return c1 - c0, s1 - s0
+
+    assert inc("prompt_tokens_total") == prompt and inc("generation_tokens_total") == gen
+    assert inc("request_success_total", finished_reason="length") == reqs
+    assert inc("request_success_total", finished_reason="abort") == 0 and inc("num_preemptions_total") == 0
+    assert after.value("num_requests_running") == 0 and after.value("gpu_cache_usage_perc") == 0
+    assert hist("request_prompt_tokens") == (reqs, prompt)
+    assert hist("request_generation_tokens") == (reqs, gen)
+    assert hist("request_params_max_tokens") == (reqs, sum(max_tokens))
+    assert hist("request_params_n") == (reqs, reqs)
+
+    # One inter-token latency per generated token after each request's first; their sum is
+    # the time from first to last token, which is the decode time.
+    itl = hist("inter_token_latency_seconds")
+    assert itl[0] == gen - reqs and hist("time_per_output_token_seconds") == itl
+    e2e, ttft = hist("e2e_request_latency_seconds"), hist("time_to_first_token_seconds")
+    phase = {p: hist(f"request_{p}_time_seconds") for p in ("queue", "prefill", "decode", "inference")}
+    assert all(count == reqs and total > 0 for count, total in [e2e, ttft, *phase.values()]), (e2e, phase)
+    assert itl[1] == pytest.approx(phase["decode"][1], rel=1e-6)
+    assert phase["queue"][1] + phase["prefill"][1] + phase["decode"][1] == pytest.approx(e2e[1], rel=1e-6)
+    assert phase["prefill"][1] + phase["decode"][1] == pytest.approx(phase["inference"][1], rel=1e-6)
+    assert ttft[1] == pytest.approx(phase["queue"][1] + phase["prefill"][1], rel=1e-6) and ttft[1] < e2e[1]
+
+    # Each engine step's scheduled tokens: every prompt token not found in the prefix cache,
+    # then one per generated token after the first.
+    hits = inc("prefix_cache_hits_total")
+    assert hits >= 16 and inc("prefix_cache_queries_total") >= prompt
+    steps, tokens = hist("iteration_tokens_total")
+    assert tokens == prompt - hits + gen - reqs and gen - reqs <= steps <= tokens
 
 
 def test_chat_capital_of_france(client, model, server):
@@ -327,8 +396,8 @@ def test_disconnect_frees_the_request(server, model):
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json={**body, "stream": False}, timeout=3)
     m = _wait_idle(server, 10.0)
-    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:num_requests_waiting"] == 0
-    assert m["aiolm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
@@ -355,7 +424,7 @@ def test_32_concurrent_streams(server, model):
     assert len(results) == 32
     assert all(text and 1 <= usage <= 16 for text, usage in results), results
     m = _wait_idle(server)
-    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     print(f"32 streams in {time.monotonic() - t0:.1f}s")
 
 
@@ -438,7 +507,7 @@ def test_fuzz_against_openapi_schema(server, model):
     assert counts["sent"] > 10 and counts["2xx"] > 0 and counts["4xx"] > 0, counts
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     m = _wait_idle(server, 15.0)
-    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     print(f"fuzz: {counts} in {time.monotonic() - start:.0f}s")
 
 
