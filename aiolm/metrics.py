@@ -15,9 +15,9 @@ Where the numbers come from:
 
 - gauges and the engine-wide counters (running, waiting, KV usage, prefix cache queries
   and hits, preemptions) are read from the scheduler when scraped: nothing per step;
-- token counters and inter-token latencies are fed by the output processor, once per
-  step's outputs, with one latency per generated token gap; the tokens of each engine
-  step by the engine core;
+- token counters and inter-token latencies are fed by the output processor in one call
+  per step's outputs, with one latency per generated token gap; the tokens of each
+  engine step by the engine core;
 - the per-request histograms when a request finishes, from engine-side timestamps:
   arrival, first scheduled (``Request.scheduled_time``), first token, finish.
 
@@ -91,6 +91,13 @@ class Histogram:
         # Prometheus buckets are "<= bound": bisect_left finds the first bound >= value.
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def observe_many(self, values: list[float]) -> None:
+        """``observe`` each value; one call per step for the per-token latencies."""
+        counts, bounds = self.counts, self.bounds
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1
+        self.sum += sum(values)
 
     @property
     def count(self) -> int:
@@ -173,9 +180,13 @@ class EngineMetrics:
 
     # -- fed by the engine ---------------------------------------------------------
 
-    def add_tokens(self, prompt: int, generation: int) -> None:
+    def step_outputs(self, prompt: int, generation: int, gaps: list[float]) -> None:
+        """One step's outputs: prompt tokens of sequences that got their first token,
+        tokens generated, and the inter-token latencies (one per token after a first)."""
         self.prompt_tokens += prompt
         self.generation_tokens += generation
+        if gaps:
+            self.itl.observe_many(gaps)
 
     def request_finished(self, r: FinishedRequest) -> None:
         if not self.requests:

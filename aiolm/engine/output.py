@@ -245,7 +245,7 @@ class OutputProcessor(Actor[StepOutputs]):
             now = time.monotonic()
         stopped: list[str] = []
         prompt_tokens = generation_tokens = 0
-        itl = self.metrics.itl.observe if self.metrics is not None else None
+        gaps: list[float] = []  # inter-token latencies: one per generated token after a sequence's first
         for o in outputs:
             entry = self.children.get(o.req_id)
             if entry is None:
@@ -262,17 +262,15 @@ class OutputProcessor(Actor[StepOutputs]):
                 state.last_token_time = now
                 k = len(o.new_token_ids)
                 generation_tokens += k
-                # One inter-token latency per generated token after a sequence's first; a
-                # step that brings several tokens shares its gap among them.
                 last, seq.last_token_time = seq.last_token_time, now
                 if last is None:
                     prompt_tokens += len(state.prompt_ids)
-                    k, gap = k - 1, 0.0
-                else:
-                    gap = (now - last) / k
-                if itl is not None:
-                    for _ in range(k):
-                        itl(gap)
+                    if k > 1:
+                        gaps += [0.0] * (k - 1)
+                elif k == 1:
+                    gaps.append(now - last)
+                else:  # several tokens in one step share its gap
+                    gaps += [(now - last) / k] * k
                 seq.token_ids.extend(o.new_token_ids)
                 if o.prompt_logprobs is not None and state.prompt_logprobs is None:  # n > 1: the first
                     state.prompt_logprobs = [None, *self._entries(o.prompt_logprobs)]
@@ -303,7 +301,7 @@ class OutputProcessor(Actor[StepOutputs]):
             self.abort_children(stopped)
         self.stats["generation_tokens"] += generation_tokens
         if self.metrics is not None:
-            self.metrics.add_tokens(prompt_tokens, generation_tokens)
+            self.metrics.step_outputs(prompt_tokens, generation_tokens, gaps)
 
     def _finished(self, state: RequestState) -> None:
         state.finish_time = state.finish_time or time.monotonic()

@@ -79,12 +79,12 @@ def model_id(server: ServerProcess, key: str | None = None) -> str:
 
 
 def scrape(server: ServerProcess) -> dict[str, float]:
-    """/metrics as {name{labels}: value}, labels without the model name."""
+    """/metrics as {name{labels}: value}, labels without the model name and engine index."""
     out = {}
     for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
-            out[re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")] = float(value)
+            out[re.sub(r'(model_name|engine)="[^"]*",?', "", key).replace("{}", "")] = float(value)
     return out
 
 
