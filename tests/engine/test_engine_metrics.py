@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import prometheus_client
+import pytest
 
 from aiolm import AsyncEngine, EngineArgs, SamplingParams
 from aiolm.metrics import EngineMetrics
@@ -50,3 +51,17 @@ def test_embedded_engine_metrics_and_preemptions():
     assert m.value("num_requests_running") == 0 and m.value("kv_cache_usage_perc") == 0
     assert "aiolm:num_requests_running" not in prometheus_client.generate_latest().decode()
     assert Scrape(other_text, "aiolm").value("request_success_total", finished_reason="length") == 0
+
+
+def test_histogram_buckets_are_inclusive_and_prefix_is_checked():
+    from aiolm.metrics import Histogram
+
+    h = Histogram([0.01, 0.1])
+    for v in (0.01, 0.0100001, 0.1, 5.0):
+        h.observe(v)
+    h.observe_many([0.001, 0.2])
+    assert h.counts == [2, 2, 2] and h.count == 6 and h.sum == pytest.approx(5.3210001)
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        EngineArgs(metrics_prefix="9x")
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        EngineArgs(metrics_prefix="vllm:")
