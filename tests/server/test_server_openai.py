@@ -539,14 +539,19 @@ def test_fuzz_against_openapi_schema(server, model):
     schemas = spec["components"]["schemas"]
     auth = {"authorization": f"Bearer {API_KEY}"}
     targets = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
-               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+               "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest",
+               "/detokenize": "DetokenizeRequest"}
     budget_s = float(os.environ.get("AIOLM_FUZZ_SECONDS", "60"))
     start = time.monotonic()
     counts = {"sent": 0, "2xx": 0, "4xx": 0}
 
-    def cheap(body):
+    def cheap(body, path):
         """Keep generation short on CPU: small max_tokens/n, the served model name."""
-        if isinstance(body, dict):
+        if isinstance(body, dict) and path == "/v1/responses":
+            if not isinstance(body.get("max_output_tokens"), int) or isinstance(body["max_output_tokens"], bool):
+                body["max_output_tokens"] = 2
+            body["max_output_tokens"] = 1 + body["max_output_tokens"] % 3
+        elif isinstance(body, dict) and path in ("/v1/chat/completions", "/v1/completions"):
             for k in ("max_tokens", "max_completion_tokens", "min_tokens"):
                 if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > 3:
                     body[k] = 1 + body[k] % 3
@@ -570,7 +575,7 @@ def test_fuzz_against_openapi_schema(server, model):
     for path, name in targets.items():
         body = from_schema(schemas[name]).map(
             lambda b: {**b, "model": model} if isinstance(b, dict) and "model" in b and b.get("model") else b)
-        strategies.append(st.tuples(st.just(path), mutate(body).map(cheap)))
+        strategies.append(st.tuples(st.just(path), mutate(body).map(lambda b, p=path: cheap(b, p))))
 
     @settings(max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
               suppress_health_check=list(HealthCheck), derandomize=True)
@@ -588,7 +593,10 @@ def test_fuzz_against_openapi_schema(server, model):
             assert set(err) == {"message", "type", "param", "code"}, r.text
         else:
             counts["2xx"] += 1
-            if isinstance(body, dict) and body.get("stream") is True:
+            if isinstance(body, dict) and body.get("stream") is True and path == "/v1/responses":
+                last = r.text.rstrip().rsplit("\n\n", 1)[-1]
+                assert last.startswith(("event: response.completed", "event: response.incomplete")), r.text[-300:]
+            elif isinstance(body, dict) and body.get("stream") is True:
                 assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
 
     auth["content-type"] = "application/json"
