@@ -32,6 +32,7 @@ from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveri
 from aiolm.engine.input import InputProcessor, PromptType
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output import OutputProcessor, RequestState
+from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor
 from aiolm.metrics import EngineMetrics
@@ -403,3 +404,7 @@ class AsyncEngine:
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The tokenizer's own string for each id (byte-level pieces, not decoded text)."""
         return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as JSON (aiolm/engine/tokenizer_info.py)."""
+        return tokenizer_config(self.tokenizer)

@@ -19,6 +19,7 @@ class ServingContext:
         self.settings = settings
         self.created = int(time.time())
         self.inflight: set[str] = set()  # engine request ids being served right now
+        self.server_load = 0  # generation HTTP requests being served right now (vLLM's GET /load)
         self.draining = False
         self.engine_died: str | None = None  # set when the engine died and the server is stopping
 
@@ -26,8 +27,8 @@ class ServingContext:
     def model_name(self) -> str:
         return str(getattr(self.engine, "model_name", None) or "aiolm")
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    def new_id(self, prefix: str, sep: str = "-") -> str:
+        return f"{prefix}{sep}{uuid.uuid4().hex}"
 
     async def drain(self, timeout: float) -> None:
         """Let in-flight generations finish for up to ``timeout`` s, then abort the rest."""

@@ -182,6 +182,10 @@ class FakeEngine:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [chr(i) for i in ids]
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {"tokenizer_class": "FakeTokenizer", "vocab_size": self.vocab_size, "bos_token": None,
+                "eos_token": None, "pad_token": None, "unk_token": None, "chat_template": None}
+
     async def start(self) -> None:
         self.started = True
 
