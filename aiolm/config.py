@@ -86,6 +86,8 @@ class EngineArgs:
     num_speculative_tokens: int = _f(4, "with --speculative: most draft tokens verified per request and step")
     prompt_lookup_min: int = _f(2, "with --speculative ngram: shortest suffix match that yields drafts")
     prompt_lookup_max: int = _f(5, "with --speculative ngram: longest suffix match tried")
+    metrics_prefix: str = _f("aiolm", "prefix of the Prometheus metric names (<prefix>:num_requests_running, ...); "
+                                      "vllm gives vLLM's names, so its Grafana dashboards work unchanged")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")
@@ -127,6 +129,9 @@ class EngineArgs:
             raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
                              f"supported: xgrammar, none")
         self.spec_config()  # raises on a bad combination
+        from aiolm.metrics import check_prefix
+
+        check_prefix(self.metrics_prefix)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

@@ -1,261 +1,310 @@
-"""Prometheus metrics in the text exposition format, named like vLLM's.
+"""Prometheus metrics of one engine, named, typed and bucketed like vLLM's v1 metrics.
 
-A small self-contained implementation (counters, gauges, histograms) rather
-than a dependency: the server builds one ``EngineMetrics`` per app, so several
-apps in one process (tests, embedding) never fight over a global registry.
-Names mirror vLLM's (``vllm:`` -> ``aiolm:``) so existing dashboards port by a
-prefix rename. Gauges and engine-side counters are read from the engine at
-scrape time; latency histograms are fed by the server as requests finish.
+Each engine owns an ``EngineMetrics`` with its own ``CollectorRegistry`` (never
+prometheus_client's process-wide default), so several engines in one process (tests, an
+app embedding two models) never collide. The server serves it at ``/metrics``; an app
+embedding ``AsyncEngine`` exposes ``engine.metrics_registry`` with prometheus_client
+(``start_http_server(port, registry=engine.metrics_registry)``) or renders
+``engine.metrics.render()`` itself.
+
+Names are ``<prefix>:<vLLM's name>`` with vLLM's labels (``model_name``, ``engine``) and
+bucket layouts; the prefix is ``--metrics-prefix`` (``aiolm`` by default), and ``vllm``
+makes them vLLM's own so its Grafana dashboards read them unchanged.
+
+Where the numbers come from:
+
+- gauges and the engine-wide counters (running, waiting, KV usage, prefix cache queries
+  and hits, preemptions) are read from the scheduler when scraped: nothing per step;
+- token counters and inter-token latencies are fed by the output processor in one call
+  per step's outputs, with one latency per generated token gap; the tokens of each
+  engine step by the engine core;
+- the per-request histograms when a request finishes, from engine-side timestamps:
+  arrival, first scheduled (``Request.scheduled_time``), first token, finish.
+
+Observations go into plain accumulators (``Histogram`` below: one bisect and two adds)
+that one collector turns into prometheus_client metric families at scrape time.
+prometheus_client's own Histogram takes locks and walks its buckets on every observe,
+several times the cost, and inter-token latencies are observed for every generated
+token on the event loop. Reads at scrape time copy lists of ints, so a scrape from
+another thread (``start_http_server``) sees a consistent histogram.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from typing import Any, Callable, Iterable, Sequence
+import re
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
 
-Labels = tuple[tuple[str, str], ...]
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # every series exists from the start, at 0
+LABELS = ("model_name", "engine")
+
+_PREFIX = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v))
+def check_prefix(prefix: str) -> str:
+    """A metric name prefix Prometheus accepts (the ``:`` is added after it), else ValueError."""
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError(f"metrics_prefix: {prefix!r} is not a Prometheus name prefix "
+                         f"(letters, digits and '_', not starting with a digit)")
+    return prefix
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count layout)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out) or (1,)
+            out.append(m * scale)
+        scale *= 10
 
 
-def _labels(labels: Labels, extra: Labels = ()) -> str:
-    items = labels + extra
-    if not items:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}"
+class Histogram:
+    """Bucket counts and a sum; ``observe`` is what hot paths call."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # Prometheus buckets are "<= bound": bisect_left finds the first bound >= value.
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def observe_many(self, values: list[float]) -> None:
+        """``observe`` each value; one call per step for the per-token latencies."""
+        counts, bounds = self.counts, self.bounds
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1
+        self.sum += sum(values)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, c in zip((*self.bounds, math.inf), counts):
+            cumulative += c
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric(labels, buckets, sum_value=total)
 
 
-class Metric:
-    kind = "untyped"
+@dataclass
+class FinishedRequest:
+    """What the output processor knows about a request when it ends (monotonic seconds)."""
 
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help
-        self.labelnames = tuple(labelnames)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: dict[str, str]) -> Labels:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name}: labels {sorted(labels)} != {sorted(self.labelnames)}")
-        return tuple((k, str(labels[k])) for k in self.labelnames)
-
-    def samples(self) -> Iterable[tuple[str, Labels, float]]:
-        raise NotImplementedError
-
-    def render(self) -> str:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        for suffix, labels, value in self.samples():
-            lines.append(f"{self.name}{suffix}{_labels(labels)} {_fmt(value)}")
-        return "\n".join(lines)
+    reasons: list[str]  # one per sequence
+    prompt_tokens: int
+    output_tokens: list[int]  # one per sequence
+    n: int
+    max_tokens: int | None
+    arrival: float
+    scheduled: float | None  # first scheduled (its first sequence); None if it never ran
+    first_token: float | None
+    finish: float
 
 
-class Counter(Metric):
-    """Only goes up; ``name`` should end in ``_total`` (the text format's convention)."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labelnames)
-        self._values: dict[Labels, float] = {}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError("counters only go up")
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def get(self, **labels: str) -> float:
-        return self._values.get(self._key(labels), 0.0)
-
-    def samples(self) -> Iterable[tuple[str, Labels, float]]:
-        with self._lock:
-            return [("", k, v) for k, v in self._values.items()]
-
-
-class Gauge(Metric):
-    kind = "gauge"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labelnames)
-        self._values: dict[Labels, float] = {}
-
-    def set(self, value: float, **labels: str) -> None:
-        with self._lock:
-            self._values[self._key(labels)] = float(value)
-
-    def samples(self) -> Iterable[tuple[str, Labels, float]]:
-        with self._lock:
-            return [("", k, v) for k, v in self._values.items()]
-
-
-class Histogram(Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, buckets: Sequence[float], labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labelnames)
-        self.buckets = tuple(sorted(buckets)) + (math.inf,)
-        self._data: dict[Labels, tuple[list[float], list[float]]] = {}  # counts per bucket, [sum]
-
-    def observe(self, value: float, count: int = 1, **labels: str) -> None:
-        """``count`` > 1 records the same value several times (e.g. a mean over n gaps)."""
-        if count <= 0 or not math.isfinite(value):
-            return
-        key = self._key(labels)
-        with self._lock:
-            counts, total = self._data.setdefault(key, ([0.0] * len(self.buckets), [0.0]))
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    counts[i] += count
-                    break
-            total[0] += value * count
-
-    def count(self, **labels: str) -> float:
-        entry = self._data.get(self._key(labels))
-        return sum(entry[0]) if entry else 0.0
-
-    def samples(self) -> Iterable[tuple[str, Labels, float]]:
-        out = []
-        with self._lock:
-            for key, (counts, total) in self._data.items():
-                cum = 0.0
-                for b, c in zip(self.buckets, counts):
-                    cum += c
-                    out.append(("_bucket", key + (("le", _fmt(b)),), cum))
-                out.append(("_sum", key, total[0]))
-                out.append(("_count", key, cum))
-        return out
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.metrics: list[Metric] = []
-        self.collectors: list[Callable[[], None]] = []
-
-    def add(self, metric: Metric) -> Any:
-        self.metrics.append(metric)
-        return metric
-
-    def render(self) -> str:
-        for collect in self.collectors:
-            collect()
-        return "\n".join(m.render() for m in self.metrics) + "\n"
-
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# name, help, buckets (None: 1-2-5 up to max_model_len)
+_REQUEST_HISTOGRAMS = (
+    ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+     ITL_BUCKETS),
+    ("request_prompt_tokens", "Number of prefill tokens processed.", None),
+    ("request_generation_tokens", "Number of generation tokens processed.", None),
+    ("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", None),
+    ("request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+    ("request_params_max_tokens", "Histogram of the max_tokens request parameter.", None),
+)
 
 
 class EngineMetrics:
-    """The metrics of one served engine; ``render()`` refreshes the engine-side values."""
+    """The metrics of one engine and the registry that exposes them.
 
-    def __init__(self, engine: Any, model_name: str | None = None) -> None:
-        self.engine = engine
-        self._model = model_name
-        r = self.registry = Registry()
-        m = ("model_name",)
-        self.running = r.add(Gauge("aiolm:num_requests_running", "Requests in the running batch.", m))
-        self.waiting = r.add(Gauge("aiolm:num_requests_waiting", "Requests waiting to be scheduled.", m))
-        self.kv_usage = r.add(Gauge("aiolm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", m))
-        self.healthy = r.add(Gauge("aiolm:engine_healthy", "1 while the engine serves, 0 once it is dead.", m))
-        self.prefix_queries = r.add(Counter("aiolm:prefix_cache_queries_total",
-                                            "Prompt tokens looked up in the prefix cache.", m))
-        self.prefix_hits = r.add(Counter("aiolm:prefix_cache_hits_total",
-                                         "Prompt tokens found in the prefix cache.", m))
-        self.prefix_hit_rate = r.add(Gauge("aiolm:prefix_cache_hit_rate",
-                                           "Prefix cache hits / queries since start (tokens).", m))
-        self.prompt_tokens = r.add(Counter("aiolm:prompt_tokens_total", "Prompt tokens admitted.", m))
-        self.generation_tokens = r.add(Counter("aiolm:generation_tokens_total", "Tokens generated.", m))
-        self.success = r.add(Counter("aiolm:request_success_total", "Finished requests by finish reason.",
-                                     ("model_name", "finished_reason")))
-        self.ttft = r.add(Histogram("aiolm:time_to_first_token_seconds", "Time to first token.",
-                                    TTFT_BUCKETS, m))
-        self.itl = r.add(Histogram("aiolm:inter_token_latency_seconds",
-                                   "Time between output tokens (per-request mean, weighted by tokens).",
-                                   ITL_BUCKETS, m))
-        self.tpot = r.add(Histogram("aiolm:time_per_output_token_seconds",
-                                    "Mean time per output token after the first, one sample per request.",
-                                    ITL_BUCKETS, m))
-        self.e2e = r.add(Histogram("aiolm:e2e_request_latency_seconds", "End-to-end request latency.",
-                                   E2E_BUCKETS, m))
-        self.req_prompt = r.add(Histogram("aiolm:request_prompt_tokens", "Prompt tokens per request.",
-                                          TOKEN_BUCKETS, m))
-        self.req_gen = r.add(Histogram("aiolm:request_generation_tokens", "Generated tokens per request.",
-                                       TOKEN_BUCKETS, m))
-        r.collectors.append(self._collect)
-        self._last_engine: dict[str, float] = {}
+    ``source`` is read at scrape time: ``num_requests()``, ``kv_cache_usage()``,
+    ``is_healthy()`` and, once started, ``scheduler`` (preemptions, prefix cache, cache
+    config). Nothing is exposed before ``configure`` (the model name is not known yet).
+    """
 
-    @property
-    def model(self) -> str:
-        return self._model or getattr(self.engine, "model_name", None) or "unknown"
+    def __init__(self, source: Any, prefix: str = "aiolm", engine_index: int = 0) -> None:
+        self.source = source
+        self.prefix = check_prefix(prefix)
+        self.engine_index = engine_index
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name: str | None = None
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+        self.requests: dict[str, Histogram] = {}
+        self.registry.register(_Collector(self))
 
-    def _bump(self, counter: Counter, key: str, value: float) -> None:
-        """Mirror an engine-side running total into a counter (never decreasing)."""
-        prev = self._last_engine.get(key, 0.0)
-        if value > prev:
-            counter.inc(value - prev, model_name=self.model)
-            self._last_engine[key] = value
+    def configure(self, model_name: str, max_model_len: int) -> None:
+        """Name the model and size the token-count buckets (on engine start)."""
+        tokens = buckets_1_2_5(max_model_len)
+        self.requests = {name: self.requests.get(name) or Histogram(tokens if b is None else b)
+                         for name, _, b in _REQUEST_HISTOGRAMS}
+        self.model_name = model_name
 
-    def _collect(self) -> None:
-        e, m = self.engine, self.model
-        running, waiting = e.num_requests()
-        self.running.set(running, model_name=m)
-        self.waiting.set(waiting, model_name=m)
-        self.kv_usage.set(e.kv_cache_usage(), model_name=m)
-        self.healthy.set(1.0 if e.is_healthy() else 0.0, model_name=m)
-        stats = getattr(e, "stats", {}) or {}
-        self._bump(self.prompt_tokens, "prompt", float(stats.get("prompt_tokens", 0)))
-        self._bump(self.generation_tokens, "generation", float(stats.get("generation_tokens", 0)))
-        sched = getattr(e, "scheduler", None)
-        pcs = getattr(sched, "prefix_cache_stats", None) if sched is not None else None
-        if pcs is not None:
-            self._bump(self.prefix_queries, "pc_queries", float(pcs.queries))
-            self._bump(self.prefix_hits, "pc_hits", float(pcs.hits))
-            self.prefix_hit_rate.set(pcs.hit_rate, model_name=m)
-        else:
-            self.prefix_hit_rate.set(0.0, model_name=m)
+    # -- fed by the engine ---------------------------------------------------------
 
-    def observe_finished(self, metrics: dict[str, float], prompt_tokens: int,
-                         seqs: list[tuple[int, str | None]]) -> None:
-        """Record one finished request: ``metrics`` as in RequestOutput.metrics,
-        ``seqs`` = (tokens generated, finish reason) per sequence."""
-        m = self.model
-        for _, reason in seqs:
-            self.success.inc(finished_reason=reason or "unknown", model_name=m)
-        self.req_prompt.observe(prompt_tokens, model_name=m)
-        output_tokens = max((n for n, _ in seqs), default=0)
-        for n, _ in seqs:
-            self.req_gen.observe(n, model_name=m)
-        ttft, e2e = metrics.get("ttft"), metrics.get("e2e")
-        if ttft is not None:
-            self.ttft.observe(ttft, model_name=m)
-        if e2e is not None:
-            self.e2e.observe(e2e, model_name=m)
-        if ttft is not None and e2e is not None and output_tokens > 1:
-            mean = max(e2e - ttft, 0.0) / (output_tokens - 1)
-            self.tpot.observe(mean, model_name=m)
-            self.itl.observe(mean, count=output_tokens - 1, model_name=m)
+    def step_outputs(self, prompt: int, generation: int, gaps: list[float]) -> None:
+        """One step's outputs: prompt tokens of sequences that got their first token,
+        tokens generated, and the inter-token latencies (one per token after a first)."""
+        self.prompt_tokens += prompt
+        self.generation_tokens += generation
+        if gaps:
+            self.itl.observe_many(gaps)
 
-    def observe_aborted(self, num_seqs: int) -> None:
-        self.success.inc(num_seqs, finished_reason="abort", model_name=self.model)
+    def request_finished(self, r: FinishedRequest) -> None:
+        if not self.requests:
+            return
+        h = self.requests
+        for reason in r.reasons:
+            self.success[reason] = self.success.get(reason, 0) + 1
+        h["e2e_request_latency_seconds"].observe(r.finish - r.arrival)
+        h["request_prompt_tokens"].observe(r.prompt_tokens)
+        for n in r.output_tokens:
+            h["request_generation_tokens"].observe(n)
+        most = max(r.output_tokens, default=0)
+        h["request_max_num_generation_tokens"].observe(most)
+        h["request_params_n"].observe(r.n)
+        if r.max_tokens is not None:
+            h["request_params_max_tokens"].observe(r.max_tokens)
+        if r.scheduled is not None:
+            h["request_queue_time_seconds"].observe(r.scheduled - r.arrival)
+            h["request_inference_time_seconds"].observe(r.finish - r.scheduled)
+        if r.first_token is not None:
+            h["time_to_first_token_seconds"].observe(r.first_token - r.arrival)
+            decode = r.finish - r.first_token
+            h["request_decode_time_seconds"].observe(decode)
+            if r.scheduled is not None:
+                h["request_prefill_time_seconds"].observe(r.first_token - r.scheduled)
+            if most > 1:
+                h["request_time_per_output_token_seconds"].observe(decode / (most - 1))
 
-    def render(self) -> str:
-        return self.registry.render()
+    # -- exposition ----------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The text exposition of this engine's registry (what ``/metrics`` serves)."""
+        return generate_latest(self.registry)
+
+
+class _Collector:
+    """Turns an EngineMetrics into metric families when the registry is scraped."""
+
+    def __init__(self, m: EngineMetrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        if m.model_name is None:
+            return
+        p = m.prefix + ":"
+        labels = [m.model_name, str(m.engine_index)]
+        src = m.source
+        sched = getattr(src, "scheduler", None) if src is not None else None
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(p + name, doc, labels=LABELS)
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(p + name, doc, labels=LABELS)
+            c.add_metric(labels, value)
+            return c
+
+        running, waiting = src.num_requests()
+        usage = src.kv_cache_usage()
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        # vLLM's older name, still read by its classic Grafana dashboard.
+        yield gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+                                            "DEPRECATED: use kv_cache_usage_perc.", usage)
+        yield gauge("engine_healthy", "1 while the engine serves, 0 once it is dead.",
+                    1.0 if src.is_healthy() else 0.0)
+        pcs = getattr(sched, "prefix_cache_stats", None)
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      pcs.queries if pcs is not None else 0)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      pcs.hits if pcs is not None else 0)
+        yield counter("num_preemptions", "Cumulative number of preemption from the engine.",
+                      getattr(sched, "num_preemptions", 0))
+        spec = getattr(sched, "spec_decode_stats", None)
+        if spec is not None:  # vLLM's speculative decoding series, only when it is on
+            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=(*LABELS, "position"))
+            for pos, count in enumerate(list(spec.accepted_per_position)):
+                per_pos.add_metric([*labels, str(pos)], count)
+            yield per_pos
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
+        yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
+        success = CounterMetricFamily(p + "request_success", "Count of successfully processed requests.",
+                                      labels=(*LABELS, "finished_reason"))
+        for reason, count in list(m.success.items()):
+            success.add_metric([*labels, reason], count)
+        yield success
+        yield from self._histograms(p, labels)
+        cfg = getattr(sched, "config", None)
+        if cfg is not None:
+            info = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
+                    "enable_prefix_caching": str(cfg.enable_prefix_caching), "engine": str(m.engine_index)}
+            g = GaugeMetricFamily(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  labels=tuple(info))
+            g.add_metric(list(info.values()), 1.0)
+            yield g
+
+    def _histograms(self, p: str, labels: list[str]) -> Iterable[Metric]:
+        m = self.m
+
+        def family(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+            f = HistogramMetricFamily(p + name, doc, labels=LABELS)
+            h.add_to(f, labels)
+            return f
+
+        yield family("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                     m.iteration_tokens)
+        yield family("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl)
+        # vLLM's older name for the same per-token gaps, still read by its classic dashboard.
+        yield family("time_per_output_token_seconds", "Histogram of time per output token in seconds. "
+                                                      "DEPRECATED: use inter_token_latency_seconds.", m.itl)
+        for name, doc, _ in _REQUEST_HISTOGRAMS:
+            yield family(name, doc, m.requests[name])

@@ -88,6 +88,13 @@ async def main(args: argparse.Namespace) -> None:
               f"worst lag {1e3 * max(lags, default=0.0):.1f} ms")
         print(f"healthy={engine.is_healthy()} requests={engine.num_requests()} "
               f"kv_cache_usage={engine.kv_cache_usage():.3f}")
+        # The engine's Prometheus registry (serve it with prometheus_client.start_http_server(
+        # port, registry=engine.metrics_registry)); here two of its series, read in process.
+        reg, labels = engine.metrics_registry, {"model_name": engine.model_name, "engine": "0"}
+        tokens = reg.get_sample_value("aiolm:generation_tokens_total", labels)
+        gaps = reg.get_sample_value("aiolm:inter_token_latency_seconds_count", labels)
+        itl = reg.get_sample_value("aiolm:inter_token_latency_seconds_sum", labels) / max(gaps, 1.0)
+        print(f"metrics: {tokens:.0f} tokens generated, mean inter-token latency {1e3 * itl:.1f} ms")
     print("engine shut down")
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ class Scheduler:
             PriorityQueue() if config.policy == "priority" else FCFSQueue())
         self.running: list[Request] = []
         self.step = 0
+        self.num_preemptions = 0  # over the scheduler's life, for metrics
         # What the workers hold: req_id -> number of the request's tokens they have.
         self._worker_num_tokens: dict[str, int] = {}
         self._finished_req_ids: set[str] = set()  # to tell the workers next step
@@ -214,7 +216,9 @@ class Scheduler:
         Running requests go first, in batch order, ahead of those already waiting."""
         cfg = self.config
         cfg.num_blocks = num_blocks
+        stats = self.kv_cache_manager.stats  # counted over the engine's life, not the pool's
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.hash_seed)
+        self.kv_cache_manager.stats = stats
         queued = [*self.running, *self.waiting]
         self.running = []
         self.waiting = PriorityQueue() if cfg.policy == "priority" else FCFSQueue()
@@ -373,6 +377,8 @@ class Scheduler:
             req.num_computed_tokens += num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled_new.append(req)
@@ -402,6 +408,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
         self._forget_on_workers(req.req_id)
         self.waiting.prepend(req)
 

@@ -32,8 +32,10 @@ from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveri
 from aiolm.engine.input import InputProcessor, PromptType
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output import OutputProcessor, RequestState
+from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor
+from aiolm.metrics import EngineMetrics
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
 from aiolm.spec_decode import SpecDecodeStats
@@ -52,6 +54,9 @@ class AsyncEngine:
         self.output: OutputProcessor | None = None
         self.grammars = Validator(self.args.structured_outputs_backend)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        # Prometheus metrics in the engine's own registry (aiolm/metrics.py): expose
+        # ``metrics_registry`` with prometheus_client, or serve ``metrics.render()``.
+        self.metrics = EngineMetrics(self, self.args.metrics_prefix)
         self._submissions = itertools.count()
         self.supervisor: WorkerSupervisor | None = None
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
@@ -114,9 +119,10 @@ class AsyncEngine:
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
-                                      self._add_siblings)
+                                      self._add_siblings, self.metrics)
         self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs,
-                               supervisor=self.supervisor)
+                               supervisor=self.supervisor, metrics=self.metrics)
+        self.metrics.configure(self.model_name, self.max_model_len)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
         self._started = True
@@ -270,6 +276,7 @@ class AsyncEngine:
         # n > 1: the siblings join once the first sequence's prompt is in the KV cache,
         # so they reuse its full blocks through the prefix cache instead of recomputing them.
         state.pending_siblings = reqs[1:]
+        state.core_request = reqs[0]
         if timeout is not None:
             state.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, state, timeout)
         self.core.send(AddRequests(reqs[:1]))
@@ -350,6 +357,11 @@ class AsyncEngine:
 
     # -- introspection ----------------------------------------------------------------
 
+    @property
+    def metrics_registry(self) -> Any:
+        """This engine's prometheus_client CollectorRegistry (not the process-wide default)."""
+        return self.metrics.registry
+
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_usage if self._started and self._dead is None else 0.0
 
@@ -404,3 +416,7 @@ class AsyncEngine:
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The tokenizer's own string for each id (byte-level pieces, not decoded text)."""
         return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as JSON (aiolm/engine/tokenizer_info.py)."""
+        return tokenizer_config(self.tokenizer)

@@ -23,6 +23,7 @@ from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepO
 from aiolm.engine.output import OutputProcessor
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor, ExecutorError
+from aiolm.metrics import EngineMetrics
 from aiolm.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,10 @@ class EngineCore(Actor[CoreMessage]):
     name = "engine-core"
 
     def __init__(self, scheduler: Scheduler, executor: Executor, output: OutputProcessor,
-                 log_steps: bool = False, supervisor: WorkerSupervisor | None = None) -> None:
+                 log_steps: bool = False, supervisor: WorkerSupervisor | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
         super().__init__()
+        self.metrics = metrics
         self.scheduler = scheduler
         self.executor = executor
         self.supervisor = supervisor
@@ -160,7 +163,9 @@ class EngineCore(Actor[CoreMessage]):
             outputs = sched.update_from_output(out, result)
             t3 = time.perf_counter()
             if outputs:
-                self.output.send(StepOutputs(outputs))
+                self.output.send(StepOutputs(outputs, time.monotonic()))
+            if self.metrics is not None and out.total_num_scheduled_tokens:
+                self.metrics.iteration_tokens.observe(out.total_num_scheduled_tokens)
             self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result, t0, t1, t2, t3)
 
     def _account(self, tokens: int, reqs: int, result: ModelRunnerOutput | None,

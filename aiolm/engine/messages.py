@@ -22,6 +22,9 @@ class AbortRequests:
 @dataclass
 class StepOutputs:
     outputs: list[EngineCoreOutput]
+    # time.monotonic() when the core had them: token times (TTFT, inter-token gaps) are
+    # engine-side, not when the output processor got round to them. None: on receipt.
+    timestamp: float | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from aiolm.core.outputs import EngineCoreOutput, LogprobsLists
 from aiolm.engine.detokenizer import TextStream
 from aiolm.engine.errors import EngineDeadError, RequestError
 from aiolm.engine.messages import StepOutputs
+from aiolm.metrics import EngineMetrics, FinishedRequest
 from aiolm.outputs import CompletionOutput, Logprob, RequestOutput
 from aiolm.params import OutputKind, SamplingParams
 
@@ -39,6 +40,7 @@ class SeqState:
     # detokenized once at the finish, a run of ids at a time, not on every step.
     defer_text: bool = False
     num_pushed: int = 0  # token_ids already pushed into ``text``
+    last_token_time: float | None = None  # the engine's time of this sequence's latest tokens
 
     def push_text(self, stop_terminated: bool = False) -> str | None:
         """Push the ids ``text`` has not seen; the stop string they matched, if any."""
@@ -75,6 +77,7 @@ class RequestState:
         self.finish_time: float | None = None
         self.delivered_final = False
         self.pending_siblings: list[Any] = []  # n > 1: Requests to add once sequence 0 has prefilled
+        self.core_request: Any = None  # sequence 0's core Request: when it was first scheduled
         self.expiry: asyncio.TimerHandle | None = None  # the request's timeout, if it has one
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.sent_prompt_logprobs = False  # delta mode: delivered once, with the first output
@@ -169,8 +172,10 @@ class OutputProcessor(Actor[StepOutputs]):
     def __init__(self, tokenizer: Any, abort_children: Callable[[list[str]], None],
                  on_finish: Callable[[RequestState], None] | None = None,
                  stats: dict[str, int] | None = None,
-                 add_siblings: Callable[[list[Any]], None] | None = None) -> None:
+                 add_siblings: Callable[[list[Any]], None] | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
         super().__init__()
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.abort_children = abort_children
         self.on_finish = on_finish
@@ -226,6 +231,7 @@ class OutputProcessor(Actor[StepOutputs]):
         live = [s.child_id for s in state.seqs
                 if self.children.pop(s.child_id, None) is not None and s.finish_reason is None]
         state.fail(error)
+        self._record(state, time.monotonic())
         return live
 
     def fail_all(self, error: BaseException) -> None:
@@ -238,14 +244,18 @@ class OutputProcessor(Actor[StepOutputs]):
         while True:
             msg = await self.mailbox.receive()
             t0 = time.perf_counter()
-            self.process(msg.outputs)
+            self.process(msg.outputs, msg.timestamp)
             for more in self.mailbox.drain():
-                self.process(more.outputs)
+                self.process(more.outputs, more.timestamp)
             self._busy += time.perf_counter() - t0
 
-    def process(self, outputs: list[EngineCoreOutput]) -> None:
-        now = time.monotonic()
+    def process(self, outputs: list[EngineCoreOutput], now: float | None = None) -> None:
+        """Apply one step's outputs; ``now`` is when the engine core had them."""
+        if now is None:
+            now = time.monotonic()
         stopped: list[str] = []
+        prompt_tokens = generation_tokens = 0
+        gaps: list[float] = []  # inter-token latencies: one per generated token after a sequence's first
         for o in outputs:
             entry = self.children.get(o.req_id)
             if entry is None:
@@ -263,19 +273,28 @@ class OutputProcessor(Actor[StepOutputs]):
                 ids = o.new_token_ids
                 token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
                 if len(ids) > 1 and seq.text.stop_checker.stop:
-                    stop_str, kept = seq.push_each(ids, token_stop)
+                    stop_str, k = seq.push_each(ids, token_stop)  # k: the ids kept, up to the stop
                 else:
                     seq.token_ids.extend(ids)
-                    kept = len(ids)
+                    k = len(ids)
                     stop_str = (None if seq.defer_text and o.finish_reason is None
                                 else seq.push_text(stop_terminated=token_stop))
-                self.stats["generation_tokens"] += kept
+                generation_tokens += k
+                last, seq.last_token_time = seq.last_token_time, now
+                if last is None:
+                    prompt_tokens += len(state.prompt_ids)
+                    if k > 1:
+                        gaps += [0.0] * (k - 1)
+                elif k == 1:
+                    gaps.append(now - last)
+                else:  # several tokens in one step share its gap
+                    gaps += [(now - last) / k] * k
                 if o.prompt_logprobs is not None and state.prompt_logprobs is None:  # n > 1: the first
                     state.prompt_logprobs = [None, *self._entries(o.prompt_logprobs)]
                 if seq.logprobs is not None and o.new_logprobs is not None:
                     lp = o.new_logprobs
-                    if kept < len(ids):
-                        lp = lp.slice(0, kept)
+                    if k < len(ids):
+                        lp = lp.slice(0, k)
                     self._add_logprobs(seq, lp)
                 if stop_str is not None and o.finish_reason is None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
@@ -297,12 +316,28 @@ class OutputProcessor(Actor[StepOutputs]):
                 state.wake()  # a final-only consumer has nothing to read before the end
         if stopped:
             self.abort_children(stopped)
+        self.stats["generation_tokens"] += generation_tokens
+        if self.metrics is not None:
+            self.metrics.step_outputs(prompt_tokens, generation_tokens, gaps)
 
     def _finished(self, state: RequestState) -> None:
         state.finish_time = state.finish_time or time.monotonic()
         state.wake()
+        self._record(state, state.finish_time)
         if self.on_finish is not None:
             self.on_finish(state)
+
+    def _record(self, state: RequestState, finish: float) -> None:
+        """The request's metrics, once, when it ends (finished, aborted or timed out)."""
+        if self.metrics is None:
+            return
+        core = state.core_request
+        self.metrics.request_finished(FinishedRequest(
+            reasons=[s.finish_reason or "abort" for s in state.seqs], prompt_tokens=len(state.prompt_ids),
+            output_tokens=[len(s.token_ids) for s in state.seqs], n=state.params.n,
+            max_tokens=state.params.max_tokens, arrival=state.arrival,
+            scheduled=getattr(core, "scheduled_time", None), first_token=state.first_token_time,
+            finish=finish))
 
     def _entries(self, lp: LogprobsLists) -> list[dict[int, Logprob]]:
         """One dict per token: the token itself (its rank), then the top-N (ranks 1..N);

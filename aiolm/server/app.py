@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from aiolm.server import chat, completions, misc
+from aiolm.server import chat, completions, misc, responses
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
 from aiolm.server.middleware import (AuthMiddleware, BodyLimitMiddleware, BodyTimeoutMiddleware,
@@ -66,11 +66,12 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def _routes(settings: ServerSettings) -> list[BaseRoute]:
     async def openapi(request: Request) -> Response:
         ctx: ServingContext = request.app.state.ctx
-        return json_response(openapi_schema(ctx.settings.limits, ctx.model_name))
+        return json_response(openapi_schema(ctx.settings.limits, ctx.model_name, ctx.settings.web_ui))
 
     return [
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", misc.get_model, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),
@@ -78,6 +79,8 @@ def _routes(settings: ServerSettings) -> list[BaseRoute]:
         Route("/version", misc.version, methods=["GET"]),
         Route("/tokenize", misc.tokenize, methods=["POST"]),
         Route("/detokenize", misc.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", misc.tokenizer_info, methods=["GET"]),
+        Route("/load", misc.load, methods=["GET"]),
         Route("/metrics", misc.metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *(web_routes() if settings.web_ui else []),

@@ -69,7 +69,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
                               engine, request, ids if req["return_token_ids"] else None,
                               bool(opts.get("continuous_usage_stats")), plan)
-        return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
+        return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0

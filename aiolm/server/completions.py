@@ -81,7 +81,7 @@ async def create_completion(request: Request) -> Response | EventStream:
         opts = req["stream_options"] or {}
         events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request,
                          bool(opts.get("continuous_usage_stats")))
-        return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True))
+        return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     finals = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0

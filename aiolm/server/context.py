@@ -1,4 +1,4 @@
-"""What every route needs: the engine, the settings, the metrics, the live requests."""
+"""What every route needs: the engine, the settings, the live requests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import Any
 
-from aiolm.metrics import EngineMetrics
 from aiolm.server.settings import ServerSettings
 
 log = logging.getLogger("aiolm.server")
@@ -18,9 +17,9 @@ class ServingContext:
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = EngineMetrics(engine)
         self.created = int(time.time())
         self.inflight: set[str] = set()  # engine request ids being served right now
+        self.server_load = 0  # generation HTTP requests being served right now (vLLM's GET /load)
         self.draining = False
         self.engine_died: str | None = None  # set when the engine died and the server is stopping
 
@@ -28,8 +27,8 @@ class ServingContext:
     def model_name(self) -> str:
         return str(getattr(self.engine, "model_name", None) or "aiolm")
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    def new_id(self, prefix: str, sep: str = "-") -> str:
+        return f"{prefix}{sep}{uuid.uuid4().hex}"
 
     async def drain(self, timeout: float) -> None:
         """Let in-flight generations finish for up to ``timeout`` s, then abort the rest."""

@@ -98,6 +98,7 @@ class Generation:
         self.rename = rename
         self.states: list[Any] = []
         self._done: set[str] = set()
+        self._loaded = False  # counted in ctx.server_load until the first abort()
 
     async def start(self) -> None:
         """Submit every prompt; if any is refused, abort the ones already in and raise."""
@@ -114,6 +115,8 @@ class Generation:
                               f"{self.params.n}); the limit is {settings.max_seqs_per_request} "
                               f"(--max-seqs-per-request)", param="n")
         timeout = settings.request_timeout or None
+        self.ctx.server_load += 1
+        self._loaded = True
         try:
             for i, p in enumerate(self.prompts):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
@@ -129,24 +132,25 @@ class Generation:
             raise
 
     async def abort(self) -> None:
+        """Idempotent, and called on every path out (collect and stream end with it)."""
+        if self._loaded:
+            self._loaded = False
+            self.ctx.server_load -= 1
         for st in self.states:
             if st.req_id not in self._done:
                 self._done.add(st.req_id)
                 self.ctx.inflight.discard(st.req_id)
                 await self.ctx.engine.abort(st.req_id)
-                self.ctx.metrics.observe_aborted(len(st.seqs))
 
-    def _finished(self, i: int, out: RequestOutput) -> None:
+    def _finished(self, i: int) -> None:
         st = self.states[i]
         self._done.add(st.req_id)
         self.ctx.inflight.discard(st.req_id)
-        seqs = [(len(s.token_ids), s.finish_reason) for s in st.seqs]
-        self.ctx.metrics.observe_finished(out.metrics, len(st.prompt_ids), seqs)
 
     async def _one(self, i: int) -> AsyncIterator[RequestOutput]:
         async for out in self.ctx.engine.stream(self.states[i]):
             if out.finished:
-                self._finished(i, out)
+                self._finished(i)
             yield out
 
     async def collect(self) -> list[RequestOutput]:

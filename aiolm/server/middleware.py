@@ -145,7 +145,7 @@ class BodyTimeoutMiddleware:
         await self.app(scope, timed_receive, send)
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/ping", "/"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/ping", "/load", "/"})
 # The chat page's static files: the page must load before it can ask for the key.
 OPEN_PREFIXES = ("/web/",)
 

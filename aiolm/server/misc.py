@@ -1,4 +1,4 @@
-"""The small endpoints: models, health, version, tokenize/detokenize, metrics."""
+"""The small endpoints: models, health, version, tokenize/detokenize, tokenizer info, load, metrics."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ async def version(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(context(request).metrics.render(), media_type=CONTENT_TYPE)
+    """The engine's own registry (aiolm/metrics.py): the same series an embedding app exposes."""
+    return Response(context(request).engine.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def tokenize(request: Request) -> Response:
@@ -70,10 +71,9 @@ async def tokenize(request: Request) -> Response:
         ids = await encode(engine, text, False)
     else:
         ids = await encode(engine, req["prompt"], req["add_special_tokens"])
-    out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-    if req["return_token_strs"]:
-        out["token_strs"] = engine.token_strings(ids)
-    return json_response(out)
+    strs = engine.token_strings(ids) if req["return_token_strs"] else None  # vLLM's: null unless asked
+    return json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                          "token_strs": strs})
 
 
 async def detokenize(request: Request) -> Response:
@@ -85,3 +85,15 @@ async def detokenize(request: Request) -> Response:
         if t >= vocab:
             raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param=f"tokens[{i}]")
     return json_response({"prompt": ctx.engine.decode(req["tokens"])})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's GET /tokenizer_info, plus the context length the server enforces (``max_model_len``:
+    the tokenizer's ``model_max_length`` is often a placeholder)."""
+    engine = context(request).engine
+    return json_response({**engine.tokenizer_info(), "max_model_len": engine.max_model_len})
+
+
+async def load(request: Request) -> Response:
+    """vLLM's GET /load: generation requests being served now, for a load balancer to read."""
+    return json_response({"server_load": context(request).server_load})

@@ -161,6 +161,17 @@ def structured_spec(req: dict[str, Any]) -> tuple[StructuredOutputs | None, str]
     return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
 
 
+def text_format_spec(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
+    """The Responses API's ``text.format`` as the output constraint chat's ``response_format`` maps to."""
+    if fmt is None or fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return StructuredOutputs("json_object")
+    if fmt["schema"] is None:
+        raise bad_request("text.format 'json_schema' needs 'text.format.schema'", param="text.format.schema")
+    return StructuredOutputs("json", _schema_text(fmt["schema"], "text.format.schema"), fmt["strict"] is not False)
+
+
 def _structured_one(key: str, value: Any, param: str) -> StructuredOutputs:
     if key == "json":
         return StructuredOutputs("json", _schema_text(value, param))
@@ -215,6 +226,47 @@ def completion_request(limits: Limits) -> Obj:
     }
     fields["max_tokens"] = Field(Int(ge=1), default=16, doc="most tokens to generate")
     return Obj(fields, lenient=limits.lenient)
+
+
+def responses_request(limits: Limits) -> Obj:
+    """OpenAI's Responses API, text in and out. Nothing is stored, so nothing can be fetched
+    or continued later: ``previous_response_id``, ``conversation`` and tools are refused."""
+    lenient = limits.lenient
+    part = Obj({
+        "type": Field(Enum(("input_text", "output_text")), required=True),
+        "text": Field(Str(), required=True),
+        "annotations": Field(ListOf(_Any(), max_items=256), doc=_NOOP + " (an earlier output's citations)"),
+        "logprobs": Field(ListOf(_Any()), doc=_NOOP + " (an earlier output's logprobs)"),
+    }, lenient=lenient)
+    item = Obj({
+        "type": Field(Enum(("message",)), doc="only 'message' items"),
+        "role": Field(Enum(("user", "system", "developer", "assistant")), required=True),
+        "content": Field(OneOf(Str(), ListOf(part, max_items=256), what="a string or a list of text parts"),
+                         required=True),
+        "id": Field(Str(max_len=256), doc=_NOOP + " (an earlier output item's id)"),
+        "status": Field(Enum(("in_progress", "completed", "incomplete")), doc=_NOOP),
+    }, lenient=lenient)
+    text_format = Obj({
+        "type": Field(Enum(("text", "json_object", "json_schema")), required=True),
+        "name": Field(Str(max_len=256), doc=_NOOP + " (a label)"),
+        "description": Field(Str(), doc=_NOOP + " (not shown to the model)"),
+        "schema": Field(MapOf(_Any()), doc="with type 'json_schema': the schema the output follows"),
+        "strict": Field(Bool(), doc="false: properties the schema does not list may be generated"),
+    }, lenient=lenient)
+    return Obj({
+        "model": Field(Str(), doc="served model name; optional"),
+        "input": Field(OneOf(Str(), ListOf(item, min_items=1, max_items=4096),
+                             what="a string or a list of message items"), required=True),
+        "instructions": Field(Str(), doc="a system message placed before the input"),
+        "max_output_tokens": Field(Int(ge=1), doc="most tokens to generate"),
+        "temperature": Field(Num(ge=0), default=1.0),
+        "top_p": Field(Num(gt=0, le=1), default=1.0),
+        "stream": Field(Bool(), default=False, doc="server-sent events named by their type"),
+        "text": Field(Obj({"format": Field(text_format)}, lenient=lenient),
+                      doc="'format': text, json_object or json_schema (structured outputs)"),
+        "truncation": Field(Enum(("disabled",)), doc="only 'disabled': an input too long for the context is a 400"),
+        **_noop_fields(),
+    }, lenient=lenient)
 
 
 def tokenize_request(limits: Limits = Limits()) -> Obj:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.types import Receive, Scope, Send
@@ -60,7 +61,17 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
+@dataclass(frozen=True)
+class NamedEvent:
+    """An event with an ``event:`` line: the Responses API names every event by its type."""
+
+    name: str
+    data: Any
+
+
 def sse_event(data: Any) -> bytes:
+    if isinstance(data, NamedEvent):
+        return f"event: {data.name}\n".encode() + sse_event(data.data)
     payload = data if isinstance(data, str) else dumps(data)
     return f"data: {payload}\n\n".encode()
 
@@ -69,18 +80,23 @@ DONE = b"data: [DONE]\n\n"
 
 
 class EventStream:
-    """An ASGI response streaming ``data: {...}`` events, then ``data: [DONE]``.
+    """An ASGI response streaming ``data: {...}`` events, then ``data: [DONE]`` (unless
+    ``done`` is false: the Responses API ends with its own event instead).
 
-    ``events`` yields JSON-able objects. If the client disconnects, the
+    ``events`` yields JSON-able objects or NamedEvents. If the client disconnects, the
     iterator is cancelled and closed at once (its ``finally`` aborts the engine
-    request); ``on_gone`` is called so the access log can say so.
+    request; ``close`` does it too, for a client gone before the first event);
+    ``on_gone`` is called so the access log can say so.
     """
 
     def __init__(self, events: AsyncIterator[Any], headers: dict[str, str] | None = None,
-                 on_gone: Callable[[], None] | None = None) -> None:
+                 on_gone: Callable[[], None] | None = None, done: bool = True,
+                 close: Callable[[], Awaitable[None]] | None = None) -> None:
         self.events = events
         self.headers = headers or {}
         self.on_gone = on_gone
+        self.done = done
+        self.close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -95,13 +111,15 @@ class EventStream:
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.close is not None:  # a generator never started skips its own finally on aclose
+                await self.close()
 
     async def _pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
             async for item in self.events:
                 await send({"type": "http.response.body", "body": sse_event(item), "more_body": True})
-            await send({"type": "http.response.body", "body": DONE, "more_body": False})
+            await send({"type": "http.response.body", "body": DONE if self.done else b"", "more_body": False})
         except OSError:  # the server reports a vanished client on send (ASGI 2.4)
             if self.on_gone is not None:
                 self.on_gone()

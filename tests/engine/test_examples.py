@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ def test_examples_run_standalone():
     assert "Paris" in out.split("chat answer:")[1]
     assert "impatient user left after 3 updates" in out
     assert "healthy=True requests=(0, 0) kv_cache_usage=0.000" in out
+    assert re.search(r"metrics: [1-9]\d* tokens generated, mean inter-token latency \d+\.\d ms", out)
     assert out.rstrip().endswith("engine shut down")
 
     _, out, err = results["offline_batch.py"]

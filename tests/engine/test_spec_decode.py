@@ -82,6 +82,18 @@ def test_greedy_output_is_identical_and_copying_accepts_drafts(llm, plain):
             == generate(llm, False, ids, ignore, chat=False)[0].outputs[0].token_ids)
 
 
+def test_acceptance_counters_reach_the_metrics(llm, plain):
+    generate(llm, True, [COPY], SamplingParams(temperature=0.0, max_tokens=48))
+    text = llm.engine.metrics.render().decode()
+    st = llm.engine.spec_decode_stats
+    value = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("aiolm:spec_decode_num_") and "per_pos" not in line}
+    assert value["aiolm:spec_decode_num_accepted_tokens_total"] == st.num_accepted_tokens > 0
+    assert value["aiolm:spec_decode_num_draft_tokens_total"] == st.num_draft_tokens
+    per_pos = [line for line in text.splitlines() if line.startswith("aiolm:spec_decode_num_accepted_tokens_per_pos")]
+    assert any('position="0"' in line for line in per_pos), per_pos
+
+
 def test_stop_strings_max_tokens_and_logprobs_inside_accepted_runs(llm, plain):
     full = plain[0].outputs[0]
     mid = len(full.text) // 2

@@ -103,11 +103,11 @@ def serve_cmd(port: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    """One real `aiolm serve` per test module, with an API key; exits 0 on SIGTERM."""
+    """One real `aiolm serve` per test module, with an API key and vLLM's metric names; exits 0 on SIGTERM."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess(serve_cmd(port, "--api-key", API_KEY, "--max-request-bytes", str(256 << 10),
-                                  "--shutdown-timeout", "5"), port, log)
+                                  "--shutdown-timeout", "5", "--metrics-prefix", "vllm"), port, log)
     with srv.serving():
         yield srv
 
@@ -153,6 +153,10 @@ class FakeEngine:
         self.started = False
         self.dead: str | None = None
         self.scheduler = None
+        from aiolm.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(self)  # the real registry, reading this engine's gauges
+        self.metrics.configure(self.model_name, self.max_model_len)
 
     # One token per character (ids = code points): enough for format tests.
     vocab_size = 0x110000
@@ -177,6 +181,10 @@ class FakeEngine:
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [chr(i) for i in ids]
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {"tokenizer_class": "FakeTokenizer", "vocab_size": self.vocab_size, "bos_token": None,
+                "eos_token": None, "pad_token": None, "unk_token": None, "chat_template": None}
 
     async def start(self) -> None:
         self.started = True

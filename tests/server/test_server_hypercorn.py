@@ -61,9 +61,9 @@ def test_disconnect_under_hypercorn(hserver):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             m = c.get("/metrics").text
-            if 'aiolm:num_requests_running{model_name="smol"} 0.0' in m and \
-                    'aiolm:kv_cache_usage_perc{model_name="smol"} 0.0' in m:
+            if 'aiolm:num_requests_running{engine="0",model_name="smol"} 0.0' in m and \
+                    'aiolm:kv_cache_usage_perc{engine="0",model_name="smol"} 0.0' in m:
                 break
             time.sleep(0.1)
-        assert 'aiolm:num_requests_running{model_name="smol"} 0.0' in m
-        assert 'aiolm:kv_cache_usage_perc{model_name="smol"} 0.0' in m
+        assert 'aiolm:num_requests_running{engine="0",model_name="smol"} 0.0' in m
+        assert 'aiolm:kv_cache_usage_perc{engine="0",model_name="smol"} 0.0' in m

@@ -8,6 +8,8 @@ Teardown sends SIGTERM and asserts the server exits 0 (see conftest.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import re
@@ -20,6 +22,7 @@ import openai
 import pytest
 
 from server_helpers import API_KEY, ROOT, from_schema, json_values, server  # noqa: F401  (fixture)
+from metrics_contract import Scrape, check_contract
 
 TIMEOUT = 180.0
 PARIS_Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -49,12 +52,18 @@ def _metrics(server) -> dict[str, float]:
     return out
 
 
+def _scrape(server) -> Scrape:
+    r = httpx.get(server.base_url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return Scrape(r.text, "vllm")
+
+
 def _wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = _metrics(server)
-        idle = (m["aiolm:num_requests_running"] == 0 and m["aiolm:num_requests_waiting"] == 0
-                and m["aiolm:kv_cache_usage_perc"] == 0)
+        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0)
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -70,6 +79,68 @@ def test_models_health_and_auth(server, client, model):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"]
+
+
+def test_vllm_named_metrics_agree_with_the_responses(server, client, model):
+    """/metrics under --metrics-prefix vllm: every series vLLM's dashboards read, with values
+    (taken as increases over a few requests) that agree with the responses' usage."""
+    _wait_idle(server)
+    before = _scrape(server)
+    usages, max_tokens = [], [6, 9, 7, 5, 5]
+    for mt in max_tokens[:2]:
+        r = client.completions.create(model=model, prompt="The history of the printing press", max_tokens=mt,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        usages.append(r.usage)
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=max_tokens[2],
+                                       temperature=0, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    usages.append([c.usage for c in stream if c.usage is not None][-1])
+    chat = [{"role": "user", "content": "Name three colours of the rainbow, please, in one short line."}]
+    for mt in max_tokens[3:]:  # the same chat twice: the second finds its prompt's blocks cached
+        r = client.chat.completions.create(model=model, messages=chat, max_tokens=mt, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        usages.append(r.usage)
+    reqs = len(usages)
+    prompt = sum(u.prompt_tokens for u in usages)
+    gen = sum(u.completion_tokens for u in usages)
+    assert gen == sum(max_tokens)
+    after = _scrape(server)  # recorded when the engine finishes a request, before its response ends
+    check_contract(after, model)
+
+    def inc(sample: str, **labels: str) -> float:
+        return after.value(sample, **labels) - before.value(sample, **labels)
+
+    def hist(name: str) -> tuple[float, float]:
+        (c1, s1), (c0, s0) = after.hist(name), before.hist(name)
+        return c1 - c0, s1 - s0
+
+    assert inc("prompt_tokens_total") == prompt and inc("generation_tokens_total") == gen
+    assert inc("request_success_total", finished_reason="length") == reqs
+    assert inc("request_success_total", finished_reason="abort") == 0 and inc("num_preemptions_total") == 0
+    assert after.value("num_requests_running") == 0 and after.value("gpu_cache_usage_perc") == 0
+    assert hist("request_prompt_tokens") == (reqs, prompt)
+    assert hist("request_generation_tokens") == (reqs, gen)
+    assert hist("request_params_max_tokens") == (reqs, sum(max_tokens))
+    assert hist("request_params_n") == (reqs, reqs)
+
+    # One inter-token latency per generated token after each request's first; their sum is
+    # the time from first to last token, which is the decode time.
+    itl = hist("inter_token_latency_seconds")
+    assert itl[0] == gen - reqs and hist("time_per_output_token_seconds") == itl
+    e2e, ttft = hist("e2e_request_latency_seconds"), hist("time_to_first_token_seconds")
+    phase = {p: hist(f"request_{p}_time_seconds") for p in ("queue", "prefill", "decode", "inference")}
+    assert all(count == reqs and total > 0 for count, total in [e2e, ttft, *phase.values()]), (e2e, phase)
+    assert itl[1] == pytest.approx(phase["decode"][1], rel=1e-6)
+    assert phase["queue"][1] + phase["prefill"][1] + phase["decode"][1] == pytest.approx(e2e[1], rel=1e-6)
+    assert phase["prefill"][1] + phase["decode"][1] == pytest.approx(phase["inference"][1], rel=1e-6)
+    assert ttft[1] == pytest.approx(phase["queue"][1] + phase["prefill"][1], rel=1e-6) and ttft[1] < e2e[1]
+
+    # Each engine step's scheduled tokens: every prompt token not found in the prefix cache,
+    # then one per generated token after the first.
+    hits = inc("prefix_cache_hits_total")
+    assert hits >= 16 and inc("prefix_cache_queries_total") >= prompt
+    steps, tokens = hist("iteration_tokens_total")
+    assert tokens == prompt - hits + gen - reqs and gen - reqs <= steps <= tokens
 
 
 def test_chat_capital_of_france(client, model, server):
@@ -310,6 +381,166 @@ def test_unknown_fields_are_refused_through_the_client(client, model):
     assert out.choices[0].finish_reason == "length"  # the no-op fields are accepted
 
 
+# -- /v1/responses, /tokenizer_info, /load, /tokenize's token_strs --------------------------
+
+
+def _chat_greedy(client, model, messages, max_tokens):
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+    return out.choices[0], out.usage
+
+
+def test_responses_give_chat_text_streamed_or_not(client, model):
+    """Greedy: /v1/responses answers a conversation with the same text and token counts as chat,
+    and its typed event stream reassembles to that text."""
+    kw = dict(model=model, input="What is the capital of France?", max_output_tokens=24, temperature=0)
+    r = client.responses.create(**kw)
+    choice, usage = _chat_greedy(client, model, PARIS_Q, 24)
+    assert choice.finish_reason == "stop" and "Paris" in choice.message.content
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == model
+    assert r.status == "completed" and r.incomplete_details is None and r.error is None
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    (part,) = item.content
+    assert part.type == "output_text" and part.annotations == [] and part.text == choice.message.content
+    assert r.output_text == choice.message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"], kinds
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 10
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")} | {events[2].item.id, events[-2].item.id}
+    assert len(item_ids) == 1
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-4].text == events[-3].part.text == r.output_text
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.status == "completed" and final.output_text == text
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (r.usage.input_tokens, r.usage.output_tokens)
+
+
+def test_responses_items_instructions_and_incomplete(client, model):
+    """Message items (string or text parts, earlier output_text included) and ``instructions``
+    render as chat's system + messages; ``max_output_tokens`` cuts to ``incomplete``."""
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Blue.", "annotations": []}]},
+             {"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": "Count from one to twenty."}]
+    as_chat = [{"role": "system", "content": "You are a counting assistant."},
+               {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+               {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Count from one to twenty."}]
+    r = client.responses.create(model=model, input=items, instructions="You are a counting assistant.",
+                                max_output_tokens=4, temperature=0, store=False, metadata={"run": "t"}, user="u")
+    choice, usage = _chat_greedy(client, model, as_chat, 4)
+    assert choice.finish_reason == "length"
+    assert r.output_text == choice.message.content and r.usage.input_tokens == usage.prompt_tokens
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.usage.output_tokens == 4
+    assert r.metadata == {"run": "t"} and r.instructions == "You are a counting assistant."
+    last = list(client.responses.create(model=model, input=items, instructions="You are a counting assistant.",
+                                        max_output_tokens=4, temperature=0, stream=True))[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == r.output_text
+
+
+def test_responses_json_schema_and_errors(client, model):
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 10}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    r = client.responses.create(model=model, input="Describe Paris as JSON.", max_output_tokens=48, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}})
+    doc = json.loads(r.output_text)
+    assert set(doc) == {"city", "rank"} and isinstance(doc["city"], str) and 1 <= doc["rank"] <= 10
+    assert r.text.format.type == "json_schema"
+    bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="x", text={"format": {"type": "json_schema", "name": "c",
+                                                                         "schema": bad}})
+    assert e.value.body["param"] == "text.format" and "minimum" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="x", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "unrecognized_argument"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="x", extra_body={"top_k": 3})
+    assert e.value.body["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="hello " * 1100)
+    assert e.value.body["param"] == "input" and "maximum context length" in e.value.body["message"]
+
+
+def test_tokenize_token_strs_and_tokenizer_info(server):
+    import jinja2
+
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=auth, timeout=30) as c:
+        plain = c.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert "token_strs" in plain and plain["token_strs"] is None  # vLLM's: null unless asked
+        asked = c.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+        assert asked["tokens"] == plain["tokens"] and len(asked["token_strs"]) == len(plain["tokens"]) >= 2
+        assert asked["token_strs"][-1].endswith("world")  # the tokenizer's piece, not decoded text
+        assert httpx.get(server.base_url + "/tokenizer_info", timeout=10).status_code == 401
+        info = c.get("/tokenizer_info").json()
+        assert info["tokenizer_class"] and info["max_model_len"] == plain["max_model_len"]
+        vocab = info["vocab_size"]
+        assert c.post("/detokenize", json={"tokens": [vocab - 1]}).status_code == 200
+        assert c.post("/detokenize", json={"tokens": [vocab]}).json()["error"]["param"] == "tokens[0]"
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):  # each one special token
+            ids = c.post("/tokenize", json={"prompt": info[name], "add_special_tokens": False}).json()["tokens"]
+            assert len(ids) == 1 and c.post("/detokenize", json={"tokens": ids}).json()["prompt"] == info[name]
+        # the template served is the one the server renders chats with
+        text = jinja2.Environment().from_string(info["chat_template"]).render(
+            messages=PARIS_Q, add_generation_prompt=True, bos_token=info["bos_token"], eos_token=info["eos_token"])
+        rendered = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        assert rendered == c.post("/tokenize", json={"messages": PARIS_Q}).json()["tokens"]
+        assert "name_or_path" not in info and not any(isinstance(v, str) and v.startswith("/") for v in info.values())
+
+
+def _aborted(server) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if "request_success_total{" in line and 'finished_reason="abort"' in line)
+
+
+def test_load_counts_live_requests_and_hanging_up_aborts_them(server, model):
+    """Three streams (chat, completions, responses) are the server's load until their clients
+    hang up mid-stream; then each is aborted, its KV blocks freed, and /load is 0 again."""
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    story = "Write a very long story about dragons."
+    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": story}], "max_tokens": 400,
+                                        "ignore_eos": True, "stream": True}),
+              ("/v1/completions", {"prompt": story, "max_tokens": 400, "ignore_eos": True, "stream": True}),
+              ("/v1/responses", {"input": story, "max_output_tokens": 400, "temperature": 0, "stream": True})]
+    assert httpx.get(server.base_url + "/load", timeout=10).json() == {"server_load": 0}
+    aborted = _aborted(server)
+    readers = []  # a line iterator dropped unfinished closes its connection: hold them all
+    with httpx.Client(base_url=server.base_url, headers=auth, timeout=120) as c, contextlib.ExitStack() as open_:
+        for path, body in bodies:
+            r = open_.enter_context(c.stream("POST", path, json={**body, "model": model}))
+            assert r.status_code == 200
+            readers.append(r.iter_lines())
+            deltas = 0
+            for line in itertools.islice(readers[-1], 200):  # a few tokens in: the request is live
+                deltas += line.startswith("data: ") and ('"delta"' in line or '"text"' in line)
+                if deltas >= 3:
+                    break
+            assert deltas >= 3, path
+        assert httpx.get(server.base_url + "/load", timeout=10).json() == {"server_load": 3}
+        readers.clear()
+    # the three clients have hung up
+    deadline = time.monotonic() + 30
+    while httpx.get(server.base_url + "/load", timeout=10).json()["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server.base_url + "/load", timeout=10).json() == {"server_load": 0}
+    m = _wait_idle(server, 30.0)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert _aborted(server) == aborted + 3  # none ran to its end
+
+
 @pytest.mark.slow
 def test_disconnect_frees_the_request(server, model):
     auth = {"authorization": f"Bearer {API_KEY}"}
@@ -327,8 +558,8 @@ def test_disconnect_frees_the_request(server, model):
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json={**body, "stream": False}, timeout=3)
     m = _wait_idle(server, 10.0)
-    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:num_requests_waiting"] == 0
-    assert m["aiolm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
@@ -355,7 +586,7 @@ def test_32_concurrent_streams(server, model):
     assert len(results) == 32
     assert all(text and 1 <= usage <= 16 for text, usage in results), results
     m = _wait_idle(server)
-    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     print(f"32 streams in {time.monotonic() - t0:.1f}s")
 
 
@@ -377,14 +608,19 @@ def test_fuzz_against_openapi_schema(server, model):
     schemas = spec["components"]["schemas"]
     auth = {"authorization": f"Bearer {API_KEY}"}
     targets = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
-               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+               "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest",
+               "/detokenize": "DetokenizeRequest"}
     budget_s = float(os.environ.get("AIOLM_FUZZ_SECONDS", "60"))
     start = time.monotonic()
     counts = {"sent": 0, "2xx": 0, "4xx": 0}
 
-    def cheap(body):
+    def cheap(body, path):
         """Keep generation short on CPU: small max_tokens/n, the served model name."""
-        if isinstance(body, dict):
+        if isinstance(body, dict) and path == "/v1/responses":
+            if not isinstance(body.get("max_output_tokens"), int) or isinstance(body["max_output_tokens"], bool):
+                body["max_output_tokens"] = 2
+            body["max_output_tokens"] = 1 + body["max_output_tokens"] % 3
+        elif isinstance(body, dict) and path in ("/v1/chat/completions", "/v1/completions"):
             for k in ("max_tokens", "max_completion_tokens", "min_tokens"):
                 if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > 3:
                     body[k] = 1 + body[k] % 3
@@ -408,7 +644,7 @@ def test_fuzz_against_openapi_schema(server, model):
     for path, name in targets.items():
         body = from_schema(schemas[name]).map(
             lambda b: {**b, "model": model} if isinstance(b, dict) and "model" in b and b.get("model") else b)
-        strategies.append(st.tuples(st.just(path), mutate(body).map(cheap)))
+        strategies.append(st.tuples(st.just(path), mutate(body).map(lambda b, p=path: cheap(b, p))))
 
     @settings(max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
               suppress_health_check=list(HealthCheck), derandomize=True)
@@ -426,7 +662,10 @@ def test_fuzz_against_openapi_schema(server, model):
             assert set(err) == {"message", "type", "param", "code"}, r.text
         else:
             counts["2xx"] += 1
-            if isinstance(body, dict) and body.get("stream") is True:
+            if isinstance(body, dict) and body.get("stream") is True and path == "/v1/responses":
+                last = r.text.rstrip().rsplit("\n\n", 1)[-1]
+                assert last.startswith(("event: response.completed", "event: response.incomplete")), r.text[-300:]
+            elif isinstance(body, dict) and body.get("stream") is True:
                 assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
 
     auth["content-type"] = "application/json"
@@ -438,7 +677,7 @@ def test_fuzz_against_openapi_schema(server, model):
     assert counts["sent"] > 10 and counts["2xx"] > 0 and counts["4xx"] > 0, counts
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     m = _wait_idle(server, 15.0)
-    assert m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     print(f"fuzz: {counts} in {time.monotonic() - start:.0f}s")
 
 

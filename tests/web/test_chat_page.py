@@ -79,12 +79,14 @@ def model_id(server: ServerProcess, key: str | None = None) -> str:
 
 
 def scrape(server: ServerProcess) -> dict[str, float]:
-    """/metrics as {name{labels}: value}, labels without the model name."""
+    """/metrics as {name{labels}: value}, labels without the model name and engine index."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 
 

@@ -1,0 +1,165 @@
+"""POST /v1/responses: OpenAI's Responses API, text in and out.
+
+The input (a string, or message items) and ``instructions`` go through the chat
+template as chat's messages do, and generation is chat's (generation.py). The
+answer is one ``message`` output item holding one ``output_text`` part. A
+stream is typed events (an ``event:`` line naming each), numbered by
+``sequence_number``, from ``response.created`` to ``response.completed`` (or
+``response.incomplete`` when ``max_output_tokens`` cut it, ``error`` when the
+engine failed); no ``[DONE]`` follows, as at OpenAI. Nothing is stored, so
+``store`` has no effect and no response can be fetched or continued later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.server.errors import json_response
+from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
+from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.protocol import param_error, responses_request, text_format_spec
+from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
+from aiolm.server.tools import message_text
+
+# Engine-side names of what a Responses request calls otherwise (for 400s naming the field).
+_RENAME = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
+           "structured_outputs": "text.format"}
+
+
+def _messages(req: dict[str, Any]) -> list[dict[str, Any]]:
+    """``instructions`` as a leading system message, then the input items in order."""
+    out = [{"role": "system", "content": req["instructions"]}] if req["instructions"] is not None else []
+    items = req["input"]
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out += [{"role": it["role"], "content": message_text(it["content"])} for it in items]
+    return out
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The output item; ``text`` None while it is still being written (no part yet)."""
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """(status, incomplete_details, error) of a response whose text ended for ``finish_reason``."""
+    if finish_reason == "stop":
+        return "completed", None, None
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}, None
+    return "failed", None, {"code": "server_error", "message": f"the generation ended with '{finish_reason}'"}
+
+
+def _shell(req: dict[str, Any], response_id: str, model: str) -> dict[str, Any]:
+    """The response object before any output: what the request asked, echoed as OpenAI does."""
+    fmt = ((req["text"] or {}).get("format")) or {"type": "text"}
+    return {
+        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "background": False, "error": None, "incomplete_details": None, "instructions": req["instructions"],
+        "max_output_tokens": req["max_output_tokens"], "metadata": req["metadata"] or {}, "model": model,
+        "output": [], "parallel_tool_calls": False, "previous_response_id": None,
+        "temperature": req["temperature"], "top_p": req["top_p"],
+        "text": {"format": {k: v for k, v in fmt.items() if v is not None}},
+        "tool_choice": "none", "tools": [], "truncation": "disabled", "usage": None, "user": req["user"],
+    }
+
+
+def _finished(shell: dict[str, Any], item: dict[str, Any], finish_reason: str | None,
+              usage: dict[str, Any]) -> dict[str, Any]:
+    status, incomplete, error = _outcome(finish_reason)
+    return {**shell, "status": status, "incomplete_details": incomplete, "error": error, "output": [item],
+            "usage": usage}
+
+
+async def create_response(request: Request) -> Response | EventStream:
+    ctx = context(request)
+    req = responses_request(ctx.settings.limits).parse(await read_json(request, ctx.settings.max_request_bytes))
+    check_model(ctx, req["model"])
+    structured = text_format_spec((req["text"] or {}).get("format"))
+    engine = ctx.engine
+    try:
+        text = await engine.render_chat_async(_messages(req), add_generation_prompt=True)
+    except ParamError as e:
+        raise param_error(e, _RENAME) from None
+    ids = await tokenize(engine, text, add_special_tokens=False, param="input")
+    max_tokens = req["max_output_tokens"]
+    check_lengths(ctx, len(ids), max_tokens, "input", "max_output_tokens")
+    stream = req["stream"]
+    try:
+        params = SamplingParams(temperature=req["temperature"], top_p=req["top_p"], max_tokens=max_tokens,
+                                output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+                                structured_outputs=structured)
+    except ParamError as e:
+        raise param_error(e, _RENAME) from None
+    response_id = ctx.new_id("resp", "_")
+    gen = Generation(ctx, [Prompt(text, ids)], params, response_id, rename=_RENAME)
+    await gen.start()
+    log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req["user"])
+    shell = _shell(req, response_id, ctx.model_name)
+    item_id = ctx.new_id("msg", "_")
+    if stream:
+        return EventStream(_events(gen, shell, item_id, len(ids), request), done=False, close=gen.abort,
+                           on_gone=lambda: log_extra(request, client_gone=True))
+    (final,) = await until_disconnect(request.receive, gen.collect())
+    c = final.outputs[0]
+    log_extra(request, completion_tokens=len(c.token_ids))
+    item = _message(item_id, c.text, "completed" if c.finish_reason == "stop" else "incomplete")
+    return json_response(_finished(shell, item, c.finish_reason,
+                                   _usage(len(ids), final.num_cached_tokens, len(c.token_ids))))
+
+
+async def _events(gen: Generation, shell: dict[str, Any], item_id: str, prompt_tokens: int,
+                  request: Request) -> AsyncIterator[NamedEvent]:
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: Any) -> NamedEvent:
+        return NamedEvent(kind, {"type": kind, "sequence_number": next(numbers), **fields})
+
+    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=shell)
+    yield event("response.in_progress", response=shell)
+    yield event("response.output_item.added", output_index=0, item=_message(item_id, None, "in_progress"))
+    yield event("response.content_part.added", **where, part=_text_part(""))
+    pieces: list[str] = []
+    output_tokens = cached = 0
+    finish_reason = None
+    try:
+        async for _, out in gen.stream():
+            c = out.outputs[0]
+            output_tokens += len(c.token_ids)
+            cached = out.num_cached_tokens
+            finish_reason = c.finish_reason or finish_reason
+            if c.text:
+                pieces.append(c.text)
+                yield event("response.output_text.delta", **where, delta=c.text, logprobs=[])
+    except Exception as e:  # the stream has started: report in-band, as OpenAI does
+        err = engine_error(e, _RENAME)
+        yield event("error", code=err.code, message=err.message, param=err.param)
+        return
+    finally:  # also when the client has gone: free the engine request now
+        await gen.abort()
+    log_extra(request, completion_tokens=output_tokens)
+    text = "".join(pieces)
+    yield event("response.output_text.done", **where, text=text, logprobs=[])
+    yield event("response.content_part.done", **where, part=_text_part(text))
+    item = _message(item_id, text, "completed" if finish_reason == "stop" else "incomplete")
+    yield event("response.output_item.done", output_index=0, item=item)
+    final = _finished(shell, item, finish_reason, _usage(prompt_tokens, cached, output_tokens))
+    yield event(f"response.{final['status']}", response=final)

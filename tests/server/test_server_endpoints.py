@@ -1,0 +1,159 @@
+"""/openapi.json against what the app serves, and the small vLLM endpoints, on the fake engine.
+
+The real-model checks of /v1/responses, /tokenizer_info, /load and /tokenize are in
+test_server_openai.py (they share its server).
+"""
+
+from __future__ import annotations
+
+import pytest
+from starlette.routing import Mount, Route
+from starlette.testclient import TestClient
+
+from aiolm.server import build_app
+from aiolm.server.protocol import Limits
+from aiolm.server.schema import ListOf, MapOf, Obj, OneOf, Spec
+from aiolm.server.settings import ServerSettings
+
+from server_helpers import FakeEngine, fake_engine  # noqa: F401  (fixture)
+
+# A valid body for each POST route: every field is tried against it, one at a time.
+BASES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [104]},
+}
+WRONG = [[[]]]  # no request field takes a list of lists of lists
+
+
+def _client(engine: FakeEngine, **settings) -> TestClient:
+    return TestClient(build_app(engine, ServerSettings(**settings)), raise_server_exceptions=False)
+
+
+def _served(app) -> set[tuple[str, str]]:
+    """(OpenAPI path, method) of every route, as a client would call it."""
+    out = set()
+    for r in app.routes:
+        if isinstance(r, Mount):  # static files under a prefix
+            out.add((r.path + "/{path}", "get"))
+        elif isinstance(r, Route):
+            path = r.path.replace(":path}", "}")  # Starlette's path converter is plain {name} in OpenAPI
+            out |= {(path, m.lower()) for m in r.methods or () if m != "HEAD"}
+    return out
+
+
+def _unwrap(schema: dict) -> dict:
+    """An optional field's schema is ``anyOf [it, null]``: the non-null alternative(s)."""
+    alts = [a for a in schema.get("anyOf", [schema]) if a != {"type": "null"}]
+    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+
+def _fields_documented(spec: Spec, schema: dict, where: str) -> int:
+    """Every field the validator accepts, at every depth, is a property of the document's
+    schema there (and nothing else is, for a strict object); returns how many were checked."""
+    schema = _unwrap(schema)
+    if isinstance(spec, Obj):
+        props = schema.get("properties", {})
+        assert set(props) == set(spec.fields), (where, set(spec.fields) ^ set(props))
+        assert schema.get("additionalProperties") is False, where
+        assert sorted(schema.get("required", [])) == sorted(k for k, f in spec.fields.items() if f.required), where
+        return len(props) + sum(_fields_documented(f.spec, props[k], f"{where}.{k}") for k, f in spec.fields.items())
+    if isinstance(spec, ListOf):
+        assert schema["type"] == "array", where
+        return _fields_documented(spec.item, schema["items"], where + "[]")
+    if isinstance(spec, MapOf):
+        return _fields_documented(spec.value, schema["additionalProperties"], where + "{}")
+    if isinstance(spec, OneOf):
+        alts = schema["anyOf"]
+        assert len(alts) == len(spec.alternatives), where
+        return sum(_fields_documented(a, s, where) for a, s in zip(spec.alternatives, alts))
+    return 0
+
+
+def test_openapi_documents_every_route_and_every_accepted_field(fake_engine):
+    from aiolm.server import protocol
+
+    app = build_app(fake_engine, ServerSettings(web_ui=True))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        doc = c.get("/openapi.json").json()
+    documented = {(p, m) for p, ops in doc["paths"].items() for m in ops}
+    assert _served(app) == documented, _served(app) ^ documented
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            ok = op["responses"]["200"]["content"]
+            assert all("schema" in v for v in ok.values()), (path, method)
+            for name in (p["name"] for p in op.get("parameters", [])):
+                assert "{" + name + "}" in path
+    # Which validator each route parses its body with (the handlers' own choice, read from them).
+    models = {"/v1/chat/completions": protocol.chat_request, "/v1/completions": protocol.completion_request,
+              "/v1/responses": protocol.responses_request, "/tokenize": protocol.tokenize_request,
+              "/detokenize": protocol.detokenize_request}
+    assert {p for p, m in documented if m == "post"} == set(models)
+    schemas = doc["components"]["schemas"]
+    checked = 0
+    for path, build in models.items():
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        checked += _fields_documented(build(Limits()), schemas[ref.rsplit("/", 1)[1]], path)
+    assert checked > 150, checked  # the nested message, tool and format objects were walked too
+
+
+@pytest.mark.parametrize("path", sorted(BASES))
+def test_every_documented_field_is_one_the_server_reads(fake_engine, path):
+    """The document and the server agree from the outside: each documented top-level field, given
+    a value of the wrong shape, is refused by name (it is read, not unknown); an undocumented one
+    is refused as unknown."""
+    with _client(fake_engine) as c:
+        doc = c.get("/openapi.json").json()
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        props = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+        for field in props:
+            r = c.post(path, json={**BASES[path], field: WRONG})
+            assert r.status_code == 400, (field, r.text)
+            err = r.json()["error"]
+            assert err["code"] != "unrecognized_argument" and err["param"].startswith(field), (field, err)
+        r = c.post(path, json={**BASES[path], "not_a_field": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unrecognized_argument"
+    assert not fake_engine.live
+
+
+def test_responses_refuses_what_it_does_not_do(fake_engine):
+    base = BASES["/v1/responses"]
+    cases = [({"previous_response_id": "resp_1"}, "previous_response_id"),
+             ({"tools": [{"type": "web_search"}]}, "tools"),
+             ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+             ({"input": [{"type": "function_call", "role": "user", "content": "x"}]}, "input[0].type"),
+             ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+              "input[0].content[0].image_url"),
+             ({"input": [{"role": "user", "content": [{"type": "input_file", "text": "x"}]}]},
+              "input[0].content[0].type"),
+             ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+             ({"text": {"verbosity": "low"}}, "text.verbosity"),
+             ({"max_output_tokens": 0}, "max_output_tokens"),
+             ({"max_output_tokens": 10_000}, "max_output_tokens"),
+             ({"input": []}, "input"),
+             ({"model": "other"}, "model")]
+    with _client(fake_engine) as c:
+        for extra, param in cases:
+            r = c.post("/v1/responses", json={**base, **extra})
+            assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, (extra, r.text)
+        # the accepted no-ops, echoed where OpenAI echoes them
+        r = c.post("/v1/responses", json={**base, "store": False, "metadata": {"k": "v"}, "user": "u",
+                                          "service_tier": "auto", "truncation": "disabled"})
+        assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"} and r.json()["user"] == "u"
+    assert not fake_engine.live
+
+
+def test_load_is_open_and_tokenizer_info_needs_the_key(fake_engine):
+    """/load is read by load balancers, like the probes; the tokenizer's details need the key.
+    (That /load counts live requests is checked on the real server, test_server_openai.py.)"""
+    with _client(fake_engine, api_key="k") as c:
+        assert c.get("/load").json() == {"server_load": 0}
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                      headers={"authorization": "Bearer k"}).status_code == 200
+        assert c.get("/load").json() == {"server_load": 0}
+        assert c.get("/tokenizer_info").status_code == 401
+        info = c.get("/tokenizer_info", headers={"authorization": "Bearer k"}).json()
+        assert info["tokenizer_class"] == "FakeTokenizer" and info["max_model_len"] == FakeEngine.max_model_len
