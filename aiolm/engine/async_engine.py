@@ -135,10 +135,17 @@ class AsyncEngine:
             from aiolm.executor.multiproc import MultiprocExecutor
 
             holder: list[Executor] = []
-            ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size,
-                                   on_death=lambda reason: self._on_worker_death(holder[0], reason),
-                                   step_timeout=a.resolved_step_timeout(), incarnation=incarnation,
-                                   all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
+            kwargs: dict[str, Any] = dict(
+                on_death=lambda reason: self._on_worker_death(holder[0], reason),
+                step_timeout=a.resolved_step_timeout(), incarnation=incarnation,
+                all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
+            if a.executor == "ray":
+                from aiolm.executor.ray import RayExecutor
+
+                ex = RayExecutor(runner_cfg, a.tensor_parallel_size, address=a.ray_address,
+                                 min_cluster_cpus=a.tensor_parallel_size * a.data_parallel_size, **kwargs)
+            else:
+                ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, **kwargs)
             holder.append(ex)
         await ex.start()
         return ex

@@ -1,0 +1,57 @@
+"""Joining a Ray cluster, or starting a local one, once per process.
+
+``--ray-address`` (or ``RAY_ADDRESS``) joins an existing cluster (``ray start --head``
+on one machine, ``ray start --address=...`` on the others). Without either, a private
+local cluster starts with this process (``address="local"``, so a cluster someone
+else started on the machine is never joined by accident): explicit CPU count, a small
+object store (the executor sends only small messages through Ray) and no dashboard.
+Ray stops a cluster it started when this process exits; ``shutdown()`` stops it earlier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+# Bytes of the local cluster's object store: steps travel inline in task arguments
+# (Ray inlines arguments under 100 KiB), so little is ever stored there.
+OBJECT_STORE_ENV = "AIOLM_RAY_OBJECT_STORE_BYTES"
+DEFAULT_OBJECT_STORE = 200 << 20
+NUM_CPUS_ENV = "AIOLM_RAY_NUM_CPUS"
+
+_lock = threading.Lock()
+
+
+def connect(address: str | None, min_cpus: int) -> None:
+    """Make sure this process is connected to a Ray cluster (blocking: run it off the loop).
+
+    ``min_cpus``: the CPUs the local cluster must offer (one per rank and replica), even
+    where the machine has fewer cores; Ray's CPU counts are placement units, not cores.
+    """
+    import ray
+
+    with _lock:
+        if ray.is_initialized():
+            return
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        if address:
+            log.info("joining the Ray cluster at %s", address)
+            ray.init(address=address, log_to_driver=True)
+            return
+        num_cpus = max(os.cpu_count() or 1, min_cpus, int(os.environ.get(NUM_CPUS_ENV, "0") or 0))
+        store = int(os.environ.get(OBJECT_STORE_ENV, DEFAULT_OBJECT_STORE))
+        log.info("starting a local Ray cluster: %d CPUs, %d MiB object store", num_cpus, store >> 20)
+        ray.init(address="local", num_cpus=num_cpus, object_store_memory=store, include_dashboard=False,
+                 log_to_driver=True)
+
+
+def shutdown() -> None:
+    """Disconnect (and stop the local cluster if this process started it)."""
+    import ray
+
+    with _lock:
+        if ray.is_initialized():
+            ray.shutdown()
