@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
+        if self.args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 needs several engines: use "
+                             "aiolm.engine.data_parallel.create_engine(args) (aiolm serve does)")
         self._started = False
         self._dead: str | None = None
         self._executor: Executor | None = None

@@ -51,7 +51,12 @@ async def version(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(context(request).metrics.render(), media_type=CONTENT_TYPE)
+    ctx = context(request)
+    text = ctx.metrics.render()
+    per_replica = getattr(ctx.engine, "render_replica_metrics", None)  # data parallel (engine/data_parallel.py)
+    if per_replica is not None:
+        text += per_replica()
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 async def tokenize(request: Request) -> Response:
