@@ -162,6 +162,7 @@ class DataParallelEngine:
                           request_id: str | None = None, priority: int = 0,
                           timeout: float | None = None) -> RequestState:
         front = self._front()
+        params = front.inputs.params(params)  # a bad request is refused before it is routed
         processed = await front.inputs.process(prompt)
         rid = request_id if request_id is not None else front.inputs.new_request_id()
         if any(r.output is not None and rid in r.output.requests for r in self.replicas):

@@ -4,7 +4,8 @@
 on one machine, ``ray start --address=...`` on the others). Without either, a private
 local cluster starts with this process (``address="local"``, so a cluster someone
 else started on the machine is never joined by accident): explicit CPU count, a small
-object store (the executor sends only small messages through Ray) and no dashboard.
+object store (the executor sends only small messages through Ray), no dashboard, and
+no memory monitor killing workers.
 Ray stops a cluster it started when this process exits; ``shutdown()`` stops it earlier.
 """
 
@@ -41,6 +42,10 @@ def connect(address: str | None, min_cpus: int) -> None:
             log.info("joining the Ray cluster at %s", address)
             ray.init(address=address, log_to_driver=True)
             return
+        # Ray's memory monitor kills workers once the machine is 95% full, whoever fills it;
+        # an engine's ranks size their KV cache up front, and losing one to another
+        # program's growth would only cost a restart. A user's setting wins.
+        os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
         num_cpus = max(os.cpu_count() or 1, min_cpus, int(os.environ.get(NUM_CPUS_ENV, "0") or 0))
         store = int(os.environ.get(OBJECT_STORE_ENV, DEFAULT_OBJECT_STORE))
         log.info("starting a local Ray cluster: %d CPUs, %d MiB object store", num_cpus, store >> 20)
