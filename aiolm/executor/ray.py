@@ -108,7 +108,6 @@ class RayExecutor(MultiprocExecutor):
         self.ranks: list[_Rank] = []
         self.num_local = 0
         self._pg: Any = None
-        self._monitor_task: asyncio.Task[None] | None = None
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -134,7 +133,7 @@ class RayExecutor(MultiprocExecutor):
         self.all_reduce = str(self._infos[0].get("all_reduce"))
         log.info("%d Ray rank(s), %d on this node (shm rings), %d through Ray calls; all-reduce: %s",
                  self.world_size, self.num_local, self.world_size - self.num_local, self.all_reduce)
-        self._monitor_task = asyncio.get_running_loop().create_task(self._watch_actors())
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_actors())
 
     def _bundle(self) -> dict[str, float]:
         return {"GPU": 1.0, "CPU": 1.0} if self.cfg.device.startswith("cuda") else {"CPU": 1.0}
@@ -266,13 +265,7 @@ class RayExecutor(MultiprocExecutor):
             finally:
                 for fut in remote.values():
                     fut.cancel()
-            msg = codec.decode(answer) if answer is not None else None
-            if isinstance(msg, ModelRunnerOutput):
-                return msg
-            if isinstance(msg, tuple) and msg and msg[0] == "error":
-                self._fail(f"worker 0 failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
-                raise ExecutorError(self._dead or msg[1], self._detail)
-            raise ExecutorError(f"worker 0 answered a step with {type(msg).__name__}")
+            return self._step_result(codec.decode(answer) if answer is not None else None)
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -299,23 +292,12 @@ class RayExecutor(MultiprocExecutor):
 
     # -- shutdown -------------------------------------------------------------------------
 
-    async def _stop(self, grace: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._monitor_task is not None:
-            self._monitor_task.cancel()
-        if self.requests is not None:
-            if self._dead is None:
-                try:
-                    await self.requests.write_async(codec.encode(codec.SHUTDOWN), timeout=1.0)
-                except Exception:
-                    pass
-            self.requests.close()  # survivors of a dead rank see RingClosed and leave their loop
+    async def _stop_workers(self, grace: float) -> None:
+        """Let the ring loops end (the rings are closed by now), kill every actor, wait until
+        Ray reports each dead, and remove the placement group."""
         serving = [r.serving for r in self.ranks if r.serving is not None]
         if serving:
             await asyncio.wait(serving, timeout=grace)
-        ray = _ray() if self.ranks or self._pg is not None else None
         for r in self.ranks:
             try:
                 r.kill()
@@ -329,7 +311,7 @@ class RayExecutor(MultiprocExecutor):
                 fut.cancel()
             elif not fut.cancelled():
                 fut.exception()  # retrieved: the expected ActorDiedError is not an error here
-        if self._pg is not None and ray is not None:
+        if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
             try:
@@ -337,12 +319,6 @@ class RayExecutor(MultiprocExecutor):
             except Exception as e:
                 log.warning("removing the placement group failed: %s", e)
             self._pg = None
-        for ring in [self.requests, *self.responses]:
-            if ring is not None:
-                ring.close()
-                ring.unlink()
-        if self._unlink_shm is not None:
-            self._unlink_shm()
 
 
 def _forced_remote(world_size: int) -> int:
