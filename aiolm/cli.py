@@ -58,10 +58,10 @@ def serve(argv: list[str]) -> int:
     sock = _listen_socket(parser, ns.host, ns.port)
     import uvicorn
 
-    from aiolm.engine.async_engine import AsyncEngine
+    from aiolm.engine.data_parallel import create_engine
     from aiolm.server.app import build_app
 
-    app = build_app(AsyncEngine(engine_args), settings)
+    app = build_app(create_engine(engine_args), settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     config = uvicorn.Config(app, host=ns.host, port=ns.port, loop=loop, lifespan="on", access_log=False,
                             log_level=ns.log_level, timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
@@ -162,7 +162,7 @@ def _sampling(ns: argparse.Namespace, defaults: dict[str, Any]) -> Any:
 
 def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
     """The engine for ``ns``, with every flag checked before anything loads."""
-    from aiolm.engine.async_engine import AsyncEngine
+    from aiolm.engine.data_parallel import create_engine
     from aiolm.params import ParamError
 
     _check_model_path(parser, ns.model)
@@ -170,7 +170,7 @@ def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
         _sampling(ns, CHAT_DEFAULTS)  # the request flags, checked now rather than after the model loaded
         args = EngineArgs.from_namespace(ns)
         _check_device(parser, args)
-        return AsyncEngine(args)
+        return create_engine(args)
     except ParamError as e:
         parser.error(f"--{e.param.replace('_', '-')}: {e.message}")
     except (TypeError, ValueError) as e:

@@ -63,7 +63,7 @@ class EngineArgs:
     kv_cache_memory: int = _f(1 << 30, "bytes of KV cache per worker on CPU")
     block_size: int = _f(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
-    tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer (one machine)")
+    tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer (one machine; more with --executor ray)")
     attention_backend: str = _f("auto", "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, "
                                         "triton on CUDA; torch is the reference)")
     enforce_eager: bool = _f(False, "on CUDA: never replay CUDA graphs (every step runs eagerly)")
@@ -72,7 +72,14 @@ class EngineArgs:
                                  "where valid), shm, gloo, symm_mem, nccl; env AIOLM_ALL_REDUCE overrides auto")
     cpu_bind: str = _f("auto", "CPU cores of tensor-parallel ranks: auto (disjoint blocks of the allowed "
                                "cores), none, or one cpu list per rank like 0-3;4-7")
-    executor: str = _f("mp", "mp (worker processes through shared memory) or local (in process, for debugging)")
+    executor: str = _f("mp", "mp (worker processes through shared memory), ray (Ray actors, across "
+                             "machines: docs/distributed.md) or local (in process, for debugging)")
+    distributed_executor_backend: str | None = _f(None, "vLLM's name for --executor: mp or ray; when given, "
+                                                        "it sets --executor")
+    ray_address: str | None = _f(None, "with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, "
+                                       "else a private local cluster)")
+    data_parallel_size: int = _f(1, "engine replicas, each with its own workers (and tensor-parallel group), "
+                                    "behind one API; requests are routed by load and prefix-cache affinity")
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
@@ -101,8 +108,15 @@ class EngineArgs:
                                                 f"`aiolm serve` defaults to {SERVE_MAX_WAITING}")
 
     def __post_init__(self) -> None:
-        if self.executor not in ("mp", "local"):
-            raise ValueError(f"executor: {self.executor!r} is not supported; supported: mp, local")
+        if self.distributed_executor_backend is not None:
+            if self.distributed_executor_backend not in ("mp", "ray"):
+                raise ValueError(f"distributed_executor_backend: {self.distributed_executor_backend!r} is not "
+                                 f"supported; supported: mp, ray")
+            self.executor = self.distributed_executor_backend
+        if self.executor not in ("mp", "ray", "local"):
+            raise ValueError(f"executor: {self.executor!r} is not supported; supported: mp, ray, local")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         from aiolm.distributed.communicator import CHOICES
@@ -115,6 +129,8 @@ class EngineArgs:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
         if self.executor == "local" and self.tensor_parallel_size != 1:
             raise ValueError("executor 'local' runs one rank; use executor 'mp' for tensor_parallel_size > 1")
+        if self.ray_address is not None and self.executor != "ray":
+            raise ValueError("ray_address is only used with executor 'ray' (--distributed-executor-backend ray)")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: {self.device!r} is not supported; supported: auto, cpu, cuda")
         if not 0 < self.gpu_memory_utilization <= 1:

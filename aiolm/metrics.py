@@ -222,6 +222,29 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+class CombinedMetrics:
+    """Several engines' metrics in one exposition (data parallelism): each family once,
+    holding every engine's samples, told apart by their ``engine`` label."""
+
+    def __init__(self, parts: list[EngineMetrics]) -> None:
+        self.parts = parts
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for part in self.parts:
+            for family in _Collector(part).collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 class _Collector:
     """Turns an EngineMetrics into metric families when the registry is scraped."""
 

@@ -51,12 +51,13 @@ def check_for_device(requested: str, device_type: str) -> None:
 
 
 def make_tp_group(rank: int, world_size: int, device_type: str, requested: str = "auto", *,
-                  shm_name: str | None = None, port: int = 0) -> tuple[TPGroup, str]:
+                  shm_name: str | None = None, port: int = 0, host: str = "127.0.0.1") -> tuple[TPGroup, str]:
     """This rank's group and the name of the all-reduce behind it (``none`` for one rank).
 
     The platform calls this once per worker before building the model. ``shm_name``
     is the segment the engine created for the CPU all-reduce (None if it could not);
-    ``port`` is the loopback rendezvous for gloo / NCCL.
+    ``host``:``port`` is the rendezvous for gloo / NCCL (loopback unless the group spans
+    machines).
     """
     from aiolm.distributed.parallel_state import TPGroup
 
@@ -67,7 +68,8 @@ def make_tp_group(rank: int, world_size: int, device_type: str, requested: str =
     if device_type == "cuda":
         from aiolm.distributed import cuda_allreduce
 
-        group, name = cuda_allreduce.make_group(rank, world_size, port, prefer_symm_mem=requested != "nccl")
+        group, name = cuda_allreduce.make_group(rank, world_size, port, prefer_symm_mem=requested != "nccl",
+                                               host=host)
         if requested == "symm_mem" and name != "symm_mem":
             raise RuntimeError("all_reduce 'symm_mem' was asked for but is not usable here "
                                "(see the log line above); use auto or nccl")
@@ -81,7 +83,7 @@ def make_tp_group(rank: int, world_size: int, device_type: str, requested: str =
     else:
         from aiolm.distributed.gloo_group import make_group
 
-        group, name = make_group(rank, world_size, port), "gloo"
+        group, name = make_group(rank, world_size, port, host), "gloo"
     if rank == 0:
         log.info("tensor parallel: %d ranks on %s, all-reduce: %s", world_size, device_type, name)
     return group, name

@@ -72,11 +72,12 @@ class SymmMemAllReduce:
         return x.copy_(staged)
 
 
-def make_group(rank: int, world_size: int, port: int, prefer_symm_mem: bool = True) -> tuple[TPGroup, str]:
+def make_group(rank: int, world_size: int, port: int, prefer_symm_mem: bool = True,
+               host: str = "127.0.0.1") -> tuple[TPGroup, str]:
     """Join the NCCL group on ``cuda:rank`` and put symmetric memory in front of it where valid."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)  # the model runner's plain "cuda" means this GPU from here on
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("nccl", init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world_size, device_id=device)
     group = dist.group.WORLD
     assert group is not None

@@ -1,7 +1,8 @@
-"""A tensor-parallel group over torch.distributed's gloo backend, on loopback.
+"""A tensor-parallel group over torch.distributed's gloo backend, over TCP.
 
-The CPU fallback for world_size > 1: correct everywhere, not the fastest. The
-rendezvous port is chosen by the engine and passed on each worker's command line.
+The CPU fallback for world_size > 1 and the all-reduce of groups that span
+machines (the Ray executor): correct everywhere, not the fastest. The rendezvous
+address is chosen by the engine (loopback, or rank 0's node on Ray).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch.distributed as dist
 from aiolm.distributed.parallel_state import TPGroup
 
 
-def make_group(rank: int, world_size: int, port: int) -> TPGroup:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def make_group(rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> TPGroup:
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
     return TPGroup(rank, world_size, *collectives(world_size))
 
 

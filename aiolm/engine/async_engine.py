@@ -45,8 +45,11 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+    def __init__(self, args: EngineArgs | None = None, *, engine_index: int = 0, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
+        if self.args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 needs several engines: use "
+                             "aiolm.engine.data_parallel.create_engine(args) (aiolm serve does)")
         self._started = False
         self._dead: str | None = None
         self._executor: Executor | None = None
@@ -56,7 +59,8 @@ class AsyncEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         # Prometheus metrics in the engine's own registry (aiolm/metrics.py): expose
         # ``metrics_registry`` with prometheus_client, or serve ``metrics.render()``.
-        self.metrics = EngineMetrics(self, self.args.metrics_prefix)
+        # ``engine_index`` is the replica's number under data parallelism (its ``engine`` label).
+        self.metrics = EngineMetrics(self, self.args.metrics_prefix, engine_index)
         self._submissions = itertools.count()
         self.supervisor: WorkerSupervisor | None = None
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
@@ -143,10 +147,17 @@ class AsyncEngine:
             from aiolm.executor.multiproc import MultiprocExecutor
 
             holder: list[Executor] = []
-            ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size,
-                                   on_death=lambda reason: self._on_worker_death(holder[0], reason),
-                                   step_timeout=a.resolved_step_timeout(), incarnation=incarnation,
-                                   all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
+            kwargs: dict[str, Any] = dict(
+                on_death=lambda reason: self._on_worker_death(holder[0], reason),
+                step_timeout=a.resolved_step_timeout(), incarnation=incarnation,
+                all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
+            if a.executor == "ray":
+                from aiolm.executor.ray import RayExecutor
+
+                ex = RayExecutor(runner_cfg, a.tensor_parallel_size, address=a.ray_address,
+                                 min_cluster_cpus=a.tensor_parallel_size * a.data_parallel_size, **kwargs)
+            else:
+                ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, **kwargs)
             holder.append(ex)
         await ex.start()
         return ex

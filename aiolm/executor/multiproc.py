@@ -253,14 +253,17 @@ class MultiprocExecutor(Executor):
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:
             await self._send(codec.encode_scheduler_output(out), range(1))
-            msg = codec.decode(await self._recv(0, self.step_timeout))
-            if isinstance(msg, ModelRunnerOutput):
-                return msg
-            if isinstance(msg, tuple) and msg and msg[0] == "error":
-                # The worker's step raised; it sent the cause and exits.
-                self._fail(f"worker 0 failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
-                raise ExecutorError(self._dead or msg[1], self._detail)
-            raise ExecutorError(f"worker 0 answered a step with {type(msg).__name__}")
+            return self._step_result(codec.decode(await self._recv(0, self.step_timeout)))
+
+    def _step_result(self, msg: Any) -> ModelRunnerOutput:
+        """Rank 0's decoded answer to a step: its output, or else an ExecutorError."""
+        if isinstance(msg, ModelRunnerOutput):
+            return msg
+        if isinstance(msg, tuple) and msg and msg[0] == "error":
+            # The worker's step raised; it sent the cause and exits.
+            self._fail(f"worker 0 failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
+            raise ExecutorError(self._dead or msg[1], self._detail)
+        raise ExecutorError(f"worker 0 answered a step with {type(msg).__name__}")
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -293,14 +296,18 @@ class MultiprocExecutor(Executor):
             # Closing the writer end also tells workers that never get the message
             # (survivors of a dead rank) to exit: their read raises RingClosed.
             self.requests.close()
-        for p in self.procs:
-            await _reap(p, grace)
+        await self._stop_workers(grace)
         for ring in [self.requests, *self.responses]:
             if ring is not None:
                 ring.close()
                 ring.unlink()
         if self._unlink_shm is not None:
             self._unlink_shm()
+
+    async def _stop_workers(self, grace: float) -> None:
+        """Wait ``grace`` for each worker to leave (the rings are closed), then end it."""
+        for p in self.procs:
+            await _reap(p, grace)
 
 
 async def _reap(p: subprocess.Popen[bytes], timeout: float) -> None:

@@ -87,9 +87,11 @@ class Platform:
         return runner.cfg.kv_cache_memory
 
     def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
-                      shm_name: str | None = None, cpu_bind: str = "auto") -> tuple[Any, str]:
+                      shm_name: str | None = None, cpu_bind: str = "auto",
+                      host: str = "127.0.0.1") -> tuple[Any, str]:
         """This rank's tensor-parallel group (whose all-reduce row-parallel layers end in)
         and the name of the all-reduce behind it (aiolm/distributed/communicator.py)."""
         from aiolm.distributed.communicator import make_tp_group
 
-        return make_tp_group(rank, world_size, self.name, all_reduce, shm_name=shm_name, port=port)
+        return make_tp_group(rank, world_size, self.name, all_reduce, shm_name=shm_name, port=port,
+                             host=host)

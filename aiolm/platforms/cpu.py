@@ -85,12 +85,13 @@ class CpuPlatform(Platform):
         return CpuKernelOps() if cpu_kernels.load() else TorchOps()
 
     def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
-                      shm_name: str | None = None, cpu_bind: str = "auto") -> tuple[Any, str]:
+                      shm_name: str | None = None, cpu_bind: str = "auto",
+                      host: str = "127.0.0.1") -> tuple[Any, str]:
         """Ranks pinned to disjoint cores first, so they do not fight over them."""
         from aiolm.distributed.cpu_bind import bind_rank
 
         bind_rank(rank, world_size, cpu_bind)
-        return super().make_tp_group(rank, world_size, port, all_reduce, shm_name, cpu_bind)
+        return super().make_tp_group(rank, world_size, port, all_reduce, shm_name, cpu_bind, host)
 
     def prepare_model(self, model: nn.Module, source: Any, dtype: torch.dtype) -> nn.Module:
         from aiolm.platforms import cpu_linear, gguf_blocks

@@ -136,14 +136,14 @@ def _exit_on_death(ctx: ServingContext, reason: str) -> None:
 
 def create_app() -> Starlette:
     """App factory for ASGI servers: engine and server settings from AIOLM_* variables."""
-    from aiolm.engine.async_engine import AsyncEngine
+    from aiolm.engine.data_parallel import create_engine
 
     engine_args, settings = from_environment()
     _default_logging()
     if settings.access_log:
         # uvicorn would log every request a second time; ours has the request id and timings.
         logging.getLogger("uvicorn.access").disabled = True
-    return build_app(AsyncEngine(engine_args), settings)
+    return build_app(create_engine(engine_args), settings)
 
 
 def _default_logging() -> None:

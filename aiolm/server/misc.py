@@ -51,8 +51,14 @@ async def version(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """The engine's own registry (aiolm/metrics.py): the same series an embedding app exposes."""
-    return Response(context(request).engine.metrics.render(), media_type=CONTENT_TYPE)
+    """The engine's own registry (aiolm/metrics.py): the same series an embedding app exposes;
+    with data parallelism, one series per replica (label ``engine``) and the routing lines."""
+    engine = context(request).engine
+    text = engine.metrics.render()
+    per_replica = getattr(engine, "render_replica_metrics", None)  # engine/data_parallel.py
+    if per_replica is not None:
+        text += per_replica().encode()
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 async def tokenize(request: Request) -> Response:

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any, Callable
 
 from aiolm.config import RunnerConfig
 from aiolm.ipc import codec, segment
@@ -81,61 +82,96 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> int:
-    from aiolm.distributed.parallel_state import set_tp_group
-    from aiolm.platforms import get_platform
-    from aiolm.worker.model_runner import ModelRunner, call_on_runner
-
     try:
-        cfg = RunnerConfig.decode(args.config)
-        group, all_reduce = get_platform(cfg.device).make_tp_group(
-            args.rank, args.world_size, args.dist_port, all_reduce=args.all_reduce,
-            shm_name=args.all_reduce_shm, cpu_bind=args.cpu_bind)
-        set_tp_group(group)
-        runner = ModelRunner(cfg)
+        runner, info = build_runner(RunnerConfig.decode(args.config), args.rank, args.world_size,
+                                    port=args.dist_port, all_reduce=args.all_reduce,
+                                    shm_name=args.all_reduce_shm, cpu_bind=args.cpu_bind)
     except BaseException as e:
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
-    responses.write(codec.encode(("ready", dict(runner.kv_cache_info(), all_reduce=all_reduce))))
-    from aiolm.core.outputs import SchedulerOutput
+    responses.write(codec.encode(("ready", info)))
+    return serve_ring(runner, args.rank, requests, responses, lambda: parent_alive(args.parent_pid))
 
-    steps = 0
-    fault_path = os.environ.get(FAULT_ENV) if args.rank == 0 else None
+
+def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, all_reduce: str = "auto",
+                 shm_name: str | None = None, cpu_bind: str = "auto",
+                 host: str = "127.0.0.1") -> tuple[Any, dict[str, Any]]:
+    """This rank's tensor-parallel group and model runner, and its ready message (KV capacity,
+    the all-reduce it runs). Shared by worker processes and Ray actors (executor/ray_worker.py)."""
+    from aiolm.distributed.parallel_state import set_tp_group
+    from aiolm.platforms import get_platform
+    from aiolm.worker.model_runner import ModelRunner
+
+    group, name = get_platform(cfg.device).make_tp_group(
+        rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host)
+    set_tp_group(group)
+    runner = ModelRunner(cfg)
+    return runner, dict(runner.kv_cache_info(), all_reduce=name)
+
+
+def serve_ring(runner: Any, rank: int, requests: ShmRing, responses: ShmRing,
+               engine_alive: Callable[[], bool]) -> int:
+    """Execute whatever arrives on the request ring until the engine closes it or dies;
+    the exit status."""
+    handler = StepHandler(runner, rank)
     while True:
         try:
             buf = requests.read(timeout=1.0)
         except TimeoutError:
-            if not parent_alive(args.parent_pid):
+            if not engine_alive():
                 return 0
             continue
         except RingClosed:
             return 0
+        reply, code = handler.handle(buf)
+        if reply is not None:
+            responses.write(reply)
+        if code is not None:
+            return code
+
+
+class StepHandler:
+    """One rank's answer to one message from the engine, whatever carried it (a ring or a
+    Ray call): a step (only rank 0 answers it), an RPC, or shutdown."""
+
+    def __init__(self, runner: Any, rank: int) -> None:
+        self.runner = runner
+        self.rank = rank
+        self.steps = 0
+        self.fault_path = os.environ.get(FAULT_ENV) if rank == 0 else None
+
+    def handle(self, buf: bytes | bytearray | memoryview) -> tuple[bytes | None, int | None]:
+        """(the encoded reply or None, the exit status once this rank must stop or None)."""
+        from aiolm.core.outputs import SchedulerOutput
+        from aiolm.worker.model_runner import call_on_runner
+
         received = time.perf_counter()
         msg = codec.decode(buf)
         if isinstance(msg, SchedulerOutput):
-            steps += 1
+            self.steps += 1
             try:
-                if fault_path:
-                    _injected_fault(fault_path)
-                out = runner.execute(msg)
+                if self.fault_path:
+                    _injected_fault(self.fault_path)
+                out = self.runner.execute(msg)
             except (PeerDied, TimeoutError) as e:  # a tensor-parallel peer is gone or stuck
-                log.error("rank %d stops: %s", args.rank, e)
-                return 1
+                log.error("rank %d stops: %s", self.rank, e)
+                return None, 1
             except Exception as e:
                 # The persistent batch may be half-updated: report the cause with its
-                # traceback through the response ring (the engine logs it and replaces
-                # this worker set), then exit.
+                # traceback (the engine logs it and replaces this worker set), then exit.
                 tb = traceback.format_exc()
-                log.error("step %d failed:\n%s", steps, tb)
-                responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", tb)))
-                return 1
-            if args.rank == 0:
-                out.worker_clock = [received, time.perf_counter()]
-                responses.write(codec.encode_model_runner_output(out))
-        elif isinstance(msg, codec.RpcCall):
+                log.error("step %d failed:\n%s", self.steps, tb)
+                return codec.encode(("error", f"{type(e).__name__}: {e}", tb)), 1
+            if self.rank != 0:
+                return None, None
+            out.worker_clock = [received, time.perf_counter()]
+            return codec.encode_model_runner_output(out), None
+        if isinstance(msg, codec.RpcCall):
             try:
-                result = call_on_runner(runner, msg.method, msg.args, msg.kwargs)
-                responses.write(codec.encode(("ok", result)))
+                result = call_on_runner(self.runner, msg.method, msg.args, msg.kwargs)
+                return codec.encode(("ok", result)), None
             except Exception as e:
-                responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
-        elif msg == codec.SHUTDOWN:
-            return 0
+                return codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())), None
+        if msg == codec.SHUTDOWN:
+            return None, 0
+        return None, None
