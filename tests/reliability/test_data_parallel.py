@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from reliability_helpers import greedy, shm_segments, stream_completion, worker_pids
 from server_helpers import START_TIMEOUT, ServerProcess, free_port, serve_cmd
@@ -75,6 +76,11 @@ def test_both_replicas_serve_and_repeated_prompts_go_to_the_replica_that_cached_
     assert all(o.finish_reason == "length" and not o.error for o in outs), outs
     routed = _delta(replica_metrics(url), before, "routed_total")
     assert min(routed) >= 2 and sum(routed) == 6, routed  # spread by load
+    # The engines' own series: one family each, a sample per replica (label ``engine``).
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
+    gen = [s for s in families["aiolm:generation_tokens"].samples if s.name.endswith("_total")]
+    assert sorted(s.labels["engine"] for s in gen) == ["0", "1"], gen
+    assert sum(s.value for s in gen) >= 6 * 24 and min(s.value for s in gen) >= 2 * 24, gen
 
     for opening in OPENINGS:
         m0 = replica_metrics(url)
