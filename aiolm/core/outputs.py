@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aiolm.params import SamplingParams
+from aiolm.structured.spec import StructuredOutputs
 
 
 @dataclass
@@ -52,6 +53,10 @@ class SchedulerOutput:
     # Requests that ended (finished, aborted or preempted) since the previous step;
     # workers drop them from their persistent batch before applying this step.
     finished_req_ids: set[str]
+    # Grammars of requests that wait for them (req_id -> grammar), sent once: the workers
+    # compile them in the background and name each one in ModelRunnerOutput.grammars_ready
+    # (or grammar_errors) when done. Only then is the request scheduled.
+    grammars: dict[str, StructuredOutputs] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -92,6 +97,10 @@ class ModelRunnerOutput:
     # Rank 0's time.perf_counter() (CLOCK_MONOTONIC, shared by processes) when the step's message
     # was read and when this reply was written: splits the round trip into its two legs.
     worker_clock: list[float] = field(default_factory=list)
+    # Requests whose grammar (SchedulerOutput.grammars) finished compiling since the last reply,
+    # and those whose grammar failed to compile, with the compiler's message.
+    grammars_ready: list[str] = field(default_factory=list)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
