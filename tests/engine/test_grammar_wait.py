@@ -26,18 +26,16 @@ jsonschema = pytest.importorskip("jsonschema")
 
 
 @pytest.fixture(scope="module")
-def loop_thread():
+def served():
+    """(the loop thread, an engine started on it) for the module."""
     lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop_thread):
     eng = AsyncEngine(**ENGINE_ARGS)
-    loop_thread.run(eng.start(), timeout=600)
-    yield eng
-    loop_thread.run(eng.shutdown(), timeout=60)
+    try:
+        lt.run(eng.start(), timeout=600)
+        yield lt, eng
+    finally:
+        lt.run(eng.shutdown(), timeout=60)
+        lt.close()
 
 
 def slow_schema() -> dict:
@@ -63,7 +61,8 @@ def compile_seconds(tokenizer, vocab_size: int, schema: dict) -> float:
     return time.perf_counter() - t0
 
 
-def test_a_new_grammar_compiles_while_other_requests_stream(engine, loop_thread):
+def test_a_new_grammar_compiles_while_other_requests_stream(served):
+    loop_thread, engine = served
     schema = slow_schema()
     probe = slow_schema()  # the same shape under another key: timed here, unseen by the engine
     compile_s = min(compile_seconds(engine.tokenizer, engine.source.config.vocab_size, probe) for _ in range(2))
@@ -104,7 +103,8 @@ def test_a_new_grammar_compiles_while_other_requests_stream(engine, loop_thread)
     jsonschema.validate(json.loads(out.text), schema)
 
 
-def test_aborting_a_request_that_waits_for_its_grammar_leaves_nothing_behind(engine, loop_thread):
+def test_aborting_a_request_that_waits_for_its_grammar_leaves_nothing_behind(served):
+    loop_thread, engine = served
     params = SamplingParams(temperature=0.0, max_tokens=40,
                             structured_outputs=StructuredOutputs("json", json.dumps(slow_schema())))
 

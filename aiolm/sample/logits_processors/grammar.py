@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from aiolm.kernels.sampling_ops import apply_token_bitmask_
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
-from aiolm.kernels.sampling_ops import apply_token_bitmask_
 from aiolm.structured.backend import Compiler, xgrammar_module as _xgr
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,6 @@ class Grammar(LogitsProcessor):
     def __init__(self, rows: list[int], matchers: list[_RowMatcher], num_rows: int, vocab_size: int) -> None:
         self.rows = rows
         self.matchers = matchers
-        self.vocab_size = vocab_size
         self.bitmask = _xgr().allocate_token_bitmask(num_rows, vocab_size)  # host, int32, a row per batch row
         self.masked_rows = None if len(rows) == num_rows else rows  # None: every row
 
