@@ -45,10 +45,10 @@ def slow_schema() -> dict:
     def word(n: int) -> dict:
         return {"type": "string", "pattern": f"^[A-Z][a-z]{{1,{n}}}$"}
 
-    return {"type": "object", "properties": {"name": word(100), "city": word(101), "street": word(102),
-                                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    words = {k: word(100 + i) for i, k in enumerate(("name", "city", "street", "country", "job"))}
+    return {"type": "object", "properties": {**words, "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                              f"x{uuid.uuid4().hex[:8]}": {"type": "boolean"}},
-            "required": ["name", "city", "street", "age"], "additionalProperties": False}
+            "required": [*words, "age"], "additionalProperties": False}
 
 
 def compile_seconds(tokenizer, vocab_size: int, schema: dict) -> float:
@@ -74,7 +74,7 @@ def test_a_new_grammar_compiles_while_other_requests_stream(served):
         constrained: asyncio.Task | None = None
 
         async def run_constrained():
-            params = SamplingParams(temperature=0.0, max_tokens=80,
+            params = SamplingParams(temperature=0.0, max_tokens=150,
                                     structured_outputs=StructuredOutputs("json", json.dumps(schema)))
             window.append(time.perf_counter())
             outs = [o async for o in engine.generate("A person as JSON:", params)]
