@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aiolm.params import SamplingParams
+from aiolm.structured.spec import StructuredOutputs
 
 
 @dataclass
@@ -56,6 +57,10 @@ class SchedulerOutput:
     # have some). Their num_scheduled_tokens include the drafts, and the worker puts the
     # drafts after the request's known tokens without counting them as its tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Grammars of requests that wait for them (req_id -> grammar), sent once: the workers
+    # compile them in the background and name each one in ModelRunnerOutput.grammars_ready
+    # (or grammar_errors) when done. Only then is the request scheduled.
+    grammars: dict[str, StructuredOutputs] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -101,6 +106,10 @@ class ModelRunnerOutput:
     # Rank 0's time.perf_counter() (CLOCK_MONOTONIC, shared by processes) when the step's message
     # was read and when this reply was written: splits the round trip into its two legs.
     worker_clock: list[float] = field(default_factory=list)
+    # Requests whose grammar (SchedulerOutput.grammars) finished compiling since the last reply,
+    # and those whose grammar failed to compile, with the compiler's message.
+    grammars_ready: list[str] = field(default_factory=list)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

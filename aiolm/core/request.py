@@ -19,16 +19,21 @@ from aiolm.spec_decode.stats import AcceptanceWindow
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> one FINISHED_*."""
+    """Lifecycle: [WAITING_FOR_GRAMMAR ->] WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> one FINISHED_*.
+
+    WAITING_FOR_GRAMMAR: a structured-output request whose grammar the workers are still
+    compiling; it holds no blocks and is not scheduled until they report it ready.
+    """
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 3
     # Everything from here on is final; ``is_finished`` relies on the ordering.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:

@@ -24,6 +24,16 @@ tokens whose KV holds accepted tokens; the rejected drafts' slots stay with the
 request (the next step's drafts write over them) until it finishes or is
 preempted.
 
+Grammar wait state (structured outputs): the worker builds a request's token
+mask, so it must hold the compiled grammar before the request's first sampling
+step. A request with a grammar is added as WAITING_FOR_GRAMMAR, outside the
+waiting queue and holding no blocks; its grammar goes to the workers once in
+``SchedulerOutput.grammars`` and compiles there in the background while other
+requests step. When a ModelRunnerOutput names it in ``grammars_ready`` it joins
+the waiting queue like any new request; ``grammar_errors`` finishes it with the
+compiler's message. A step with nothing else to run still goes to the workers
+(empty), so their answer arrives.
+
 The SchedulerOutput is a diff against what the workers already hold (see
 aiolm/core/outputs.py). The engine must call ``update_from_output`` after every
 ``schedule()``, with an empty ModelRunnerOutput (or None) when nothing ran:
@@ -54,6 +64,7 @@ from aiolm.core.outputs import (
 from aiolm.core.request import Request, RequestStatus
 from aiolm.params import ParamError
 from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
+from aiolm.structured.spec import StructuredOutputs
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -159,6 +170,9 @@ class Scheduler:
         self.waiting: FCFSQueue | PriorityQueue = (
             PriorityQueue() if config.policy == "priority" else FCFSQueue())
         self.running: list[Request] = []
+        # WAITING_FOR_GRAMMAR requests, and the grammars not yet sent to the workers.
+        self.awaiting_grammar: dict[str, Request] = {}
+        self._grammars_to_send: dict[str, StructuredOutputs] = {}
         self.step = 0
         self.num_preemptions = 0  # over the scheduler's life, for metrics
         # What the workers hold: req_id -> number of the request's tokens they have.
@@ -190,9 +204,19 @@ class Scheduler:
             request.spec_window = AcceptanceWindow(spec.window, spec.min_acceptance, spec.backoff,
                                                    spec.num_speculative_tokens)
         self.kv_cache_manager.attach(request)
-        request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        self.waiting.add(request)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        """Into the waiting queue, or first to the grammar wait when it has a grammar."""
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        else:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.awaiting_grammar[request.req_id] = request
+            self._grammars_to_send[request.req_id] = spec
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish the given live requests now, freeing their blocks in this call."""
@@ -203,6 +227,10 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                # A compile already sent finishes on the worker and is reported, then ignored.
+                del self.awaiting_grammar[req_id]
+                self._grammars_to_send.pop(req_id, None)
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -213,22 +241,26 @@ class Scheduler:
         """The workers were replaced and no KV survived: start a new block pool of
         ``num_blocks`` and queue every live request to be recomputed from its prompt
         plus the tokens it already generated (preemption by recompute, for all).
-        Running requests go first, in batch order, ahead of those already waiting."""
+        Running requests go first, in batch order, ahead of those already waiting.
+        The new workers hold no compiled grammar: requests with one wait for it again."""
         cfg = self.config
         cfg.num_blocks = num_blocks
         stats = self.kv_cache_manager.stats  # counted over the engine's life, not the pool's
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.hash_seed)
         self.kv_cache_manager.stats = stats
-        queued = [*self.running, *self.waiting]
+        queued = [*self.running, *self.waiting, *self.awaiting_grammar.values()]
         self.running = []
         self.waiting = PriorityQueue() if cfg.policy == "priority" else FCFSQueue()
+        self.awaiting_grammar = {}
+        self._grammars_to_send = {}
         for req in queued:
             req.num_computed_tokens = 0
-            if req.status == RequestStatus.RUNNING:
-                req.status = RequestStatus.PREEMPTED
             req.block_hashes = []  # the new pool's hasher may have another root (a random one)
             self.kv_cache_manager.attach(req)
-            self.waiting.add(req)
+            started = req.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+            self._queue(req)
+            if started and req.status == RequestStatus.WAITING:
+                req.status = RequestStatus.PREEMPTED
         self._worker_num_tokens.clear()
         self._finished_req_ids.clear()
 
@@ -247,7 +279,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.awaiting_grammar)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -450,6 +482,9 @@ class Scheduler:
             req.num_computed_tokens += num_scheduled[rid]
         finished = self._finished_req_ids
         self._finished_req_ids = set()
+        grammars = self._grammars_to_send
+        if grammars:
+            self._grammars_to_send = {}
         self.step += 1
         return SchedulerOutput(
             step=self.step,
@@ -459,6 +494,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=spec_tokens,
+            grammars=grammars,
         )
 
     # -- results -------------------------------------------------------------------
@@ -489,6 +525,8 @@ class Scheduler:
                         kv.cache_blocks(req, c)
         if model_runner_output is None:
             return outputs
+        if model_runner_output.grammars_ready or model_runner_output.grammar_errors:
+            self._grammars_done(model_runner_output, outputs)
         any_finished = False
         for req_id, plp in model_runner_output.prompt_logprobs.items():
             req = requests.get(req_id)
@@ -549,6 +587,20 @@ class Scheduler:
             rejected[req_id] = len(drafts) - accepted
             req.num_computed_tokens -= len(drafts) - accepted
         return rejected
+    def _grammars_done(self, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """Ready grammars send their requests to the waiting queue; failed ones finish them.
+        Ids no longer waiting (aborted meanwhile) are ignored."""
+        for req_id in result.grammars_ready:
+            req = self.awaiting_grammar.pop(req_id, None)
+            if req is not None:
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+        for req_id, message in result.grammar_errors.items():
+            req = self.awaiting_grammar.pop(req_id, None)
+            if req is not None:
+                req.error = f"the worker could not compile the request's grammar: {message}"
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req, []))
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """In order: stop token (not before min_tokens outputs), max_tokens, context full."""

@@ -164,9 +164,11 @@ class EngineCore(Actor[CoreMessage]):
             t3 = time.perf_counter()
             if outputs:
                 self.output.send(StepOutputs(outputs, time.monotonic()))
-            if self.metrics is not None and out.total_num_scheduled_tokens:
-                self.metrics.iteration_tokens.observe(out.total_num_scheduled_tokens)
-            self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result, t0, t1, t2, t3)
+            if not out.is_empty:  # an empty step only waits for grammars (see the scheduler)
+                if self.metrics is not None:
+                    self.metrics.iteration_tokens.observe(out.total_num_scheduled_tokens)
+                self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result,
+                              t0, t1, t2, t3)
 
     def _account(self, tokens: int, reqs: int, result: ModelRunnerOutput | None,
                  t0: float, t1: float, t2: float, t3: float) -> None:

@@ -21,3 +21,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if cpu_kernels.ready(x) and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return torch.ops.aiolm.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None = None) -> None:
+    """Structured outputs' mask, in place: -inf wherever a row's bitmask bit is 0 (bit j % 32
+    of int32 word j // 32), on ``indices`` only when given (bitmask row i masks logits row i).
+
+    Float32 CPU logits with dense rows go to ``aiolm::apply_token_bitmask_``
+    (ext/cpu/token_bitmask.cpp), which skips all-allowed words and writes the rest with
+    masked vector stores; anything else to xgrammar's own kernel for its device.
+    """
+    if indices is not None and not indices:
+        return
+    if (cpu_kernels.ready(logits) and logits.dim() == 2 and logits.stride(1) == 1 and bitmask.device.type == "cpu"
+            and bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.shape[0] == logits.shape[0]):
+        torch.ops.aiolm.apply_token_bitmask_(logits, bitmask, indices or [])
+        return
+    from aiolm.structured.backend import xgrammar_module
+
+    xgrammar_module().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                                  vocab_size=logits.shape[1], indices=indices)

@@ -1,8 +1,12 @@
-"""xgrammar behind two small doors: the engine's validator and each process's compiler.
+"""xgrammar behind small doors: the engine's validator, each process's compiler, and the
+worker's background compiles.
 
 The engine compiles a request's grammar in full (not only parses it) before the
-request is queued, so whatever it accepts also compiles in the worker: a grammar
-that failed there would fail a whole step. xgrammar (and the torch it imports)
+request is queued, so whatever it accepts also compiles in the worker. The
+worker compiles it again (compiled grammars are not worth shipping, see
+``spec.py``), in the background while other requests step (``BackgroundCompiles``);
+the scheduler holds the request until then. xgrammar releases the GIL while it
+compiles, so those threads do not stall the step's Python. xgrammar (and the torch it imports)
 loads on first use only, so an engine that never sees a structured request stays
 torch-free. JSON is generated compact (``any_whitespace=False``): a
 free-whitespace grammar lets a small model fill its budget with newlines before
@@ -15,7 +19,8 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from aiolm.params import ParamError
@@ -27,6 +32,8 @@ BACKENDS = ("xgrammar", "none")
 # allows free whitespace).
 _ANY_OBJECT = '{"type": "object"}'
 _CACHE_ENTRIES = 256  # distinct grammars remembered per process
+# xgrammar's own cache of compiled grammars, per process: bounded, since clients choose the grammars.
+_CACHE_BYTES = 256 << 20
 
 
 def xgrammar_module() -> Any:
@@ -70,7 +77,7 @@ class Validator:
         key = spec.key()
         fut = self._verdicts.get(key)
         if fut is None:  # concurrent requests with the same grammar share one check
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, _verdict, spec, self.vocab_size)
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, compile_error, spec, self.vocab_size)
             self._verdicts[key] = fut
             while len(self._verdicts) > _CACHE_ENTRIES:
                 self._verdicts.popitem(last=False)
@@ -85,7 +92,8 @@ class Validator:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _verdict(spec: StructuredOutputs, vocab_size: int) -> str | None:
+def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
+    """Compile ``spec`` (the result stays in the process's cache); None, or why it failed."""
     try:
         Compiler.compile(spec, vocab_size)
     except ImportError as e:
@@ -100,7 +108,8 @@ class Compiler:
 
     The tokenizer comes through the loader registered by the engine or the model
     runner, called on first use, so a worker that never sees a grammar pays
-    nothing. xgrammar's compiler caches compiled grammars by their text.
+    nothing. xgrammar's compiler caches compiled grammars by their text (up to
+    ``_CACHE_BYTES``, least recently used first out).
     """
 
     _lock = threading.Lock()
@@ -146,6 +155,59 @@ class Compiler:
                     raise RuntimeError("structured outputs: no tokenizer registered in this worker")
                 xgr = xgrammar_module()
                 info = xgr.TokenizerInfo.from_huggingface(cls._loader(), vocab_size=vocab_size)
-                cls._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                cls._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_BYTES)
                 cls._vocab_size = vocab_size
             return cls._compiler
+
+
+class BackgroundCompiles:
+    """Worker side: compiles the grammars the scheduler announces (``SchedulerOutput.grammars``)
+    on a small thread pool while steps run, and reports which requests' grammars are done.
+
+    The compiled grammar stays in the process's compiler cache, where the grammar logits
+    processor finds it when the request's first sampling row is built. Requests sharing a
+    grammar share one compile.
+    """
+
+    def __init__(self, vocab_size: int, max_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self._max_threads = max_threads
+        self._pool: ThreadPoolExecutor | None = None  # started with the first grammar
+        self._pending: dict[str, Future[str | None]] = {}  # req_id -> its grammar's compile
+        self._by_key: dict[tuple, Future[str | None]] = {}  # compiles in flight, by grammar
+
+    def submit(self, grammars: dict[str, StructuredOutputs]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max_threads, thread_name_prefix="aiolm-grammar")
+        for req_id, spec in grammars.items():
+            key = spec.key()
+            fut = self._by_key.get(key)
+            if fut is None:
+                fut = self._by_key[key] = self._pool.submit(compile_error, spec, self.vocab_size)
+            self._pending[req_id] = fut
+
+    def collect(self, wait: float = 0.0) -> tuple[list[str], dict[str, str]]:
+        """(requests whose grammar compiled, {request: error}) since the last call. With
+        ``wait``, first wait up to that long for some compile to finish if none has."""
+        if not self._pending:
+            return [], {}
+        if wait > 0 and not any(f.done() for f in self._by_key.values()):
+            futures.wait(self._by_key.values(), timeout=wait, return_when=futures.FIRST_COMPLETED)
+        ready: list[str] = []
+        errors: dict[str, str] = {}
+        for req_id, fut in list(self._pending.items()):
+            if fut.done():
+                del self._pending[req_id]
+                error = fut.result()
+                if error is None:
+                    ready.append(req_id)
+                else:
+                    errors[req_id] = error
+        for key, fut in list(self._by_key.items()):
+            if fut.done():
+                del self._by_key[key]
+        return ready, errors
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -25,11 +25,15 @@ from aiolm.sample import logits_processors
 from aiolm.sample.prompt_logprobs import score_prompt
 from aiolm.sample.rejection import accepted_prefix, row_histories, verify_positions
 from aiolm.sample.sampler import Sampler, SamplingMetadata
-from aiolm.structured.backend import Compiler
+from aiolm.structured.backend import BackgroundCompiles, Compiler
 from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
 from aiolm.worker.input_batch import InputBatch
 
 log = logging.getLogger(__name__)
+# A step with no tokens is the scheduler waiting for grammars only: the reply waits this long
+# for a compile to finish, so the engine polls at this pace rather than spinning, and a request
+# arriving meanwhile waits at most this long to be scheduled.
+GRAMMAR_IDLE_WAIT_S = 0.02
 
 
 class ModelRunner:
@@ -51,6 +55,7 @@ class ModelRunner:
         self.kv_dtype = self.platform.kv_cache_dtype(requested)
         mc = self.source.config
         self.vocab_size = mc.vocab_size
+        self.grammars = BackgroundCompiles(mc.vocab_size)
         self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
@@ -80,8 +85,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self.batch.update(out)
+        if out.grammars:
+            self.grammars.submit(out.grammars)
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            ready, errors = self.grammars.collect(wait=GRAMMAR_IDLE_WAIT_S)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], grammars_ready=ready, grammar_errors=errors)
         step = self.batch.prepare(out, self.device)
         meta = AttentionMetadata(
             num_tokens=int(step.input_ids.shape[0]), query_start_loc=step.query_start_loc,
@@ -118,9 +126,11 @@ class ModelRunner:
         else:
             self._meta_key = None
         prompt_lps = self._prompt_logprobs(step, hidden)
+        ready, errors = self.grammars.collect()
         t3 = time.perf_counter()
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_lps, worker_times=[t1 - t0, t2 - t1, t3 - t2])
+                                 prompt_logprobs=prompt_lps, worker_times=[t1 - t0, t2 - t1, t3 - t2],
+                                 grammars_ready=ready, grammar_errors=errors)
 
     def _verify(self, out: SchedulerOutput, step: Any, hidden: torch.Tensor, sample_idx: list[int],
                 sampled_ids: list[list[int]], logprobs: dict[str, LogprobsLists]) -> None:

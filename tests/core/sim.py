@@ -3,6 +3,9 @@
 The simulator keeps only what real workers keep (per request: tokens, block ids,
 computed count), rebuilt purely from SchedulerOutput diffs, and checks after
 every step that it equals the scheduler's truth. That proves the diff protocol.
+It also compiles grammars the way a worker does: announced in one step, done
+some steps later (a regex "(" fails), and a request with a grammar must not
+arrive before its grammar is compiled on this worker.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams
+from aiolm.structured.spec import StructuredOutputs
 
 EOS = 0
+BAD_GRAMMAR = StructuredOutputs("regex", "(")  # the simulated worker fails to compile it
 
 
 def make_request(
@@ -55,6 +60,8 @@ class WorkerSim:
     reqs: dict[str, WorkerRequest] = field(default_factory=dict)
     seen_new: list[str] = field(default_factory=list)
     block_size: int = 4
+    compiling: dict[str, StructuredOutputs] = field(default_factory=dict)  # req_id -> grammar
+    compiled: set[str] = field(default_factory=set)  # requests whose grammar this worker holds
 
     def apply(self, so: SchedulerOutput) -> list[str]:
         """Apply one step's diff; return the ids whose prefill is complete (they sample)."""
@@ -65,8 +72,13 @@ class WorkerSim:
         assert not set(new_ids) & set(cached_ids), "a request is both new and cached"
         assert len(set(new_ids + cached_ids)) == len(new_ids) + len(cached_ids)
         assert set(new_ids + cached_ids) == set(so.num_scheduled_tokens)
+        for rid, spec in so.grammars.items():
+            assert rid not in self.compiling and rid not in self.compiled, f"{rid}: grammar sent twice"
+            self.compiling[rid] = spec
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.reqs, f"{nr.req_id} re-sent as new while held"
+            if nr.sampling_params.structured_outputs is not None:
+                assert nr.req_id in self.compiled, f"{nr.req_id} scheduled before its grammar compiled"
             self.reqs[nr.req_id] = WorkerRequest(
                 list(nr.prompt_token_ids) + list(nr.output_token_ids), list(nr.block_ids),
                 nr.num_computed_tokens)
@@ -94,6 +106,18 @@ class WorkerSim:
     def reject(self, rid: str, num_rejected: int) -> None:
         """The next step's diff sets the real worker's computed count; mirror the rollback."""
         self.reqs[rid].num_computed -= num_rejected
+
+    def finish_compiles(self, rng: random.Random) -> tuple[list[str], dict[str, str]]:
+        """Some of the grammars in flight finish now: (ready, errors) for ModelRunnerOutput."""
+        ready, errors = [], {}
+        for rid in sorted(self.compiling):
+            if rng.random() < 0.5:
+                if self.compiling.pop(rid) == BAD_GRAMMAR:
+                    errors[rid] = "invalid regex: unbalanced parenthesis"
+                else:
+                    ready.append(rid)
+                    self.compiled.add(rid)
+        return ready, errors
 
     def check(self, sched: Scheduler, so: SchedulerOutput) -> None:
         """The worker view must equal the scheduler's truth for every running request."""
@@ -134,9 +158,15 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
     assert kv.check_invariants() == []
     running_ids = [r.req_id for r in sched.running]
     waiting_ids = [r.req_id for r in sched.waiting]
+    awaiting_ids = set(sched.awaiting_grammar)
     assert len(set(running_ids)) == len(running_ids)
     assert not set(running_ids) & set(waiting_ids)
-    assert set(running_ids) | set(waiting_ids) == set(sched.requests)
+    assert not (set(running_ids) | set(waiting_ids)) & awaiting_ids
+    assert set(running_ids) | set(waiting_ids) | awaiting_ids == set(sched.requests)
+    assert sched.num_waiting == len(waiting_ids) + len(awaiting_ids)
+    for r in sched.awaiting_grammar.values():
+        assert r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.sampling_params.structured_outputs is not None
+        assert r.req_id not in kv.req_to_blocks and r.num_computed_tokens == 0
     assert len(running_ids) <= cfg.max_num_seqs
     assert set(kv.req_to_blocks) <= set(running_ids)
     spec = so.scheduled_spec_decode_tokens if so is not None else {}
@@ -185,6 +215,7 @@ class Driver:
         for rid, toks in zip(mro.req_ids, mro.sampled_token_ids):
             if rid in spec:
                 self.worker.reject(rid, len(spec[rid]) + 1 - len(toks))
+        mro.grammars_ready, mro.grammar_errors = self.worker.finish_compiles(self.rng)
         outs = self.sched.update_from_output(so, mro)
         self.record(outs)
         check_scheduler(self.sched)

@@ -16,7 +16,9 @@ from aiolm.core.kv_cache import BlockHasher
 from aiolm.core.request import Request
 from aiolm.spec_decode import SpecConfig
 
-from .sim import Driver, WorkerSim, check_scheduler, make_request, make_scheduler
+from aiolm.structured.spec import StructuredOutputs
+
+from .sim import BAD_GRAMMAR, Driver, WorkerSim, check_scheduler, make_request, make_scheduler
 
 # A few shared prefixes so prefix-cache hits, sharing and eviction all happen.
 PREFIXES = [list(range(1, 13)), list(range(20, 29)), [5] * 8]
@@ -45,6 +47,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.driver = Driver(self.sched, seed=seed, eos_prob=0.15)
         self.next_id = 0
         self.added: set[str] = set()
+        self.bad_grammar: set[str] = set()
 
     @rule(
         prefix=st.integers(0, len(PREFIXES)),
@@ -53,8 +56,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 3),
         priority=st.integers(0, 3),
         ignore_eos=st.booleans(),
+        grammar=st.sampled_from([None, None, StructuredOutputs("regex", "[a-z]+"), BAD_GRAMMAR]),
     )
-    def add(self, prefix, suffix, max_tokens, min_tokens, priority, ignore_eos):
+    def add(self, prefix, suffix, max_tokens, min_tokens, priority, ignore_eos, grammar):
         prompt = (PREFIXES[prefix] if prefix < len(PREFIXES) else []) + suffix
         if not prompt or len(prompt) > 47:
             return
@@ -64,8 +68,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.sched.add_request(make_request(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
                                             priority=priority, arrival_time=float(self.next_id),
-                                            ignore_eos=ignore_eos))
+                                            ignore_eos=ignore_eos, structured_outputs=grammar))
         self.added.add(rid)
+        if grammar == BAD_GRAMMAR:
+            self.bad_grammar.add(rid)
 
     @rule()
     def step(self):
@@ -115,6 +121,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(self.driver.finished) == self.added
         for rid, out in self.driver.finished.items():
             assert out.finish_reason in ("stop", "length", "abort", "error")
+            failed = out.finish_reason == "error" and "grammar" in (out.error or "")
+            assert failed == (rid in self.bad_grammar and out.finish_reason != "abort"), (rid, out)
+            if failed:
+                assert not out.new_token_ids and "unbalanced parenthesis" in out.error
 
 
 SchedulerMachine.TestCase.settings = settings(

@@ -8,6 +8,7 @@ from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import SchedulerConfig
 from aiolm.params import ParamError, SamplingParams
+from aiolm.structured.spec import StructuredOutputs
 
 from .sim import EOS, Driver, check_scheduler, make_request, make_scheduler
 
@@ -505,3 +506,59 @@ def test_request_fields_and_status():
                            (RequestStatus.FINISHED_ABORTED, "abort"), (RequestStatus.FINISHED_ERROR, "error")]:
         assert status.is_finished and status.finish_reason == reason
     assert not RequestStatus.PREEMPTED.is_finished
+    assert not RequestStatus.WAITING_FOR_GRAMMAR.is_finished
+
+
+# -- the grammar wait state ---------------------------------------------------------------
+
+DIGITS = StructuredOutputs("regex", "[0-9]+")
+
+
+def test_a_request_waits_for_its_grammar_while_others_run():
+    sched = make_scheduler()
+    sched.add_request(make_request("plain", 4, max_tokens=8, ignore_eos=True))
+    sched.add_request(make_request("json", 4, max_tokens=2, ignore_eos=True, structured_outputs=DIGITS))
+    assert sched.num_waiting == 2 and sched.get_request("json").status == RequestStatus.WAITING_FOR_GRAMMAR
+    so, _ = one_step(sched)
+    assert so.grammars == {"json": DIGITS} and list(so.num_scheduled_tokens) == ["plain"]
+    for _ in range(3):  # the grammar is sent once; the request holds no blocks meanwhile
+        so, _ = one_step(sched)
+        assert not so.grammars and list(so.num_scheduled_tokens) == ["plain"]
+        assert sched.kv_cache_manager.get_blocks("json") == []
+    so = sched.schedule()
+    outs = sched.update_from_output(so, ModelRunnerOutput(["plain"], [[7]], grammars_ready=["json"]))
+    assert sched.get_request("json").status == RequestStatus.WAITING and [o.req_id for o in outs] == ["plain"]
+    so, _ = one_step(sched)
+    assert set(so.num_scheduled_tokens) == {"plain", "json"}
+    # Preempted and resumed, the request does not wait again: the workers keep compiled grammars.
+    req = sched.requests["json"]
+    sched.running.remove(req)
+    sched._preempt(req)
+    so, _ = one_step(sched)
+    assert not so.grammars and "json" in so.num_scheduled_tokens
+
+
+def test_an_empty_step_carries_the_grammar_and_its_failure_finishes_the_request():
+    sched = make_scheduler()
+    sched.add_request(make_request("bad", 4, structured_outputs=StructuredOutputs("regex", "(")))
+    so = sched.schedule()
+    assert so.is_empty and set(so.grammars) == {"bad"}  # the engine still sends it: the workers must hear
+    assert sched.update_from_output(so, ModelRunnerOutput([], [])) == []
+    so = sched.schedule()
+    outs = sched.update_from_output(so, ModelRunnerOutput([], [], grammar_errors={"bad": "invalid regex: ("}))
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("bad", "error")]
+    assert "invalid regex: (" in outs[0].error and not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_usable_blocks
+
+
+def test_aborting_a_request_that_waits_for_its_grammar():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4, structured_outputs=DIGITS))
+    sched.add_request(make_request("b", 4, structured_outputs=DIGITS))
+    assert [o.finish_reason for o in sched.abort_requests(["a"])] == ["abort"]
+    so = sched.schedule()
+    assert set(so.grammars) == {"b"} and not so.finished_req_ids  # "a" never reached the workers
+    sched.abort_requests(["b"])
+    so = sched.schedule()  # a late report for an aborted request is ignored
+    assert sched.update_from_output(so, ModelRunnerOutput([], [], grammars_ready=["b"])) == []
+    assert not sched.has_unfinished_requests() and sched.num_waiting == 0

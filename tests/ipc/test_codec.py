@@ -15,6 +15,7 @@ from aiolm.core.outputs import (
 )
 from aiolm.ipc import codec
 from aiolm.params import OutputKind, SamplingParams
+from aiolm.structured.spec import StructuredOutputs
 
 
 def make_step() -> SchedulerOutput:
@@ -27,7 +28,8 @@ def make_step() -> SchedulerOutput:
                                new_block_ids=[[], [8]], num_computed_tokens=[40, 41])
     return SchedulerOutput(step=7, scheduled_new_reqs=new, scheduled_cached_reqs=cached,
                            num_scheduled_tokens={"a": 3, "b": 100, "c": 1, "d": 2},
-                           total_num_scheduled_tokens=106, finished_req_ids={"x", "y"})
+                           total_num_scheduled_tokens=106, finished_req_ids={"x", "y"},
+                           grammars={"e": StructuredOutputs("json", '{"type": "object"}', strict=False)})
 
 
 def test_scheduler_output_round_trip_fast_path():
@@ -40,12 +42,16 @@ def test_scheduler_output_round_trip_fast_path():
     assert type(sp) is SamplingParams and sp.output_kind is OutputKind.DELTA
     assert sp.greedy and sp.stop_ids() == {2, 3} and sp.eos_token_ids == (2, 3)
     assert isinstance(back.scheduled_cached_reqs, CachedRequestData) and len(back.scheduled_cached_reqs) == 2
+    assert type(back.grammars["e"]) is StructuredOutputs and back.grammars["e"].key() == so.grammars["e"].key()
 
 
 def test_model_runner_and_core_outputs_round_trip():
     lp = LogprobsLists(token_ids=[[5, 1, 2]], logprobs=[[-0.1, -2.0, -3.5]], ranks=[1])
-    mro = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], []], logprobs={"a": lp})
-    back = codec.decode_model_runner_output(codec.encode_model_runner_output(mro))
+    mro = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], []], logprobs={"a": lp},
+                            grammars_ready=["c"], grammar_errors={"d": "invalid regex"})
+    buf = codec.encode_model_runner_output(mro)
+    assert buf[:1] == b"S"
+    back = codec.decode_model_runner_output(buf)
     assert back == mro and isinstance(back.logprobs["a"], LogprobsLists)
     for out in (EngineCoreOutput("a", [1, 2], "stop", "\n", lp, 3),
                 EngineCoreOutput("b", [], error="boom")):

@@ -90,3 +90,33 @@ def test_a_row_that_ignores_eos_gets_only_stop_tokens_after_the_end(tokenizer):
 
 def test_no_constrained_row_means_no_processor():
     assert Grammar.build(_rows([_params(None)], [[]])) is None
+
+
+def test_background_compiles_report_ready_and_errors_and_leave_the_grammar_cached(tokenizer):
+    """The worker's side of the grammar wait state: compiles run on their own threads, requests
+    sharing a grammar share the compile, errors carry the compiler's message, and the processor
+    then builds its matcher from the cache."""
+    import time
+
+    from aiolm.structured.backend import BackgroundCompiles
+
+    spec = StructuredOutputs("regex", "[A-Z][a-z]{1,120}-background")
+    jobs = BackgroundCompiles(VOCAB)
+    try:
+        assert jobs.collect() == ([], {})
+        jobs.submit({"a": spec, "b": spec, "bad": StructuredOutputs("regex", "(ab")})
+        ready: list[str] = []
+        errors: dict[str, str] = {}
+        deadline = time.monotonic() + 60
+        while len(ready) + len(errors) < 3:
+            assert time.monotonic() < deadline, (ready, errors)
+            r, e = jobs.collect(wait=0.05)
+            ready += r
+            errors.update(e)
+        assert sorted(ready) == ["a", "b"] and list(errors) == ["bad"] and "invalid regex" in errors["bad"]
+        assert jobs.collect(wait=0.05) == ([], {})  # each request is reported once; nothing waits
+        t0 = time.perf_counter()
+        proc = Grammar.build(_rows([_params(spec)], [[]]))
+        assert proc is not None and time.perf_counter() - t0 < 0.25  # a cache hit, not a compile
+    finally:
+        jobs.close()

@@ -10,9 +10,11 @@ seen. When the grammar is complete only the row's stop tokens stay allowed, so
 the request ends with finish_reason "stop" through the ordinary stop-token path.
 
 Filling the bitmask is host work per row (the matcher walks its own state),
-done by xgrammar for all rows at once on as many threads as torch uses; the mask
-is then copied to the logits' device and applied there by xgrammar's
-kernel, with nothing read back.
+done by xgrammar for all rows at once on as many threads as torch uses. The
+bitmask has a row per batch row, and only constrained rows are filled and
+masked, so unconstrained rows cost nothing and no logits are gathered or
+scattered. The mask is applied where the logits are
+(``aiolm.kernels.sampling_ops.apply_token_bitmask_``), with nothing read back.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import Any
 
 import torch
 
+from aiolm.kernels.sampling_ops import apply_token_bitmask_
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
-from aiolm.sample.tensors import long_tensor
 from aiolm.structured.backend import Compiler, xgrammar_module as _xgr
 
 log = logging.getLogger(__name__)
@@ -91,13 +93,11 @@ class Grammar(LogitsProcessor):
 
     name = "grammar"
 
-    def __init__(self, rows: list[int], matchers: list[_RowMatcher], vocab_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, rows: list[int], matchers: list[_RowMatcher], num_rows: int, vocab_size: int) -> None:
         self.rows = rows
         self.matchers = matchers
-        self.vocab_size = vocab_size
-        self.bitmask = _xgr().allocate_token_bitmask(len(rows), vocab_size)  # host, int32
-        self.index = long_tensor(rows, device)
+        self.bitmask = _xgr().allocate_token_bitmask(num_rows, vocab_size)  # host, int32, a row per batch row
+        self.masked_rows = None if len(rows) == num_rows else rows  # None: every row
 
     @classmethod
     def build(cls, rows: BatchRows) -> Grammar | None:
@@ -116,7 +116,7 @@ class Grammar(LogitsProcessor):
             matchers.append(m)
         if not idx:
             return None
-        return cls(idx, matchers, rows.vocab_size, rows.device)
+        return cls(idx, matchers, len(rows), rows.vocab_size)
 
     def advance(self, new_token_ids: Sequence[Sequence[int]]) -> None:
         for j, i in enumerate(self.rows):
@@ -124,18 +124,22 @@ class Grammar(LogitsProcessor):
                 self.matchers[j].accept(t)
 
     def apply(self, logits: torch.Tensor) -> None:
-        live = [j for j, m in enumerate(self.matchers) if not m.matcher.is_terminated()]
+        self.fill()
+        self.mask(logits)
+
+    def fill(self) -> None:
+        """The next-token bitmask of every constrained row (host work)."""
+        live_rows: list[int] = []
+        live: list[Any] = []
+        for i, m in zip(self.rows, self.matchers):
+            if m.matcher.is_terminated():
+                m.fill_stop_only(self.bitmask, i)
+            else:
+                live_rows.append(i)
+                live.append(m.matcher)
         if live:  # xgrammar fills the rows on its own threads, as many as torch computes with
-            _batch_filler().batch_fill_next_token_bitmask([self.matchers[j].matcher for j in live],
-                                                          self.bitmask, indices=live)
-        if len(live) < len(self.matchers):
-            done = set(range(len(self.matchers))) - set(live)
-            for j in done:
-                self.matchers[j].fill_stop_only(self.bitmask, j)
-        mask: Any = self.bitmask.to(logits.device, non_blocking=True)
-        if len(self.rows) == logits.shape[0]:
-            _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
-            return
-        sub = logits.index_select(0, self.index)
-        _xgr().apply_token_bitmask_inplace(sub, mask, vocab_size=self.vocab_size)
-        logits.index_copy_(0, self.index, sub)
+            _batch_filler().batch_fill_next_token_bitmask(live, self.bitmask, indices=live_rows)
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """-inf on the tokens the filled bitmask forbids, constrained rows only."""
+        apply_token_bitmask_(logits, self.bitmask, self.masked_rows)
