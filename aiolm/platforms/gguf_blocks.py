@@ -31,6 +31,9 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linea
 # Above this many rows the float32 panel GEMM wins a decode step (benchmarks/bench_linear.py):
 # 16 on an AVX2 CPU, but only 6 where the panel GEMM runs on AVX-512 (twice as fast).
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
+# Steps of at most this many rows quantize x to int8 blocks and use integer dot products
+# (GGUFWeight.linear_int8); 0 keeps every step on float32 arithmetic.
+INT8_ROWS = MAX_ROWS
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
@@ -75,6 +78,12 @@ class GGUFWeight:
         y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
         return y if bias is None else y + bias
 
+    def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
+        """x quantized per block of 32 to int8 and multiplied with integer dot products
+        (ext/cpu/gguf_int8.cpp); ``isa`` picks a compiled path (-1: the best)."""
+        y = torch.ops.aiolm.gguf_int8_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n, isa)
+        return y if bias is None else y + bias
+
 
 @dataclass(frozen=True)
 class GGUFLinear:
@@ -85,7 +94,10 @@ class GGUFLinear:
     fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= MAX_ROWS:
+        rows = x.shape[0]
+        if rows <= INT8_ROWS:
+            return self.blocks.linear_int8(x.float(), bias)
+        if rows <= MAX_ROWS:
             return self.blocks.linear(x.float(), bias)
         return self.fallback(x, bias)
 
