@@ -115,7 +115,8 @@ def layer_sequence(shapes, rounds: int) -> None:
 
 
 def int8_crossover(layers, rounds: int) -> None:
-    """Microseconds per call of one layer's weights, 20 calls per timed run."""
+    """Microseconds per call of one layer's weights: short timed runs (5 calls), so that on a
+    shared machine most runs fit in one time slice and the median is the unloaded speed."""
     from aiolm.platforms.cpu_linear import to_panels
 
     print("\n| layer (N x K, type) | rows | GGUF blocks, float (µs) | GGUF blocks, int8 x (µs) | panels (µs) |"
@@ -127,7 +128,7 @@ def int8_crossover(layers, rounds: int) -> None:
         kind = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[g.qtype]
         for m in (1, 2, 4, 6, 8, 12, 16, 24, 32):
             x = torch.randn(m, k)
-            calls = 20
+            calls = 5
 
             def rep(f):
                 return lambda: [f() for _ in range(calls)]
