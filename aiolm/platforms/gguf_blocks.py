@@ -35,12 +35,14 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linea
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
-# Steps of at most this many rows quantize x to int8 per block of 32 and use integer dot
-# products (GGUFWeight.linear_int8): one instruction multiplies 64 weights where the float
-# path converts each, so it beats the panels further up (bench_linear.py); on AVX2 it is
-# left at the float path's measured limit. Greedy answers can part from the float path's after some tokens
-# (tests/kernels/test_gguf_int8.py prints where): AIOLM_GGUF_INT8=0 keeps every step in float.
-INT8_ROWS = (16 if cpu_kernels.has_avx512() else MAX_ROWS) if os.environ.get("AIOLM_GGUF_INT8", "1") != "0" else 0
+# With AIOLM_GGUF_INT8=1, steps of up to INT8_LIMIT rows quantize x to int8 per block of 32
+# and use integer dot products (GGUFWeight.linear_int8): one instruction multiplies 64
+# weights where the float path converts each, so it beats the panels further up
+# (bench_linear.py); on AVX2 it is left at the float path's measured limit. Opt-in because
+# greedy answers part from the float32 path's after some tokens (tests/kernels/test_gguf_int8.py
+# prints where), and the float path matches transformers token for token.
+INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
+INT8_ROWS = INT8_LIMIT if os.environ.get("AIOLM_GGUF_INT8") == "1" else 0
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)

@@ -27,12 +27,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "gguf_blocks.h"
 #include "linear_rows.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -45,8 +47,11 @@
 
 namespace {
 
-constexpr int64_t QK = 32;
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+using aiolm_gguf::QK;
+using aiolm_gguf::Q4_0;
+using aiolm_gguf::Q4_1;
+using aiolm_gguf::Q8_0;
+using aiolm_gguf::quant_bytes;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
 
 int64_t best_isa() {
@@ -157,8 +162,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t isa, int8_t* q,
       s[i] = d[i] * static_cast<float>(sum[i]);
     }
 }
-
-constexpr int64_t quant_bytes(int64_t T) { return T == Q8_0 ? 32 : 16; }
 
 // Q4_1's min term of a group's 8 rows for one row of x: sum_b m_b s_b (mins stored 8 wide).
 void min_term(const float* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
@@ -348,33 +351,21 @@ void run_groups(const uint8_t* qs, const float* scale, const float* mins, const 
       for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
     };
     // Tiles of MR rows of x; each tile reads the group's blocks once (they stay in L1).
-    auto tiles = [&](auto group_fn_4, auto group_fn_2, auto group_fn_1, int64_t max4) {
-      int64_t r = 0;
-      for (; max4 && r + 4 <= M; r += 4) {
-        float o[8][4];
-        group_fn_4(r, o);
-        for (int k = 0; k < 4; ++k) {
-          float v[8];
-          for (int i = 0; i < 8; ++i) v[i] = o[i][k];
-          put(r + k, v);
-        }
-      }
-      for (; r + 2 <= M; r += 2) {
-        float o[8][2];
-        group_fn_2(r, o);
-        for (int k = 0; k < 2; ++k) {
-          float v[8];
-          for (int i = 0; i < 8; ++i) v[i] = o[i][k];
-          put(r + k, v);
-        }
-      }
-      if (r < M) {
-        float o[8][1];
-        group_fn_1(r, o);
+    auto tile = [&](auto mr, auto group_fn, int64_t r) {
+      constexpr int MR = decltype(mr)::value;
+      float o[8][MR];
+      group_fn(r, o);
+      for (int k = 0; k < MR; ++k) {
         float v[8];
-        for (int i = 0; i < 8; ++i) v[i] = o[i][0];
-        put(r, v);
+        for (int i = 0; i < 8; ++i) v[i] = o[i][k];
+        put(r + k, v);
       }
+    };
+    auto tiles = [&](auto group_fn_4, auto group_fn_2, auto group_fn_1, bool fours) {
+      int64_t r = 0;
+      for (; fours && r + 4 <= M; r += 4) tile(std::integral_constant<int, 4>{}, group_fn_4, r);
+      for (; r + 2 <= M; r += 2) tile(std::integral_constant<int, 2>{}, group_fn_2, r);
+      if (r < M) tile(std::integral_constant<int, 1>{}, group_fn_1, r);
     };
 #ifdef AIOLM_I8_VNNI
     if (isa == AVX512_VNNI) {
@@ -389,7 +380,7 @@ void run_groups(const uint8_t* qs, const float* scale, const float* mins, const 
     if (isa == AVX2) {
       tiles([&](int64_t, float[8][4]) {},
             [&](int64_t r, float o[8][2]) { group_avx2<T, 2>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); }, 0);
+            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); }, false);
       continue;
     }
 #endif
@@ -426,27 +417,9 @@ struct Scratch {
 
 at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scale,
                             const at::Tensor& mins, int64_t qtype, int64_t N, int64_t isa) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "aiolm::gguf_int8_linear: x must be float32");
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "aiolm::gguf_int8_linear: unsupported GGUF type id ",
-              qtype, " (Q4_0=2, Q4_1=3, Q8_0=8)");
+  const int64_t nblocks = aiolm_gguf::check_blocks("aiolm::gguf_int8_linear", x_in, qs, scale, mins, qtype, N);
+  const int64_t groups = qs.size(0), K = nblocks * QK;
   isa = pick_isa(isa);
-  const int64_t qb = quant_bytes(qtype);
-  TORCH_CHECK((qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar) && qs.dim() == 2 &&
-                  qs.is_contiguous(),
-              "aiolm::gguf_int8_linear: qs must be a contiguous 8-bit [N/8, nblocks * 8 * bytes] tensor");
-  const int64_t groups = qs.size(0), group_bytes = qs.size(1);
-  TORCH_CHECK(N > (groups - 1) * 8 && N <= groups * 8, "aiolm::gguf_int8_linear: ", N,
-              " output rows do not fill ", groups, " groups of 8");
-  TORCH_CHECK(group_bytes % (8 * qb) == 0, "aiolm::gguf_int8_linear: a group of ", group_bytes,
-              " bytes is not whole blocks");
-  const int64_t nblocks = group_bytes / (8 * qb), K = nblocks * QK;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == groups && scale.size(1) == nblocks * 8,
-              "aiolm::gguf_int8_linear: scale must be float32 [N/8, nblocks * 8]");
-  if (qtype == Q4_1)
-    TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scale.sizes(),
-                "aiolm::gguf_int8_linear: Q4_1 needs float32 mins [N/8, nblocks * 8]");
-  TORCH_CHECK(x_in.size(-1) == K, "aiolm::gguf_int8_linear: x has ", x_in.size(-1), " features, W has ", K);
   const aiolm_linear::Rows io(x_in, K, N);
   const int64_t M = io.m();
   if (M == 0 || N == 0) return io.result();

@@ -105,8 +105,9 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
 
     model = build_model(real_source, torch.float32)
     prompts = _prompt_ids(tokenizer)
-    assert len(prompts) <= min(gguf_blocks.INT8_ROWS, gguf_blocks.MAX_ROWS)  # decode steps: int8, or float blocks
+    assert len(prompts) <= min(gguf_blocks.INT8_LIMIT, gguf_blocks.MAX_ROWS)  # decode steps: int8, or float blocks
     n = 48
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)  # as AIOLM_GGUF_INT8=1 sets it
     int8 = PagedHarness(model).greedy(prompts, n)
     monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
     floats = PagedHarness(model).greedy(prompts, n)
