@@ -47,11 +47,7 @@
 
 namespace {
 
-using aiolm_gguf::QK;
-using aiolm_gguf::Q4_0;
-using aiolm_gguf::Q4_1;
-using aiolm_gguf::Q8_0;
-using aiolm_gguf::quant_bytes;
+using namespace aiolm_gguf;  // QK, the type ids, quant_bytes
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
 
 int64_t best_isa() {

@@ -39,10 +39,7 @@
 
 namespace {
 
-using aiolm_gguf::QK;
-using aiolm_gguf::Q4_0;
-using aiolm_gguf::Q4_1;
-using aiolm_gguf::Q8_0;
+using namespace aiolm_gguf;  // QK, the type ids, quant_bytes
 
 #ifdef AIOLM_AVX512
 // AVX-512: a block's 32 weights are two vectors of 16 (its low nibbles are weights
