@@ -8,9 +8,14 @@
    (aiolm::gguf_linear). Weights stay in cache here, which flatters every method.
 1b. All 30 layers' four linears in sequence, distinct weights per layer as in a
    real step, oneDNN against the panels (runs interleaved, medians).
+1c. Each shape at 1-32 rows: the GGUF blocks with float arithmetic (aiolm::gguf_linear),
+   with int8 activations (aiolm::gguf_int8_linear) and the panels, interleaved medians.
 2. One decode step of the real model over a paged KV cache (128-token contexts)
-   at batch sizes 1-32, with the GGUF-block path off and on: this, not (1), sets
-   gguf_blocks.MAX_ROWS, since in a real step the weights come from memory.
+   at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
+   activations: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_ROWS, since in
+   a real step the weights come from memory.
+
+``--sections 1c,2`` runs only those parts.
 """
 
 from __future__ import annotations
@@ -40,12 +45,11 @@ def timed(f, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sections", default="1,1b,1c,2", help="comma-separated: 1, 1b, 1c, 2")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per figure (1b, 1c, 2)")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     torch.set_num_threads(a.threads)
-    from paged import PagedHarness
-
-    from aiolm.platforms import gguf_blocks
-    from aiolm.platforms.cpu_linear import to_panels
     from aiolm.model.loader import resolve_model
     from aiolm.model.registry import build_model
 
@@ -53,6 +57,20 @@ def main() -> None:
     layer = model.layers[0]
     layers = [("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj),
               ("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("lm_head", model.lm_head)]
+    if "1" in sections:
+        per_layer_methods(layers)
+    shapes = [(mod.method.blocks.n, mod.method.blocks.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
+    if "1b" in sections:
+        layer_sequence(shapes, a.rounds)
+    if "1c" in sections:
+        int8_crossover(layers, a.rounds)
+    if "2" in sections:
+        decode_steps(model, a.rounds)
+
+
+def per_layer_methods(layers) -> None:
+    from aiolm.platforms.cpu_linear import to_panels
+
     print("| layer | rows | F.linear GFLOP/s | oneDNN packed | panels | GGUF blocks |\n|---|---|---|---|---|---|")
     for name, mod in layers:
         g = mod.method.blocks
@@ -69,7 +87,11 @@ def main() -> None:
             gg = flops / timed(lambda: g.linear(x), reps) / 1e9
             print(f"| {name} | {m} | {f32:.0f} | {dnnl:.0f} | {pan:.0f} | {gg:.0f} |", flush=True)
 
-    shapes = [(mod.method.blocks.n, mod.method.blocks.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
+
+
+def layer_sequence(shapes, rounds: int) -> None:
+    from aiolm.platforms.cpu_linear import to_panels
+
     print("\n| rows | 30 layers' linears, oneDNN (ms) | panels (ms) | panels GFLOP/s |\n|---|---|---|---|")
     for m in (16, 32, 64, 128, 512, 2048):
         weights = [[torch.randn(n, k) for n, k in shapes] for _ in range(30)]
@@ -87,19 +109,59 @@ def main() -> None:
                 for (n, k), w in zip(shapes, ws):
                     torch.ops.aiolm.panel_linear(xs[k], w, n)
 
-        a, b = interleaved(run_dnnl, run_panels, 5)
+        a, b = interleaved([run_dnnl, run_panels], rounds)
         flops = 30 * sum(2 * m * n * k for n, k in shapes)
         print(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {flops / b / 1e9:.0f} |", flush=True)
 
-    print("\n| batch | decode step, float32 panels (ms) | with GGUF blocks (ms) |\n|---|---|---|")
-    for b in (1, 4, 8, 16, 24, 32):
-        res = []
-        for rows in (0, 64):
-            gguf_blocks.MAX_ROWS = rows
-            h = PagedHarness(model, num_blocks=1024)
-            h.step({i: list(range(100, 228)) for i in range(b)})
-            res.append(1e3 * timed(lambda: h.step({i: [5] for i in range(b)}), 10))
-        print(f"| {b} | {res[0]:.1f} | {res[1]:.1f} |", flush=True)
+
+def int8_crossover(layers, rounds: int) -> None:
+    """Microseconds per call of one layer's weights: short timed runs (5 calls), so that on a
+    shared machine most runs fit in one time slice and the median is the unloaded speed."""
+    from aiolm.platforms.cpu_linear import to_panels
+
+    print("\n| layer (N x K, type) | rows | GGUF blocks, float (µs) | GGUF blocks, int8 x (µs) | panels (µs) |"
+          "\n|---|---|---|---|---|")
+    for name, mod in layers:
+        g = mod.method.blocks
+        n, k = g.n, g.scale.shape[1] // 8 * 32
+        panels = to_panels(torch.randn(n, k))
+        kind = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[g.qtype]
+        for m in (1, 2, 4, 6, 8, 12, 16, 24, 32):
+            x = torch.randn(m, k)
+            calls = 5
+
+            def rep(f):
+                return lambda: [f() for _ in range(calls)]
+
+            t = interleaved([rep(lambda: g.linear(x)), rep(lambda: g.linear_int8(x)),
+                             rep(lambda: torch.ops.aiolm.panel_linear(x, panels, n))], rounds)
+            f, i, p = (1e6 * v / calls for v in t)
+            print(f"| {name} ({n} x {k}, {kind}) | {m} | {f:.0f} | {i:.0f} | {p:.0f} |", flush=True)
+
+
+def decode_steps(model, rounds: int) -> None:
+    from paged import PagedHarness
+
+    from aiolm.platforms import gguf_blocks
+
+    modes = {"panels": (0, 0), "blocks, float": (64, 0), "blocks, int8 x": (64, 64)}  # (MAX_ROWS, INT8_ROWS)
+    saved = gguf_blocks.MAX_ROWS, gguf_blocks.INT8_ROWS
+    print("\n| batch | decode step, float32 panels (ms) | GGUF blocks, float (ms) | GGUF blocks, int8 x (ms) |"
+          "\n|---|---|---|---|")
+    for b in (1, 2, 4, 6, 8, 12, 16, 24, 32):
+        h = PagedHarness(model, num_blocks=1024)
+        h.step({i: list(range(100, 228)) for i in range(b)})
+
+        def step(mode: str):
+            def run() -> None:
+                gguf_blocks.MAX_ROWS, gguf_blocks.INT8_ROWS = modes[mode]
+                h.step({i: [5] for i in range(b)})
+                h.lens = {i: 128 for i in range(b)}  # every step decodes at position 128
+            return run
+
+        t = interleaved([step(m) for m in modes], rounds)
+        print(f"| {b} | " + " | ".join(f"{1e3 * v:.1f}" for v in t) + " |", flush=True)
+    gguf_blocks.MAX_ROWS, gguf_blocks.INT8_ROWS = saved
 
 
 def onednn(w: torch.Tensor):
@@ -108,16 +170,17 @@ def onednn(w: torch.Tensor):
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), w.shape[0], panels=False)
 
 
-def interleaved(f, g, rounds: int) -> tuple[float, float]:
-    """Median seconds of f and g, run alternately so that load on the machine hits both."""
-    f(), g()
-    tf, tg = [], []
+def interleaved(fns, rounds: int) -> list[float]:
+    """Median seconds of each function, run in turns so that load on the machine hits all alike."""
+    for f in fns:
+        f()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        for fn, ts in ((f, tf), (g, tg)):
+        for f, ts in zip(fns, times):
             t0 = time.perf_counter()
-            fn()
+            f()
             ts.append(time.perf_counter() - t0)
-    return statistics.median(tf), statistics.median(tg)
+    return [statistics.median(ts) for ts in times]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ reading the weights, and the file's own Q4_0/Q4_1/Q8_0 blocks are 3.5-7x smaller
 while holding exactly the values the float32 copy was dequantized from. So the
 linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from
 them when a step has at most ``MAX_ROWS`` rows; the answers are those of the
-float32 path up to the order of the sums.
+float32 path up to the order of the sums. Steps of up to ``INT8_ROWS`` rows go
+further, as llama.cpp does: x is rounded to int8 per block of 32 and the blocks
+are multiplied with integer dot products (``aiolm::gguf_int8_linear``), faster
+but no longer the float32 path's arithmetic.
 
 The CPU platform attaches them after packing (platforms/cpu.py). Only with one tensor-parallel rank, and only where every tensor fused into a
 layer has the same block type.
@@ -15,6 +18,7 @@ layer has the same block type.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,9 +32,17 @@ from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
 log = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
-# Above this many rows the float32 panel GEMM wins a decode step (benchmarks/bench_linear.py):
-# 16 on an AVX2 CPU, but only 6 where the panel GEMM runs on AVX-512 (twice as fast).
+# Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
+# (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
+# With AIOLM_GGUF_INT8=1, steps of up to INT8_LIMIT rows quantize x to int8 per block of 32
+# and use integer dot products (GGUFWeight.linear_int8): one instruction multiplies 64
+# weights where the float path converts each, so it beats the panels further up
+# (bench_linear.py); on AVX2 it is left at the float path's measured limit. Opt-in because
+# greedy answers part from the float32 path's after some tokens (tests/kernels/test_gguf_int8.py
+# prints where), and the float path matches transformers token for token.
+INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
+INT8_ROWS = INT8_LIMIT if os.environ.get("AIOLM_GGUF_INT8") == "1" else 0
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
@@ -75,6 +87,12 @@ class GGUFWeight:
         y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
         return y if bias is None else y + bias
 
+    def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
+        """x quantized per block of 32 to int8 and multiplied with integer dot products
+        (ext/cpu/gguf_int8.cpp); ``isa`` picks a compiled path (-1: the best)."""
+        y = torch.ops.aiolm.gguf_int8_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n, isa)
+        return y if bias is None else y + bias
+
 
 @dataclass(frozen=True)
 class GGUFLinear:
@@ -85,7 +103,10 @@ class GGUFLinear:
     fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= MAX_ROWS:
+        rows = x.shape[0]
+        if rows <= INT8_ROWS:
+            return self.blocks.linear_int8(x.float(), bias)
+        if rows <= MAX_ROWS:
             return self.blocks.linear(x.float(), bias)
         return self.fallback(x, bias)
 
@@ -136,5 +157,6 @@ def attach(model: Any, gguf_path: Path) -> int:
         n += give(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     n += give(model.lm_head, [head])
-    log.info("%d layers also keep their GGUF blocks for batches of up to %d rows", n, MAX_ROWS)
+    log.info("%d layers also keep their GGUF blocks for batches of up to %d rows (int8 x up to %d)", n,
+             max(MAX_ROWS, INT8_ROWS), INT8_ROWS)
     return n

@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "gguf_blocks.h"
 #include "linear_rows.h"
 
 #include <algorithm>
@@ -38,17 +39,7 @@
 
 namespace {
 
-constexpr int64_t QK = 32;
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
-
-int64_t qs_bytes(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0:
-    case Q4_1: return 16;
-    case Q8_0: return 32;
-  }
-  TORCH_CHECK(false, "aiolm::gguf_linear: unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q8_0=8)");
-}
+using namespace aiolm_gguf;  // QK, the type ids, quant_bytes
 
 #ifdef AIOLM_AVX512
 // AVX-512: a block's 32 weights are two vectors of 16 (its low nibbles are weights
@@ -289,25 +280,9 @@ void run_groups(const uint8_t* qs, const float* scale, const float* mins, const 
 
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scale,
                        const at::Tensor& mins, int64_t qtype, int64_t N) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "aiolm::gguf_linear: x must be float32");
-  const int64_t qb = qs_bytes(qtype);
-  TORCH_CHECK((qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar) && qs.dim() == 2 &&
-                  qs.is_contiguous(),
-              "aiolm::gguf_linear: qs must be a contiguous 8-bit [N/8, nblocks * 8 * bytes] tensor");
-  const int64_t groups = qs.size(0), group_bytes = qs.size(1);
-  TORCH_CHECK(N > (groups - 1) * 8 && N <= groups * 8, "aiolm::gguf_linear: ", N, " output rows do not fill ",
-              groups, " groups of 8");
-  TORCH_CHECK(group_bytes % (8 * qb) == 0, "aiolm::gguf_linear: a group of ", group_bytes,
-              " bytes is not whole blocks");
-  const int64_t nblocks = group_bytes / (8 * qb), K = nblocks * QK;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == groups && scale.size(1) == nblocks * 8,
-              "aiolm::gguf_linear: scale must be float32 [N/8, nblocks * 8]");
+  const int64_t nblocks = aiolm_gguf::check_blocks("aiolm::gguf_linear", x_in, qs, scale, mins, qtype, N);
+  const int64_t groups = qs.size(0), K = nblocks * QK;
   const bool has_min = qtype == Q4_1;
-  if (has_min)
-    TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scale.sizes(),
-                "aiolm::gguf_linear: Q4_1 needs float32 mins [N/8, nblocks * 8]");
-  TORCH_CHECK(x_in.size(-1) == K, "aiolm::gguf_linear: x has ", x_in.size(-1), " features, W has ", K);
   const aiolm_linear::Rows io(x_in, K, N);
   const at::Tensor& x = io.x;
   const int64_t M = io.m();

@@ -42,13 +42,15 @@ def test_keeps_leading_dims_and_rejects_mismatches():
                                     g.scale, g.mins, 3, g.n)
 
 
-def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_source, tokenizer):
-    """One sequence decodes through the GGUF blocks (1 row per step); the same greedy tokens
-    come out when the blocks are taken away and every step runs in float32 through oneDNN."""
+def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_source, tokenizer, monkeypatch):
+    """One sequence decodes through the GGUF blocks (1 row per step, float arithmetic: int8
+    activations are tests/kernels/test_gguf_int8.py's); the same greedy tokens come out when
+    the blocks are taken away and every step runs in float32 through oneDNN."""
     from paged import PagedHarness
 
     from aiolm.model.registry import build_model
 
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
     model = build_model(real_source, torch.float32)
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * model.config.num_layers + 1  # every linear layer and the LM head

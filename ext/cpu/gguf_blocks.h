@@ -1,0 +1,48 @@
+// The GGUF block types aiolm's block matmuls read, and the checks of their regrouped
+// arrays (laid out by aiolm/platforms/gguf_blocks.py; see the top of gguf_linear.cpp),
+// shared by aiolm::gguf_linear and aiolm::gguf_int8_linear.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace aiolm_gguf {
+
+constexpr int64_t QK = 32;  // weights per block
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+// Bytes of quants per block (the scale and min are kept apart).
+constexpr int64_t quant_bytes(int64_t qtype) { return qtype == Q8_0 ? 32 : 16; }
+
+inline void check_type(const char* op, int64_t qtype) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, op, ": unsupported GGUF type id ", qtype,
+              " (Q4_0=2, Q4_1=3, Q8_0=8)");
+}
+
+// Checks x [.., K] and a weight's arrays for N output rows; returns its blocks per row.
+inline int64_t check_blocks(const char* op, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                            const at::Tensor& mins, int64_t qtype, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
+  check_type(op, qtype);
+  const int64_t qb = quant_bytes(qtype);
+  TORCH_CHECK((qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar) && qs.dim() == 2 &&
+                  qs.is_contiguous(),
+              op, ": qs must be a contiguous 8-bit [N/8, nblocks * 8 * bytes] tensor");
+  const int64_t groups = qs.size(0), group_bytes = qs.size(1);
+  TORCH_CHECK(N > (groups - 1) * 8 && N <= groups * 8, op, ": ", N, " output rows do not fill ", groups,
+              " groups of 8");
+  TORCH_CHECK(group_bytes % (8 * qb) == 0, op, ": a group of ", group_bytes, " bytes is not whole blocks");
+  const int64_t nblocks = group_bytes / (8 * qb);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == groups && scale.size(1) == nblocks * 8,
+              op, ": scale must be float32 [N/8, nblocks * 8]");
+  if (qtype == Q4_1)
+    TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scale.sizes(),
+                op, ": Q4_1 needs float32 mins [N/8, nblocks * 8]");
+  TORCH_CHECK(x.size(-1) == nblocks * QK, op, ": x has ", x.size(-1), " features, W has ", nblocks * QK);
+  return nblocks;
+}
+
+}  // namespace aiolm_gguf

@@ -1,0 +1,468 @@
+// y = x W^T with integer dot products: each row of x is quantized on the fly to
+// int8 blocks of 32 (one float32 scale per block, as llama.cpp's Q8 activations),
+// and W stays in the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, in the regrouped
+// layout that aiolm::gguf_linear reads (see the top of gguf_linear.cpp: groups of
+// 8 output rows, block b of the 8 rows side by side). A block's dot product is then
+// 32 int8 x int8 multiply-adds summed exactly in int32, and one float FMA scales it
+// by d_w * d_x: with VNNI (vpdpbusd) four products per int32 lane per instruction,
+// against one converted weight per float lane for gguf_linear.
+//
+// Per block, with x = d_x * xq and isum = sum_j u_j xq_j over the stored codes u:
+//   Q4_1: w = d_w u + m    -> d_w d_x isum + m * (d_x sum xq)      (the min term is
+//         sum_b m_b s_b with s_b = d_x sum xq, computed 8 rows at a time)
+//   Q4_0: w = d_w (u - 8)  -> d_w d_x (isum - 8 sum xq)
+//   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
+// The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
+// bytes and so reads q + 128) are integers subtracted before the conversion, so every
+// path computes the same exact integer per block; paths differ only in the order of
+// the float sums. The quantization of x is the same arithmetic on every path
+// (round to nearest even of x * (1 / d)), so its codes are identical bit for bit.
+//
+// Paths: AVX-512 VNNI, AVX2 (vpmaddubsw + vpmaddwd) and scalar, compiled in as the
+// build's flags allow (-march=native) and picked at run time: the best one by
+// default, or the one asked for (tests run every compiled path on one machine).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "gguf_blocks.h"
+#include "linear_rows.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AIOLM_I8_AVX2 1
+#endif
+#if defined(AIOLM_I8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define AIOLM_I8_VNNI 1
+#endif
+
+namespace {
+
+using namespace aiolm_gguf;  // QK, the type ids, quant_bytes
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
+
+int64_t best_isa() {
+#if defined(AIOLM_I8_VNNI)
+  return AVX512_VNNI;
+#elif defined(AIOLM_I8_AVX2)
+  return AVX2;
+#else
+  return SCALAR;
+#endif
+}
+
+// x's rows as int8 blocks: q [M, K], and per block its scale d, the sum of its codes
+// (integer corrections) and d * that sum (Q4_1's min term).
+struct QRows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+  const float* s;
+  int64_t K, nblocks;
+};
+
+// One block of 32 floats: its scale (the same scalar arithmetic on every path) and 1/d.
+inline void block_scale(float amax, float& d, float& id) {
+  d = amax / 127.f;
+  id = d != 0.f ? 1.f / d : 0.f;
+}
+
+void quantize_block_scalar(const float* x, int8_t* q, float& d, int32_t& sum) {
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  float id;
+  block_scale(amax, d, id);
+  sum = 0;
+  for (int j = 0; j < QK; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));  // nearest even, as cvtps_epi32
+    sum += q[j];
+  }
+}
+
+#ifdef AIOLM_I8_AVX2
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void quantize_block_avx2(const float* x, int8_t* q, float& d, int32_t& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  float id;
+  block_scale(_mm_cvtss_f32(h), d, id);
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], idv));
+  sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+  // The packs interleave 128-bit lanes: 4-byte chunks come out as 0,2,4,6,1,3,5,7.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
+#ifdef AIOLM_I8_VNNI
+void quantize_block_avx512(const float* x, int8_t* q, float& d, int32_t& sum) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  float id;
+  block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))), d, id);
+  const __m512 idv = _mm512_set1_ps(id);
+  const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, idv)), ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, idv));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(ia));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(ib));
+}
+#endif
+
+// Quantizes rows [M, K] of x into the buffers of one call.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t isa, int8_t* q, float* d, int32_t* sum, float* s) {
+  const int64_t nb = K / QK;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = r * nb + b;
+      const float* xb = x + r * K + b * QK;
+      int8_t* qb = q + r * K + b * QK;
+#ifdef AIOLM_I8_VNNI
+      if (isa == AVX512_VNNI) quantize_block_avx512(xb, qb, d[i], sum[i]); else
+#endif
+#ifdef AIOLM_I8_AVX2
+      if (isa == AVX2) quantize_block_avx2(xb, qb, d[i], sum[i]); else
+#endif
+      quantize_block_scalar(xb, qb, d[i], sum[i]);
+      s[i] = d[i] * static_cast<float>(sum[i]);
+    }
+}
+
+// Q4_1's min term of a group's 8 rows for one row of x: sum_b m_b s_b (mins stored 8 wide).
+void min_term(const float* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
+#ifdef AIOLM_I8_AVX2
+  if (isa != SCALAR) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8), _mm256_set1_ps(s[b]), a);
+    _mm256_storeu_ps(out, a);
+    return;
+  }
+#endif
+  for (int i = 0; i < 8; ++i) {
+    out[i] = 0.f;
+    for (int64_t b = 0; b < nblocks; ++b) out[i] += mg[b * 8 + i] * s[b];
+  }
+}
+
+// The exact integer dot product of row i's block b (group base qg) with a block of codes.
+template <int64_t T>
+int32_t block_dot_scalar(const uint8_t* qg, int64_t b, int i, const int8_t* xq, int32_t xsum) {
+  int32_t acc = 0;
+  if constexpr (T == Q8_0) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(qg + (b * 8 + i) * 32);
+    for (int j = 0; j < QK; ++j) acc += static_cast<int32_t>(w[j]) * xq[j];
+  } else {
+    const uint8_t* w = qg + (b * 8 + i) * 16;
+    for (int j = 0; j < 16; ++j) acc += (w[j] & 0xf) * xq[j] + (w[j] >> 4) * xq[j + 16];
+    if constexpr (T == Q4_0) acc -= 8 * xsum;
+  }
+  return acc;
+}
+
+template <int64_t T>
+void group_scalar(const uint8_t* qg, const float* sg, const QRows& x, int64_t r, float out[8]) {
+  for (int i = 0; i < 8; ++i) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < x.nblocks; ++b) {
+      const int64_t xb = r * x.nblocks + b;
+      const int32_t dot = block_dot_scalar<T>(qg, b, i, x.q + r * x.K + b * QK, x.sum[xb]);
+      acc += sg[b * 8 + i] * x.d[xb] * static_cast<float>(dot);
+    }
+    out[i] = acc;
+  }
+}
+
+#ifdef AIOLM_I8_AVX2
+// A block of row i as 32 bytes in x's order (codes 0-15 in the low lane, 16-31 in the
+// high lane): u for Q4_1, u - 8 for Q4_0, q for Q8_0.
+template <int64_t T>
+inline __m256i weights_avx2(const uint8_t* p) {
+  if constexpr (T == Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i w = _mm256_and_si256(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), _mm256_set1_epi8(0x0f));
+    return T == Q4_0 ? _mm256_sub_epi8(w, _mm256_set1_epi8(8)) : w;
+  }
+}
+
+// NR rows of a group (from row i0) against MR rows of x (from r0). vpmaddubsw multiplies
+// unsigned by signed bytes: signed weights go in as |w| with x's sign flipped where w < 0
+// (|w| <= 128 and |xq| <= 127, so its pairwise int16 sums cannot saturate).
+template <int64_t T, int NR, int MR>
+void tile_avx2(const uint8_t* qg, const float* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
+  constexpr int64_t QB = quant_bytes(T);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nblocks; ++b) {
+    __m256i xv[MR];
+    __m256 dx[MR];
+    for (int r = 0; r < MR; ++r) {
+      xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (r0 + r) * x.K + b * QK));
+      dx[r] = _mm256_set1_ps(x.d[(r0 + r) * x.nblocks + b]);
+    }
+    for (int i = 0; i < NR; ++i) {
+      const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
+      const __m256 dw = _mm256_set1_ps(sg[b * 8 + i0 + i]);
+      const __m256i aw = T == Q4_1 ? w : _mm256_sign_epi8(w, w);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xs = T == Q4_1 ? xv[r] : _mm256_sign_epi8(xv[r], w);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx[r]), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) out[i][r] = hsum_ps(acc[i][r]);
+}
+
+// The 8 rows of a group against rows [r, r + MR) of x, written as out[i][r].
+template <int64_t T, int MR>
+void group_avx2(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+  if constexpr (MR == 1) {
+    tile_avx2<T, 8, 1>(qg, sg, 0, x, r0, out);
+  } else {
+    for (int h = 0; h < 8; h += 4) tile_avx2<T, 4, MR>(qg, sg, h, x, r0, out + h);
+  }
+}
+#endif
+
+#ifdef AIOLM_I8_VNNI
+// All 8 rows of a group against MR rows of x. A zmm vector holds 4 rows' blocks (Q4:
+// 16 bytes each, one per 128-bit lane, low nibbles then high nibbles against x's
+// broadcast halves) or 2 rows' (Q8_0: 32 bytes each); each int32 lane sums 4 products,
+// so a row's block is 4 (Q4) or 8 (Q8_0) lanes, scaled by its d_w * d_x in float.
+// vpdpbusd reads the weights as unsigned bytes: Q8_0 codes go in as q + 128 (xor 0x80)
+// and, like Q4_0's - 8, the offset times sum(xq) is the accumulator's starting value.
+template <int64_t T, int MR>
+void group_vnni(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+  constexpr int NV = T == Q8_0 ? 4 : 2;       // vectors per block of the group's 8 rows
+  constexpr int LANES = T == Q8_0 ? 8 : 4;    // int32 lanes per row in a vector
+  constexpr int OFF = T == Q8_0 ? 128 : T == Q4_0 ? 8 : 0;
+  constexpr int64_t QB = quant_bytes(T);
+  __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes
+  for (int v = 0; v < NV; ++v) {
+    alignas(64) int32_t k[16];
+    for (int l = 0; l < 16; ++l) k[l] = v * (16 / LANES) + l / LANES;
+    idx[v] = _mm512_load_si512(k);
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[NV][MR];
+  for (int v = 0; v < NV; ++v)
+    for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nblocks; ++b) {
+    __m512i xa[MR], xb[MR], init[MR];
+    __m512 dx[MR];
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
+      const int64_t xi = (r0 + r) * x.nblocks + b;
+      if constexpr (T == Q8_0) {
+        xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      } else {
+        xa[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+        xb[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+      }
+      init[r] = _mm512_set1_epi32(-(OFF / LANES) * x.sum[xi]);
+      dx[r] = _mm512_set1_ps(x.d[xi]);
+    }
+    const __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(sg + b * 8));
+    for (int v = 0; v < NV; ++v) {
+      const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
+      const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
+      if constexpr (T == Q8_0) {
+        const __m512i w = _mm512_xor_si512(raw, flip);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
+          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
+        }
+      } else {
+        const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r], lo, xa[r]), hi, xb[r]);
+          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int r = 0; r < MR; ++r) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[v][r]);
+      for (int j = 0; j < 16 / LANES; ++j) {
+        float t = 0.f;
+        for (int l = 0; l < LANES; ++l) t += lanes[j * LANES + l];
+        out[v * (16 / LANES) + j][r] = t;
+      }
+    }
+}
+#endif
+
+// Groups [g0, g1) of 8 output rows against the M rows of x.
+template <int64_t T>
+void run_groups(const uint8_t* qs, const float* scale, const float* mins, const QRows& x, int64_t M, float* y,
+                int64_t N, int64_t isa, int64_t g0, int64_t g1) {
+  constexpr int64_t QB = quant_bytes(T);
+  const int64_t nb = x.nblocks;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* qg = qs + g * nb * 8 * QB;
+    const float* sg = scale + g * nb * 8;
+    const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
+    auto put = [&](int64_t r, const float* v) {  // v[i]: row n0 + i of y's row r
+      float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (T == Q4_1) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
+      for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
+    };
+    // Tiles of MR rows of x; each tile reads the group's blocks once (they stay in L1).
+    auto tile = [&](auto mr, auto group_fn, int64_t r) {
+      constexpr int MR = decltype(mr)::value;
+      float o[8][MR];
+      group_fn(r, o);
+      for (int k = 0; k < MR; ++k) {
+        float v[8];
+        for (int i = 0; i < 8; ++i) v[i] = o[i][k];
+        put(r + k, v);
+      }
+    };
+    auto tiles = [&](auto group_fn_4, auto group_fn_2, auto group_fn_1, bool fours) {
+      int64_t r = 0;
+      for (; fours && r + 4 <= M; r += 4) tile(std::integral_constant<int, 4>{}, group_fn_4, r);
+      for (; r + 2 <= M; r += 2) tile(std::integral_constant<int, 2>{}, group_fn_2, r);
+      if (r < M) tile(std::integral_constant<int, 1>{}, group_fn_1, r);
+    };
+#ifdef AIOLM_I8_VNNI
+    if (isa == AVX512_VNNI) {
+      // Q8_0's 4 vectors per block leave no room in the 32 zmm registers for 4 rows of x.
+      tiles([&](int64_t r, float o[8][4]) { group_vnni<T, 4>(qg, sg, x, r, o); },
+            [&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
+            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); }, T != Q8_0);
+      continue;
+    }
+#endif
+#ifdef AIOLM_I8_AVX2
+    if (isa == AVX2) {
+      tiles([&](int64_t, float[8][4]) {},
+            [&](int64_t r, float o[8][2]) { group_avx2<T, 2>(qg, sg, x, r, o); },
+            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); }, false);
+      continue;
+    }
+#endif
+    for (int64_t r = 0; r < M; ++r) {
+      float v[8];
+      group_scalar<T>(qg, sg, x, r, v);
+      put(r, v);
+    }
+  }
+}
+
+int64_t pick_isa(int64_t isa) {
+  TORCH_CHECK(isa >= -1 && isa <= best_isa(), "aiolm::gguf_int8_linear: isa ", isa,
+              " is not built here (0 scalar, 1 AVX2, 2 AVX-512 VNNI; this build has up to ", best_isa(), ")");
+  return isa < 0 ? best_isa() : isa;
+}
+
+// The call's buffers: x's codes, scales, code sums and d * sums, reused across calls
+// (an allocation per call would cost as much as a small layer's dot products).
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa) {
+    const int64_t nb = K / QK;
+    q.resize(M * K);
+    d.resize(M * nb);
+    s.resize(M * nb);
+    sum.resize(M * nb);
+    quantize_rows(x, M, K, isa, q.data(), d.data(), sum.data(), s.data());
+    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb};
+  }
+};
+
+at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scale,
+                            const at::Tensor& mins, int64_t qtype, int64_t N, int64_t isa) {
+  const int64_t nblocks = aiolm_gguf::check_blocks("aiolm::gguf_int8_linear", x_in, qs, scale, mins, qtype, N);
+  const int64_t groups = qs.size(0), K = nblocks * QK;
+  isa = pick_isa(isa);
+  const aiolm_linear::Rows io(x_in, K, N);
+  const int64_t M = io.m();
+  if (M == 0 || N == 0) return io.result();
+  thread_local Scratch scratch;
+  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa);
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = qtype == Q4_1 ? mins.data_ptr<float>() : nullptr;
+  float* yp = io.y.data_ptr<float>();
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    switch (qtype) {
+      case Q4_0: run_groups<Q4_0>(qp, sp, mp, x, M, yp, N, isa, g0, g1); break;
+      case Q4_1: run_groups<Q4_1>(qp, sp, mp, x, M, yp, N, isa, g0, g1); break;
+      default: run_groups<Q8_0>(qp, sp, mp, x, M, yp, N, isa, g0, g1); break;
+    }
+  });
+  return io.result();
+}
+
+// x's int8 blocks as the kernel makes them: codes [.., K] and scales [.., K / 32].
+std::tuple<at::Tensor, at::Tensor> gguf_int8_quantize(const at::Tensor& x_in, int64_t isa) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "aiolm::gguf_int8_quantize: x must be float32");
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(K % QK == 0, "aiolm::gguf_int8_quantize: ", K, " features are not whole blocks of 32");
+  isa = pick_isa(isa);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), nb = K / QK;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, nb}, x.options());
+  std::vector<int32_t> sum(M * nb);
+  std::vector<float> s(M * nb);
+  quantize_rows(x.data_ptr<float>(), M, K, isa, q.data_ptr<int8_t>(), d.data_ptr<float>(), sum.data(), s.data());
+  std::vector<int64_t> qsize = x_in.sizes().vec(), dsize = qsize;
+  dsize.back() = nb;
+  return {q.view(qsize), d.view(dsize)};
+}
+
+int64_t gguf_int8_best_isa() { return best_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aiolm, m) {
+  m.def("gguf_int8_linear(Tensor x, Tensor qs, Tensor scale, Tensor mins, int qtype, int n, int isa=-1) -> Tensor");
+  m.def("gguf_int8_quantize(Tensor x, int isa=-1) -> (Tensor, Tensor)");
+  m.def("gguf_int8_best_isa() -> int", &gguf_int8_best_isa);
+}
+
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
+  m.impl("gguf_int8_linear", &gguf_int8_linear);
+  m.impl("gguf_int8_quantize", &gguf_int8_quantize);
+}

@@ -1,0 +1,118 @@
+"""aiolm::gguf_int8_linear (int8 activations x GGUF blocks) on every ISA path this build
+has, against float64 references, and the real model decoding through it."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from aiolm.kernels import cpu as cpu_kernels
+from aiolm.platforms import gguf_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
+
+ISAS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
+
+
+def _isas() -> list[int]:
+    return list(range(torch.ops.aiolm.gguf_int8_best_isa() + 1)) if cpu_kernels.load() else [0]
+
+
+def _x(rows: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32))
+    x[0, :32] *= 1e-4  # a block of tiny values
+    x[-1, 32:64] = 0  # an all-zero block: scale 0
+    x[-1, 64] = 40.0  # an outlier sets its block's scale
+    return x
+
+
+def test_every_path_quantizes_to_the_same_codes():
+    x = _x(5, 128, 0)
+    q0, d0 = torch.ops.aiolm.gguf_int8_quantize(x, 0)
+    blocks = x.double().view(5, 4, 32)
+    amax = blocks.abs().amax(-1)
+    assert torch.equal(d0, (amax.float() / 127))
+    want = torch.round(x.view(5, 4, 32) * torch.where(d0 > 0, 1 / d0, 0).unsqueeze(-1)).view(5, 128)
+    assert torch.equal(q0.float(), want)  # torch.round is half to even, like the kernel
+    assert q0.abs().max() <= 127
+    for isa in _isas()[1:]:
+        q, d = torch.ops.aiolm.gguf_int8_quantize(x, isa)
+        assert torch.equal(q, q0) and torch.equal(d, d0), ISAS[isa]
+
+
+@pytest.mark.parametrize("isa", _isas(), ids=lambda i: ISAS[i])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
+def test_matches_dequantized_weights_times_dequantized_x(isa, qtype, rows):
+    """Tight against the same int8 x dequantized (only float rounding differs); within
+    the quantization's own error bound against float32 x."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((43, 128)).astype(np.float32)  # 5 groups of 8 rows and a padded one
+    w[3] *= 1e-3
+    w[5] = np.abs(w[5]) + 2  # Q4_1's minimum far from 0
+    w[6, :32] = -np.abs(w[6, :32]).max()  # a Q8_0 block of -127 codes (|w| of 127 on AVX2's sign trick)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks = gguf.quants.quantize(w, t)
+    deq = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, t), dtype=np.float64).reshape(w.shape))
+    g = gguf_blocks.GGUFWeight.from_blocks(blocks, qtype)
+    x = _x(rows, 128, rows + 10)
+    got = g.linear_int8(x, isa=isa).double()
+
+    q, d = torch.ops.aiolm.gguf_int8_quantize(x, isa)
+    xq = (q.double().view(rows, 4, 32) * d.double().unsqueeze(-1)).view(rows, 128)
+    want = xq @ deq.t()
+    scale = (xq.abs() @ deq.abs().t()).clamp_min(1e-30)  # sum of |terms|: float rounding is relative to it
+    assert ((got - want).abs() / scale).max() < 2e-6
+
+    # Rounding x to codes moves each value by at most half a step d/2.
+    half_step = (d.double() / 2).repeat_interleave(32, dim=1)
+    bound = half_step @ deq.abs().t() + 2e-6 * scale
+    exact = x.double() @ deq.t()
+    assert ((got - exact).abs() <= bound).all()
+    assert (got - exact).abs().max() > 0  # it did quantize
+
+
+def test_leading_dims_bias_and_bad_arguments():
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), "Q4_1")
+    x = torch.randn(2, 3, 64)
+    assert g.linear_int8(x).shape == (2, 3, 8)
+    torch.testing.assert_close(g.linear_int8(x, torch.ones(8)), g.linear_int8(x) + 1)
+    with pytest.raises(RuntimeError, match="x has 32 features, W has 64"):
+        g.linear_int8(torch.zeros(1, 32))
+    with pytest.raises(RuntimeError, match="unsupported GGUF type id 12"):
+        torch.ops.aiolm.gguf_int8_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12, g.n)
+    with pytest.raises(RuntimeError, match="isa 7 is not built here"):
+        g.linear_int8(torch.zeros(1, 64), isa=7)
+    with pytest.raises(RuntimeError, match="not whole blocks of 32"):
+        torch.ops.aiolm.gguf_int8_quantize(torch.zeros(1, 40))
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_source, tokenizer, monkeypatch):
+    """The parity prompts decoded together (6 rows per step) through int8 activations and
+    through the float-block kernel: the length of agreement is printed per prompt; the
+    int8 path must follow the float one for most of each answer and still say Paris."""
+    from model.test_parity import _prompt_ids
+    from paged import PagedHarness
+
+    from aiolm.model.registry import build_model
+
+    model = build_model(real_source, torch.float32)
+    prompts = _prompt_ids(tokenizer)
+    assert len(prompts) <= min(gguf_blocks.INT8_LIMIT, gguf_blocks.MAX_ROWS)  # decode steps: int8, or float blocks
+    n = 48
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)  # as AIOLM_GGUF_INT8=1 sets it
+    int8 = PagedHarness(model).greedy(prompts, n)
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
+    floats = PagedHarness(model).greedy(prompts, n)
+    agree = [_agreement(a, b) for a, b in zip(int8, floats)]
+    print(f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}")
+    assert "Paris" in tokenizer.decode(int8[-1])
+    assert int8[-1][:12] == floats[-1][:12]
+    assert min(agree) >= 8 and sum(agree) >= 0.6 * n * len(prompts), agree
