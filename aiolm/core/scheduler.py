@@ -13,7 +13,22 @@ that one rule. Each step:
 2. Only if nothing was preempted, waiting requests are admitted while there
    are free seats (``max_num_seqs``) and budget, after a prefix-cache lookup.
 3. ``num_computed_tokens`` is advanced by what was scheduled, so
-   ``update_from_output`` only appends sampled tokens and checks stops.
+   ``update_from_output`` only appends sampled tokens and checks stops. Full
+   blocks the step computes are published to the prefix cache as it is built:
+   the workers run steps in the order sent, so a later step that hits them
+   reads them after they are written.
+
+Overlap (``async_scheduling``): the engine schedules step N+1 while step N runs.
+A token step N samples is a *placeholder* until its result arrives
+(``Request.num_output_placeholders``): step N+1 already computes it, and the
+workers fill its input from the token they sampled themselves, so step N+1's
+diff carries no sampled tokens. A request whose placeholders already reach
+``max_tokens`` or the context is not scheduled again; one that stops on a token
+(EOS, a stop token) at step N was also run in N+1, whose extra token is dropped.
+A request preempted while a step that samples for it is in flight keeps that
+token when it arrives, as it would have without overlap. Aborted, finished and
+preempted requests free their blocks at once: any step that still writes them
+was sent before any step that can reuse them, and the workers run steps in order.
 
 The SchedulerOutput is a diff against what the workers already hold (see
 aiolm/core/outputs.py). The engine must call ``update_from_output`` after every
@@ -60,6 +75,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     hash_seed: int | str | bytes | None = None
+    async_scheduling: bool = False  # overlap: the engine schedules a step while the previous one runs
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -152,6 +168,9 @@ class Scheduler:
         self._worker_num_tokens: dict[str, int] = {}
         self._finished_req_ids: set[str] = set()  # to tell the workers next step
         self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+        # The Request objects of each step not yet updated (step -> req_id -> request): a
+        # result belongs to the request that was scheduled, never to a later one reusing its id.
+        self._step_reqs: dict[int, dict[str, Request]] = {}
 
     # -- intake ------------------------------------------------------------------
 
@@ -201,6 +220,7 @@ class Scheduler:
         self.waiting = PriorityQueue() if cfg.policy == "priority" else FCFSQueue()
         for req in queued:
             req.num_computed_tokens = 0
+            req.num_output_placeholders = 0  # the steps that would have sampled them are lost
             if req.status == RequestStatus.RUNNING:
                 req.status = RequestStatus.PREEMPTED
             req.block_hashes = []  # the new pool's hasher may have another root (a random one)
@@ -208,6 +228,7 @@ class Scheduler:
             self.waiting.add(req)
         self._worker_num_tokens.clear()
         self._finished_req_ids.clear()
+        self._step_reqs.clear()
 
     # -- counts and stats ------------------------------------------------------------
 
@@ -262,10 +283,16 @@ class Scheduler:
         req_blocks = kv.req_to_blocks
         bs = kv.block_size
         running = self.running
+        max_model_len = cfg.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.num_tokens - req.num_computed_tokens
+            ph = req.num_output_placeholders
+            if ph and (len(req.output_token_ids) + ph >= req.max_tokens  # type: ignore[operator]
+                       or req.num_tokens + ph >= max_model_len):
+                i += 1  # its last token is already being sampled
+                continue
+            n = req.num_tokens + ph - req.num_computed_tokens
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -315,6 +342,8 @@ class Scheduler:
         while (not preempted and budget > 0 and len(self.waiting)
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting.peek()
+            if req.num_output_placeholders:
+                break  # preempted while its token is in flight: resumes once that arrives
             if kv.num_blocks_needed(req.num_tokens) > kv.num_usable_blocks:
                 self.waiting.pop()
                 self._finish_error(req)
@@ -371,6 +400,7 @@ class Scheduler:
     ) -> SchedulerOutput:
         kv = self.kv_cache_manager
         worker_tokens = self._worker_num_tokens
+        step_reqs: dict[str, Request] = {}
         new_data = []
         for req in scheduled_new:
             new_data.append(NewRequestData(
@@ -382,7 +412,7 @@ class Scheduler:
                 num_computed_tokens=req.num_computed_tokens,
             ))
             worker_tokens[req.req_id] = req.num_tokens
-            req.num_computed_tokens += num_scheduled[req.req_id]
+            step_reqs[req.req_id] = req
         cached = CachedRequestData()
         c_ids, c_toks, c_blocks, c_computed = (
             cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens)
@@ -396,10 +426,12 @@ class Scheduler:
             c_blocks.append([b.block_id for b in blocks] if blocks else [])
             c_computed.append(req.num_computed_tokens)
             worker_tokens[rid] = total
-            req.num_computed_tokens += num_scheduled[rid]
+            step_reqs[rid] = req
+        self._advance(step_reqs, num_scheduled)
         finished = self._finished_req_ids
         self._finished_req_ids = set()
         self.step += 1
+        self._step_reqs[self.step] = step_reqs
         return SchedulerOutput(
             step=self.step,
             scheduled_new_reqs=new_data,
@@ -409,6 +441,22 @@ class Scheduler:
             finished_req_ids=finished,
         )
 
+    def _advance(self, step_reqs: dict[str, Request], num_scheduled: dict[str, int]) -> None:
+        """Count the step's tokens as computed, publish the full blocks it computes to the
+        prefix cache, and (overlap) add a placeholder for each token it samples."""
+        kv = self.kv_cache_manager
+        hashing = kv.block_hasher is not None
+        bs = kv.block_size
+        overlap = self.config.async_scheduling
+        for rid, req in step_reqs.items():
+            c = req.num_computed_tokens
+            req.num_computed_tokens = after = c + num_scheduled[rid]
+            # Only a step that crosses a block boundary can fill one, so most decodes skip the call.
+            if hashing and c // bs != after // bs:
+                kv.cache_blocks(req, after)
+            if overlap and after >= req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1
+
     # -- results -------------------------------------------------------------------
 
     def update_from_output(
@@ -417,20 +465,12 @@ class Scheduler:
         """Append sampled tokens, check stops, cache filled blocks, free finished requests."""
         outputs = self._pending_outputs
         self._pending_outputs = []
-        kv = self.kv_cache_manager
-        requests = self.requests
-        # Blocks whose KV this step wrote are now safe to share. Only a step that
-        # crossed a block boundary can have filled one, so most decodes skip the call.
-        if kv.block_hasher is not None:
-            bs = kv.block_size
-            for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                req = requests.get(req_id)
-                if req is not None and req.status is _RUNNING:
-                    c = req.num_computed_tokens
-                    if c // bs != (c - n) // bs:
-                        kv.cache_blocks(req, c)
+        step_reqs = self._step_reqs.pop(scheduler_output.step, None)
         if model_runner_output is None:
             return outputs
+        requests = step_reqs if step_reqs is not None else self.requests
+        overlap = self.config.async_scheduling
+        worker_tokens = self._worker_num_tokens
         any_finished = False
         for req_id, plp in model_runner_output.prompt_logprobs.items():
             req = requests.get(req_id)
@@ -442,8 +482,15 @@ class Scheduler:
             if not tokens:
                 continue
             req = requests.get(req_id)
-            if req is None or req.status is not _RUNNING:
-                continue  # aborted or preempted while the step ran
+            if req is None:
+                continue
+            if req.status is not _RUNNING and not (
+                    req.status is RequestStatus.PREEMPTED and req.num_output_placeholders):
+                continue  # finished or aborted while the step ran (or preempted, without overlap)
+            if overlap:
+                req.num_output_placeholders -= 1
+                if req_id in worker_tokens:
+                    worker_tokens[req_id] += len(tokens)  # the workers appended it themselves
             new_tokens = tokens
             status = None
             for k, tok in enumerate(tokens):
@@ -462,6 +509,8 @@ class Scheduler:
                 out = EngineCoreOutput(req_id, new_tokens, None, None, lp, req.num_cached_tokens, None)
             else:
                 any_finished = True
+                if req.status is RequestStatus.PREEMPTED:
+                    self.waiting.remove(req)
                 self._finish(req, status)
                 out = self._output(req, new_tokens, lp)
             if req.prompt_logprobs is not None:  # once, with the first token
