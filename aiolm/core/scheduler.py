@@ -313,6 +313,8 @@ class Scheduler:
                     break
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
+                    if req.num_output_placeholders:
+                        break  # overlap: the token in flight may end it; decide once it is known
                     # Alone and still short of blocks: it can never run.
                     self.running.pop()
                     self._finish_error(req)
@@ -330,7 +332,9 @@ class Scheduler:
                 if victim is req:
                     break
             if new_blocks is None:
-                continue  # req left self.running; index i now points at the next one
+                if i < len(running) and running[i] is req:
+                    i += 1  # still running, waiting for its token in flight
+                continue  # else req left self.running; index i now points at the next one
             scheduled_running.append(req)
             num_scheduled[req.req_id] = n
             new_blocks_of[req.req_id] = new_blocks

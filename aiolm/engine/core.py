@@ -207,6 +207,7 @@ class EngineCore(Actor[CoreMessage]):
             if self._failure is not None:
                 await self._recover_overlapped(self._failure, inflight)
                 continue
+            submitted = False
             if len(inflight) < 2 and sched.has_unfinished_requests():
                 t0 = time.perf_counter()
                 out = sched.schedule()
@@ -219,12 +220,13 @@ class EngineCore(Actor[CoreMessage]):
                         await self._recover_overlapped(e, inflight)
                         continue
                     inflight.append(InFlight(out, handle, t0, t1))
+                    submitted = True
                 else:
                     # Every running request waits for a token in flight: nothing to run, but
                     # requests schedule() finished by itself still go out.
                     self._send_outputs(sched.update_from_output(out, None))
-            if not inflight:
-                continue
+            if not inflight or (submitted and len(inflight) < 2):
+                continue  # fill the pipeline before waiting on it
             step = inflight.popleft()
             t_wait = time.perf_counter()
             try:
