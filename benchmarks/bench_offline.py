@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np
 
 from aiolm import LLM, EngineArgs, SamplingParams
+from aiolm.engine.core import StepTimes
 from aiolm.structured.spec import StructuredOutputs
 
 
@@ -64,6 +65,7 @@ def main() -> None:
     startup = time.perf_counter() - t0
     try:
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.engine.core.times = StepTimes()  # the timed repeats' per-step costs only
         times = []
         for r in range(args.repeats):
             t = time.perf_counter()
@@ -77,6 +79,7 @@ def main() -> None:
             if not args.json:
                 print(f"repeat {r + 1}/{args.repeats}: {times[-1]:.2f}s", file=sys.stderr)
         num_blocks = llm.engine.executor.num_blocks
+        step_costs = llm.engine.core.times.summary()
     finally:
         llm.close()
 
@@ -97,6 +100,7 @@ def main() -> None:
         "kv_blocks": num_blocks,
         "json_schema": args.json_schema,
         "tokens_after_document": after_document,
+        "step_costs_ms": step_costs,
         "engine_args": {k: v for k, v in vars(engine_args).items() if v is not None},
         "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
     }

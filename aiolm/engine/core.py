@@ -155,6 +155,7 @@ class EngineCore(Actor[CoreMessage]):
         for msg in self.mailbox.drain():
             self._handle(msg)
         self._failure = None  # reports about the old executor only
+        self._last_reply = 0.0  # the restart is no step's idle time
         self.scheduler.reset_workers(self.executor.num_blocks)
 
     async def run(self) -> None:
