@@ -77,9 +77,10 @@ class EngineArgs:
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
     structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
                                                      "or none (requests asking for them are refused)")
-    async_scheduling: bool = _f(True, "overlap scheduling: schedule the next step while the workers run this "
-                                      "one (at most two steps in flight; --no-async-scheduling: one step at a "
-                                      "time); greedy outputs are the same either way")
+    async_scheduling: bool = _f(False, "overlap scheduling: schedule the next step while the workers run this "
+                                       "one (at most two steps in flight); greedy outputs are the same either "
+                                       "way. Off by default: on the 2-vCPU development box it did not measure "
+                                       "faster (docs/benchmarks.md, \"Overlap scheduling\")")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")
