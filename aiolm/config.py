@@ -95,6 +95,10 @@ class EngineArgs:
     prompt_lookup_max: int = _f(5, "with --speculative ngram: longest suffix match tried")
     metrics_prefix: str = _f("aiolm", "prefix of the Prometheus metric names (<prefix>:num_requests_running, ...); "
                                       "vllm gives vLLM's names, so its Grafana dashboards work unchanged")
+    async_scheduling: bool = _f(False, "overlap scheduling: schedule the next step while the workers run this "
+                                       "one (at most two steps in flight); greedy outputs are the same either "
+                                       "way. Off by default: on the 2-vCPU development box it did not measure "
+                                       "faster (docs/benchmarks.md, \"Overlap scheduling\")")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")
@@ -155,6 +159,10 @@ class EngineArgs:
                              f"supported: auto, cpu, torch, triton")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: {self.dtype!r} is not supported; supported: auto, float32, bfloat16, float16")
+        if self.async_scheduling and self.speculative is not None:
+            # Drafts come from the request's latest tokens, which overlap has not seen yet.
+            raise ValueError("async_scheduling cannot be combined with speculative decoding "
+                             "(--speculative); turn one of them off")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), "
                              f"got {self.max_model_len}")
@@ -229,6 +237,7 @@ class RunnerConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     seed: int = 0
     structured_outputs: bool = True  # get the grammar compiler ready while the model loads
+    async_scheduling: bool = False  # overlap: append sampled tokens here, the engine sends none back
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

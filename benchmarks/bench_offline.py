@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np
 
 from aiolm import LLM, EngineArgs, SamplingParams
+from aiolm.engine.core import StepTimes
 from aiolm.structured.spec import StructuredOutputs
 
 
@@ -75,6 +76,7 @@ def main() -> None:
                            for _ in prompts]
             output_lens = _documents(llm.generate(inputs, constrained, use_tqdm=False), args.json_schema)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        llm.engine.core.times = StepTimes()  # the timed repeats' per-step costs only
         times: list[float] = []
         json_times: list[float] = []
         json_rates: list[float] = []  # output tokens/s of each constrained repeat (its own count)
@@ -91,6 +93,7 @@ def main() -> None:
                 if not args.json:
                     print(f"repeat {r + 1}/{args.repeats} {name}: {into[-1]:.2f}s", file=sys.stderr)
         num_blocks = llm.engine.executor.num_blocks
+        step_costs = llm.engine.core.times.summary()
     finally:
         llm.close()
 
@@ -110,6 +113,7 @@ def main() -> None:
         "startup_s": round(startup, 2),
         "kv_blocks": num_blocks,
         "json_schema": args.json_schema,
+        "step_costs_ms": step_costs,
         "engine_args": {k: v for k, v in vars(engine_args).items() if v is not None},
         "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
     }

@@ -67,7 +67,8 @@ class Request:
     __slots__ = (
         "req_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "num_tokens",
         "sampling_params", "arrival_time", "priority", "cache_salt", "status",
-        "num_computed_tokens", "num_cached_tokens", "stop_reason", "error", "scheduled_time",
+        "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "error",
+        "scheduled_time",
         "max_tokens", "min_tokens", "stop_token_ids", "block_hashes", "prompt_logprobs",
         "_block_hasher", "_next_hash_at", "_hash_block_size", "spec_window",
     )
@@ -95,6 +96,9 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Overlap scheduling: tokens sampled by steps still in flight, which the workers
+        # already hold but this request has not appended yet (always 0 without overlap).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not yet
         self.scheduled_time: float | None = None  # time.monotonic() when first scheduled (queue-time metric)
         self.stop_reason: int | str | None = None

@@ -13,7 +13,22 @@ that one rule. Each step:
 2. Only if nothing was preempted, waiting requests are admitted while there
    are free seats (``max_num_seqs``) and budget, after a prefix-cache lookup.
 3. ``num_computed_tokens`` is advanced by what was scheduled, so
-   ``update_from_output`` only appends sampled tokens and checks stops.
+   ``update_from_output`` only appends sampled tokens and checks stops. Full
+   blocks the step computes are published to the prefix cache as it is built:
+   the workers run steps in the order sent, so a later step that hits them
+   reads them after they are written.
+
+Overlap (``async_scheduling``): the engine schedules step N+1 while step N runs.
+A token step N samples is a *placeholder* until its result arrives
+(``Request.num_output_placeholders``): step N+1 already computes it, and the
+workers fill its input from the token they sampled themselves, so step N+1's
+diff carries no sampled tokens. A request whose placeholders already reach
+``max_tokens`` or the context is not scheduled again; one that stops on a token
+(EOS, a stop token) at step N was also run in N+1, whose extra token is dropped.
+A request preempted while a step that samples for it is in flight keeps that
+token when it arrives, as it would have without overlap. Aborted, finished and
+preempted requests free their blocks at once: any step that still writes them
+was sent before any step that can reuse them, and the workers run steps in order.
 
 Speculative decoding (``SchedulerConfig.speculative``): a running request in
 decode gets n-gram drafts (``aiolm/spec_decode/``) and is scheduled for
@@ -83,6 +98,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     hash_seed: int | str | bytes | None = None
     speculative: SpecConfig | None = None  # None: no drafts
+    async_scheduling: bool = False  # overlap: the engine schedules a step while the previous one runs
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -183,6 +199,9 @@ class Scheduler:
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max, spec.search_window) if spec else None)
         self.spec_decode_stats: SpecDecodeStats | None = SpecDecodeStats() if spec else None
+        # The Request objects of each step not yet updated (step -> req_id -> request): a
+        # result belongs to the request that was scheduled, never to a later one reusing its id.
+        self._step_reqs: dict[int, dict[str, Request]] = {}
 
     # -- intake ------------------------------------------------------------------
 
@@ -255,6 +274,7 @@ class Scheduler:
         self._grammars_to_send = {}
         for req in queued:
             req.num_computed_tokens = 0
+            req.num_output_placeholders = 0  # the steps that would have sampled them are lost
             req.block_hashes = []  # the new pool's hasher may have another root (a random one)
             self.kv_cache_manager.attach(req)
             started = req.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
@@ -263,6 +283,7 @@ class Scheduler:
                 req.status = RequestStatus.PREEMPTED
         self._worker_num_tokens.clear()
         self._finished_req_ids.clear()
+        self._step_reqs.clear()
 
     # -- counts and stats ------------------------------------------------------------
 
@@ -319,10 +340,16 @@ class Scheduler:
         req_blocks = kv.req_to_blocks
         bs = kv.block_size
         running = self.running
+        max_model_len = cfg.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.num_tokens - req.num_computed_tokens
+            ph = req.num_output_placeholders
+            if ph and (len(req.output_token_ids) + ph >= req.max_tokens  # type: ignore[operator]
+                       or req.num_tokens + ph >= max_model_len):
+                i += 1  # its last token is already being sampled
+                continue
+            n = req.num_tokens + ph - req.num_computed_tokens
             drafts = None
             if n == 1 and proposer is not None and req.spec_window is not None and req.spec_window.allow():
                 drafts = self._propose(req, budget)
@@ -351,6 +378,8 @@ class Scheduler:
                     continue
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
+                    if req.num_output_placeholders:
+                        break  # overlap: the token in flight may end it; decide once it is known
                     # Alone and still short of blocks: it can never run.
                     self.running.pop()
                     self._finish_error(req)
@@ -369,7 +398,9 @@ class Scheduler:
                 if victim is req:
                     break
             if new_blocks is None:
-                continue  # req left self.running; index i now points at the next one
+                if i < len(running) and running[i] is req:
+                    i += 1  # still running, waiting for its token in flight
+                continue  # else req left self.running; index i now points at the next one
             scheduled_running.append(req)
             num_scheduled[req.req_id] = n
             new_blocks_of[req.req_id] = new_blocks
@@ -383,6 +414,8 @@ class Scheduler:
         while (not preempted and budget > 0 and len(self.waiting)
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting.peek()
+            if req.num_output_placeholders:
+                break  # preempted while its token is in flight: resumes once that arrives
             if kv.num_blocks_needed(req.num_tokens) > kv.num_usable_blocks:
                 self.waiting.pop()
                 self._finish_error(req)
@@ -454,6 +487,7 @@ class Scheduler:
     ) -> SchedulerOutput:
         kv = self.kv_cache_manager
         worker_tokens = self._worker_num_tokens
+        step_reqs: dict[str, Request] = {}
         new_data = []
         for req in scheduled_new:
             new_data.append(NewRequestData(
@@ -465,7 +499,7 @@ class Scheduler:
                 num_computed_tokens=req.num_computed_tokens,
             ))
             worker_tokens[req.req_id] = req.num_tokens
-            req.num_computed_tokens += num_scheduled[req.req_id]
+            step_reqs[req.req_id] = req
         cached = CachedRequestData()
         c_ids, c_toks, c_blocks, c_computed = (
             cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens)
@@ -479,13 +513,15 @@ class Scheduler:
             c_blocks.append([b.block_id for b in blocks] if blocks else [])
             c_computed.append(req.num_computed_tokens)
             worker_tokens[rid] = total
-            req.num_computed_tokens += num_scheduled[rid]
+            step_reqs[rid] = req
+        self._advance(step_reqs, num_scheduled, spec_tokens)
         finished = self._finished_req_ids
         self._finished_req_ids = set()
         grammars = self._grammars_to_send
         if grammars:
             self._grammars_to_send = {}
         self.step += 1
+        self._step_reqs[self.step] = step_reqs
         return SchedulerOutput(
             step=self.step,
             scheduled_new_reqs=new_data,
@@ -497,6 +533,29 @@ class Scheduler:
             grammars=grammars,
         )
 
+    def _advance(self, step_reqs: dict[str, Request], num_scheduled: dict[str, int],
+                 spec_tokens: dict[str, list[int]]) -> None:
+        """Count the step's tokens as computed, publish the full blocks it computes to the
+        prefix cache, and (overlap) add a placeholder for each token it samples. Draft
+        positions are never published: their KV holds tokens that may be rejected; blocks
+        that accepted drafts filled are published by the request's next step."""
+        kv = self.kv_cache_manager
+        hashing = kv.block_hasher is not None
+        bs = kv.block_size
+        overlap = self.config.async_scheduling
+        for rid, req in step_reqs.items():
+            c = req.num_computed_tokens
+            req.num_computed_tokens = after = c + num_scheduled[rid]
+            drafts = spec_tokens.get(rid)
+            if drafts:
+                if hashing:
+                    kv.cache_blocks(req, after - len(drafts))
+            # Only a step that crosses a block boundary can fill one, so most decodes skip the call.
+            elif hashing and c // bs != after // bs:
+                kv.cache_blocks(req, after)
+            if overlap and after >= req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1
+
     # -- results -------------------------------------------------------------------
 
     def update_from_output(
@@ -505,28 +564,16 @@ class Scheduler:
         """Append sampled tokens, check stops, cache filled blocks, free finished requests."""
         outputs = self._pending_outputs
         self._pending_outputs = []
-        kv = self.kv_cache_manager
-        requests = self.requests
-        rejected: dict[str, int] = {}
-        if scheduler_output.scheduled_spec_decode_tokens and model_runner_output is not None:
-            rejected = self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens,
-                                                model_runner_output)
-        # Blocks whose KV this step wrote are now safe to share. Only a step that
-        # crossed a block boundary can have filled one, so most decodes skip the call.
-        if kv.block_hasher is not None:
-            bs = kv.block_size
-            for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                req = requests.get(req_id)
-                if req is not None and req.status is _RUNNING:
-                    c = req.num_computed_tokens
-                    if rejected:
-                        n -= rejected.get(req_id, 0)
-                    if c // bs != (c - n) // bs:
-                        kv.cache_blocks(req, c)
+        step_reqs = self._step_reqs.pop(scheduler_output.step, None)
         if model_runner_output is None:
             return outputs
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens, model_runner_output)
         if model_runner_output.grammars_ready or model_runner_output.grammar_errors:
             self._grammars_done(model_runner_output, outputs)
+        requests = step_reqs if step_reqs is not None else self.requests
+        overlap = self.config.async_scheduling
+        worker_tokens = self._worker_num_tokens
         any_finished = False
         for req_id, plp in model_runner_output.prompt_logprobs.items():
             req = requests.get(req_id)
@@ -538,8 +585,15 @@ class Scheduler:
             if not tokens:
                 continue
             req = requests.get(req_id)
-            if req is None or req.status is not _RUNNING:
-                continue  # aborted or preempted while the step ran
+            if req is None:
+                continue
+            if req.status is not _RUNNING and not (
+                    req.status is RequestStatus.PREEMPTED and req.num_output_placeholders):
+                continue  # finished or aborted while the step ran (or preempted, without overlap)
+            if overlap:
+                req.num_output_placeholders -= 1
+                if req_id in worker_tokens:
+                    worker_tokens[req_id] += len(tokens)  # the workers appended it themselves
             new_tokens = tokens
             status = None
             for k, tok in enumerate(tokens):
@@ -558,6 +612,8 @@ class Scheduler:
                 out = EngineCoreOutput(req_id, new_tokens, None, None, lp, req.num_cached_tokens, None)
             else:
                 any_finished = True
+                if req.status is RequestStatus.PREEMPTED:
+                    self.waiting.remove(req)
                 self._finish(req, status)
                 out = self._output(req, new_tokens, lp)
             if req.prompt_logprobs is not None:  # once, with the first token
@@ -567,14 +623,13 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    def _take_back_rejected(self, spec: dict[str, list[int]], mro: ModelRunnerOutput) -> dict[str, int]:
-        """Count accepted drafts and roll ``num_computed_tokens`` back past the rejected ones;
-        returns req_id -> number rejected. A verified request's sampled list holds its
+    def _take_back_rejected(self, spec: dict[str, list[int]], mro: ModelRunnerOutput) -> None:
+        """Count accepted drafts and roll ``num_computed_tokens`` back past the rejected ones.
+        A verified request's sampled list holds its
         accepted drafts plus one token, so ``len - 1`` drafts were accepted."""
         stats = self.spec_decode_stats
         assert stats is not None
         sampled = dict(zip(mro.req_ids, mro.sampled_token_ids))
-        rejected = {}
         for req_id, drafts in spec.items():
             req = self.requests.get(req_id)
             tokens = sampled.get(req_id)
@@ -584,9 +639,8 @@ class Scheduler:
             stats.record(len(drafts), accepted)
             if req.spec_window is not None:
                 req.spec_window.record(len(drafts), accepted)
-            rejected[req_id] = len(drafts) - accepted
             req.num_computed_tokens -= len(drafts) - accepted
-        return rejected
+
     def _grammars_done(self, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
         """Ready grammars send their requests to the waiting queue; failed ones finish them.
         Ids no longer waiting (aborted meanwhile) are ignored."""

@@ -108,7 +108,7 @@ class AsyncEngine:
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
             device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
-            structured_outputs=a.structured_outputs_backend != "none")
+            structured_outputs=a.structured_outputs_backend != "none", async_scheduling=a.async_scheduling)
         self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,
                                            a.max_worker_restarts, a.worker_restart_window)
         self._executor = await self._make_executor(runner_cfg, 0)
@@ -118,14 +118,14 @@ class AsyncEngine:
             max_model_len=self.max_model_len, block_size=a.block_size,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching,
-            speculative=a.spec_config()))
+            speculative=a.spec_config(), async_scheduling=a.async_scheduling))
         self.grammars.configure(self.tokenizer, mc.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
                                       self._add_siblings, self.metrics)
         self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs,
-                               supervisor=self.supervisor, metrics=self.metrics)
+                               supervisor=self.supervisor, metrics=self.metrics, overlap=a.async_scheduling)
         self.metrics.configure(self.model_name, self.max_model_len)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)

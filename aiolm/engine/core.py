@@ -4,6 +4,11 @@ drain mailbox (adds, aborts) -> schedule -> execute on the executor (awaited, th
 loop stays free) -> update the scheduler -> hand outputs to the OutputProcessor.
 With nothing to do it sleeps on its mailbox; it never spins.
 
+With overlap scheduling (``--async-scheduling``) the core submits step N+1 before it
+awaits step N, so scheduling, IPC, the update and output processing run while the
+workers compute; at most two steps are in flight (aiolm/core/scheduler.py describes
+the placeholders that make this possible).
+
 When the executor fails (a worker died, hung or raised), the core asks its
 WorkerSupervisor for a new one and requeues every live request for recompute;
 the failed step's tokens are dropped, so no stream sees a token twice. Without a
@@ -14,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiolm.actors import Actor
-from aiolm.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from aiolm.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aiolm.core.scheduler import Scheduler
 from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepOutputs, WorkerFailed
 from aiolm.engine.output import OutputProcessor
@@ -30,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 COST_PARTS = ("schedule", "ipc", "prepare", "forward", "sample", "update", "output",
-              "ipc_send", "ipc_reply")  # the last two: the legs of ipc, for diagnosis
+              "ipc_send", "ipc_reply",  # the legs of ipc, for diagnosis
+              "idle")  # rank 0 waiting between its previous step's reply and reading this step
 OVERHEAD_PARTS = ("schedule", "ipc", "prepare", "update", "output")  # all but forward and sampling
 
 
@@ -64,7 +72,11 @@ class StepTimes:
     sample are rank 0's own clock; ipc is the rest of the executor round trip (rings,
     codec, wake-ups), of which ipc_send runs from the engine's send to rank 0's read and
     ipc_reply from rank 0's reply to the engine resuming; output is detokenizing and streaming a step's results, which
-    the output processor does while the next step runs.
+    the output processor does while the next step runs. idle is the gap rank 0 spends
+    between answering one step and reading the next: without overlap it pays for
+    ipc, update and schedule; with overlap those run while rank 0 computes, and ipc
+    counts only the transport (a step waiting in the ring behind the previous one is not
+    ipc), so idle is what the forward pass still waits for.
     """
 
     all: CostSums = field(default_factory=CostSums)
@@ -83,14 +95,28 @@ class StepTimes:
         return {"all_steps": self.all.mean_ms(), "decode_steps": self.decode.mean_ms()}
 
 
+@dataclass
+class InFlight:
+    """A submitted step: its decisions, the executor's handle and the engine's clock."""
+
+    out: SchedulerOutput
+    handle: Any
+    t_schedule: float  # schedule() started
+    t_sent: float  # schedule() returned; the step was handed to the executor right after
+
+
 class EngineCore(Actor[CoreMessage]):
     name = "engine-core"
 
     def __init__(self, scheduler: Scheduler, executor: Executor, output: OutputProcessor,
                  log_steps: bool = False, supervisor: WorkerSupervisor | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, overlap: bool = False) -> None:
         super().__init__()
         self.metrics = metrics
+        # Overlap needs the scheduler's placeholders and the workers appending their own
+        # tokens (SchedulerConfig/RunnerConfig.async_scheduling): the engine sets all three.
+        self.overlap = overlap
+        self._last_reply = 0.0  # rank 0's clock when it answered the previous step
         self.scheduler = scheduler
         self.executor = executor
         self.supervisor = supervisor
@@ -131,12 +157,17 @@ class EngineCore(Actor[CoreMessage]):
         for msg in self.mailbox.drain():
             self._handle(msg)
         self._failure = None  # reports about the old executor only
+        self._last_reply = 0.0  # the restart is no step's idle time
         self.scheduler.reset_workers(self.executor.num_blocks)
 
     async def run(self) -> None:
+        if self.overlap:
+            await self._run_overlapped()
+            return
         sched = self.scheduler
         while True:
             if not sched.has_unfinished_requests():
+                self._last_reply = 0.0  # an idle engine is no step's cost
                 self._handle(await self.mailbox.receive())
             for msg in self.mailbox.drain():
                 self._handle(msg)
@@ -170,16 +201,100 @@ class EngineCore(Actor[CoreMessage]):
                 self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result,
                               t0, t1, t2, t3)
 
+    async def _run_overlapped(self) -> None:
+        """The step loop with step N+1 submitted before step N is awaited."""
+        sched = self.scheduler
+        inflight: deque[InFlight] = deque()
+        while True:
+            if not inflight and not sched.has_unfinished_requests():
+                self._last_reply = 0.0
+                self._handle(await self.mailbox.receive())
+            for msg in self.mailbox.drain():
+                self._handle(msg)
+            if self._failure is not None:
+                await self._recover_overlapped(self._failure, inflight)
+                continue
+            submitted = False
+            if len(inflight) < 2 and sched.has_unfinished_requests():
+                t0 = time.perf_counter()
+                out = sched.schedule()
+                t1 = time.perf_counter()
+                # A step that only carries grammars must go out too: the workers compile them.
+                if out.total_num_scheduled_tokens or out.finished_req_ids or out.grammars or not inflight:
+                    try:
+                        handle = await self.executor.submit(out)
+                    except ExecutorError as e:
+                        inflight.append(InFlight(out, None, t0, t1))
+                        await self._recover_overlapped(e, inflight)
+                        continue
+                    inflight.append(InFlight(out, handle, t0, t1))
+                    submitted = True
+                else:
+                    # Every running request waits for a token in flight: nothing to run, but
+                    # requests schedule() finished by itself still go out.
+                    self._send_outputs(sched.update_from_output(out, None))
+            if not inflight or (submitted and len(inflight) < 2):
+                continue  # fill the pipeline before waiting on it
+            step = inflight.popleft()
+            t_wait = time.perf_counter()
+            try:
+                result = await self.executor.result(step.handle)
+            except ExecutorError as e:
+                inflight.appendleft(step)
+                await self._recover_overlapped(e, inflight)
+                continue
+            t2 = time.perf_counter()
+            for msg in self.mailbox.drain():  # aborts first, so their blocks free now
+                self._handle(msg)
+            outputs = sched.update_from_output(step.out, result)
+            t3 = time.perf_counter()
+            self._send_outputs(outputs)
+            out = step.out
+            if not out.is_empty:  # an empty step only waits for grammars (see the scheduler)
+                if self.metrics is not None:
+                    self.metrics.iteration_tokens.observe(out.total_num_scheduled_tokens)
+                self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result,
+                              step.t_schedule, step.t_sent, t2, t3, t_wait)
+
+    async def _recover_overlapped(self, error: BaseException, inflight: deque[InFlight]) -> None:
+        """Recover, then close the books of every step that was in flight: their tokens
+        are lost with the workers (the requests recompute them)."""
+        lost = list(inflight)
+        inflight.clear()
+        for step in lost:
+            if step.handle is not None:
+                self.executor.abandon(step.handle)
+        await self._recover(error)
+        for step in lost:
+            self._send_outputs(self.scheduler.update_from_output(step.out, None))
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if outputs:
+            self.output.send(StepOutputs(outputs, time.monotonic()))
+
     def _account(self, tokens: int, reqs: int, result: ModelRunnerOutput | None,
-                 t0: float, t1: float, t2: float, t3: float) -> None:
+                 t0: float, t1: float, t2: float, t3: float, t_wait: float | None = None) -> None:
+        """One step's costs; ``t_wait`` (overlap only) is when the core began awaiting it."""
         worker = result.worker_times if result is not None else []
         prepare, forward, sample = worker if len(worker) == 3 else (0.0, 0.0, 0.0)
         clock = result.worker_clock if result is not None else []
-        sent, replied = (clock[0] - t1, t2 - clock[1]) if len(clock) == 2 else (0.0, 0.0)
+        idle = 0.0
+        if len(clock) == 2:
+            if self._last_reply:
+                idle = max(0.0, clock[0] - self._last_reply)
+            if t_wait is None:
+                sent, replied = clock[0] - t1, t2 - clock[1]
+            else:  # a step queued behind the previous one, or a reply the core was busy to read, is no ipc
+                sent, replied = clock[0] - max(t1, self._last_reply), t2 - max(clock[1], t_wait)
+            self._last_reply = clock[1]
+        else:
+            sent = replied = 0.0
+        sent, replied = max(0.0, sent), max(0.0, replied)
+        ipc = max(0.0, (t2 - t1) - prepare - forward - sample) if t_wait is None else sent + replied
         output = self.output.take_busy_time()  # the previous step's outputs, processed during this one
-        costs = {"schedule": t1 - t0, "ipc": max(0.0, (t2 - t1) - prepare - forward - sample),
+        costs = {"schedule": t1 - t0, "ipc": ipc,
                  "prepare": prepare, "forward": forward, "sample": sample, "update": t3 - t2,
-                 "output": output, "ipc_send": max(0.0, sent), "ipc_reply": max(0.0, replied)}
+                 "output": output, "ipc_send": sent, "ipc_reply": replied, "idle": idle}
         self.times.add(costs, reqs, tokens)
         if self.log_steps:
             log.info("step %d: %d reqs %d tokens | %s | overhead %.3f ms", self.times.steps, reqs, tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 from typing import Any, Callable
 
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -30,6 +31,25 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; raises ExecutorError if a worker died."""
+
+    async def submit(self, out: SchedulerOutput) -> Any:
+        """Hand a step to the workers and return at once with a handle for ``result``.
+
+        Steps run in the order submitted, so the engine may submit the next step before
+        it has the previous one's result (overlap scheduling); results are read in the
+        same order. This default runs ``execute`` as a task, which pipelines as long as
+        ``execute`` queues its step before its first wait (the local executor's thread does).
+        """
+        return asyncio.ensure_future(self.execute(out))
+
+    async def result(self, handle: Any) -> ModelRunnerOutput:
+        """The result of a submitted step; raises ExecutorError if a worker died."""
+        return await handle
+
+    def abandon(self, handle: Any) -> None:
+        """Give up a submitted step whose result will never be read (the executor failed)."""
+        if isinstance(handle, asyncio.Future):
+            handle.cancel()
 
     @abc.abstractmethod
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),

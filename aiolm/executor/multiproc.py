@@ -14,6 +14,7 @@ whole worker set with a new executor.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -65,11 +66,15 @@ class MultiprocExecutor(Executor):
         self._monitor: asyncio.Task[None] | None = None
         self._dead: str | None = None
         self._detail: str | None = None
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one sender at a time: replies are awaited in send order
         self._closed = False
-        # Responses each rank still owes. A caller cancelled while awaiting its answer
-        # leaves one behind; the next reader skips it instead of taking it as its own.
-        self._owed = [0] * world_size
+        # Per rank, a future for each reply it still owes, oldest first. A rank answers in
+        # the order it was sent to, so whoever reads a reply hands it to the oldest future:
+        # steps may queue behind each other (overlap scheduling), an rpc may follow them,
+        # and a caller cancelled while waiting leaves a future nobody reads, not a stray reply.
+        self._owed: list[collections.deque[asyncio.Future[bytes]]] = [
+            collections.deque() for _ in range(world_size)]
+        self._readers = [asyncio.Lock() for _ in range(world_size)]
 
     async def start(self) -> None:
         sweep_stale_segments()
@@ -215,7 +220,9 @@ class MultiprocExecutor(Executor):
         if self._closed or self.requests is None:
             raise ExecutorError("executor is shut down")
 
-    async def _send(self, data: bytes, responders: range) -> None:
+    async def _send(self, data: bytes, responders: range) -> list[asyncio.Future[bytes]]:
+        """Broadcast ``data``; one future per responding rank for its reply (see ``_owed``).
+        Callers hold ``_lock``, so futures are queued in the order the ranks read."""
         self._check()
         assert self.requests is not None
         try:
@@ -223,11 +230,28 @@ class MultiprocExecutor(Executor):
         except (PeerDied, RingClosed) as e:
             self._fail(await self._death_reason(f"a worker died: {e}"))
             raise ExecutorError(self._dead or str(e)) from e
+        loop = asyncio.get_running_loop()
+        replies = []
         for rank in responders:
-            self._owed[rank] += 1
+            fut: asyncio.Future[bytes] = loop.create_future()
+            self._owed[rank].append(fut)
+            replies.append(fut)
+        return replies
 
-    async def _recv(self, rank: int, timeout: float = 0.0) -> bytes:
-        """Rank's next answer; with ``timeout`` > 0 a worker silent that long counts as hung."""
+    async def _recv(self, rank: int, reply: asyncio.Future[bytes], timeout: float = 0.0) -> bytes:
+        """The rank's answer for ``reply``, reading (and handing out) the replies owed before it."""
+        while not reply.done():
+            async with self._readers[rank]:
+                if reply.done():
+                    break
+                buf = await self._read(rank, timeout)
+                fut = self._owed[rank].popleft()
+                if not fut.done():  # done: its caller was cancelled and gave it up
+                    fut.set_result(buf)
+        return reply.result()
+
+    async def _read(self, rank: int, timeout: float) -> bytes:
+        """Rank's next reply; with ``timeout`` > 0 a worker silent that long counts as hung."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout > 0 else None
         while True:
@@ -239,11 +263,7 @@ class MultiprocExecutor(Executor):
                 p.kill()  # SIGKILL also ends a stopped process; nothing it holds is needed now
                 continue
             try:
-                buf = await self.responses[rank].read_async(timeout=0.5, spin_s=RESPONSE_SPIN_S)
-                self._owed[rank] -= 1
-                if self._owed[rank] > 0:
-                    continue  # the answer to a cancelled call
-                return buf
+                return await self.responses[rank].read_async(timeout=0.5, spin_s=RESPONSE_SPIN_S)
             except TimeoutError:
                 if self.procs[rank].poll() is not None:
                     self._fail(await self._death_reason(f"worker {rank} exited"))
@@ -251,9 +271,14 @@ class MultiprocExecutor(Executor):
                 self._fail(await self._death_reason(f"worker {rank} died: {e}"))
 
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return await self.result(await self.submit(out))
+
+    async def submit(self, out: SchedulerOutput) -> asyncio.Future[bytes]:
         async with self._lock:
-            await self._send(codec.encode_scheduler_output(out), range(1))
-            return self._step_result(codec.decode(await self._recv(0, self.step_timeout)))
+            return (await self._send(codec.encode_scheduler_output(out), range(1)))[0]
+
+    async def result(self, handle: Any) -> ModelRunnerOutput:
+        return self._step_result(codec.decode(await self._recv(0, handle, self.step_timeout)))
 
     def _step_result(self, msg: Any) -> ModelRunnerOutput:
         """Rank 0's decoded answer to a step: its output, or else an ExecutorError."""
@@ -268,14 +293,14 @@ class MultiprocExecutor(Executor):
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         async with self._lock:
-            await self._send(codec.encode_rpc(method, args, kwargs), range(self.world_size))
-            results = []
-            for rank in range(self.world_size):
-                msg = codec.decode(await self._recv(rank))
-                if msg[0] != "ok":
-                    raise ExecutorError(f"rpc {method!r} failed on worker {rank}: {msg[1]}")
-                results.append(msg[1])
-            return results
+            replies = await self._send(codec.encode_rpc(method, args, kwargs), range(self.world_size))
+        results = []
+        for rank, reply in enumerate(replies):
+            msg = codec.decode(await self._recv(rank, reply))
+            if msg[0] != "ok":
+                raise ExecutorError(f"rpc {method!r} failed on worker {rank}: {msg[1]}")
+            results.append(msg[1])
+        return results
 
     async def shutdown(self) -> None:
         # A failed set has nothing worth waiting for: survivors get a short grace.

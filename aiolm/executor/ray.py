@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from aiolm.config import RunnerConfig
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from aiolm.executor.base import ExecutorError
+from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import ShmRing
@@ -256,8 +256,8 @@ class RayExecutor(MultiprocExecutor):
             answer: bytes | None = None
             try:
                 if self.num_local:
-                    await self._send(buf, range(1))
-                    answer = await self._recv(0, self.step_timeout)
+                    reply = (await self._send(buf, range(1)))[0]
+                    answer = await self._recv(0, reply, self.step_timeout)
                 for rank, fut in remote.items():
                     reply = await self._remote_answer(rank, fut, self.step_timeout)
                     if rank == 0:
@@ -266,6 +266,11 @@ class RayExecutor(MultiprocExecutor):
                 for fut in remote.values():
                     fut.cancel()
             return self._step_result(codec.decode(answer) if answer is not None else None)
+
+    # Steps through Ray calls are not pipelined: a submitted step runs ``execute`` as a task
+    # (the base executor's way), and the lock keeps steps in submission order.
+    submit = Executor.submit
+    result = Executor.result
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -276,8 +281,8 @@ class RayExecutor(MultiprocExecutor):
             replies: list[bytes | None] = []
             try:
                 if self.num_local:
-                    await self._send(buf, range(self.num_local))
-                    replies += [await self._recv(rank) for rank in range(self.num_local)]
+                    owed = await self._send(buf, range(self.num_local))
+                    replies += [await self._recv(rank, fut) for rank, fut in enumerate(owed)]
                 replies += [await self._remote_answer(rank, fut, 0.0) for rank, fut in remote.items()]
             finally:
                 for fut in remote.values():

@@ -192,6 +192,19 @@ class InputBatch:
             query_lens=q.tolist(), seq_lens_list=seq.tolist(), req_ids=req_ids,  # type: ignore[arg-type]
             rows=rows, sample_mask=sample, num_drafts=num_drafts)
 
+    def append_sampled(self, rows: list[int], tokens: list[int]) -> None:
+        """Overlap scheduling: the engine schedules the next step before it has these
+        tokens, so the worker appends what it sampled and the next step reads them from here.
+        A row already at ``max_model_len`` is ending (the context is full): nothing to store."""
+        r = np.asarray(rows, dtype=np.int64)
+        n = self.num_tokens[r]
+        room = n < self.max_model_len
+        toks = np.asarray(tokens, dtype=np.int64)
+        if not room.all():
+            r, n, toks = r[room], n[room], toks[room]
+        self.token_ids[r, n] = toks
+        self.num_tokens[r] = n + 1
+
     def output_tokens(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]]
 

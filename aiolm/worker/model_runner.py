@@ -118,6 +118,8 @@ class ModelRunner:
             result = self.sampler(logits, metadata)
             tokens = result.sampled.tolist()
             self._last_sampled = [[t] for t in tokens]
+            if self.cfg.async_scheduling:
+                self.batch.append_sampled(rows, tokens)
             for j, i in enumerate(sample_idx):
                 sampled_ids[i] = [tokens[j]]
                 lp = result.row_logprobs(j)

@@ -174,7 +174,9 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
         assert r.status == RequestStatus.RUNNING
         assert len(kv.get_blocks(r.req_id)) * kv.block_size >= r.num_computed_tokens
         # Between steps only accepted tokens count; right after schedule() drafts do too.
-        assert r.num_computed_tokens <= r.num_tokens + len(spec.get(r.req_id, ()))
+        # Overlap: tokens sampled by steps in flight are computed before they are known.
+        assert r.num_computed_tokens <= r.num_tokens + len(spec.get(r.req_id, ())) + r.num_output_placeholders
+        assert r.num_output_placeholders <= 2
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0
@@ -186,7 +188,11 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
         if so.total_num_scheduled_tokens < cfg.max_num_batched_tokens:
             # Work conservation: with budget left, no running request is skipped.
             for r in sched.running:
-                assert r.req_id in so.num_scheduled_tokens or r.num_computed_tokens == r.num_tokens, (
+                ph = r.num_output_placeholders
+                assert (r.req_id in so.num_scheduled_tokens or r.num_computed_tokens == r.num_tokens + ph
+                        or len(r.output_token_ids) + ph >= r.max_tokens
+                        or r.num_tokens + ph >= cfg.max_model_len
+                        or (ph and len(sched.running) == 1)), (  # alone, out of blocks: awaits its token
                     f"{r.req_id} skipped although budget was left")
         if cfg.long_prefill_token_threshold:
             assert max(so.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold

@@ -184,7 +184,8 @@ def test_tensor_parallel_over_indivisible_heads_fails_start_readably():
 
 
 def test_cancelled_call_then_worker_killed_mid_step(tiny):
-    """A cancelled execute's late answer is not taken by the next call; then a SIGKILL
+    """A cancelled execute's late answer is not taken by the next call, nor are queued steps'
+    answers by an rpc; then a SIGKILL
     during a step fails that step within 2 s, and every later call at once."""
     before = _our_segments()
     deaths: list[tuple[float, str]] = []
@@ -217,6 +218,13 @@ def test_cancelled_call_then_worker_killed_mid_step(tiny):
             assert await ex.collective_rpc(set_delay, (0.0,)) == [0.0]  # not the stale step answer
             out = await ex.execute(_one_step_output("b"))
             assert out.req_ids == ["b"] and len(out.sampled_token_ids[0]) == 1
+            # Two steps in flight (overlap scheduling submits before it reads) and an rpc behind
+            # them: whoever reads first hands each reply to its own caller, in any order.
+            first = await ex.submit(_one_step_output("e"))
+            second = await ex.submit(_one_step_output("f"))
+            assert await ex.collective_rpc("kv_cache_info") == infos
+            assert (await ex.result(second)).req_ids == ["f"]
+            assert (await ex.result(first)).req_ids == ["e"]
             # 2. SIGKILL while the worker is inside a step.
             await ex.collective_rpc(set_delay, (120.0,))
             task = asyncio.ensure_future(ex.execute(_one_step_output("c")))
