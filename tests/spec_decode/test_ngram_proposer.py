@@ -117,3 +117,11 @@ def test_which_requests_speculate():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         SpecConfig(**kw)
+
+
+def test_speculation_and_overlap_scheduling_are_not_combined():
+    from aiolm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="async_scheduling cannot be combined with speculative"):
+        EngineArgs(speculative="ngram", async_scheduling=True)
+    assert EngineArgs(speculative="ngram").spec_config() is not None
