@@ -186,6 +186,8 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
                     r = {"peer": "aiolm", "dtype": label, **r,
                          "output_tok_s": r["decode_tok_s"] if single else r["output_tok_s"]}
                 got.append(r)
+                # each run as it ends: a long invocation cut short still leaves its numbers
+                print(f"  {r['peer']} {r['dtype']}: {r['output_tok_s']:.2f} tok/s", flush=True)
     return [_merge(got) for got in runs if got]
 
 
