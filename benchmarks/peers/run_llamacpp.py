@@ -12,6 +12,7 @@ from common import report, workload  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf")
+    ap.add_argument("--dtype", default="q4_1", help="the GGUF's weight type, as the result's label")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--single", action="store_true")
@@ -36,7 +37,7 @@ def main() -> None:
         for p, o in items:
             one(p, o)
         times.append(time.perf_counter() - t)
-    report("llama.cpp", "q4_1", times, sum(o for _, o in items))
+    report("llama.cpp", a.dtype, times, sum(o for _, o in items))
 
 
 if __name__ == "__main__":

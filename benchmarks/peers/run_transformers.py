@@ -1,6 +1,7 @@
 """transformers on the offline workload: generate() on left-padded static batches, or with
 --continuous its own continuous batching (the manager behind generate_batch, each request
-with its own max_new_tokens and no EOS): python run_transformers.py GGUF [--dtype bfloat16]."""
+with its own max_new_tokens and no EOS): python run_transformers.py MODEL [--dtype bfloat16], MODEL a
+GGUF file or a Hugging Face folder."""
 
 import argparse
 import os
@@ -13,7 +14,7 @@ from common import report, workload  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("gguf")
+    ap.add_argument("model", help="a .gguf file or a Hugging Face folder")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -26,8 +27,12 @@ def main() -> None:
 
     torch.set_num_threads(2)
     dt = getattr(torch, a.dtype)
-    path = os.path.abspath(a.gguf)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dt).eval()
+    path = os.path.abspath(a.model)
+    if os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=dt).eval()
     items = workload(1, (128, 128), (128, 128), seed=1) if a.single else workload(a.num_requests)
     pad = 0
 

@@ -1,0 +1,135 @@
+"""benchmarks/make_model.py: aiolm reads every format it writes, and agrees with transformers.
+
+The 1.1B model is for benchmarks only; ``--scale tiny`` has its structure (grouped KV
+heads, an untied LM head, head_dim 64, the SmolLM2 vocabulary and tokenizer) and is
+written in seconds. transformers reads the same files: the float32 folder in a plain
+greedy loop, the GGUF through its own GGUF loader (which undoes llama.cpp's Q/K row
+order by its own code), so a wrong permutation or a wrong tensor name shows as
+different logits.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aiolm.model.loader import resolve_model
+from aiolm.model.registry import build_model
+from paged import PagedHarness, hf_greedy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from make_model import SCALES, make_model, read_manifest  # noqa: E402
+
+NEW_TOKENS = 8
+TEXT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    out = tmp_path_factory.mktemp("made")
+    # the embedded tokenizer comes from the user's cache, converted once for the whole suite
+    manifest = make_model(out / "tiny", "tiny", formats=("f32", "bf16", "q4_0"))
+    with pytest.MonkeyPatch.context() as mp:  # the tiny GGUF's conversion goes to a private cache
+        mp.setenv("AIOLM_CACHE_DIR", str(out / "aiolm-cache"))
+        yield out / "tiny", manifest
+
+
+@pytest.fixture(scope="module")
+def prompt(made):
+    return resolve_model(made[0] / "hf-float32").load_tokenizer()(TEXT, add_special_tokens=False)["input_ids"]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return dict(resolve_model(path).iter_weights())
+
+
+def aiolm_greedy(path: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """aiolm's model over a paged cache: greedy tokens, and the prompt's last logits."""
+    model = build_model(resolve_model(path), torch.float32)
+    first = PagedHarness(model).step({0: prompt})[0]
+    return PagedHarness(model).greedy([prompt], NEW_TOKENS)[0], first
+
+
+def test_manifest_and_shape(made):
+    out, manifest = made
+    assert read_manifest(out) == manifest
+    assert manifest["files"] == {"f32": "hf-float32", "bf16": "hf-bfloat16", "q4_0": "model-Q4_0.gguf"}
+    src = resolve_model(out / "hf-float32")
+    tiny = SCALES["tiny"]
+    assert (src.config.hidden_size, src.config.num_layers, src.config.num_heads, src.config.num_kv_heads,
+            src.config.head_dim, src.config.vocab_size) == (tiny.hidden, tiny.layers, tiny.heads, tiny.kv_heads,
+                                                           64, 49152)
+    assert not src.config.tie_word_embeddings
+    w = weights(out / "hf-float32")
+    assert sum(t.numel() for t in w.values()) == manifest["parameters"]
+    q = w["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.float32 and 0.019 < float(q.std()) < 0.021
+    assert torch.equal(w["model.norm.weight"], torch.ones(tiny.hidden))
+    assert not torch.equal(q, w["model.layers.1.self_attn.q_proj.weight"])  # each tensor its own draw
+
+
+def test_float32_folder_matches_transformers(made, prompt):
+    from transformers import AutoModelForCausalLM
+
+    path = made[0] / "hf-float32"
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    tokens, logits = aiolm_greedy(path, prompt)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)
+
+
+def test_bfloat16_folder_holds_the_float32_weights_rounded(made, prompt):
+    f32, bf16 = weights(made[0] / "hf-float32"), weights(made[0] / "hf-bfloat16")
+    assert f32.keys() == bf16.keys()
+    for name, t in bf16.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, f32[name].to(torch.bfloat16)), name
+    tokens, logits = aiolm_greedy(made[0] / "hf-bfloat16", prompt)
+    assert torch.isfinite(logits).all() and len(tokens) == NEW_TOKENS
+
+
+def test_gguf_holds_the_same_weights_and_matches_transformers(made, prompt):
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = made[0] / "model-Q4_0.gguf"
+    f32, q4 = weights(made[0] / "hf-float32"), weights(gguf_path)
+    assert f32.keys() == q4.keys()
+    for name, t in q4.items():
+        # Q4_0 rounds each block of 32 to 16 levels a step of its largest magnitude / 8
+        # apart (the top level clipped, the step stored in float16): the error is at most
+        # about one step, while a row from the wrong place would be off by the block's size
+        bound = f32[name].abs().reshape(-1, 32).amax(1, keepdim=True) / 7.5 + 1e-7
+        assert ((t - f32[name]).reshape(-1, 32).abs() <= bound).all(), name
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    tokens, logits = aiolm_greedy(gguf_path, prompt)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)
+    # the GGUF's tokenizer metadata is the embedded SmolLM2's: same ids for the same text
+    tok = resolve_model(gguf_path).load_tokenizer()
+    assert tok(TEXT, add_special_tokens=False)["input_ids"] == prompt
+
+
+def test_engine_generates_from_the_gguf(made, prompt):
+    """The real engine (worker process, C++ block kernels for one-row steps) on the Q4_0 file."""
+    from aiolm import LLM, SamplingParams
+
+    gguf_path = made[0] / "model-Q4_0.gguf"
+    expected, _ = aiolm_greedy(gguf_path, prompt)
+    llm = LLM(str(gguf_path), dtype="float32", max_model_len=256)  # the fixture's cache: converted already
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.close()
+    assert list(out.token_ids) == expected
+    assert all(np.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))
