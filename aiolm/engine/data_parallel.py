@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
 from aiolm.config import EngineArgs
@@ -51,19 +50,6 @@ def create_engine(args: EngineArgs) -> Any:
     if args.data_parallel_size > 1:
         return DataParallelEngine(args)
     return AsyncEngine(args)
-
-
-class _Sum:
-    """Prefix-cache stats summed over replicas (what aiolm/metrics.py reads)."""
-
-    def __init__(self, parts: list[Any]) -> None:
-        self.queries = sum(p.queries for p in parts)
-        self.hits = sum(p.hits for p in parts)
-        self.requests = sum(getattr(p, "requests", 0) for p in parts)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class DataParallelEngine:
@@ -249,12 +235,6 @@ class DataParallelEngine:
             for k, v in r.stats.items():
                 total[k] = total.get(k, 0) + v
         return total
-
-    @property
-    def scheduler(self) -> Any:
-        """What aiolm/metrics.py reads of a scheduler: prefix-cache stats, summed."""
-        parts = [r.scheduler.prefix_cache_stats for r in self.replicas if hasattr(r, "scheduler")]
-        return SimpleNamespace(prefix_cache_stats=_Sum(parts))
 
     def num_requests(self) -> tuple[int, int]:
         running = waiting = 0
