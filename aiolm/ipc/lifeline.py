@@ -17,6 +17,8 @@ import signal
 import sys
 from types import FrameType
 
+from aiolm.ipc.wakeup import pid_alive
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -25,9 +27,13 @@ def parent_alive(expected_ppid: int) -> bool:
 
     Once the parent dies we are re-parented (to init or a subreaper), so the
     pid changes; comparing with the expected pid also covers a parent that died
-    before this child got to run.
+    before this child got to run. The pid alone is not enough: a child spawned
+    from one of the parent's threads is re-parented only when that thread has
+    exited, which can be after the killed parent's leader is already a zombie
+    and after a ring has reported the parent dead, so a zombie parent counts as
+    dead too.
     """
-    return os.getppid() == expected_ppid
+    return os.getppid() == expected_ppid and pid_alive(expected_ppid)
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:

@@ -121,7 +121,7 @@ def serve_ring(runner: Any, rank: int, requests: ShmRing, responses: ShmRing,
             if not engine_alive():
                 return 0
             continue
-        except RingClosed:
+        except (RingClosed, PeerDied):  # closed by the engine, or the engine is gone
             return 0
         reply, code = handler.handle(buf)
         if reply is not None:

@@ -169,11 +169,6 @@ def test_tp2_on_cuda_gives_tp1_tokens(tiny_llama):
 
 
 @pytest.mark.slow
-# Known bug, open: in about half the runs on this box (also at 8084c81, before this change
-# set) one or more of the dead engine's segments is never unlinked by its ranks, even 30 s
-# after the kill. Marked so that CI reports it (XFAIL/XPASS) without blocking; fix the leak
-# and drop this mark.
-@pytest.mark.xfail(strict=False, reason="ranks sometimes miss the SIGKILLed engine's segments (open bug)")
 def test_sigkilled_engine_leaves_no_segment_behind(tiny_llama):
     """The engine owns the all-reduce segment; if it is SIGKILLed, its ranks unlink it."""
     import signal
