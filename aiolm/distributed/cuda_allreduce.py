@@ -74,9 +74,9 @@ class SymmMemAllReduce:
 
 def make_group(rank: int, world_size: int, port: int, prefer_symm_mem: bool = True,
                host: str = "127.0.0.1") -> tuple[TPGroup, str]:
-    """Join the NCCL group on ``cuda:rank`` and put symmetric memory in front of it where valid."""
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)  # the model runner's plain "cuda" means this GPU from here on
+    """Join the NCCL group on the current GPU (the worker made its rank's device current:
+    platforms/cuda.py worker_device) and put symmetric memory in front of it where valid."""
+    device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world_size, device_id=device)
     group = dist.group.WORLD

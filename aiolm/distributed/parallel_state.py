@@ -16,7 +16,7 @@ import torch
 class TPGroup:
     rank: int = 0
     world_size: int = 1
-    # Set by the worker when world_size > 1 (custom shm/IPC all-reduce or torch.distributed).
+    # Set by the worker when world_size > 1: shm, symm_mem, gloo or nccl (distributed/communicator.py).
     all_reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     all_gather_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # concat on the last dim
 

@@ -12,6 +12,7 @@ threads stay free for ``lifeline`` and ``node_info``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -56,7 +57,10 @@ class RayWorker:
                shm_name: str | None, cpu_bind: str) -> dict[str, Any]:
         from aiolm.worker.worker import StepHandler, build_runner
 
-        self.runner, info = build_runner(RunnerConfig.decode(cfg_text), rank, world_size, port=port,
+        cfg = RunnerConfig.decode(cfg_text)
+        if cfg.device == "cuda":  # Ray makes the actor's one GPU visible as device 0, whatever the rank
+            cfg = dataclasses.replace(cfg, device="cuda:0")
+        self.runner, info = build_runner(cfg, rank, world_size, port=port,
                                          all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind,
                                          host=host)
         self.handler = StepHandler(self.runner, rank)

@@ -102,7 +102,9 @@ def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, al
     from aiolm.platforms import get_platform
     from aiolm.worker.model_runner import ModelRunner
 
-    group, name = get_platform(cfg.device).make_tp_group(
+    platform = get_platform(cfg.device)
+    platform.worker_device(cfg.device, rank)  # a GPU rank's device is current before its group forms
+    group, name = platform.make_tp_group(
         rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host)
     set_tp_group(group)
     runner = ModelRunner(cfg)

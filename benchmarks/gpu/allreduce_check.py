@@ -9,7 +9,7 @@ the group's all-reduce (symm_mem where valid) equals NCCL's on the same inputs
 (within the rounding of two summation orders, relative to the sum of magnitudes)
 and that all ranks hold the same result, then times both at decode sizes (tokens x
 4096 hidden, bfloat16): median of CUDA-synchronized calls. With fewer than 2 GPUs
-it prints why it is skipped and exits 0.
+it prints why it is skipped and exits 3 (check.sh's 'skipped').
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def run_rank(rank: int, world: int, port: int) -> None:
 
     from aiolm.distributed.cuda_allreduce import make_group
 
-    group, name = make_group(rank, world, port)
     dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)  # as a worker does first (platforms/cuda.py worker_device)
+    group, name = make_group(rank, world, port)
     failures = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for numel in CHECK_NUMELS:
@@ -58,6 +59,7 @@ def run_rank(rank: int, world: int, port: int) -> None:
             same = all(torch.equal(gathered[0], t) for t in gathered[1:])
             if excess > 0 or not same:
                 failures.append({"dtype": str(dtype), "numel": numel, "excess": excess, "ranks_agree": same})
+    failures += _graph_failures(group, dev)
     latency = []
     for tokens in DECODE_TOKENS:
         x = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
@@ -82,6 +84,31 @@ def run_rank(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _graph_failures(group, dev) -> list[dict]:
+    """The all-reduce captured in a CUDA graph (as decode steps capture it) gives, on replay
+    with new inputs copied into the captured buffer, what the eager call gives."""
+    import torch
+
+    failures = []
+    for tokens in (1, 8, 64):
+        static = torch.zeros(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
+        group.all_reduce(static.clone())  # warm up outside the capture (allocations, handles)
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = group.all_reduce(static * 1)
+        for seed in (1, 2):
+            g = torch.Generator(device=dev).manual_seed(seed * 7919 + group.rank)
+            x = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
+            static.copy_(x)
+            graph.replay()
+            want = group.all_reduce(x.clone())
+            if not torch.equal(out, want):
+                failures.append({"graph": True, "tokens": tokens, "seed": seed,
+                                 "max_diff": (out.float() - want.float()).abs().max().item()})
+    return failures
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=0, help="GPUs to use (default: all visible, at most 8)")
@@ -97,10 +124,10 @@ def main() -> int:
     world = args.ranks or min(visible, 8)
     if visible < 2 or world < 2:
         print(f"allreduce_check: skipped: {visible} CUDA device(s) visible; the all-reduce needs at least 2")
-        return 0
+        return 3
     if world > visible:
         print(f"allreduce_check: skipped: --ranks {world} but only {visible} CUDA devices")
-        return 0
+        return 3
     from aiolm.distributed.cuda_allreduce import symm_mem_unusable_reason
 
     print(f"allreduce_check: {world} GPUs ({torch.cuda.get_device_name(0)}); symmetric memory: "

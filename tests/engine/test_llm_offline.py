@@ -56,3 +56,11 @@ def test_chat_applies_the_template(llm, tokenizer):
     two = llm.chat(convs, [SamplingParams(temperature=0.0, max_tokens=8), greedy(3)], use_tqdm=False)
     assert two[0].outputs[0].text == one.outputs[0].text
     assert "Say hello." in two[1].prompt and len(two[1].outputs[0].token_ids) == 3
+
+
+def test_the_engine_loop_is_uvloop(llm):
+    """One uvloop loop is the design: the offline LLM's loop thread runs one too, as the
+    server and the CLI do (uvloop is a dependency, so this is never the fallback)."""
+    import uvloop
+
+    assert isinstance(llm._runner.loop, uvloop.Loop)
