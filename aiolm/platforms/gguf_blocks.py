@@ -113,20 +113,18 @@ class GGUFLinear:
 
 def attach(model: Any, gguf_path: Path) -> int:
     """Give each linear layer of ``model`` its GGUF blocks; returns how many layers got them."""
-    import gguf
-
     from aiolm.distributed.parallel_state import get_tp_group
+    from aiolm.model.gguf_index import read_tensors
 
     if get_tp_group().world_size != 1:
         return 0
     cfg = model.config
     permute = cfg.architecture in ("llama", "mistral")
-    reader = gguf.GGUFReader(str(gguf_path))
     raw: dict[str, tuple[np.ndarray, str]] = {}
-    for t in reader.tensors:
+    for t in read_tensors(gguf_path).values():
         name = hf_name(t.name)
-        if name is not None and t.tensor_type.name in TYPE_IDS:
-            raw[name] = (t.data, t.tensor_type.name)
+        if name is not None and t.type_name in TYPE_IDS:
+            raw[name] = (t.data, t.type_name)
 
     def rows(name: str) -> tuple[np.ndarray, str] | None:
         got = raw.get(name)

@@ -253,6 +253,25 @@ def test_mixed_gguf_really_holds_every_tensor_type(mixed):
     assert types <= SUPPORTED_TYPES
 
 
+@pytest.mark.parametrize("which", ["mixed", "embedded"])
+def test_tensor_index_reads_what_the_gguf_library_reads(which, mixed):
+    """gguf_index.read_tensors (the fast path for attaching blocks) gives every tensor's type,
+    shape and bytes exactly as gguf.GGUFReader does: on a file of every supported type, and
+    on the embedded model, whose metadata holds a full vocabulary."""
+    from aiolm.model.gguf_index import read_tensors
+
+    path = mixed[0] if which == "mixed" else embedded_model_path()
+    ours = read_tensors(path)
+    theirs = gguf.GGUFReader(str(path)).tensors
+    assert sorted(ours) == sorted(t.name for t in theirs)
+    for t in theirs:
+        got = ours[t.name]
+        assert got.type_name == t.tensor_type.name, t.name
+        assert got.data.tobytes() == np.ascontiguousarray(t.data).tobytes(), t.name
+        if t.tensor_type.name not in ("F32", "F16"):
+            assert got.data.shape == np.asarray(t.data).shape, t.name
+
+
 def test_gguf_config_tokenizer_and_chat_template(mixed):
     _, _, src = mixed
     cfg = src.config
