@@ -16,11 +16,14 @@ the document ends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 from aiolm.params import ParamError
@@ -114,12 +117,16 @@ class Compiler:
 
     _lock = threading.Lock()
     _loader: Callable[[], Any] | None = None
+    _tokenizer_dir: Path | None = None
     _compiler: Any = None
     _vocab_size: int = 0
 
     @classmethod
-    def configure(cls, tokenizer_loader: Callable[[], Any]) -> None:
+    def configure(cls, tokenizer_loader: Callable[[], Any], tokenizer_dir: Path | None = None) -> None:
+        """``tokenizer_dir``: the folder the tokenizer loads from; with it, the compiler's
+        tokenizer info is kept in aiolm's cache (``tokenizer_info``)."""
         cls._loader = tokenizer_loader
+        cls._tokenizer_dir = tokenizer_dir
 
     @classmethod
     def preload(cls, vocab_size: int) -> None:
@@ -154,10 +161,56 @@ class Compiler:
                 if cls._loader is None:
                     raise RuntimeError("structured outputs: no tokenizer registered in this worker")
                 xgr = xgrammar_module()
-                info = xgr.TokenizerInfo.from_huggingface(cls._loader(), vocab_size=vocab_size)
+                info = tokenizer_info(cls._loader, vocab_size, cls._tokenizer_dir)
                 cls._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_BYTES)
                 cls._vocab_size = vocab_size
             return cls._compiler
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+
+
+def tokenizer_info(loader: Callable[[], Any], vocab_size: int, tokenizer_dir: Path | None) -> Any:
+    """xgrammar's TokenizerInfo for the tokenizer ``loader`` gives, read from aiolm's cache
+    when an earlier process built it for the same tokenizer files.
+
+    Building it needs the Hugging Face tokenizer, whose load (transformers' imports and
+    the tokenizer itself) is most of the seconds a worker spends preparing its compiler,
+    on every start and every restart; the serialized info reads back in milliseconds.
+    The cache key covers the files' paths, sizes and times, the vocabulary size and
+    xgrammar's version; any failure to read or write the cache falls back to building.
+    """
+    from importlib.metadata import version
+
+    from aiolm.model.loader import cache_root
+
+    xgr = xgrammar_module()
+    path = None
+    if tokenizer_dir is not None:
+        h = hashlib.sha256(f"{version('xgrammar')}|{vocab_size}|{tokenizer_dir.resolve()}".encode())
+        for name in _TOKENIZER_FILES:
+            f = tokenizer_dir / name
+            if f.exists():
+                st = f.stat()
+                h.update(f"|{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        path = cache_root() / "tokenizer-info" / f"{h.hexdigest()[:24]}.json"
+        try:
+            return xgr.TokenizerInfo.deserialize_json(path.read_text())
+        except FileNotFoundError:
+            pass
+        except Exception:  # a damaged entry: build again and replace it
+            log.warning("structured outputs: unreadable tokenizer info %s; rebuilding it", path, exc_info=True)
+    info = xgr.TokenizerInfo.from_huggingface(loader(), vocab_size=vocab_size)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(info.serialize_json())
+            os.replace(tmp, path)  # whole or absent, whoever races
+        except OSError as e:
+            log.info("structured outputs: tokenizer info not cached (%s)", e)
+    return info
 
 
 class BackgroundCompiles:

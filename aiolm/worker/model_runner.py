@@ -45,7 +45,7 @@ class ModelRunner:
         self.device = self.platform.worker_device(cfg.device, get_tp_group().rank)
         self.platform.install()
         self.source = resolve_model(cfg.model)
-        Compiler.configure(self.source.load_tokenizer)  # grammars load it on first use
+        Compiler.configure(self.source.load_tokenizer, self.source.path)  # loaded on first use
         if cfg.structured_outputs:
             Compiler.preload(self.source.config.vocab_size)  # in a thread, while the model loads
         requested = self.platform.resolve_dtype(cfg.dtype)

@@ -120,3 +120,48 @@ def test_background_compiles_report_ready_and_errors_and_leave_the_grammar_cache
         assert proc is not None and time.perf_counter() - t0 < 0.25  # a cache hit, not a compile
     finally:
         jobs.close()
+
+
+def test_tokenizer_info_is_cached_by_the_tokenizer_files(tmp_path, monkeypatch, real_source, tokenizer):
+    """A worker builds xgrammar's tokenizer info once per tokenizer (a file in aiolm's cache):
+    a later process reads it back without loading the tokenizer, and what it reads is what
+    building gives; changed files or a damaged entry build it again."""
+    import shutil
+
+    import xgrammar as xgr
+
+    from aiolm.structured.backend import tokenizer_info
+
+    monkeypatch.setenv("AIOLM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "tok"
+    shutil.copytree(real_source.path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return tokenizer
+
+    built = tokenizer_info(loader, VOCAB, folder)
+    entries = list((tmp_path / "cache" / "tokenizer-info").glob("*.json"))
+    assert len(loads) == 1 and len(entries) == 1
+    read = tokenizer_info(lambda: pytest.fail("the cached info must not load the tokenizer"), VOCAB, folder)
+    for attr in ("decoded_vocab", "stop_token_ids", "special_token_ids", "vocab_type", "add_prefix_space",
+                 "vocab_size"):
+        assert getattr(read, attr) == getattr(built, attr), attr
+    reference = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)
+    assert read.decoded_vocab == reference.decoded_vocab and read.stop_token_ids == reference.stop_token_ids
+    # The same grammar compiled from either gives the same first mask.
+    masks = []
+    for info in (reference, read):
+        matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema('{"type": "integer"}'))
+        bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+        matcher.fill_next_token_bitmask(bitmask)
+        masks.append(bitmask)
+    assert torch.equal(masks[0], masks[1])
+
+    entries[0].write_text("{not json")  # damaged: rebuilt and replaced
+    tokenizer_info(loader, VOCAB, folder)
+    assert len(loads) == 2 and xgr.TokenizerInfo.deserialize_json(entries[0].read_text()).vocab_size == VOCAB
+    (folder / "tokenizer.json").touch()  # the tokenizer changed: another entry
+    tokenizer_info(loader, VOCAB, folder)
+    assert len(loads) == 3 and len(list(entries[0].parent.glob("*.json"))) == 2
