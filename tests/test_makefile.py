@@ -33,8 +33,12 @@ def test_torch_build_is_chosen_and_said_in_one_line():
 
 
 def test_cuda_variant_adds_triton_and_a_misspelt_one_is_refused():
+    # `make serve` installs the runtime (plus triton on a GPU machine); `make test` adds the tools.
     dry = _make("-n", "-B", "install", "TORCH_VARIANT=cuda")
-    assert dry.returncode == 0 and "'.[test,bench,cuda]'" in dry.stdout, dry.stdout
-    assert "'.[test,bench]'" in _make("-n", "-B", "install", "TORCH_VARIANT=cpu").stdout
+    assert dry.returncode == 0 and "-e '.[cuda]'" in dry.stdout and "test," not in dry.stdout, dry.stdout
+    cpu = _make("-n", "-B", "install", "TORCH_VARIANT=cpu").stdout
+    assert "-e '.'" in cpu and "[" not in cpu.split("-e ", 1)[1].split()[0], cpu
+    assert "'.[test,bench,cuda]'" in _make("-n", "-B", "install-test", "TORCH_VARIANT=cuda").stdout
+    assert "'.[test,bench]'" in _make("-n", "-B", "install-test", "TORCH_VARIANT=cpu").stdout
     bad = _make("torch", "TORCH_VARIANT=gpu")
     assert bad.returncode != 0 and "TORCH_VARIANT must be cpu or cuda, got 'gpu'" in bad.stderr

@@ -86,7 +86,10 @@ def _pcts(values: list[float]) -> dict[str, float]:
 async def run_load(base_url: str, model: str, items: list[Item], rate: float, concurrency: int,
                    burstiness: float = 1.0, seed: int = 0, timeout: float = 600.0,
                    slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict[str, Any]:
-    import httpx
+    try:
+        import httpx
+    except ImportError as e:  # a `make serve` install has the server, not the load generator
+        raise SystemExit("aiolm bench serve needs httpx: pip install -e '.[bench]' (make test installs it)") from e
     import numpy as np
 
     rng = np.random.default_rng(seed)

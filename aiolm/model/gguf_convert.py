@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,19 @@ import numpy as np
 from aiolm.model.config import ModelLoadError
 
 log = logging.getLogger(__name__)
+
+
+def progress(msg: str, *args: Any) -> None:
+    """Say how a first use's conversion goes, whoever set up logging (or nobody did).
+
+    It runs once per model file and takes a while, so a user of ``LLM()`` or of
+    ``aiolm generate`` (logging at warnings only) should still see that something is
+    happening and why; where INFO reaches a handler it is a normal log line.
+    """
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(msg, *args)
+    else:
+        print("aiolm: " + msg % args, file=sys.stderr, flush=True)
 
 # GGUF architecture name -> (HF architectures entry, model_type)
 _ARCHS = {
@@ -153,7 +167,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         if i % max(1, total // 10) == 0:
-            log.info("converting %s: tensor %d of %d", path.name, i + 1, total)
+            progress("converting %s: tensor %d of %d", path.name, i + 1, total)
         name = hf_name(t.name)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config

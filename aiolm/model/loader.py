@@ -221,9 +221,9 @@ def _gguf_cache_folder(gguf_path: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        from aiolm.model.gguf_convert import convert_gguf
+        from aiolm.model.gguf_convert import convert_gguf, progress
 
-        log.info("converting %s to float32 safetensors in %s (once)", gguf_path, final)
+        progress("converting %s to float32 safetensors in %s (once)", gguf_path, final)
         convert_gguf(gguf_path, tmp)
         try:
             os.rename(tmp, final)  # atomic: readers see all of the folder or none of it

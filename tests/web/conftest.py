@@ -2,7 +2,8 @@
 
 Chromium comes from the system (Debian's ``chromium`` package, or ``AIOLM_CHROMIUM``);
 Playwright never downloads a browser here. Where none can be found or launched the
-browser tests skip and say why. Screenshots go to ``AIOLM_TEST_ARTIFACTS`` (default:
+browser tests skip and say why (in CI, an installed Chromium that fails to launch fails
+them). Screenshots go to ``AIOLM_TEST_ARTIFACTS`` (``.ci/run`` sets ``artifacts/``; default:
 a pytest temporary folder).
 """
 
@@ -41,6 +42,10 @@ def browser() -> Iterator:
         try:
             b = p.chromium.launch(executable_path=exe)
         except sync_api.Error as e:
+            # In CI (.ci/run installed it) an installed Chromium that cannot start is a failure,
+            # not a reason to skip the page's tests.
+            if os.environ.get("CI"):
+                pytest.fail(f"Chromium at {exe} could not be launched: {e}")
             pytest.skip(f"Chromium at {exe} could not be launched: {e}")
         try:
             yield b
