@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -99,3 +100,14 @@ def test_readme_client_snippets_run_against_a_server(tmp_path):
                 doc = ast.literal_eval(lines[0])  # print() of the parsed dict
                 assert set(doc) == {"city", "population"} and isinstance(doc["population"], int)
                 assert lines[1] in ("yes", "no")
+        # The README's curl stream, verbatim but for the port (its comment lines are shell comments).
+        curl = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                    if "curl -N" in b)
+        p = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")], text=True,
+                           capture_output=True, timeout=TIMEOUT)
+        assert p.returncode == 0, p.stderr
+        events = [ln[len("data: "):] for ln in p.stdout.splitlines() if ln.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", p.stdout
+        chunks = [json.loads(e) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert "Paris" in text and chunks[-1]["usage"]["completion_tokens"] > 0, p.stdout
