@@ -1,5 +1,5 @@
-"""The CUDA platform: bfloat16 by default, Triton attention where triton is installed,
-and a KV cache sized by profiling the largest step."""
+"""The CUDA platform: bfloat16 by default, Triton attention and fused Triton ops where
+triton is installed, and a KV cache sized by profiling the largest step."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from aiolm.kernels.ops import TorchOps
 from aiolm.platforms.base import Platform
 
 
@@ -31,6 +32,17 @@ class CudaPlatform(Platform):
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def ops(self) -> TorchOps:
+        """The fused Triton kernels where triton is installed (each op falls back to the
+        reference for what its kernel does not take), else the reference."""
+        from aiolm.kernels import triton as triton_kernels
+
+        if not triton_kernels.available():
+            return TorchOps()
+        from aiolm.kernels.triton.ops import TritonOps
+
+        return TritonOps()
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         t = super().resolve_dtype(dtype)
