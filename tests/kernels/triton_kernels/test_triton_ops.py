@@ -114,3 +114,16 @@ def test_what_the_kernels_do_not_take_goes_to_the_reference(triton_ops, spy, dev
     f64 = _rand(2, 8, dtype=torch.float64, device=device)  # no kernel for float64
     assert torch.equal(triton_ops.silu_and_mul(f64), TorchOps().silu_and_mul(f64))
     assert spy == {"rms_norm": 1}  # only the float32 norm of the promoted sum reached a kernel
+
+
+def test_the_cuda_platform_installs_them(monkeypatch):
+    """CudaPlatform.ops(): TritonOps where triton is installed, the reference where not
+    (torch.cuda.is_available is faked where there is no GPU: the platform refuses to exist without one)."""
+    from aiolm.kernels import triton as triton_kernels
+    from aiolm.kernels.triton.ops import TritonOps
+    from aiolm.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert type(CudaPlatform().ops()) is TritonOps
+    monkeypatch.setattr(triton_kernels, "available", lambda: False)
+    assert type(CudaPlatform().ops()) is TorchOps
