@@ -56,7 +56,15 @@ def _hf_greedy_on_cuda(dtype: torch.dtype, prompts: list[list[int]], max_new: in
     from paged import hf_greedy
 
     path = embedded_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to("cuda").eval()
+    kwargs = {}
+    try:  # a plain dense model in ``dtype``, not GGUF blocks behind float32 matmul kernels
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers dequantize anyway
+        pass
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **kwargs)
+    hf = hf.to("cuda").eval()
     try:
         return [hf_greedy(hf, p, max_new, device="cuda") for p in prompts]
     finally:
