@@ -58,8 +58,9 @@ class TritonOps(TorchOps):
         d = q.shape[-1]
         if (self._reach(q, k, cos, sin) and q.dim() == 3 and k.dim() == 3 and d % 2 == 0
                 and k.shape[-1] == d and cos.shape[-1] == d and sin.shape[-1] == d
-                and q.shape[0] == k.shape[0] == positions.shape[0] and positions.device == q.device
-                and not positions.is_floating_point()
+                and positions.dim() == 1 and q.shape[0] == k.shape[0] == positions.shape[0]
+                and positions.device == q.device and not positions.is_floating_point()
+                and positions.stride(0) == 1
                 and q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1):
             rope.rotary_(q, k, positions, cos, sin, is_neox=True)
             return q, k
