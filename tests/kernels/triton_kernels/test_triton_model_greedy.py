@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from paged import PagedHarness
+from triton_cases import ops_installed
 
 
 @pytest.mark.slow
@@ -21,7 +22,6 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
     if device != "cpu":
         pytest.skip("the session's model lives on the CPU; the GPU run is benchmarks/gpu/check.py")
     from aiolm.attention.triton_backend import TritonAttention
-    from aiolm.kernels import ops
     from aiolm.kernels.triton import activation, norm, rope
     from aiolm.kernels.triton.ops import TritonOps
     from aiolm.model.registry import build_model
@@ -41,12 +41,8 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
             launches[_name] += 1
             return _real(*a, **kw)
         monkeypatch.setattr(mod, name, counted)
-    before = ops.current()
-    ops.install(TritonOps())
-    try:
+    with ops_installed(TritonOps()):
         got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
-    finally:
-        ops.install(before)
     assert got == want
     assert len(want[0]) == len(want[1]) == max_new
     # every op of every layer ran its kernel: 2 prefill passes + 4 decode steps
