@@ -67,9 +67,10 @@ class PagedHarness:
         return outs
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
-    """A plain greedy loop with an explicit all-ones mask (pad id == eos id in SmolLM2)."""
-    ids = torch.tensor([prompt_ids])
+def hf_greedy(model, prompt_ids: list[int], max_new: int, device: str = "cpu") -> list[int]:
+    """A plain greedy loop with an explicit all-ones mask (pad id == eos id in SmolLM2);
+    ``device``: where ``model`` is."""
+    ids = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     past = None
     with torch.no_grad():
@@ -79,5 +80,5 @@ def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
             past = res.past_key_values
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
     return out

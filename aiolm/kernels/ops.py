@@ -1,4 +1,4 @@
-"""The ops model layers call: norms, rotary embedding, SiLU-and-mul.
+"""The ops model layers call: norms, rotary embedding, SiLU- and GeLU-and-mul.
 
 Layers call the functions at the bottom of this module and never ask what runs
 them. Behind them is one implementation object, installed by the worker's
@@ -44,6 +44,11 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_and_mul(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        """gelu(gate) * up for x = [gate | up]; ``approximate`` as F.gelu takes it ('tanh' or 'none')."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=approximate) * up
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -85,3 +90,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return current().silu_and_mul(x)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return current().gelu_and_mul(x, approximate)

@@ -33,6 +33,7 @@ from torch import nn
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.selector import attention_backend
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.kernels import ops
 from aiolm.model.config import ModelConfig, ModelLoadError
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -144,8 +145,7 @@ class Gemma3MLP(nn.Module):
         self.approximate = _ACTIVATIONS[cfg.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.gelu(gate, approximate=self.approximate) * up)
+        return self.down_proj(ops.gelu_and_mul(self.gate_up_proj(x), self.approximate))
 
 
 class Gemma3DecoderLayer(nn.Module):

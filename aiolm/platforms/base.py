@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -85,6 +86,17 @@ class Platform:
     def kv_cache_bytes(self, runner: Any) -> int:
         """Bytes the KV cache of ``runner`` (a ModelRunner with its model loaded) may take."""
         return runner.cfg.kv_cache_memory
+
+    def too_few_blocks(self, cfg: Any, num_blocks: int, min_blocks: int) -> str:
+        """The error when the KV cache holds less than one max_model_len sequence; it names
+        the knob that sized the cache on this platform."""
+        return (f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {num_blocks} blocks, fewer than one "
+                f"max_model_len sequence needs ({min_blocks}); raise kv_cache_memory or lower max_model_len")
+
+    def memory_guard(self, step: str, cfg: Any) -> ContextManager[None]:
+        """Wraps a step that allocates device memory (loading the weights, the KV cache):
+        where the device can run out, running out becomes a clear error naming the knob."""
+        return contextlib.nullcontext()
 
     def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
                       shm_name: str | None = None, cpu_bind: str = "auto",

@@ -49,8 +49,9 @@ class ModelRunner:
         if cfg.structured_outputs:
             Compiler.preload(self.source.config.vocab_size)  # in a thread, while the model loads
         requested = self.platform.resolve_dtype(cfg.dtype)
-        self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
-                                 attention=cfg.attention_backend)
+        with self.platform.memory_guard("loading the weights", cfg):
+            self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
+                                     attention=cfg.attention_backend)
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
         self.kv_dtype = self.platform.kv_cache_dtype(requested)
         mc = self.source.config
@@ -66,14 +67,14 @@ class ModelRunner:
                  self.num_blocks * cfg.block_size / cfg.max_model_len, cfg.max_model_len)
         min_blocks = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
         if self.num_blocks < min_blocks:
-            raise ValueError(f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {self.num_blocks} blocks, "
-                             f"fewer than one max_model_len sequence needs ({min_blocks}); "
-                             f"raise kv_cache_memory or lower max_model_len")
+            raise ValueError(self.platform.too_few_blocks(cfg, self.num_blocks, min_blocks))
         shape = kv_cache_shape(self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(mc.num_layers)]
+        with self.platform.memory_guard("allocating the KV cache", cfg):
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                              for _ in range(mc.num_layers)]
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
-        self.graphs = self._capture_graphs()
+        with self.platform.memory_guard("capturing CUDA graphs", cfg):
+            self.graphs = self._capture_graphs()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(cfg.seed)
@@ -206,12 +207,16 @@ class ModelRunner:
         self._meta_key = key
         return self._meta
 
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps will replay CUDA graphs (the memory profile leaves them room)."""
+        attn = self.model.layers[0].self_attn.attn
+        return self.device.type == "cuda" and not self.cfg.enforce_eager and getattr(attn, "cuda_graph_safe", False)
+
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """On CUDA, decode steps of up to ``max_cudagraph_size`` rows replay captured graphs
         (worker/cuda_graph.py), when the attention backend can be captured."""
         cfg = self.cfg
-        attn = self.model.layers[0].self_attn.attn
-        if self.device.type != "cuda" or cfg.enforce_eager or not getattr(attn, "cuda_graph_safe", False):
+        if not self.uses_cuda_graphs():
             return None
         sizes = capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_size)
         graphs = CudaGraphRunner(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), sizes,

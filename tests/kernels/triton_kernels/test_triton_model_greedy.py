@@ -1,23 +1,29 @@
-"""The embedded model gives the same greedy tokens with TritonAttention as with its CPU attention.
+"""The embedded model gives the same greedy tokens on the Triton path as on its CPU path.
 
-The model is built with ``attention="triton"`` (``--attention-backend triton``), which the CPU
-platform offers under TRITON_INTERPRET=1. Through the interpreter on a CPU; on a GPU,
-benchmarks/gpu/check.py does the same on CUDA.
+The Triton path is what the CUDA platform runs: the model is built with
+``attention="triton"`` (``--attention-backend triton``, which the CPU platform offers under
+TRITON_INTERPRET=1) and its norms, RoPE and SiLU-and-mul go through TritonOps. Through the
+interpreter on a CPU; on a GPU, benchmarks/gpu/check.py does the same on CUDA.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
 from paged import PagedHarness
+from triton_cases import ops_installed
 
 
 @pytest.mark.slow
-def test_triton_attention_greedy_matches_cpu_path(real_source, real_model, tokenizer, device):
+def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer, device, monkeypatch):
     if device != "cpu":
         pytest.skip("the session's model lives on the CPU; the GPU run is benchmarks/gpu/check.py")
     from aiolm.attention.triton_backend import TritonAttention
+    from aiolm.kernels.triton import activation, norm, rope
+    from aiolm.kernels.triton.ops import TritonOps
     from aiolm.model.registry import build_model
 
     prompts = [tokenizer.encode("The capital of France is"),
@@ -29,6 +35,17 @@ def test_triton_attention_greedy_matches_cpu_path(real_source, real_model, token
 
     triton_model = build_model(real_source, torch.float32, attention="triton")
     assert all(type(layer.self_attn.attn) is TritonAttention for layer in triton_model.layers)
-    got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
+    launches: Counter[str] = Counter()
+    for mod, name in ((norm, "rms_norm"), (norm, "add_rms_norm_"), (rope, "rotary_"), (activation, "silu_and_mul")):
+        def counted(*a, _real=getattr(mod, name), _name=name, **kw):
+            launches[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(mod, name, counted)
+    with ops_installed(TritonOps()):
+        got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
     assert got == want
     assert len(want[0]) == len(want[1]) == max_new
+    # every op of every layer ran its kernel: 2 prefill passes + 4 decode steps
+    layers, steps = len(triton_model.layers), 2 + max_new - 1
+    assert launches == {"rms_norm": steps, "add_rms_norm_": (2 * layers - 1 + 1) * steps,
+                        "rotary_": layers * steps, "silu_and_mul": layers * steps}, launches

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -90,3 +92,16 @@ def assert_same_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
     else:
         assert torch.equal(got, want)
+
+
+@contextmanager
+def ops_installed(impl) -> Iterator[None]:
+    """Model layers call ``impl``'s ops (aiolm.kernels.ops) inside the block, the previous ones after."""
+    from aiolm.kernels import ops
+
+    before = ops._impl  # not ops.current(): that would build the C++ CPU kernels to install them
+    ops.install(impl)
+    try:
+        yield
+    finally:
+        ops._impl = before
