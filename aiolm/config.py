@@ -225,6 +225,9 @@ class RunnerConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    # The first GPU of this engine's ranks under a plain "cuda": rank r runs on cuda:<offset + r>, so
+    # data-parallel replicas (each tensor_parallel_size ranks) land on disjoint GPUs of the node.
+    device_offset: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False  # on CUDA: no graph capture
     max_cudagraph_size: int = 256

@@ -61,6 +61,7 @@ class AsyncEngine:
         # ``metrics_registry`` with prometheus_client, or serve ``metrics.render()``.
         # ``engine_index`` is the replica's number under data parallelism (its ``engine`` label).
         self.metrics = EngineMetrics(self, self.args.metrics_prefix, engine_index)
+        self.engine_index = engine_index
         self._submissions = itertools.count()
         self.supervisor: WorkerSupervisor | None = None
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
@@ -106,7 +107,8 @@ class AsyncEngine:
             max_num_seqs=a.max_num_seqs,
             max_model_len=self.max_model_len, block_size=a.block_size,
             kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
-            device=a.resolved_device(), gpu_memory_utilization=a.gpu_memory_utilization,
+            device=a.resolved_device(), device_offset=self.engine_index * a.tensor_parallel_size,
+            gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none", async_scheduling=a.async_scheduling)
         self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,

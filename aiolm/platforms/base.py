@@ -31,8 +31,8 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.name)
 
-    def worker_device(self, device: str, rank: int) -> torch.device:
-        """The device the worker of ``rank`` runs on."""
+    def worker_device(self, device: str, index: int) -> torch.device:
+        """The device of the worker whose rank (plus its engine's device_offset) is ``index``."""
         return torch.device(device)
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:

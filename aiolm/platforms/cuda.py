@@ -26,13 +26,15 @@ class CudaPlatform(Platform):
         self._in_use_before: int | None = None  # until worker_device measures it, all memory in use counts
         self.memory_report = ""
 
-    def worker_device(self, device: str, rank: int) -> torch.device:
-        """Each rank on its own GPU: 'cuda' means cuda:<rank> (one node); an explicit index stays."""
+    def worker_device(self, device: str, index: int) -> torch.device:
+        """Each rank on its own GPU: 'cuda' means cuda:<index> (the rank, plus the engine's
+        device_offset under data parallelism; one node); an explicit index stays."""
         d = torch.device(device)
         if d.index is None:
-            if rank >= torch.cuda.device_count():
-                raise ValueError(f"rank {rank} needs GPU {rank}, but only {torch.cuda.device_count()} are visible")
-            d = torch.device("cuda", rank)
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"this rank needs GPU {index} (data-parallel replicas x tensor-parallel ranks, "
+                                 f"one GPU each), but only {torch.cuda.device_count()} are visible")
+            d = torch.device("cuda", index)
         torch.cuda.set_device(d)
         if self._in_use_before is None:  # the first call, before this rank's group or model allocates
             free, total = torch.cuda.mem_get_info(d)

@@ -42,7 +42,7 @@ class ModelRunner:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.platform = get_platform(cfg.device)
-        self.device = self.platform.worker_device(cfg.device, get_tp_group().rank)
+        self.device = self.platform.worker_device(cfg.device, get_tp_group().rank + cfg.device_offset)
         self.platform.install()
         self.source = resolve_model(cfg.model)
         Compiler.configure(self.source.load_tokenizer, self.source.path)  # loaded on first use

@@ -103,7 +103,7 @@ def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, al
     from aiolm.worker.model_runner import ModelRunner
 
     platform = get_platform(cfg.device)
-    platform.worker_device(cfg.device, rank)  # a GPU rank's device is current before its group forms
+    platform.worker_device(cfg.device, rank + cfg.device_offset)  # current before the group forms
     group, name = platform.make_tp_group(
         rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host)
     set_tp_group(group)

@@ -154,3 +154,41 @@ def test_out_of_memory_becomes_a_clear_error(monkeypatch):
     with pytest.raises(KeyError):  # anything else goes through untouched
         with platform.memory_guard("loading the weights", cfg):
             raise KeyError("x")
+
+
+def test_data_parallel_replicas_take_disjoint_gpus(monkeypatch):
+    """Under --data-parallel-size, replica i's rank r runs on cuda:<i * tp + r>: each replica's
+    engine gives its workers a device_offset (read here from the RunnerConfig it hands its
+    executor, which cannot start GPU workers on this machine); past the visible GPUs the
+    error says why."""
+    import asyncio
+
+    from aiolm.config import EngineArgs
+    from aiolm.engine.async_engine import AsyncEngine
+    from aiolm.engine.data_parallel import DataParallelEngine
+    from aiolm.platforms.cuda import CudaPlatform
+
+    handed = []
+
+    async def no_executor(self, cfg, attempt):
+        handed.append(cfg)
+        raise RuntimeError("no GPU workers here")
+
+    monkeypatch.setattr(AsyncEngine, "_make_executor", no_executor)
+    dp = DataParallelEngine(EngineArgs(data_parallel_size=2, tensor_parallel_size=3, max_model_len=64))
+    for replica in dp.replicas:
+        with pytest.raises(RuntimeError, match="no GPU workers"):
+            asyncio.run(replica.start())
+    assert [c.device_offset for c in handed] == [0, 3]
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (GiB, 2 * GiB))
+    platform = CudaPlatform()
+    devices = [platform.worker_device("cuda", c.device_offset + rank) for c in handed for rank in range(3)]
+    assert devices == [torch.device("cuda", i) for i in range(6)] == picked
+    with pytest.raises(ValueError, match="needs GPU 6 .* only 6 are visible"):
+        platform.worker_device("cuda", 6)
+    assert platform.worker_device("cuda:1", 4) == torch.device("cuda", 1)  # an explicit index stays
