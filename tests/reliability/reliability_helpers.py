@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,3 +151,48 @@ async def reference_texts(base_url: str, prompts: list[str], max_tokens: int) ->
                                       for p in prompts))
     assert all(o.finish_reason == "length" and not o.error for o in outs), outs
     return [o.text for o in outs]
+
+
+# -- engine death ---------------------------------------------------------------------------
+
+
+async def kill_during_streams(base_url: str, pid: int, prompts: list[str], max_tokens: int = 400,
+                              after_chunks: int = 4) -> tuple[float, list]:
+    """SIGKILL worker ``pid`` once a stream has ``after_chunks`` chunks; (kill time, each stream's
+    StreamResult, or the exception of one cut off by the server going away)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        started = asyncio.Event()
+
+        def on_chunk(res: StreamResult) -> None:
+            if res.chunks >= after_chunks:
+                started.set()
+
+        tasks = [asyncio.ensure_future(stream_completion(client, greedy(p, max_tokens, ignore_eos=True),
+                                                         on_chunk=on_chunk)) for p in prompts]
+        await asyncio.wait_for(started.wait(), 120)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+    return killed, outs
+
+
+def assert_died_cleanly(server: Any, killed: float, outs: list) -> str:
+    """Every stream ended with ``engine_dead`` within 2 s of the kill, the server (run with
+    --exit-on-engine-death, the default) exited non-zero, and left no segment or worker. The log."""
+    for o in outs:
+        if isinstance(o, BaseException):  # the server went away after the error event: also an end
+            continue
+        assert o.error is not None and o.error["code"] == "engine_dead", o
+        assert o.finish_reason is None
+        assert o.ended_at - killed < 2.0, f"stream ended {o.ended_at - killed:.2f} s after the kill"
+    assert any(not isinstance(o, BaseException) for o in outs)
+    try:
+        code = server.proc.wait(60)
+    except Exception:
+        raise AssertionError(f"server still running 60 s after its engine died:\n{server.log()}")
+    log = server.log()
+    assert code != 0, log
+    assert "the engine is dead" in log
+    assert shm_segments(server.proc.pid) == []
+    assert worker_pids(server.proc.pid) == []
+    return log
