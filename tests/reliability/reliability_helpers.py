@@ -156,11 +156,13 @@ async def reference_texts(base_url: str, prompts: list[str], max_tokens: int) ->
 # -- engine death ---------------------------------------------------------------------------
 
 
-async def kill_during_streams(base_url: str, pid: int, prompts: list[str], max_tokens: int = 400,
-                              after_chunks: int = 4) -> tuple[float, list]:
-    """SIGKILL worker ``pid`` once a stream has ``after_chunks`` chunks; (kill time, each stream's
-    StreamResult, or the exception of one cut off by the server going away)."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+async def streams_through_fault(base_url: str, prompts: list[str], max_tokens: int, fault: Any,
+                                after_chunks: int = 4, timeout: float = 60.0,
+                                return_exceptions: bool = False) -> tuple[float, list]:
+    """One greedy stream per prompt; ``fault()`` (in a thread) once one has ``after_chunks`` chunks.
+    (fault time, each stream's StreamResult, or with ``return_exceptions`` the exception of one
+    cut off by the server going away)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
         started = asyncio.Event()
 
         def on_chunk(res: StreamResult) -> None:
@@ -170,10 +172,16 @@ async def kill_during_streams(base_url: str, pid: int, prompts: list[str], max_t
         tasks = [asyncio.ensure_future(stream_completion(client, greedy(p, max_tokens, ignore_eos=True),
                                                          on_chunk=on_chunk)) for p in prompts]
         await asyncio.wait_for(started.wait(), 120)
-        killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        outs = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
-    return killed, outs
+        t_fault = time.monotonic()
+        await asyncio.to_thread(fault)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), timeout)
+    return t_fault, outs
+
+
+async def kill_during_streams(base_url: str, pid: int, prompts: list[str], max_tokens: int = 400) -> tuple[float, list]:
+    """SIGKILL worker ``pid`` while the streams decode (see streams_through_fault)."""
+    return await streams_through_fault(base_url, prompts, max_tokens, lambda: os.kill(pid, signal.SIGKILL),
+                                       return_exceptions=True)
 
 
 def assert_died_cleanly(server: Any, killed: float, outs: list) -> str:

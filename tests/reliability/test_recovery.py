@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from reliability_helpers import (PROMPTS, assert_died_cleanly, greedy, kill_during_streams, reference_texts, resources,
-                                 shm_segments, stream_completion, wait_for_worker, worker_pids)
+                                 shm_segments, streams_through_fault, wait_for_worker, worker_pids)
 from server_helpers import ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -99,24 +99,8 @@ class HealthWatch:
 
 def _streams_through(server: ServerProcess, fault, after_chunks: int = 8) -> tuple[float, list]:
     """Start the streams, call ``fault()`` once one has ``after_chunks`` chunks, await them all."""
-
-    async def go():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
-            fired = asyncio.Event()
-
-            def on_chunk(res):
-                if res.chunks >= after_chunks:
-                    fired.set()
-
-            tasks = [asyncio.ensure_future(stream_completion(client, greedy(p, MAX_TOKENS, ignore_eos=True),
-                                                             on_chunk=on_chunk)) for p in STREAM_PROMPTS]
-            await asyncio.wait_for(fired.wait(), 120)
-            t_fault = time.monotonic()
-            await asyncio.to_thread(fault)
-            outs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-            return t_fault, outs
-
-    return asyncio.run(go())
+    return asyncio.run(streams_through_fault(server.base_url, STREAM_PROMPTS, MAX_TOKENS, fault, after_chunks,
+                                             timeout=300))
 
 
 def _log(server: ServerProcess) -> str:
