@@ -97,7 +97,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seqs-per-request", type=int_in(1), default=d.max_seqs_per_request,
                    help="most sequences (prompts x n) one HTTP request may start (400 above)")
     g.add_argument("--allow-request-priority", action=argparse.BooleanOptionalAction, default=False,
-                   help="honour the 'priority' field of requests (otherwise a non-zero one is a 400)")
+                   help="honour the 'priority' field of requests, lower values first (implies "
+                        "--scheduling-policy priority); otherwise a non-zero one is a 400")
     g.add_argument("--body-timeout", type=_seconds, default=d.body_timeout,
                    help="seconds a client may take to send a whole request body (408 after)")
     g.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
@@ -142,6 +143,8 @@ def parse_serve_args(
     ns = parser.parse_args(argv)
     if ns.model_tag is not None:
         ns.model = ns.model_tag
+    if ns.allow_request_priority:  # accepting priorities the FCFS queue ignores would be a silent no-op
+        ns.scheduling_policy = "priority"
     try:
         engine_args = EngineArgs.from_namespace(ns)
     except (TypeError, ValueError) as e:

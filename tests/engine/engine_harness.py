@@ -46,6 +46,16 @@ class LoopThread:
             self.loop.close()
 
 
+async def after_death(engine: Any, executor: Any, timeout: float = 5.0) -> tuple[bool, bool, bool, tuple[int, int]]:
+    """(core running, output running, executor closed, (running, waiting)) once a dead engine has
+    stopped its actors and executor by itself (or after ``timeout``)."""
+    for _ in range(int(timeout / 0.05)):
+        if not engine.core.running and not engine.output.running and executor._closed:
+            break
+        await asyncio.sleep(0.05)
+    return engine.core.running, engine.output.running, executor._closed, engine.num_requests()
+
+
 def thread_schedstat() -> tuple[float, float] | None:
     """(seconds on CPU, seconds waiting on a run queue) of the calling thread, if the kernel says."""
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aiolm import AsyncEngine, EngineDeadError, SamplingParams
-from engine_harness import ENGINE_ARGS, LoopThread
+from engine_harness import ENGINE_ARGS, LoopThread, after_death
 
 pytestmark = pytest.mark.slow
 
@@ -69,14 +69,8 @@ def test_killed_worker_fails_streams_refuses_requests_and_cleans_up():
         assert not engine.is_healthy()
         assert engine.dead_reason and "worker" in engine.dead_reason
 
-        async def stopped():  # death stops both actors and the executor, without a shutdown call
-            for _ in range(100):
-                if not engine.core.running and not engine.output.running and ex._closed:
-                    break
-                await asyncio.sleep(0.05)
-            return engine.core.running, engine.output.running, ex._closed, engine.num_requests()
-
-        assert lt.run(stopped(), timeout=30) == (False, False, True, (0, 0))
+        # Death stops both actors and the executor, without a shutdown call.
+        assert lt.run(after_death(engine, ex), timeout=30) == (False, False, True, (0, 0))
         assert engine.kv_cache_usage() == 0.0
 
         async def refused():

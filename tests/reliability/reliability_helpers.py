@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,3 +151,56 @@ async def reference_texts(base_url: str, prompts: list[str], max_tokens: int) ->
                                       for p in prompts))
     assert all(o.finish_reason == "length" and not o.error for o in outs), outs
     return [o.text for o in outs]
+
+
+# -- engine death ---------------------------------------------------------------------------
+
+
+async def streams_through_fault(base_url: str, prompts: list[str], max_tokens: int, fault: Any,
+                                after_chunks: int = 4, timeout: float = 60.0,
+                                return_exceptions: bool = False) -> tuple[float, list]:
+    """One greedy stream per prompt; ``fault()`` (in a thread) once one has ``after_chunks`` chunks.
+    (fault time, each stream's StreamResult, or with ``return_exceptions`` the exception of one
+    cut off by the server going away)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
+        started = asyncio.Event()
+
+        def on_chunk(res: StreamResult) -> None:
+            if res.chunks >= after_chunks:
+                started.set()
+
+        tasks = [asyncio.ensure_future(stream_completion(client, greedy(p, max_tokens, ignore_eos=True),
+                                                         on_chunk=on_chunk)) for p in prompts]
+        await asyncio.wait_for(started.wait(), 120)
+        t_fault = time.monotonic()
+        await asyncio.to_thread(fault)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), timeout)
+    return t_fault, outs
+
+
+async def kill_during_streams(base_url: str, pid: int, prompts: list[str], max_tokens: int = 400) -> tuple[float, list]:
+    """SIGKILL worker ``pid`` while the streams decode (see streams_through_fault)."""
+    return await streams_through_fault(base_url, prompts, max_tokens, lambda: os.kill(pid, signal.SIGKILL),
+                                       return_exceptions=True)
+
+
+def assert_died_cleanly(server: Any, killed: float, outs: list) -> str:
+    """Every stream ended with ``engine_dead`` within 2 s of the kill, the server (run with
+    --exit-on-engine-death, the default) exited non-zero, and left no segment or worker. The log."""
+    for o in outs:
+        if isinstance(o, BaseException):  # the server went away after the error event: also an end
+            continue
+        assert o.error is not None and o.error["code"] == "engine_dead", o
+        assert o.finish_reason is None
+        assert o.ended_at - killed < 2.0, f"stream ended {o.ended_at - killed:.2f} s after the kill"
+    assert any(not isinstance(o, BaseException) for o in outs)
+    try:
+        code = server.proc.wait(60)
+    except Exception:
+        raise AssertionError(f"server still running 60 s after its engine died:\n{server.log()}")
+    log = server.log()
+    assert code != 0, log
+    assert "the engine is dead" in log
+    assert shm_segments(server.proc.pid) == []
+    assert worker_pids(server.proc.pid) == []
+    return log

@@ -4,13 +4,16 @@ One `aiolm serve` with recovery on (the default), a short --step-timeout and the
 test-only fault hook (AIOLM_TEST_FAULT names a file; the worker raises in the next
 step once it exists). Every fault happens while six greedy streams are decoding;
 each stream must then finish with exactly the text of a fault-free run, /health
-must say 503 "recovering" meanwhile and 200 after, and nothing may pile up over
-the restarts (worker processes, /dev/shm segments, fds, threads).
+must say 503 "recovering" meanwhile and 200 after, a new request meanwhile gets
+503 "recovering" with Retry-After, and nothing may pile up over the restarts
+(worker processes, /dev/shm segments, fds, threads). The three faults spend the
+restart budget: a fourth ends the engine, and the server exits non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -19,13 +22,14 @@ import time
 import httpx
 import pytest
 
-from reliability_helpers import (PROMPTS, greedy, reference_texts, resources, shm_segments, stream_completion,
-                                 wait_for_worker, worker_pids)
+from reliability_helpers import (PROMPTS, assert_died_cleanly, greedy, kill_during_streams, reference_texts, resources,
+                                 shm_segments, streams_through_fault, wait_for_worker, worker_pids)
 from server_helpers import ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 STEP_TIMEOUT = 8.0
+MAX_RESTARTS = 3  # the default: the module's three faults spend it
 MAX_TOKENS = 40
 STREAM_PROMPTS = PROMPTS[:6]
 
@@ -34,8 +38,8 @@ STREAM_PROMPTS = PROMPTS[:6]
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("recovery")
     port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--step-timeout", str(STEP_TIMEOUT), "--max-worker-restarts", "5",
-                                  "--shutdown-timeout", "5"),
+    srv = ServerProcess(serve_cmd(port, "--step-timeout", str(STEP_TIMEOUT), "--max-worker-restarts",
+                                  str(MAX_RESTARTS), "--shutdown-timeout", "5"),
                         port, d / "server.log", env={"AIOLM_TEST_FAULT": str(d / "fault")})
     srv.fault_file = d / "fault"
     try:
@@ -43,8 +47,9 @@ def server(tmp_path_factory):
         yield srv
     finally:
         pid = srv.proc.pid
+        running = srv.proc.poll() is None  # not when the last test has ended the engine
         code = srv.stop()
-        assert code == 0, f"server exited with {code}:\n{srv.log()}"
+        assert code == 0 or not running, f"server exited with {code} on SIGTERM:\n{srv.log()}"
         assert shm_segments(pid) == [], "ring segments left after exit"
         assert worker_pids(pid) == []
 
@@ -55,11 +60,13 @@ def reference(server):
 
 
 class HealthWatch:
-    """Polls /health every 0.1 s in a thread; keeps (time, status, error code)."""
+    """Polls /health every 0.1 s in a thread; keeps (time, status, error code). At the first
+    'recovering', it sends a new completion, plain and streamed, and keeps what they got."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
         self.seen: list[tuple[float, int, str | None]] = []
+        self.refused: list[tuple[int, str | None, dict]] = []  # (status, Retry-After, error)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -71,9 +78,18 @@ class HealthWatch:
                     r = c.get("/health")
                     code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
                     self.seen.append((time.monotonic(), r.status_code, code))
+                    if code == "recovering" and not self.refused:
+                        self._new_requests(c)
                 except httpx.HTTPError:
                     pass
                 self._stop.wait(0.1)
+
+    def _new_requests(self, c: httpx.Client) -> None:
+        body = greedy("Hello", 4)
+        r = c.post("/v1/completions", json=body)
+        self.refused.append((r.status_code, r.headers.get("retry-after"), r.json().get("error")))
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            self.refused.append((r.status_code, r.headers.get("retry-after"), json.loads(r.read()).get("error")))
 
     def stop(self) -> list[tuple[float, int, str | None]]:
         self._stop.set()
@@ -83,24 +99,8 @@ class HealthWatch:
 
 def _streams_through(server: ServerProcess, fault, after_chunks: int = 8) -> tuple[float, list]:
     """Start the streams, call ``fault()`` once one has ``after_chunks`` chunks, await them all."""
-
-    async def go():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
-            fired = asyncio.Event()
-
-            def on_chunk(res):
-                if res.chunks >= after_chunks:
-                    fired.set()
-
-            tasks = [asyncio.ensure_future(stream_completion(client, greedy(p, MAX_TOKENS, ignore_eos=True),
-                                                             on_chunk=on_chunk)) for p in STREAM_PROMPTS]
-            await asyncio.wait_for(fired.wait(), 120)
-            t_fault = time.monotonic()
-            await asyncio.to_thread(fault)
-            outs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-            return t_fault, outs
-
-    return asyncio.run(go())
+    return asyncio.run(streams_through_fault(server.base_url, STREAM_PROMPTS, MAX_TOKENS, fault, after_chunks,
+                                             timeout=300))
 
 
 def _log(server: ServerProcess) -> str:
@@ -109,7 +109,8 @@ def _log(server: ServerProcess) -> str:
     return server.log_path.read_text(errors="replace")
 
 
-def _check_recovered(server, reference, outs, watch_seen, old_pid, t_fault: float = 0.0) -> int:
+def _check_recovered(server, reference, outs, watch: HealthWatch, old_pid, t_fault: float = 0.0) -> int:
+    watch_seen = watch.seen
     down = [t for t, s, _ in watch_seen if s == 503]
     if t_fault and down:
         print(f"\n  /health 503 from +{down[0] - t_fault:.1f} s to +{down[-1] - t_fault:.1f} s after the fault; "
@@ -121,6 +122,11 @@ def _check_recovered(server, reference, outs, watch_seen, old_pid, t_fault: floa
     codes = [c for _, s, c in watch_seen if s == 503]
     assert "recovering" in codes, f"/health never said 'recovering': {watch_seen[-5:]}"
     assert watch_seen[-1][1] == 200, "/health not back to 200"
+    # A request arriving meanwhile is told to come back, plain or streamed (no SSE stream opens).
+    assert len(watch.refused) == 2, watch.refused
+    for status, retry_after, error in watch.refused:
+        assert status == 503 and retry_after is not None and int(retry_after) >= 1, (status, retry_after, error)
+        assert error["code"] == "recovering" and "replacing failed workers" in error["message"], error
     new_pid = wait_for_worker(server.proc.pid, old=old_pid)
     assert len(shm_segments(server.proc.pid)) == 2, shm_segments(server.proc.pid)  # one request + one response ring
     return new_pid
@@ -131,8 +137,8 @@ def test_sigkill_during_decoding_recovers_with_the_same_text(server, reference):
     server.before = resources(server.proc.pid)
     watch = HealthWatch(server.base_url)
     t_fault, outs = _streams_through(server, lambda: os.kill(pid, signal.SIGKILL))
-    seen = watch.stop()
-    _check_recovered(server, reference, outs, seen, pid, t_fault)
+    watch.stop()
+    _check_recovered(server, reference, outs, watch, pid, t_fault)
     assert "restarting the workers (restart 1)" in _log(server)
 
 
@@ -141,7 +147,7 @@ def test_stopped_worker_is_caught_by_the_watchdog(server, reference):
     watch = HealthWatch(server.base_url)
     t_fault, outs = _streams_through(server, lambda: os.kill(pid, signal.SIGSTOP))
     seen = watch.stop()
-    _check_recovered(server, reference, outs, seen, pid, t_fault)
+    _check_recovered(server, reference, outs, watch, pid, t_fault)
     first_503 = next(t for t, s, _ in seen if s == 503 and t > t_fault)
     # The watchdog fires once a step has waited --step-timeout (checked every 0.5 s).
     assert first_503 - t_fault < STEP_TIMEOUT + 3.0, f"hung worker noticed {first_503 - t_fault:.1f} s after SIGSTOP"
@@ -153,8 +159,8 @@ def test_step_exception_is_reported_with_its_traceback_and_recovered(server, ref
     pid = wait_for_worker(server.proc.pid)
     watch = HealthWatch(server.base_url)
     t_fault, outs = _streams_through(server, lambda: server.fault_file.touch())
-    seen = watch.stop()
-    _check_recovered(server, reference, outs, seen, pid, t_fault)
+    watch.stop()
+    _check_recovered(server, reference, outs, watch, pid, t_fault)
     log = _log(server)
     assert "worker 0 failed in a step: InjectedFault" in log, log
     assert "Traceback (most recent call last)" in log and "_injected_fault" in log
@@ -170,3 +176,21 @@ def test_no_growth_over_the_restarts(server):
     assert len(after.shm) == len(before.shm) == 2, (before, after)
     assert after.rss_mb < before.rss_mb + 150, (before, after)
     assert len(worker_pids(server.proc.pid)) == 1
+
+
+def test_a_fault_past_the_restart_budget_ends_the_engine_and_the_server(server):
+    """After MAX_RESTARTS restarts within the window, the next fault is not recovered: every stream
+    ends with engine_dead, and the server (--exit-on-engine-death, the default) exits non-zero,
+    leaving no worker or segment."""
+    for _ in range(MAX_RESTARTS):  # run on its own, this test spends the budget first
+        if _log(server).count("restarting the workers (restart ") >= MAX_RESTARTS:
+            break
+        pid = wait_for_worker(server.proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        wait_for_worker(server.proc.pid, old=pid)
+        server.wait_ready()
+    assert _log(server).count("restarting the workers (restart ") == MAX_RESTARTS
+    pid = wait_for_worker(server.proc.pid)
+    killed, outs = asyncio.run(kill_during_streams(server.base_url, pid, STREAM_PROMPTS))
+    assert_died_cleanly(server, killed, outs)
+    assert f"{MAX_RESTARTS} restarts within 600 s already" in _log(server)

@@ -366,6 +366,9 @@ def test_settings_from_flags_env_and_config(tmp_path):
                                            "--allowed-origins", "a.com, b.com", "--max-n", "4"])
     assert eargs.model == "some/model.gguf" and eargs.max_model_len == 512
     assert settings.api_key == "k" and settings.allowed_origins == ["a.com", "b.com"] and settings.max_n == 4
+    assert eargs.scheduling_policy == "fcfs" and not settings.allow_request_priority
+    eargs, settings, _ = parse_serve_args(["--allow-request-priority"])  # honoured means ordered by priority
+    assert eargs.scheduling_policy == "priority" and settings.allow_request_priority
 
     cfg = tmp_path / "aiolm.json"
     cfg.write_text(json.dumps({"max_num_seqs": 7, "max_model_len": 300, "allowed_origins": "x.org"}))
