@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_greedy
@@ -33,8 +34,14 @@ def made(tmp_path_factory):
     out = tmp_path_factory.mktemp("made")
     # the embedded tokenizer comes from the user's cache, converted once for the whole suite
     manifest = make_model(out / "tiny", "tiny", formats=("f32", "bf16", "q4_0"))
-    with pytest.MonkeyPatch.context() as mp:  # the tiny GGUF's conversion goes to a private cache
-        mp.setenv("AIOLM_CACHE_DIR", str(out / "aiolm-cache"))
+    # The tiny GGUF's conversion goes to a private cache; the compiled CPU kernels are the
+    # suite's own (built once per machine), linked in rather than built again for one test.
+    private = out / "aiolm-cache"
+    private.mkdir()
+    cpu_kernels.cache_dir().mkdir(parents=True, exist_ok=True)
+    (private / "kernels").symlink_to(cpu_kernels.cache_dir(), target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIOLM_CACHE_DIR", str(private))
         yield out / "tiny", manifest
 
 
