@@ -57,10 +57,6 @@ class _Cursor:
             etype, count = self.take("I"), self.take("Q")
             if etype in _SCALAR_SIZES:
                 self.pos += _SCALAR_SIZES[etype] * count
-            elif etype == _STRING:
-                for _ in range(count):
-                    n = self.take("Q")
-                    self.pos += n
             else:
                 for _ in range(count):
                     self.skip_value(etype)

@@ -84,8 +84,8 @@ def test_readme_client_snippets_run_against_a_server(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "server"))
     from server_helpers import ServerProcess, free_port, serve_cmd
 
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-              if SERVER_URL in b]
+    readme = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if SERVER_URL in b]
     assert blocks, "the README's structured outputs example"
     port = free_port()
     srv = ServerProcess(serve_cmd(port), port, tmp_path / "server.log")
@@ -101,8 +101,7 @@ def test_readme_client_snippets_run_against_a_server(tmp_path):
                 assert set(doc) == {"city", "population"} and isinstance(doc["population"], int)
                 assert lines[1] in ("yes", "no")
         # The README's curl stream, verbatim but for the port (its comment lines are shell comments).
-        curl = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-                    if "curl -N" in b)
+        curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl -N" in b)
         p = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")], text=True,
                            capture_output=True, timeout=TIMEOUT)
         assert p.returncode == 0, p.stderr
