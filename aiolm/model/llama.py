@@ -7,7 +7,7 @@ sliding windows (Mistral; Qwen2 / Qwen3 where the config enables them).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -67,6 +67,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # A platform may give the layer a whole-layer step for the steps it can take
+    # (platforms/gguf_blocks.py); it answers None for the others, which run the modules.
+    fused: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -78,6 +82,10 @@ class DecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output; residual: the stream before it (None at layer 0).
         Returns this layer's output and the stream it is to be added to."""
+        if self.fused is not None:
+            done = self.fused(positions, x, residual, kv_cache, meta)
+            if done is not None:
+                return done
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

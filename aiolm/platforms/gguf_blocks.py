@@ -55,8 +55,8 @@ class GGUFWeight:
     in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
     qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
-    scale: torch.Tensor  # float32 [N/8, nblocks * 8]
-    mins: torch.Tensor  # float32 [N/8, nblocks * 8] for Q4_1, else empty
+    scale: torch.Tensor  # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read)
+    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1, else empty
     qtype: int
     n: int  # output rows (the last group is padded with zero blocks)
 
@@ -78,9 +78,8 @@ class GGUFWeight:
         qs = grouped(b[:, :, off:])
         if ttype == "Q8_0":
             qs = qs.view(np.int8)
-        scale = grouped(b[:, :, 0:2].copy().view(np.float16).astype(np.float32))
-        mins = (grouped(b[:, :, 2:4].copy().view(np.float16).astype(np.float32)) if has_min
-                else np.zeros((0,), np.float32))
+        scale = grouped(b[:, :, 0:2].copy().view(np.float16))
+        mins = grouped(b[:, :, 2:4].copy().view(np.float16)) if has_min else np.zeros((0,), np.float16)
         return cls(torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(mins), TYPE_IDS[ttype], n)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,6 +108,55 @@ class GGUFLinear:
         if rows <= MAX_ROWS:
             return self.blocks.linear(x.float(), bias)
         return self.fallback(x, bias)
+
+
+@dataclass(frozen=True)
+class FusedDecodeLayer:
+    """A Llama-family layer whose four linears all have blocks, as one C++ call
+    (ext/cpu/decode_layer.cpp) for the steps the blocks take: the same kernels in the same
+    order as the modules, without the interpreter between them."""
+
+    attn: Any  # the layer's CpuPagedAttention: its cache views
+    cos: torch.Tensor
+    sin: torch.Tensor
+    weights: list[torch.Tensor]
+    ints: dict[bool, list[int]]  # by "int8 activations"
+    floats: list[float]
+
+    @classmethod
+    def of(cls, layer: Any) -> "FusedDecodeLayer | None":
+        """The fused step for ``layer``, or None where it is not the plain Llama shape."""
+        from aiolm.attention.cpu_backend import CpuPagedAttention
+        from aiolm.model.llama import DecoderLayer
+
+        a, mlp = layer.self_attn, layer.mlp
+        linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if (type(layer) is not DecoderLayer or a.q_norm is not None or type(a.attn) is not CpuPagedAttention
+                or not all(isinstance(m.method, GGUFLinear) for m in linears)
+                or any(m.bias is not None for m in linears[1:]) or a.rotary.cos.dtype != torch.float32
+                or layer.input_layernorm.weight.dtype != torch.float32):
+            return None
+        blocks = [m.method.blocks for m in linears]
+        weights = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
+        for b in blocks:
+            weights += [b.qs, b.scale, b.mins]
+        bias = a.qkv_proj.bias
+        weights.append(bias.data if bias is not None else torch.empty(0))
+        ints = [v for b in blocks for v in (b.qtype, b.n)]
+        ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
+        return cls(a.attn, a.rotary.cos, a.rotary.sin, weights, {False: ints + [0], True: ints + [1]},
+                   [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0])
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                 kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows = x.shape[0]
+        if rows > max(MAX_ROWS, INT8_ROWS) or x.dtype != torch.float32 or kv_cache.dtype not in (
+                torch.float32, torch.float16):
+            return None
+        return torch.ops.aiolm.decode_layer(
+            x, residual, positions, kv_cache, *self.attn.pages(kv_cache), meta.block_table, meta.query_start_loc,
+            meta.seq_lens, meta.slot_mapping, self.cos, self.sin, self.weights, self.ints[rows <= INT8_ROWS],
+            self.floats)
 
 
 def attach(model: Any, gguf_path: Path) -> int:
@@ -146,15 +194,17 @@ def attach(model: Any, gguf_path: Path) -> int:
                                   layer.method or layer.dense)
         return 1
 
-    n = 0
+    n = fused = 0
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         n += give(layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
         n += give(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
         n += give(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         n += give(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
+        layer.fused = FusedDecodeLayer.of(layer)
+        fused += layer.fused is not None
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     n += give(model.lm_head, [head])
-    log.info("%d layers also keep their GGUF blocks for batches of up to %d rows (int8 x up to %d)", n,
-             max(MAX_ROWS, INT8_ROWS), INT8_ROWS)
+    log.info("%d layers also keep their GGUF blocks for batches of up to %d rows (int8 x up to %d); "
+             "%d decoder layers run such steps as one call", n, max(MAX_ROWS, INT8_ROWS), INT8_ROWS, fused)
     return n

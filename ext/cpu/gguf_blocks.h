@@ -5,13 +5,34 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace aiolm_gguf {
 
 constexpr int64_t QK = 32;  // weights per block
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+// A block's scale or min as the file stores it (float16 bits), as float32: exact.
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+#if defined(__F16C__)
+// The scales (or mins) of one block's 8 rows of a group, as 8 float32 lanes.
+inline __m256 load8_half(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 
 // Bytes of quants per block (the scale and min are kept apart).
 constexpr int64_t quant_bytes(int64_t qtype) { return qtype == Q8_0 ? 32 : 16; }
@@ -35,12 +56,12 @@ inline int64_t check_blocks(const char* op, const at::Tensor& x, const at::Tenso
               " groups of 8");
   TORCH_CHECK(group_bytes % (8 * qb) == 0, op, ": a group of ", group_bytes, " bytes is not whole blocks");
   const int64_t nblocks = group_bytes / (8 * qb);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 2 &&
                   scale.size(0) == groups && scale.size(1) == nblocks * 8,
-              op, ": scale must be float32 [N/8, nblocks * 8]");
+              op, ": scale must be float16 [N/8, nblocks * 8]");
   if (qtype == Q4_1)
-    TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scale.sizes(),
-                op, ": Q4_1 needs float32 mins [N/8, nblocks * 8]");
+    TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scale.sizes(),
+                op, ": Q4_1 needs float16 mins [N/8, nblocks * 8]");
   TORCH_CHECK(x.size(-1) == nblocks * QK, op, ": x has ", x.size(-1), " features, W has ", nblocks * QK);
   return nblocks;
 }

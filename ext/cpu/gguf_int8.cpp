@@ -37,7 +37,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define AIOLM_I8_AVX2 1
 #endif
@@ -160,18 +160,18 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t isa, int8_t* q,
 }
 
 // Q4_1's min term of a group's 8 rows for one row of x: sum_b m_b s_b (mins stored 8 wide).
-void min_term(const float* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
+void min_term(const uint16_t* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
 #ifdef AIOLM_I8_AVX2
   if (isa != SCALAR) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8), _mm256_set1_ps(s[b]), a);
+    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8_half(mg + b * 8), _mm256_set1_ps(s[b]), a);
     _mm256_storeu_ps(out, a);
     return;
   }
 #endif
   for (int i = 0; i < 8; ++i) {
     out[i] = 0.f;
-    for (int64_t b = 0; b < nblocks; ++b) out[i] += mg[b * 8 + i] * s[b];
+    for (int64_t b = 0; b < nblocks; ++b) out[i] += half_to_float(mg[b * 8 + i]) * s[b];
   }
 }
 
@@ -191,13 +191,13 @@ int32_t block_dot_scalar(const uint8_t* qg, int64_t b, int i, const int8_t* xq, 
 }
 
 template <int64_t T>
-void group_scalar(const uint8_t* qg, const float* sg, const QRows& x, int64_t r, float out[8]) {
+void group_scalar(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r, float out[8]) {
   for (int i = 0; i < 8; ++i) {
     float acc = 0.f;
     for (int64_t b = 0; b < x.nblocks; ++b) {
       const int64_t xb = r * x.nblocks + b;
       const int32_t dot = block_dot_scalar<T>(qg, b, i, x.q + r * x.K + b * QK, x.sum[xb]);
-      acc += sg[b * 8 + i] * x.d[xb] * static_cast<float>(dot);
+      acc += half_to_float(sg[b * 8 + i]) * x.d[xb] * static_cast<float>(dot);
     }
     out[i] = acc;
   }
@@ -222,7 +222,7 @@ inline __m256i weights_avx2(const uint8_t* p) {
 // unsigned by signed bytes: signed weights go in as |w| with x's sign flipped where w < 0
 // (|w| <= 128 and |xq| <= 127, so its pairwise int16 sums cannot saturate).
 template <int64_t T, int NR, int MR>
-void tile_avx2(const uint8_t* qg, const float* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
+void tile_avx2(const uint8_t* qg, const uint16_t* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
   constexpr int64_t QB = quant_bytes(T);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NR][MR];
@@ -237,7 +237,7 @@ void tile_avx2(const uint8_t* qg, const float* sg, int i0, const QRows& x, int64
     }
     for (int i = 0; i < NR; ++i) {
       const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
-      const __m256 dw = _mm256_set1_ps(sg[b * 8 + i0 + i]);
+      const __m256 dw = _mm256_set1_ps(half_to_float(sg[b * 8 + i0 + i]));
       const __m256i aw = T == Q4_1 ? w : _mm256_sign_epi8(w, w);
       for (int r = 0; r < MR; ++r) {
         const __m256i xs = T == Q4_1 ? xv[r] : _mm256_sign_epi8(xv[r], w);
@@ -252,7 +252,7 @@ void tile_avx2(const uint8_t* qg, const float* sg, int i0, const QRows& x, int64
 
 // The 8 rows of a group against rows [r, r + MR) of x, written as out[i][r].
 template <int64_t T, int MR>
-void group_avx2(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+void group_avx2(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r0, float out[8][MR]) {
   if constexpr (MR == 1) {
     tile_avx2<T, 8, 1>(qg, sg, 0, x, r0, out);
   } else {
@@ -269,7 +269,7 @@ void group_avx2(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, 
 // vpdpbusd reads the weights as unsigned bytes: Q8_0 codes go in as q + 128 (xor 0x80)
 // and, like Q4_0's - 8, the offset times sum(xq) is the accumulator's starting value.
 template <int64_t T, int MR>
-void group_vnni(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+void group_vnni(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r0, float out[8][MR]) {
   constexpr int NV = T == Q8_0 ? 4 : 2;       // vectors per block of the group's 8 rows
   constexpr int LANES = T == Q8_0 ? 8 : 4;    // int32 lanes per row in a vector
   constexpr int OFF = T == Q8_0 ? 128 : T == Q4_0 ? 8 : 0;
@@ -299,7 +299,7 @@ void group_vnni(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, 
       init[r] = _mm512_set1_epi32(-(OFF / LANES) * x.sum[xi]);
       dx[r] = _mm512_set1_ps(x.d[xi]);
     }
-    const __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(sg + b * 8));
+    const __m512 d8 = _mm512_castps256_ps512(load8_half(sg + b * 8));
     for (int v = 0; v < NV; ++v) {
       const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
       const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
@@ -333,13 +333,13 @@ void group_vnni(const uint8_t* qg, const float* sg, const QRows& x, int64_t r0, 
 
 // Groups [g0, g1) of 8 output rows against the M rows of x.
 template <int64_t T>
-void run_groups(const uint8_t* qs, const float* scale, const float* mins, const QRows& x, int64_t M, float* y,
+void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, const QRows& x, int64_t M, float* y,
                 int64_t N, int64_t isa, int64_t g0, int64_t g1) {
   constexpr int64_t QB = quant_bytes(T);
   const int64_t nb = x.nblocks;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nb * 8 * QB;
-    const float* sg = scale + g * nb * 8;
+    const uint16_t* sg = scale + g * nb * 8;
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     auto put = [&](int64_t r, const float* v) {  // v[i]: row n0 + i of y's row r
       float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -422,8 +422,8 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
   thread_local Scratch scratch;
   const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = qtype == Q4_1 ? mins.data_ptr<float>() : nullptr;
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* mp = qtype == Q4_1 ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
   float* yp = io.y.data_ptr<float>();
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     switch (qtype) {

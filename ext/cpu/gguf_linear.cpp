@@ -9,8 +9,8 @@
 // block b of all 8 rows side by side, so that a tile of rows reads one stream:
 //   qs:    uint8 [N/8, nblocks * 8 * 16] (4-bit: weight j in the low nibble of
 //          byte j, weight j + 16 in its high nibble) or int8 [N/8, nblocks * 8 * 32] (Q8_0)
-//   scale: float32 [N/8, nblocks * 8]   (d)
-//   min:   float32 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
+//   scale: float16 [N/8, nblocks * 8]   (d, as the file stores it)
+//   min:   float16 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
 // so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
 // block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
 // are computed once per call and the m terms of a group's 8 rows are one vector.
@@ -29,11 +29,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define AIOLM_AVX2 1
 #endif
-#if defined(__AVX512F__)
+#if defined(AIOLM_AVX2) && defined(__AVX512F__)
 #define AIOLM_AVX512 1
 #endif
 
@@ -67,17 +67,20 @@ inline void unpack16(const uint8_t* qs, __m512 f[2]) {
 
 // NR rows of a group (qs and scale pointing at its first) against MR rows of x.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const float* scale, int64_t nblocks, const float* x, int64_t K,
+inline void tile(const uint8_t* qs, const uint16_t* scale, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR]) {
   constexpr int64_t QB = T == Q8_0 ? 32 : 16;
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm512_setzero_ps();
+  static_assert(NR == 8, "the AVX-512 tile takes a whole group: its 8 scales convert as one vector");
   for (int64_t b = 0; b < nblocks; ++b) {
+    alignas(32) float d8[8];
+    _mm256_store_ps(d8, load8_half(scale + b * 8));
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
       unpack16<T>(qs + (b * 8 + i) * QB, f);
-      const __m512 d = _mm512_set1_ps(scale[b * 8 + i]);
+      const __m512 d = _mm512_set1_ps(d8[i]);
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;
         const __m512 t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
@@ -130,7 +133,7 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
 
 // NR weight rows against MR rows of x: NR * MR independent accumulator chains.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const float* scale, int64_t nblocks, const float* x, int64_t K,
+inline void tile(const uint8_t* qs, const uint16_t* scale, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR]) {
   constexpr int64_t QB = T == Q8_0 ? 32 : 16;
   __m256 acc[NR][MR];
@@ -140,7 +143,7 @@ inline void tile(const uint8_t* qs, const float* scale, int64_t nblocks, const f
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
       unpack<T>(qs + (b * 8 + i) * QB, f);
-      const __m256 d = _mm256_broadcast_ss(scale + b * 8 + i);
+      const __m256 d = _mm256_set1_ps(half_to_float(scale[b * 8 + i]));
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
         __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
@@ -173,7 +176,7 @@ inline float block_sum(const float* x) {
 }
 
 // Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
-float dot_scalar(int64_t qtype, const uint8_t* qs, const float* scale, int64_t nblocks, int64_t i, const float* x) {
+float dot_scalar(int64_t qtype, const uint8_t* qs, const uint16_t* scale, int64_t nblocks, int64_t i, const float* x) {
   float acc = 0.f;
   for (int64_t b = 0; b < nblocks; ++b) {
     float t = 0.f;
@@ -188,34 +191,34 @@ float dot_scalar(int64_t qtype, const uint8_t* qs, const float* scale, int64_t n
         t += (static_cast<float>(q[j] >> 4) - off) * x[b * QK + j + 16];
       }
     }
-    acc += scale[b * 8 + i] * t;
+    acc += half_to_float(scale[b * 8 + i]) * t;
   }
   return acc;
 }
 
 // Groups [g0, g1) of 8 output rows against the M rows of x.
 template <int64_t T>
-void run_groups(const uint8_t* qs, const float* scale, const float* mins, const float* xsum, int64_t nblocks,
+void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, const float* xsum, int64_t nblocks,
                 const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
   constexpr int64_t QB = T == Q8_0 ? 32 : 16;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nblocks * 8 * QB;
-    const float* sg = scale + g * nblocks * 8;
+    const uint16_t* sg = scale + g * nblocks * 8;
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     // sum_b m_b sum(x_b) of the group's 8 rows for one row of x: the mins are stored 8 wide
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     auto mins_for = [&](int64_t r) {
       if (mins == nullptr) return;
-      const float* mg = mins + g * nblocks * 8;
+      const uint16_t* mg = mins + g * nblocks * 8;
       const float* xs = xsum + r * nblocks;
 #ifdef AIOLM_AVX2
       __m256 a = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8), _mm256_set1_ps(xs[b]), a);
+      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8_half(mg + b * 8), _mm256_set1_ps(xs[b]), a);
       _mm256_storeu_ps(mterm, a);
 #else
       for (int i = 0; i < 8; ++i) {
         mterm[i] = 0.f;
-        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += mg[b * 8 + i] * xs[b];
+        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += half_to_float(mg[b * 8 + i]) * xs[b];
       }
 #endif
     };
@@ -298,8 +301,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     xs = w;
   }
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = has_min ? mins.data_ptr<float>() : nullptr;
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
   float* yp = io.y.data_ptr<float>();
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     switch (qtype) {

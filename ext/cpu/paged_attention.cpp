@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -749,12 +750,66 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   }
 }
 
+// The new tokens' K and V into their cache slots: k, v [tokens, kv_heads, head_dim]
+// float32 (views of the QKV projection: any token stride, dense heads), into a cache
+// [2, blocks, block_size, kv_heads, head_dim] of float32 or float16 (rounded to nearest
+// even, as Tensor.to does). One call for both, where index_copy_ took two dispatches each.
+// A negative slot is a padding row: nothing is written for it.
+template <typename KV>
+void write_rows(KV* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<KV, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<KV>(src[i]);
+  }
+}
+
+void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "aiolm::write_kv_: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf,
+              "aiolm::write_kv_: a float32 or float16 cache expected");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "aiolm::write_kv_: float32 k and v expected");
+  const int64_t hk = kv_cache.size(3), d = kv_cache.size(4), slots = kv_cache.size(1) * kv_cache.size(2);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == hk && k.size(2) == d,
+              "aiolm::write_kv_: k and v must be [tokens, kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d,
+              "aiolm::write_kv_: each token's heads must be dense");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == k.size(0),
+              "aiolm::write_kv_: slot_mapping must be int64 [tokens]");
+  const int64_t* sl = slot_mapping.data_ptr<int64_t>();
+  const int64_t row = hk * d, n = k.size(0);
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sl[t] < slots, "aiolm::write_kv_: slot ", sl[t], " is past the cache's ", slots, " slots");
+  auto run = [&](auto* cache) {
+    using KV = std::remove_pointer_t<decltype(cache)>;
+    KV* vcache = cache + slots * row;
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      if (sl[t] < 0) continue;
+      write_rows(cache + sl[t] * row, kp + t * k.stride(0), row);
+      write_rows(vcache + sl[t] * row, vp + t * v.stride(0), row);
+    }
+  };
+  if (kv_cache.scalar_type() == at::kHalf) {
+    run(kv_cache.data_ptr<at::Half>());
+  } else {
+    run(kv_cache.data_ptr<float>());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aiolm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window=0, float softcap=0.) -> ()");
+  m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_", &write_kv_);
+}

@@ -37,7 +37,7 @@ def test_keeps_leading_dims_and_rejects_mismatches():
         g.linear(torch.zeros(1, 32))
     with pytest.raises(RuntimeError, match="unsupported GGUF type id 12"):
         torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12, g.n)
-    with pytest.raises(RuntimeError, match="Q4_1 needs float32 mins"):
+    with pytest.raises(RuntimeError, match="Q4_1 needs float16 mins"):
         torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs[:, :g.qs.shape[1] // 2].contiguous().view(torch.uint8),
                                     g.scale, g.mins, 3, g.n)
 

@@ -1,0 +1,118 @@
+// One Llama-family decoder layer for the small steps that read the GGUF blocks, as one
+// call: the layer's ops run in the order and with the kernels that the Python modules
+// (aiolm/model/llama.py) call one by one, so the result is the same bit for bit; what
+// goes is the interpreter between them (module calls, views, a dozen op dispatches from
+// Python), which on a one-row decode step costs about as much as the layer's arithmetic.
+// aiolm/platforms/gguf_blocks.py gives a layer this step when all four of its linears
+// have blocks and its shape is the plain one (no QK norm, no o/MLP bias).
+//
+// weights: the two norm weights, then (qs, scale, mins) of qkv, o, gate_up and down,
+//          then the QKV bias (an empty tensor when none)
+// ints:    (type, rows) of the four linears, num_heads, num_kv_heads, head_dim, the
+//          sliding window (0: none), and 1 to multiply with int8 activations
+// floats:  the norms' eps, the attention scale, the logit soft-cap (0: none)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace {
+
+using c10::TypedOperatorHandle;
+
+template <typename Sig>
+TypedOperatorHandle<Sig> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// The kernels the layer's modules call, looked up once.
+struct Ops {
+  TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("aiolm::rms_norm");
+  TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)> add_rms_norm =
+      find<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("aiolm::add_rms_norm_");
+  TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      rotary = find<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "aiolm::rotary_");
+  TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
+      find<at::Tensor(const at::Tensor&)>("aiolm::silu_and_mul");
+  TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)> write_kv =
+      find<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("aiolm::write_kv_");
+  using Attn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, double, int64_t, double);
+  TypedOperatorHandle<Attn> attention = find<Attn>("aiolm::paged_attention");
+  using Int8 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                          int64_t, int64_t);
+  TypedOperatorHandle<Int8> int8_linear = find<Int8>("aiolm::gguf_int8_linear");
+  using Float = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                           int64_t);
+  TypedOperatorHandle<Float> float_linear = find<Float>("aiolm::gguf_linear");
+};
+
+const Ops& ops() {
+  static const Ops o;
+  return o;
+}
+
+// Linear layer `l` (0 qkv, 1 o, 2 gate_up, 3 down) of the layer's weights.
+at::Tensor linear(const Ops& o, const at::Tensor& x, at::TensorList w, at::IntArrayRef ints, int l, bool int8) {
+  const at::Tensor &qs = w[2 + 3 * l], &scale = w[3 + 3 * l], &mins = w[4 + 3 * l];
+  const int64_t qtype = ints[2 * l], n = ints[2 * l + 1];
+  return int8 ? o.int8_linear.call(x, qs, scale, mins, qtype, n, -1) : o.float_linear.call(x, qs, scale, mins, qtype, n);
+}
+
+// x: the previous layer's output; residual: the stream before it (none at layer 0, when
+// x is the stream). Returns this layer's output and the stream it is to be added to;
+// x and the residual are updated in place on the way, as the modules update them.
+std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                                const at::Tensor& positions, at::Tensor& kv_cache,
+                                                const at::Tensor& k_pages, const at::Tensor& v_pages,
+                                                const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                                                const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                                                const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
+                                                at::IntArrayRef ints, at::ArrayRef<double> floats) {
+  TORCH_CHECK(w.size() == 15 && ints.size() == 13 && floats.size() == 3,
+              "aiolm::decode_layer: 15 weights, 13 ints and 3 floats expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "aiolm::decode_layer: x must be float32 [tokens, hidden]");
+  const Ops& o = ops();
+  const bool int8 = ints[12] != 0;
+  const double eps = floats[0];
+  at::Tensor residual, h;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    o.add_rms_norm.call(x, residual, w[0], eps);
+    h = x;
+  } else {
+    residual = x;
+    h = o.rms_norm.call(x, w[0], eps);
+  }
+  at::Tensor qkv = linear(o, h, w, ints, 0, int8);
+  if (w[14].numel() > 0) qkv = at::add(qkv, w[14]);
+  const int64_t t = x.size(0), H = ints[8], Hk = ints[9], D = ints[10];
+  at::Tensor q = qkv.narrow(1, 0, H * D).view({t, H, D});
+  at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
+  const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
+  o.rotary.call(q, k, positions, cos, sin);
+  o.write_kv.call(kv_cache, k, v, slot_mapping);
+  at::Tensor attn = at::empty({t, H, D}, x.options());
+  o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[11], floats[2]);
+  at::Tensor a = linear(o, attn.view({t, H * D}), w, ints, 1, int8);
+  o.add_rms_norm.call(a, residual, w[1], eps);
+  const at::Tensor gate_up = linear(o, a, w, ints, 2, int8);
+  return {linear(o, o.silu_and_mul.call(gate_up), w, ints, 3, int8), residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aiolm, m) {
+  m.def(
+      "decode_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!) kv_cache, Tensor k_pages, "
+      "Tensor v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, "
+      "Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("decode_layer", &decode_layer); }

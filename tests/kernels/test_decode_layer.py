@@ -1,0 +1,84 @@
+"""aiolm::decode_layer, a decoder layer's small steps as one C++ call, against the layer's
+own modules on the real model: the same bits, with float or int8 activations, a float32
+or float16 cache, a sliding window and a QKV bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aiolm.kernels import cpu as cpu_kernels
+from aiolm.model.loader import resolve_model
+from aiolm.model.registry import build_model
+from aiolm.platforms import gguf_blocks
+from paged import PagedHarness
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(resolve_model(None))
+
+
+def _run(model, plans, cache_dtype) -> tuple[list[dict[int, torch.Tensor]], int]:
+    """A prefill, decode steps of two rows and a step of 3 + 1 rows; returns the logits and
+    how many layer steps the fused call took."""
+    taken = [0]
+
+    def counted(plan):
+        def call(*args):
+            out = plan(*args)
+            taken[0] += out is not None
+            return out
+        return call
+
+    for layer, plan in zip(model.layers, plans):
+        layer.fused = counted(plan) if plan is not None else None
+    h = PagedHarness(model, num_blocks=64, dtype=cache_dtype)
+    outs = [h.step({0: list(range(100, 140)), 1: list(range(300, 333))})]
+    outs += [h.step({0: [5 + i], 1: [7 + i]}) for i in range(4)]
+    outs.append(h.step({0: [1, 2, 3], 1: [9]}))
+    return outs, taken[0]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+@pytest.mark.parametrize("variant", ["plain", "float16-cache", "window-and-bias"])
+def test_fused_layer_gives_the_modules_bits(model, int8, variant, monkeypatch):
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT if int8 else 0)
+    attns = [layer.self_attn for layer in model.layers]
+    saved = [(a.attn.sliding_window, a.qkv_proj.bias) for a in attns]
+    try:
+        if variant == "window-and-bias":  # a window shorter than the prompts, a bias on q, k and v
+            g = torch.Generator().manual_seed(0)
+            for a in attns:
+                a.attn.sliding_window = 24
+                a.qkv_proj.bias = nn.Parameter(0.05 * torch.randn(a.qkv_proj.method.blocks.n, generator=g),
+                                               requires_grad=False)
+        plans = [gguf_blocks.FusedDecodeLayer.of(layer) for layer in model.layers]
+        assert all(p is not None for p in plans), "every layer of the embedded model should be fused"
+        dtype = torch.float16 if variant == "float16-cache" else torch.float32
+        ref, none_taken = _run(model, [None] * len(plans), dtype)
+        got, taken = _run(model, plans, dtype)
+    finally:
+        for a, (window, bias) in zip(attns, saved):
+            a.attn.sliding_window, a.qkv_proj.bias = window, bias
+        for layer in model.layers:
+            layer.fused = gguf_blocks.FusedDecodeLayer.of(layer)
+    assert none_taken == 0 and taken == 5 * len(plans)  # every step but the prefill
+    for step, (r, o) in enumerate(zip(ref, got)):
+        for seq in r:
+            assert torch.equal(r[seq], o[seq]), f"step {step}, sequence {seq}: the fused layer's logits differ"
+
+
+def test_layers_of_another_shape_keep_their_modules(model):
+    layer = model.layers[0]
+    assert gguf_blocks.FusedDecodeLayer.of(layer) is not None
+    o_bias = layer.self_attn.o_proj.bias
+    try:
+        layer.self_attn.o_proj.bias = nn.Parameter(torch.zeros(layer.self_attn.o_proj.method.blocks.n),
+                                                   requires_grad=False)
+        assert gguf_blocks.FusedDecodeLayer.of(layer) is None  # the C++ step adds no o bias
+    finally:
+        layer.self_attn.o_proj.bias = o_bias
