@@ -139,9 +139,24 @@ def _has_bf16_units() -> bool:
     return _has_cpu_flag("amx_bf16") or _has_cpu_flag("avx512_bf16")
 
 
+def _row_parts(label: str) -> tuple[str, str, bool]:
+    """A row label as (model key, dtype, int8 activations). Labels: float32, bfloat16 or a
+    GGUF's type (q4_0: float32 activations), a GGUF type with ``:bf16`` for bfloat16
+    matmuls in large steps, and any of them with ``+int8`` for AIOLM_GGUF_INT8=1 (small
+    steps multiply the GGUF blocks with int8 activations)."""
+    base, int8 = label.removesuffix("+int8"), label.endswith("+int8")
+    key, bf16 = base.removesuffix(":bf16"), base.endswith(":bf16")
+    dtype = "bfloat16" if bf16 or key == "bfloat16" else "float32"
+    return key, dtype, int8
+
+
 def _aiolm_row(label: str, model: str | None) -> list[str]:
-    """aiolm's engine flags for a row: its model, and the dtype (a GGUF row runs in float32)."""
-    return [*(["--model", model] if model else []), "--dtype", label if label in ("float32", "bfloat16") else "float32"]
+    """aiolm's engine flags for a row: its model and the dtype."""
+    return [*(["--model", model] if model else []), "--dtype", _row_parts(label)[1]]
+
+
+def _aiolm_env(label: str) -> dict[str, str]:
+    return {"AIOLM_GGUF_INT8": "1" if _row_parts(label)[2] else "0"}
 
 
 def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[str, Any]]:
@@ -180,7 +195,7 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
     for _ in range(a.repeats):
         for (label, job), got in zip(jobs, runs):
-            r = _result(job, a.timeout)
+            r = _result(job, a.timeout, _aiolm_env(label) if label is not None else None)
             if r:
                 if label is not None:  # aiolm's own bench
                     r = {"peer": "aiolm", "dtype": label, **r,
@@ -250,7 +265,7 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
     servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str], list[str]]] = [
         ("aiolm", label, lambda port, row=_aiolm_row(label, model): [
             str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "2048", *row], {}, [])
+            "--max-model-len", "2048", *row], _aiolm_env(label), [])
         for label, model in m.aiolm_model.items()
     ]
     wanted = a.peers.split(",")
@@ -371,8 +386,9 @@ def main() -> None:
                                      "file (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--aiolm-dtypes", default=None,
                     help="aiolm's rows, ratios against each: float32, bfloat16, and a GGUF's type (q4_0, q8_0) "
-                         "where --model has one (default: float32, bfloat16 matmuls where the CPU has bf16 units, "
-                         "and every GGUF of --model)")
+                         "where --model has one, a GGUF type with :bf16 (bfloat16 matmuls for large steps), any "
+                         "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations for small steps) (default: "
+                         "float32, bfloat16 matmuls where the CPU has bf16 units, and every GGUF of --model)")
     ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
@@ -384,11 +400,11 @@ def main() -> None:
     m = resolve_models(a.model)
     rows_wanted = (a.aiolm_dtypes.split(",") if a.aiolm_dtypes else
                    [r for r in m.aiolm_model if r != "bfloat16" or _has_bf16_units()])
-    unknown = [r for r in rows_wanted if r not in m.aiolm_model]
+    unknown = [r for r in rows_wanted if _row_parts(r)[0] not in m.aiolm_model]
     if unknown:
         raise SystemExit(f"--aiolm-dtypes: {unknown} not available for this model; choose from "
-                         f"{','.join(m.aiolm_model)}")
-    m.aiolm_model = {r: m.aiolm_model[r] for r in rows_wanted}
+                         f"{','.join(m.aiolm_model)} (a GGUF type may add :bf16, any of them +int8)")
+    m.aiolm_model = {r: m.aiolm_model[_row_parts(r)[0]] for r in rows_wanted}
     tables, raw = [], {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for w in a.workloads.split(","):

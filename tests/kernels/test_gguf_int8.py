@@ -116,3 +116,19 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     assert "Paris" in tokenizer.decode(int8[-1])
     assert int8[-1][:12] == floats[-1][:12]
     assert min(agree) >= 8 and sum(agree) >= 0.6 * n * len(prompts), agree
+
+
+def test_bfloat16_matmuls_with_int8_activations_still_answer_paris(real_source, tokenizer, monkeypatch):
+    """The fastest single-stream mode (docs/benchmarks.md): bfloat16 matmuls for the prompt,
+    a float16 KV cache and int8 activations for every decode step still answer the chat
+    question."""
+    from model.test_parity import _prompt_ids
+    from paged import PagedHarness
+
+    from aiolm.model.registry import build_model
+
+    model = build_model(real_source, torch.bfloat16)
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)
+    chat = _prompt_ids(tokenizer)[-1]
+    out = PagedHarness(model, dtype=torch.float16).greedy([chat], 16)[0]
+    assert "Paris" in tokenizer.decode(out), tokenizer.decode(out)
