@@ -681,8 +681,10 @@ def test_fuzz_against_openapi_schema(server, model):
     print(f"fuzz: {counts} in {time.monotonic() - start:.0f}s")
 
 
+@pytest.mark.stops_shared_server
 def test_sigterm_lets_in_flight_requests_finish(server, model):
-    """Keep last: SIGTERM mid-stream; the stream still ends properly and the server exits 0."""
+    """SIGTERM mid-stream (run last: the server is shared); the stream still ends properly and
+    the server exits 0."""
     import threading
 
     auth = {"authorization": f"Bearer {API_KEY}"}
