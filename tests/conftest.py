@@ -40,12 +40,10 @@ def real_model(real_source):
 @pytest.fixture(scope="session")
 def hf_reference():
     """transformers' own model read from the same GGUF file, float32."""
-    from transformers import AutoModelForCausalLM
-
     from aiolm.model.loader import embedded_model_path
+    from paged import hf_from_gguf
 
-    path = embedded_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_from_gguf(embedded_model_path())
 
 
 from paged import hf_greedy  # noqa: E402,F401  (re-exported for older imports)
