@@ -1,8 +1,8 @@
 """The real model behind a real `aiolm serve` process, driven by the real `openai` client.
 
-One server for the whole module (model load is the expensive part); generation
-lengths are kept small because this runs on a couple of shared CPU cores.
-Teardown sends SIGTERM and asserts the server exits 0 (see conftest.py).
+The server is the session's shared keyed one (model load is the expensive part), so
+checks on counters and caches are relative; generation lengths are kept small because
+this runs on a couple of shared CPU cores. It must exit 0 on SIGTERM (tests/conftest.py).
 """
 
 from __future__ import annotations
