@@ -40,12 +40,37 @@ def real_model(real_source):
 @pytest.fixture(scope="session")
 def hf_reference():
     """transformers' own model read from the same GGUF file, float32."""
-    from transformers import AutoModelForCausalLM
-
     from aiolm.model.loader import embedded_model_path
+    from paged import hf_from_gguf
 
-    path = embedded_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_from_gguf(embedded_model_path())
 
 
 from paged import hf_greedy  # noqa: E402,F401  (re-exported for older imports)
+
+sys.path.insert(0, str(ROOT / "tests" / "server"))
+from server_helpers import KEYED_SERVER_FLAGS, OPEN_SERVER_FLAGS, SharedServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def keyed_servers(tmp_path_factory: pytest.TempPathFactory):
+    """The real server with an API key, shared by tests/server and tests/web (``server``)."""
+    shared = SharedServer("keyed-server", tmp_path_factory, *KEYED_SERVER_FLAGS)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def open_servers(tmp_path_factory: pytest.TempPathFactory):
+    """The real server without a key, with the hermes tool parser: the README's, the chat
+    page's and the tool tests' server."""
+    shared = SharedServer("open-server", tmp_path_factory, *OPEN_SERVER_FLAGS)
+    yield shared
+    shared.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that stop a shared server run after every other test."""
+    last = [item for item in items if item.get_closest_marker("stops_shared_server")]
+    if last:
+        items[:] = [item for item in items if item not in last] + last

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
 from aiolm.attention.metadata import AttentionMetadata
@@ -82,3 +85,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new: int, device: str = "cpu") -
             out.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
     return out
+
+
+def hf_from_gguf(path: Path):
+    """transformers' own model read from a GGUF file, float32, in eval mode.
+
+    transformers parses the file's metadata twice (for the config, then the weights) and
+    builds the same tensor-name map once per module; both are pure functions of their
+    arguments, so they are memoized for this one load. The model it builds is unchanged."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map

@@ -76,37 +76,33 @@ def test_readme_python_snippets_run_as_written():
     assert len(streamed.strip().splitlines()) == 1  # deltas printed back to back: the answer once
 
 
-def test_readme_client_snippets_run_against_a_server(tmp_path):
-    """README blocks that talk to `aiolm serve`, verbatim but for the port: a free one here."""
+def test_readme_client_snippets_run_against_a_server(open_servers):
+    """README blocks that talk to `aiolm serve`, verbatim but for the port: the shared server
+    without a key (tests/conftest.py) on a free one."""
     import ast
     import re
-
-    sys.path.insert(0, str(ROOT / "tests" / "server"))
-    from server_helpers import ServerProcess, free_port, serve_cmd
 
     readme = (ROOT / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if SERVER_URL in b]
     assert blocks, "the README's structured outputs example"
-    port = free_port()
-    srv = ServerProcess(serve_cmd(port), port, tmp_path / "server.log")
-    with srv.serving():
-        for code in blocks:
-            code = code.replace(SERVER_URL, f"http://127.0.0.1:{port}/v1")
-            p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
-                               timeout=TIMEOUT)
-            assert p.returncode == 0, f"{code}\n{p.stdout}\n{p.stderr[-3000:]}"
-            lines = p.stdout.strip().splitlines()
-            if "json_schema" in code:  # the structured outputs example: a document, then a choice
-                doc = ast.literal_eval(lines[0])  # print() of the parsed dict
-                assert set(doc) == {"city", "population"} and isinstance(doc["population"], int)
-                assert lines[1] in ("yes", "no")
-        # The README's curl stream, verbatim but for the port (its comment lines are shell comments).
-        curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl -N" in b)
-        p = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")], text=True,
-                           capture_output=True, timeout=TIMEOUT)
-        assert p.returncode == 0, p.stderr
-        events = [ln[len("data: "):] for ln in p.stdout.splitlines() if ln.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", p.stdout
-        chunks = [json.loads(e) for e in events[:-1]]
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        assert "Paris" in text and chunks[-1]["usage"]["completion_tokens"] > 0, p.stdout
+    port = open_servers.get().port
+    for code in blocks:
+        code = code.replace(SERVER_URL, f"http://127.0.0.1:{port}/v1")
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
+                           timeout=TIMEOUT)
+        assert p.returncode == 0, f"{code}\n{p.stdout}\n{p.stderr[-3000:]}"
+        lines = p.stdout.strip().splitlines()
+        if "json_schema" in code:  # the structured outputs example: a document, then a choice
+            doc = ast.literal_eval(lines[0])  # print() of the parsed dict
+            assert set(doc) == {"city", "population"} and isinstance(doc["population"], int)
+            assert lines[1] in ("yes", "no")
+    # The README's curl stream, verbatim but for the port (its comment lines are shell comments).
+    curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl -N" in b)
+    p = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")], text=True,
+                       capture_output=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    events = [ln[len("data: "):] for ln in p.stdout.splitlines() if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", p.stdout
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "Paris" in text and chunks[-1]["usage"]["completion_tokens"] > 0, p.stdout

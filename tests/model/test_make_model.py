@@ -20,7 +20,7 @@ import torch
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
-from paged import PagedHarness, hf_greedy
+from paged import PagedHarness, hf_from_gguf, hf_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from make_model import SCALES, make_model, read_manifest  # noqa: E402
@@ -102,8 +102,6 @@ def test_bfloat16_folder_holds_the_float32_weights_rounded(made, prompt):
 
 
 def test_gguf_holds_the_same_weights_and_matches_transformers(made, prompt):
-    from transformers import AutoModelForCausalLM
-
     gguf_path = made[0] / "model-Q4_0.gguf"
     f32, q4 = weights(made[0] / "hf-float32"), weights(gguf_path)
     assert f32.keys() == q4.keys()
@@ -113,8 +111,7 @@ def test_gguf_holds_the_same_weights_and_matches_transformers(made, prompt):
         # about one step, while a row from the wrong place would be off by the block's size
         bound = f32[name].abs().reshape(-1, 32).amax(1, keepdim=True) / 7.5 + 1e-7
         assert ((t - f32[name]).reshape(-1, 32).abs() <= bound).all(), name
-    ref = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                               dtype=torch.float32).eval()
+    ref = hf_from_gguf(gguf_path)
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0, -1]
     tokens, logits = aiolm_greedy(gguf_path, prompt)

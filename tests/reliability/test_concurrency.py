@@ -20,7 +20,7 @@ import pytest
 
 from reliability_helpers import (PROMPTS, greedy, reference_texts, resources, stream_completion, wait_idle_gauges,
                                  wait_for_worker)
-from server_helpers import ServerProcess, free_port, serve_cmd
+from server_helpers import ServerProcess, SharedServer
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -33,12 +33,10 @@ IDLE = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usag
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--shutdown-timeout", "5"), port,
-                        tmp_path_factory.mktemp("concurrency") / "server.log")
-    with srv.serving():
-        yield srv
+def server(open_servers: SharedServer) -> ServerProcess:
+    """The shared server without a key (tests/conftest.py): what these tests check is relative
+    to a warm-up or a quiet run on it, and its whole log must hold no traceback."""
+    return open_servers.get()
 
 
 def _round(base_url: str, seed: int) -> list:

@@ -64,7 +64,8 @@ class ServerProcess:
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def stop(self, timeout: float = 90.0) -> int:
@@ -101,15 +102,45 @@ def serve_cmd(port: int, *extra: str) -> list[str]:
             *LIGHT_ENGINE_FLAGS, *extra]
 
 
+class SharedServer:
+    """One real `aiolm serve` with fixed flags for every test module that asks for it (model
+    load is the expensive part of a server test), so tests must not rely on a fresh server's
+    counters or caches. Started on first use, started again if a test stopped it; each one
+    must exit 0 on SIGTERM."""
+
+    def __init__(self, name: str, tmp_path_factory: pytest.TempPathFactory, *flags: str) -> None:
+        self.name = name
+        self._tmp = tmp_path_factory
+        self._flags = flags
+        self._srv: ServerProcess | None = None
+
+    def get(self) -> ServerProcess:
+        if self._srv is not None and self._srv.proc.poll() is not None:
+            self.close()  # a test stopped it: its exit code is still checked
+        if self._srv is None:
+            port = free_port()
+            srv = ServerProcess(serve_cmd(port, *self._flags), port, self._tmp.mktemp(self.name) / "server.log")
+            srv.wait_ready()
+            self._srv = srv
+        return self._srv
+
+    def close(self) -> None:
+        srv, self._srv = self._srv, None
+        if srv is not None:
+            code = srv.stop()
+            assert code == 0, f"{self.name} exited with {code} on SIGTERM:\n{srv.log()}"
+
+
+# The flags of the two shared servers (session fixtures in tests/conftest.py).
+KEYED_SERVER_FLAGS = ("--api-key", API_KEY, "--max-request-bytes", str(256 << 10), "--shutdown-timeout", "5",
+                      "--metrics-prefix", "vllm")
+OPEN_SERVER_FLAGS = ("--tool-call-parser", "hermes", "--shutdown-timeout", "5")
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """One real `aiolm serve` per test module, with an API key and vLLM's metric names; exits 0 on SIGTERM."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess(serve_cmd(port, "--api-key", API_KEY, "--max-request-bytes", str(256 << 10),
-                                  "--shutdown-timeout", "5", "--metrics-prefix", "vllm"), port, log)
-    with srv.serving():
-        yield srv
+def server(keyed_servers: SharedServer) -> ServerProcess:
+    """The shared real `aiolm serve` with an API key and vLLM's metric names."""
+    return keyed_servers.get()
 
 
 

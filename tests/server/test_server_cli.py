@@ -11,6 +11,7 @@ import subprocess
 import sys
 import termios
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -33,17 +34,36 @@ def test_usage_without_command():
     assert "--api-key" in serve_help.stdout and "--allowed-origins" in serve_help.stdout
 
 
+# The commands below that load the model, each with its stdin. They are started together:
+# each loads the model in its own processes, and one after another they would wait on each
+# other's start-up.
+MODEL_RUNS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "generate": (("generate", "What is the capital of France?", "--chat", "--max-tokens", "8", *FLAGS), None),
+    "chat-stdin": (("chat", "--temperature", "0", "--max-tokens", "8", *FLAGS),
+                   "What is the capital of France?\n/reset\nWhat is the capital of France?\n"),
+    # Sampled at the default temperature and top_p; seeded, so one unlucky draw cannot fail it.
+    "chat-sampled": (("chat", "--max-tokens", "24", "--sampling-seed", "0", *FLAGS),
+                     "What is the capital of France?\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_runs() -> dict[str, subprocess.CompletedProcess]:
+    with ThreadPoolExecutor(len(MODEL_RUNS)) as pool:
+        runs = {name: pool.submit(_aiolm, *args, stdin=stdin) for name, (args, stdin) in MODEL_RUNS.items()}
+        return {name: run.result() for name, run in runs.items()}
+
+
 @pytest.mark.slow
-def test_generate_prints_the_completion():
-    out = _aiolm("generate", "What is the capital of France?", "--chat", "--max-tokens", "8", *FLAGS)
+def test_generate_prints_the_completion(model_runs):
+    out = model_runs["generate"]
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
 
 @pytest.mark.slow
-def test_chat_reads_stdin_until_eof():
-    out = _aiolm("chat", "--temperature", "0", "--max-tokens", "8", *FLAGS,
-                 stdin="What is the capital of France?\n/reset\nWhat is the capital of France?\n")
+def test_chat_reads_stdin_until_eof(model_runs):
+    out = model_runs["chat-stdin"]
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     assert len(lines) == 2 and lines[0] == lines[1] and "Paris" in lines[0]
@@ -88,10 +108,8 @@ def test_busy_port_is_reported_before_the_model_loads():
 
 
 @pytest.mark.slow
-def test_chat_default_sampling_answers_and_says_the_load_time():
-    # Sampled at the default temperature and top_p; seeded, so one unlucky draw cannot fail it.
-    out = _aiolm("chat", "--max-tokens", "24", "--sampling-seed", "0", *FLAGS,
-                 stdin="What is the capital of France?\n")
+def test_chat_default_sampling_answers_and_says_the_load_time(model_runs):
+    out = model_runs["chat-sampled"]
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "loaded SmolLM2-135M-Instruct" in out.stderr and "Traceback" not in out.stderr

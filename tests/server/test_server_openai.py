@@ -1,8 +1,8 @@
 """The real model behind a real `aiolm serve` process, driven by the real `openai` client.
 
-One server for the whole module (model load is the expensive part); generation
-lengths are kept small because this runs on a couple of shared CPU cores.
-Teardown sends SIGTERM and asserts the server exits 0 (see conftest.py).
+The server is the session's shared keyed one (model load is the expensive part), so
+checks on counters and caches are relative; generation lengths are kept small because
+this runs on a couple of shared CPU cores. It must exit 0 on SIGTERM (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -681,8 +681,10 @@ def test_fuzz_against_openapi_schema(server, model):
     print(f"fuzz: {counts} in {time.monotonic() - start:.0f}s")
 
 
+@pytest.mark.stops_shared_server
 def test_sigterm_lets_in_flight_requests_finish(server, model):
-    """Keep last: SIGTERM mid-stream; the stream still ends properly and the server exits 0."""
+    """SIGTERM mid-stream (run last: the server is shared); the stream still ends properly and
+    the server exits 0."""
     import threading
 
     auth = {"authorization": f"Bearer {API_KEY}"}

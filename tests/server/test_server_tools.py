@@ -18,7 +18,7 @@ from aiolm.server.settings import ServerSettings, build_parser, settings_from_na
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
 from aiolm.server.tools import StreamState, ToolPlan
 
-from server_helpers import FakeEngine, ServerProcess, fake_engine, free_port, serve_cmd  # noqa: F401
+from server_helpers import FakeEngine, ServerProcess, SharedServer, fake_engine  # noqa: F401
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -217,12 +217,9 @@ def test_tool_call_parser_flag():
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess(serve_cmd(port, "--tool-call-parser", "hermes", "--shutdown-timeout", "5"), port, log)
-    with srv.serving():
-        yield srv
+def tool_server(open_servers: SharedServer) -> ServerProcess:
+    """The shared server without a key (tests/conftest.py), started with --tool-call-parser hermes."""
+    return open_servers.get()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 # The server tests' helpers (a real server subprocess, the fake engine), imported the way
 # tests/server's own modules import them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_helpers import API_KEY, ServerProcess, free_port, serve_cmd  # noqa: E402
+from server_helpers import ServerProcess, SharedServer  # noqa: E402
 
 
 def chromium_executable() -> str | None:
@@ -61,21 +61,13 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _serve(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> Iterator[ServerProcess]:
-    port = free_port()
-    log = tmp_path_factory.mktemp(name) / "server.log"
-    srv = ServerProcess(serve_cmd(port, "--shutdown-timeout", "5", *flags), port, log)
-    with srv.serving(name):
-        yield srv
+@pytest.fixture(scope="module")
+def chat_server(open_servers: SharedServer) -> ServerProcess:
+    """A real `aiolm serve` without a key (shared, tests/conftest.py)."""
+    return open_servers.get()
 
 
 @pytest.fixture(scope="module")
-def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A real `aiolm serve` without a key."""
-    yield from _serve(tmp_path_factory, "chat-server")
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A real `aiolm serve --api-key`."""
-    yield from _serve(tmp_path_factory, "keyed-server", "--api-key", API_KEY)
+def keyed_server(keyed_servers: SharedServer) -> ServerProcess:
+    """A real `aiolm serve --api-key API_KEY` (shared, tests/conftest.py)."""
+    return keyed_servers.get()
