@@ -299,10 +299,13 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
                 print(f"  {name} server did not start; see .bench_{name}_{dtype}_server.log", flush=True)
                 continue
             runs = []
-            for _ in range(a.repeats + 1):  # the first run warms the server up and is dropped
+            # The first run warms the server up and is dropped. Each run sends fresh prompts (its
+            # own seed, the same seeds for every server), so none is served from the prefix cache
+            # that an earlier run filled, however much of it a server keeps.
+            for seed in range(a.repeats + 1):
                 r = _result(_aiolm_bench(["serve", "--base-url", url, "--model", model, "--num-requests",
                                           str(a.serve_requests), "--max-concurrency", str(a.concurrency),
-                                          *client_flags, "--json"]), a.timeout)
+                                          "--seed", str(seed), *client_flags, "--json"]), a.timeout)
                 if r is None or r["failed"]:
                     print(f"  {name}: failed requests: {r and r['errors']}", flush=True)
                     runs = []
