@@ -2,14 +2,16 @@
 
 A GGUF model is converted to float32 once (gguf_convert.py), and large batches run
 on those float32 weights. Decoding a handful of sequences, though, is bound by
-reading the weights, and the file's own Q4_0/Q4_1/Q8_0 blocks are 3.5-7x smaller
-while holding exactly the values the float32 copy was dequantized from. So the
-linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from
-them when a step has at most ``MAX_ROWS`` rows; the answers are those of the
-float32 path up to the order of the sums. Steps of up to ``INT8_ROWS`` rows go
-further, as llama.cpp does: x is rounded to int8 per block of 32 and the blocks
-are multiplied with integer dot products (``aiolm::gguf_int8_linear``), faster
-but no longer the float32 path's arithmetic.
+reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K blocks are 3.5-7x
+smaller while holding exactly the values the float32 copy was dequantized from
+(Q4_K's super-blocks are unpacked at load time into Q4_1 blocks of 32 with float32
+scales and mins, 6 bits a weight against the file's 4.5, so that the kernels know
+one 4-bit layout and the values stay exact). So the linear layers also keep their
+blocks and ``aiolm::gguf_linear`` computes from them when a step has at most
+``MAX_ROWS`` rows; the answers are those of the float32 path up to the order of the
+sums. Steps of up to ``INT8_ROWS`` rows go further, as llama.cpp does: x is rounded
+to int8 per block of 32 and the blocks are multiplied with integer dot products
+(``aiolm::gguf_int8_linear``), faster but no longer the float32 path's arithmetic.
 
 The CPU platform attaches them after packing (platforms/cpu.py). Only with one tensor-parallel rank, and only where every tensor fused into a
 layer has the same block type.
@@ -31,7 +33,7 @@ from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # ggml's ids, as aiolm::gguf_linear takes them
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
@@ -49,38 +51,81 @@ _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
     "Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
 
 
+_Q4K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+
+
+def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [N, S, 144] as Q4_1 blocks of 32: nibbles [N, 8S, 16] (weight j low,
+    j + 16 high), float32 scales and mins [N, 8S, 1]. A sub-block j's weights are
+    d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16 times a 6-bit integer) are
+    exact in float32, so scale * q + min is the value gguf dequantizes to, bit for bit."""
+    n, s = b.shape[:2]
+    d = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
+    dmin = b[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    k = b[:, :, 4:16]
+    # Sub-blocks 0-3 keep 6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7 take their low
+    # 4 bits from bytes 8-11 (scale low nibble, min high nibble) and their top 2 bits from
+    # the top bits of bytes 0-3 (scales) and 4-7 (mins).
+    sc = np.concatenate([k[..., 0:4] & 63, (k[..., 8:12] & 15) | (k[..., 0:4] >> 6 << 4)], -1)
+    mn = np.concatenate([k[..., 4:8] & 63, (k[..., 8:12] >> 4) | (k[..., 4:8] >> 6 << 4)], -1)
+    # Each 64 weights are 32 bytes: sub-block 2i in their low nibbles, 2i + 1 in their high ones.
+    chunks = b[:, :, 16:].reshape(n, s, 4, 1, 32)
+    q = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1) & 15).reshape(n, 8 * s, 32)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    scale = (d * sc.astype(np.float32)).reshape(n, 8 * s, 1)
+    mins = -(dmin * mn.astype(np.float32)).reshape(n, 8 * s, 1)
+    return qs, scale, mins
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """A weight's blocks regrouped into the arrays aiolm::gguf_linear reads: output rows
     in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
     qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
-    scale: torch.Tensor  # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read)
-    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1, else empty
+    scale: torch.Tensor  # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K float32
+    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1 (float32 for Q4_K), else empty
     qtype: int
     n: int  # output rows (the last group is padded with zero blocks)
 
     @classmethod
     def from_blocks(cls, blocks: np.ndarray, ttype: str) -> "GGUFWeight":
         """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
-        size, off, has_min = _LAYOUT[ttype]
         n = blocks.shape[0]
-        b = np.ascontiguousarray(blocks).reshape(n, -1, size)
         pad = -n % 8
-        if pad:
-            b = np.concatenate([b, np.zeros((pad,) + b.shape[1:], np.uint8)])
-        groups, nblocks = b.shape[0] // 8, b.shape[1]
+        groups = (n + pad) // 8
 
         def grouped(a: np.ndarray) -> np.ndarray:  # [N, nblocks, k] -> [N/8, nblocks * 8 * k]
-            a = a.reshape(groups, 8, nblocks, -1).transpose(0, 2, 1, 3)
+            if pad:
+                a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+            a = a.reshape(groups, 8, a.shape[1], -1).transpose(0, 2, 1, 3)
             return np.ascontiguousarray(a).reshape(groups, -1)
 
+        if ttype == "Q4_K":
+            qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
+            return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
+        size, off, has_min = _LAYOUT[ttype]
+        b = np.ascontiguousarray(blocks).reshape(n, -1, size)
         qs = grouped(b[:, :, off:])
         if ttype == "Q8_0":
             qs = qs.view(np.int8)
         scale = grouped(b[:, :, 0:2].copy().view(np.float16))
         mins = grouped(b[:, :, 2:4].copy().view(np.float16)) if has_min else np.zeros((0,), np.float16)
         return cls(torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(mins), TYPE_IDS[ttype], n)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
+        groups, nb = self.scale.shape[0], self.scale.shape[1] // 8
+        q = self.qs.view(groups, nb, 8, -1).transpose(1, 2)  # [N/8, 8, nblocks, quant bytes]
+        if self.qtype == TYPE_IDS["Q8_0"]:
+            codes = q.float()
+        else:
+            codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
+        d = self.scale.view(groups, nb, 8).transpose(1, 2).float().unsqueeze(-1)
+        w = d * codes
+        if self.mins.numel():
+            w = w + self.mins.view(groups, nb, 8).transpose(1, 2).float().unsqueeze(-1)
+        return w.reshape(groups * 8, -1)[:self.n]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
