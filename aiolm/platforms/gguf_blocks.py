@@ -2,16 +2,18 @@
 
 A GGUF model is converted to float32 once (gguf_convert.py), and large batches run
 on those float32 weights. Decoding a handful of sequences, though, is bound by
-reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K blocks are 3.5-7x
-smaller while holding exactly the values the float32 copy was dequantized from
-(Q4_K's super-blocks are unpacked at load time into Q4_1 blocks of 32 with float32
-scales and mins, 6 bits a weight against the file's 4.5, so that the kernels know
-one 4-bit layout and the values stay exact). So the linear layers also keep their
-blocks and ``aiolm::gguf_linear`` computes from them when a step has at most
-``MAX_ROWS`` rows; the answers are those of the float32 path up to the order of the
-sums. Steps of up to ``INT8_ROWS`` rows go further, as llama.cpp does: x is rounded
-to int8 per block of 32 and the blocks are multiplied with integer dot products
-(``aiolm::gguf_int8_linear``), faster but no longer the float32 path's arithmetic.
+reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, kept as
+3.2-7x fewer bytes, hold exactly the values the float32 copy was dequantized from
+(the k-quants' 256-weight super-blocks are unpacked at load time: Q4_K into Q4_1
+blocks of 32 with float32 scales and mins, 6 bits a weight against the file's 4.5,
+Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against 6.6, so
+that the kernels keep to two block layouts and the values stay exact). So the
+linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from them
+when a step has at most ``MAX_ROWS`` rows; the answers are those of the float32
+path up to the order of the sums. Steps of up to ``INT8_ROWS`` rows go further, as
+llama.cpp does: x is rounded to int8 per block of 32 and the blocks are multiplied
+with integer dot products (``aiolm::gguf_int8_linear``), faster but no longer the
+float32 path's arithmetic.
 
 The CPU platform attaches them after packing (platforms/cpu.py). Only with one tensor-parallel rank, and only where every tensor fused into a
 layer has the same block type.
@@ -33,7 +35,7 @@ from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # ggml's ids, as aiolm::gguf_linear takes them
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml's ids, as aiolm::gguf_linear takes them
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
@@ -77,13 +79,34 @@ def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return qs, scale, mins
 
 
+_Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
+
+
+def _q6k_as_q8(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [N, S, 210] as int8 codes q - 32 in blocks of 32 [N, 8S, 32] and
+    float32 scales d * sc_k, two a block [N, 8S, 2] (weights 0-15, 16-31). d * sc_k (an f16
+    times an 8-bit integer) and its product with a code of 6 bits fit float32's 24-bit
+    mantissa, so scale * code is the value gguf dequantizes to, bit for bit."""
+    n, s = b.shape[:2]
+    # Each 128 weights take 64 bytes of ql and 32 of qh. Weight l of their quarter k (of 32)
+    # is nibble k // 2 (low, high) of ql byte 32 * (k % 2) + l, below bits 2k, 2k + 1 of qh byte l.
+    ql = b[:, :, 0:128].reshape(n, s, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(2, 1, 1) & 15
+    qh = b[:, :, 128:192].reshape(n, s, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1) & 3
+    codes = (ql.reshape(n, s, 2, 4, 32) | qh << 4).reshape(n, 8 * s, 32).view(np.int8) - np.int8(32)
+    d = b[:, :, 208:210].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
+    scale = d * b[:, :, 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
+    return codes, scale.reshape(n, 8 * s, 2)
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """A weight's blocks regrouped into the arrays aiolm::gguf_linear reads: output rows
     in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
     qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
-    scale: torch.Tensor  # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K float32
+    # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K: float32;
+    # Q6_K: float32 [N/8, nblocks * 8 * 2], one scale per 16 weights
+    scale: torch.Tensor
     mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1 (float32 for Q4_K), else empty
     qtype: int
     n: int  # output rows (the last group is padded with zero blocks)
@@ -104,6 +127,10 @@ class GGUFWeight:
         if ttype == "Q4_K":
             qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
             return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
+        if ttype == "Q6_K":
+            codes, scale = _q6k_as_q8(np.ascontiguousarray(blocks).reshape(n, -1, _Q6K_BYTES))
+            return cls(torch.from_numpy(grouped(codes)), torch.from_numpy(grouped(scale)),
+                       torch.zeros(0, dtype=torch.float32), TYPE_IDS[ttype], n)
         size, off, has_min = _LAYOUT[ttype]
         b = np.ascontiguousarray(blocks).reshape(n, -1, size)
         qs = grouped(b[:, :, off:])
@@ -115,16 +142,18 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
-        groups, nb = self.scale.shape[0], self.scale.shape[1] // 8
+        int8 = self.qs.dtype == torch.int8  # Q8_0, Q6_K: 32 bytes a block; else 16 of nibbles
+        groups = self.qs.shape[0]
+        nb = self.qs.shape[1] // (8 * (32 if int8 else 16))
         q = self.qs.view(groups, nb, 8, -1).transpose(1, 2)  # [N/8, 8, nblocks, quant bytes]
-        if self.qtype == TYPE_IDS["Q8_0"]:
+        if int8:
             codes = q.float()
         else:
             codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
-        d = self.scale.view(groups, nb, 8).transpose(1, 2).float().unsqueeze(-1)
-        w = d * codes
+        d = self.scale.view(groups, nb, 8, -1).transpose(1, 2).float()  # [.., scales a block]
+        w = d.repeat_interleave(32 // d.shape[-1], -1) * codes
         if self.mins.numel():
-            w = w + self.mins.view(groups, nb, 8).transpose(1, 2).float().unsqueeze(-1)
+            w = w + self.mins.view(groups, nb, 8, 1).transpose(1, 2).float()
         return w.reshape(groups * 8, -1)[:self.n]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,9 @@
 // The k-quants arrive already unpacked into the 32-weight layouts at load time:
 //   Q4_K: Q4_1 blocks (a 256-weight super-block's 8 sub-blocks), with float32 scales
 //         and mins: d * sc_j and -dmin * m_j are exact in float32 but not in float16.
+//   Q6_K: Q8_0 blocks of the signed codes q - 32 (in [-32, 31]), with two float32 scales
+//         per block, d * sc_k for weights 0-15 and for 16-31 (exact in float32), stored
+//         side by side: row i's block b has scales [(b * 8 + i) * 2 + h].
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,12 +24,13 @@
 namespace aiolm_gguf {
 
 constexpr int64_t QK = 32;  // weights per block
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };  // ggml's type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
 
 // What a type's regrouped blocks are, in the terms of the three 32-weight layouts.
 constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q4_K; }      // w = d * u + m
-constexpr bool int8_codes(int64_t t) { return t == Q8_0; }                // 32 signed bytes
-constexpr bool float_scales(int64_t t) { return t == Q4_K; }
+constexpr bool int8_codes(int64_t t) { return t == Q8_0 || t == Q6_K; }   // 32 signed bytes
+constexpr bool float_scales(int64_t t) { return t == Q4_K || t == Q6_K; }
+constexpr int64_t scales_per_block(int64_t t) { return t == Q6_K ? 2 : 1; }  // Q6_K: one per 16
 // The element type of a type's scale (and min) arrays: float16 bits or float32.
 template <int64_t T>
 using Scale = std::conditional_t<float_scales(T), float, uint16_t>;
@@ -56,8 +60,8 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 16; }
 
 inline void check_type(const char* op, int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K, op,
-              ": unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12)");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, op,
+              ": unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
 }
 
 // Checks x [.., K] and a weight's arrays for N output rows; returns its blocks per row.
@@ -76,9 +80,10 @@ inline int64_t check_blocks(const char* op, const at::Tensor& x, const at::Tenso
   const int64_t nblocks = group_bytes / (8 * qb);
   const auto st = float_scales(qtype) ? at::kFloat : at::kHalf;
   const char* sname = float_scales(qtype) ? "float32" : "float16";
+  const int64_t spb = scales_per_block(qtype);
   TORCH_CHECK(scale.scalar_type() == st && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == groups &&
-                  scale.size(1) == nblocks * 8,
-              op, ": scale must be ", sname, " [N/8, nblocks * 8] for type ", qtype);
+                  scale.size(1) == nblocks * 8 * spb,
+              op, ": scale must be ", sname, " [N/8, nblocks * 8", spb == 2 ? " * 2]" : "]", " for type ", qtype);
   if (has_min(qtype))
     TORCH_CHECK(mins.scalar_type() == st && mins.is_contiguous() && mins.sizes() == scale.sizes(), op,
                 qtype == Q4_1 ? ": Q4_1" : ": Q4_K", " needs ", sname, " mins [N/8, nblocks * 8]");

@@ -1,6 +1,6 @@
 // y = x W^T with integer dot products: each row of x is quantized on the fly to
 // int8 blocks of 32 (one float32 scale per block, as llama.cpp's Q8 activations),
-// and W stays in the GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks, in the regrouped
+// and W stays in the GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks, in the regrouped
 // layout that aiolm::gguf_linear reads (see the top of gguf_linear.cpp: groups of
 // 8 output rows, block b of the 8 rows side by side). A block's dot product is then
 // 32 int8 x int8 multiply-adds summed exactly in int32, and one float FMA scales it
@@ -12,7 +12,9 @@
 //         sum_b m_b s_b with s_b = d_x sum xq, computed 8 rows at a time)
 //   Q4_0: w = d_w (u - 8)  -> d_w d_x (isum - 8 sum xq)
 //   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
-// (Q4_K is Q4_1 with float32 scales and mins: gguf_blocks.h.)
+//   Q6_K: w = d_k q (d_k per 16 weights) -> d_x (d_0 isum_0 + d_1 isum_1), an exact
+//         integer for each half of the block (VNNI's + 128 correction uses the halves' sums)
+// (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
 // bytes and so reads q + 128) are integers subtracted before the conversion, so every
 // path computes the same exact integer per block; paths differ only in the order of
@@ -62,13 +64,15 @@ int64_t best_isa() {
 }
 
 // x's rows as int8 blocks: q [M, K], and per block its scale d, the sum of its codes
-// (integer corrections) and d * that sum (Q4_1's min term).
+// (integer corrections) and d * that sum (Q4_1's min term); for Q6_K on VNNI also the
+// sums of each 16 codes (half) [M, nblocks * 2].
 struct QRows {
   const int8_t* q;
   const float* d;
   const int32_t* sum;
   const float* s;
   int64_t K, nblocks;
+  const int32_t* half;
 };
 
 // One block of 32 floats: its scale (the same scalar arithmetic on every path) and 1/d.
@@ -198,7 +202,16 @@ void group_scalar(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t
     float acc = 0.f;
     for (int64_t b = 0; b < x.nblocks; ++b) {
       const int64_t xb = r * x.nblocks + b;
-      const int32_t dot = block_dot_scalar<T>(qg, b, i, x.q + r * x.K + b * QK, x.sum[xb]);
+      const int8_t* xq = x.q + r * x.K + b * QK;
+      if constexpr (T == Q6_K) {
+        const int8_t* w = reinterpret_cast<const int8_t*>(qg + (b * 8 + i) * 32);
+        int32_t h[2] = {0, 0};
+        for (int j = 0; j < QK; ++j) h[j / 16] += static_cast<int32_t>(w[j]) * xq[j];
+        const float* d = sg + (b * 8 + i) * 2;
+        acc += (d[0] * static_cast<float>(h[0]) + d[1] * static_cast<float>(h[1])) * x.d[xb];
+        continue;
+      }
+      const int32_t dot = block_dot_scalar<T>(qg, b, i, xq, x.sum[xb]);
       acc += to_float(sg[b * 8 + i]) * x.d[xb] * static_cast<float>(dot);
     }
     out[i] = acc;
@@ -207,7 +220,7 @@ void group_scalar(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t
 
 #ifdef AIOLM_I8_AVX2
 // A block of row i as 32 bytes in x's order (codes 0-15 in the low lane, 16-31 in the
-// high lane): u for Q4_1 (and Q4_K), u - 8 for Q4_0, q for Q8_0.
+// high lane): u for Q4_1 (and Q4_K), u - 8 for Q4_0, q for Q8_0 (and Q6_K).
 template <int64_t T>
 inline __m256i weights_avx2(const uint8_t* p) {
   if constexpr (int8_codes(T)) {
@@ -239,7 +252,11 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
     }
     for (int i = 0; i < NR; ++i) {
       const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
-      const __m256 dw = _mm256_set1_ps(to_float(sg[b * 8 + i0 + i]));
+      // An int32 lane sums 4 products in order, so lanes 0-3 are weights 0-15: Q6_K's
+      // two scales go to the two 128-bit halves.
+      const int64_t k = (b * 8 + i0 + i) * scales_per_block(T);
+      const __m256 dw = T == Q6_K ? _mm256_setr_m128(_mm_set1_ps(to_float(sg[k])), _mm_set1_ps(to_float(sg[k + 1])))
+                                  : _mm256_set1_ps(to_float(sg[k]));
       const __m256i aw = has_min(T) ? w : _mm256_sign_epi8(w, w);
       for (int r = 0; r < MR; ++r) {
         const __m256i xs = has_min(T) ? xv[r] : _mm256_sign_epi8(xv[r], w);
@@ -270,19 +287,23 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 // so a row's block is 4 (Q4) or 8 (Q8_0) lanes, scaled by its d_w * d_x in float.
 // vpdpbusd reads the weights as unsigned bytes: Q8_0 codes go in as q + 128 (xor 0x80)
 // and, like Q4_0's - 8, the offset times sum(xq) is the accumulator's starting value.
+// Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets its
+// own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
+// codes in [-32, 31] go in as q + 32, not q + 128: smaller lane values, smaller float rounding.
 template <int64_t T, int MR>
 void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
   constexpr int NV = int8_codes(T) ? 4 : 2;     // vectors per block of the group's 8 rows
   constexpr int LANES = int8_codes(T) ? 8 : 4;  // int32 lanes per row in a vector
-  constexpr int OFF = int8_codes(T) ? 128 : T == Q4_0 ? 8 : 0;
+  constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : 0;
   constexpr int64_t QB = quant_bytes(T);
-  __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes
+  __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes (Q6_K: their 16 d_w)
   for (int v = 0; v < NV; ++v) {
     alignas(64) int32_t k[16];
-    for (int l = 0; l < 16; ++l) k[l] = v * (16 / LANES) + l / LANES;
+    for (int l = 0; l < 16; ++l) k[l] = T == Q6_K ? 4 * v + l / 4 : v * (16 / LANES) + l / LANES;
     idx[v] = _mm512_load_si512(k);
   }
-  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
+                off6 = _mm512_set1_epi8(32);
   __m512 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
@@ -298,15 +319,23 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
         xa[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
         xb[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
       }
-      init[r] = _mm512_set1_epi32(-(OFF / LANES) * x.sum[xi]);
+      if constexpr (T == Q6_K)  // lanes 4-7 and 12-15 hold the second halves
+        init[r] = _mm512_mask_blend_epi32(0xF0F0, _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi]),
+                                          _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi + 1]));
+      else
+        init[r] = _mm512_set1_epi32(-(OFF / LANES) * x.sum[xi]);
       dx[r] = _mm512_set1_ps(x.d[xi]);
     }
-    const __m512 d8 = _mm512_castps256_ps512(load8(sg + b * 8));
+    __m512 d8;
+    if constexpr (T == Q6_K)
+      d8 = _mm512_loadu_ps(sg + b * 16);
+    else
+      d8 = _mm512_castps256_ps512(load8(sg + b * 8));
     for (int v = 0; v < NV; ++v) {
       const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
       const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
       if constexpr (int8_codes(T)) {
-        const __m512i w = _mm512_xor_si512(raw, flip);
+        const __m512i w = T == Q6_K ? _mm512_add_epi8(raw, off6) : _mm512_xor_si512(raw, flip);
         for (int r = 0; r < MR; ++r) {
           const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
           acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
@@ -341,7 +370,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   const int64_t nb = x.nblocks;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nb * 8 * QB;
-    const Scale<T>* sg = scale + g * nb * 8;
+    const Scale<T>* sg = scale + g * nb * 8 * scales_per_block(T);
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     auto put = [&](int64_t r, const float* v) {  // v[i]: row n0 + i of y's row r
       float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -401,15 +430,19 @@ int64_t pick_isa(int64_t isa) {
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum;
-  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa) {
+  std::vector<int32_t> sum, half;
+  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa, bool halves) {
     const int64_t nb = K / QK;
     q.resize(M * K);
     d.resize(M * nb);
     s.resize(M * nb);
     sum.resize(M * nb);
     quantize_rows(x, M, K, isa, q.data(), d.data(), sum.data(), s.data());
-    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb};
+    if (halves) {
+      half.assign(M * nb * 2, 0);
+      for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
+    }
+    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, half.data()};
   }
 };
 
@@ -422,7 +455,7 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
   const int64_t M = io.m();
   if (M == 0 || N == 0) return io.result();
   thread_local Scratch scratch;
-  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa);
+  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa, qtype == Q6_K && isa == AVX512_VNNI);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   float* yp = io.y.data_ptr<float>();
   auto run = [&](auto type) {
@@ -435,6 +468,7 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
     case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
     case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
     case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
     default: run(std::integral_constant<int64_t, Q8_0>{}); break;
   }
   return io.result();

@@ -1,4 +1,4 @@
-// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K),
+// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
 // for the small batches of decoding. A decode step with a few rows is bound by
 // reading the weights; these formats are 3.5-7x smaller than float32, and the
 // values they hold are exactly the ones the float32 path uses (it dequantizes
@@ -11,7 +11,8 @@
 //          byte j, weight j + 16 in its high nibble) or int8 [N/8, nblocks * 8 * 32] (Q8_0)
 //   scale: float16 [N/8, nblocks * 8]   (d, as the file stores it)
 //   min:   float16 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
-// (Q4_K: Q4_1 blocks with float32 scales and mins; see gguf_blocks.h)
+// (Q4_K: Q4_1 blocks with float32 scales and mins; Q6_K: Q8_0 blocks with a float32 scale
+// per 16 weights, which multiplies the converted codes into the exact weights; see gguf_blocks.h)
 // so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
 // block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
 // are computed once per call and the m terms of a group's 8 rows are one vector.
@@ -78,15 +79,24 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
   static_assert(NR == 8, "the AVX-512 tile takes a whole group: its 8 scales convert as one vector");
   for (int64_t b = 0; b < nblocks; ++b) {
     alignas(32) float d8[8];
-    _mm256_store_ps(d8, load8(scale + b * 8));
+    if constexpr (T != Q6_K) _mm256_store_ps(d8, load8(scale + b * 8));
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
       unpack16<T>(qs + (b * 8 + i) * QB, f);
-      const __m512 d = _mm512_set1_ps(d8[i]);
+      __m512 d;
+      if constexpr (T == Q6_K) {  // f[0] and f[1] are the two halves: scaled, they are the weights
+        f[0] = _mm512_mul_ps(f[0], _mm512_set1_ps(scale[(b * 8 + i) * 2]));
+        f[1] = _mm512_mul_ps(f[1], _mm512_set1_ps(scale[(b * 8 + i) * 2 + 1]));
+      } else {
+        d = _mm512_set1_ps(d8[i]);
+      }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;
         const __m512 t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
-        acc[i][r] = _mm512_fmadd_ps(d, t, acc[i][r]);
+        if constexpr (T == Q6_K)
+          acc[i][r] = _mm512_add_ps(t, acc[i][r]);
+        else
+          acc[i][r] = _mm512_fmadd_ps(d, t, acc[i][r]);
       }
     }
   }
@@ -145,14 +155,24 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
       unpack<T>(qs + (b * 8 + i) * QB, f);
-      const __m256 d = _mm256_set1_ps(to_float(scale[b * 8 + i]));
+      const __m256 d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]));
+      if constexpr (T == Q6_K) {  // weights 0-15 and 16-31 scaled apart: the exact weights
+        const __m256 d1 = _mm256_set1_ps(scale[(b * 8 + i) * 2 + 1]);
+        f[0] = _mm256_mul_ps(f[0], d);
+        f[1] = _mm256_mul_ps(f[1], d);
+        f[2] = _mm256_mul_ps(f[2], d1);
+        f[3] = _mm256_mul_ps(f[3], d1);
+      }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
         __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
         t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), t);
         t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), t);
         t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), t);
-        acc[i][r] = _mm256_fmadd_ps(d, t, acc[i][r]);
+        if constexpr (T == Q6_K)
+          acc[i][r] = _mm256_add_ps(t, acc[i][r]);
+        else
+          acc[i][r] = _mm256_fmadd_ps(d, t, acc[i][r]);
       }
     }
   }
@@ -183,7 +203,12 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
   float acc = 0.f;
   for (int64_t b = 0; b < nblocks; ++b) {
     float t = 0.f;
-    if constexpr (int8_codes(T)) {
+    if constexpr (T == Q6_K) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
+      const float* s = scale + (b * 8 + i) * 2;
+      for (int j = 0; j < 32; ++j) acc += static_cast<float>(q[j]) * s[j / 16] * x[b * QK + j];
+      continue;  // the scales are in the weights
+    } else if constexpr (int8_codes(T)) {
       const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
       for (int j = 0; j < 32; ++j) t += static_cast<float>(q[j]) * x[b * QK + j];
     } else {
@@ -206,7 +231,8 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   constexpr int64_t QB = quant_bytes(T);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nblocks * 8 * QB;
-    const Scale<T>* sg = scale + g * nblocks * 8;
+    constexpr int64_t SPB = scales_per_block(T);
+    const Scale<T>* sg = scale + g * nblocks * 8 * SPB;
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     // sum_b m_b sum(x_b) of the group's 8 rows for one row of x: the mins are stored 8 wide
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -247,7 +273,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][8];
       for (int i = 0; i < 8; ++i) {
         float o[1][8];
-        tile<T, 1, 8>(qg + i * QB, sg + i, nblocks, x + r0 * K, K, o);
+        tile<T, 1, 8>(qg + i * QB, sg + i * SPB, nblocks, x + r0 * K, K, o);
         for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
       }
       for (int r = 0; r < 8; ++r) {
@@ -259,7 +285,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][2];
       for (int h = 0; h < 8; h += 4) {
         float o[4][2];
-        tile<T, 4, 2>(qg + h * QB, sg + h, nblocks, x + r0 * K, K, o);
+        tile<T, 4, 2>(qg + h * QB, sg + h * SPB, nblocks, x + r0 * K, K, o);
         for (int i = 0; i < 4; ++i)
           for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
       }
@@ -317,6 +343,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
     case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
     case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
     default: run(std::integral_constant<int64_t, Q8_0>{}); break;
   }
   return io.result();

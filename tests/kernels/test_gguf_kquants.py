@@ -1,10 +1,10 @@
-"""GGUF k-quant blocks (Q4_K) for small-batch decode: the regrouped arrays hold gguf-py's
+"""GGUF k-quant blocks (Q4_K, Q6_K) for small-batch decode: the regrouped arrays hold gguf-py's
 own dequantized values bit for bit, aiolm::gguf_linear and aiolm::gguf_int8_linear (every
 ISA path) match float64 references, and a tiny Llama written with Q4_K tensors decodes
 from its blocks as it does from the float32 copy.
 
 gguf-py dequantizes k-quants but cannot quantize them, so the blocks are made from
-random bytes: any 6-bit scale and min and any nibble is a valid block."""
+random bytes: any 6-bit scale and min, int8 scale and 4- or 6-bit code is a valid block."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler 
 
 ISAS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q6_K = gguf.GGMLQuantizationType.Q6_K
 
 
 def _isas() -> list[int]:
@@ -44,8 +45,21 @@ def random_q4_k(rows: int, cols: int, rng: np.random.Generator, d: tuple[float, 
     return b.reshape(rows, -1)
 
 
-def _dequantized(blocks: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    return np.asarray(gguf.quants.dequantize(blocks, Q4_K), dtype=np.float32).reshape(shape)
+def random_q6_k(rows: int, cols: int, rng: np.random.Generator, d: tuple[float, float]) -> np.ndarray:
+    """Random Q6_K rows (uint8 [rows, cols / 256 * 210]): d log-uniform in ``d``, random
+    codes and int8 scales (-128 included)."""
+    n = rows * cols // 256
+    b = rng.integers(0, 256, (n, 210), dtype=np.uint8)
+    b[:, 208:210] = _f16_bytes(np.exp(rng.uniform(*np.log(d), n)))
+    return b.reshape(rows, -1)
+
+
+RANDOM = {"Q4_K": random_q4_k, "Q6_K": random_q6_k}
+
+
+def _dequantized(blocks: np.ndarray, shape: tuple[int, int], kind: str = "Q4_K") -> np.ndarray:
+    t = getattr(gguf.GGMLQuantizationType, kind)
+    return np.asarray(gguf.quants.dequantize(blocks, t), dtype=np.float32).reshape(shape)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -72,42 +86,63 @@ def test_q4_k_regroups_to_gguf_values_bit_for_bit():
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # exact, signs of zeros included
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_float_kernel_matches_dequantized_matmul(rows):
-    rng = np.random.default_rng(rows)
-    blocks = random_q4_k(43, 512, rng, (1e-5, 1e-1))
-    deq = torch.from_numpy(_dequantized(blocks, (43, 512))).double()
-    x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
-    got = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q4_K").linear(x).double()
-    want = x.double() @ deq.t()
-    # Float rounding is relative to the terms summed: d * q * x and the min's m * x.
-    terms = x.double().abs() @ (deq.abs() + 2 * _min_part(blocks, (43, 512))).t()
-    assert ((got - want).abs() / terms).max() < 1e-6
+def test_q6_k_regroups_to_gguf_values_bit_for_bit():
+    rng = np.random.default_rng(1)
+    blocks = random_q6_k(43, 768, rng, (1e-6, 1.0))
+    blocks[5, 192:208] = 0x80  # every scale -128
+    blocks[5, :192] = 0  # every code -32: the largest product of a scale and a code
+    g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q6_K")
+    assert g.qtype == 14 and g.qs.dtype == torch.int8 and g.scale.dtype == torch.float32
+    assert g.qs.shape == (6, 24 * 8 * 32) and g.scale.shape == (6, 24 * 8 * 2) and g.mins.numel() == 0
+    assert int(g.qs.min()) == -32 and int(g.qs.max()) == 31
+    want = _dequantized(blocks, (43, 768), "Q6_K")
+    assert np.array_equal(g.dequantize().numpy().view(np.uint32), want.view(np.uint32))
 
 
-def _min_part(blocks: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
-    """|dmin * m| per weight: the size of the min term each weight's value carries."""
-    g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q4_K")
+def _min_part(blocks: np.ndarray, shape: tuple[int, int], kind: str) -> torch.Tensor:
+    """|dmin * m| per weight: the size of the min term each weight's value carries (Q4_K)."""
+    if kind != "Q4_K":
+        return torch.zeros(shape, dtype=torch.float64)
+    g = gguf_blocks.GGUFWeight.from_blocks(blocks, kind)
     groups, nb = g.mins.shape[0], g.mins.shape[1] // 8
     m = g.mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[:shape[0]]
     return m.double().abs().repeat_interleave(32, dim=1)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+def test_float_kernel_matches_dequantized_matmul(kind, rows):
+    rng = np.random.default_rng(rows)
+    blocks = RANDOM[kind](43, 512, rng, (1e-5, 1e-1))
+    deq = torch.from_numpy(_dequantized(blocks, (43, 512), kind)).double()
+    x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
+    got = gguf_blocks.GGUFWeight.from_blocks(blocks, kind).linear(x).double()
+    want = x.double() @ deq.t()
+    # Float rounding is relative to the terms summed: d * q * x and the min's m * x.
+    terms = x.double().abs() @ (deq.abs() + 2 * _min_part(blocks, (43, 512), kind)).t()
+    assert ((got - want).abs() / terms).max() < 1e-6
+
+
 @pytest.mark.parametrize("isa", _isas(), ids=lambda i: ISAS[i])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
-def test_int8_kernel_matches_dequantized_weights_times_dequantized_x(isa, rows):
+def test_int8_kernel_matches_dequantized_weights_times_dequantized_x(isa, kind, rows):
     """As tests/kernels/test_gguf_int8.py: tight against the same int8 x dequantized."""
     rng = np.random.default_rng(rows + 100)
-    blocks = random_q4_k(43, 512, rng, (1e-5, 1e-1))
-    deq = torch.from_numpy(_dequantized(blocks, (43, 512))).double()
+    blocks = RANDOM[kind](43, 512, rng, (1e-5, 1e-1))
+    if kind == "Q6_K":
+        blocks[6, :192] = 0  # codes of -32 ...
+        blocks[6, 192:208] = 0x80  # ... and scales of -128
+    deq = torch.from_numpy(_dequantized(blocks, (43, 512), kind)).double()
     x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
     x[0, :32] *= 1e-4
     x[-1, 32:64] = 0
-    got = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q4_K").linear_int8(x, isa=isa).double()
+    x[-1, 64:80] = -3.0  # a half-block of one value: its own sum of codes
+    got = gguf_blocks.GGUFWeight.from_blocks(blocks, kind).linear_int8(x, isa=isa).double()
     q, d = torch.ops.aiolm.gguf_int8_quantize(x, isa)
     xq = (q.double().view(rows, 16, 32) * d.double().unsqueeze(-1)).view(rows, 512)
     want = xq @ deq.t()
-    terms = xq.abs() @ (deq.abs() + 2 * _min_part(blocks, (43, 512))).t()
+    terms = xq.abs() @ (deq.abs() + 2 * _min_part(blocks, (43, 512), kind)).t()
     assert ((got - want).abs() / terms).max() < 2e-6
     half_step = (d.double() / 2).repeat_interleave(32, dim=1)
     exact = x.double() @ deq.t()
@@ -123,13 +158,17 @@ def test_bad_scale_dtypes_are_refused():
         torch.ops.aiolm.gguf_int8_linear(x, g.qs, g.scale, g.mins.half(), 12, g.n, -1)
     with pytest.raises(RuntimeError, match="scale must be float16"):  # Q4_1 keeps the file's float16
         torch.ops.aiolm.gguf_linear(x, g.qs, g.scale, g.mins, 3, g.n)
+    g6 = gguf_blocks.GGUFWeight.from_blocks(random_q6_k(8, 256, np.random.default_rng(0), (1e-3, 1e-2)), "Q6_K")
+    with pytest.raises(RuntimeError, match=r"scale must be float32 \[N/8, nblocks \* 8 \* 2\]"):
+        torch.ops.aiolm.gguf_int8_linear(x, g6.qs, g6.scale[:, :64].contiguous(), g6.mins, 14, g6.n, -1)
 
 
-# A tiny Llama with Q4_K linear tensors, written as llama.cpp would lay it out.
+# A tiny Llama with Q4_K and Q6_K linear tensors (Q6_K where Q4_K_M files put it: the
+# output, and some layers' ffn_down; here also attn_output, for a Q6_K step in every layer).
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 49152
 
 
-def _write_q4_k_llama(path: Path) -> None:
+def _write_k_quant_llama(path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from make_model import copy_gguf_tokenizer
 
@@ -154,6 +193,9 @@ def _write_q4_k_llama(path: Path) -> None:
         # weights of std about 0.02, as a trained model's
         w.add_tensor(name, random_q4_k(rows, cols, rng, (5e-5, 1.5e-4)), raw_dtype=Q4_K)
 
+    def q6k(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, random_q6_k(rows, cols, rng, (1e-5, 2e-5)), raw_dtype=Q6_K)
+
     q4k("token_embd.weight", VOCAB, HIDDEN)
     for i in range(LAYERS):
         p = f"blk.{i}."
@@ -161,13 +203,13 @@ def _write_q4_k_llama(path: Path) -> None:
         q4k(p + "attn_q.weight", HIDDEN, HIDDEN)
         q4k(p + "attn_k.weight", kv, HIDDEN)
         q4k(p + "attn_v.weight", kv, HIDDEN)
-        q4k(p + "attn_output.weight", HIDDEN, HIDDEN)
+        q6k(p + "attn_output.weight", HIDDEN, HIDDEN)
         w.add_tensor(p + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
         q4k(p + "ffn_gate.weight", INTER, HIDDEN)
         q4k(p + "ffn_up.weight", INTER, HIDDEN)
-        q4k(p + "ffn_down.weight", HIDDEN, INTER)
+        q6k(p + "ffn_down.weight", HIDDEN, INTER)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    q4k("output.weight", VOCAB, HIDDEN)
+    q6k("output.weight", VOCAB, HIDDEN)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -188,12 +230,12 @@ def _decode(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Ten
     return tokens, steps
 
 
-def test_q4_k_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, monkeypatch):
+def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, monkeypatch):
     from aiolm.model.loader import resolve_model
     from aiolm.model.registry import build_model
 
-    path = tmp_path / "tiny-Q4_K.gguf"
-    _write_q4_k_llama(path)
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    _write_k_quant_llama(path)
     cache = tmp_path / "aiolm-cache"  # the conversion goes here; the compiled kernels are the suite's
     cache.mkdir()
     (cache / "kernels").symlink_to(cpu_kernels.cache_dir(), target_is_directory=True)
@@ -202,7 +244,7 @@ def test_q4_k_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, monk
     model = build_model(resolve_model(path), torch.float32)
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * LAYERS + 1  # every linear layer and the LM head
-    assert {m.method.blocks.qtype for m in layers} == {12}
+    assert {m.method.blocks.qtype for m in layers} == {12, 14}
     assert all(layer.fused is not None for layer in model.layers)  # decode steps: one C++ call a layer
 
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, VOCAB, 12)]
@@ -226,5 +268,5 @@ def test_q4_k_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, monk
     a, b = int8_logits[0], f32_logits[0]
     assert torch.isfinite(a).all() and float((a - b).abs().max()) < 0.05 * float(b.abs().max())
     rel = [float((x - y).abs().max() / y.abs().max()) for x, y in ((blocks_logits[0], b), (a, b))]
-    print(f"\nQ4_K tiny llama: block tokens {blocks_tokens}, int8 {int8_tokens}, float32 {f32_tokens}; "
+    print(f"\nQ4_K/Q6_K tiny llama: block tokens {blocks_tokens}, int8 {int8_tokens}, float32 {f32_tokens}; "
           f"first step's largest logit difference / largest logit: blocks {rel[0]:.1e}, int8 {rel[1]:.1e}")
