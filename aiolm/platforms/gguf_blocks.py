@@ -15,8 +15,10 @@ llama.cpp does: x is rounded to int8 per block of 32 and the blocks are multipli
 with integer dot products (``aiolm::gguf_int8_linear``), faster but no longer the
 float32 path's arithmetic.
 
-The CPU platform attaches them after packing (platforms/cpu.py). Only with one tensor-parallel rank, and only where every tensor fused into a
-layer has the same block type.
+The CPU platform attaches them after packing (platforms/cpu.py), only with one
+tensor-parallel rank. A layer whose fused tensors differ in block type (a Q4_K_M
+file's Q4_K q and k beside a Q6_K v) runs one block matmul per run of a type
+(``GGUFParts``) and gets no fused decode step.
 """
 
 from __future__ import annotations
@@ -168,11 +170,31 @@ class GGUFWeight:
 
 
 @dataclass(frozen=True)
+class GGUFParts:
+    """A fused layer's weight whose tensors differ in block type: each run of one type is a
+    GGUFWeight of its own, and their outputs are laid side by side (the layer's rows in order)."""
+
+    parts: tuple[GGUFWeight, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([p.linear(x) for p in self.parts], -1)
+        return y if bias is None else y + bias
+
+    def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
+        y = torch.cat([p.linear_int8(x, isa=isa) for p in self.parts], -1)
+        return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
 class GGUFLinear:
     """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks, larger
     ones through the float32 method the layer had before."""
 
-    blocks: GGUFWeight
+    blocks: GGUFWeight | GGUFParts
     fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,7 +228,8 @@ class FusedDecodeLayer:
         a, mlp = layer.self_attn, layer.mlp
         linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
         if (type(layer) is not DecoderLayer or a.q_norm is not None or type(a.attn) is not CpuPagedAttention
-                or not all(isinstance(m.method, GGUFLinear) for m in linears)
+                or not all(isinstance(m.method, GGUFLinear) and isinstance(m.method.blocks, GGUFWeight)
+                           for m in linears)
                 or any(m.bias is not None for m in linears[1:]) or a.rotary.cos.dtype != torch.float32
                 or layer.input_layernorm.weight.dtype != torch.float32):
             return None
@@ -261,11 +284,17 @@ def attach(model: Any, gguf_path: Path) -> int:
 
     def give(layer: Any, names: list[str]) -> int:
         parts = [rows(n) for n in names]
-        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:  # type: ignore[index]
+        if any(p is None for p in parts):
             return 0
-        blocks = np.concatenate([p[0] for p in parts])  # type: ignore[index]
-        layer.method = GGUFLinear(GGUFWeight.from_blocks(blocks, parts[0][1]),  # type: ignore[index]
-                                  layer.method or layer.dense)
+        runs: list[tuple[list[np.ndarray], str]] = []  # consecutive tensors of one type, concatenated
+        for data, ttype in parts:  # type: ignore[misc]
+            if runs and runs[-1][1] == ttype:
+                runs[-1][0].append(data)
+            else:
+                runs.append(([data], ttype))
+        weights = tuple(GGUFWeight.from_blocks(np.concatenate(d), t) for d, t in runs)
+        blocks = weights[0] if len(weights) == 1 else GGUFParts(weights)
+        layer.method = GGUFLinear(blocks, layer.method or layer.dense)
         return 1
 
     n = fused = 0

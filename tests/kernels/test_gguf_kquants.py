@@ -164,7 +164,8 @@ def test_bad_scale_dtypes_are_refused():
 
 
 # A tiny Llama with Q4_K and Q6_K linear tensors (Q6_K where Q4_K_M files put it: the
-# output, and some layers' ffn_down; here also attn_output, for a Q6_K step in every layer).
+# output, some layers' attn_v and ffn_down; here also attn_output, for a Q6_K step in
+# every layer). Layer 0's v is Q6_K beside a Q4_K q and k: its QKV runs as two parts.
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 49152
 
 
@@ -202,7 +203,7 @@ def _write_k_quant_llama(path: Path) -> None:
         w.add_tensor(p + "attn_norm.weight", np.ones(HIDDEN, np.float32))
         q4k(p + "attn_q.weight", HIDDEN, HIDDEN)
         q4k(p + "attn_k.weight", kv, HIDDEN)
-        q4k(p + "attn_v.weight", kv, HIDDEN)
+        (q6k if i == 0 else q4k)(p + "attn_v.weight", kv, HIDDEN)
         q6k(p + "attn_output.weight", HIDDEN, HIDDEN)
         w.add_tensor(p + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
         q4k(p + "ffn_gate.weight", INTER, HIDDEN)
@@ -244,8 +245,12 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
     model = build_model(resolve_model(path), torch.float32)
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * LAYERS + 1  # every linear layer and the LM head
-    assert {m.method.blocks.qtype for m in layers} == {12, 14}
-    assert all(layer.fused is not None for layer in model.layers)  # decode steps: one C++ call a layer
+    qkv0 = model.layers[0].self_attn.qkv_proj.method.blocks
+    assert isinstance(qkv0, gguf_blocks.GGUFParts) and [p.qtype for p in qkv0.parts] == [12, 14]
+    assert [p.n for p in qkv0.parts] == [HIDDEN + KV_HEADS * HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS]
+    assert {m.method.blocks.qtype for m in layers if m is not model.layers[0].self_attn.qkv_proj} == {12, 14}
+    # decode steps: one C++ call a layer, but for layer 0, whose QKV is two matmuls
+    assert model.layers[0].fused is None and all(layer.fused is not None for layer in model.layers[1:])
 
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, VOCAB, 12)]
     blocks_tokens, blocks_logits = _decode(model, prompt, 6)
