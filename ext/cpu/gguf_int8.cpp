@@ -13,7 +13,7 @@
 //   Q4_0: w = d_w (u - 8)  -> d_w d_x (isum - 8 sum xq)
 //   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
 //   Q6_K: w = d_k q (d_k per 16 weights) -> d_x (d_0 isum_0 + d_1 isum_1), an exact
-//         integer for each half of the block (VNNI's + 128 correction uses the halves' sums)
+//         integer for each half of the block (VNNI's offset correction uses the halves' sums)
 // (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
 // bytes and so reads q + 128) are integers subtracted before the conversion, so every
