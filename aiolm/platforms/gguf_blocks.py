@@ -2,17 +2,23 @@
 
 A GGUF model is converted to float32 once (gguf_convert.py), and large batches run
 on those float32 weights. Decoding a handful of sequences, though, is bound by
-reading the weights, and the file's own Q4_0/Q4_1/Q8_0 blocks are 3.5-7x smaller
-while holding exactly the values the float32 copy was dequantized from. So the
-linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from
-them when a step has at most ``MAX_ROWS`` rows; the answers are those of the
-float32 path up to the order of the sums. Steps of up to ``INT8_ROWS`` rows go
-further, as llama.cpp does: x is rounded to int8 per block of 32 and the blocks
-are multiplied with integer dot products (``aiolm::gguf_int8_linear``), faster
-but no longer the float32 path's arithmetic.
+reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, kept as
+3.2-7x fewer bytes, hold exactly the values the float32 copy was dequantized from
+(the k-quants' 256-weight super-blocks are unpacked at load time: Q4_K into Q4_1
+blocks of 32 with float32 scales and mins, 6 bits a weight against the file's 4.5,
+Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against 6.6, so
+that the kernels keep to two block layouts and the values stay exact). So the
+linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from them
+when a step has at most ``MAX_ROWS`` rows; the answers are those of the float32
+path up to the order of the sums. Steps of up to ``INT8_ROWS`` rows go further, as
+llama.cpp does: x is rounded to int8 per block of 32 and the blocks are multiplied
+with integer dot products (``aiolm::gguf_int8_linear``), faster but no longer the
+float32 path's arithmetic.
 
-The CPU platform attaches them after packing (platforms/cpu.py). Only with one tensor-parallel rank, and only where every tensor fused into a
-layer has the same block type.
+The CPU platform attaches them after packing (platforms/cpu.py), only with one
+tensor-parallel rank. A layer whose fused tensors differ in block type (a Q4_K_M
+file's Q4_K q and k beside a Q6_K v) runs one block matmul per run of a type
+(``GGUFParts``) and gets no fused decode step.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, as aiolm::gguf_linear takes them
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml's ids, as aiolm::gguf_linear takes them
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
@@ -49,38 +55,108 @@ _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
     "Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
 
 
+_Q4K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+
+
+def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [N, S, 144] as Q4_1 blocks of 32: nibbles [N, 8S, 16] (weight j low,
+    j + 16 high), float32 scales and mins [N, 8S, 1]. A sub-block j's weights are
+    d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16 times a 6-bit integer) are
+    exact in float32, so scale * q + min is the value gguf dequantizes to, bit for bit."""
+    n, s = b.shape[:2]
+    d = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
+    dmin = b[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    k = b[:, :, 4:16]
+    # Sub-blocks 0-3 keep 6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7 take their low
+    # 4 bits from bytes 8-11 (scale low nibble, min high nibble) and their top 2 bits from
+    # the top bits of bytes 0-3 (scales) and 4-7 (mins).
+    sc = np.concatenate([k[..., 0:4] & 63, (k[..., 8:12] & 15) | (k[..., 0:4] >> 6 << 4)], -1)
+    mn = np.concatenate([k[..., 4:8] & 63, (k[..., 8:12] >> 4) | (k[..., 4:8] >> 6 << 4)], -1)
+    # Each 64 weights are 32 bytes: sub-block 2i in their low nibbles, 2i + 1 in their high ones.
+    chunks = b[:, :, 16:].reshape(n, s, 4, 1, 32)
+    q = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1) & 15).reshape(n, 8 * s, 32)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    scale = (d * sc.astype(np.float32)).reshape(n, 8 * s, 1)
+    mins = -(dmin * mn.astype(np.float32)).reshape(n, 8 * s, 1)
+    return qs, scale, mins
+
+
+_Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
+
+
+def _q6k_as_q8(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [N, S, 210] as int8 codes q - 32 in blocks of 32 [N, 8S, 32] and
+    float32 scales d * sc_k, two a block [N, 8S, 2] (weights 0-15, 16-31). d * sc_k (an f16
+    times an 8-bit integer) and its product with a code of 6 bits fit float32's 24-bit
+    mantissa, so scale * code is the value gguf dequantizes to, bit for bit."""
+    n, s = b.shape[:2]
+    # Each 128 weights take 64 bytes of ql and 32 of qh. Weight l of their quarter k (of 32)
+    # is nibble k // 2 (low, high) of ql byte 32 * (k % 2) + l, below bits 2k, 2k + 1 of qh byte l.
+    ql = b[:, :, 0:128].reshape(n, s, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(2, 1, 1) & 15
+    qh = b[:, :, 128:192].reshape(n, s, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1) & 3
+    codes = (ql.reshape(n, s, 2, 4, 32) | qh << 4).reshape(n, 8 * s, 32).view(np.int8) - np.int8(32)
+    d = b[:, :, 208:210].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
+    scale = d * b[:, :, 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
+    return codes, scale.reshape(n, 8 * s, 2)
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """A weight's blocks regrouped into the arrays aiolm::gguf_linear reads: output rows
     in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
     qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
-    scale: torch.Tensor  # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read)
-    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1, else empty
+    # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K: float32;
+    # Q6_K: float32 [N/8, nblocks * 8 * 2], one scale per 16 weights
+    scale: torch.Tensor
+    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1 (float32 for Q4_K), else empty
     qtype: int
     n: int  # output rows (the last group is padded with zero blocks)
 
     @classmethod
     def from_blocks(cls, blocks: np.ndarray, ttype: str) -> "GGUFWeight":
         """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
-        size, off, has_min = _LAYOUT[ttype]
         n = blocks.shape[0]
-        b = np.ascontiguousarray(blocks).reshape(n, -1, size)
         pad = -n % 8
-        if pad:
-            b = np.concatenate([b, np.zeros((pad,) + b.shape[1:], np.uint8)])
-        groups, nblocks = b.shape[0] // 8, b.shape[1]
+        groups = (n + pad) // 8
 
         def grouped(a: np.ndarray) -> np.ndarray:  # [N, nblocks, k] -> [N/8, nblocks * 8 * k]
-            a = a.reshape(groups, 8, nblocks, -1).transpose(0, 2, 1, 3)
+            if pad:
+                a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+            a = a.reshape(groups, 8, a.shape[1], -1).transpose(0, 2, 1, 3)
             return np.ascontiguousarray(a).reshape(groups, -1)
 
+        if ttype == "Q4_K":
+            qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
+            return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
+        if ttype == "Q6_K":
+            codes, scale = _q6k_as_q8(np.ascontiguousarray(blocks).reshape(n, -1, _Q6K_BYTES))
+            return cls(torch.from_numpy(grouped(codes)), torch.from_numpy(grouped(scale)),
+                       torch.zeros(0, dtype=torch.float32), TYPE_IDS[ttype], n)
+        size, off, has_min = _LAYOUT[ttype]
+        b = np.ascontiguousarray(blocks).reshape(n, -1, size)
         qs = grouped(b[:, :, off:])
         if ttype == "Q8_0":
             qs = qs.view(np.int8)
         scale = grouped(b[:, :, 0:2].copy().view(np.float16))
         mins = grouped(b[:, :, 2:4].copy().view(np.float16)) if has_min else np.zeros((0,), np.float16)
         return cls(torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(mins), TYPE_IDS[ttype], n)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
+        int8 = self.qs.dtype == torch.int8  # Q8_0, Q6_K: 32 bytes a block; else 16 of nibbles
+        groups = self.qs.shape[0]
+        nb = self.qs.shape[1] // (8 * (32 if int8 else 16))
+        q = self.qs.view(groups, nb, 8, -1).transpose(1, 2)  # [N/8, 8, nblocks, quant bytes]
+        if int8:
+            codes = q.float()
+        else:
+            codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
+        d = self.scale.view(groups, nb, 8, -1).transpose(1, 2).float()  # [.., scales a block]
+        w = d.repeat_interleave(32 // d.shape[-1], -1) * codes
+        if self.mins.numel():
+            w = w + self.mins.view(groups, nb, 8, 1).transpose(1, 2).float()
+        return w.reshape(groups * 8, -1)[:self.n]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
@@ -94,11 +170,31 @@ class GGUFWeight:
 
 
 @dataclass(frozen=True)
+class GGUFParts:
+    """A fused layer's weight whose tensors differ in block type: each run of one type is a
+    GGUFWeight of its own, and their outputs are laid side by side (the layer's rows in order)."""
+
+    parts: tuple[GGUFWeight, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([p.linear(x) for p in self.parts], -1)
+        return y if bias is None else y + bias
+
+    def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
+        y = torch.cat([p.linear_int8(x, isa=isa) for p in self.parts], -1)
+        return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
 class GGUFLinear:
     """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks, larger
     ones through the float32 method the layer had before."""
 
-    blocks: GGUFWeight
+    blocks: GGUFWeight | GGUFParts
     fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,7 +228,8 @@ class FusedDecodeLayer:
         a, mlp = layer.self_attn, layer.mlp
         linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
         if (type(layer) is not DecoderLayer or a.q_norm is not None or type(a.attn) is not CpuPagedAttention
-                or not all(isinstance(m.method, GGUFLinear) for m in linears)
+                or not all(isinstance(m.method, GGUFLinear) and isinstance(m.method.blocks, GGUFWeight)
+                           for m in linears)
                 or any(m.bias is not None for m in linears[1:]) or a.rotary.cos.dtype != torch.float32
                 or layer.input_layernorm.weight.dtype != torch.float32):
             return None
@@ -187,11 +284,17 @@ def attach(model: Any, gguf_path: Path) -> int:
 
     def give(layer: Any, names: list[str]) -> int:
         parts = [rows(n) for n in names]
-        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:  # type: ignore[index]
+        if any(p is None for p in parts):
             return 0
-        blocks = np.concatenate([p[0] for p in parts])  # type: ignore[index]
-        layer.method = GGUFLinear(GGUFWeight.from_blocks(blocks, parts[0][1]),  # type: ignore[index]
-                                  layer.method or layer.dense)
+        runs: list[tuple[list[np.ndarray], str]] = []  # consecutive tensors of one type, concatenated
+        for data, ttype in parts:  # type: ignore[misc]
+            if runs and runs[-1][1] == ttype:
+                runs[-1][0].append(data)
+            else:
+                runs.append(([data], ttype))
+        weights = tuple(GGUFWeight.from_blocks(np.concatenate(d), t) for d, t in runs)
+        blocks = weights[0] if len(weights) == 1 else GGUFParts(weights)
+        layer.method = GGUFLinear(blocks, layer.method or layer.dense)
         return 1
 
     n = fused = 0

@@ -1,6 +1,13 @@
 // The GGUF block types aiolm's block matmuls read, and the checks of their regrouped
 // arrays (laid out by aiolm/platforms/gguf_blocks.py; see the top of gguf_linear.cpp),
 // shared by aiolm::gguf_linear and aiolm::gguf_int8_linear.
+//
+// The k-quants arrive already unpacked into the 32-weight layouts at load time:
+//   Q4_K: Q4_1 blocks (a 256-weight super-block's 8 sub-blocks), with float32 scales
+//         and mins: d * sc_j and -dmin * m_j are exact in float32 but not in float16.
+//   Q6_K: Q8_0 blocks of the signed codes q - 32 (in [-32, 31]), with two float32 scales
+//         per block, d * sc_k for weights 0-15 and for 16-31 (exact in float32), stored
+//         side by side: row i's block b has scales [(b * 8 + i) * 2 + h].
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +15,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -16,7 +24,16 @@
 namespace aiolm_gguf {
 
 constexpr int64_t QK = 32;  // weights per block
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
+
+// What a type's regrouped blocks are, in the terms of the three 32-weight layouts.
+constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q4_K; }      // w = d * u + m
+constexpr bool int8_codes(int64_t t) { return t == Q8_0 || t == Q6_K; }   // 32 signed bytes
+constexpr bool float_scales(int64_t t) { return t == Q4_K || t == Q6_K; }
+constexpr int64_t scales_per_block(int64_t t) { return t == Q6_K ? 2 : 1; }  // Q6_K: one per 16
+// The element type of a type's scale (and min) arrays: float16 bits or float32.
+template <int64_t T>
+using Scale = std::conditional_t<float_scales(T), float, uint16_t>;
 
 // A block's scale or min as the file stores it (float16 bits), as float32: exact.
 inline float half_to_float(uint16_t h) {
@@ -27,19 +44,24 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+inline float to_float(uint16_t h) { return half_to_float(h); }
+inline float to_float(float f) { return f; }
+
 #if defined(__F16C__)
 // The scales (or mins) of one block's 8 rows of a group, as 8 float32 lanes.
 inline __m256 load8_half(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline __m256 load8(const uint16_t* p) { return load8_half(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 // Bytes of quants per block (the scale and min are kept apart).
-constexpr int64_t quant_bytes(int64_t qtype) { return qtype == Q8_0 ? 32 : 16; }
+constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 16; }
 
 inline void check_type(const char* op, int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, op, ": unsupported GGUF type id ", qtype,
-              " (Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, op,
+              ": unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
 }
 
 // Checks x [.., K] and a weight's arrays for N output rows; returns its blocks per row.
@@ -56,12 +78,15 @@ inline int64_t check_blocks(const char* op, const at::Tensor& x, const at::Tenso
               " groups of 8");
   TORCH_CHECK(group_bytes % (8 * qb) == 0, op, ": a group of ", group_bytes, " bytes is not whole blocks");
   const int64_t nblocks = group_bytes / (8 * qb);
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == groups && scale.size(1) == nblocks * 8,
-              op, ": scale must be float16 [N/8, nblocks * 8]");
-  if (qtype == Q4_1)
-    TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scale.sizes(),
-                op, ": Q4_1 needs float16 mins [N/8, nblocks * 8]");
+  const auto st = float_scales(qtype) ? at::kFloat : at::kHalf;
+  const char* sname = float_scales(qtype) ? "float32" : "float16";
+  const int64_t spb = scales_per_block(qtype);
+  TORCH_CHECK(scale.scalar_type() == st && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == groups &&
+                  scale.size(1) == nblocks * 8 * spb,
+              op, ": scale must be ", sname, " [N/8, nblocks * 8", spb == 2 ? " * 2]" : "]", " for type ", qtype);
+  if (has_min(qtype))
+    TORCH_CHECK(mins.scalar_type() == st && mins.is_contiguous() && mins.sizes() == scale.sizes(), op,
+                qtype == Q4_1 ? ": Q4_1" : ": Q4_K", " needs ", sname, " mins [N/8, nblocks * 8]");
   TORCH_CHECK(x.size(-1) == nblocks * QK, op, ": x has ", x.size(-1), " features, W has ", nblocks * QK);
   return nblocks;
 }

@@ -1,6 +1,6 @@
 // y = x W^T with integer dot products: each row of x is quantized on the fly to
 // int8 blocks of 32 (one float32 scale per block, as llama.cpp's Q8 activations),
-// and W stays in the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, in the regrouped
+// and W stays in the GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks, in the regrouped
 // layout that aiolm::gguf_linear reads (see the top of gguf_linear.cpp: groups of
 // 8 output rows, block b of the 8 rows side by side). A block's dot product is then
 // 32 int8 x int8 multiply-adds summed exactly in int32, and one float FMA scales it
@@ -12,6 +12,9 @@
 //         sum_b m_b s_b with s_b = d_x sum xq, computed 8 rows at a time)
 //   Q4_0: w = d_w (u - 8)  -> d_w d_x (isum - 8 sum xq)
 //   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
+//   Q6_K: w = d_k q (d_k per 16 weights) -> d_x (d_0 isum_0 + d_1 isum_1), an exact
+//         integer for each half of the block (VNNI's offset correction uses the halves' sums)
+// (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
 // bytes and so reads q + 128) are integers subtracted before the conversion, so every
 // path computes the same exact integer per block; paths differ only in the order of
@@ -47,7 +50,7 @@
 
 namespace {
 
-using namespace aiolm_gguf;  // QK, the type ids, quant_bytes
+using namespace aiolm_gguf;  // QK, the type ids, what they are (has_min, Scale, ...), quant_bytes
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
 
 int64_t best_isa() {
@@ -61,13 +64,15 @@ int64_t best_isa() {
 }
 
 // x's rows as int8 blocks: q [M, K], and per block its scale d, the sum of its codes
-// (integer corrections) and d * that sum (Q4_1's min term).
+// (integer corrections) and d * that sum (Q4_1's min term); for Q6_K on VNNI also the
+// sums of each 16 codes (half) [M, nblocks * 2].
 struct QRows {
   const int8_t* q;
   const float* d;
   const int32_t* sum;
   const float* s;
   int64_t K, nblocks;
+  const int32_t* half;
 };
 
 // One block of 32 floats: its scale (the same scalar arithmetic on every path) and 1/d.
@@ -160,18 +165,19 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t isa, int8_t* q,
 }
 
 // Q4_1's min term of a group's 8 rows for one row of x: sum_b m_b s_b (mins stored 8 wide).
-void min_term(const uint16_t* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
+template <typename S>
+void min_term(const S* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
 #ifdef AIOLM_I8_AVX2
   if (isa != SCALAR) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8_half(mg + b * 8), _mm256_set1_ps(s[b]), a);
+    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8(mg + b * 8), _mm256_set1_ps(s[b]), a);
     _mm256_storeu_ps(out, a);
     return;
   }
 #endif
   for (int i = 0; i < 8; ++i) {
     out[i] = 0.f;
-    for (int64_t b = 0; b < nblocks; ++b) out[i] += half_to_float(mg[b * 8 + i]) * s[b];
+    for (int64_t b = 0; b < nblocks; ++b) out[i] += to_float(mg[b * 8 + i]) * s[b];
   }
 }
 
@@ -179,7 +185,7 @@ void min_term(const uint16_t* mg, const float* s, int64_t nblocks, int64_t isa, 
 template <int64_t T>
 int32_t block_dot_scalar(const uint8_t* qg, int64_t b, int i, const int8_t* xq, int32_t xsum) {
   int32_t acc = 0;
-  if constexpr (T == Q8_0) {
+  if constexpr (int8_codes(T)) {
     const int8_t* w = reinterpret_cast<const int8_t*>(qg + (b * 8 + i) * 32);
     for (int j = 0; j < QK; ++j) acc += static_cast<int32_t>(w[j]) * xq[j];
   } else {
@@ -191,13 +197,22 @@ int32_t block_dot_scalar(const uint8_t* qg, int64_t b, int i, const int8_t* xq, 
 }
 
 template <int64_t T>
-void group_scalar(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r, float out[8]) {
+void group_scalar(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r, float out[8]) {
   for (int i = 0; i < 8; ++i) {
     float acc = 0.f;
     for (int64_t b = 0; b < x.nblocks; ++b) {
       const int64_t xb = r * x.nblocks + b;
-      const int32_t dot = block_dot_scalar<T>(qg, b, i, x.q + r * x.K + b * QK, x.sum[xb]);
-      acc += half_to_float(sg[b * 8 + i]) * x.d[xb] * static_cast<float>(dot);
+      const int8_t* xq = x.q + r * x.K + b * QK;
+      if constexpr (T == Q6_K) {
+        const int8_t* w = reinterpret_cast<const int8_t*>(qg + (b * 8 + i) * 32);
+        int32_t h[2] = {0, 0};
+        for (int j = 0; j < QK; ++j) h[j / 16] += static_cast<int32_t>(w[j]) * xq[j];
+        const float* d = sg + (b * 8 + i) * 2;
+        acc += (d[0] * static_cast<float>(h[0]) + d[1] * static_cast<float>(h[1])) * x.d[xb];
+        continue;
+      }
+      const int32_t dot = block_dot_scalar<T>(qg, b, i, xq, x.sum[xb]);
+      acc += to_float(sg[b * 8 + i]) * x.d[xb] * static_cast<float>(dot);
     }
     out[i] = acc;
   }
@@ -205,10 +220,10 @@ void group_scalar(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t
 
 #ifdef AIOLM_I8_AVX2
 // A block of row i as 32 bytes in x's order (codes 0-15 in the low lane, 16-31 in the
-// high lane): u for Q4_1, u - 8 for Q4_0, q for Q8_0.
+// high lane): u for Q4_1 (and Q4_K), u - 8 for Q4_0, q for Q8_0 (and Q6_K).
 template <int64_t T>
 inline __m256i weights_avx2(const uint8_t* p) {
-  if constexpr (T == Q8_0) {
+  if constexpr (int8_codes(T)) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   } else {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -222,7 +237,7 @@ inline __m256i weights_avx2(const uint8_t* p) {
 // unsigned by signed bytes: signed weights go in as |w| with x's sign flipped where w < 0
 // (|w| <= 128 and |xq| <= 127, so its pairwise int16 sums cannot saturate).
 template <int64_t T, int NR, int MR>
-void tile_avx2(const uint8_t* qg, const uint16_t* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
+void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
   constexpr int64_t QB = quant_bytes(T);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NR][MR];
@@ -237,10 +252,14 @@ void tile_avx2(const uint8_t* qg, const uint16_t* sg, int i0, const QRows& x, in
     }
     for (int i = 0; i < NR; ++i) {
       const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
-      const __m256 dw = _mm256_set1_ps(half_to_float(sg[b * 8 + i0 + i]));
-      const __m256i aw = T == Q4_1 ? w : _mm256_sign_epi8(w, w);
+      // An int32 lane sums 4 products in order, so lanes 0-3 are weights 0-15: Q6_K's
+      // two scales go to the two 128-bit halves.
+      const int64_t k = (b * 8 + i0 + i) * scales_per_block(T);
+      const __m256 dw = T == Q6_K ? _mm256_setr_m128(_mm_set1_ps(to_float(sg[k])), _mm_set1_ps(to_float(sg[k + 1])))
+                                  : _mm256_set1_ps(to_float(sg[k]));
+      const __m256i aw = has_min(T) ? w : _mm256_sign_epi8(w, w);
       for (int r = 0; r < MR; ++r) {
-        const __m256i xs = T == Q4_1 ? xv[r] : _mm256_sign_epi8(xv[r], w);
+        const __m256i xs = has_min(T) ? xv[r] : _mm256_sign_epi8(xv[r], w);
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx[r]), acc[i][r]);
       }
@@ -252,7 +271,7 @@ void tile_avx2(const uint8_t* qg, const uint16_t* sg, int i0, const QRows& x, in
 
 // The 8 rows of a group against rows [r, r + MR) of x, written as out[i][r].
 template <int64_t T, int MR>
-void group_avx2(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
   if constexpr (MR == 1) {
     tile_avx2<T, 8, 1>(qg, sg, 0, x, r0, out);
   } else {
@@ -268,19 +287,23 @@ void group_avx2(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r
 // so a row's block is 4 (Q4) or 8 (Q8_0) lanes, scaled by its d_w * d_x in float.
 // vpdpbusd reads the weights as unsigned bytes: Q8_0 codes go in as q + 128 (xor 0x80)
 // and, like Q4_0's - 8, the offset times sum(xq) is the accumulator's starting value.
+// Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets its
+// own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
+// codes in [-32, 31] go in as q + 32, not q + 128: smaller lane values, smaller float rounding.
 template <int64_t T, int MR>
-void group_vnni(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r0, float out[8][MR]) {
-  constexpr int NV = T == Q8_0 ? 4 : 2;       // vectors per block of the group's 8 rows
-  constexpr int LANES = T == Q8_0 ? 8 : 4;    // int32 lanes per row in a vector
-  constexpr int OFF = T == Q8_0 ? 128 : T == Q4_0 ? 8 : 0;
+void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+  constexpr int NV = int8_codes(T) ? 4 : 2;     // vectors per block of the group's 8 rows
+  constexpr int LANES = int8_codes(T) ? 8 : 4;  // int32 lanes per row in a vector
+  constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : 0;
   constexpr int64_t QB = quant_bytes(T);
-  __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes
+  __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes (Q6_K: their 16 d_w)
   for (int v = 0; v < NV; ++v) {
     alignas(64) int32_t k[16];
-    for (int l = 0; l < 16; ++l) k[l] = v * (16 / LANES) + l / LANES;
+    for (int l = 0; l < 16; ++l) k[l] = T == Q6_K ? 4 * v + l / 4 : v * (16 / LANES) + l / LANES;
     idx[v] = _mm512_load_si512(k);
   }
-  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
+                off6 = _mm512_set1_epi8(32);
   __m512 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
@@ -290,21 +313,29 @@ void group_vnni(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
       const int64_t xi = (r0 + r) * x.nblocks + b;
-      if constexpr (T == Q8_0) {
+      if constexpr (int8_codes(T)) {
         xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
       } else {
         xa[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
         xb[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
       }
-      init[r] = _mm512_set1_epi32(-(OFF / LANES) * x.sum[xi]);
+      if constexpr (T == Q6_K)  // lanes 4-7 and 12-15 hold the second halves
+        init[r] = _mm512_mask_blend_epi32(0xF0F0, _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi]),
+                                          _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi + 1]));
+      else
+        init[r] = _mm512_set1_epi32(-(OFF / LANES) * x.sum[xi]);
       dx[r] = _mm512_set1_ps(x.d[xi]);
     }
-    const __m512 d8 = _mm512_castps256_ps512(load8_half(sg + b * 8));
+    __m512 d8;
+    if constexpr (T == Q6_K)
+      d8 = _mm512_loadu_ps(sg + b * 16);
+    else
+      d8 = _mm512_castps256_ps512(load8(sg + b * 8));
     for (int v = 0; v < NV; ++v) {
       const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
       const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
-      if constexpr (T == Q8_0) {
-        const __m512i w = _mm512_xor_si512(raw, flip);
+      if constexpr (int8_codes(T)) {
+        const __m512i w = T == Q6_K ? _mm512_add_epi8(raw, off6) : _mm512_xor_si512(raw, flip);
         for (int r = 0; r < MR; ++r) {
           const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
           acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
@@ -333,17 +364,17 @@ void group_vnni(const uint8_t* qg, const uint16_t* sg, const QRows& x, int64_t r
 
 // Groups [g0, g1) of 8 output rows against the M rows of x.
 template <int64_t T>
-void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, const QRows& x, int64_t M, float* y,
+void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const QRows& x, int64_t M, float* y,
                 int64_t N, int64_t isa, int64_t g0, int64_t g1) {
   constexpr int64_t QB = quant_bytes(T);
   const int64_t nb = x.nblocks;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nb * 8 * QB;
-    const uint16_t* sg = scale + g * nb * 8;
+    const Scale<T>* sg = scale + g * nb * 8 * scales_per_block(T);
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     auto put = [&](int64_t r, const float* v) {  // v[i]: row n0 + i of y's row r
       float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (T == Q4_1) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
+      if (has_min(T)) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
       for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
     };
     // Tiles of MR rows of x; each tile reads the group's blocks once (they stay in L1).
@@ -368,7 +399,7 @@ void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, 
       // Q8_0's 4 vectors per block leave no room in the 32 zmm registers for 4 rows of x.
       tiles([&](int64_t r, float o[8][4]) { group_vnni<T, 4>(qg, sg, x, r, o); },
             [&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); }, T != Q8_0);
+            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); }, !int8_codes(T));
       continue;
     }
 #endif
@@ -399,15 +430,19 @@ int64_t pick_isa(int64_t isa) {
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum;
-  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa) {
+  std::vector<int32_t> sum, half;
+  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa, bool halves) {
     const int64_t nb = K / QK;
     q.resize(M * K);
     d.resize(M * nb);
     s.resize(M * nb);
     sum.resize(M * nb);
     quantize_rows(x, M, K, isa, q.data(), d.data(), sum.data(), s.data());
-    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb};
+    if (halves) {
+      half.assign(M * nb * 2, 0);
+      for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
+    }
+    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, half.data()};
   }
 };
 
@@ -420,18 +455,22 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
   const int64_t M = io.m();
   if (M == 0 || N == 0) return io.result();
   thread_local Scratch scratch;
-  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa);
+  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa, qtype == Q6_K && isa == AVX512_VNNI);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const uint16_t* mp = qtype == Q4_1 ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
   float* yp = io.y.data_ptr<float>();
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    switch (qtype) {
-      case Q4_0: run_groups<Q4_0>(qp, sp, mp, x, M, yp, N, isa, g0, g1); break;
-      case Q4_1: run_groups<Q4_1>(qp, sp, mp, x, M, yp, N, isa, g0, g1); break;
-      default: run_groups<Q8_0>(qp, sp, mp, x, M, yp, N, isa, g0, g1); break;
-    }
-  });
+  auto run = [&](auto type) {
+    constexpr int64_t T = decltype(type)::value;
+    const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
+    const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
+    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) { run_groups<T>(qp, sp, mp, x, M, yp, N, isa, g0, g1); });
+  };
+  switch (qtype) {
+    case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: run(std::integral_constant<int64_t, Q8_0>{}); break;
+  }
   return io.result();
 }
 

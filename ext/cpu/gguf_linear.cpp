@@ -1,4 +1,4 @@
-// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0),
+// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
 // for the small batches of decoding. A decode step with a few rows is bound by
 // reading the weights; these formats are 3.5-7x smaller than float32, and the
 // values they hold are exactly the ones the float32 path uses (it dequantizes
@@ -11,6 +11,8 @@
 //          byte j, weight j + 16 in its high nibble) or int8 [N/8, nblocks * 8 * 32] (Q8_0)
 //   scale: float16 [N/8, nblocks * 8]   (d, as the file stores it)
 //   min:   float16 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
+// (Q4_K: Q4_1 blocks with float32 scales and mins; Q6_K: Q8_0 blocks with a float32 scale
+// per 16 weights, which multiplies the converted codes into the exact weights; see gguf_blocks.h)
 // so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
 // block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
 // are computed once per call and the m terms of a group's 8 rows are one vector.
@@ -28,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -39,14 +42,14 @@
 
 namespace {
 
-using namespace aiolm_gguf;  // QK, the type ids, quant_bytes
+using namespace aiolm_gguf;  // QK, the type ids, what they are (has_min, Scale, ...), quant_bytes
 
 #ifdef AIOLM_AVX512
 // AVX-512: a block's 32 weights are two vectors of 16 (its low nibbles are weights
 // 0-15, its high nibbles 16-31), half the conversions and FMAs of the AVX2 tile.
 template <int64_t T>
 inline void unpack16(const uint8_t* qs, __m512 f[2]) {
-  if constexpr (T == Q8_0) {
+  if constexpr (int8_codes(T)) {
     f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
     f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
   } else {
@@ -67,24 +70,33 @@ inline void unpack16(const uint8_t* qs, __m512 f[2]) {
 
 // NR rows of a group (qs and scale pointing at its first) against MR rows of x.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const uint16_t* scale, int64_t nblocks, const float* x, int64_t K,
+inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR]) {
-  constexpr int64_t QB = T == Q8_0 ? 32 : 16;
+  constexpr int64_t QB = quant_bytes(T);
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm512_setzero_ps();
   static_assert(NR == 8, "the AVX-512 tile takes a whole group: its 8 scales convert as one vector");
   for (int64_t b = 0; b < nblocks; ++b) {
     alignas(32) float d8[8];
-    _mm256_store_ps(d8, load8_half(scale + b * 8));
+    if constexpr (T != Q6_K) _mm256_store_ps(d8, load8(scale + b * 8));
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
       unpack16<T>(qs + (b * 8 + i) * QB, f);
-      const __m512 d = _mm512_set1_ps(d8[i]);
+      __m512 d;
+      if constexpr (T == Q6_K) {  // f[0] and f[1] are the two halves: scaled, they are the weights
+        f[0] = _mm512_mul_ps(f[0], _mm512_set1_ps(scale[(b * 8 + i) * 2]));
+        f[1] = _mm512_mul_ps(f[1], _mm512_set1_ps(scale[(b * 8 + i) * 2 + 1]));
+      } else {
+        d = _mm512_set1_ps(d8[i]);
+      }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;
         const __m512 t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
-        acc[i][r] = _mm512_fmadd_ps(d, t, acc[i][r]);
+        if constexpr (T == Q6_K)
+          acc[i][r] = _mm512_add_ps(t, acc[i][r]);
+        else
+          acc[i][r] = _mm512_fmadd_ps(d, t, acc[i][r]);
       }
     }
   }
@@ -102,7 +114,7 @@ inline float hsum256(__m256 v) {
 // The 32 weights of one block as four vectors of 8 floats: q (Q4_1, Q8_0) or q - 8 (Q4_0).
 template <int64_t T>
 inline void unpack(const uint8_t* qs, __m256 f[4]) {
-  if constexpr (T == Q8_0) {
+  if constexpr (int8_codes(T)) {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
     f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
@@ -133,9 +145,9 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
 
 // NR weight rows against MR rows of x: NR * MR independent accumulator chains.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const uint16_t* scale, int64_t nblocks, const float* x, int64_t K,
+inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR]) {
-  constexpr int64_t QB = T == Q8_0 ? 32 : 16;
+  constexpr int64_t QB = quant_bytes(T);
   __m256 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -143,14 +155,24 @@ inline void tile(const uint8_t* qs, const uint16_t* scale, int64_t nblocks, cons
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
       unpack<T>(qs + (b * 8 + i) * QB, f);
-      const __m256 d = _mm256_set1_ps(half_to_float(scale[b * 8 + i]));
+      const __m256 d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]));
+      if constexpr (T == Q6_K) {  // weights 0-15 and 16-31 scaled apart: the exact weights
+        const __m256 d1 = _mm256_set1_ps(scale[(b * 8 + i) * 2 + 1]);
+        f[0] = _mm256_mul_ps(f[0], d);
+        f[1] = _mm256_mul_ps(f[1], d);
+        f[2] = _mm256_mul_ps(f[2], d1);
+        f[3] = _mm256_mul_ps(f[3], d1);
+      }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
         __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
         t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), t);
         t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), t);
         t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), t);
-        acc[i][r] = _mm256_fmadd_ps(d, t, acc[i][r]);
+        if constexpr (T == Q6_K)
+          acc[i][r] = _mm256_add_ps(t, acc[i][r]);
+        else
+          acc[i][r] = _mm256_fmadd_ps(d, t, acc[i][r]);
       }
     }
   }
@@ -176,49 +198,56 @@ inline float block_sum(const float* x) {
 }
 
 // Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
-float dot_scalar(int64_t qtype, const uint8_t* qs, const uint16_t* scale, int64_t nblocks, int64_t i, const float* x) {
+template <int64_t T>
+float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int64_t i, const float* x) {
   float acc = 0.f;
   for (int64_t b = 0; b < nblocks; ++b) {
     float t = 0.f;
-    if (qtype == Q8_0) {
+    if constexpr (T == Q6_K) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
+      const float* s = scale + (b * 8 + i) * 2;
+      for (int j = 0; j < 32; ++j) acc += static_cast<float>(q[j]) * s[j / 16] * x[b * QK + j];
+      continue;  // the scales are in the weights
+    } else if constexpr (int8_codes(T)) {
       const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
       for (int j = 0; j < 32; ++j) t += static_cast<float>(q[j]) * x[b * QK + j];
     } else {
       const uint8_t* q = qs + (b * 8 + i) * 16;
-      const float off = qtype == Q4_0 ? 8.f : 0.f;
+      const float off = T == Q4_0 ? 8.f : 0.f;
       for (int j = 0; j < 16; ++j) {
         t += (static_cast<float>(q[j] & 0xf) - off) * x[b * QK + j];
         t += (static_cast<float>(q[j] >> 4) - off) * x[b * QK + j + 16];
       }
     }
-    acc += half_to_float(scale[b * 8 + i]) * t;
+    acc += to_float(scale[b * 8 + i]) * t;
   }
   return acc;
 }
 
 // Groups [g0, g1) of 8 output rows against the M rows of x.
 template <int64_t T>
-void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, const float* xsum, int64_t nblocks,
+void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum, int64_t nblocks,
                 const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
-  constexpr int64_t QB = T == Q8_0 ? 32 : 16;
+  constexpr int64_t QB = quant_bytes(T);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nblocks * 8 * QB;
-    const uint16_t* sg = scale + g * nblocks * 8;
+    constexpr int64_t SPB = scales_per_block(T);
+    const Scale<T>* sg = scale + g * nblocks * 8 * SPB;
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     // sum_b m_b sum(x_b) of the group's 8 rows for one row of x: the mins are stored 8 wide
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     auto mins_for = [&](int64_t r) {
       if (mins == nullptr) return;
-      const uint16_t* mg = mins + g * nblocks * 8;
+      const Scale<T>* mg = mins + g * nblocks * 8;
       const float* xs = xsum + r * nblocks;
 #ifdef AIOLM_AVX2
       __m256 a = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8_half(mg + b * 8), _mm256_set1_ps(xs[b]), a);
+      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8(mg + b * 8), _mm256_set1_ps(xs[b]), a);
       _mm256_storeu_ps(mterm, a);
 #else
       for (int i = 0; i < 8; ++i) {
         mterm[i] = 0.f;
-        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += half_to_float(mg[b * 8 + i]) * xs[b];
+        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += to_float(mg[b * 8 + i]) * xs[b];
       }
 #endif
     };
@@ -244,7 +273,7 @@ void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, 
       float out[8][8];
       for (int i = 0; i < 8; ++i) {
         float o[1][8];
-        tile<T, 1, 8>(qg + i * QB, sg + i, nblocks, x + r0 * K, K, o);
+        tile<T, 1, 8>(qg + i * QB, sg + i * SPB, nblocks, x + r0 * K, K, o);
         for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
       }
       for (int r = 0; r < 8; ++r) {
@@ -256,7 +285,7 @@ void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, 
       float out[8][2];
       for (int h = 0; h < 8; h += 4) {
         float o[4][2];
-        tile<T, 4, 2>(qg + h * QB, sg + h, nblocks, x + r0 * K, K, o);
+        tile<T, 4, 2>(qg + h * QB, sg + h * SPB, nblocks, x + r0 * K, K, o);
         for (int i = 0; i < 4; ++i)
           for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
       }
@@ -275,7 +304,7 @@ void run_groups(const uint8_t* qs, const uint16_t* scale, const uint16_t* mins, 
 #else
     for (int64_t r = 0; r < M; ++r) {
       mins_for(r);
-      for (int64_t i = 0; i < nn; ++i) put(i, r, dot_scalar(T, qg, sg, nblocks, i, x + r * K));
+      for (int64_t i = 0; i < nn; ++i) put(i, r, dot_scalar<T>(qg, sg, nblocks, i, x + r * K));
     }
 #endif
   }
@@ -285,7 +314,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
                        const at::Tensor& mins, int64_t qtype, int64_t N) {
   const int64_t nblocks = aiolm_gguf::check_blocks("aiolm::gguf_linear", x_in, qs, scale, mins, qtype, N);
   const int64_t groups = qs.size(0), K = nblocks * QK;
-  const bool has_min = qtype == Q4_1;
+  const bool with_min = has_min(qtype);
   const aiolm_linear::Rows io(x_in, K, N);
   const at::Tensor& x = io.x;
   const int64_t M = io.m();
@@ -293,7 +322,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* xp = x.data_ptr<float>();
   at::Tensor xsum_t;
   const float* xs = nullptr;
-  if (has_min) {
+  if (with_min) {
     xsum_t = at::empty({M, nblocks}, x.options());
     float* w = xsum_t.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)
@@ -301,16 +330,22 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     xs = w;
   }
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
   float* yp = io.y.data_ptr<float>();
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    switch (qtype) {
-      case Q4_0: run_groups<Q4_0>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1); break;
-      case Q4_1: run_groups<Q4_1>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1); break;
-      default: run_groups<Q8_0>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1); break;
-    }
-  });
+  auto run = [&](auto type) {
+    constexpr int64_t T = decltype(type)::value;
+    const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
+    const auto* mp = with_min ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
+    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+      run_groups<T>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1);
+    });
+  };
+  switch (qtype) {
+    case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: run(std::integral_constant<int64_t, Q8_0>{}); break;
+  }
   return io.result();
 }
 

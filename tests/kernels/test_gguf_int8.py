@@ -82,8 +82,8 @@ def test_leading_dims_bias_and_bad_arguments():
     torch.testing.assert_close(g.linear_int8(x, torch.ones(8)), g.linear_int8(x) + 1)
     with pytest.raises(RuntimeError, match="x has 32 features, W has 64"):
         g.linear_int8(torch.zeros(1, 32))
-    with pytest.raises(RuntimeError, match="unsupported GGUF type id 12"):
-        torch.ops.aiolm.gguf_int8_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12, g.n)
+    with pytest.raises(RuntimeError, match="unsupported GGUF type id 13"):
+        torch.ops.aiolm.gguf_int8_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 13, g.n)
     with pytest.raises(RuntimeError, match="isa 7 is not built here"):
         g.linear_int8(torch.zeros(1, 64), isa=7)
     with pytest.raises(RuntimeError, match="not whole blocks of 32"):

@@ -35,8 +35,8 @@ def test_keeps_leading_dims_and_rejects_mismatches():
     assert g.linear(torch.zeros(2, 3, 64)).shape == (2, 3, 8)
     with pytest.raises(RuntimeError, match="x has 32 features, W has 64"):
         g.linear(torch.zeros(1, 32))
-    with pytest.raises(RuntimeError, match="unsupported GGUF type id 12"):
-        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 12, g.n)
+    with pytest.raises(RuntimeError, match="unsupported GGUF type id 13"):
+        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 13, g.n)
     with pytest.raises(RuntimeError, match="Q4_1 needs float16 mins"):
         torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs[:, :g.qs.shape[1] // 2].contiguous().view(torch.uint8),
                                     g.scale, g.mins, 3, g.n)
