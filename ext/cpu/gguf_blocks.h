@@ -56,6 +56,19 @@ inline __m256 load8(const uint16_t* p) { return load8_half(p); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
+// Calls f(std::integral_constant<int64_t, T>{}) for qtype (checked by check_type), so
+// that each kernel instantiates its templates for every type from one switch.
+template <typename F>
+inline void with_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: f(std::integral_constant<int64_t, Q8_0>{}); break;
+  }
+}
+
 // Bytes of quants per block (the scale and min are kept apart).
 constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 16; }
 

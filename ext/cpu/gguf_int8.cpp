@@ -464,13 +464,7 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
     const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) { run_groups<T>(qp, sp, mp, x, M, yp, N, isa, g0, g1); });
   };
-  switch (qtype) {
-    case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
-    case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
-    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
-    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
-    default: run(std::integral_constant<int64_t, Q8_0>{}); break;
-  }
+  with_type(qtype, run);
   return io.result();
 }
 

@@ -339,13 +339,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
       run_groups<T>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1);
     });
   };
-  switch (qtype) {
-    case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
-    case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
-    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
-    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
-    default: run(std::integral_constant<int64_t, Q8_0>{}); break;
-  }
+  with_type(qtype, run);
   return io.result();
 }
 
