@@ -18,16 +18,12 @@ import torch
 
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.platforms import gguf_blocks
+from test_gguf_int8 import ISAS, _isas  # the int8 paths this build has, as the Q4_0/Q4_1/Q8_0 tests run them
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
-ISAS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 Q6_K = gguf.GGMLQuantizationType.Q6_K
-
-
-def _isas() -> list[int]:
-    return list(range(torch.ops.aiolm.gguf_int8_best_isa() + 1)) if cpu_kernels.load() else [0]
 
 
 def _f16_bytes(v: np.ndarray) -> np.ndarray:
