@@ -16,10 +16,12 @@
 //         integer for each half of the block (VNNI's offset correction uses the halves' sums)
 // (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
-// bytes and so reads q + 128) are integers subtracted before the conversion, so every
-// path computes the same exact integer per block; paths differ only in the order of
-// the float sums. The quantization of x is the same arithmetic on every path
-// (round to nearest even of x * (1 / d)), so its codes are identical bit for bit.
+// bytes and so reads q + 128) are integers subtracted before the conversion. The 4-bit
+// types on VNNI sum a row's whole block in one int32 lane (pair_vnni), so they convert the
+// same exact integer per block as the scalar path; the other vector paths convert a block
+// in parts of 4 or 8 products, each exact. Paths differ only in the order of the float
+// sums. The quantization of x is the same arithmetic on every path (round to nearest
+// even of x * (1 / d)), so its codes are identical bit for bit.
 //
 // Paths: AVX-512 VNNI, AVX2 (vpmaddubsw + vpmaddwd) and scalar, compiled in as the
 // build's flags allow (-march=native) and picked at run time: the best one by
@@ -35,6 +37,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -281,44 +284,37 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #endif
 
 #ifdef AIOLM_I8_VNNI
-// All 8 rows of a group against MR rows of x. A zmm vector holds 4 rows' blocks (Q4:
-// 16 bytes each, one per 128-bit lane, low nibbles then high nibbles against x's
-// broadcast halves) or 2 rows' (Q8_0: 32 bytes each); each int32 lane sums 4 products,
-// so a row's block is 4 (Q4) or 8 (Q8_0) lanes, scaled by its d_w * d_x in float.
-// vpdpbusd reads the weights as unsigned bytes: Q8_0 codes go in as q + 128 (xor 0x80)
-// and, like Q4_0's - 8, the offset times sum(xq) is the accumulator's starting value.
-// Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets its
-// own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
+// The 32-byte types (Q8_0, Q6_K) on VNNI: all 8 rows of a group against MR rows of x. A zmm
+// vector holds 2 rows' blocks; each int32 lane sums 4 products, so a row's block is 8 lanes,
+// scaled by its d_w * d_x in float. vpdpbusd reads the weights as unsigned bytes: Q8_0 codes
+// go in as q + 128 (xor 0x80), and the offset times sum(xq) is the accumulator's starting
+// value. Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets
+// its own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
 // codes in [-32, 31] go in as q + 32, not q + 128: smaller lane values, smaller float rounding.
 template <int64_t T, int MR>
 void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
-  constexpr int NV = int8_codes(T) ? 4 : 2;     // vectors per block of the group's 8 rows
-  constexpr int LANES = int8_codes(T) ? 8 : 4;  // int32 lanes per row in a vector
-  constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : 0;
+  static_assert(int8_codes(T), "group_vnni reads 32-byte blocks of codes; the 4-bit types take pair_vnni");
+  constexpr int NV = 4;     // vectors per block of the group's 8 rows
+  constexpr int LANES = 8;  // int32 lanes per row in a vector
+  constexpr int OFF = T == Q6_K ? 32 : 128;
   constexpr int64_t QB = quant_bytes(T);
   __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes (Q6_K: their 16 d_w)
   for (int v = 0; v < NV; ++v) {
     alignas(64) int32_t k[16];
-    for (int l = 0; l < 16; ++l) k[l] = T == Q6_K ? 4 * v + l / 4 : v * (16 / LANES) + l / LANES;
+    for (int l = 0; l < 16; ++l) k[l] = T == Q6_K ? 4 * v + l / 4 : 2 * v + l / LANES;
     idx[v] = _mm512_load_si512(k);
   }
-  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
-                off6 = _mm512_set1_epi8(32);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), off6 = _mm512_set1_epi8(32);
   __m512 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nblocks; ++b) {
-    __m512i xa[MR], xb[MR], init[MR];
+    __m512i xa[MR], init[MR];
     __m512 dx[MR];
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
       const int64_t xi = (r0 + r) * x.nblocks + b;
-      if constexpr (int8_codes(T)) {
-        xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
-      } else {
-        xa[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
-        xb[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
-      }
+      xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
       if constexpr (T == Q6_K)  // lanes 4-7 and 12-15 hold the second halves
         init[r] = _mm512_mask_blend_epi32(0xF0F0, _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi]),
                                           _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi + 1]));
@@ -334,18 +330,10 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
     for (int v = 0; v < NV; ++v) {
       const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
       const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
-      if constexpr (int8_codes(T)) {
-        const __m512i w = T == Q6_K ? _mm512_add_epi8(raw, off6) : _mm512_xor_si512(raw, flip);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
-          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
-        }
-      } else {
-        const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r], lo, xa[r]), hi, xb[r]);
-          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
-        }
+      const __m512i w = T == Q6_K ? _mm512_add_epi8(raw, off6) : _mm512_xor_si512(raw, flip);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
+        acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
       }
     }
   }
@@ -362,21 +350,135 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 }
 #endif
 
-// Groups [g0, g1) of 8 output rows against the M rows of x.
+#ifdef AIOLM_I8_VNNI
+// The 4-bit types (Q4_0, Q4_1, Q4_K) on VNNI, two groups (16 output rows) at a time with one
+// int32 lane per output row. A row's block is 16 bytes, 4 dwords; a 4x4 transpose of dwords
+// within the 128-bit lanes of the four vectors that hold the 16 rows' blocks gives T_c
+// (c = 0..3), whose lanes hold dword c of every row (lane 4l + m: row 4m + l). Against x's
+// dwords c (weights 4c..4c+3, the low nibbles) and 4 + c (the high nibbles) broadcast to
+// every lane, 8 vpdpbusd sum all 32 products of each row's block in its lane, and one
+// conversion and one FMA scale 16 rows' blocks: a quarter of group_vnni's float work per
+// product. The transpose and the unpacking are shared by the MR rows of x. qb and sb are the
+// second group's (null: none, its lanes compute zeros).
+template <int64_t T, int MR>
+void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const Scale<T>* sb, const QRows& x,
+               int64_t r0, float out[16][MR]) {
+  static_assert(!int8_codes(T), "pair_vnni reads 16-byte blocks of nibbles");
+  constexpr int OFF = T == Q4_0 ? 8 : 0;
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nblocks; ++b) {
+    const __m512i z0 = _mm512_loadu_si512(qa + b * 128), z1 = _mm512_loadu_si512(qa + b * 128 + 64);
+    const __m512i z2 = qb ? _mm512_loadu_si512(qb + b * 128) : _mm512_setzero_si512();
+    const __m512i z3 = qb ? _mm512_loadu_si512(qb + b * 128 + 64) : _mm512_setzero_si512();
+    const __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
+    const __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
+    const __m512i tc[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                           _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      lo[c] = _mm512_and_si512(tc[c], nib);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(tc[c], 4), nib);
+    }
+    __m512 d16;
+    if constexpr (float_scales(T)) {
+      const __m256 db = sb ? _mm256_loadu_ps(sb + b * 8) : _mm256_setzero_ps();
+      d16 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sa + b * 8)), db, 1);
+    } else {
+      const __m128i hb = sb ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + b * 8)) : _mm_setzero_si128();
+      d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sa + b * 8))), hb, 1));
+    }
+    const __m512 dw = _mm512_permutexvar_ps(rows, d16);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t xi = (r0 + r) * x.nblocks + b;
+      const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
+      int32_t xw[8];
+      std::memcpy(xw, xq, sizeof xw);
+      // A few rows of x leave too few chains to hide vpdpbusd's latency: there the low and
+      // the high nibbles are two chains of 4 (and one more add), not one of 8.
+      __m512i dl = _mm512_set1_epi32(-OFF * x.sum[xi]), dh = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        dl = _mm512_dpbusd_epi32(dl, lo[c], _mm512_set1_epi32(xw[c]));
+        if constexpr (MR <= 4)
+          dh = _mm512_dpbusd_epi32(dh, hi[c], _mm512_set1_epi32(xw[4 + c]));
+        else
+          dl = _mm512_dpbusd_epi32(dl, hi[c], _mm512_set1_epi32(xw[4 + c]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(MR <= 4 ? _mm512_add_epi32(dl, dh) : dl);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi])), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[r]);
+    for (int l = 0; l < 4; ++l)
+      for (int m = 0; m < 4; ++m) out[4 * m + l][r] = lanes[4 * l + m];
+  }
+}
+#endif
+
+// Calls f(std::integral_constant<int, MR>{}, r) for tiles of at most 8 rows covering [0, M),
+// as even as the count allows (11 rows: 6 and 5), so that every tile shares its weights'
+// unpacking among as many rows as it can.
+template <typename F>
+void even_tiles(int64_t M, F&& f) {
+  const int64_t n = (M + 7) / 8;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t r = t * M / n, mr = (t + 1) * M / n - r;
+    switch (mr) {
+      case 8: f(std::integral_constant<int, 8>{}, r); break;
+      case 7: f(std::integral_constant<int, 7>{}, r); break;
+      case 6: f(std::integral_constant<int, 6>{}, r); break;
+      case 5: f(std::integral_constant<int, 5>{}, r); break;
+      case 4: f(std::integral_constant<int, 4>{}, r); break;
+      case 3: f(std::integral_constant<int, 3>{}, r); break;
+      case 2: f(std::integral_constant<int, 2>{}, r); break;
+      default: f(std::integral_constant<int, 1>{}, r); break;
+    }
+  }
+}
+
+// Groups [g0, g1) of 8 output rows against the M rows of x (g0 even: pairs of groups start there).
 template <int64_t T>
 void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const QRows& x, int64_t M, float* y,
                 int64_t N, int64_t isa, int64_t g0, int64_t g1) {
   constexpr int64_t QB = quant_bytes(T);
   const int64_t nb = x.nblocks;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* qg = qs + g * nb * 8 * QB;
-    const Scale<T>* sg = scale + g * nb * 8 * scales_per_block(T);
+  auto qg_of = [&](int64_t g) { return qs + g * nb * 8 * QB; };
+  auto sg_of = [&](int64_t g) { return scale + g * nb * 8 * scales_per_block(T); };
+  auto put = [&](int64_t g, int64_t r, const float* v) {  // v[i]: row 8g + i of y's row r
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
-    auto put = [&](int64_t r, const float* v) {  // v[i]: row n0 + i of y's row r
-      float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (has_min(T)) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
-      for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
-    };
+    float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (has_min(T)) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
+    for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
+  };
+#ifdef AIOLM_I8_VNNI
+  if constexpr (!int8_codes(T)) {
+    if (isa == AVX512_VNNI) {
+      for (int64_t g = g0; g < g1; g += 2) {
+        const bool two = g + 1 < g1;
+        even_tiles(M, [&](auto mr, int64_t r) {
+          constexpr int MR = decltype(mr)::value;
+          float o[16][MR];
+          pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr, x, r, o);
+          for (int k = 0; k < MR; ++k)
+            for (int h = 0; h < (two ? 2 : 1); ++h) {
+              float v[8];
+              for (int i = 0; i < 8; ++i) v[i] = o[8 * h + i][k];
+              put(g + h, r + k, v);
+            }
+        });
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* qg = qg_of(g);
+    const Scale<T>* sg = sg_of(g);
     // Tiles of MR rows of x; each tile reads the group's blocks once (they stay in L1).
     auto tile = [&](auto mr, auto group_fn, int64_t r) {
       constexpr int MR = decltype(mr)::value;
@@ -385,36 +487,34 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       for (int k = 0; k < MR; ++k) {
         float v[8];
         for (int i = 0; i < 8; ++i) v[i] = o[i][k];
-        put(r + k, v);
+        put(g, r + k, v);
       }
     };
-    auto tiles = [&](auto group_fn_4, auto group_fn_2, auto group_fn_1, bool fours) {
+    auto tiles = [&](auto group_fn_2, auto group_fn_1) {
       int64_t r = 0;
-      for (; fours && r + 4 <= M; r += 4) tile(std::integral_constant<int, 4>{}, group_fn_4, r);
       for (; r + 2 <= M; r += 2) tile(std::integral_constant<int, 2>{}, group_fn_2, r);
       if (r < M) tile(std::integral_constant<int, 1>{}, group_fn_1, r);
     };
 #ifdef AIOLM_I8_VNNI
-    if (isa == AVX512_VNNI) {
-      // Q8_0's 4 vectors per block leave no room in the 32 zmm registers for 4 rows of x.
-      tiles([&](int64_t r, float o[8][4]) { group_vnni<T, 4>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); }, !int8_codes(T));
-      continue;
+    if constexpr (int8_codes(T)) {
+      if (isa == AVX512_VNNI) {  // Q8_0's 4 vectors per block leave no room for 4 rows of x
+        tiles([&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
+              [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); });
+        continue;
+      }
     }
 #endif
 #ifdef AIOLM_I8_AVX2
     if (isa == AVX2) {
-      tiles([&](int64_t, float[8][4]) {},
-            [&](int64_t r, float o[8][2]) { group_avx2<T, 2>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); }, false);
+      tiles([&](int64_t r, float o[8][2]) { group_avx2<T, 2>(qg, sg, x, r, o); },
+            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); });
       continue;
     }
 #endif
     for (int64_t r = 0; r < M; ++r) {
       float v[8];
       group_scalar<T>(qg, sg, x, r, v);
-      put(r, v);
+      put(g, r, v);
     }
   }
 }
@@ -462,7 +562,10 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
     constexpr int64_t T = decltype(type)::value;
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
     const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
-    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) { run_groups<T>(qp, sp, mp, x, M, yp, N, isa, g0, g1); });
+    // in pairs of groups, so that every chunk starts on an even group
+    at::parallel_for(0, (groups + 1) / 2, 2, [&](int64_t p0, int64_t p1) {
+      run_groups<T>(qp, sp, mp, x, M, yp, N, isa, 2 * p0, std::min(2 * p1, groups));
+    });
   };
   with_type(qtype, run);
   return io.result();

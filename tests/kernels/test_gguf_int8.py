@@ -44,12 +44,14 @@ def test_every_path_quantizes_to_the_same_codes():
 
 @pytest.mark.parametrize("isa", _isas(), ids=lambda i: ISAS[i])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 17])  # 17: tiles of 6, 6 and 5 rows
 def test_matches_dequantized_weights_times_dequantized_x(isa, qtype, rows):
     """Tight against the same int8 x dequantized (only float rounding differs); within
     the quantization's own error bound against float32 x."""
     rng = np.random.default_rng(rows)
-    w = rng.standard_normal((43, 128)).astype(np.float32)  # 5 groups of 8 rows and a padded one
+    # 4 groups of 8 rows and a padded one: an odd count, so the 4-bit types' last pair of
+    # groups on VNNI has one group
+    w = rng.standard_normal((37, 128)).astype(np.float32)
     w[3] *= 1e-3
     w[5] = np.abs(w[5]) + 2  # Q4_1's minimum far from 0
     w[6, :32] = -np.abs(w[6, :32]).max()  # a Q8_0 block of -127 codes (|w| of 127 on AVX2's sign trick)
@@ -94,10 +96,22 @@ def _agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _forced_agreement(harness, prompts: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
+    """Next-token agreement with ``ref`` when every step is fed ref's tokens (teacher forcing):
+    unlike the length of greedy agreement, one early difference does not decide it."""
+    logits = harness.step(dict(enumerate(prompts)))
+    hits = 0
+    for t in range(len(ref[0])):
+        hits += sum(int(logits[i].argmax()) == ref[i][t] for i in logits)
+        logits = harness.step({i: [ref[i][t]] for i in logits})
+    return hits, len(ref[0]) * len(ref)
+
+
 def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_source, tokenizer, monkeypatch):
     """The parity prompts decoded together (6 rows per step) through int8 activations and
-    through the float-block kernel: the length of agreement is printed per prompt; the
-    int8 path must follow the float one for most of each answer and still say Paris."""
+    through the float-block kernel: the length of greedy agreement is printed per prompt,
+    and the int8 path must still say Paris and pick the float path's next token at almost
+    every step of its answers."""
     from model.test_parity import _prompt_ids
     from paged import PagedHarness
 
@@ -107,15 +121,21 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     prompts = _prompt_ids(tokenizer)
     assert len(prompts) <= min(gguf_blocks.INT8_LIMIT, gguf_blocks.MAX_ROWS)  # decode steps: int8, or float blocks
     n = 48
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)  # as AIOLM_GGUF_INT8=1 sets it
-    int8 = PagedHarness(model).greedy(prompts, n)
     monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
     floats = PagedHarness(model).greedy(prompts, n)
+    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)  # as AIOLM_GGUF_INT8=1 sets it
+    int8 = PagedHarness(model).greedy(prompts, n)
+    hits, steps = _forced_agreement(PagedHarness(model), prompts, floats)
     agree = [_agreement(a, b) for a, b in zip(int8, floats)]
-    print(f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}")
+    print(f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}; "
+          f"next token under teacher forcing: {hits}/{steps}")
     assert "Paris" in tokenizer.decode(int8[-1])
     assert int8[-1][:12] == floats[-1][:12]
-    assert min(agree) >= 8 and sum(agree) >= 0.6 * n * len(prompts), agree
+    assert min(agree) >= 8, agree
+    # Greedy agreement is chaotic (one near-tie decides the rest): the scalar path, the
+    # reference arithmetic, gave [48, 16, 12, 15, 24, 26] here and AVX2 [26, 48, 12, 15, 48, 19];
+    # under teacher forcing every path picked the float path's token at 281-283 of 288 steps.
+    assert hits >= 0.95 * steps, (hits, steps)
 
 
 def test_bfloat16_matmuls_with_int8_activations_still_answer_paris(real_source, tokenizer, monkeypatch):
