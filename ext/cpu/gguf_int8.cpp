@@ -76,7 +76,14 @@ struct QRows {
   const float* s;
   int64_t K, nblocks;
   const int32_t* half;
+
+  QRows from_row(int64_t r) const {  // rows [r, ..)
+    const int64_t i = r * nblocks;
+    return QRows{q + r * K, d + i, sum + i, s + i, K, nblocks, half ? half + 2 * i : nullptr};
+  }
 };
+
+constexpr int64_t PASS = 64;  // rows of x per pass over W (gguf_int8_linear)
 
 // One block of 32 floats: its scale (the same scalar arithmetic on every path) and 1/d.
 inline void block_scale(float amax, float& d, float& id) {
@@ -351,6 +358,18 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #endif
 
 #ifdef AIOLM_I8_VNNI
+// One block's scales (or mins) of two groups' 16 rows as float32 lanes, b's zero when null.
+inline __m512 load16(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), b ? _mm256_loadu_ps(b) : _mm256_setzero_ps(), 1);
+}
+inline __m512 load16(const uint16_t* a, const uint16_t* b) {
+  const __m128i hb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128();
+  return _mm512_cvtph_ps(
+      _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), hb, 1));
+}
+#endif
+
+#ifdef AIOLM_I8_VNNI
 // The 4-bit types (Q4_0, Q4_1, Q4_K) on VNNI, two groups (16 output rows) at a time with one
 // int32 lane per output row. A row's block is 16 bytes, 4 dwords; a 4x4 transpose of dwords
 // within the 128-bit lanes of the four vectors that hold the 16 rows' blocks gives T_c
@@ -358,11 +377,12 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 // dwords c (weights 4c..4c+3, the low nibbles) and 4 + c (the high nibbles) broadcast to
 // every lane, 8 vpdpbusd sum all 32 products of each row's block in its lane, and one
 // conversion and one FMA scale 16 rows' blocks: a quarter of group_vnni's float work per
-// product. The transpose and the unpacking are shared by the MR rows of x. qb and sb are the
-// second group's (null: none, its lanes compute zeros).
+// product. The transpose and the unpacking are shared by the MR rows of x. Q4_1's and Q4_K's
+// min term m * s_b is one more FMA per block, with the mins spread as the scales are. qb, sb
+// and mb are the second group's (null: none, its lanes compute zeros).
 template <int64_t T, int MR>
-void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const Scale<T>* sb, const QRows& x,
-               int64_t r0, float out[16][MR]) {
+void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const Scale<T>* sb, const Scale<T>* ma,
+               const Scale<T>* mb, const QRows& x, int64_t r0, float out[16][MR]) {
   static_assert(!int8_codes(T), "pair_vnni reads 16-byte blocks of nibbles");
   constexpr int OFF = T == Q4_0 ? 8 : 0;
   const __m512i nib = _mm512_set1_epi8(0x0f);
@@ -382,16 +402,9 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
       lo[c] = _mm512_and_si512(tc[c], nib);
       hi[c] = _mm512_and_si512(_mm512_srli_epi16(tc[c], 4), nib);
     }
-    __m512 d16;
-    if constexpr (float_scales(T)) {
-      const __m256 db = sb ? _mm256_loadu_ps(sb + b * 8) : _mm256_setzero_ps();
-      d16 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sa + b * 8)), db, 1);
-    } else {
-      const __m128i hb = sb ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + b * 8)) : _mm_setzero_si128();
-      d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sa + b * 8))), hb, 1));
-    }
-    const __m512 dw = _mm512_permutexvar_ps(rows, d16);
+    const __m512 dw = _mm512_permutexvar_ps(rows, load16(sa + b * 8, sb ? sb + b * 8 : nullptr));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16(ma + b * 8, mb ? mb + b * 8 : nullptr));
     for (int r = 0; r < MR; ++r) {
       const int64_t xi = (r0 + r) * x.nblocks + b;
       const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
@@ -409,6 +422,7 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
       }
       const __m512 dot = _mm512_cvtepi32_ps(MR <= 4 ? _mm512_add_epi32(dl, dh) : dl);
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi])), acc[r]);
+      if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[xi]), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -449,6 +463,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   const int64_t nb = x.nblocks;
   auto qg_of = [&](int64_t g) { return qs + g * nb * 8 * QB; };
   auto sg_of = [&](int64_t g) { return scale + g * nb * 8 * scales_per_block(T); };
+  auto mg_of = [&](int64_t g) { return has_min(T) ? mins + g * nb * 8 : nullptr; };
   auto put = [&](int64_t g, int64_t r, const float* v) {  // v[i]: row 8g + i of y's row r
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -463,12 +478,12 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
         even_tiles(M, [&](auto mr, int64_t r) {
           constexpr int MR = decltype(mr)::value;
           float o[16][MR];
-          pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr, x, r, o);
-          for (int k = 0; k < MR; ++k)
+          pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr,
+                           mg_of(g), two ? mg_of(g + 1) : nullptr, x, r, o);
+          for (int k = 0; k < MR; ++k)  // the min terms are in already
             for (int h = 0; h < (two ? 2 : 1); ++h) {
-              float v[8];
-              for (int i = 0; i < 8; ++i) v[i] = o[8 * h + i][k];
-              put(g + h, r + k, v);
+              const int64_t n0 = (g + h) * 8, nn = std::min<int64_t>(8, N - n0);
+              for (int64_t i = 0; i < nn; ++i) y[(r + k) * N + n0 + i] = o[8 * h + i][k];
             }
         });
       }
@@ -542,7 +557,7 @@ struct Scratch {
       half.assign(M * nb * 2, 0);
       for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
     }
-    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, half.data()};
+    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, halves ? half.data() : nullptr};
   }
 };
 
@@ -562,10 +577,16 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
     constexpr int64_t T = decltype(type)::value;
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
     const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
-    // in pairs of groups, so that every chunk starts on an even group
-    at::parallel_for(0, (groups + 1) / 2, 2, [&](int64_t p0, int64_t p1) {
-      run_groups<T>(qp, sp, mp, x, M, yp, N, isa, 2 * p0, std::min(2 * p1, groups));
-    });
+    // Passes over W of at most PASS rows of x each, so that a pass's codes stay in L2 while
+    // every group goes by (a prompt's thousand rows would not); within a pass, the groups
+    // in pairs, so that every thread's share starts on an even group.
+    for (int64_t m0 = 0; m0 < M; m0 += PASS) {
+      const QRows xm = x.from_row(m0);
+      const int64_t mm = std::min(PASS, M - m0);
+      at::parallel_for(0, (groups + 1) / 2, 2, [&](int64_t p0, int64_t p1) {
+        run_groups<T>(qp, sp, mp, xm, mm, yp + m0 * N, N, isa, 2 * p0, std::min(2 * p1, groups));
+      });
+    }
   };
   with_type(qtype, run);
   return io.result();
