@@ -17,9 +17,9 @@
 // (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
 // bytes and so reads q + 128) are integers subtracted before the conversion. The 4-bit
-// types on VNNI sum a row's whole block in one int32 lane (pair_vnni), so they convert the
-// same exact integer per block as the scalar path; the other vector paths convert a block
-// in parts of 4 or 8 products, each exact. Paths differ only in the order of the float
+// types on VNNI, for steps of 3 rows or more, sum a row's whole block in one int32 lane
+// (pair_vnni), so they convert the same exact integer per block as the scalar path; the
+// other vector paths convert a block in parts of 4 or 8 products, each exact. Paths differ only in the order of the float
 // sums. The quantization of x is the same arithmetic on every path (round to nearest
 // even of x * (1 / d)), so its codes are identical bit for bit.
 //
@@ -291,37 +291,46 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #endif
 
 #ifdef AIOLM_I8_VNNI
-// The 32-byte types (Q8_0, Q6_K) on VNNI: all 8 rows of a group against MR rows of x. A zmm
-// vector holds 2 rows' blocks; each int32 lane sums 4 products, so a row's block is 8 lanes,
-// scaled by its d_w * d_x in float. vpdpbusd reads the weights as unsigned bytes: Q8_0 codes
-// go in as q + 128 (xor 0x80), and the offset times sum(xq) is the accumulator's starting
-// value. Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets
-// its own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
+// All 8 rows of a group against MR rows of x: the 32-byte types (Q8_0, Q6_K), and the 4-bit
+// ones for steps of 1 or 2 rows, where pair_vnni's transposes cost more than they save
+// (bench: TinyLlama's gate_up from memory). A zmm vector holds 4 rows' blocks (Q4:
+// 16 bytes each, one per 128-bit lane, low nibbles then high nibbles against x's
+// broadcast halves) or 2 rows' (Q8_0: 32 bytes each); each int32 lane sums 4 products,
+// so a row's block is 4 (Q4) or 8 (Q8_0) lanes, scaled by its d_w * d_x in float.
+// vpdpbusd reads the weights as unsigned bytes: Q8_0 codes go in as q + 128 (xor 0x80)
+// and, like Q4_0's - 8, the offset times sum(xq) is the accumulator's starting value.
+// Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets its
+// own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
 // codes in [-32, 31] go in as q + 32, not q + 128: smaller lane values, smaller float rounding.
 template <int64_t T, int MR>
 void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
-  static_assert(int8_codes(T), "group_vnni reads 32-byte blocks of codes; the 4-bit types take pair_vnni");
-  constexpr int NV = 4;     // vectors per block of the group's 8 rows
-  constexpr int LANES = 8;  // int32 lanes per row in a vector
-  constexpr int OFF = T == Q6_K ? 32 : 128;
+  constexpr int NV = int8_codes(T) ? 4 : 2;     // vectors per block of the group's 8 rows
+  constexpr int LANES = int8_codes(T) ? 8 : 4;  // int32 lanes per row in a vector
+  constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : 0;
   constexpr int64_t QB = quant_bytes(T);
   __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes (Q6_K: their 16 d_w)
   for (int v = 0; v < NV; ++v) {
     alignas(64) int32_t k[16];
-    for (int l = 0; l < 16; ++l) k[l] = T == Q6_K ? 4 * v + l / 4 : 2 * v + l / LANES;
+    for (int l = 0; l < 16; ++l) k[l] = T == Q6_K ? 4 * v + l / 4 : v * (16 / LANES) + l / LANES;
     idx[v] = _mm512_load_si512(k);
   }
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), off6 = _mm512_set1_epi8(32);
+  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
+                off6 = _mm512_set1_epi8(32);
   __m512 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nblocks; ++b) {
-    __m512i xa[MR], init[MR];
+    __m512i xa[MR], xb[MR], init[MR];
     __m512 dx[MR];
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
       const int64_t xi = (r0 + r) * x.nblocks + b;
-      xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      if constexpr (int8_codes(T)) {
+        xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      } else {
+        xa[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+        xb[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+      }
       if constexpr (T == Q6_K)  // lanes 4-7 and 12-15 hold the second halves
         init[r] = _mm512_mask_blend_epi32(0xF0F0, _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi]),
                                           _mm512_set1_epi32(-(OFF / 4) * x.half[2 * xi + 1]));
@@ -337,10 +346,18 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
     for (int v = 0; v < NV; ++v) {
       const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
       const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
-      const __m512i w = T == Q6_K ? _mm512_add_epi8(raw, off6) : _mm512_xor_si512(raw, flip);
-      for (int r = 0; r < MR; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
-        acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
+      if constexpr (int8_codes(T)) {
+        const __m512i w = T == Q6_K ? _mm512_add_epi8(raw, off6) : _mm512_xor_si512(raw, flip);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(init[r], w, xa[r]);
+          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
+        }
+      } else {
+        const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r], lo, xa[r]), hi, xb[r]);
+          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
+        }
       }
     }
   }
@@ -480,7 +497,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   };
 #ifdef AIOLM_I8_VNNI
   if constexpr (!int8_codes(T)) {
-    if (isa == AVX512_VNNI) {
+    if (isa == AVX512_VNNI && M > 2) {
       for (int64_t g = g0; g < g1; g += 2) {
         const bool two = g + 1 < g1;
         even_tiles(M, [&](auto mr, int64_t r) {
@@ -519,12 +536,10 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       if (r < M) tile(std::integral_constant<int, 1>{}, group_fn_1, r);
     };
 #ifdef AIOLM_I8_VNNI
-    if constexpr (int8_codes(T)) {
-      if (isa == AVX512_VNNI) {  // Q8_0's 4 vectors per block leave no room for 4 rows of x
-        tiles([&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
-              [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); });
-        continue;
-      }
+    if (isa == AVX512_VNNI) {
+      tiles([&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
+            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); });
+      continue;
     }
 #endif
 #ifdef AIOLM_I8_AVX2
