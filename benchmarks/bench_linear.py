@@ -10,6 +10,9 @@
    real step, oneDNN against the panels (runs interleaved, medians).
 1c. Each shape at 1-32 rows: the GGUF blocks with float arithmetic (aiolm::gguf_linear),
    with int8 activations (aiolm::gguf_int8_linear) and the panels, interleaved medians.
+1d. TinyLlama-1.1B's shapes (make_model.py's model) as Q4_0 blocks of random codes at 1-1024
+   rows: int8 x against weights in cache (one weight, called 12 times) and from memory
+   (12 distinct weights, as the layers of a step), beside bfloat16 F.linear (oneDNN).
 2. One decode step of the real model over a paged KV cache (128-token contexts)
    at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
    activations: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_ROWS, since in
@@ -45,7 +48,7 @@ def timed(f, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", default="1,1b,1c,2", help="comma-separated: 1, 1b, 1c, 2")
+    ap.add_argument("--sections", default="1,1b,1c,1d,2", help="comma-separated: 1, 1b, 1c, 1d, 2")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per figure (1b, 1c, 2)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -64,6 +67,8 @@ def main() -> None:
         layer_sequence(shapes, a.rounds)
     if "1c" in sections:
         int8_crossover(layers, a.rounds)
+    if "1d" in sections:
+        int8_tinyllama(a.rounds)
     if "2" in sections:
         decode_steps(model, a.rounds)
 
@@ -137,6 +142,44 @@ def int8_crossover(layers, rounds: int) -> None:
                              rep(lambda: torch.ops.aiolm.panel_linear(x, panels, n))], rounds)
             f, i, p = (1e6 * v / calls for v in t)
             print(f"| {name} ({n} x {k}, {kind}) | {m} | {f:.0f} | {i:.0f} | {p:.0f} |", flush=True)
+
+
+def int8_tinyllama(rounds: int) -> None:
+    import numpy as np
+
+    from aiolm.platforms.gguf_blocks import GGUFWeight
+
+    rng = np.random.default_rng(0)
+
+    def q4_0(n: int, k: int) -> GGUFWeight:
+        b = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
+        b[:, :, 0:2] = np.full((n, k // 32, 1), 0.01, np.float16).view(np.uint8)
+        return GGUFWeight.from_blocks(b.reshape(n, -1), "Q4_0")
+
+    print("\n| layer (N x K) | rows | int8 x, in cache (GOP/s) | int8 x, from memory | bfloat16 F.linear |"
+          "\n|---|---|---|---|---|")
+    for name, n, k in [("gate_up", 11264, 2048), ("down", 2048, 5632), ("qkv", 2560, 2048)]:
+        ws = [q4_0(n, k) for _ in range(12)]
+        wb = ws[0].dequantize().bfloat16()
+        for m in [1, 2, 4, 8, 11, 16, 64, 256, 1024]:
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+
+            def cached() -> None:
+                for _ in ws:
+                    ws[0].linear_int8(x)
+
+            def memory() -> None:
+                for w in ws:
+                    w.linear_int8(x)
+
+            def bf16() -> None:
+                for _ in ws:
+                    torch.nn.functional.linear(xb, wb)
+
+            t = interleaved([cached, memory, bf16], rounds)
+            ops = 2 * m * n * k * len(ws)
+            print(f"| {name} ({n} x {k}) | {m} | " + " | ".join(f"{ops / v / 1e9:.0f}" for v in t) + " |", flush=True)
 
 
 def decode_steps(model, rounds: int) -> None:
