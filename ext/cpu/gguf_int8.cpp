@@ -19,9 +19,9 @@
 // bytes and so reads q + 128) are integers subtracted before the conversion. The 4-bit
 // types on VNNI, for steps of 3 rows or more, sum a row's whole block in one int32 lane
 // (pair_vnni), so they convert the same exact integer per block as the scalar path; the
-// other vector paths convert a block in parts of 4 or 8 products, each exact. Paths differ only in the order of the float
-// sums. The quantization of x is the same arithmetic on every path (round to nearest
-// even of x * (1 / d)), so its codes are identical bit for bit.
+// other vector paths convert a block in parts of 4 or 8 products, each exact. Paths differ
+// only in the order of the float sums. The quantization of x is the same arithmetic on
+// every path (round to nearest even of x * (1 / d)), so its codes are identical bit for bit.
 //
 // Paths: AVX-512 VNNI, AVX2 (vpmaddubsw + vpmaddwd) and scalar, compiled in as the
 // build's flags allow (-march=native) and picked at run time: the best one by
@@ -293,7 +293,7 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #ifdef AIOLM_I8_VNNI
 // All 8 rows of a group against MR rows of x: the 32-byte types (Q8_0, Q6_K), and the 4-bit
 // ones for steps of 1 or 2 rows, where pair_vnni's transposes cost more than they save
-// (bench: TinyLlama's gate_up from memory). A zmm vector holds 4 rows' blocks (Q4:
+// (benchmarks/bench_linear.py, section 1d). A zmm vector holds 4 rows' blocks (Q4:
 // 16 bytes each, one per 128-bit lane, low nibbles then high nibbles against x's
 // broadcast halves) or 2 rows' (Q8_0: 32 bytes each); each int32 lane sums 4 products,
 // so a row's block is 4 (Q4) or 8 (Q8_0) lanes, scaled by its d_w * d_x in float.
@@ -377,7 +377,8 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #ifdef AIOLM_I8_VNNI
 // One block's scales (or mins) of two groups' 16 rows as float32 lanes, b's zero when null.
 inline __m512 load16(const float* a, const float* b) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), b ? _mm256_loadu_ps(b) : _mm256_setzero_ps(), 1);
+  const __m256 hb = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), hb, 1);
 }
 inline __m512 load16(const uint16_t* a, const uint16_t* b) {
   const __m128i hb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128();
