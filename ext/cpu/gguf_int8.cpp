@@ -47,7 +47,8 @@
 #include <immintrin.h>
 #define AIOLM_I8_AVX2 1
 #endif
-#if defined(AIOLM_I8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(AIOLM_I8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
 #define AIOLM_I8_VNNI 1
 #endif
 
