@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import random
-import subprocess
-import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import isa_builds
 import pytest
 import torch
 
@@ -214,66 +209,14 @@ def test_rejects_negative_window_and_softcap():
         torch.ops.aiolm.paged_attention(*args, 0, -2.0)
 
 
-# The machine builds the kernels for its own CPU (-march=native); the other ISA paths are
-# built here from the same source, alone, and run in a child process that loads them in
-# place of the cache's library.
-ISA_BUILDS = {"avx2": ["-mno-avx512f"], "baseline-x86-64": ["-march=x86-64"]}
-_CHILD = """
-import sys, torch
-torch.ops.load_library(sys.argv[1])
-from aiolm.kernels import cpu
-cpu._state["ok"] = True  # the library just loaded stands in for the machine's own build
-import pytest
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", sys.argv[3]]))
-"""
-
-
-def _isa_flags(isa: str) -> list[str]:
-    return [f for f in cpu_kernels._compile_flags()
-            if not (f.startswith("-march") and ISA_BUILDS[isa][0].startswith("-march"))] + ISA_BUILDS[isa]
-
-
-def _isa_library(isa: str) -> Path:
-    """The kernel built for ``isa``, cached in the aiolm cache folder like the kernels themselves:
-    keyed by the sources and headers, the flags (torch's include paths among them) and the compiler."""
-    h = hashlib.sha256()
-    for p in sorted(cpu_kernels.source_dir().glob("*.[ch]*")):
-        h.update(p.read_bytes())
-    h.update(torch.__version__.encode())
-    h.update("\0".join(_isa_flags(isa)).encode())
-    h.update(subprocess.run(["c++", "--version"], capture_output=True, check=True).stdout)
-    lib = cpu_kernels.cache_dir() / "isa-tests" / f"paged_attention_{isa}_{h.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent, prefix=".build-") as tmp:
-        obj, out = Path(tmp) / "pa.o", Path(tmp) / lib.name
-        src = cpu_kernels.source_dir() / "paged_attention.cpp"
-        subprocess.run(["c++", *_isa_flags(isa), "-w", "-c", str(src), "-o", str(obj)], check=True, timeout=600)
-        subprocess.run(cpu_kernels._link_command([obj], out, "c++"), check=True, timeout=120)
-        os.replace(out, lib)  # atomic: a concurrent run never loads a half-written library
-    return lib
-
-
 @pytest.fixture(scope="module")
 def isa_libraries() -> dict[str, Path]:
-    """Both builds at once (two compilers on a cold cache)."""
-    with ThreadPoolExecutor(len(ISA_BUILDS)) as pool:
-        return dict(zip(ISA_BUILDS, pool.map(_isa_library, ISA_BUILDS)))
+    return isa_builds.isa_libraries("paged_attention", ["paged_attention.cpp"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", list(ISA_BUILDS))
+@pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
 def test_other_isa_builds_match_the_references(isa, isa_libraries):
-    flags = _isa_flags(isa)
-    lib = isa_libraries[isa]
-    macros = subprocess.run(["c++", *flags, "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
-                            text=True, check=True).stdout
-    assert ("__AVX512F__" in macros) is False and ("__AVX2__" in macros) == (isa == "avx2")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(lib), __file__,
-                           "sliding_window or mixed_batches or wider_than or never_read or finite"],
-                          cwd=root, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    isa_builds.check_build_flags(isa)
+    isa_builds.run_tests_with(isa_libraries[isa], [__file__],
+                              "sliding_window or mixed_batches or wider_than or never_read or finite")
