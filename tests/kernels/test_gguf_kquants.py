@@ -121,7 +121,7 @@ def test_float_kernel_matches_dequantized_matmul(kind, rows):
 
 @pytest.mark.parametrize("isa", _isas(), ids=lambda i: ISAS[i])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 70])  # 70: two passes over W (Q6_K: the halves too)
 def test_int8_kernel_matches_dequantized_weights_times_dequantized_x(isa, kind, rows):
     """As tests/kernels/test_gguf_int8.py: tight against the same int8 x dequantized."""
     rng = np.random.default_rng(rows + 100)
