@@ -67,14 +67,18 @@ def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_sourc
     assert "Paris" in tokenizer.decode(with_blocks)
 
 
+@pytest.fixture(scope="module")
+def isa_libraries():
+    return isa_builds.isa_libraries("gguf_blocks", ["gguf_linear.cpp", "gguf_int8.cpp"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
-def test_other_isa_builds_match_the_references(isa):
+def test_other_isa_builds_match_the_references(isa, isa_libraries):
     """The float kernel's AVX2 and scalar paths (here a CPU with AVX-512 reaches neither),
     for every block type, k-quants included; the int8 kernel is built in too, since the
     k-quant tests' module asks it which of its paths exist."""
     isa_builds.check_build_flags(isa)
-    lib = isa_builds.isa_library("gguf_blocks", ["gguf_linear.cpp", "gguf_int8.cpp"], isa)
     here = __file__.rsplit("/", 1)[0]
-    isa_builds.run_tests_with(lib, [__file__, f"{here}/test_gguf_kquants.py"],
+    isa_builds.run_tests_with(isa_libraries[isa], [__file__, f"{here}/test_gguf_kquants.py"],
                               "matches_dequantized_matmul or float_kernel_matches or leading_dims")
