@@ -49,10 +49,7 @@ inline float to_float(float f) { return f; }
 
 #if defined(__F16C__)
 // The scales (or mins) of one block's 8 rows of a group, as 8 float32 lanes.
-inline __m256 load8_half(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const uint16_t* p) { return load8_half(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 

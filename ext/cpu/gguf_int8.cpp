@@ -377,18 +377,11 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 
 #ifdef AIOLM_I8_VNNI
 // One block's scales (or mins) of two groups' 16 rows as float32 lanes, b's zero when null.
-inline __m512 load16(const float* a, const float* b) {
-  const __m256 hb = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), hb, 1);
+template <typename S>
+inline __m512 load16(const S* a, const S* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load8(a)), b ? load8(b) : _mm256_setzero_ps(), 1);
 }
-inline __m512 load16(const uint16_t* a, const uint16_t* b) {
-  const __m128i hb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128();
-  return _mm512_cvtph_ps(
-      _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), hb, 1));
-}
-#endif
 
-#ifdef AIOLM_I8_VNNI
 // The 4-bit types (Q4_0, Q4_1, Q4_K) on VNNI, two groups (16 output rows) at a time with one
 // int32 lane per output row. A row's block is 16 bytes, 4 dwords; a 4x4 transpose of dwords
 // within the 128-bit lanes of the four vectors that hold the 16 rows' blocks gives T_c
