@@ -37,7 +37,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -77,10 +76,12 @@ struct QRows {
   const float* s;
   int64_t K, nblocks;
   const int32_t* half;
+  const int32_t* neg8;  // -8 * sum: Q4_0's correction, read by pair_vnni as a broadcast from memory
 
   QRows from_row(int64_t r) const {  // rows [r, ..)
     const int64_t i = r * nblocks;
-    return QRows{q + r * K, d + i, sum + i, s + i, K, nblocks, half ? half + 2 * i : nullptr};
+    return QRows{q + r * K, d + i, sum + i, s + i, K, nblocks, half ? half + 2 * i : nullptr,
+                 neg8 ? neg8 + i : nullptr};
   }
 };
 
@@ -392,6 +393,7 @@ inline __m512 load16(const S* a, const S* b) {
 // product. The transpose and the unpacking are shared by the MR rows of x. Q4_1's and Q4_K's
 // min term m * s_b is one more FMA per block, with the mins spread as the scales are. qb, sb
 // and mb are the second group's (null: none, its lanes compute zeros).
+using Dword = int32_t __attribute__((may_alias, aligned(1)));  // 4 codes of x, read in place
 constexpr int64_t AHEAD = 8;  // blocks between a prefetch and its use (4 and 16 measured no better)
 
 template <int64_t T, int MR>
@@ -427,12 +429,12 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
     if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16(ma + b * 8, mb ? mb + b * 8 : nullptr));
     for (int r = 0; r < MR; ++r) {
       const int64_t xi = (r0 + r) * x.nblocks + b;
-      const int8_t* xq = x.q + (r0 + r) * x.K + b * QK;
-      int32_t xw[8];
-      std::memcpy(xw, xq, sizeof xw);
+      // x's dwords and Q4_0's correction are broadcast straight from memory (a load, no
+      // vector ALU work): through a general register each broadcast cost as much as a vpdpbusd.
+      const Dword* xw = reinterpret_cast<const Dword*>(x.q + (r0 + r) * x.K + b * QK);
       // A few rows of x leave too few chains to hide vpdpbusd's latency: there the low and
       // the high nibbles are two chains of 4 (and one more add), not one of 8.
-      __m512i dl = _mm512_set1_epi32(-OFF * x.sum[xi]), dh = _mm512_setzero_si512();
+      __m512i dl = OFF ? _mm512_set1_epi32(x.neg8[xi]) : _mm512_setzero_si512(), dh = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
         dl = _mm512_dpbusd_epi32(dl, lo[c], _mm512_set1_epi32(xw[c]));
         if constexpr (MR <= 4)
@@ -563,19 +565,25 @@ int64_t pick_isa(int64_t isa) {
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum, half;
-  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa, bool halves) {
+  std::vector<int32_t> sum, half, neg8;
+  QRows rows(const float* x, int64_t M, int64_t K, int64_t isa, int64_t qtype) {
     const int64_t nb = K / QK;
     q.resize(M * K);
     d.resize(M * nb);
     s.resize(M * nb);
     sum.resize(M * nb);
     quantize_rows(x, M, K, isa, q.data(), d.data(), sum.data(), s.data());
+    const bool halves = qtype == Q6_K && isa == AVX512_VNNI;
     if (halves) {
       half.assign(M * nb * 2, 0);
       for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
     }
-    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, halves ? half.data() : nullptr};
+    if (qtype == Q4_0) {
+      neg8.resize(M * nb);
+      for (int64_t i = 0; i < M * nb; ++i) neg8[i] = -8 * sum[i];
+    }
+    return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, halves ? half.data() : nullptr,
+                 qtype == Q4_0 ? neg8.data() : nullptr};
   }
 };
 
@@ -588,7 +596,7 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
   const int64_t M = io.m();
   if (M == 0 || N == 0) return io.result();
   thread_local Scratch scratch;
-  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa, qtype == Q6_K && isa == AVX512_VNNI);
+  const QRows x = scratch.rows(io.x.data_ptr<float>(), M, K, isa, qtype);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   float* yp = io.y.data_ptr<float>();
   auto run = [&](auto type) {
