@@ -15,7 +15,7 @@
    (12 distinct weights, as the layers of a step), beside bfloat16 F.linear (oneDNN).
 2. One decode step of the real model over a paged KV cache (128-token contexts)
    at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
-   activations: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_ROWS, since in
+   activations: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_LIMIT, since in
    a real step the weights come from memory.
 
 ``--sections 1c,2`` runs only those parts.
@@ -187,8 +187,9 @@ def decode_steps(model, rounds: int) -> None:
 
     from aiolm.platforms import gguf_blocks
 
-    modes = {"panels": (0, 0), "blocks, float": (64, 0), "blocks, int8 x": (64, 64)}  # (MAX_ROWS, INT8_ROWS)
-    saved = gguf_blocks.MAX_ROWS, gguf_blocks.INT8_ROWS
+    names = ("MAX_ROWS", "INT8", "INT8_LIMIT")
+    modes = {"panels": (0, False, 0), "blocks, float": (64, False, 0), "blocks, int8 x": (64, True, 64)}
+    saved = [getattr(gguf_blocks, n) for n in names]
     print("\n| batch | decode step, float32 panels (ms) | GGUF blocks, float (ms) | GGUF blocks, int8 x (ms) |"
           "\n|---|---|---|---|")
     for b in (1, 2, 4, 6, 8, 12, 16, 24, 32):
@@ -197,14 +198,16 @@ def decode_steps(model, rounds: int) -> None:
 
         def step(mode: str):
             def run() -> None:
-                gguf_blocks.MAX_ROWS, gguf_blocks.INT8_ROWS = modes[mode]
+                for n, v in zip(names, modes[mode]):
+                    setattr(gguf_blocks, n, v)
                 h.step({i: [5] for i in range(b)})
                 h.lens = {i: 128 for i in range(b)}  # every step decodes at position 128
             return run
 
         t = interleaved([step(m) for m in modes], rounds)
         print(f"| {b} | " + " | ".join(f"{1e3 * v:.1f}" for v in t) + " |", flush=True)
-    gguf_blocks.MAX_ROWS, gguf_blocks.INT8_ROWS = saved
+    for n, v in zip(names, saved):
+        setattr(gguf_blocks, n, v)
 
 
 def onednn(w: torch.Tensor):

@@ -33,8 +33,9 @@ class PagedHarness:
             self.next_block += 1
         return blocks
 
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Run one flat batch: seq id -> new token ids. Returns seq id -> last-token logits."""
+    def step(self, chunks: dict[int, list[int]], every: bool = False) -> dict[int, torch.Tensor]:
+        """Run one flat batch: seq id -> new token ids. Returns seq id -> last-token logits
+        (``every``: the logits after each new token, [tokens, vocab])."""
         ids, pos, qlens, slens, tables = [], [], [], [], []
         for seq, toks in chunks.items():
             start = self.lens.get(seq, 0)
@@ -48,6 +49,10 @@ class PagedHarness:
         meta = AttentionMetadata.build(qlens, slens, tables, self.block_size, self.device)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
                             self.caches, meta)
+        if every:
+            logits = self.model.compute_logits(hidden).float().cpu()
+            starts = meta.query_start_loc.tolist()
+            return {seq: logits[starts[i]:starts[i + 1]] for i, seq in enumerate(chunks)}
         last = meta.query_start_loc[1:] - 1
         logits = self.model.compute_logits(hidden[last]).float()
         return {seq: logits[i].cpu() for i, seq in enumerate(chunks)}

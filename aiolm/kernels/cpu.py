@@ -68,6 +68,13 @@ def has_avx512() -> bool:
     return " avx512f" in _cpu_flags()
 
 
+def has_avx512_vnni() -> bool:
+    """Whether the int8 kernels get their VNNI path here (ext/cpu/gguf_int8.cpp), whose
+    4-bit kernel outruns the float matmuls at every step size."""
+    flags = _cpu_flags() + " "
+    return all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni"))
+
+
 def _compile_flags() -> list[str]:
     from torch.utils import cpp_extension
 

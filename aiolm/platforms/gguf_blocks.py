@@ -10,7 +10,7 @@ Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against 6.6, s
 that the kernels keep to two block layouts and the values stay exact). So the
 linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from them
 when a step has at most ``MAX_ROWS`` rows; the answers are those of the float32
-path up to the order of the sums. Steps of up to ``INT8_ROWS`` rows go further, as
+path up to the order of the sums. With ``AIOLM_GGUF_INT8=1`` the blocks go further, as
 llama.cpp does: x is rounded to int8 per block of 32 and the blocks are multiplied
 with integer dot products (``aiolm::gguf_int8_linear``), faster but no longer the
 float32 path's arithmetic.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -41,14 +42,19 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml's i
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
-# With AIOLM_GGUF_INT8=1, steps of up to INT8_LIMIT rows quantize x to int8 per block of 32
-# and use integer dot products (GGUFWeight.linear_int8): one instruction multiplies 64
-# weights where the float path converts each, so it beats the panels further up
-# (bench_linear.py); on AVX2 it is left at the float path's measured limit. Opt-in because
-# greedy answers part from the float32 path's after some tokens (tests/kernels/test_gguf_int8.py
-# prints where), and the float path matches transformers token for token.
+# With AIOLM_GGUF_INT8=1 (INT8), steps of up to GGUFWeight.int8_rows rows quantize x to int8
+# per block of 32 and use integer dot products (GGUFWeight.linear_int8): one instruction
+# multiplies 64 weights where the float path converts each. Opt-in because greedy answers
+# part from the float32 path's after some tokens (tests/kernels/test_gguf_int8.py prints
+# where), and the float path matches transformers token for token.
+INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
+# How far int8 goes (bench_linear.py, section 1d): with VNNI the 4-bit types' kernel (16 output
+# rows a block, one per int32 lane) beats bfloat16 oneDNN at every step size measured, 1 to
+# 1024 rows, so it takes prompts too; the 32-byte types' (Q8_0, Q6_K: 8 rows, 2 rows of x at
+# a time) falls behind it above some 32 rows, and so does the AVX2 kernel against the
+# float32 panels above the float path's limit.
 INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
-INT8_ROWS = INT8_LIMIT if os.environ.get("AIOLM_GGUF_INT8") == "1" else 0
+INT8_LIMIT_4BIT = sys.maxsize if cpu_kernels.has_avx512_vnni() else MAX_ROWS
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
@@ -162,6 +168,11 @@ class GGUFWeight:
         y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
         return y if bias is None else y + bias
 
+    @property
+    def int8_rows(self) -> int:
+        """The most rows a step may have for linear_int8 to be the faster method (INT8)."""
+        return INT8_LIMIT_4BIT if self.qs.dtype == torch.uint8 else INT8_LIMIT  # nibbles, or 32-byte codes
+
     def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
         """x quantized per block of 32 to int8 and multiplied with integer dot products
         (ext/cpu/gguf_int8.cpp); ``isa`` picks a compiled path (-1: the best)."""
@@ -184,6 +195,10 @@ class GGUFParts:
         y = torch.cat([p.linear(x) for p in self.parts], -1)
         return y if bias is None else y + bias
 
+    @property
+    def int8_rows(self) -> int:
+        return min(p.int8_rows for p in self.parts)
+
     def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
         y = torch.cat([p.linear_int8(x, isa=isa) for p in self.parts], -1)
         return y if bias is None else y + bias
@@ -191,15 +206,15 @@ class GGUFParts:
 
 @dataclass(frozen=True)
 class GGUFLinear:
-    """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks, larger
-    ones through the float32 method the layer had before."""
+    """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks (with INT8,
+    up to the blocks' int8_rows), larger ones through the method the layer had before."""
 
     blocks: GGUFWeight | GGUFParts
     fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= INT8_ROWS:
+        if INT8 and rows <= self.blocks.int8_rows:
             return self.blocks.linear_int8(x.float(), bias)
         if rows <= MAX_ROWS:
             return self.blocks.linear(x.float(), bias)
@@ -217,6 +232,7 @@ class FusedDecodeLayer:
     sin: torch.Tensor
     weights: list[torch.Tensor]
     ints: dict[bool, list[int]]  # by "int8 activations"
+    int8_rows: int  # the four linears' least
     floats: list[float]
 
     @classmethod
@@ -242,17 +258,19 @@ class FusedDecodeLayer:
         ints = [v for b in blocks for v in (b.qtype, b.n)]
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
         return cls(a.attn, a.rotary.cos, a.rotary.sin, weights, {False: ints + [0], True: ints + [1]},
+                   min(b.int8_rows for b in blocks),
                    [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0])
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                  kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = x.shape[0]
-        if rows > max(MAX_ROWS, INT8_ROWS) or x.dtype != torch.float32 or kv_cache.dtype not in (
+        int8 = INT8 and rows <= self.int8_rows
+        if not (int8 or rows <= MAX_ROWS) or x.dtype != torch.float32 or kv_cache.dtype not in (
                 torch.float32, torch.float16):
             return None
         return torch.ops.aiolm.decode_layer(
             x, residual, positions, kv_cache, *self.attn.pages(kv_cache), meta.block_table, meta.query_start_loc,
-            meta.seq_lens, meta.slot_mapping, self.cos, self.sin, self.weights, self.ints[rows <= INT8_ROWS],
+            meta.seq_lens, meta.slot_mapping, self.cos, self.sin, self.weights, self.ints[int8],
             self.floats)
 
 
@@ -308,6 +326,6 @@ def attach(model: Any, gguf_path: Path) -> int:
         fused += layer.fused is not None
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     n += give(model.lm_head, [head])
-    log.info("%d layers also keep their GGUF blocks for batches of up to %d rows (int8 x up to %d); "
-             "%d decoder layers run such steps as one call", n, max(MAX_ROWS, INT8_ROWS), INT8_ROWS, fused)
+    log.info("%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
+             "such steps as one call", n, MAX_ROWS, " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "", fused)
     return n

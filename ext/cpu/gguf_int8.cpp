@@ -572,7 +572,12 @@ struct Scratch {
     d.resize(M * nb);
     s.resize(M * nb);
     sum.resize(M * nb);
-    quantize_rows(x, M, K, isa, q.data(), d.data(), sum.data(), s.data());
+    // A prompt's rows are quantized on every thread (on one, a long prompt's quantization
+    // would stall the others for a share of the matmul).
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+      quantize_rows(x + r0 * K, r1 - r0, K, isa, q.data() + r0 * K, d.data() + r0 * nb, sum.data() + r0 * nb,
+                    s.data() + r0 * nb);
+    });
     const bool halves = qtype == Q6_K && isa == AVX512_VNNI;
     if (halves) {
       half.assign(M * nb * 2, 0);

