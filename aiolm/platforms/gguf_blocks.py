@@ -48,13 +48,12 @@ MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
 # part from the float32 path's after some tokens (tests/kernels/test_gguf_int8.py prints
 # where), and the float path matches transformers token for token.
 INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
-# How far int8 goes (bench_linear.py, section 1d): with VNNI the 4-bit types' kernel (16 output
-# rows a block, one per int32 lane) beats bfloat16 oneDNN at every step size measured, 1 to
-# 1024 rows, so it takes prompts too; the 32-byte types' (Q8_0, Q6_K: 8 rows, 2 rows of x at
-# a time) falls behind it above some 32 rows, and so does the AVX2 kernel against the
-# float32 panels above the float path's limit.
+# How far int8 goes (bench_linear.py, section 1d; docs/benchmarks.md): with VNNI the kernel
+# of the types with one scale a block (16 output rows a block, one per int32 lane) beats
+# bfloat16 oneDNN at every step size measured, 1 to 1024 rows, so it takes prompts too;
+# Q6_K's (8 rows, 2 rows of x at a time) and the AVX2 kernel stay with small steps.
 INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
-INT8_LIMIT_4BIT = sys.maxsize if cpu_kernels.has_avx512_vnni() else MAX_ROWS
+INT8_LIMIT_VNNI = sys.maxsize if cpu_kernels.has_avx512_vnni() else INT8_LIMIT
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
@@ -171,7 +170,7 @@ class GGUFWeight:
     @property
     def int8_rows(self) -> int:
         """The most rows a step may have for linear_int8 to be the faster method (INT8)."""
-        return INT8_LIMIT_4BIT if self.qs.dtype == torch.uint8 else INT8_LIMIT  # nibbles, or 32-byte codes
+        return INT8_LIMIT if self.qtype == TYPE_IDS["Q6_K"] else INT8_LIMIT_VNNI
 
     def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
         """x quantized per block of 32 to int8 and multiplied with integer dot products

@@ -16,9 +16,9 @@
 //         integer for each half of the block (VNNI's offset correction uses the halves' sums)
 // (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
-// bytes and so reads q + 128) are integers subtracted before the conversion. The 4-bit
-// types on VNNI, for steps of 3 rows or more, sum a row's whole block in one int32 lane
-// (pair_vnni), so they convert the same exact integer per block as the scalar path; the
+// bytes and so reads q + 128) are integers subtracted before the conversion. Every type
+// but Q6_K on VNNI, for steps of 3 rows or more, sums a row's whole block in one int32 lane
+// (pair_vnni), so it converts the same exact integer per block as the scalar path; the
 // other vector paths convert a block in parts of 4 or 8 products, each exact. Paths differ
 // only in the order of the float sums. The quantization of x is the same arithmetic on
 // every path (round to nearest even of x * (1 / d)), so its codes are identical bit for bit.
@@ -76,12 +76,12 @@ struct QRows {
   const float* s;
   int64_t K, nblocks;
   const int32_t* half;
-  const int32_t* neg8;  // -8 * sum: Q4_0's correction, read by pair_vnni as a broadcast from memory
+  const int32_t* corr;  // -OFF * sum (Q4_0: 8, Q8_0: 128), pair_vnni's starting values, broadcast from memory
 
   QRows from_row(int64_t r) const {  // rows [r, ..)
     const int64_t i = r * nblocks;
     return QRows{q + r * K, d + i, sum + i, s + i, K, nblocks, half ? half + 2 * i : nullptr,
-                 neg8 ? neg8 + i : nullptr};
+                 corr ? corr + i : nullptr};
   }
 };
 
@@ -293,8 +293,8 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #endif
 
 #ifdef AIOLM_I8_VNNI
-// All 8 rows of a group against MR rows of x: the 32-byte types (Q8_0, Q6_K), and the 4-bit
-// ones for steps of 1 or 2 rows, where pair_vnni's transposes cost more than they save
+// All 8 rows of a group against MR rows of x: Q6_K, and the other types for steps of 1 or 2
+// rows, where pair_vnni's transposes cost more than they save
 // (benchmarks/bench_linear.py, section 1d). A zmm vector holds 4 rows' blocks (Q4:
 // 16 bytes each, one per 128-bit lane, low nibbles then high nibbles against x's
 // broadcast halves) or 2 rows' (Q8_0: 32 bytes each); each int32 lane sums 4 products,
@@ -383,76 +383,106 @@ inline __m512 load16(const S* a, const S* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(load8(a)), b ? load8(b) : _mm256_setzero_ps(), 1);
 }
 
-// The 4-bit types (Q4_0, Q4_1, Q4_K) on VNNI, two groups (16 output rows) at a time with one
-// int32 lane per output row. A row's block is 16 bytes, 4 dwords; a 4x4 transpose of dwords
-// within the 128-bit lanes of the four vectors that hold the 16 rows' blocks gives T_c
-// (c = 0..3), whose lanes hold dword c of every row (lane 4l + m: row 4m + l). Against x's
-// dwords c (weights 4c..4c+3, the low nibbles) and 4 + c (the high nibbles) broadcast to
-// every lane, 8 vpdpbusd sum all 32 products of each row's block in its lane, and one
-// conversion and one FMA scale 16 rows' blocks: a quarter of group_vnni's float work per
-// product. The transpose and the unpacking are shared by the MR rows of x. Q4_1's and Q4_K's
-// min term m * s_b is one more FMA per block, with the mins spread as the scales are. qb, sb
-// and mb are the second group's (null: none, its lanes compute zeros).
+// Dword c of four vectors whose 128-bit lanes hold 16 rows' 16 bytes (lane l of v[m]: row
+// 4m + l) as t[c], whose int32 lane 4l + m is row 4m + l: a 4x4 transpose within the lanes.
+inline void transpose4(const __m512i v[4], __m512i t[4]) {
+  const __m512i a = _mm512_unpacklo_epi32(v[0], v[1]), b = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i c = _mm512_unpacklo_epi32(v[2], v[3]), d = _mm512_unpackhi_epi32(v[2], v[3]);
+  t[0] = _mm512_unpacklo_epi64(a, c);
+  t[1] = _mm512_unpackhi_epi64(a, c);
+  t[2] = _mm512_unpacklo_epi64(b, d);
+  t[3] = _mm512_unpackhi_epi64(b, d);
+}
+
+// Block b of two groups' 16 rows as w[c], c = 0..7: int32 lane 4l + m holds row 4m + l's
+// codes 4c..4c+3 in x's order, as unsigned bytes. Q4: a row's block is 16 bytes (4 dwords,
+// 4 rows a vector), low nibbles codes 0-15, high ones 16-31. Q8_0: 32 bytes, 2 rows a
+// vector; its halves of 16 bytes are gathered 4 rows a vector first, then transposed as Q4's,
+// and its signed codes go in as q + 128 (the correction -128 sum xq starts the sum). qb null:
+// no second group, its lanes compute zeros (or Q8_0's offset) that nobody reads.
+template <int64_t T>
+inline void pair_block(const uint8_t* qa, const uint8_t* qb, int64_t b, __m512i w[8]) {
+  constexpr int64_t BYTES = quant_bytes(T) * 8;  // a group's block b: its 8 rows side by side
+  const uint8_t* p[2] = {qa + b * BYTES, qb ? qb + b * BYTES : nullptr};
+  auto load = [&](int g, int64_t o) { return p[g] ? _mm512_loadu_si512(p[g] + o) : _mm512_setzero_si512(); };
+  if constexpr (int8_codes(T)) {
+    __m512i h0[4], h1[4];
+    for (int m = 0; m < 4; ++m) {  // rows 4m..4m+3: group m / 2, its vectors 2 (m % 2), + 1
+      const __m512i z0 = load(m / 2, 128 * (m % 2)), z1 = load(m / 2, 128 * (m % 2) + 64);
+      h0[m] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));  // [r0, r1 | r2, r3] first halves
+      h1[m] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    transpose4(h0, w);
+    transpose4(h1, w + 4);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(w[c], flip);
+  } else {
+    const __m512i v[4] = {load(0, 0), load(0, 64), load(1, 0), load(1, 64)};
+    __m512i t[4];
+    transpose4(v, t);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; ++c) {
+      w[c] = _mm512_and_si512(t[c], nib);
+      w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(t[c], 4), nib);
+    }
+  }
+}
+
+// Q4_0, Q4_1, Q4_K and Q8_0 on VNNI, two groups (16 output rows) at a time with one int32
+// lane per output row (pair_block). Against x's dwords c broadcast to every lane, 8 vpdpbusd
+// sum all 32 products of each row's block in its lane, and one conversion and one FMA scale
+// 16 rows' blocks: a quarter (Q8_0: an eighth) of group_vnni's float work per product. The
+// transposes are shared by the MR rows of x. Q4_1's and Q4_K's min term m * s_b is one more
+// FMA per block, with the mins spread as the scales are. qb, sb and mb are the second
+// group's (null: none).
 using Dword = int32_t __attribute__((may_alias, aligned(1)));  // 4 codes of x, read in place
 constexpr int64_t AHEAD = 8;  // blocks between a prefetch and its use (4 and 16 measured no better)
 
 template <int64_t T, int MR>
 void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const Scale<T>* sb, const Scale<T>* ma,
-               const Scale<T>* mb, const QRows& x, int64_t r0, float out[16][MR]) {
-  static_assert(!int8_codes(T), "pair_vnni reads 16-byte blocks of nibbles");
-  constexpr int OFF = T == Q4_0 ? 8 : 0;
-  const __m512i nib = _mm512_set1_epi8(0x0f);
+               const Scale<T>* mb, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t valid) {
+  static_assert(T != Q6_K, "pair_vnni has one scale a block");
+  constexpr bool CORR = T == Q4_0 || T == Q8_0;  // codes stored with an offset: x.corr starts the sum
+  constexpr int64_t BYTES = quant_bytes(T) * 8;
   const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nblocks; ++b) {
     // The first tile of a pair reads its blocks from memory: ask for them ahead, so that the
     // loads overlap the arithmetic of the blocks before (the later tiles find them in cache).
-    for (int64_t l = 0; l < 128; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(qa + (b + AHEAD) * 128 + l), _MM_HINT_T0);
-      if (qb) _mm_prefetch(reinterpret_cast<const char*>(qb + (b + AHEAD) * 128 + l), _MM_HINT_T0);
+    for (int64_t l = 0; l < BYTES; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(qa + (b + AHEAD) * BYTES + l), _MM_HINT_T0);
+      if (qb) _mm_prefetch(reinterpret_cast<const char*>(qb + (b + AHEAD) * BYTES + l), _MM_HINT_T0);
     }
-    const __m512i z0 = _mm512_loadu_si512(qa + b * 128), z1 = _mm512_loadu_si512(qa + b * 128 + 64);
-    const __m512i z2 = qb ? _mm512_loadu_si512(qb + b * 128) : _mm512_setzero_si512();
-    const __m512i z3 = qb ? _mm512_loadu_si512(qb + b * 128 + 64) : _mm512_setzero_si512();
-    const __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
-    const __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
-    const __m512i tc[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                           _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-    __m512i lo[4], hi[4];
-    for (int c = 0; c < 4; ++c) {
-      lo[c] = _mm512_and_si512(tc[c], nib);
-      hi[c] = _mm512_and_si512(_mm512_srli_epi16(tc[c], 4), nib);
-    }
+    __m512i w[8];
+    pair_block<T>(qa, qb, b, w);
     const __m512 dw = _mm512_permutexvar_ps(rows, load16(sa + b * 8, sb ? sb + b * 8 : nullptr));
     __m512 mw = _mm512_setzero_ps();
     if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16(ma + b * 8, mb ? mb + b * 8 : nullptr));
     for (int r = 0; r < MR; ++r) {
       const int64_t xi = (r0 + r) * x.nblocks + b;
-      // x's dwords and Q4_0's correction are broadcast straight from memory (a load, no
-      // vector ALU work): through a general register each broadcast cost as much as a vpdpbusd.
+      // x's dwords and the correction are broadcast straight from memory (a load, no vector
+      // ALU work): through a general register each broadcast cost as much as a vpdpbusd.
       const Dword* xw = reinterpret_cast<const Dword*>(x.q + (r0 + r) * x.K + b * QK);
-      // A few rows of x leave too few chains to hide vpdpbusd's latency: there the low and
-      // the high nibbles are two chains of 4 (and one more add), not one of 8.
-      __m512i dl = OFF ? _mm512_set1_epi32(x.neg8[xi]) : _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+      // A few rows of x leave too few chains to hide vpdpbusd's latency: there codes 0-15 and
+      // 16-31 are two chains of 4 (and one more add), not one of 8.
+      __m512i dl = CORR ? _mm512_set1_epi32(x.corr[xi]) : _mm512_setzero_si512(), dh = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        dl = _mm512_dpbusd_epi32(dl, lo[c], _mm512_set1_epi32(xw[c]));
+        dl = _mm512_dpbusd_epi32(dl, w[c], _mm512_set1_epi32(xw[c]));
         if constexpr (MR <= 4)
-          dh = _mm512_dpbusd_epi32(dh, hi[c], _mm512_set1_epi32(xw[4 + c]));
+          dh = _mm512_dpbusd_epi32(dh, w[4 + c], _mm512_set1_epi32(xw[4 + c]));
         else
-          dl = _mm512_dpbusd_epi32(dl, hi[c], _mm512_set1_epi32(xw[4 + c]));
+          dl = _mm512_dpbusd_epi32(dl, w[4 + c], _mm512_set1_epi32(xw[4 + c]));
       }
       const __m512 dot = _mm512_cvtepi32_ps(MR <= 4 ? _mm512_add_epi32(dl, dh) : dl);
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi])), acc[r]);
       if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[xi]), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[r]);
-    for (int l = 0; l < 4; ++l)
-      for (int m = 0; m < 4; ++m) out[4 * m + l][r] = lanes[4 * l + m];
-  }
+  // The same permutation puts the lanes back in row order (a 4x4 transpose is its own
+  // inverse): each row of x gets its 16 outputs with one store.
+  const __mmask16 keep = valid >= 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_permutexvar_ps(rows, acc[r]));
 }
 #endif
 
@@ -493,20 +523,15 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
   };
 #ifdef AIOLM_I8_VNNI
-  if constexpr (!int8_codes(T)) {
+  if constexpr (T != Q6_K) {
     if (isa == AVX512_VNNI && M > 2) {
       for (int64_t g = g0; g < g1; g += 2) {
         const bool two = g + 1 < g1;
         even_tiles(M, [&](auto mr, int64_t r) {
           constexpr int MR = decltype(mr)::value;
-          float o[16][MR];
           pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr,
-                           mg_of(g), two ? mg_of(g + 1) : nullptr, x, r, o);
-          for (int k = 0; k < MR; ++k)  // the min terms are in already
-            for (int h = 0; h < (two ? 2 : 1); ++h) {
-              const int64_t n0 = (g + h) * 8, nn = std::min<int64_t>(8, N - n0);
-              for (int64_t i = 0; i < nn; ++i) y[(r + k) * N + n0 + i] = o[8 * h + i][k];
-            }
+                           mg_of(g), two ? mg_of(g + 1) : nullptr, x, r, y + r * N + g * 8, N,
+                           std::min<int64_t>(two ? 16 : 8, N - g * 8));  // the min terms are in already
         });
       }
       return;
@@ -565,7 +590,7 @@ int64_t pick_isa(int64_t isa) {
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum, half, neg8;
+  std::vector<int32_t> sum, half, corr;
   QRows rows(const float* x, int64_t M, int64_t K, int64_t isa, int64_t qtype) {
     const int64_t nb = K / QK;
     q.resize(M * K);
@@ -583,12 +608,13 @@ struct Scratch {
       half.assign(M * nb * 2, 0);
       for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
     }
-    if (qtype == Q4_0) {
-      neg8.resize(M * nb);
-      for (int64_t i = 0; i < M * nb; ++i) neg8[i] = -8 * sum[i];
+    const int32_t off = qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : 0;
+    if (off) {
+      corr.resize(M * nb);
+      for (int64_t i = 0; i < M * nb; ++i) corr[i] = -off * sum[i];
     }
     return QRows{q.data(), d.data(), sum.data(), s.data(), K, nb, halves ? half.data() : nullptr,
-                 qtype == Q4_0 ? neg8.data() : nullptr};
+                 off ? corr.data() : nullptr};
   }
 };
 

@@ -3,6 +3,9 @@ has, against float64 references, and the real model decoding through it."""
 
 from __future__ import annotations
 
+import os
+import resource
+
 import gguf
 import numpy as np
 import pytest
@@ -92,22 +95,53 @@ def test_leading_dims_bias_and_bad_arguments():
         torch.ops.aiolm.gguf_int8_quantize(torch.zeros(1, 40))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-def test_int8_mode_sends_prompt_steps_to_the_4bit_kernel_only_with_vnni(qtype, monkeypatch):
-    """AIOLM_GGUF_INT8=1 multiplies a 4-bit weight's steps of any size with int8 activations
-    where the VNNI kernel beats the float matmuls (bench_linear.py, section 1d); a 32-byte
-    type's, and any type's without VNNI, only small steps. Off, no step is int8."""
-    w = np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32)
-    g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K"])
+def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, monkeypatch):
+    """AIOLM_GGUF_INT8=1 multiplies a weight's steps of any size with int8 activations where
+    the VNNI kernel beats the float matmuls (bench_linear.py, section 1d); Q6_K's, and any
+    type's without VNNI, only small steps. Off, no step is int8."""
+    from kernels.test_gguf_kquants import random_q6_k
+
+    if qtype == "Q6_K":
+        g = gguf_blocks.GGUFWeight.from_blocks(random_q6_k(16, 256, np.random.default_rng(2), (1e-3, 1e-2)), qtype)
+    else:
+        w = np.random.default_rng(2).standard_normal((16, 256)).astype(np.float32)
+        g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype)
     lin = gguf_blocks.GGUFLinear(g, lambda x, bias: torch.nn.functional.linear(x, g.dequantize(), bias))
-    small, prompt = torch.randn(3, 64), torch.randn(300, 64)
+    small, prompt = torch.randn(3, 256), torch.randn(300, 256)
     monkeypatch.setattr(gguf_blocks, "INT8", True)
     assert torch.equal(lin(small), g.linear_int8(small))
-    whole_prompt = qtype == "Q4_0" and cpu_kernels.has_avx512_vnni()
+    whole_prompt = qtype != "Q6_K" and cpu_kernels.has_avx512_vnni()
     assert torch.equal(lin(prompt), g.linear_int8(prompt)) == whole_prompt
     assert not torch.equal(g.linear_int8(prompt), lin.fallback(prompt, None))  # the two are told apart
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     assert not torch.equal(lin(small), g.linear_int8(small))
+
+
+@pytest.mark.parametrize("kernel", ["linear_int8", "linear"])
+def test_large_outputs_reuse_a_dropped_buffer_and_never_a_held_one(kernel):
+    """Outputs of 32 MiB and more come from buffers kept per thread (ext/cpu/linear_rows.h),
+    so that a prompt step's large matmuls do not fault fresh pages in on every call: a
+    dropped output's memory is handed out again, one still held (or viewed) never."""
+    w = np.random.default_rng(3).standard_normal((9000, 32)).astype(np.float32)
+    g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0), "Q4_0")
+    f = getattr(g, kernel)
+    x = torch.randn(1000, 32)  # 1000 x 9000 floats: 34 MiB
+    a = f(x)
+    ref = a.clone()
+    b = f(x + 1)
+    assert b.data_ptr() != a.data_ptr() and torch.equal(a, ref)
+    view = a[:5]
+    del a
+    c = f(x + 2)  # a's storage is still held through the view
+    assert view.data_ptr() not in (b.data_ptr(), c.data_ptr()) and torch.equal(view, ref[:5])
+    ptr = c.data_ptr()
+    del c
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    d = f(x)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    assert d.data_ptr() == ptr and torch.equal(d, ref)
+    assert faults < d.numel() * 4 // os.sysconf("SC_PAGE_SIZE") // 10, faults  # a fresh mapping: every page
 
 
 def _agreement(a: list[int], b: list[int]) -> int:
