@@ -486,24 +486,25 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
 }
 #endif
 
-// Calls f(std::integral_constant<int, MR>{}, r) for tiles of at most 8 rows covering [0, M),
-// as even as the count allows (11 rows: 6 and 5), so that every tile shares its weights'
+// f(std::integral_constant<int, mr>{}, r) for a tile of mr <= MR rows.
+template <int MR, typename F>
+inline void tile_of(int64_t mr, F& f, int64_t r) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return tile_of<MR - 1>(mr, f, r);
+  }
+  f(std::integral_constant<int, MR>{}, r);
+}
+
+// Calls f(std::integral_constant<int, MR>{}, r) for tiles covering [0, M): up to 12 rows in one
+// (a decode step of 9-12 sequences unpacks each block once), else tiles of at most 8 rows, as
+// even as the count allows (20 rows: 7, 7 and 6), so that every tile shares its weights'
 // unpacking among as many rows as it can.
 template <typename F>
 void even_tiles(int64_t M, F&& f) {
-  const int64_t n = (M + 7) / 8;
+  const int64_t n = M <= 12 ? 1 : (M + 7) / 8;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t r = t * M / n, mr = (t + 1) * M / n - r;
-    switch (mr) {
-      case 8: f(std::integral_constant<int, 8>{}, r); break;
-      case 7: f(std::integral_constant<int, 7>{}, r); break;
-      case 6: f(std::integral_constant<int, 6>{}, r); break;
-      case 5: f(std::integral_constant<int, 5>{}, r); break;
-      case 4: f(std::integral_constant<int, 4>{}, r); break;
-      case 3: f(std::integral_constant<int, 3>{}, r); break;
-      case 2: f(std::integral_constant<int, 2>{}, r); break;
-      default: f(std::integral_constant<int, 1>{}, r); break;
-    }
+    const int64_t r = t * M / n;
+    tile_of<12>((t + 1) * M / n - r, f, r);
   }
 }
 
