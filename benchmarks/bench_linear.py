@@ -161,7 +161,7 @@ def int8_tinyllama(rounds: int) -> None:
     for name, n, k in [("gate_up", 11264, 2048), ("down", 2048, 5632), ("qkv", 2560, 2048)]:
         ws = [q4_0(n, k) for _ in range(12)]
         wb = ws[0].dequantize().bfloat16()
-        for m in [1, 2, 4, 8, 11, 16, 64, 256, 1024]:
+        for m in ROWS_1D:
             x = torch.randn(m, k)
             xb = x.bfloat16()
 

@@ -75,6 +75,12 @@ def has_avx512_vnni() -> bool:
     return all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni"))
 
 
+def has_amx() -> bool:
+    """Whether oneDNN's bfloat16 matmuls run on AMX tiles here, which overtake the int8
+    kernels from a few dozen rows on (platforms/gguf_blocks.py)."""
+    return " amx_bf16" in _cpu_flags()
+
+
 def _compile_flags() -> list[str]:
     from torch.utils import cpp_extension
 

@@ -106,5 +106,5 @@ class CpuPlatform(Platform):
             # fused kernels) reads bfloat16; otherwise they come back as float32.
             cpu_linear.pack_model(model, matmul_dtype, hand_over_bf16=kernels)
             if kernels and source.origin.suffix == ".gguf":
-                gguf_blocks.attach(model, source.origin)
+                gguf_blocks.attach(model, source.origin, matmul_dtype)
         return model

@@ -50,8 +50,10 @@ MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
 INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
 # How far int8 goes (bench_linear.py, section 1d; docs/benchmarks.md): with VNNI the kernel
 # of the types with one scale a block (16 output rows a block, one per int32 lane) beats
-# bfloat16 oneDNN at every step size measured, 1 to 1024 rows, so it takes prompts too;
-# Q6_K's (8 rows, 2 rows of x at a time) and the AVX2 kernel stay with small steps.
+# the float32 matmuls, and bfloat16 oneDNN without AMX, at every step size measured, 1 to
+# 1024 rows, so it takes prompts too; Q6_K's (8 rows, 2 rows of x at a time) and the AVX2
+# kernel stay with small steps, as does every type where bfloat16 matmuls run on AMX tiles
+# (they overtake int8 at 24-32 rows: int8_rows).
 INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_VNNI = sys.maxsize if cpu_kernels.has_avx512_vnni() else INT8_LIMIT
 
@@ -203,6 +205,15 @@ class GGUFParts:
         return y if bias is None else y + bias
 
 
+def int8_rows(blocks: GGUFWeight | GGUFParts, matmul_dtype: torch.dtype) -> int:
+    """The most rows a step may have for int8 activations to beat ``blocks``' alternative,
+    the layer's matmuls in ``matmul_dtype``: bfloat16 ones on AMX tiles take all but small
+    steps."""
+    if matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx():
+        return min(blocks.int8_rows, INT8_LIMIT)
+    return blocks.int8_rows
+
+
 @dataclass(frozen=True)
 class GGUFLinear:
     """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks (with INT8,
@@ -210,10 +221,11 @@ class GGUFLinear:
 
     blocks: GGUFWeight | GGUFParts
     fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    int8_rows: int  # int8_rows(blocks, the fallback's matmul dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if INT8 and rows <= self.blocks.int8_rows:
+        if INT8 and rows <= self.int8_rows:
             return self.blocks.linear_int8(x.float(), bias)
         if rows <= MAX_ROWS:
             return self.blocks.linear(x.float(), bias)
@@ -257,7 +269,7 @@ class FusedDecodeLayer:
         ints = [v for b in blocks for v in (b.qtype, b.n)]
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
         return cls(a.attn, a.rotary.cos, a.rotary.sin, weights, {False: ints + [0], True: ints + [1]},
-                   min(b.int8_rows for b in blocks),
+                   min(m.method.int8_rows for m in linears),
                    [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0])
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -273,8 +285,9 @@ class FusedDecodeLayer:
             self.floats)
 
 
-def attach(model: Any, gguf_path: Path) -> int:
-    """Give each linear layer of ``model`` its GGUF blocks; returns how many layers got them."""
+def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float32) -> int:
+    """Give each linear layer of ``model`` its GGUF blocks (beside its matmuls in
+    ``matmul_dtype``); returns how many layers got them."""
     from aiolm.distributed.parallel_state import get_tp_group
     from aiolm.model.gguf_index import read_tensors
 
@@ -311,7 +324,7 @@ def attach(model: Any, gguf_path: Path) -> int:
                 runs.append(([data], ttype))
         weights = tuple(GGUFWeight.from_blocks(np.concatenate(d), t) for d, t in runs)
         blocks = weights[0] if len(weights) == 1 else GGUFParts(weights)
-        layer.method = GGUFLinear(blocks, layer.method or layer.dense)
+        layer.method = GGUFLinear(blocks, layer.method or layer.dense, int8_rows(blocks, matmul_dtype))
         return 1
 
     n = fused = 0

@@ -96,10 +96,12 @@ def test_leading_dims_bias_and_bad_arguments():
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K"])
-def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, monkeypatch):
+@pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
+def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, matmul_dtype, monkeypatch):
     """AIOLM_GGUF_INT8=1 multiplies a weight's steps of any size with int8 activations where
-    the VNNI kernel beats the float matmuls (bench_linear.py, section 1d); Q6_K's, and any
-    type's without VNNI, only small steps. Off, no step is int8."""
+    the VNNI kernel beats the layer's matmuls (bench_linear.py, section 1d); Q6_K's, any
+    type's without VNNI, and any type's beside bfloat16 matmuls on AMX, only small steps.
+    Off, no step is int8."""
     from kernels.test_gguf_kquants import random_q6_k
 
     if qtype == "Q6_K":
@@ -107,11 +109,13 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
     else:
         w = np.random.default_rng(2).standard_normal((16, 256)).astype(np.float32)
         g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype)
-    lin = gguf_blocks.GGUFLinear(g, lambda x, bias: torch.nn.functional.linear(x, g.dequantize(), bias))
+    lin = gguf_blocks.GGUFLinear(g, lambda x, bias: torch.nn.functional.linear(x, g.dequantize(), bias),
+                                 gguf_blocks.int8_rows(g, matmul_dtype))
     small, prompt = torch.randn(3, 256), torch.randn(300, 256)
     monkeypatch.setattr(gguf_blocks, "INT8", True)
     assert torch.equal(lin(small), g.linear_int8(small))
-    whole_prompt = qtype != "Q6_K" and cpu_kernels.has_avx512_vnni()
+    amx_bf16 = matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx()
+    whole_prompt = qtype != "Q6_K" and cpu_kernels.has_avx512_vnni() and not amx_bf16
     assert torch.equal(lin(prompt), g.linear_int8(prompt)) == whole_prompt
     assert not torch.equal(g.linear_int8(prompt), lin.fallback(prompt, None))  # the two are told apart
     monkeypatch.setattr(gguf_blocks, "INT8", False)
@@ -179,7 +183,7 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     int8 = PagedHarness(model).greedy(prompts, n)
     hits, steps = _forced_agreement(PagedHarness(model), prompts, floats)
     # The float path's answers fed back as one prompt step each: with VNNI an int8 matmul of
-    # every row (gguf_blocks.INT8_LIMIT_4BIT), elsewhere the float32 panels.
+    # every row (gguf_blocks.INT8_LIMIT_VNNI), elsewhere the float32 panels.
     logits = PagedHarness(model).step({i: p + f for i, (p, f) in enumerate(zip(prompts, floats))}, every=True)
     in_prompt = sum(int((logits[i][len(p) - 1:-1].argmax(-1) == torch.tensor(floats[i])).sum())
                     for i, p in enumerate(prompts))
