@@ -12,7 +12,9 @@
    with int8 activations (aiolm::gguf_int8_linear) and the panels, interleaved medians.
 1d. TinyLlama-1.1B's shapes (make_model.py's model) as Q4_0 blocks of random codes at 1-1024
    rows: int8 x against weights in cache (one weight, called 12 times) and from memory
-   (12 distinct weights, as the layers of a step), beside bfloat16 F.linear (oneDNN).
+   (12 distinct weights, as the layers of a step), beside bfloat16 F.linear (oneDNN): where
+   int8 beats bfloat16 at every size, it takes prompts (gguf_blocks.INT8_LIMIT_VNNI); on AMX
+   bfloat16 overtakes it at 24-32 rows (gguf_blocks.int8_rows).
 2. One decode step of the real model over a paged KV cache (128-token contexts)
    at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
    activations: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_LIMIT, since in
@@ -142,6 +144,9 @@ def int8_crossover(layers, rounds: int) -> None:
                              rep(lambda: torch.ops.aiolm.panel_linear(x, panels, n))], rounds)
             f, i, p = (1e6 * v / calls for v in t)
             print(f"| {name} ({n} x {k}, {kind}) | {m} | {f:.0f} | {i:.0f} | {p:.0f} |", flush=True)
+
+
+ROWS_1D = [1, 2, 4, 8, 11, 16, 32, 64, 256, 1024]  # 16-64: where bfloat16 on AMX tiles overtakes int8
 
 
 def int8_tinyllama(rounds: int) -> None:
