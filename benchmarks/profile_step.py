@@ -1,6 +1,6 @@
 """Where one forward step of the real model spends its time, by op (torch profiler).
 
-    python benchmarks/profile_step.py prefill|decode [--dtype float32|bfloat16] [--decodes N]
+    python benchmarks/profile_step.py prefill|decode [--dtype float32|bfloat16] [--decodes N] [--model PATH]
 
 prefill: 13 prompts, 2048 tokens (12 x 160 + 128), no cached context;
 decode: 64 (--decodes) sequences with 200-token contexts, one token each. Both end with the
@@ -32,8 +32,9 @@ def main() -> None:
     ap.add_argument("step", choices=["prefill", "decode"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--decodes", type=int, default=64, help="sequences in a decode step")
+    ap.add_argument("--model", default=None, help="a model folder or .gguf file (default: the embedded model)")
     a = ap.parse_args()
-    src = resolve_model(None)
+    src = resolve_model(a.model)
     model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=2048)
     cfg, bs = src.config, 16
     kv_heads = model.layers[0].self_attn.num_kv_heads

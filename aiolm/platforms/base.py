@@ -79,6 +79,10 @@ class Platform:
 
         ops.install(self.ops())
 
+    def tune_worker_process(self) -> None:
+        """Process-wide settings for a process that only runs steps (a worker process or a
+        Ray actor, never the user's own), once its weights and KV cache are in place."""
+
     def prepare_model(self, model: nn.Module, source: Any, dtype: torch.dtype) -> nn.Module:
         """After loading: move to the device in ``dtype`` and lay weights out for this platform."""
         return model.to(dtype=dtype, device=self.device).eval()

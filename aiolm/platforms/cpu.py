@@ -8,6 +8,7 @@ norms, attention arithmetic, the residual stream and the logits in float32.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -17,6 +18,9 @@ from torch import nn
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.kernels.ops import TorchOps
 from aiolm.platforms.base import Platform
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def _f32_cpu(t: torch.Tensor) -> bool:
@@ -92,6 +96,19 @@ class CpuPlatform(Platform):
 
         bind_rank(rank, world_size, cpu_bind)
         return super().make_tp_group(rank, world_size, port, all_reduce, shm_name, cpu_bind, host)
+
+    def tune_worker_process(self) -> None:
+        """Step activations come from glibc's heap, not fresh mappings: glibc maps every
+        allocation over 32 MiB (a 2048-token step's MLP outputs) anew and its pages fault
+        in on every step, 10-15% of a 1.1B model's prompt step (docs/benchmarks.md). Only
+        after loading, so that the weights' transient copies went back to the system; the
+        heap then keeps up to 1 GiB of freed step memory for the next step."""
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):  # not a C library with mallopt: nothing to tune
+            return
+        mallopt(_M_MMAP_MAX, 0)
+        mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
     def prepare_model(self, model: nn.Module, source: Any, dtype: torch.dtype) -> nn.Module:
         from aiolm.platforms import cpu_linear, gguf_blocks

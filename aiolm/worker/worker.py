@@ -108,6 +108,7 @@ def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, al
         rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host)
     set_tp_group(group)
     runner = ModelRunner(cfg)
+    platform.tune_worker_process()
     return runner, dict(runner.kv_cache_info(), all_reduce=name)
 
 

@@ -307,3 +307,44 @@ def test_tensor_parallel_2_matches_one_rank_and_transformers_then_a_rank_dies(ti
 
     assert _run(two_ranks()) == want
     _assert_clean(ex, before)
+
+
+# -- the worker process's allocator ---------------------------------------------------------
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's mallopt")
+def test_cpu_worker_reuses_freed_step_memory_and_the_callers_process_is_left_alone(tiny):
+    """A CPU worker process keeps freed large allocations on its heap (CpuPlatform.
+    tune_worker_process), so a step's big activations do not fault fresh pages in every
+    step; the process that started it keeps glibc's defaults (a fresh mapping each time)."""
+
+    def faults_of_large_allocations(runner=None) -> list[int]:  # nested: cloudpickle ships it by value
+        """Minor page faults while each of 6 tensors of 64 MiB is written, one after another."""
+        import resource as _resource
+
+        import torch as _torch
+
+        faults = []
+        for _ in range(6):
+            before = _resource.getrusage(_resource.RUSAGE_SELF).ru_minflt
+            _torch.ones(16 << 20).sum()
+            faults.append(_resource.getrusage(_resource.RUSAGE_SELF).ru_minflt - before)
+        return faults
+
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert min(faults_of_large_allocations()) > pages // 2  # glibc's default, here: a fresh mapping each
+    before = _our_segments()
+    ex = MultiprocExecutor(_cfg(tiny[0]), startup_timeout=180)
+
+    async def scenario():
+        await ex.start()
+        try:
+            return await ex.collective_rpc(faults_of_large_allocations)
+        finally:
+            await ex.shutdown()
+
+    [faults] = _run(scenario())
+    # The first ones grow the heap (and a small allocation may pin a freed chunk), then most
+    # pages are reused.
+    assert min(faults) < pages // 4, (faults, pages)
+    _assert_clean(ex, before)
