@@ -12,9 +12,10 @@
    with int8 activations (aiolm::gguf_int8_linear) and the panels, interleaved medians.
 1d. TinyLlama-1.1B's shapes (make_model.py's model) as Q4_0 blocks of random codes at 1-1024
    rows: int8 x against weights in cache (one weight, called 12 times) and from memory
-   (12 distinct weights, as the layers of a step), beside bfloat16 F.linear (oneDNN): where
+   (12 distinct weights, as the layers of a step), beside bfloat16 oneDNN (packed as
+   `--dtype bfloat16` packs them, 12 distinct weights): where
    int8 beats bfloat16 at every size, it takes prompts (gguf_blocks.INT8_LIMIT_VNNI); on AMX
-   bfloat16 overtakes it at 24-32 rows (gguf_blocks.int8_rows).
+   bfloat16 overtakes it between 32 and 64 rows (gguf_blocks.INT8_LIMIT_AMX_BF16).
 2. One decode step of the real model over a paged KV cache (128-token contexts)
    at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
    activations: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_LIMIT, since in
@@ -146,12 +147,13 @@ def int8_crossover(layers, rounds: int) -> None:
             print(f"| {name} ({n} x {k}, {kind}) | {m} | {f:.0f} | {i:.0f} | {p:.0f} |", flush=True)
 
 
-ROWS_1D = [1, 2, 4, 8, 11, 16, 32, 64, 256, 1024]  # 16-64: where bfloat16 on AMX tiles overtakes int8
+ROWS_1D = [1, 2, 4, 8, 11, 16, 32, 64, 256, 1024]  # 32-64: where bfloat16 on AMX tiles overtakes int8
 
 
 def int8_tinyllama(rounds: int) -> None:
     import numpy as np
 
+    from aiolm.platforms.cpu_linear import pack_weight
     from aiolm.platforms.gguf_blocks import GGUFWeight
 
     rng = np.random.default_rng(0)
@@ -161,14 +163,13 @@ def int8_tinyllama(rounds: int) -> None:
         b[:, :, 0:2] = np.full((n, k // 32, 1), 0.01, np.float16).view(np.uint8)
         return GGUFWeight.from_blocks(b.reshape(n, -1), "Q4_0")
 
-    print("\n| layer (N x K) | rows | int8 x, in cache (GOP/s) | int8 x, from memory | bfloat16 F.linear |"
+    print("\n| layer (N x K) | rows | int8 x, in cache (GOP/s) | int8 x, from memory | bfloat16 oneDNN, from memory |"
           "\n|---|---|---|---|---|")
     for name, n, k in [("gate_up", 11264, 2048), ("down", 2048, 5632), ("qkv", 2560, 2048)]:
         ws = [q4_0(n, k) for _ in range(12)]
-        wb = ws[0].dequantize().bfloat16()
+        wbs = [pack_weight(w.dequantize(), torch.bfloat16) for w in ws]  # as --dtype bfloat16 packs them
         for m in ROWS_1D:
             x = torch.randn(m, k)
-            xb = x.bfloat16()
 
             def cached() -> None:
                 for _ in ws:
@@ -179,8 +180,8 @@ def int8_tinyllama(rounds: int) -> None:
                     w.linear_int8(x)
 
             def bf16() -> None:
-                for _ in ws:
-                    torch.nn.functional.linear(xb, wb)
+                for w in wbs:
+                    w(x)
 
             t = interleaved([cached, memory, bf16], rounds)
             ops = 2 * m * n * k * len(ws)

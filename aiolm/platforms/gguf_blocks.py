@@ -52,10 +52,11 @@ INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
 # of the types with one scale a block (16 output rows a block, one per int32 lane) beats
 # the float32 matmuls, and bfloat16 oneDNN without AMX, at every step size measured, 1 to
 # 1024 rows, so it takes prompts too; Q6_K's (8 rows, 2 rows of x at a time) and the AVX2
-# kernel stay with small steps, as does every type where bfloat16 matmuls run on AMX tiles
-# (they overtake int8 at 24-32 rows: int8_rows).
+# kernel stay with small steps; beside bfloat16 matmuls on AMX tiles, which overtake int8
+# between 32 and 48 rows (on TinyLlama's and SmolLM2's shapes), every type stops at 32.
 INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_VNNI = sys.maxsize if cpu_kernels.has_avx512_vnni() else INT8_LIMIT
+INT8_LIMIT_AMX_BF16 = 32
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
@@ -210,7 +211,7 @@ def int8_rows(blocks: GGUFWeight | GGUFParts, matmul_dtype: torch.dtype) -> int:
     the layer's matmuls in ``matmul_dtype``: bfloat16 ones on AMX tiles take all but small
     steps."""
     if matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx():
-        return min(blocks.int8_rows, INT8_LIMIT)
+        return min(blocks.int8_rows, INT8_LIMIT_AMX_BF16)
     return blocks.int8_rows
 
 

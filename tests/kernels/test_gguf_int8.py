@@ -99,8 +99,8 @@ def test_leading_dims_bias_and_bad_arguments():
 @pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
 def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, matmul_dtype, monkeypatch):
     """AIOLM_GGUF_INT8=1 multiplies a weight's steps of any size with int8 activations where
-    the VNNI kernel beats the layer's matmuls (bench_linear.py, section 1d); Q6_K's, any
-    type's without VNNI, and any type's beside bfloat16 matmuls on AMX, only small steps.
+    the VNNI kernel beats the layer's matmuls (bench_linear.py, section 1d); Q6_K's, and any
+    type's without VNNI, steps of up to 16 rows; beside bfloat16 matmuls on AMX, up to 32.
     Off, no step is int8."""
     from kernels.test_gguf_kquants import random_q6_k
 
@@ -111,13 +111,16 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
         g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype)
     lin = gguf_blocks.GGUFLinear(g, lambda x, bias: torch.nn.functional.linear(x, g.dequantize(), bias),
                                  gguf_blocks.int8_rows(g, matmul_dtype))
-    small, prompt = torch.randn(3, 256), torch.randn(300, 256)
+    if qtype == "Q6_K" or not cpu_kernels.has_avx512_vnni():
+        limit = 16
+    else:
+        limit = 32 if matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx() else 300
     monkeypatch.setattr(gguf_blocks, "INT8", True)
-    assert torch.equal(lin(small), g.linear_int8(small))
-    amx_bf16 = matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx()
-    whole_prompt = qtype != "Q6_K" and cpu_kernels.has_avx512_vnni() and not amx_bf16
-    assert torch.equal(lin(prompt), g.linear_int8(prompt)) == whole_prompt
-    assert not torch.equal(g.linear_int8(prompt), lin.fallback(prompt, None))  # the two are told apart
+    for rows in (3, 16, 17, 32, 33, 300):
+        x = torch.randn(rows, 256)
+        assert torch.equal(lin(x), g.linear_int8(x)) == (rows <= limit), rows
+        assert not torch.equal(g.linear_int8(x), lin.fallback(x, None))  # the two are told apart
+    small = torch.randn(3, 256)
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     assert not torch.equal(lin(small), g.linear_int8(small))
 
