@@ -287,8 +287,8 @@ class FusedDecodeLayer:
 
 
 def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float32) -> int:
-    """Give each linear layer of ``model`` its GGUF blocks (beside its matmuls in
-    ``matmul_dtype``); returns how many layers got them."""
+    """Give each linear layer of ``model`` its GGUF blocks, beside the decoder layers'
+    matmuls in ``matmul_dtype`` and the LM head's in float32; returns how many got them."""
     from aiolm.distributed.parallel_state import get_tp_group
     from aiolm.model.gguf_index import read_tensors
 
@@ -313,7 +313,7 @@ def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float3
             data = unpermute_rope_rows(data, heads)
         return data, ttype
 
-    def give(layer: Any, names: list[str]) -> int:
+    def give(layer: Any, names: list[str], dtype: torch.dtype = matmul_dtype) -> int:
         parts = [rows(n) for n in names]
         if any(p is None for p in parts):
             return 0
@@ -325,7 +325,7 @@ def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float3
                 runs.append(([data], ttype))
         weights = tuple(GGUFWeight.from_blocks(np.concatenate(d), t) for d, t in runs)
         blocks = weights[0] if len(weights) == 1 else GGUFParts(weights)
-        layer.method = GGUFLinear(blocks, layer.method or layer.dense, int8_rows(blocks, matmul_dtype))
+        layer.method = GGUFLinear(blocks, layer.method or layer.dense, int8_rows(blocks, dtype))
         return 1
 
     n = fused = 0
@@ -338,7 +338,7 @@ def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float3
         layer.fused = FusedDecodeLayer.of(layer)
         fused += layer.fused is not None
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    n += give(model.lm_head, [head])
+    n += give(model.lm_head, [head], torch.float32)  # its matmuls stay float32 (cpu_linear.pack_model)
     log.info("%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
              "such steps as one call", n, MAX_ROWS, " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "", fused)
     return n

@@ -125,6 +125,21 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
     assert not torch.equal(lin(small), g.linear_int8(small))
 
 
+def test_bfloat16_model_keeps_int8_from_its_amx_matmuls_but_not_from_its_float32_head(real_source, monkeypatch):
+    """With --dtype bfloat16 the decoder layers' large steps go to bfloat16 matmuls (on AMX
+    beyond 32 rows), while the LM head multiplies in float32, which int8 beats at every
+    size where it has VNNI: a 64-row step of the head stays int8."""
+    from aiolm.model.registry import build_model
+
+    model = build_model(real_source, torch.bfloat16)
+    monkeypatch.setattr(gguf_blocks, "INT8", True)
+    vnni = cpu_kernels.has_avx512_vnni()
+    head, gate_up = model.lm_head.method, model.layers[0].mlp.gate_up_proj.method
+    x = torch.randn(64, 576)
+    assert torch.equal(head(x), head.blocks.linear_int8(x)) == vnni
+    assert torch.equal(gate_up(x), gate_up.blocks.linear_int8(x)) == (vnni and not cpu_kernels.has_amx())
+
+
 @pytest.mark.parametrize("kernel", ["linear_int8", "linear"])
 def test_large_outputs_reuse_a_dropped_buffer_and_never_a_held_one(kernel):
     """Outputs of 32 MiB and more come from buffers kept per thread (ext/cpu/linear_rows.h),
