@@ -609,7 +609,8 @@ struct Scratch {
       half.assign(M * nb * 2, 0);
       for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
     }
-    const int32_t off = qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : 0;
+    // pair_vnni's starting values: only its path reads them.
+    const int32_t off = isa != AVX512_VNNI ? 0 : qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : 0;
     if (off) {
       corr.resize(M * nb);
       for (int64_t i = 0; i < M * nb; ++i) corr[i] = -off * sum[i];
