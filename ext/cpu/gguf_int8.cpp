@@ -459,25 +459,38 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
     const __m512 dw = _mm512_permutexvar_ps(rows, load16(sa + b * 8, sb ? sb + b * 8 : nullptr));
     __m512 mw = _mm512_setzero_ps();
     if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16(ma + b * 8, mb ? mb + b * 8 : nullptr));
-    for (int r = 0; r < MR; ++r) {
-      const int64_t xi = (r0 + r) * x.nblocks + b;
-      // x's dwords and the correction are broadcast straight from memory (a load, no vector
-      // ALU work): through a general register each broadcast cost as much as a vpdpbusd.
-      const Dword* xw = reinterpret_cast<const Dword*>(x.q + (r0 + r) * x.K + b * QK);
-      // A few rows of x leave too few chains to hide vpdpbusd's latency: there codes 0-15 and
-      // 16-31 are two chains of 4 (and one more add), not one of 8.
-      __m512i dl = CORR ? _mm512_set1_epi32(x.corr[xi]) : _mm512_setzero_si512(), dh = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        dl = _mm512_dpbusd_epi32(dl, w[c], _mm512_set1_epi32(xw[c]));
-        if constexpr (MR <= 4)
-          dh = _mm512_dpbusd_epi32(dh, w[4 + c], _mm512_set1_epi32(xw[4 + c]));
-        else
-          dl = _mm512_dpbusd_epi32(dl, w[4 + c], _mm512_set1_epi32(xw[4 + c]));
+    // The rows' sums are independent chains of 8 vpdpbusd (4 cycles each): issued row after
+    // row, the core needs several rows' code in flight to keep its pipes busy, so the chains
+    // go interleaved, in runs of up to 6 rows (7-12 rows: two runs; runs of 8 ran 6-8% slower
+    // on a Zen 4, out of general registers for the rows' addresses). Runs of up to 4 rows
+    // would leave too few chains: there codes 0-15 and 16-31 are two chains per row.
+    auto run = [&](auto count, int s0) {
+      constexpr int R = decltype(count)::value, CH = R <= 4 ? 2 : 1;
+      __m512i d[R][CH];
+      const Dword* xw[R];
+      for (int i = 0; i < R; ++i) {
+        const int64_t xi = (r0 + s0 + i) * x.nblocks + b;
+        // x's dwords and the correction are broadcast straight from memory (a load, no vector
+        // ALU work): through a general register each broadcast cost as much as a vpdpbusd.
+        xw[i] = reinterpret_cast<const Dword*>(x.q + (r0 + s0 + i) * x.K + b * QK);
+        d[i][0] = CORR ? _mm512_set1_epi32(x.corr[xi]) : _mm512_setzero_si512();
+        if constexpr (CH == 2) d[i][CH - 1] = _mm512_setzero_si512();
       }
-      const __m512 dot = _mm512_cvtepi32_ps(MR <= 4 ? _mm512_add_epi32(dl, dh) : dl);
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi])), acc[r]);
-      if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[xi]), acc[r]);
-    }
+      for (int k = 0; k < 8; ++k) {
+        const int c = CH == 2 ? k / 2 + 4 * (k % 2) : k, h = CH == 2 ? k % 2 : 0;  // 0, 4, 1, 5, ...
+        for (int i = 0; i < R; ++i) d[i][h] = _mm512_dpbusd_epi32(d[i][h], w[c], _mm512_set1_epi32(xw[i][c]));
+      }
+      for (int i = 0; i < R; ++i) {
+        const int r = s0 + i;
+        const int64_t xi = (r0 + r) * x.nblocks + b;
+        const __m512 dot = _mm512_cvtepi32_ps(CH == 2 ? _mm512_add_epi32(d[i][0], d[i][CH - 1]) : d[i][0]);
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi])), acc[r]);
+        if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[xi]), acc[r]);
+      }
+    };
+    constexpr int SUB = MR <= 6 ? MR : (MR + 1) / 2;
+    run(std::integral_constant<int, SUB>{}, 0);
+    if constexpr (MR > SUB) run(std::integral_constant<int, MR - SUB>{}, SUB);
   }
   // The same permutation puts the lanes back in row order (a 4x4 transpose is its own
   // inverse): each row of x gets its 16 outputs with one store.
@@ -495,13 +508,12 @@ inline void tile_of(int64_t mr, F& f, int64_t r) {
   f(std::integral_constant<int, MR>{}, r);
 }
 
-// Calls f(std::integral_constant<int, MR>{}, r) for tiles covering [0, M): up to 12 rows in one
-// (a decode step of 9-12 sequences unpacks each block once), else tiles of at most 8 rows, as
-// even as the count allows (20 rows: 7, 7 and 6), so that every tile shares its weights'
-// unpacking among as many rows as it can.
+// Calls f(std::integral_constant<int, MR>{}, r) for tiles covering [0, M) of at most 12 rows (the
+// most whose accumulators stay in registers), as even as the count allows (20 rows: 10 and 10),
+// so that every tile shares its weights' unpacking among as many rows as it can.
 template <typename F>
 void even_tiles(int64_t M, F&& f) {
-  const int64_t n = M <= 12 ? 1 : (M + 7) / 8;
+  const int64_t n = (M + 11) / 12;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t r = t * M / n;
     tile_of<12>((t + 1) * M / n - r, f, r);
