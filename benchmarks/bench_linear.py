@@ -16,6 +16,9 @@
    `--dtype bfloat16` packs them, 12 distinct weights): where
    int8 beats bfloat16 at every size, it takes prompts (gguf_blocks.INT8_LIMIT_VNNI); on AMX
    bfloat16 overtakes it between 32 and 64 rows (gguf_blocks.INT8_LIMIT_AMX_BF16).
+1e. The int8 kernel's own rate: one Q4_0 weight (2048 x 2048, in cache) at 3-64 rows, the best
+   of 30 calls. A minimum moves less than a median on a shared box, so this is the figure to
+   compare two versions of ext/cpu/gguf_int8.cpp by (with --threads 1).
 2. One decode step of the real model over a paged KV cache (128-token contexts)
    at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
    activations at every batch size: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_LIMIT,
@@ -52,7 +55,7 @@ def timed(f, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", default="1,1b,1c,1d,2", help="comma-separated: 1, 1b, 1c, 1d, 2")
+    ap.add_argument("--sections", default="1,1b,1c,1d,2", help="comma-separated: 1, 1b, 1c, 1d, 1e, 2")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per figure (1b, 1c, 2)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -73,6 +76,8 @@ def main() -> None:
         int8_crossover(layers, a.rounds)
     if "1d" in sections:
         int8_tinyllama(a.rounds)
+    if "1e" in sections:
+        int8_kernel_rate()
     if "2" in sections:
         decode_steps(model, a.rounds)
 
@@ -187,6 +192,32 @@ def int8_tinyllama(rounds: int) -> None:
             t = interleaved([cached, memory, bf16], rounds)
             ops = 2 * m * n * k * len(ws)
             print(f"| {name} ({n} x {k}) | {m} | " + " | ".join(f"{ops / v / 1e9:.0f}" for v in t) + " |", flush=True)
+
+
+def int8_kernel_rate() -> None:
+    import numpy as np
+
+    from aiolm.platforms.gguf_blocks import GGUFWeight
+
+    b = np.random.default_rng(0).integers(0, 256, size=(2048, 64, 18), dtype=np.uint8)
+    b[:, :, 0:2] = np.full((2048, 64, 1), 0.01, np.float16).view(np.uint8)
+    w = GGUFWeight.from_blocks(b.reshape(2048, -1), "Q4_0")
+    rows = (3, 4, 6, 8, 11, 12, 16, 24, 48, 64)
+    best = {}
+    for m in rows:
+        x = torch.randn(m, 2048)
+        calls = max(1, 64 // m)
+        w.linear_int8(x)
+        t = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                w.linear_int8(x)
+            t.append((time.perf_counter() - t0) / calls)
+        best[m] = 2 * m * 2048 * 2048 / min(t) / 1e9
+    print(f"\n| rows | {' | '.join(map(str, rows))} |\n|---|{'---|' * len(rows)}")
+    print(f"| int8 x, Q4_0 2048 x 2048, GOP/s ({torch.get_num_threads()} threads) | "
+          + " | ".join(f"{best[m]:.0f}" for m in rows) + " |")
 
 
 def decode_steps(model, rounds: int) -> None:
