@@ -19,6 +19,9 @@
 1e. The int8 kernel's own rate: one Q4_0 weight (2048 x 2048, in cache) at 3-64 rows, the best
    of 30 calls. A minimum moves less than a median on a shared box, so this is the figure to
    compare two versions of ext/cpu/gguf_int8.cpp by (with --threads 1).
+1f. A prompt's decoder layer: the real model's four linears (its GGUF blocks, int8 x) at
+   2048 rows, as a 2048-token prefill step runs them 30 times; median and best of 40.
+   The figure to compare versions of the kernel's threading by (with the default threads).
 2. One decode step of the real model over a paged KV cache (128-token contexts)
    at batch sizes 1-32: float32 panels, the GGUF blocks in float and with int8
    activations at every batch size: this, not (1), sets gguf_blocks.MAX_ROWS and INT8_LIMIT,
@@ -55,7 +58,7 @@ def timed(f, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", default="1,1b,1c,1d,2", help="comma-separated: 1, 1b, 1c, 1d, 1e, 2")
+    ap.add_argument("--sections", default="1,1b,1c,1d,2", help="comma-separated: 1, 1b, 1c, 1d, 1e, 1f, 2")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per figure (1b, 1c, 2)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -78,6 +81,8 @@ def main() -> None:
         int8_tinyllama(a.rounds)
     if "1e" in sections:
         int8_kernel_rate()
+    if "1f" in sections:
+        int8_prompt_layer([mod.method.blocks for _, mod in layers[:4]], shapes)
     if "2" in sections:
         decode_steps(model, a.rounds)
 
@@ -219,6 +224,30 @@ def int8_kernel_rate() -> None:
     print(f"\n| rows | {' | '.join(map(str, rows))} |\n|---|{'---|' * len(rows)}")
     print(f"| int8 x, Q4_0 2048 x 2048, GOP/s ({torch.get_num_threads()} threads) | "
           + " | ".join(f"{best[m]:.0f}" for m in rows) + " |")
+
+
+def int8_prompt_layer(blocks, shapes) -> None:
+    from aiolm.platforms.gguf_blocks import TYPE_IDS
+
+    rows, names = 2048, {v: k for k, v in TYPE_IDS.items()}
+    xs = [torch.randn(rows, k) for _, k in shapes]
+    ops = sum(2 * rows * n * k for n, k in shapes)
+
+    def layer() -> None:
+        for b, x in zip(blocks, xs):
+            b.linear_int8(x)
+
+    for _ in range(3):
+        layer()
+    t = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        layer()
+        t.append(time.perf_counter() - t0)
+    med = statistics.median(t)
+    print(f"\n| {rows} rows, qkv + o + gate_up + down, int8 x ({torch.get_num_threads()} threads) | median (ms) | best (ms) |"
+          f" GOP/s at the median |\n|---|---|---|---|\n| {', '.join(names[b.qtype] for b in blocks)} | {med * 1e3:.1f} |"
+          f" {min(t) * 1e3:.1f} | {ops / med / 1e9:.0f} |")
 
 
 def decode_steps(model, rounds: int) -> None:

@@ -649,16 +649,17 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
     constexpr int64_t T = decltype(type)::value;
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
     const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
-    // Passes over W of at most PASS rows of x each, so that a pass's codes stay in L2 while
-    // every group goes by (a prompt's thousand rows would not); within a pass, the groups
-    // in pairs, so that every thread's share starts on an even group.
-    for (int64_t m0 = 0; m0 < M; m0 += PASS) {
-      const QRows xm = x.from_row(m0);
-      const int64_t mm = std::min(PASS, M - m0);
-      at::parallel_for(0, (groups + 1) / 2, 2, [&](int64_t p0, int64_t p1) {
-        run_groups<T>(qp, sp, mp, xm, mm, yp + m0 * N, N, isa, 2 * p0, std::min(2 * p1, groups));
-      });
-    }
+    // Each thread takes a share of the groups, in pairs (so that it starts on an even group),
+    // and goes over it in passes of at most PASS rows of x, so that a pass's codes stay in
+    // cache while the share's groups go by (a prompt's thousand rows would not). The passes
+    // run inside the share: one fork and join a call, not one a pass, so that a thread held
+    // up in one pass need not hold up the other in every pass (a 2048-row prompt layer on a
+    // Zen 4: 1-5% faster than a join after every pass).
+    at::parallel_for(0, (groups + 1) / 2, 2, [&](int64_t p0, int64_t p1) {
+      for (int64_t m0 = 0; m0 < M; m0 += PASS)
+        run_groups<T>(qp, sp, mp, x.from_row(m0), std::min(PASS, M - m0), yp + m0 * N, N, isa, 2 * p0,
+                      std::min(2 * p1, groups));
+    });
   };
   with_type(qtype, run);
   return io.result();
