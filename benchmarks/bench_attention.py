@@ -11,8 +11,9 @@ which on a busy machine is the steadier of the two.
 Pages are placed at random and each layer has its own cache, so K/V come from
 memory as in a real step; prints the time of the 30 layers and the bytes of K/V
 read per second (the AVX2 machine read ~17 GB/s with 2 threads, the AVX-512 one
-~22); the same step with a 64-key sliding window (Mistral, Gemma 3's local layers:
-a row reads only its window's pages); then the prefill layer's time and GFLOP/s.
+~22), for a float32 cache and a float16 one (what `--dtype bfloat16` keeps); the
+same step with a 64-key sliding window (Mistral, Gemma 3's local layers: a row reads
+only its window's pages); then the prefill layer's time and GFLOP/s.
 """
 
 import statistics
@@ -34,19 +35,23 @@ B, ctx, H, KVH, D, bs, L = 64, 256, 9, 3, 64, 16, 30
 nb_per = ctx // bs
 nblocks = B * nb_per + 8
 g = torch.Generator().manual_seed(0)
-caches = [(torch.randn(nblocks, bs, KVH, D), torch.randn(nblocks, bs, KVH, D)) for _ in range(L)]
 table = torch.randperm(nblocks - 8, generator=g)[:B * nb_per].view(B, nb_per).contiguous().long()
 q = torch.randn(B, H, D); out = torch.empty_like(q)
 qsl = torch.arange(B + 1, dtype=torch.long); sl = torch.full((B,), ctx, dtype=torch.long)
-def run():
-    for kc, vc in caches:
-        torch.ops.aiolm.paged_attention(out, q, kc, vc, table, qsl, sl, 0.125)
-run(); ts=[]
-for _ in range(9):
-    t0=time.perf_counter(); run(); ts.append(time.perf_counter()-t0)
-mb = B*ctx*KVH*D*2*4*L/1e6
-t=statistics.median(ts)
-print(f"30 layers {t*1e3:.1f} ms [{min(ts)*1e3:.1f}] ({t*1e3/L:.2f} ms/layer, {mb/t/1e3:.1f} GB/s)")
+for dtype in (torch.float16, torch.float32):
+    caches = [(torch.randn(nblocks, bs, KVH, D).to(dtype), torch.randn(nblocks, bs, KVH, D).to(dtype))
+              for _ in range(L)]
+
+    def run():
+        for kc, vc in caches:
+            torch.ops.aiolm.paged_attention(out, q, kc, vc, table, qsl, sl, 0.125)
+    run(); ts=[]
+    for _ in range(9):
+        t0=time.perf_counter(); run(); ts.append(time.perf_counter()-t0)
+    mb = B*ctx*KVH*D*2*dtype.itemsize*L/1e6
+    t=statistics.median(ts)
+    print(f"decode, {str(dtype)[6:]} cache: 30 layers {t*1e3:.1f} ms [{min(ts)*1e3:.1f}] "
+          f"({t*1e3/L:.2f} ms/layer, {mb/t/1e3:.1f} GB/s)")
 def run_window():
     for kc, vc in caches:
         torch.ops.aiolm.paged_attention(out, q, kc, vc, table, qsl, sl, 0.125, 64)

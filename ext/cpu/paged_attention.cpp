@@ -266,7 +266,11 @@ struct RowState {
   }
 };
 
-// Pages lie anywhere: ask for page b + 1 of a row's n_keys keys while page b is used.
+// Pages lie anywhere: fetch page b + 1 of a row's n_keys keys while page b is used. With
+// plain loads of a byte per cache line, not prefetch instructions: on a Zen 4 the prefetches
+// of a page changed nothing (a decode step ran as fast without them), while the loads made it
+// about 25% faster (benchmarks/bench_attention.py, docs/benchmarks.md). A load the core has
+// to finish cannot be dropped, and the page is read from cache right after.
 template <typename KV>
 inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b, int64_t n_keys, const KV* kc,
                                const KV* vc) {
@@ -275,10 +279,9 @@ inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b,
   const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
   const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
   const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
-  for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(kn + off, 0, 3);
-    __builtin_prefetch(vn + off, 0, 3);
-  }
+  int sum = 0;
+  for (int64_t off = 0; off < bytes; off += 64) sum += kn[off] + vn[off];
+  asm volatile("" : : "r"(sum));  // keeps the loads: nothing else reads their sum
 }
 
 // One query row, all heads: softmax(q K^T * scale) V over keys [key0, n_keys),
