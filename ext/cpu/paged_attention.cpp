@@ -763,7 +763,15 @@ void write_rows(KV* dst, const float* src, int64_t n) {
   if constexpr (std::is_same_v<KV, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<KV>(src[i]);
+    int64_t i = 0;
+#if defined(__F16C__)
+    // Eight at a time, rounded to nearest even as c10::Half rounds one at a time: the same
+    // bits, where the scalar conversion took 2% of a prompt step.
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<KV>(src[i]);
   }
 }
 
@@ -790,11 +798,13 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, c
     KV* vcache = cache + slots * row;
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
-    for (int64_t t = 0; t < n; ++t) {
-      if (sl[t] < 0) continue;
-      write_rows(cache + sl[t] * row, kp + t * k.stride(0), row);
-      write_rows(vcache + sl[t] * row, vp + t * v.stride(0), row);
-    }
+    at::parallel_for(0, n, 256, [&](int64_t t0, int64_t t1) {  // a prompt's tokens on every thread
+      for (int64_t t = t0; t < t1; ++t) {
+        if (sl[t] < 0) continue;
+        write_rows(cache + sl[t] * row, kp + t * k.stride(0), row);
+        write_rows(vcache + sl[t] * row, vp + t * v.stride(0), row);
+      }
+    });
   };
   if (kv_cache.scalar_type() == at::kHalf) {
     run(kv_cache.data_ptr<at::Half>());
