@@ -556,6 +556,68 @@ inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p
   for (; j < n; ++j) accumulate_fixed<ND>(ob + j * d, c[j], p + j * 16, v, stride, rows);
 }
 
+// A page's keys (rows < 16 of them, `stride` apart, head_dim 8 * ND) transposed into kt
+// [d, 16], the keys past `rows` zero. With AVX-512, 16 x 16 blocks are transposed in
+// registers (64 shuffles), where one scalar store per value had cost as much as a fifth of
+// the page's FMAs.
+template <int ND, typename KV>
+inline void transpose_page(const KV* kb, int64_t stride, int64_t rows, float* kt) {
+  constexpr int64_t d = 8 * ND, bs = 16;
+#if defined(__AVX512F__)
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < rows ? load16(kb + i * stride + c) : _mm512_setzero_ps();
+    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[4g + e]: lane L holds column 4L + e of rows 4g..4g+3
+      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int e = 0; e < 4; ++e) {  // column 4L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
+      const __m512 x0 = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 x1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 x2 = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512 x3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
+      _mm512_storeu_ps(kt + (c + e) * bs, _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_storeu_ps(kt + (c + 4 + e) * bs, _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+      _mm512_storeu_ps(kt + (c + 8 + e) * bs, _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_storeu_ps(kt + (c + 12 + e) * bs, _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+  }
+#else
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t dd = 0; dd < d; dd += 8) {
+      const v8f r = load8(kb + t * stride + dd);
+      for (int j = 0; j < 8; ++j) kt[(dd + j) * bs + t] = r[j];
+    }
+  for (int64_t t = rows; t < bs; ++t)
+    for (int64_t dd = 0; dd < d; ++dd) kt[dd * bs + t] = 0.f;
+#endif
+}
+
+#if defined(__AVX512F__)
+// One query vector's page of scores sh[16] as softmax_page folds it, for the keys [beg, end)
+// it sees, in one vector: the page max, the exp of each score less the new running max,
+// zeros for the keys it does not see. The running sums' correction exp(m - new m) is 1 where
+// the max stands, as it mostly does after the first pages: one scalar exp saved per vector
+// and page. The same values as softmax_page gives (its sum adds the lanes in another order
+// only for a row whose window starts inside the page).
+inline void softmax_row16(float* sh, int64_t beg, int64_t end, float& m, float& l, float& c) {
+  const __mmask16 k = static_cast<__mmask16>(((1u << end) - 1) & ~((1u << beg) - 1));
+  const __m512 x = _mm512_maskz_loadu_ps(k, sh);
+  const float new_m = std::max(m, _mm512_mask_reduce_max_ps(k, x));
+  c = new_m == m ? 1.f : std::exp(m - new_m);
+  const __m512 p = _mm512_maskz_mov_ps(k, aiolm_vec::exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_m))));
+  _mm512_storeu_ps(sh, p);
+  l = l * c + _mm512_reduce_add_ps(p);
+  m = new_m;
+}
+#endif
+
 // Query rows [i0, i1) of one request (a prefill tile), all heads, for pages of 16
 // keys and head_dim = 8 * ND: per kv head, the tile's rows times the group's query
 // heads form a block of query vectors that meets each page once, K transposed so
@@ -594,19 +656,19 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
       const int64_t j0 = (first - i0) * G, j1 = (last - i0) * G;
       const KV* kb = kc + table[b] * s.kv_block_stride + kh * d;
       const KV* vb = vc + table[b] * s.kv_block_stride + kh * d;
-      for (int64_t t = 0; t < rows; ++t)
-        for (int64_t dd = 0; dd < d; dd += 8) {
-          const v8f r = load8(kb + t * s.kv_row_stride + dd);
-          for (int j = 0; j < 8; ++j) kt[(dd + j) * bs + t] = r[j];
-        }
-      for (int64_t t = rows; t < bs; ++t)
-        for (int64_t dd = 0; dd < d; ++dd) kt[dd * bs + t] = 0.f;
+      transpose_page<ND>(kb, s.kv_row_stride, rows, kt);
       scores_rows16(j1 - j0, qb + j0 * d, d, kt, scale, sb + j0 * bs);
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t pos = ctx + i0 + j / G;  // row j's position; it sees keys [beg, end) of this page
         const int64_t end = std::min(rows, pos + 1 - key0);
         const int64_t beg = std::max<int64_t>(0, window_start(pos, s.window) - key0);
         float* sh = sb + j * bs;
+#if defined(__AVX512F__)
+        if (s.softcap == 0.f) {
+          softmax_row16(sh, beg, end, mb[j], lb[j], cb[j]);
+          continue;
+        }
+#endif
         float bmax = -std::numeric_limits<float>::infinity();
         for (int64_t t = beg; t < end; ++t) bmax = std::max(bmax, sh[t]);
         if (s.softcap > 0.f) bmax = softcap_page(sh + beg, end - beg, bmax, s.softcap);
