@@ -1,0 +1,162 @@
+"""Two versions of one CPU kernel source, timed in turns in one process.
+
+    python benchmarks/ab_kernel.py CASE [--old REV] [--threads N] [--rounds N]
+
+On a shared 2-vCPU box the speed of the machine wanders by 10-20% within minutes, more
+than most kernel changes: separate runs of a benchmark cannot tell two versions apart.
+This builds the case's source file as it is at git revision REV (default HEAD) and as it
+is in the working tree, each as a library of its own whose ops are registered under
+another namespace (aiolm_old, aiolm_new), checks that both give the same outputs, and
+times them call for call in alternation, so that the box's drift falls on both.
+
+Cases (the real model's shapes where it has them):
+  head          the embedded model's LM head (Q8_0 49152 x 576, 30 MB: from memory) at
+                --rows (default 11), int8 x (ext/cpu/gguf_int8.cpp)
+  prompt-layer  a 2048-row prompt through one layer's four linears (Q4_1 blocks of random
+                codes in the embedded model's shapes), int8 x
+  tinyllama     make_model.py's 1.1B shapes, three layers' linears of random Q4_0 codes (from
+                memory), at --rows (default 11), int8 x
+  decode-attn   a decode step's attention, 64 rows x 256 keys, 30 layers' float16 caches,
+                pages at random (ext/cpu/paged_attention.cpp)
+  prefill-attn  one layer of a 2048-token prefill's attention, float16 cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from aiolm.kernels import cpu  # noqa: E402
+
+SOURCES = {"head": "gguf_int8.cpp", "prompt-layer": "gguf_int8.cpp", "tinyllama": "gguf_int8.cpp",
+           "decode-attn": "paged_attention.cpp", "prefill-attn": "paged_attention.cpp"}
+
+
+def build(source: str, namespace: str, out_dir: Path) -> None:
+    """Compiles one source with the kernels' own flags, its ops registered under `namespace`."""
+    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL", "TORCH_LIBRARY"):
+        source = source.replace(f"{macro}(aiolm,", f"{macro}({namespace},")
+    src, obj, lib = (out_dir / f"{namespace}{ext}" for ext in (".cpp", ".o", ".so"))
+    src.write_text(source)
+    flags = [*cpu._compile_flags(), f"-I{ROOT / 'ext' / 'cpu'}"]
+    subprocess.run(["c++", *flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True)
+    subprocess.run(cpu._link_command([obj], lib, "c++"), check=True, capture_output=True)
+    torch.ops.load_library(str(lib))
+
+
+def random_blocks(n: int, k: int, qtype: str, rng):
+    """An n x k weight of random codes in GGUF blocks, scales 0.01 (Q4_1's mins -0.08)."""
+    from aiolm.platforms.gguf_blocks import GGUFWeight
+
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    b = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
+    b[:, :, 0:2] = np.full((n, k // 32, 1), 0.01, np.float16).view(np.uint8)
+    if qtype == "Q4_1":
+        b[:, :, 2:4] = np.full((n, k // 32, 1), -0.08, np.float16).view(np.uint8)
+    return GGUFWeight.from_blocks(b.reshape(n, -1), qtype)
+
+
+def linear_case(case: str, rows: int):
+    """(weights, inputs) of a linear case: each call runs every weight on its input."""
+    rng = np.random.default_rng(0)
+    if case == "head":
+        from aiolm.model.loader import resolve_model
+        from aiolm.model.registry import build_model
+
+        ws = [build_model(resolve_model(None)).lm_head.method.blocks]
+    elif case == "prompt-layer":
+        rows = 2048
+        ws = [random_blocks(n, k, "Q4_1", rng) for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+    else:
+        ws = [random_blocks(n, k, "Q4_0", rng) for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+              for _ in range(3)]
+    xs = [torch.randn(rows, w.scale.shape[1] // 8 * 32) for w in ws]
+    return ws, xs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("case", choices=sorted(SOURCES))
+    ap.add_argument("--old", default="HEAD", help="git revision of the first version (default HEAD)")
+    ap.add_argument("--rows", type=int, default=11)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=21)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    assert cpu.load(), "the CPU kernels did not build"
+    path = f"ext/cpu/{SOURCES[a.case]}"
+    old = subprocess.run(["git", "show", f"{a.old}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        build(old, "aiolm_old", Path(tmp))
+        build((ROOT / path).read_text(), "aiolm_new", Path(tmp))
+    versions = ("aiolm_old", "aiolm_new")
+
+    if a.case in ("head", "prompt-layer", "tinyllama"):
+        ws, xs = linear_case(a.case, a.rows)
+
+        def call(ns: str):
+            op = getattr(torch.ops, ns).gguf_int8_linear
+            return [op(x, w.qs, w.scale, w.mins, w.qtype, w.n, -1) for w, x in zip(ws, xs)]
+    else:
+        call = attention_case(a.case)
+    first, second = (call(ns) for ns in versions)
+    for f, s in zip(first, second):  # tiling may reorder float sums: close, not equal
+        torch.testing.assert_close(s, f, rtol=1e-4, atol=1e-4)
+    times = {ns: [] for ns in versions}
+    for _ in range(a.rounds):
+        for ns in versions:
+            t0 = time.perf_counter()
+            call(ns)
+            times[ns].append(time.perf_counter() - t0)
+    base = statistics.median(times["aiolm_old"])
+    for ns, label in zip(versions, (f"{a.old} ", "worktree")):
+        med = statistics.median(times[ns])
+        print(f"{a.case} ({a.threads} threads{', %d rows' % a.rows if a.case in ('head', 'tinyllama') else ''}), "
+              f"{label}: median {med * 1e3:.2f} ms, best {min(times[ns]) * 1e3:.2f} ms, {med / base:.3f}x the old")
+
+
+def attention_case(case: str):
+    """A call running one attention case on version ns (returns the outputs to compare)."""
+    g = torch.Generator().manual_seed(0)
+    H, KVH, D, bs = 9, 3, 64, 16
+    if case == "decode-attn":
+        B, ctx, L = 64, 256, 30
+        nblocks = B * ctx // bs
+        caches = [(torch.randn(nblocks, bs, KVH, D).half(), torch.randn(nblocks, bs, KVH, D).half()) for _ in range(L)]
+        table = torch.randperm(nblocks, generator=g).view(B, ctx // bs).contiguous()
+        q, qsl, sl = torch.randn(B, H, D), torch.arange(B + 1), torch.full((B,), ctx)
+    else:
+        lens = [160] * 12 + [128]
+        nblocks = sum(n // bs for n in lens)
+        caches = [(torch.randn(nblocks, bs, KVH, D).half(), torch.randn(nblocks, bs, KVH, D).half())]
+        rows, nxt = [], 0
+        for n in lens:
+            rows.append(list(range(nxt, nxt + n // bs)) + [0] * (10 - n // bs))
+            nxt += n // bs
+        table = torch.tensor(rows)
+        q, qsl = torch.randn(sum(lens), H, D), torch.tensor([0, *np.cumsum(lens)])
+        sl = torch.tensor(lens)
+
+    def call(ns: str):
+        op, outs = getattr(torch.ops, ns).paged_attention, []
+        for kc, vc in caches:
+            out = torch.empty_like(q)
+            op(out, q, kc, vc, table, qsl, sl, 0.125)
+            outs.append(out)
+        return outs
+    return call
+
+
+if __name__ == "__main__":
+    main()
