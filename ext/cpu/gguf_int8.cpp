@@ -452,7 +452,7 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
     // loads overlap the arithmetic of the blocks before (the later tiles find them in cache).
     // Past the pair's last block, the next pair's: groups g + 2 and g + 3 follow qb's blocks,
     // and both are asked for (asking for qa's and qb's blocks past their ends had warmed only
-    // the first; the LM head at 11 rows ran 27% faster with both). Prefetches past the end of
+    // the first; the LM head at 11 rows took a quarter less time with both). Prefetches past the end of
     // the weight are harmless.
     const int64_t j = b + AHEAD, nb = x.nblocks;
     const uint8_t* pa = j < nb ? qa + j * BYTES : qa + (nb + j) * BYTES;

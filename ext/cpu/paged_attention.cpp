@@ -268,8 +268,8 @@ struct RowState {
 
 // Pages lie anywhere: fetch page b + 1 of a row's n_keys keys while page b is used. With
 // plain loads of a byte per cache line, not prefetch instructions: on a Zen 4 the prefetches
-// of a page changed nothing (a decode step ran as fast without them), while the loads made it
-// about 25% faster (benchmarks/bench_attention.py, docs/benchmarks.md). A load the core has
+// of a page changed nothing (a decode step ran as fast without them), while the loads took
+// a quarter off its time (benchmarks/ab_kernel.py decode-attn, docs/benchmarks.md). A load the core has
 // to finish cannot be dropped, and the page is read from cache right after.
 template <typename KV>
 inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b, int64_t n_keys, const KV* kc,
@@ -558,8 +558,7 @@ inline void accumulate_rows(int64_t n, float* ob, const float* c, const float* p
 
 // A page's keys (rows < 16 of them, `stride` apart, head_dim 8 * ND) transposed into kt
 // [d, 16], the keys past `rows` zero. With AVX-512, 16 x 16 blocks are transposed in
-// registers (64 shuffles), where one scalar store per value had cost as much as a fifth of
-// the page's FMAs.
+// registers (64 shuffles and 16 stores a block; the other paths store each value alone).
 template <int ND, typename KV>
 inline void transpose_page(const KV* kb, int64_t stride, int64_t rows, float* kt) {
   constexpr int64_t d = 8 * ND, bs = 16;
@@ -602,10 +601,10 @@ inline void transpose_page(const KV* kb, int64_t stride, int64_t rows, float* kt
 #if defined(__AVX512F__)
 // One query vector's page of scores sh[16] as softmax_page folds it, for the keys [beg, end)
 // it sees, in one vector: the page max, the exp of each score less the new running max,
-// zeros for the keys it does not see. The running sums' correction exp(m - new m) is 1 where
-// the max stands, as it mostly does after the first pages: one scalar exp saved per vector
-// and page. The same values as softmax_page gives (its sum adds the lanes in another order
-// only for a row whose window starts inside the page).
+// zeros for the keys it does not see. The running sums' correction exp(m - new m) is 1
+// where the max stands, so the call is skipped there (exp(0) is 1 exactly). The same values
+// as softmax_page gives (its sum adds the lanes in another order only for a row whose window
+// starts inside the page).
 inline void softmax_row16(float* sh, int64_t beg, int64_t end, float& m, float& l, float& c) {
   const __mmask16 k = static_cast<__mmask16>(((1u << end) - 1) & ~((1u << beg) - 1));
   const __m512 x = _mm512_maskz_loadu_ps(k, sh);
