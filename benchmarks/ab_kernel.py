@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from aiolm.kernels import cpu  # noqa: E402
+from bench_linear import random_blocks  # noqa: E402  (this folder: the script's own)
 
 SOURCES = {"head": "gguf_int8.cpp", "prompt-layer": "gguf_int8.cpp", "tinyllama": "gguf_int8.cpp",
            "decode-attn": "paged_attention.cpp", "prefill-attn": "paged_attention.cpp"}
@@ -55,18 +56,6 @@ def build(source: str, namespace: str, out_dir: Path) -> None:
     torch.ops.load_library(str(lib))
 
 
-def random_blocks(n: int, k: int, qtype: str, rng):
-    """An n x k weight of random codes in GGUF blocks, scales 0.01 (Q4_1's mins -0.08)."""
-    from aiolm.platforms.gguf_blocks import GGUFWeight
-
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
-    b = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
-    b[:, :, 0:2] = np.full((n, k // 32, 1), 0.01, np.float16).view(np.uint8)
-    if qtype == "Q4_1":
-        b[:, :, 2:4] = np.full((n, k // 32, 1), -0.08, np.float16).view(np.uint8)
-    return GGUFWeight.from_blocks(b.reshape(n, -1), qtype)
-
-
 def linear_case(case: str, rows: int):
     """(weights, inputs) of a linear case: each call runs every weight on its input."""
     rng = np.random.default_rng(0)
@@ -77,9 +66,9 @@ def linear_case(case: str, rows: int):
         ws = [build_model(resolve_model(None)).lm_head.method.blocks]
     elif case == "prompt-layer":
         rows = 2048
-        ws = [random_blocks(n, k, "Q4_1", rng) for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+        ws = [random_blocks(n, k, rng, "Q4_1") for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
     else:
-        ws = [random_blocks(n, k, "Q4_0", rng) for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+        ws = [random_blocks(n, k, rng) for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
               for _ in range(3)]
     xs = [torch.randn(rows, w.scale.shape[1] // 8 * 32) for w in ws]
     return ws, xs

@@ -161,15 +161,19 @@ def int8_crossover(layers, rounds: int) -> None:
 ROWS_1D = [1, 2, 4, 8, 11, 16, 32, 64, 256, 1024]  # 32-64: where bfloat16 on AMX tiles overtakes int8
 
 
-def random_q4_0(n: int, k: int, rng):
-    """An n x k Q4_0 weight of random codes, every block's scale 0.01."""
+def random_blocks(n: int, k: int, rng, qtype: str = "Q4_0"):
+    """An n x k weight of random codes in GGUF blocks (Q4_0, Q4_1 or Q8_0), every block's
+    scale 0.01 (Q4_1's mins -0.08)."""
     import numpy as np
 
     from aiolm.platforms.gguf_blocks import GGUFWeight
 
-    b = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    b = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
     b[:, :, 0:2] = np.full((n, k // 32, 1), 0.01, np.float16).view(np.uint8)
-    return GGUFWeight.from_blocks(b.reshape(n, -1), "Q4_0")
+    if qtype == "Q4_1":
+        b[:, :, 2:4] = np.full((n, k // 32, 1), -0.08, np.float16).view(np.uint8)
+    return GGUFWeight.from_blocks(b.reshape(n, -1), qtype)
 
 
 def int8_tinyllama(rounds: int) -> None:
@@ -182,7 +186,7 @@ def int8_tinyllama(rounds: int) -> None:
     print("\n| layer (N x K) | rows | int8 x, in cache (GOP/s) | int8 x, from memory | bfloat16 oneDNN, from memory |"
           "\n|---|---|---|---|---|")
     for name, n, k in [("gate_up", 11264, 2048), ("down", 2048, 5632), ("qkv", 2560, 2048)]:
-        ws = [random_q4_0(n, k, rng) for _ in range(12)]
+        ws = [random_blocks(n, k, rng) for _ in range(12)]
         wbs = [pack_weight(w.dequantize(), torch.bfloat16) for w in ws]  # as --dtype bfloat16 packs them
         for m in ROWS_1D:
             x = torch.randn(m, k)
@@ -207,7 +211,7 @@ def int8_tinyllama(rounds: int) -> None:
 def int8_kernel_rate() -> None:
     import numpy as np
 
-    w = random_q4_0(2048, 2048, np.random.default_rng(0))
+    w = random_blocks(2048, 2048, np.random.default_rng(0))
     rows = (3, 4, 6, 8, 11, 12, 16, 24, 48, 64)
     best = {}
     for m in rows:

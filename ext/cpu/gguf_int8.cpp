@@ -452,8 +452,8 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
     // loads overlap the arithmetic of the blocks before (the later tiles find them in cache).
     // Past the pair's last block, the next pair's: groups g + 2 and g + 3 follow qb's blocks,
     // and both are asked for (asking for qa's and qb's blocks past their ends had warmed only
-    // the first; the LM head at 11 rows took a quarter less time with both). Prefetches past the end of
-    // the weight are harmless.
+    // the first; the LM head at 11 rows took a quarter less time with both). Prefetches past
+    // the end of the weight are harmless.
     const int64_t j = b + AHEAD, nb = x.nblocks;
     const uint8_t* pa = j < nb ? qa + j * BYTES : qa + (nb + j) * BYTES;
     const uint8_t* pb = j >= nb ? qa + (2 * nb + j) * BYTES : qb ? qb + j * BYTES : nullptr;
