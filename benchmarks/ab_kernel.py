@@ -50,9 +50,9 @@ def build(source: str, namespace: str, out_dir: Path) -> None:
         source = source.replace(f"{macro}(aiolm,", f"{macro}({namespace},")
     src, obj, lib = (out_dir / f"{namespace}{ext}" for ext in (".cpp", ".o", ".so"))
     src.write_text(source)
-    flags = [*cpu._compile_flags(), f"-I{ROOT / 'ext' / 'cpu'}"]
-    subprocess.run(["c++", *flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True)
-    subprocess.run(cpu._link_command([obj], lib, "c++"), check=True, capture_output=True)
+    flags, compiler = [*cpu._compile_flags(), f"-I{ROOT / 'ext' / 'cpu'}"], cpu._compiler()
+    subprocess.run([compiler, *flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True)
+    subprocess.run(cpu._link_command([obj], lib, compiler), check=True, capture_output=True)
     torch.ops.load_library(str(lib))
 
 

@@ -105,11 +105,16 @@ def library_path() -> Path:
     return cache_dir() / f"aiolm_cpu_{h.hexdigest()[:16]}.so"
 
 
-def _build(target: Path) -> None:
-    """Compile each source on its own (in parallel, one progress line each), then link."""
+def _compiler() -> str:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    return compiler
+
+
+def _build(target: Path) -> None:
+    """Compile each source on its own (in parallel, one progress line each), then link."""
+    compiler = _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         flags = _compile_flags()
