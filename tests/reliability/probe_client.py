@@ -53,11 +53,13 @@ async def probes(base: str) -> dict[str, Any]:
         the = (await c.post("/tokenize", json={"prompt": " the", "add_special_tokens": False})).json()["tokens"]
         assert len(the) == 1
         # 1. Stop strings at the cap that the text keeps nearly matching: the whole text is held back.
+        # Just over the cap's worth of " the" (4 chars a token), so that the hold-back window fills.
         near = [(" the" * (MAX_STOP_STRING_CHARS // 4))[:-1] + x for x in "XYZW"]
         assert sum(map(len, near)) <= MAX_STOP_TOTAL_CHARS
-        body = {"prompt": "Repeat after me:", "max_tokens": 300, "temperature": 0.0, "ignore_eos": True,
+        res["stop_at_cap_tokens"] = n = MAX_STOP_STRING_CHARS // 4 + 14
+        body = {"prompt": "Repeat after me:", "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
                 "logit_bias": {str(the[0]): 100}, "stop": near}
-        res["stop_at_cap"] = await _timed("stop_at_cap", marks, asyncio.gather(*(_stream(c, body) for _ in range(16))))
+        res["stop_at_cap"] = await _timed("stop_at_cap", marks, asyncio.gather(*(_stream(c, body) for _ in range(8))))
         # 2. As many stop strings as allowed.
         many = [f"never-{i:02d}-" + "q" * 50 for i in range(MAX_STOP_STRINGS)]
         body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0.0, "ignore_eos": True, "stop": many}

@@ -4,8 +4,8 @@ The server (uvicorn + AsyncEngine with real worker processes) runs on an event
 loop in a thread of this process, with a 5 ms ticker on the same loop measured
 as tests/engine/test_async_engine.py measures it (wall lag, the loop thread's
 run-queue wait and its CPU time per tick). The probes run in a separate process
-(probe_client.py): stop strings at the cap that the text keeps nearly matching,
-64 stop strings, stop lists past each cap (400), 20 logprobs on 64 streams, a
+(probe_client.py): stop strings at the cap that 8 streams' text keeps nearly matching, 64
+stop strings, stop lists past each cap (400), 20 logprobs on 64 streams, a
 4 MB chat body, and a body that never finishes arriving (408).
 """
 
@@ -86,7 +86,7 @@ def test_client_controlled_work_never_stalls_the_loop():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")]
 
     # Every probe got its answer or its 400.
-    the = " the" * 300
+    the = " the" * res["stop_at_cap_tokens"]
     for r in res["stop_at_cap"]:
         assert r["status"] == 200 and r["finish_reason"] == "length" and r["text"] == the, r
     assert len(the) > MAX_STOP_STRING_CHARS  # the hold-back window was full

@@ -28,7 +28,7 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
 
     prompts = [tokenizer.encode("The capital of France is"),
                tokenizer.encode("List three colours of the rainbow, then say why the sky is blue:")]
-    max_new = 5
+    max_new = 3
     # prefill in two passes: the first pass has two fresh chunks, the second two chunks that
     # attend to a cached prefix; then decode rows, all in flat batches of both prompts
     want = PagedHarness(real_model, block_size=16).greedy(prompts, max_new, split=3)
@@ -45,7 +45,7 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
         got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
     assert got == want
     assert len(want[0]) == len(want[1]) == max_new
-    # every op of every layer ran its kernel: 2 prefill passes + 4 decode steps
+    # every op of every layer ran its kernel: 2 prefill passes + 2 decode steps
     layers, steps = len(triton_model.layers), 2 + max_new - 1
     assert launches == {"rms_norm": steps, "add_rms_norm_": (2 * layers - 1 + 1) * steps,
                         "rotary_": layers * steps, "silu_and_mul": layers * steps}, launches
