@@ -14,6 +14,8 @@ Cases (the real model's shapes where it has them):
                 --rows (default 11), int8 x (ext/cpu/gguf_int8.cpp)
   prompt-layer  a 2048-row prompt through one layer's four linears (Q4_1 blocks of random
                 codes in the embedded model's shapes), int8 x
+  model         every linear of the embedded model (30 layers' and the head, its own GGUF
+                blocks: from memory) in a decode step's order, at --rows (default 11), int8 x
   tinyllama     make_model.py's 1.1B shapes, three layers' linears of random Q4_0 codes (from
                 memory), at --rows (default 11), int8 x
   decode-attn   a decode step's attention, 64 rows x 256 keys, 30 layers' float16 caches,
@@ -41,6 +43,7 @@ from aiolm.kernels import cpu  # noqa: E402
 from bench_linear import random_blocks  # noqa: E402  (this folder: the script's own)
 
 SOURCES = {"head": "gguf_int8.cpp", "prompt-layer": "gguf_int8.cpp", "tinyllama": "gguf_int8.cpp",
+           "model": "gguf_int8.cpp",
            "decode-attn": "paged_attention.cpp", "prefill-attn": "paged_attention.cpp"}
 
 
@@ -64,6 +67,12 @@ def linear_case(case: str, rows: int):
         from aiolm.model.registry import build_model
 
         ws = [build_model(resolve_model(None)).lm_head.method.blocks]
+    elif case == "model":
+        from aiolm.model.loader import resolve_model
+        from aiolm.model.registry import build_model
+
+        ws = [mod.method.blocks for mod in build_model(resolve_model(None)).modules()
+              if hasattr(getattr(mod, "method", None), "blocks")]
     elif case == "prompt-layer":
         rows = 2048
         ws = [random_blocks(n, k, rng, "Q4_1") for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
@@ -91,7 +100,7 @@ def main() -> None:
         build((ROOT / path).read_text(), "aiolm_new", Path(tmp))
     versions = ("aiolm_old", "aiolm_new")
 
-    if a.case in ("head", "prompt-layer", "tinyllama"):
+    if a.case in ("head", "prompt-layer", "tinyllama", "model"):
         ws, xs = linear_case(a.case, a.rows)
 
         def call(ns: str):
@@ -111,7 +120,7 @@ def main() -> None:
     base = statistics.median(times["aiolm_old"])
     for ns, label in zip(versions, (f"{a.old} ", "worktree")):
         med = statistics.median(times[ns])
-        print(f"{a.case} ({a.threads} threads{', %d rows' % a.rows if a.case in ('head', 'tinyllama') else ''}), "
+        print(f"{a.case} ({a.threads} threads{', %d rows' % a.rows if a.case in ('head', 'tinyllama', 'model') else ''}), "
               f"{label}: median {med * 1e3:.2f} ms, best {min(times[ns]) * 1e3:.2f} ms, {med / base:.3f}x the old")
 
 
