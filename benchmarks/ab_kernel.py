@@ -16,6 +16,8 @@ Cases (the real model's shapes where it has them):
                 codes in the embedded model's shapes), int8 x
   model         every linear of the embedded model (30 layers' and the head, its own GGUF
                 blocks: from memory) in a decode step's order, at --rows (default 11), int8 x
+  panels        every float32 linear of the embedded model (panels of 16 columns, 540 MB:
+                from memory) in a decode step's order, at --rows (ext/cpu/panel_gemm.cpp)
   tinyllama     make_model.py's 1.1B shapes, three layers' linears of random Q4_0 codes (from
                 memory), at --rows (default 11), int8 x
   decode-attn   a decode step's attention, 64 rows x 256 keys, 30 layers' float16 caches,
@@ -43,7 +45,7 @@ from aiolm.kernels import cpu  # noqa: E402
 from bench_linear import random_blocks  # noqa: E402  (this folder: the script's own)
 
 SOURCES = {"head": "gguf_int8.cpp", "prompt-layer": "gguf_int8.cpp", "tinyllama": "gguf_int8.cpp",
-           "model": "gguf_int8.cpp",
+           "model": "gguf_int8.cpp", "panels": "panel_gemm.cpp",
            "decode-attn": "paged_attention.cpp", "prefill-attn": "paged_attention.cpp"}
 
 
@@ -100,7 +102,13 @@ def main() -> None:
         build((ROOT / path).read_text(), "aiolm_new", Path(tmp))
     versions = ("aiolm_old", "aiolm_new")
 
-    if a.case in ("head", "prompt-layer", "tinyllama", "model"):
+    if a.case == "panels":
+        ws, xs = panel_case(a.rows)
+
+        def call(ns: str):
+            op = getattr(torch.ops, ns).panel_linear
+            return [op(x, w.data, w.out_features) for w, x in zip(ws, xs)]
+    elif a.case in ("head", "prompt-layer", "tinyllama", "model"):
         ws, xs = linear_case(a.case, a.rows)
 
         def call(ns: str):
@@ -120,8 +128,23 @@ def main() -> None:
     base = statistics.median(times["aiolm_old"])
     for ns, label in zip(versions, (f"{a.old} ", "worktree")):
         med = statistics.median(times[ns])
-        print(f"{a.case} ({a.threads} threads{', %d rows' % a.rows if a.case in ('head', 'tinyllama', 'model') else ''}), "
+        print(f"{a.case} ({a.threads} threads{', %d rows' % a.rows if a.case in ('head', 'tinyllama', 'model', 'panels') else ''}), "
               f"{label}: median {med * 1e3:.2f} ms, best {min(times[ns]) * 1e3:.2f} ms, {med / base:.3f}x the old")
+
+
+def panel_case(rows: int):
+    """(weights, inputs): the embedded model's float32 panels, as its float32 steps above the
+    blocks' rows run them (the LM head's too)."""
+    from aiolm.model.loader import resolve_model
+    from aiolm.model.registry import build_model
+
+    ws = []
+    for mod in build_model(resolve_model(None), torch.float32).modules():
+        method = getattr(mod, "method", None)
+        method = getattr(method, "fallback", method)  # a GGUF layer's float32 matmul
+        if getattr(method, "panels", False):
+            ws.append(method)
+    return ws, [torch.randn(rows, w.data.shape[1]) for w in ws]
 
 
 def attention_case(case: str):
