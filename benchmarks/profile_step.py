@@ -41,6 +41,7 @@ def main() -> None:
     kv_dtype = get_platform("cpu").kv_cache_dtype(getattr(torch, a.dtype))  # as the model runner keeps it
     caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype)
               for _ in range(cfg.num_layers)]
+    get_platform("cpu").tune_worker_process()  # the heap settings a worker process steps under
     qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
     tables, nxt = [], 1
     for s in slens:
