@@ -38,10 +38,11 @@ def main() -> None:
     model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=2048)
     cfg, bs = src.config, 16
     kv_heads = model.layers[0].self_attn.num_kv_heads
-    kv_dtype = get_platform("cpu").kv_cache_dtype(getattr(torch, a.dtype))  # as the model runner keeps it
+    platform = get_platform("cpu")
+    kv_dtype = platform.kv_cache_dtype(getattr(torch, a.dtype))  # as the model runner keeps it
     caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype)
               for _ in range(cfg.num_layers)]
-    get_platform("cpu").tune_worker_process()  # the heap settings a worker process steps under
+    platform.tune_worker_process()  # the heap settings a worker process steps under
     qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
     tables, nxt = [], 1
     for s in slens:
