@@ -19,8 +19,10 @@ def test_wheel_carries_ext_and_finds_it_when_installed(tmp_path):
     sources = sorted(p.name for p in (ROOT / "ext" / "cpu").iterdir())
     assert sorted(n.rsplit("/", 1)[1] for n in names if "/share/aiolm/ext/cpu/" in n) == sources
     prefix = tmp_path / "prefix"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    # --ignore-installed: without it pip first uninstalls the aiolm of the environment running
+    # this test (the checkout's editable install) before writing into the prefix.
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
+                    "--prefix", str(prefix), str(wheel)], check=True, capture_output=True, timeout=300)
     site = next(prefix.glob("lib/python*/site-packages"))
     probe = ("from aiolm.kernels import cpu; import aiolm; "
              "print(aiolm.__file__); print(cpu.source_dir()); print(cpu.library_path().name)")
@@ -31,3 +33,7 @@ def test_wheel_carries_ext_and_finds_it_when_installed(tmp_path):
     assert out[0].startswith(str(site))  # the installed copy, not this checkout
     assert Path(out[1]) == prefix / "share" / "aiolm" / "ext" / "cpu"
     assert out[2] == cpu.library_path().name  # same sources, torch and CPU: the same build key
+    # The running environment is untouched: its aiolm is still this checkout, as a fresh process sees it.
+    home = subprocess.run([sys.executable, "-c", "import aiolm; print(aiolm.__file__)"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert Path(home) == ROOT / "aiolm" / "__init__.py"
