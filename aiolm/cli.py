@@ -1,10 +1,6 @@
-"""``aiolm``: serve the OpenAI-compatible API, or generate / chat in the terminal.
-
-    aiolm serve [MODEL] [--host H --port P --api-key K ...engine flags]
-    aiolm generate "Once upon a time" --max-tokens 64
-    aiolm chat                      # interactive; reads stdin, streams replies; Ctrl-D quits
-
-Engine flags come from EngineArgs, the same definition the Python API uses.
+"""The ``aiolm`` command: serve the OpenAI-compatible API, or generate / chat in the
+terminal (``USAGE`` is what ``aiolm --help`` prints). Engine flags come from EngineArgs,
+the same definition the Python API uses.
 """
 
 from __future__ import annotations
@@ -24,6 +20,17 @@ import time
 from typing import Any, Iterator
 
 from aiolm.config import CliParser, EngineArgs, int_in
+
+USAGE = """\
+aiolm: an LLM inference and serving engine
+
+  aiolm serve [MODEL] [--host H --port P --api-key K ...]   serve the OpenAI-compatible API
+  aiolm generate "Once upon a time" --max-tokens 64         continue a prompt, print it
+  aiolm chat                                                 chat in the terminal; Ctrl-D quits
+  aiolm bench {throughput,latency,serve} ...                 measure
+
+MODEL is a Hugging Face model folder or a .gguf file (default: the embedded
+SmolLM2-135M-Instruct). `aiolm COMMAND --help` lists a command's flags."""
 
 
 def _setup_logging(level: str) -> None:
@@ -56,6 +63,11 @@ def serve(argv: list[str]) -> int:
     _setup_logging(ns.log_level)
     # Bound before the engine stack is even imported: a busy port fails at once.
     sock = _listen_socket(parser, ns.host, ns.port)
+    try:
+        _check_model(parser, engine_args)
+    except SystemExit:
+        sock.close()
+        raise
     import uvicorn
 
     from aiolm.engine.data_parallel import create_engine
@@ -75,6 +87,17 @@ def _check_model_path(parser: argparse.ArgumentParser, model: str | None) -> Non
     if model is not None and not os.path.exists(os.path.expanduser(model)):
         parser.error(f"model {model!r}: no such file or directory (give a Hugging Face model folder or a "
                      f".gguf file; no model hub is contacted)")
+
+
+def _check_model(parser: argparse.ArgumentParser, args: EngineArgs) -> None:
+    """Read the model's config and check the flags that depend on it (an unknown
+    architecture, a tensor-parallel size that does not split it): one line, exit 2."""
+    from aiolm.engine.async_engine import check_model_args
+
+    try:
+        check_model_args(args)
+    except ValueError as e:  # ModelLoadError is one
+        parser.error(str(e))
 
 
 def _check_device(parser: argparse.ArgumentParser, args: EngineArgs) -> None:
@@ -170,6 +193,7 @@ def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
         _sampling(ns, CHAT_DEFAULTS)  # the request flags, checked now rather than after the model loaded
         args = EngineArgs.from_namespace(ns)
         _check_device(parser, args)
+        _check_model(parser, args)
         return create_engine(args)
     except ParamError as e:
         parser.error(f"--{e.param.replace('_', '-')}: {e.message}")
@@ -341,10 +365,13 @@ COMMANDS = {"serve": serve, "generate": generate, "chat": chat, "bench": bench}
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr)
-        print("\ncommands: " + ", ".join(COMMANDS) + "  (aiolm COMMAND --help)", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        what = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{USAGE}\n\naiolm: error: {what}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[argv[0]](argv[1:])
     except KeyboardInterrupt:

@@ -44,6 +44,21 @@ from aiolm.structured.backend import Validator
 log = logging.getLogger(__name__)
 
 
+def check_model_args(args: EngineArgs) -> Any:
+    """The ModelSource ``args.model`` names, checked against the engine flags that depend on
+    the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
+    one-line message, before any worker starts; the CLI shows that line alone (exit 2)."""
+    from aiolm.distributed.sharding import split_error
+    from aiolm.model.loader import resolve_model
+
+    source = resolve_model(args.model)
+    mc = source.config
+    why = split_error(args.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+    if why is not None:
+        raise ValueError(f"{source.name}: {why}")
+    return source
+
+
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, *, engine_index: int = 0, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
@@ -88,17 +103,10 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._started:
             return
-        from aiolm.model.loader import resolve_model
-
         a = self.args
-        self.source = await asyncio.to_thread(resolve_model, a.model)
+        self.source = await asyncio.to_thread(check_model_args, a)
         self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         mc = self.source.config
-        from aiolm.distributed.sharding import split_error
-
-        why = split_error(a.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
-        if why is not None:
-            raise ValueError(f"{self.source.name}: {why}")
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         self.model_name = a.served_model_name or self.source.name
         runner_cfg = RunnerConfig(

@@ -28,7 +28,12 @@ def _aiolm(*args: str, stdin: str | None = None, timeout: float = 240) -> subpro
 def test_usage_without_command():
     out = _aiolm()
     assert out.returncode == 2 and "serve" in out.stderr and "chat" in out.stderr
-    assert _aiolm("--help").returncode == 0
+    assert "no command given" in out.stderr
+    unknown = _aiolm("sevre")
+    assert unknown.returncode == 2 and "unknown command 'sevre'" in unknown.stderr
+    usage = _aiolm("--help")  # asked for: on stdout, plain text (no reST markup)
+    assert usage.returncode == 0 and usage.stderr == "" and "aiolm serve" in usage.stdout
+    assert "``" not in usage.stdout
     serve_help = _aiolm("serve", "--help")
     assert serve_help.returncode == 0 and "--max-num-batched-tokens" in serve_help.stdout
     assert "--api-key" in serve_help.stdout and "--allowed-origins" in serve_help.stdout
@@ -96,6 +101,29 @@ def test_bad_arguments_fail_at_once_in_one_line(args, message):
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "loaded" not in out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_model_dependent_arguments_fail_in_one_line(command, tmp_path):
+    """Flags that only the model's config can judge (a tensor-parallel size that does not
+    split it, an architecture aiolm lacks) are still one line and exit code 2."""
+    port = ["--port", str(_free_port())] if command == "serve" else []
+    prompt = ["hi"] if command == "generate" else []
+    out = _aiolm(command, *prompt, "--tensor-parallel-size", "2", *port, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "tensor_parallel_size 2 cannot split" in out.stderr, out.stderr
+    assert "sizes that work: 1, 3" in out.stderr
+    (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
+    out = _aiolm(command, *prompt, "--model", str(tmp_path), *port, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "unknown architecture ['FooForCausalLM']" in out.stderr, out.stderr
+    assert "supported: Gemma3ForCausalLM" in out.stderr
 
 
 def test_busy_port_is_reported_before_the_model_loads():
