@@ -9,6 +9,8 @@ norms, attention arithmetic, the residual stream and the logits in float32.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import os
 from typing import Any
 
@@ -17,14 +19,30 @@ from torch import nn
 
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.kernels.ops import TorchOps
+from aiolm.platforms import cpu_linear
 from aiolm.platforms.base import Platform
 
 
+log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def _f32_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bfloat16, where this CPU multiplies in it; else float32, said once in the log."""
+    if dtype != torch.bfloat16 or cpu_linear.bfloat16_matmuls():
+        return dtype
+    _say_no_bfloat16()
+    return torch.float32
+
+
+@functools.cache
+def _say_no_bfloat16() -> None:
+    log.warning("dtype bfloat16: this CPU has no bfloat16 matmuls (oneDNN needs AVX-512 BW/VL/DQ or "
+                "AVX-NE-CONVERT), so the model runs in float32")
 
 
 class CpuKernelOps(TorchOps):
@@ -70,7 +88,7 @@ class CpuPlatform(Platform):
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         """'auto' is float32: it keeps exact parity with transformers, and without AMX the
         float32 matmuls are also the faster ones (docs/benchmarks.md)."""
-        t = super().resolve_dtype(dtype)
+        t = _matmul_dtype(super().resolve_dtype(dtype))
         if t is torch.float16:
             from aiolm.model.config import ModelLoadError
 
@@ -111,9 +129,9 @@ class CpuPlatform(Platform):
         mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
     def prepare_model(self, model: nn.Module, source: Any, dtype: torch.dtype) -> nn.Module:
-        from aiolm.platforms import cpu_linear, gguf_blocks
+        from aiolm.platforms import gguf_blocks
 
-        matmul_dtype = dtype
+        matmul_dtype = dtype = _matmul_dtype(dtype)
         if dtype == torch.bfloat16:
             dtype = torch.float32  # bfloat16 on a CPU: only the matmuls (module docstring)
         model = model.to(dtype=dtype, device=self.device).eval()

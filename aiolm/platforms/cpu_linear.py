@@ -18,6 +18,7 @@ matmuls stays float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -61,6 +62,17 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = weight.new_zeros(p * PANEL, k)
     padded[:n] = weight
     return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def bfloat16_matmuls() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU. It needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; an AVX2-only CPU has neither, and bfloat16 there would be emulated."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _ONEDNN_BATCH_HINT)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight | None:

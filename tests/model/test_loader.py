@@ -32,6 +32,7 @@ from aiolm.model.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
 from aiolm.model.loader import cache_root, embedded_model_path, resolve_model
 from aiolm.model.registry import MODELS, build_model, read_config
 from aiolm.platforms import get_platform
+from aiolm.platforms.cpu_linear import bfloat16_matmuls
 from paged import PagedHarness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -809,9 +810,40 @@ def test_resolve_dtype():
     assert "'float64'" in msg and all(s in msg for s in ("auto", "float32", "bfloat16", "float16"))
     assert resolve_dtype("auto") is torch.float32
     assert resolve_dtype("float32") is torch.float32
-    assert resolve_dtype("bfloat16") is torch.bfloat16
+    # bfloat16 where this CPU multiplies in it; elsewhere (AVX2 only) float32, not an emulation
+    assert resolve_dtype("bfloat16") is (torch.bfloat16 if bfloat16_matmuls() else torch.float32)
 
 
+def _cpu_has_avx512_or_ne_convert() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= set(flags) or "avx_ne_convert" in flags
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU flags from /proc/cpuinfo")
+def test_bfloat16_matmuls_follow_the_cpu_flags():
+    """oneDNN packs bfloat16 weights with AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and only then."""
+    assert bfloat16_matmuls() == _cpu_has_avx512_or_ne_convert()
+
+
+def test_bfloat16_on_a_cpu_without_bfloat16_matmuls_builds_float32_and_says_so(tiny_hf_dir, caplog):
+    if bfloat16_matmuls():
+        pytest.skip("this CPU has bfloat16 matmuls (the test below covers them)")
+    from aiolm.platforms import cpu
+
+    exact = build_model(resolve_model(tiny_hf_dir), torch.float32)
+    cpu._say_no_bfloat16.cache_clear()  # said once per process: an earlier test may have said it
+    with caplog.at_level("WARNING", logger="aiolm.platforms.cpu"):
+        model = build_model(resolve_model(tiny_hf_dir), torch.bfloat16)
+        build_model(resolve_model(tiny_hf_dir), torch.bfloat16)
+    said = [r.getMessage() for r in caplog.records if "no bfloat16 matmuls" in r.getMessage()]
+    assert len(said) == 1 and "runs in float32" in said[0]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert model.layers[0].mlp.gate_up_proj.method.data.dtype == torch.float32
+    assert torch.equal(model.layers[0].mlp(x), exact.layers[0].mlp(x))
+
+
+@pytest.mark.skipif(not bfloat16_matmuls(), reason="this CPU has no bfloat16 matmuls (AVX2 only: no AVX-512 "
+                                                    "BW/VL/DQ, no AVX-NE-CONVERT); the model runs in float32 there")
 def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_rest_float32(tiny_hf_dir):
     exact = build_model(resolve_model(tiny_hf_dir), torch.float32)
     model = build_model(resolve_model(tiny_hf_dir), torch.bfloat16)
