@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 if TYPE_CHECKING:
+    from aiolm.executor.step_watch import StepWatch
     from aiolm.spec_decode import SpecConfig
 
 
@@ -104,8 +105,10 @@ class EngineArgs:
                                      "(--no-worker-recovery: the engine fails fast instead)")
     max_worker_restarts: int = _f(3, "most worker restarts within --worker-restart-window before the engine gives up")
     worker_restart_window: float = _f(600.0, "seconds over which --max-worker-restarts is counted")
-    step_timeout: float = _f(0.0, "seconds one step may take before its worker counts as hung and is replaced "
-                                  "(0 = 120 on CPU, 600 on CUDA)")
+    step_timeout: float = _f(0.0, "the floor of a step's time limit in seconds: a step may take this plus 10x "
+                                  "what the measured rate predicts for its tokens before its workers count as "
+                                  "hung and are replaced; steps before the first measured one get 600 "
+                                  "(0 = 30 on CPU, 60 on CUDA)")
     max_waiting_requests: int | None = _f(None, "sequences that may wait beyond the --max-num-seqs running ones; "
                                                 "more are refused (EngineBusyError, HTTP 429). None: no bound "
                                                 "(the Python default, so LLM.generate takes any batch); "
@@ -193,10 +196,12 @@ class EngineArgs:
                              f"use --device cpu")
         return self.device
 
-    def resolved_step_timeout(self) -> float:
-        if self.step_timeout > 0:
-            return self.step_timeout
-        return 600.0 if self.resolved_device().startswith("cuda") else 120.0
+    def step_watch(self) -> "StepWatch":
+        """The step time limits (executor/step_watch.py) these flags ask for."""
+        from aiolm.executor.step_watch import StepWatch
+
+        floor = self.step_timeout or (60.0 if self.resolved_device().startswith("cuda") else 30.0)
+        return StepWatch(floor, unmeasured_s=600.0)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

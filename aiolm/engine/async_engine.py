@@ -119,6 +119,8 @@ class AsyncEngine:
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none", async_scheduling=a.async_scheduling)
+        # One for the engine's life: a worker set started by recovery keeps the measured rate.
+        self.step_watch = a.step_watch()
         self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,
                                            a.max_worker_restarts, a.worker_restart_window)
         self._executor = await self._make_executor(runner_cfg, 0)
@@ -159,7 +161,7 @@ class AsyncEngine:
             holder: list[Executor] = []
             kwargs: dict[str, Any] = dict(
                 on_death=lambda reason: self._on_worker_death(holder[0], reason),
-                step_timeout=a.resolved_step_timeout(), incarnation=incarnation,
+                step_watch=self.step_watch, incarnation=incarnation,
                 all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
             if a.executor == "ray":
                 from aiolm.executor.ray import RayExecutor
@@ -225,7 +227,7 @@ class AsyncEngine:
         return self.health()[0]
 
     def health(self) -> tuple[bool, str | None]:
-        """(serving normally, why not): dead, recovering, or not started."""
+        """(serving normally, why not): dead, recovering, stalled, or not started."""
         if self._dead is not None:
             return False, self._dead
         if not self._started or self.core is None or self.output is None:
@@ -235,7 +237,19 @@ class AsyncEngine:
         recovering = self.recovering
         if recovering is not None:
             return False, f"recovering from a worker failure: {recovering}"
+        stalled = self.stalled
+        if stalled is not None:
+            return False, f"stalled: {stalled}"
         return True, None
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the workers make no progress right now (a rank stopped beating), else None.
+        Requests are still taken: they wait, and run once the rank beats again or the step
+        time limit replaces it."""
+        if self._dead is not None or self.core is None:
+            return None
+        return getattr(self.core.executor, "stalled", None)
 
     @property
     def recovering(self) -> str | None:

@@ -137,6 +137,14 @@ class DataParallelEngine:
         return why[0] if why else None
 
     @property
+    def stalled(self) -> str | None:
+        """Why no replica takes requests while some have a stalled worker, else None."""
+        if self._dead is not None or any(self._available(r) for r in self.replicas):
+            return None
+        why = [f"replica {i}: {r.stalled}" for i, r in enumerate(self.replicas) if r.stalled is not None]
+        return "; ".join(why) or None
+
+    @property
     def dead_reason(self) -> str | None:
         return self._dead
 

@@ -4,11 +4,15 @@ Workers are started with subprocess as ``python -m aiolm.worker`` (never fork or
 multiprocessing spawn, which would re-import the user's ``__main__``). One
 request ring broadcasts each step to every rank; each rank answers on its own
 response ring, which the engine awaits on its event loop. A monitor task notices
-a dead worker within a fraction of a second, a step that outlasts ``step_timeout``
-marks its worker hung, and a worker whose step raised sends its traceback back
-through the response ring. Each of these makes the executor unusable and tells
-``on_death``; the engine's recovery (aiolm/engine/recovery.py) then replaces the
-whole worker set with a new executor.
+a dead worker within a fraction of a second, and a worker that stops beating
+(ipc/heartbeat.py: stopped, frozen, starved) within a few seconds, which makes the
+executor ``stalled`` (the engine's /health says so) until it beats again. A step
+that outlasts its limit (step_watch.py: scaled by its tokens and the measured
+rate) marks its workers hung, naming the rank that stopped or fell behind, and a
+worker whose step raised sends its traceback back through the response ring.
+Each of these but a stall makes the executor unusable and tells ``on_death``;
+the engine's recovery (aiolm/engine/recovery.py) then replaces the whole worker
+set with a new executor.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Any, Callable
 from aiolm.config import RunnerConfig
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
+from aiolm.executor.step_watch import StepWatch
 from aiolm.ipc import codec
+from aiolm.ipc.heartbeat import HeartbeatBoard
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
 
@@ -45,11 +51,16 @@ def _free_port() -> int:
 
 class MultiprocExecutor(Executor):
     def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
-                 on_death: Callable[[str], None] | None = None, step_timeout: float = 0.0,
+                 on_death: Callable[[str], None] | None = None, step_watch: StepWatch | None = None,
                  incarnation: int = 0, all_reduce: str = "auto",
                  cpu_bind: str = "auto") -> None:
         self.cfg = cfg
-        self.step_timeout = step_timeout  # 0: no watchdog
+        self.step_watch = step_watch  # None: no step time limit
+        self.heartbeats: HeartbeatBoard | None = None
+        self._stalled: str | None = None  # why, while a rank does not beat
+        self._stalls = 0  # stalls begun so far: a step that saw one is not a measure of the rate
+        # Scheduled tokens of each submitted step whose result is not read yet, by handle.
+        self._step_tokens: dict[asyncio.Future[bytes], int] = {}
         self.incarnation = incarnation  # how many worker sets came before this one (for logs)
         self.world_size = world_size
         self.all_reduce_requested = all_reduce
@@ -81,6 +92,7 @@ class MultiprocExecutor(Executor):
         self.requests = ShmRing.create(num_readers=self.world_size, num_slots=8, slot_size=1 << 20)
         self.responses = [ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
                           for _ in range(self.world_size)]
+        self.heartbeats = HeartbeatBoard(self.world_size)
         port = _free_port() if self.world_size > 1 else 0
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -98,6 +110,7 @@ class MultiprocExecutor(Executor):
                        "--request-ring", str(self.requests.handle()),
                        "--response-ring", str(self.responses[rank].handle()),
                        "--parent-pid", str(os.getpid()), "--dist-port", str(port),
+                       "--heartbeat", self.heartbeats.name,
                        "--all-reduce", self.all_reduce_requested, "--cpu-bind", self.cpu_bind,
                        *(["--all-reduce-shm", self.all_reduce_shm] if self.all_reduce_shm else []),
                        "--config", self.cfg.encode()]
@@ -178,7 +191,29 @@ class MultiprocExecutor(Executor):
             if self._exited() is not None and not self._closed:
                 self._fail(await self._death_reason("a worker exited"))
                 return
+            self._check_heartbeats()
             await asyncio.sleep(0.2)
+
+    def _check_heartbeats(self) -> None:
+        """Enter or leave the stalled state as the ranks stop or resume beating; say so in the log."""
+        if self.heartbeats is None or self._dead is not None:
+            return
+        silent = self.heartbeats.stalled()
+        if silent:
+            why = "; ".join(f"worker {r} (pid {self.procs[r].pid}) has not beaten for {age:.1f} s"
+                            for r, age in silent)
+            if self._stalled is None:
+                self._stalls += 1
+                log.warning("stalled: %s (stopped, frozen or starved of CPU?); requests wait", why)
+            self._stalled = why
+        elif self._stalled is not None:
+            log.warning("no longer stalled: every worker beats again")
+            self._stalled = None
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the workers cannot make progress now (a rank stopped beating), else None."""
+        return self._stalled if self._dead is None and not self._closed else None
 
     async def _death_reason(self, fallback: str, wait_s: float = 0.5) -> str:
         """Why the workers are failing, once the cause can be named: a rank killed by a
@@ -238,29 +273,29 @@ class MultiprocExecutor(Executor):
             replies.append(fut)
         return replies
 
-    async def _recv(self, rank: int, reply: asyncio.Future[bytes], timeout: float = 0.0) -> bytes:
-        """The rank's answer for ``reply``, reading (and handing out) the replies owed before it."""
+    async def _recv(self, rank: int, reply: asyncio.Future[bytes], timeout: float = 0.0, tokens: int = 0) -> bytes:
+        """The rank's answer for ``reply``, reading (and handing out) the replies owed before it.
+        With ``timeout``, waiting longer for a step of ``tokens`` tokens counts as a hang."""
         while not reply.done():
             async with self._readers[rank]:
                 if reply.done():
                     break
-                buf = await self._read(rank, timeout)
+                buf = await self._read(rank, timeout, tokens)
                 fut = self._owed[rank].popleft()
                 if not fut.done():  # done: its caller was cancelled and gave it up
                     fut.set_result(buf)
         return reply.result()
 
-    async def _read(self, rank: int, timeout: float) -> bytes:
+    async def _read(self, rank: int, timeout: float, tokens: int = 0) -> bytes:
         """Rank's next reply; with ``timeout`` > 0 a worker silent that long counts as hung."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout > 0 else None
         while True:
             self._check()
             if deadline is not None and loop.time() > deadline:
-                p = self.procs[rank]
-                self._fail(f"worker {rank} (pid {p.pid}) is hung: no answer to a step within {timeout:g} s "
-                           f"(--step-timeout)")
-                p.kill()  # SIGKILL also ends a stopped process; nothing it holds is needed now
+                culprit, reason = self._hang(timeout, tokens)
+                self._fail(reason)
+                self.procs[culprit].kill()  # SIGKILL ends a stopped process too; its peers follow it
                 continue
             try:
                 return await self.responses[rank].read_async(timeout=0.5, spin_s=RESPONSE_SPIN_S)
@@ -270,15 +305,51 @@ class MultiprocExecutor(Executor):
             except (PeerDied, RingClosed) as e:
                 self._fail(await self._death_reason(f"worker {rank} died: {e}"))
 
+    def _hang(self, timeout: float, tokens: int) -> tuple[int, str]:
+        """(the rank to blame, why) when a step of ``tokens`` got no answer within ``timeout``:
+        a rank that stopped beating first, else the one that finished the fewest steps (its
+        peers finished theirs and wait for it), else rank 0."""
+        step = f"a step of {tokens} tokens got no answer within {timeout:.1f} s"
+        board = self.heartbeats
+        silent = board.stalled() if board is not None else []
+        if silent:
+            rank, age = max(silent, key=lambda s: s[1])
+            return rank, (f"worker {rank} (pid {self.procs[rank].pid}) stopped: no heartbeat for {age:.1f} s, "
+                          f"and {step} (--step-timeout)")
+        steps = [board.steps(r) for r in range(self.world_size)] if board is not None else [0]
+        rank = steps.index(min(steps))
+        predicted = self.step_watch.predict(tokens) if self.step_watch is not None else None
+        expected = f"; the measured rate predicts {predicted:.2f} s" if predicted is not None else ""
+        beats = "it beats, but " if board is not None else ""
+        return rank, (f"worker {rank} (pid {self.procs[rank].pid}) is hung: {beats}{step}"
+                      f"{expected} (--step-timeout)")
+
     async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return await self.result(await self.submit(out))
 
     async def submit(self, out: SchedulerOutput) -> asyncio.Future[bytes]:
         async with self._lock:
-            return (await self._send(codec.encode_scheduler_output(out), range(1)))[0]
+            handle = (await self._send(codec.encode_scheduler_output(out), range(1)))[0]
+        self._step_tokens[handle] = out.total_num_scheduled_tokens
+        return handle
 
     async def result(self, handle: Any) -> ModelRunnerOutput:
-        return self._step_result(codec.decode(await self._recv(0, handle, self.step_timeout)))
+        tokens = self._step_tokens.get(handle, 0)
+        watch = self.step_watch
+        stalls = self._stalls if self._stalled is None else -1
+        try:
+            buf = await self._recv(0, handle, watch.limit(tokens) if watch is not None else 0.0, tokens)
+        finally:
+            self._step_tokens.pop(handle, None)
+        out = self._step_result(codec.decode(buf))
+        clock = out.worker_clock
+        if watch is not None and clock and self._stalls == stalls:  # a stalled step measures the stall
+            watch.observe(tokens, clock[1] - clock[0])
+        return out
+
+    def abandon(self, handle: Any) -> None:
+        self._step_tokens.pop(handle, None)
+        super().abandon(handle)
 
     def _step_result(self, msg: Any) -> ModelRunnerOutput:
         """Rank 0's decoded answer to a step: its output, or else an ExecutorError."""
@@ -326,6 +397,8 @@ class MultiprocExecutor(Executor):
             if ring is not None:
                 ring.close()
                 ring.unlink()
+        if self.heartbeats is not None:
+            self.heartbeats.close()
         if self._unlink_shm is not None:
             self._unlink_shm()
 

@@ -40,6 +40,7 @@ from aiolm.config import RunnerConfig
 from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
+from aiolm.executor.step_watch import StepWatch
 from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
@@ -98,10 +99,10 @@ class _Rank:
 
 class RayExecutor(MultiprocExecutor):
     def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
-                 on_death: Callable[[str], None] | None = None, step_timeout: float = 0.0,
+                 on_death: Callable[[str], None] | None = None, step_watch: StepWatch | None = None,
                  incarnation: int = 0, all_reduce: str = "auto", cpu_bind: str = "auto",
                  address: str | None = None, min_cluster_cpus: int = 0) -> None:
-        super().__init__(cfg, world_size, startup_timeout, on_death, step_timeout, incarnation,
+        super().__init__(cfg, world_size, startup_timeout, on_death, step_watch, incarnation,
                          all_reduce, cpu_bind)
         self.address = address
         self.min_cluster_cpus = max(min_cluster_cpus, world_size)
@@ -252,20 +253,25 @@ class RayExecutor(MultiprocExecutor):
         async with self._lock:
             self._check()
             buf = codec.encode_scheduler_output(out)
+            tokens = out.total_num_scheduled_tokens
+            limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
             remote = {rank: self._remote_call(rank, "handle", buf) for rank in range(self.num_local, self.world_size)}
             answer: bytes | None = None
             try:
                 if self.num_local:
                     reply = (await self._send(buf, range(1)))[0]
-                    answer = await self._recv(0, reply, self.step_timeout)
+                    answer = await self._recv(0, reply, limit, tokens)
                 for rank, fut in remote.items():
-                    reply = await self._remote_answer(rank, fut, self.step_timeout)
+                    reply = await self._remote_answer(rank, fut, limit)
                     if rank == 0:
                         answer = reply
             finally:
                 for fut in remote.values():
                     fut.cancel()
-            return self._step_result(codec.decode(answer) if answer is not None else None)
+            result = self._step_result(codec.decode(answer) if answer is not None else None)
+            if self.step_watch is not None and result.worker_clock:
+                self.step_watch.observe(tokens, result.worker_clock[1] - result.worker_clock[0])
+            return result
 
     # Steps through Ray calls are not pipelined: a submitted step runs ``execute`` as a task
     # (the base executor's way), and the lock keeps steps in submission order.

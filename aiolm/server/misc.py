@@ -42,6 +42,9 @@ async def health(request: Request) -> Response:
     if recovering is not None:
         return APIError(503, f"unhealthy: recovering from a worker failure: {recovering}", code="recovering",
                         type="server_error", headers={"retry-after": "5"}).response()
+    stalled = getattr(engine, "stalled", None)
+    if stalled is not None:
+        return APIError(503, f"unhealthy: stalled: {stalled}", code="stalled", type="server_error").response()
     reason = engine.dead_reason or "the engine is not running"
     return APIError(503, f"unhealthy: {reason}", code="engine_dead", type="server_error").response()
 

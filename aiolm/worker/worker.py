@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from aiolm.config import RunnerConfig
 from aiolm.ipc import codec, segment
+from aiolm.ipc.heartbeat import Heartbeat
 from aiolm.ipc.lifeline import exit_on_signals, parent_alive
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, RingHandle, ShmRing
 
@@ -52,6 +53,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dist-port", type=int, default=0, help="loopback port for the rank rendezvous")
     p.add_argument("--all-reduce", default="auto", help="distributed/communicator.py CHOICES")
     p.add_argument("--all-reduce-shm", default=None, help="the engine's all-reduce segment (CPU)")
+    p.add_argument("--heartbeat", default=None, help="the engine's heartbeat segment (ipc/heartbeat.py)")
     p.add_argument("--cpu-bind", default="auto", help="auto, none, or cpu lists per rank: 0-3;4-7")
     p.add_argument("--config", required=True, help="base64 pickle of RunnerConfig")
     return p.parse_args(argv)
@@ -70,18 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     requests = ShmRing.attach(handles[0], reader_rank=args.rank)
     responses = ShmRing.attach(handles[1], reader_rank=None)
     try:
-        return _serve(args, requests, responses)
+        # Beating from the start: loading the model is progress too.
+        beat = Heartbeat(args.heartbeat, args.rank) if args.heartbeat else None
+        return _serve(args, requests, responses, beat)
     finally:
         if not parent_alive(args.parent_pid):
             for h in handles:  # the engine was killed: nobody else will unlink its rings
                 h.unlink()
-            if args.all_reduce_shm:
-                segment.unlink(args.all_reduce_shm)
+            for name in (args.all_reduce_shm, args.heartbeat):
+                if name:
+                    segment.unlink(name)
         requests.close()
         responses.close()
 
 
-def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> int:
+def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat: Heartbeat | None) -> int:
     try:
         runner, info = build_runner(RunnerConfig.decode(args.config), args.rank, args.world_size,
                                     port=args.dist_port, all_reduce=args.all_reduce,
@@ -90,7 +95,8 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing) -> i
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
     responses.write(codec.encode(("ready", info)))
-    return serve_ring(runner, args.rank, requests, responses, lambda: parent_alive(args.parent_pid))
+    return serve_ring(runner, args.rank, requests, responses, lambda: parent_alive(args.parent_pid),
+                      beat.step_done if beat is not None else None)
 
 
 def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, all_reduce: str = "auto",
@@ -113,10 +119,10 @@ def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, al
 
 
 def serve_ring(runner: Any, rank: int, requests: ShmRing, responses: ShmRing,
-               engine_alive: Callable[[], bool]) -> int:
+               engine_alive: Callable[[], bool], step_done: Callable[[], None] | None = None) -> int:
     """Execute whatever arrives on the request ring until the engine closes it or dies;
-    the exit status."""
-    handler = StepHandler(runner, rank)
+    the exit status. ``step_done`` is called after each step this rank finished."""
+    handler = StepHandler(runner, rank, step_done)
     while True:
         try:
             buf = requests.read(timeout=1.0)
@@ -137,9 +143,10 @@ class StepHandler:
     """One rank's answer to one message from the engine, whatever carried it (a ring or a
     Ray call): a step (only rank 0 answers it), an RPC, or shutdown."""
 
-    def __init__(self, runner: Any, rank: int) -> None:
+    def __init__(self, runner: Any, rank: int, step_done: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.rank = rank
+        self.step_done = step_done
         self.steps = 0
         self.fault_path = os.environ.get(FAULT_ENV) if rank == 0 else None
 
@@ -165,6 +172,8 @@ class StepHandler:
                 tb = traceback.format_exc()
                 log.error("step %d failed:\n%s", self.steps, tb)
                 return codec.encode(("error", f"{type(e).__name__}: {e}", tb)), 1
+            if self.step_done is not None:
+                self.step_done()
             if self.rank != 0:
                 return None, None
             out.worker_clock = [received, time.perf_counter()]
