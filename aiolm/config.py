@@ -88,6 +88,10 @@ class EngineArgs:
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
     structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
                                                      "or none (requests asking for them are refused)")
+    structured_outputs_compile_timeout: float = _f(30.0, "seconds a request's grammar (JSON schema, regex, choice, "
+                                                         "EBNF) may take to compile; past it the compile is "
+                                                         "stopped and the request refused (HTTP 400), and so is "
+                                                         "every later request with that grammar")
     speculative: str | None = _f(None, "speculative decoding: ngram (prompt lookup: drafts copied from what followed "
                                        "an earlier occurrence of the sequence's last tokens, verified in one "
                                        "forward pass; greedy output unchanged) or None (off)")
@@ -151,6 +155,9 @@ class EngineArgs:
         if self.structured_outputs_backend not in ("xgrammar", "none"):
             raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
                              f"supported: xgrammar, none")
+        if not 0 < self.structured_outputs_compile_timeout < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, "
+                             f"got {self.structured_outputs_compile_timeout}")
         self.spec_config()  # raises on a bad combination
         from aiolm.metrics import check_prefix
 

@@ -39,7 +39,7 @@ from aiolm.metrics import EngineMetrics
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
 from aiolm.spec_decode import SpecDecodeStats
-from aiolm.structured.backend import Validator
+from aiolm.structured.validator import Validator
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class AsyncEngine:
         self._executor: Executor | None = None
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
-        self.grammars = Validator(self.args.structured_outputs_backend)
+        self.grammars = Validator(self.args.structured_outputs_backend,
+                                  self.args.structured_outputs_compile_timeout)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         # Prometheus metrics in the engine's own registry (aiolm/metrics.py): expose
         # ``metrics_registry`` with prometheus_client, or serve ``metrics.render()``.
@@ -131,7 +132,7 @@ class AsyncEngine:
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching,
             speculative=a.spec_config(), async_scheduling=a.async_scheduling))
-        self.grammars.configure(self.tokenizer, mc.vocab_size)
+        self.grammars.configure(self.source.path, mc.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
@@ -192,9 +193,9 @@ class AsyncEngine:
         for actor in (self.core, self.output):
             if actor is not None:
                 await actor.stop()
+        await self.grammars.close()  # kills the compile processes: quick, and first
         for ex in {id(e): e for e in (self.executor, self._executor) if e is not None}.values():
             await ex.shutdown()
-        self.grammars.close()
 
     def _on_crash(self, actor: Any, error: BaseException) -> None:
         if isinstance(error, EngineDeadError):
@@ -290,7 +291,7 @@ class AsyncEngine:
         params = self.inputs.params(params)
         if timeout is not None and not timeout > 0:
             raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
-        await self.grammars.check(params.structured_outputs)  # off the loop, cached by the grammar's text
+        await self.grammars.check(params.structured_outputs)  # in a compile process, cached by the grammar
         processed = await self.inputs.process(prompt)
         self._check_alive()
         rid = request_id if request_id is not None else self.inputs.new_request_id()

@@ -60,7 +60,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     rid = ctx.new_id("chatcmpl")
     gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
                      rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})
-    await gen.start()
+    await gen.start(request.receive)
     log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req["n"], stream=stream, user=req["user"])
     meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:

@@ -72,7 +72,7 @@ async def create_completion(request: Request) -> Response | EventStream:
             p.text = tok.decode(p.token_ids)
     rid = ctx.new_id("cmpl")
     gen = Generation(ctx, prompts, params, rid, req["priority"], rename={"structured_outputs": structured_param})
-    await gen.start()
+    await gen.start(request.receive)
     n = req["n"]
     log_extra(request, engine_request_id=rid, prompt_tokens=sum(len(p.token_ids) for p in prompts),
               n=n, prompts=len(prompts), stream=stream, user=req["user"])

@@ -11,12 +11,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from starlette.types import Receive
+
 from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestError, RequestTimeoutError
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.protocol import param_error
+from aiolm.server.sse import until_disconnect
 
 _OFFLOAD_CHARS = 8192  # tokenize off the event loop above this
 
@@ -100,8 +103,19 @@ class Generation:
         self._done: set[str] = set()
         self._loaded = False  # counted in ctx.server_load until the first abort()
 
-    async def start(self) -> None:
-        """Submit every prompt; if any is refused, abort the ones already in and raise."""
+    async def start(self, receive: Receive | None = None) -> None:
+        """Submit every prompt; if any is refused, abort the ones already in and raise.
+
+        With ``receive`` (the request's ASGI channel) and a grammar to check, whose compile
+        can take seconds, a client that leaves meanwhile cancels the submission (and so the
+        compile, aiolm/structured/validator.py) and ClientGone is raised.
+        """
+        if receive is not None and self.params.structured_outputs is not None:
+            await until_disconnect(receive, self._start())
+        else:
+            await self._start()
+
+    async def _start(self) -> None:
         engine = self.ctx.engine
         settings = self.ctx.settings
         if self.ctx.draining:

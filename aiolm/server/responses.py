@@ -110,7 +110,7 @@ async def create_response(request: Request) -> Response | EventStream:
         raise param_error(e, _RENAME) from None
     response_id = ctx.new_id("resp", "_")
     gen = Generation(ctx, [Prompt(text, ids)], params, response_id, rename=_RENAME)
-    await gen.start()
+    await gen.start(request.receive)
     log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req["user"])
     shell = _shell(req, response_id, ctx.model_name)
     item_id = ctx.new_id("msg", "_")

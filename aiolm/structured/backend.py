@@ -1,32 +1,30 @@
-"""xgrammar behind small doors: the engine's validator, each process's compiler, and the
-worker's background compiles.
+"""xgrammar behind small doors: each process's compiler, the compiler's error messages, the
+worker's background compiles, and the tokenizer info they all start from.
 
-The engine compiles a request's grammar in full (not only parses it) before the
-request is queued, so whatever it accepts also compiles in the worker. The
-worker compiles it again (compiled grammars are not worth shipping, see
-``spec.py``), in the background while other requests step (``BackgroundCompiles``);
-the scheduler holds the request until then. xgrammar releases the GIL while it
-compiles, so those threads do not stall the step's Python. xgrammar (and the torch it imports)
-loads on first use only, so an engine that never sees a structured request stays
-torch-free. JSON is generated compact (``any_whitespace=False``): a
-free-whitespace grammar lets a small model fill its budget with newlines before
-the document ends.
+A request's grammar is compiled twice. First, before the request is queued, the engine's
+validator (``validator.py``) compiles it in full (not only parses it) in a compile process
+of its own (``compile_worker.py``), so that whatever it accepts also compiles in the worker
+and a compile that runs too long can be stopped. Then the worker compiles it again (compiled
+grammars are not worth shipping, see ``spec.py``), in the background while other requests
+step (``BackgroundCompiles``); the scheduler holds the request until then. xgrammar releases
+the GIL while it compiles, so those threads do not stall the step's Python. xgrammar (and the
+torch it imports) loads on first use only, and never in the engine process. JSON is
+generated compact (``any_whitespace=False``): a free-whitespace grammar lets a small model
+fill its budget with newlines before the document ends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
+import re
 import threading
-from collections import OrderedDict
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from aiolm.params import ParamError
 from aiolm.structured.spec import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -34,7 +32,6 @@ BACKENDS = ("xgrammar", "none")
 # json_object: any JSON object, compact like the schema kinds (xgrammar's built-in JSON grammar
 # allows free whitespace).
 _ANY_OBJECT = '{"type": "object"}'
-_CACHE_ENTRIES = 256  # distinct grammars remembered per process
 # xgrammar's own cache of compiled grammars, per process: bounded, since clients choose the grammars.
 _CACHE_BYTES = 256 << 20
 
@@ -50,67 +47,58 @@ _WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "in
          "json_object": "invalid JSON grammar"}
 
 
-class Validator:
-    """Engine side: checks a request's grammar once per distinct text, in a thread pool.
-
-    A request awaits its own check only; the event loop and other requests run on.
-    The verdict (None or the compiler's message) is cached by the grammar's text.
-    """
-
-    def __init__(self, backend: str = "xgrammar", max_threads: int = 2) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend: {backend!r}; supported: {', '.join(BACKENDS)}")
-        self.backend = backend
-        self.vocab_size = 0  # set by configure() once the engine knows its model
-        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="aiolm-grammar") if backend != "none" else None
-        self._verdicts: OrderedDict[tuple, asyncio.Future[str | None]] = OrderedDict()
-
-    def configure(self, tokenizer: Any, vocab_size: int) -> None:
-        """Compile against this tokenizer (the engine's, the same the workers load)."""
-        Compiler.configure(lambda: tokenizer)
-        self.vocab_size = vocab_size
-
-    async def check(self, spec: StructuredOutputs | None) -> None:
-        """Raise ParamError('structured_outputs', message) if the grammar is refused."""
-        if spec is None:
-            return
-        if self._pool is None:
-            raise ParamError("structured_outputs", "structured outputs are disabled on this server "
-                                                   "(--structured-outputs-backend none)")
-        key = spec.key()
-        fut = self._verdicts.get(key)
-        if fut is None:  # concurrent requests with the same grammar share one check
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, compile_error, spec, self.vocab_size)
-            self._verdicts[key] = fut
-            while len(self._verdicts) > _CACHE_ENTRIES:
-                self._verdicts.popitem(last=False)
-        else:
-            self._verdicts.move_to_end(key)
-        error = await asyncio.shield(fut)
-        if error is not None:
-            raise ParamError("structured_outputs", error)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
     """Compile ``spec`` (the result stays in the process's cache); None, or why it failed."""
     try:
         Compiler.compile(spec, vocab_size)
-    except ImportError as e:
-        return f"structured outputs need the xgrammar package ({e})"
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
-        return f"{_WHAT.get(spec.kind, 'invalid grammar')}: {str(e).strip() or type(e).__name__}"
+    except Exception as e:
+        return describe_error(spec, e)
     return None
 
 
-class Compiler:
-    """One xgrammar GrammarCompiler per process (engine or worker), built on first use.
+def describe_error(spec: StructuredOutputs, error: Exception) -> str:
+    """What a client is told when ``spec`` does not compile."""
+    if isinstance(error, ImportError):
+        return f"structured outputs need the xgrammar package ({error})"
+    # xgrammar raises RuntimeError / ValueError / its own types
+    return f"{_WHAT.get(spec.kind, 'invalid grammar')}: {clean_message(str(error)) or type(error).__name__}"
 
-    The tokenizer comes through the loader registered by the engine or the model
-    runner, called on first use, so a worker that never sees a grammar pays
+
+# xgrammar's C++ errors start with its logger's prefix, "[12:34:56] /project/cpp/grammar_parser.cc:820: ",
+# and failed internal checks add "Check failed: (error.empty()) is false: ". Neither helps a client.
+_CPP_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+?\.(?:cc|cpp|cxx|h|hpp):\d+: (?:Check failed: .*? is false: )?",
+                         re.MULTILINE)
+_MAX_MESSAGE = 1000  # characters: some messages quote the whole grammar back
+
+
+def clean_message(text: str) -> str:
+    """xgrammar's message without its C++ timestamps, source paths and check expressions,
+    cut to ``_MAX_MESSAGE`` characters."""
+    text = _CPP_PREFIX.sub("", text).strip()
+    if "Stack trace:" in text:  # debug builds append a native stack
+        text = text[:text.index("Stack trace:")].rstrip()
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+
+
+def compile_spec(compiler: Any, spec: StructuredOutputs) -> Any:
+    """``spec`` compiled by the xgrammar GrammarCompiler ``compiler``; raises what xgrammar
+    raises on bad text."""
+    if spec.kind == "json":
+        return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
+    if spec.kind == "json_object":
+        return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "grammar":
+        return compiler.compile_grammar(spec.text)
+    raise ValueError(f"unknown kind {spec.kind!r}")
+
+
+class Compiler:
+    """One xgrammar GrammarCompiler per worker process, built on first use.
+
+    The tokenizer comes through the loader registered by the model runner, called on
+    first use, so a worker that never sees a grammar pays
     nothing. xgrammar's compiler caches compiled grammars by their text (up to
     ``_CACHE_BYTES``, least recently used first out).
     """
@@ -143,16 +131,7 @@ class Compiler:
     @classmethod
     def compile(cls, spec: StructuredOutputs, vocab_size: int) -> Any:
         """The compiled grammar of ``spec``; raises what xgrammar raises on bad text."""
-        compiler = cls._get(vocab_size)
-        if spec.kind == "json":
-            return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.text)
-        if spec.kind == "grammar":
-            return compiler.compile_grammar(spec.text)
-        raise ValueError(f"unknown kind {spec.kind!r}")
+        return compile_spec(cls._get(vocab_size), spec)
 
     @classmethod
     def _get(cls, vocab_size: int) -> Any:

@@ -1,6 +1,6 @@
 """What a request's output must match, as plain text that travels with its SamplingParams.
 
-The engine validates the text once (``backend.Validator``, off the event loop)
+The engine validates the text once (``validator.Validator``, in a compile process)
 before the request is queued; the worker compiles the same text into a token
 mask (``aiolm/sample/logits_processors/grammar.py``). Both sides cache by the
 text, so a grammar repeated across requests is compiled once per process. No

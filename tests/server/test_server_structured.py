@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from aiolm.params import ParamError
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings
-from aiolm.structured.backend import Validator
+from aiolm.structured.validator import Validator
 from aiolm.structured.spec import StructuredOutputs
 
 from server_helpers import API_KEY, FakeEngine, fake_engine, server  # noqa: F401  (fixtures)
@@ -97,20 +97,20 @@ def test_structured_field_errors_name_the_field(fake_engine, extra, param):
     assert not fake_engine.live
 
 
-def test_validator_caches_and_refuses_off_the_loop(tokenizer):
+def test_validator_caches_and_refuses_off_the_loop(real_source):
     async def run():
         v = Validator("xgrammar")
-        v.configure(tokenizer, len(tokenizer))
+        v.configure(real_source.path, real_source.config.vocab_size)
         good = StructuredOutputs("regex", "[a-z]+")
         await asyncio.gather(*(v.check(good) for _ in range(8)))  # one shared check
-        assert len(v._verdicts) == 1
+        assert len(v._verdicts) == 1 and not v._jobs
         for spec, words in ((StructuredOutputs("regex", "(ab"), "invalid regex"),
                             (StructuredOutputs("grammar", "root ::= missing_rule"), "invalid grammar"),
                             (StructuredOutputs("json", '{"type": "no-such-type"}'), "invalid JSON schema")):
             with pytest.raises(ParamError) as e:
                 await v.check(spec)
             assert e.value.param == "structured_outputs" and e.value.message.startswith(words), e.value.message
-        v.close()
+        await v.close()
         off = Validator("none")
         await off.check(None)
         with pytest.raises(ParamError, match="disabled"):

@@ -1,0 +1,328 @@
+"""Big grammars: the compile time limit, cancellation, no head-of-line blocking, no leftovers.
+
+A real `aiolm serve` with `--structured-outputs-compile-timeout 3` on the embedded model, real
+compile processes (``aiolm/structured/validator.py``), observed through the server's log and
+/proc; the lifeline test hosts a Validator in a process of its own and SIGKILLs it. JSON
+schemas of many optional integer properties are the big grammars: their compile time grows
+steeply with the count (docs/reliability.md has the figures), so 2,000 properties never
+finish within these tests and 5,000 could take far longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aiolm.structured.backend import clean_message
+from server_helpers import ROOT, ServerProcess, free_port, serve_cmd
+
+pytest.importorskip("xgrammar")
+LIMIT_S = 3
+READY = re.compile(r"grammar compile process (\d+) ready")
+STOPPED = re.compile(r"grammar compile process (\d+) stopped: (.*)")
+
+
+def big_schema(n: int, tag: str = "p") -> dict:
+    return {"type": "object", "properties": {f"{tag}{i}": {"type": "integer"} for i in range(n)}}
+
+
+def compile_pids(parent: int | None = None) -> set[int]:
+    """Live (not zombie) compile processes, of ``parent`` if given."""
+    found = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
+        if b"aiolm.structured.compile_worker" in cmd and state != "Z" and parent in (None, int(ppid)):
+            found.add(int(d))
+    return found
+
+
+def wait_until(what, timeout: float, message: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(message)
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    port = free_port()
+    srv = ServerProcess(serve_cmd(port, "--structured-outputs-compile-timeout", str(LIMIT_S),
+                                  "--shutdown-timeout", "5"),
+                        port, tmp_path_factory.mktemp("limited") / "server.log")
+    srv.wait_ready()
+    yield srv
+    if srv.proc.poll() is None:
+        code = srv.stop()
+        assert code == 0, srv.log()
+
+
+def full_log(srv: ServerProcess) -> str:
+    return srv.log_path.read_text(errors="replace")
+
+
+def post(client: httpx.AsyncClient, extra: dict, max_tokens: int = 2):
+    return client.post("/v1/completions", json={"prompt": "Is it so?", "max_tokens": max_tokens,
+                                                "temperature": 0, **extra})
+
+
+@pytest.fixture(scope="module")
+def warm(limited):
+    """A structured request started the pool; wait until all its processes are ready."""
+    r = httpx.post(limited.base_url + "/v1/completions", timeout=300, json={
+        "prompt": "Is it so?", "max_tokens": 2, "structured_outputs": {"regex": "[a-z]+"}})
+    assert r.status_code == 200, r.text
+    wait_until(lambda: len(READY.findall(full_log(limited))) >= 3, 180,
+               f"the compile processes did not all start:\n{limited.log()}")
+    return limited
+
+
+def test_a_big_schema_is_refused_within_the_limit_while_a_choice_answers(warm):
+    async def run():
+        async with httpx.AsyncClient(base_url=warm.base_url, timeout=120) as c:
+            t0 = time.monotonic()
+            big = asyncio.ensure_future(post(c, {"structured_outputs": {"json": big_schema(5000)}}))
+            await asyncio.sleep(0.3)  # the big compile has started
+            t1 = time.monotonic()
+            choice = await post(c, {"structured_outputs": {"choice": ["yes", "no"]}})
+            choice_s = time.monotonic() - t1
+            refused = await big
+            big_s = time.monotonic() - t0
+            t2 = time.monotonic()
+            again = await post(c, {"structured_outputs": {"json": big_schema(5000)}})
+            return choice, choice_s, refused, big_s, again, time.monotonic() - t2
+
+    choice, choice_s, refused, big_s, again, again_s = asyncio.run(run())
+    assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in ("yes", "no", "ye", "n"), choice.text
+    assert choice_s < 1.0, f"the choice request took {choice_s:.2f} s beside a big compile"
+    assert refused.status_code == 400, refused.text
+    err = refused.json()["error"]
+    assert err["param"] == "structured_outputs.json", err
+    assert f"longer than {LIMIT_S} s to compile" in err["message"], err
+    assert "--structured-outputs-compile-timeout" in err["message"], err
+    assert LIMIT_S <= big_s < LIMIT_S + 2.0, f"refused after {big_s:.2f} s"
+    # The refusal is remembered: the same grammar is refused at once, without a compile.
+    assert again.status_code == 400 and again.json()["error"] == err, again.text
+    assert again_s < 0.5, f"the second refusal took {again_s:.2f} s"
+    assert "ran past the 3 s limit" in full_log(warm)
+
+
+def test_a_client_leaving_stops_its_compile(warm):
+    before = compile_pids(warm.proc.pid)
+    log_start = len(full_log(warm))
+
+    async def run():
+        async with httpx.AsyncClient(base_url=warm.base_url, timeout=120) as c:
+            task = asyncio.ensure_future(post(c, {"structured_outputs": {"json": big_schema(2000, "gone")}}))
+            await asyncio.sleep(1.5)  # past the first second: a big compile, stopped as soon as nobody waits
+            task.cancel()  # the connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    t0 = time.monotonic()
+    asyncio.run(run())
+    found = wait_until(lambda: STOPPED.findall(full_log(warm)[log_start:]), 5,
+                       f"no compile process was stopped:\n{warm.log()}")
+    stopped_s = time.monotonic() - t0
+    (pid, why), = found
+    assert why == "every request waiting for its grammar has gone", found
+    assert stopped_s < LIMIT_S, f"stopped only after {stopped_s:.2f} s"
+    assert int(pid) in before
+    wait_until(lambda: int(pid) not in compile_pids(), 5, f"process {pid} is still there")
+    # ...and it is replaced
+    wait_until(lambda: len(compile_pids(warm.proc.pid) - before) == 1, 60,
+               f"no new compile process: before {before}, now {compile_pids(warm.proc.pid)}")
+    assert '499' in full_log(warm)[log_start:] or "client_gone" in full_log(warm)[log_start:]
+
+
+def test_compiler_messages_carry_no_cpp_paths_or_timestamps(warm):
+    cases = [({"structured_outputs": {"regex": "(ab"}}, "The parenthesis is not closed"),
+             ({"structured_outputs": {"grammar": "root ::= nothing_here"}}, 'Rule "nothing_here" is not defined'),
+             ({"structured_outputs": {"json": {"type": "no-such-type"}}}, 'Unsupported type "no-such-type"')]
+    for extra, words in cases:
+        r = httpx.post(warm.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": "x", "max_tokens": 2, **extra})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert words in message, message
+        assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.cc:\d+|/cpp/", message), message
+
+
+def test_clean_message_keeps_the_message_only():
+    raw = {
+        "[11:36:14] /project/cpp/json_schema_converter.cc:5082: Unsupported type \"integr\"\n":
+            'Unsupported type "integr"',
+        "[11:36:14] /project/cpp/json_schema_converter.cc:5077: Check failed: (error.empty()) is false: "
+        "Failed to parse JSON: syntax error at line 1 near: x\n": "Failed to parse JSON: syntax error at line 1 near: x",
+        "[01:02:03] /workspace/cpp/grammar_parser.cc:820: EBNF parser error at line 1, column 10: "
+        "Rule \"a\" is not defined\nStack trace:\n  [bt] (0) libxgrammar.so(+0x1234)\n":
+            'EBNF parser error at line 1, column 10: Rule "a" is not defined',
+        "plain words": "plain words",
+    }
+    for text, want in raw.items():
+        assert clean_message(text) == want
+    assert len(clean_message("x" * 5000)) == 1003
+
+
+def test_the_server_process_never_loads_xgrammar(warm):
+    maps = Path(f"/proc/{warm.proc.pid}/maps").read_text()
+    assert "xgrammar" not in maps
+
+
+_HOST = textwrap.dedent("""
+    import asyncio, json, sys
+    from aiolm.model.loader import resolve_model
+    from aiolm.structured.spec import StructuredOutputs
+    from aiolm.structured.validator import Validator
+
+    async def main():
+        src = resolve_model(None)
+        v = Validator("xgrammar", compile_timeout=600)
+        v.configure(src.path, src.config.vocab_size)
+        await v.check(StructuredOutputs("regex", "[a-z]+"))
+        big = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(2000)}}
+        task = asyncio.ensure_future(v.check(StructuredOutputs("json", json.dumps(big))))
+        while not any(p.job is not None for p in v.pool.procs):
+            await asyncio.sleep(0.05)
+        print(" ".join(str(p.pid) for p in v.pool.procs), flush=True)
+        await task
+
+    asyncio.run(main())
+""")
+
+
+def test_compile_processes_die_with_a_killed_engine_process():
+    """SIGKILL the process that holds the pool while one of its processes compiles: none is left."""
+    host = subprocess.Popen([sys.executable, "-c", _HOST], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = host.stdout.readline()  # once a compile runs
+        pids = {int(p) for p in line.split()}
+        assert pids and pids <= compile_pids(host.pid), (line, compile_pids(host.pid))
+        time.sleep(0.5)
+        host.kill()
+        host.wait(10)
+        wait_until(lambda: not (pids & compile_pids()), 5, f"compile processes outlived their engine: {pids}")
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(10)
+
+
+def test_shutdown_leaves_no_compile_process(warm):
+    """Last in the module: SIGTERM while a big grammar compiles; the server exits 0, and takes its
+    compile processes with it."""
+    r = None
+
+    async def run():
+        nonlocal r
+        async with httpx.AsyncClient(base_url=warm.base_url, timeout=60) as c:
+            task = asyncio.ensure_future(post(c, {"structured_outputs": {"json": big_schema(2000, "bye")}}))
+            await asyncio.sleep(0.5)
+            pids = compile_pids(warm.proc.pid)
+            warm.proc.send_signal(signal.SIGTERM)
+            try:
+                r = await task
+            except httpx.HTTPError:
+                pass
+            return pids
+
+    pids = asyncio.run(run())
+    assert len(pids) == 3, pids
+    assert warm.stop() == 0, warm.log()
+    if r is not None:
+        assert r.status_code in (400, 503), r.text
+    assert not (pids & compile_pids()), f"compile processes outlived the server: {pids & compile_pids()}"
+
+
+def test_the_pool_shares_stops_and_requeues_compiles(real_source):
+    """A Validator of two processes (one slow lane), on this test's own loop: requests share a
+    compile, which stops when the last one leaves (at once when it is big, at its first second
+    when it is young); a second big grammar is stopped and queued while the slow lane is taken,
+    and starts again once the lane is free."""
+    from aiolm.structured.spec import StructuredOutputs
+    from aiolm.structured.validator import SLOW_AFTER_S, Validator
+
+    def spec(tag: str) -> StructuredOutputs:
+        return StructuredOutputs("json", json.dumps(big_schema(2000, tag)))
+
+    async def settled(pool, timeout: float = 120.0) -> None:
+        """Until the pool has both processes started and ready."""
+        deadline = time.monotonic() + timeout
+        while not (len(pool.procs) == 2 and all(p.ready for p in pool.procs)):
+            assert time.monotonic() < deadline, pool.procs
+            await asyncio.sleep(0.05)
+
+    def running(pool, s: StructuredOutputs):
+        return next((p for p in pool.procs if p.job is not None and p.job.spec == s), None)
+
+    async def run():
+        v = Validator("xgrammar", compile_timeout=60, max_processes=2)
+        v.configure(real_source.path, real_source.config.vocab_size)
+        try:
+            await v.check(StructuredOutputs("regex", "[a-z]+"))
+            pool = v.pool
+            await settled(pool)
+            # shared, then abandoned: a big compile stops when its last request leaves
+            a = spec("a")
+            first, second = (asyncio.ensure_future(v.check(a)) for _ in range(2))
+            await asyncio.sleep(SLOW_AFTER_S + 0.3)
+            p = running(pool, a)
+            assert p is not None and p.job.waiters == 2 and p.job.slow
+            first.cancel()
+            await asyncio.sleep(0.2)
+            assert running(pool, a) is p
+            second.cancel()
+            await asyncio.sleep(0)
+            assert p not in pool.procs and p.doomed and not v._jobs and len(v._verdicts) == 1  # the regex's
+            await settled(pool)
+            # young: it may finish, and stops at its first second when nobody came back for it
+            b = spec("b")
+            young = asyncio.ensure_future(v.check(b))
+            await asyncio.sleep(0.2)
+            young.cancel()
+            await asyncio.sleep(0.1)
+            p = running(pool, b)
+            assert p is not None and p.job.waiters == 0
+            await asyncio.sleep(SLOW_AFTER_S)
+            assert p.doomed and not v._jobs
+            await settled(pool)
+            # the slow lane taken: the second big grammar is stopped and queued, then restarted
+            c, d = spec("c"), spec("d")
+            tc = asyncio.ensure_future(v.check(c))
+            await asyncio.sleep(SLOW_AFTER_S + 0.2)
+            td = asyncio.ensure_future(v.check(d))
+            await asyncio.sleep(SLOW_AFTER_S + 0.3)
+            assert running(pool, c).job.slow and running(pool, d) is None
+            assert [j.spec for j in pool._slow] == [d]
+            tc.cancel()  # frees the lane: d starts on the first process ready
+            deadline = time.monotonic() + 120
+            while running(pool, d) is None:
+                assert time.monotonic() < deadline and not td.done()
+                await asyncio.sleep(0.05)
+            assert running(pool, d).job.slow and not pool._slow
+            td.cancel()
+        finally:
+            await v.close()
+        assert not pool.procs and not pool._tasks
+
+    asyncio.run(run())
