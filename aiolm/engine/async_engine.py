@@ -28,6 +28,7 @@ from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.engine.core import EngineCore
+from aiolm.engine.drain import DrainEstimate
 from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestTimeoutError
 from aiolm.engine.input import InputProcessor, PromptType
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
@@ -79,6 +80,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(self, self.args.metrics_prefix, engine_index)
         self.engine_index = engine_index
         self._submissions = itertools.count()
+        self.drain = DrainEstimate()  # how fast seats free up: the Retry-After of a 429
         self.supervisor: WorkerSupervisor | None = None
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
         self._stopping: asyncio.Task[None] | None = None
@@ -331,9 +333,12 @@ class AsyncEngine:
         live = len(self.output.children)
         room = a.max_num_seqs + a.max_waiting_requests - live
         if n > room:
+            # Retry when the sequences queued ahead (and these n) would have seats.
+            running = len(self.scheduler.running) or a.max_num_seqs
+            wait = self.drain.seconds_for(live + n - running, running)
             raise EngineBusyError(f"the engine is full: {live} sequences live, room for "
                                   f"{a.max_num_seqs} running and {a.max_waiting_requests} waiting "
-                                  f"(--max-waiting-requests); retry later", retry_after=1.0)
+                                  f"(--max-waiting-requests); retry in about {wait:.0f} s", retry_after=wait)
 
     def _expire(self, state: RequestState, timeout: float) -> None:
         if self.output is None or self.output.requests.get(state.req_id) is not state:
@@ -387,6 +392,9 @@ class AsyncEngine:
 
     def _on_finish(self, state: RequestState) -> None:
         self.stats["requests_finished"] += 1
+        seated = getattr(state.core_request, "scheduled_time", None)
+        if seated is not None and state.finish_time is not None:
+            self.drain.departed(state.finish_time - seated, len(state.seqs))
         if state.expiry is not None:
             state.expiry.cancel()
             state.expiry = None

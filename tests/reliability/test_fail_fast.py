@@ -67,6 +67,38 @@ def test_twice_the_waiting_bound_at_once_gets_429_for_the_excess(server):
         assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_retry_after_is_the_time_the_queue_ahead_takes_to_drain(server):
+    """With the seats and the queue full, a 429's Retry-After is within 2x of the time until
+    the sequences queued ahead of it (and it) would have seats, measured by the client."""
+    tokens = 24  # every request here must finish within REQUEST_TIMEOUT, queueing included
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
+                                     limits=httpx.Limits(max_connections=SEATS + WAITING + 1)) as c:
+            async def timed(i: int) -> float:
+                r = await c.post("/v1/completions", json=greedy(PROMPTS[i % 8], tokens, ignore_eos=True))
+                assert r.status_code == 200, r.text
+                return time.monotonic()
+
+            await asyncio.gather(*(timed(i) for i in range(2 * SEATS)))  # service times measured
+            flood = [asyncio.ensure_future(timed(i)) for i in range(SEATS + WAITING)]
+            await _until(lambda: gauges(server.base_url)["num_requests_waiting"] == WAITING)
+            refused = await c.post("/v1/completions", json=greedy("Hello", tokens, ignore_eos=True))
+            t_refused = time.monotonic()
+            return refused, t_refused, sorted(await asyncio.gather(*flood))
+
+    refused, t_refused, finishes = asyncio.run(go())
+    assert refused.status_code == 429, refused.text
+    told = int(refused.headers["retry-after"])
+    assert f"retry in about {told} s" in refused.json()["error"]["message"]
+    # WAITING sequences ahead, then this one: that many departures from the full seats.
+    drained = finishes[WAITING] - t_refused
+    print(f"\n  Retry-After {told} s; the queue ahead drained in {drained:.1f} s")
+    # Whole seconds: a drain of under a second is told 1.
+    assert drained / 2 <= told <= max(2 * drained, drained + 1), (told, drained)
+    assert wait_idle_gauges(server.base_url) == IDLE
+
+
 def test_too_many_sequences_name_the_field(server):
     body = {**greedy("Hello", 4), "n": 4, "prompt": ["a", "b", "c", "d", "e"]}
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
