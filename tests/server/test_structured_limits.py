@@ -260,7 +260,8 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
     when it is young); a second big grammar is stopped and queued while the slow lane is taken,
     and starts again once the lane is free."""
     from aiolm.structured.spec import StructuredOutputs
-    from aiolm.structured.validator import SLOW_AFTER_S, Validator
+    from aiolm.structured.compile_pool import SLOW_AFTER_S
+    from aiolm.structured.validator import Validator
 
     def spec(tag: str) -> StructuredOutputs:
         return StructuredOutputs("json", json.dumps(big_schema(2000, tag)))
