@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
 from starlette.requests import Request
 
+from aiolm.server import client_json
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.middleware import LOG_EXTRA_KEY
@@ -44,14 +44,14 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        value = await asyncio.to_thread(json.loads, body) if len(body) > _OFFLOAD_BYTES else json.loads(body)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        value = await asyncio.to_thread(client_json.loads, body) if len(body) > _OFFLOAD_BYTES \
+            else client_json.loads(body)
+    except client_json.TooDeep as e:
+        raise bad_request(f"the request body is {e}", code="invalid_json") from None
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if _may_hold_surrogates(body):
-        try:
-            where = lone_surrogate_path(value)
-        except RecursionError:
-            raise bad_request("the request body is nested too deeply", code="invalid_json") from None
+        where = lone_surrogate_path(value)  # recursion bounded by client_json.MAX_DEPTH
         if where is not None:
             raise bad_request(f"'{where}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
                               param=where, code="invalid_unicode")

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiolm.config import EngineArgs
 from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.server import client_json
 from aiolm.server.errors import APIError, bad_request
 from aiolm.server.schema import Bool, Enum, Field, Int, ListOf, MapOf, Num, Obj, OneOf, Spec, Str
 from aiolm.server.tools import message_tool_fields, tool_fields
@@ -125,7 +126,9 @@ def _structured_fields(limits: Limits) -> dict[str, Field]:
 def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = client_json.loads(value)
+        except client_json.TooDeep as e:
+            raise bad_request(f"'{param}' is {e}", param=param) from None
         except ValueError as e:
             raise bad_request(f"'{param}' is not valid JSON: {e}", param=param) from None
     if not isinstance(value, (dict, bool)):

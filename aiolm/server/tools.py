@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiolm.server import client_json
 from aiolm.server.errors import bad_request
 from aiolm.server.schema import Bool, Enum, Field, ListOf, MapOf, Obj, OneOf, Spec, Str
 from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
@@ -167,6 +168,11 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (templates serialize it themselves), the tool result under ``tool_call_id``."""
     out = []
     for i, m in enumerate(messages):
+        if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            # As at OpenAI: only an assistant turn that made tool calls may leave its content out.
+            raise bad_request(f"'messages[{i}].content' is required for a {m['role']} message (null or missing "
+                              f"content is allowed only on an assistant message with tool_calls)",
+                              param=f"messages[{i}].content")
         msg: dict[str, Any] = {"role": m["role"], "content": message_text(m["content"]) or ""}
         if m.get("name"):
             msg["name"] = m["name"]
@@ -178,7 +184,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for j, c in enumerate(m["tool_calls"]):
                 path = f"messages[{i}].tool_calls[{j}].function.arguments"
                 try:
-                    args = json.loads(c["function"]["arguments"]) if c["function"]["arguments"].strip() else {}
+                    args = client_json.loads(c["function"]["arguments"]) if c["function"]["arguments"].strip() else {}
+                except client_json.TooDeep as e:
+                    raise bad_request(f"'{path}' is {e}", param=path) from None
                 except ValueError as e:
                     raise bad_request(f"'{path}' is not valid JSON: {e}", param=path) from None
                 calls.append({"id": c["id"], "type": "function",
@@ -204,7 +212,7 @@ def enforced_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:
     """The calls in a constrained output, or None when it is incomplete (cut by max_tokens)."""
     try:
         doc = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model's output nested past the parser's limit: not calls
         return None
     items = doc if isinstance(doc, list) else [doc]
     calls = []

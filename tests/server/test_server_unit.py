@@ -79,6 +79,12 @@ BAD_CHAT = [
     ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({**CHAT, "model": "gpt-4"}, "model"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+     "messages[1].content"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]},
+     "messages[0].content"),
 ]
 
 
@@ -88,6 +94,45 @@ def test_chat_validation_names_the_field(fake_engine, body, param):
         r = c.post("/v1/chat/completions", json=body)
         _assert_error(r, 404 if param == "model" else 400, param)
     assert not fake_engine.live
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (where the deep value goes, the field the 400 names: None for the body as a whole)
+DEEP = [
+    ('{"messages": [{"role": "user", "content": "hi"}], "x": %s}', None),
+    ('{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": %s}}', None),
+    ('{"messages": [{"role": "user", "content": "hi"}], "guided_json": %s}', "guided_json"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "a", '
+     '"type": "function", "function": {"name": "f", "arguments": %s}}]}]}',
+     "messages[1].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.mark.parametrize("depth", [200, 1800, 5000])
+@pytest.mark.parametrize("template,param", DEEP, ids=[p or "body" for _, p in DEEP])
+def test_deeply_nested_json_is_a_400_that_says_so(fake_engine, template, param, depth):
+    """Valid JSON nested past the bound, in the body or in a JSON string field, is 'nested too
+    deeply' naming where, never 'not valid JSON' and never a 500."""
+    inner = json.dumps(_nested(depth)) if param else _nested(depth)
+    with _client(fake_engine) as c:
+        r = c.post("/v1/chat/completions", content=template % inner, headers={"content-type": "application/json"})
+        err = _assert_error(r, 400, param)
+    assert "nested too deeply (more than 128 levels" in err["message"], err
+    assert "not valid JSON" not in err["message"] and "recursion" not in err["message"]
+    assert not fake_engine.live
+
+
+def test_json_at_the_nesting_bound_is_parsed(fake_engine):
+    with _client(fake_engine) as c:  # the body's object and 127 lists: 128 levels, parsed
+        r = c.post("/tokenize", content='{"prompt": "hi", "x": %s}' % _nested(127),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "Unrecognized request argument supplied: 'x'" in r.text, r.text
+        r = c.post("/tokenize", content='{"prompt": "hi", "x": %s}' % _nested(128),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.text, r.text
 
 
 BAD_COMPLETION = [
