@@ -327,3 +327,17 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
         assert not pool.procs and not pool._tasks
 
     asyncio.run(run())
+
+
+def test_the_compile_timeout_flag():
+    from aiolm.config import EngineArgs
+    from aiolm.server.settings import parse_serve_args
+
+    assert parse_serve_args([])[0].structured_outputs_compile_timeout == 30.0
+    args = parse_serve_args(["--structured-outputs-compile-timeout", "2.5"])[0]
+    assert args.structured_outputs_compile_timeout == 2.5
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            parse_serve_args(["--structured-outputs-compile-timeout", bad])
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout"):
+        EngineArgs(structured_outputs_compile_timeout=0)
