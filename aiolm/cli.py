@@ -239,8 +239,19 @@ def generate(argv: list[str]) -> int:
         finally:
             await engine.shutdown()
 
-    _run(main())
+    _run_request(parser, main())
     return 0
+
+
+def _run_request(parser: argparse.ArgumentParser, coro: Any) -> None:
+    """Run ``coro``; a request the model refuses (a chat prompt for a model without a chat
+    template, a prompt over max_model_len) is one line and exit code 2, like a bad flag."""
+    from aiolm.params import ParamError
+
+    try:
+        _run(coro)
+    except ParamError as e:
+        parser.error(e.message)
 
 
 class _StdinLines:
@@ -325,7 +336,7 @@ def chat(argv: list[str]) -> int:
         if interactive:
             sys.stdout.write("\n")
 
-    _run(main())
+    _run_request(parser, main())
     return 0
 
 

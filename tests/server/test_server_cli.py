@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import select
@@ -124,6 +125,25 @@ def test_model_dependent_arguments_fail_in_one_line(command, tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "unknown architecture ['FooForCausalLM']" in out.stderr, out.stderr
     assert "supported: Gemma3ForCausalLM" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_request_the_model_refuses_is_one_line(tmp_path):
+    """--chat for a model without a chat template: exit code 2 and the reason in one line
+    (after the line saying the model loaded), no traceback."""
+    from aiolm.model.loader import resolve_model
+
+    for f in resolve_model(None).path.iterdir():  # the embedded model, less its chat template
+        if f.name == "tokenizer_config.json":
+            cfg = json.loads(f.read_text())
+            cfg.pop("chat_template", None)
+            (tmp_path / f.name).write_text(json.dumps(cfg))
+        elif f.name != "chat_template.jinja":
+            (tmp_path / f.name).symlink_to(f)
+    out = _aiolm("generate", "hi", "--chat", "--model", str(tmp_path), *FLAGS)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1] == "aiolm generate: error: this model has no chat template; use a plain prompt"
+    assert "Traceback" not in out.stderr and out.stdout == ""
 
 
 def test_busy_port_is_reported_before_the_model_loads():
