@@ -78,7 +78,7 @@ def serve(argv: list[str]) -> int:
     config = uvicorn.Config(app, host=ns.host, port=ns.port, loop=loop, lifespan="on", access_log=False,
                             log_level=ns.log_level, timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
                             log_config=None)
-    server = _server_class()(config)
+    server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui))(config)
     server.run(sockets=[sock])
     return 0 if server.started and app.state.ctx.engine_died is None else 1
 
@@ -125,12 +125,34 @@ def _listen_socket(parser: argparse.ArgumentParser, host: str, port: int) -> soc
     return sock
 
 
-def _server_class() -> Any:
+def _serving_lines(host: str, port: int, web_ui: bool) -> list[str]:
+    """What the log says once the server answers: where the API, the chat page and the health
+    probe are (uvicorn says nothing of it when handed a bound socket)."""
+    shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{port}"
+    lines = [f"OpenAI-compatible API at {base}/v1 (health: {base}/health)"]
+    if web_ui:
+        lines.append(f"chat page at {base}/")
+    if host in ("0.0.0.0", "::"):
+        lines.append(f"listening on every interface ({host}); from this machine: http://127.0.0.1:{port}/v1")
+    return lines
+
+
+def _server_class(serving_lines: list[str]) -> Any:
     import uvicorn
+
+    log = logging.getLogger("aiolm.server")
 
     class GracefulServer(uvicorn.Server):
         """uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, which
-        kills the process by signal; a clean drain should exit 0, so drop it."""
+        kills the process by signal; a clean drain should exit 0, so drop it. Once started,
+        it logs where it serves."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                for line in serving_lines:
+                    log.info("%s", line)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

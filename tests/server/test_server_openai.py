@@ -79,6 +79,10 @@ def test_models_health_and_auth(server, client, model):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"]
+    # The log says where the API and the chat page are, with the real port.
+    log = server.log_path.read_text(errors="replace")
+    assert f"OpenAI-compatible API at {server.base_url}/v1 (health: {server.base_url}/health)" in log, log
+    assert f"chat page at {server.base_url}/" in log
 
 
 def test_vllm_named_metrics_agree_with_the_responses(server, client, model):
