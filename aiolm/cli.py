@@ -54,9 +54,11 @@ def _run(coro: Any) -> Any:
 
 
 def serve(argv: list[str]) -> int:
-    from aiolm.server.settings import build_parser, parse_serve_args
+    from aiolm.server import slow_clients
+    from aiolm.server.settings import build_parser, parse_serve_args, seconds
 
     parser = build_parser()
+    slow_clients.add_args(parser, seconds, int_in(1))  # options of this server, not of the ASGI app
     engine_args, settings, ns = parse_serve_args(argv, parser)
     _check_model_path(parser, engine_args.model)
     _check_device(parser, engine_args)
@@ -69,13 +71,15 @@ def serve(argv: list[str]) -> int:
         sock.close()
         raise
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from aiolm.engine.data_parallel import create_engine
     from aiolm.server.app import build_app
 
     app = build_app(create_engine(engine_args), settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop=loop, lifespan="on", access_log=False,
+    http = slow_clients.guarded(AutoHTTPProtocol, ns.header_timeout, ns.max_connections)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop=loop, http=http, lifespan="on", access_log=False,
                             log_level=ns.log_level, timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
                             log_config=None)
     server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui))(config)

@@ -52,7 +52,7 @@ class ServerSettings:
                       lenient=self.lenient_fields)
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -81,7 +81,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int_in(1), default=d.max_n, help="largest 'n' (choices per request)")
     g.add_argument("--max-prompts", type=int_in(1), default=d.max_prompts,
                    help="most prompts in one /v1/completions request")
-    g.add_argument("--shutdown-timeout", type=_seconds, default=d.shutdown_timeout,
+    g.add_argument("--shutdown-timeout", type=seconds, default=d.shutdown_timeout,
                    help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per HTTP request on the 'aiolm.access' logger")
@@ -99,9 +99,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-request-priority", action=argparse.BooleanOptionalAction, default=False,
                    help="honour the 'priority' field of requests, lower values first (implies "
                         "--scheduling-policy priority); otherwise a non-zero one is a 400")
-    g.add_argument("--body-timeout", type=_seconds, default=d.body_timeout,
+    g.add_argument("--body-timeout", type=seconds, default=d.body_timeout,
                    help="seconds a client may take to send a whole request body (408 after)")
-    g.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
+    g.add_argument("--request-timeout", type=seconds, default=d.request_timeout,
                    help="seconds a generation may run before it is aborted and its KV blocks freed "
                         "(0 = no limit)")
     g.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
