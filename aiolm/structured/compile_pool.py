@@ -159,24 +159,32 @@ class CompilePool:
         idle = [p for p in self.procs if p.ready and p.job is None]
         slow = sum(1 for p in self.procs if p.job is not None and p.job.slow)
         while idle and self._slow and slow < self.slow_lanes:
-            self._start(idle.pop(), self._slow.popleft())
-            slow += 1
+            if self._start(idle.pop(), self._slow[0]):
+                self._slow.popleft()
+                slow += 1
         while idle and self._fresh:
-            self._start(idle.pop(), self._fresh.popleft())
+            if self._start(idle.pop(), self._fresh[0]):
+                self._fresh.popleft()
         if self._start_error is None:
             busy = sum(1 for p in self.procs if p.job is not None)
             for _ in range(min(self.max_processes, busy + SPARES) - len(self.procs)):
                 self._spawn()
 
-    def _start(self, p: _Proc, job: CompileJob) -> None:
+    def _start(self, p: _Proc, job: CompileJob) -> bool:
+        """Send ``job`` to ``p``; False if ``p`` turned out to be gone (it is then replaced)."""
         assert p.process is not None and p.process.stdin is not None
+        try:
+            p.process.stdin.write(encode_frame({"kind": job.spec.kind, "text": job.spec.text,
+                                                "strict": job.spec.strict}))
+        except (RuntimeError, OSError):  # its pipe is closed: it died, and the end of its output is not read yet
+            self._kill(p, "its input pipe is closed")
+            return False
         loop = asyncio.get_running_loop()
         p.job, job.proc, job.started = job, p, loop.time()
-        p.process.stdin.write(encode_frame({"kind": job.spec.kind, "text": job.spec.text,
-                                            "strict": job.spec.strict}))
         p.timers = [loop.call_later(self.timeout, self._timed_out, p, job)]
         if not job.slow and SLOW_AFTER_S < self.timeout:
             p.timers.append(loop.call_later(SLOW_AFTER_S, self._aged, p, job))
+        return True
 
     def _timed_out(self, p: _Proc, job: CompileJob) -> None:
         if p.job is not job:
@@ -288,6 +296,11 @@ class CompilePool:
             await self._reap(p, failure)
 
     async def _reap(self, p: _Proc, failure: str) -> None:
+        """``p``'s output has ended: take it out of service now, wait for it to exit, then settle
+        what it leaves behind (unless the pool killed it: then the killer did)."""
+        if p in self.procs:
+            self.procs.remove(p)
+            _cancel_timers(p)
         code = None
         if p.process is not None:
             if not p.doomed:  # its output ended: it is exiting, or else it is stuck
@@ -296,12 +309,14 @@ class CompilePool:
                 except asyncio.TimeoutError:
                     _sigkill(p.process)
             code = await p.process.wait()
-        if p.doomed or self._closed:
+        if p.doomed:
             return
         # It ended by itself: it could not start, or it died (the OOM killer, a crash in xgrammar).
-        self.procs.remove(p)
         job, p.job = p.job, None
-        _cancel_timers(p)
+        if self._closed:
+            if job is not None:
+                self._fail(job, EngineDeadError(_STOPPED))
+            return
         if not p.ready:
             self._start_error = failure or f"the grammar compile process exited with status {code} while starting"
             log.error("structured outputs: %s", self._start_error)

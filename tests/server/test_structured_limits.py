@@ -258,8 +258,9 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
     """A Validator of two processes (one slow lane), on this test's own loop: requests share a
     compile, which stops when the last one leaves (at once when it is big, at its first second
     when it is young); a second big grammar is stopped and queued while the slow lane is taken,
-    and starts again once the lane is free."""
+    and starts again once the lane is free; a grammar whose process dies twice is refused."""
     from aiolm.structured.spec import StructuredOutputs
+    from aiolm.params import ParamError
     from aiolm.structured.compile_pool import SLOW_AFTER_S
     from aiolm.structured.validator import Validator
 
@@ -289,6 +290,7 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
             await asyncio.sleep(SLOW_AFTER_S + 0.3)
             p = running(pool, a)
             assert p is not None and p.job.waiters == 2 and p.job.slow
+            assert [q for q in pool.procs if q.job is not None] == [p]  # one compile, on one process
             first.cancel()
             await asyncio.sleep(0.2)
             assert running(pool, a) is p
@@ -322,6 +324,21 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
                 await asyncio.sleep(0.05)
             assert running(pool, d).job.slow and not pool._slow
             td.cancel()
+            # a process that dies under a grammar is replaced, and the grammar tried once more, then refused
+            e = spec("e")
+            te = asyncio.ensure_future(v.check(e))
+            for _ in range(2):
+                deadline = time.monotonic() + 120
+                while (p := running(pool, e)) is None:
+                    assert time.monotonic() < deadline and not te.done()
+                    await asyncio.sleep(0.05)
+                os.kill(p.pid, signal.SIGKILL)
+                while p in pool.procs:
+                    await asyncio.sleep(0.01)
+            with pytest.raises(ParamError, match="the grammar compiler failed on this grammar"):
+                await te
+            await settled(pool)
+            await v.check(StructuredOutputs("regex", "[0-9]+"))  # and the pool still serves
         finally:
             await v.close()
         assert not pool.procs and not pool._tasks
