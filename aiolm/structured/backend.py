@@ -9,8 +9,9 @@ grammars are not worth shipping, see ``spec.py``), in the background while other
 step (``BackgroundCompiles``); the scheduler holds the request until then. xgrammar releases
 the GIL while it compiles, so those threads do not stall the step's Python. xgrammar (and the
 torch it imports) loads on first use only, and never in the engine process. JSON is
-generated compact (``any_whitespace=False``): a free-whitespace grammar lets a small model
-fill its budget with newlines before the document ends.
+generated on one line with fixed separators (``any_whitespace=False``: ", " and ": ", as
+``json.dumps`` writes them, and no other whitespace): a free-whitespace grammar lets a small
+model fill its budget with newlines before the document ends.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from aiolm.structured.spec import StructuredOutputs
 
 log = logging.getLogger(__name__)
 BACKENDS = ("xgrammar", "none")
-# json_object: any JSON object, compact like the schema kinds (xgrammar's built-in JSON grammar
+# json_object: any JSON object, laid out like the schema kinds (xgrammar's built-in JSON grammar
 # allows free whitespace).
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's own cache of compiled grammars, per process: bounded, since clients choose the grammars.

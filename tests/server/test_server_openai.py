@@ -460,6 +460,7 @@ def test_responses_json_schema_and_errors(client, model):
                                 text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}})
     doc = json.loads(r.output_text)
     assert set(doc) == {"city", "rank"} and isinstance(doc["city"], str) and 1 <= doc["rank"] <= 10
+    assert r.output_text == json.dumps(doc, ensure_ascii=False)  # the layout README promises
     assert r.text.format.type == "json_schema"
     bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}
     with pytest.raises(openai.BadRequestError) as e:
