@@ -18,8 +18,10 @@ compile. The rules:
   grammars. A compile that reaches that age while the slow lanes are taken is stopped and
   queued to start again, with its whole time limit, when a lane frees up. Besides the busy
   processes the pool keeps ``SPARES`` idle ones started (up to ``max_processes``), because a
-  start (Python, torch and xgrammar imports) takes seconds. The worst case, more big grammars
-  at once than slow lanes, makes a new grammar wait up to ``SLOW_AFTER_S`` plus a start.
+  start (Python, torch and xgrammar imports) takes seconds; they start one at a time, so that
+  the burst of CPU does not take a CPU machine's cores from its workers all at once. The worst
+  case, more big grammars at once than slow lanes, makes a new grammar wait up to
+  ``SLOW_AFTER_S`` plus a start.
 - A process that dies by itself is replaced; a grammar whose compile it was gets one more try,
   then is refused (``_MAX_CRASHES``). A process that cannot start fails the queue with its
   reason, and no new one is started until the next grammar arrives.
@@ -153,7 +155,7 @@ class CompilePool:
 
     def _dispatch(self) -> None:
         """Start queued jobs on idle processes (slow ones only into a free slow lane), and keep
-        ``SPARES`` idle processes started besides the busy ones."""
+        ``SPARES`` idle processes started besides the busy ones, starting one at a time."""
         if self._closed:
             return
         idle = [p for p in self.procs if p.ready and p.job is None]
@@ -165,9 +167,11 @@ class CompilePool:
         while idle and self._fresh:
             if self._start(idle.pop(), self._fresh[0]):
                 self._fresh.popleft()
-        if self._start_error is None:
+        # One start at a time: a start is seconds of CPU (imports), taken from the workers on a
+        # CPU machine, and the first grammar needs only the first process.
+        if self._start_error is None and all(p.ready for p in self.procs):
             busy = sum(1 for p in self.procs if p.job is not None)
-            for _ in range(min(self.max_processes, busy + SPARES) - len(self.procs)):
+            if len(self.procs) < min(self.max_processes, busy + SPARES):
                 self._spawn()
 
     def _start(self, p: _Proc, job: CompileJob) -> bool:
