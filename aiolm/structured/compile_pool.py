@@ -67,6 +67,7 @@ class CompileJob:
 
     spec: StructuredOutputs
     key: bytes
+    text: bytes  # spec.text in UTF-8, as it is sent
     future: asyncio.Future[str | None]
     waiters: int = 0
     slow: bool = False  # ran past SLOW_AFTER_S once: needs a slow lane
@@ -178,8 +179,9 @@ class CompilePool:
         """Send ``job`` to ``p``; False if ``p`` turned out to be gone (it is then replaced)."""
         assert p.process is not None and p.process.stdin is not None
         try:
-            p.process.stdin.write(encode_frame({"kind": job.spec.kind, "text": job.spec.text,
-                                                "strict": job.spec.strict}))
+            p.process.stdin.write(encode_frame({"kind": job.spec.kind, "strict": job.spec.strict}))
+            p.process.stdin.write(len(job.text).to_bytes(HEADER_BYTES, "big"))
+            p.process.stdin.write(job.text)
         except (RuntimeError, OSError):  # its pipe is closed: it died, and the end of its output is not read yet
             self._kill(p, "its input pipe is closed")
             return False

@@ -6,12 +6,14 @@ that Python cannot interrupt, so the only way to end a compile that runs too lon
 clients have all left, is to kill its process.
 
 The pipe protocol (stdin: requests, stdout: replies). Each message is a frame: a 4-byte
-big-endian length, then that many bytes of UTF-8 JSON.
+big-endian length, then that many bytes, of UTF-8 JSON unless said otherwise.
 
     reply, once, when the compiler is ready:  {"ready": true}
                   or when it cannot be built:  {"ready": false, "error": "..."}   (then it exits)
-    request:                                   {"kind": ..., "text": ..., "strict": ...}
-                                               (the fields of ``StructuredOutputs``)
+    request, two frames:                      {"kind": ..., "strict": ...}, then the grammar
+                                              text's UTF-8 bytes, raw (the fields of
+                                              ``StructuredOutputs``; JSON-escaping a text of
+                                              megabytes would cost the engine's event loop)
     reply to each request:                     {"error": null}  or  {"error": "invalid regex: ..."}
 
 End of stdin means stop. Anything else the process or its libraries print goes to stderr:
@@ -49,13 +51,14 @@ def encode_frame(message: dict[str, Any]) -> bytes:
     return len(body).to_bytes(HEADER_BYTES, "big") + body
 
 
-def _read_frame(stream: IO[bytes]) -> dict[str, Any] | None:
-    """The next message, or None at end of input."""
+def _read_frame(stream: IO[bytes]) -> bytes | None:
+    """The next frame's bytes, or None at end of input."""
     header = stream.read(HEADER_BYTES)
     if len(header) < HEADER_BYTES:
         return None
-    body = stream.read(int.from_bytes(header, "big"))
-    return json.loads(body)
+    size = int.from_bytes(header, "big")
+    body = stream.read(size)
+    return body if len(body) == size else None
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -97,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     from aiolm.structured.backend import compile_spec, describe_error
     from aiolm.structured.spec import StructuredOutputs
 
-    while (msg := _read_frame(requests)) is not None:
-        spec = StructuredOutputs(str(msg["kind"]), str(msg["text"]), bool(msg["strict"]))
+    while (head := _read_frame(requests)) is not None and (text := _read_frame(requests)) is not None:
+        msg = json.loads(head)
+        spec = StructuredOutputs(str(msg["kind"]), text.decode(), bool(msg["strict"]))
         try:
             compile_spec(compiler, spec)
             error = None

@@ -6,9 +6,10 @@ the same grammar share one compile, and the check of a request that leaves (a cl
 disconnects, a task is cancelled) stops waiting at once; the pool stops the compile when the
 last one has left. Verdicts (None, or the message for the client, a time-limit refusal
 included) are cached by a digest of the grammar, never by its text: ``_CACHE_ENTRIES`` of them,
-least recently used first out. Cache hits never touch the pool. Grammar texts longer than
-``_HASH_ON_LOOP_BYTES`` are hashed in a thread. The engine process never imports xgrammar, nor
-the torch it imports.
+least recently used first out. Cache hits never touch the pool. A grammar's text is encoded to
+UTF-8 once, for its digest and for the pipe to the compile process (raw, never JSON-escaped),
+in a thread when it is longer than ``_HASH_ON_LOOP_BYTES``. The engine process never imports
+xgrammar, nor the torch it imports.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aiolm.structured.compile_pool import MAX_PROCESSES, CompileJob, CompilePool
 from aiolm.structured.spec import StructuredOutputs
 
 _CACHE_ENTRIES = 256  # distinct grammars whose verdict is remembered
-_HASH_ON_LOOP_BYTES = 64 << 10  # longer grammar texts are hashed in a thread
+_HASH_ON_LOOP_BYTES = 64 << 10  # longer grammar texts are encoded and hashed in a thread
 
 
 class Validator:
@@ -58,16 +59,16 @@ class Validator:
         if self.backend == "none":
             raise ParamError("structured_outputs", "structured outputs are disabled on this server "
                                                    "(--structured-outputs-backend none)")
-        key = await _digest(spec)
+        key, text = await _encode(spec)
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             error = self._verdicts[key]
         else:
-            error = await self._compile(spec, key)
+            error = await self._compile(spec, key, text)
         if error is not None:
             raise ParamError("structured_outputs", error)
 
-    async def _compile(self, spec: StructuredOutputs, key: bytes) -> str | None:
+    async def _compile(self, spec: StructuredOutputs, key: bytes, text: bytes) -> str | None:
         job = self._jobs.get(key)
         if job is None:  # concurrent requests with the same grammar share one compile
             if self.pool is None:
@@ -75,7 +76,7 @@ class Validator:
                     raise RuntimeError("Validator.configure() was not called")
                 self.pool = CompilePool(self.tokenizer_dir, self.vocab_size, self.compile_timeout,
                                         self.max_processes, self._settled)
-            job = self._jobs[key] = CompileJob(spec, key, asyncio.get_running_loop().create_future())
+            job = self._jobs[key] = CompileJob(spec, key, text, asyncio.get_running_loop().create_future())
             self.pool.submit(job)
         job.waiters += 1
         try:
@@ -100,8 +101,14 @@ class Validator:
             await self.pool.close()
 
 
-async def _digest(spec: StructuredOutputs) -> bytes:
-    head = f"{spec.kind}\0{spec.strict}\0".encode()
+async def _encode(spec: StructuredOutputs) -> tuple[bytes, bytes]:
+    """(the grammar's cache key, its text in UTF-8); a long text is encoded and hashed in a thread."""
+    def encode() -> tuple[bytes, bytes]:
+        text = spec.text.encode()
+        h = hashlib.sha256(f"{spec.kind}\0{spec.strict}\0".encode())
+        h.update(text)
+        return h.digest(), text
+
     if len(spec.text) <= _HASH_ON_LOOP_BYTES:
-        return hashlib.sha256(head + spec.text.encode()).digest()
-    return await asyncio.to_thread(lambda: hashlib.sha256(head + spec.text.encode()).digest())
+        return encode()
+    return await asyncio.to_thread(encode)

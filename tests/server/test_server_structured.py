@@ -104,6 +104,7 @@ def test_validator_caches_and_refuses_off_the_loop(real_source):
         good = StructuredOutputs("regex", "[a-z]+")
         await asyncio.gather(*(v.check(good) for _ in range(8)))  # one shared check
         assert len(v._verdicts) == 1 and not v._jobs
+        await v.check(StructuredOutputs("grammar", 'root ::= "café" | "日本"'))  # the text travels as UTF-8
         for spec, words in ((StructuredOutputs("regex", "(ab"), "invalid regex"),
                             (StructuredOutputs("grammar", "root ::= missing_rule"), "invalid grammar"),
                             (StructuredOutputs("json", '{"type": "no-such-type"}'), "invalid JSON schema")):
