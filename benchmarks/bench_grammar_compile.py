@@ -60,7 +60,6 @@ def memory_mb(pid: int) -> tuple[int, int]:
 
 
 async def pool_costs(folder: Path, vocab: int) -> None:
-    from aiolm.structured.compile_pool import SPARES
     from aiolm.structured.validator import Validator
 
     v = Validator("xgrammar", 60)
@@ -69,9 +68,9 @@ async def pool_costs(folder: Path, vocab: int) -> None:
     await v.check(StructuredOutputs("regex", "[a-z]+"))
     print(f"pool: first check (processes starting) {time.perf_counter() - t0:.1f} s")
     assert v.pool is not None
-    while not (len(v.pool.procs) == SPARES and all(p.ready for p in v.pool.procs)):
+    while not (len(v.pool.procs) == v.processes and all(p.ready for p in v.pool.procs)):
         await asyncio.sleep(0.1)
-    print(f"pool: {SPARES} idle processes ready after {time.perf_counter() - t0:.1f} s")
+    print(f"pool: all {v.processes} processes ready after {time.perf_counter() - t0:.1f} s")
     for p in v.pool.procs:
         assert p.pid is not None
         rss, private = memory_mb(p.pid)

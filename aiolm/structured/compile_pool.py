@@ -13,15 +13,16 @@ compile. The rules:
   left) it is killed, unless it is younger than ``SLOW_AFTER_S``: a compile that young is
   probably small, and killing it would cost a process start (seconds of CPU), so it may finish
   (its verdict is cached) and is killed at that age if nobody has asked for it meanwhile.
-- Small grammars do not queue behind big ones. At most ``max_processes - 1`` compiles may run
+- Small grammars do not queue behind big ones. At most ``processes - 1`` compiles may run
   longer than ``SLOW_AFTER_S`` at once (the slow lanes), so one process always takes new
   grammars. A compile that reaches that age while the slow lanes are taken is stopped and
-  queued to start again, with its whole time limit, when a lane frees up. Besides the busy
-  processes the pool keeps ``SPARES`` idle ones started (up to ``max_processes``), because a
-  start (Python, torch and xgrammar imports) takes seconds; they start one at a time, so that
-  the burst of CPU does not take a CPU machine's cores from its workers all at once. The worst
-  case, more big grammars at once than slow lanes, makes a new grammar wait up to
-  ``SLOW_AFTER_S`` plus a start.
+  queued to start again, with its whole time limit, when a lane frees up. All ``processes``
+  are started with the first grammar and kept, because a start (Python, torch and xgrammar
+  imports) takes seconds: started only when a big compile needed one more, it would come too
+  late for the grammar arriving beside it, and its burst of CPU would land in the middle of
+  serving. They start one at a time, so that a CPU machine's workers never lose
+  several cores to starts at once. The worst case, more big grammars at once than slow
+  lanes, makes a new grammar wait up to ``SLOW_AFTER_S`` plus a start.
 - A process that dies by itself is replaced; a grammar whose compile it was gets one more try,
   then is refused (``_MAX_CRASHES``). A process that cannot start fails the queue with its
   reason, and no new one is started until the next grammar arrives.
@@ -51,8 +52,7 @@ from aiolm.structured.spec import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
-MAX_PROCESSES = 3  # compile processes at most (each holds torch and xgrammar: docs/reliability.md)
-SPARES = 2  # idle processes kept started besides the busy ones, within MAX_PROCESSES
+PROCESSES = 3  # compile processes, each holding torch and xgrammar (docs/reliability.md)
 SLOW_AFTER_S = 1.0  # a compile running this long counts as big
 _MAX_CRASHES = 2  # a grammar whose compile process dies this often is refused
 _START_TIMEOUT_S = 300.0  # imports, and the tokenizer when aiolm's cache has no tokenizer info for it
@@ -99,15 +99,15 @@ class CompilePool:
     client; ``remember`` says whether it is a verdict about the grammar worth caching.
     """
 
-    def __init__(self, tokenizer_dir: Path, vocab_size: int, timeout: float, max_processes: int,
+    def __init__(self, tokenizer_dir: Path, vocab_size: int, timeout: float, processes: int,
                  settled: Callable[[CompileJob, str | None, bool], None]) -> None:
-        if max_processes < 2:
+        if processes < 2:
             raise ValueError("a compile pool needs at least 2 processes: one stays free for small grammars")
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.timeout = timeout
-        self.max_processes = max_processes
-        self.slow_lanes = max_processes - 1
+        self.processes = processes
+        self.slow_lanes = processes - 1
         self._settled = settled
         self.procs: list[_Proc] = []  # alive and not doomed: starting, idle or busy
         self._fresh: deque[CompileJob] = deque()  # jobs never started, or whose process died under them
@@ -156,7 +156,7 @@ class CompilePool:
 
     def _dispatch(self) -> None:
         """Start queued jobs on idle processes (slow ones only into a free slow lane), and keep
-        ``SPARES`` idle processes started besides the busy ones, starting one at a time."""
+        ``processes`` started, starting one at a time."""
         if self._closed:
             return
         idle = [p for p in self.procs if p.ready and p.job is None]
@@ -170,10 +170,8 @@ class CompilePool:
                 self._fresh.popleft()
         # One start at a time: a start is seconds of CPU (imports), taken from the workers on a
         # CPU machine, and the first grammar needs only the first process.
-        if self._start_error is None and all(p.ready for p in self.procs):
-            busy = sum(1 for p in self.procs if p.job is not None)
-            if len(self.procs) < min(self.max_processes, busy + SPARES):
-                self._spawn()
+        if self._start_error is None and len(self.procs) < self.processes and all(p.ready for p in self.procs):
+            self._spawn()
 
     def _start(self, p: _Proc, job: CompileJob) -> bool:
         """Send ``job`` to ``p``; False if ``p`` turned out to be gone (it is then replaced)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from aiolm.params import ParamError
 from aiolm.structured.backend import BACKENDS
-from aiolm.structured.compile_pool import MAX_PROCESSES, CompileJob, CompilePool
+from aiolm.structured.compile_pool import PROCESSES, CompileJob, CompilePool
 from aiolm.structured.spec import StructuredOutputs
 
 _CACHE_ENTRIES = 256  # distinct grammars whose verdict is remembered
@@ -33,14 +33,14 @@ class Validator:
     seconds, with ParamError('structured_outputs', message)."""
 
     def __init__(self, backend: str = "xgrammar", compile_timeout: float = 30.0,
-                 max_processes: int = MAX_PROCESSES) -> None:
+                 processes: int = PROCESSES) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend: {backend!r}; supported: {', '.join(BACKENDS)}")
         if not compile_timeout > 0:
             raise ValueError(f"structured_outputs_compile_timeout must be > 0 seconds, got {compile_timeout!r}")
         self.backend = backend
         self.compile_timeout = compile_timeout
-        self.max_processes = max_processes
+        self.processes = processes
         self.tokenizer_dir: Path | None = None  # set by configure() once the engine knows its model
         self.vocab_size = 0
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
@@ -75,7 +75,7 @@ class Validator:
                 if self.tokenizer_dir is None:
                     raise RuntimeError("Validator.configure() was not called")
                 self.pool = CompilePool(self.tokenizer_dir, self.vocab_size, self.compile_timeout,
-                                        self.max_processes, self._settled)
+                                        self.processes, self._settled)
             job = self._jobs[key] = CompileJob(spec, key, text, asyncio.get_running_loop().create_future())
             self.pool.submit(job)
         job.waiters += 1

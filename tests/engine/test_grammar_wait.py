@@ -32,10 +32,23 @@ def served():
     eng = AsyncEngine(**ENGINE_ARGS)
     try:
         lt.run(eng.start(), timeout=600)
+        lt.run(start_compile_processes(eng), timeout=600)
         yield lt, eng
     finally:
         lt.run(eng.shutdown(), timeout=60)
         lt.close()
+
+
+async def start_compile_processes(engine: AsyncEngine) -> None:
+    """An engine's first grammar starts its compile processes, once, one after the other, each a
+    few seconds of CPU (docs/reliability.md, "Big grammars"): start them all before the tests
+    time a new grammar."""
+    await engine.grammars.check(StructuredOutputs("regex", "[a-z]+"))
+    pool = engine.grammars.pool
+    deadline = time.monotonic() + 300
+    while not (len(pool.procs) == pool.processes and all(p.ready for p in pool.procs)):
+        assert time.monotonic() < deadline, pool.procs
+        await asyncio.sleep(0.05)
 
 
 def slow_schema() -> dict:

@@ -88,11 +88,11 @@ def post(client: httpx.AsyncClient, extra: dict, max_tokens: int = 2):
 
 @pytest.fixture(scope="module")
 def warm(limited):
-    """A structured request started the pool; wait until its two idle processes are ready."""
+    """A structured request started the pool; wait until its three processes are ready."""
     r = httpx.post(limited.base_url + "/v1/completions", timeout=300, json={
         "prompt": "Is it so?", "max_tokens": 2, "structured_outputs": {"regex": "[a-z]+"}})
     assert r.status_code == 200, r.text
-    wait_until(lambda: len(READY.findall(full_log(limited))) >= 2, 180,
+    wait_until(lambda: len(READY.findall(full_log(limited))) >= 3, 180,
                f"the compile processes did not all start:\n{limited.log()}")
     return limited
 
@@ -113,7 +113,8 @@ def test_a_big_schema_is_refused_within_the_limit_while_a_choice_answers(warm):
             return choice, choice_s, refused, big_s, again, time.monotonic() - t2
 
     choice, choice_s, refused, big_s, again, again_s = asyncio.run(run())
-    assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in ("yes", "no", "ye", "n"), choice.text
+    text = choice.json()["choices"][0]["text"] if choice.status_code == 200 else ""
+    assert text and ("yes".startswith(text) or "no".startswith(text)), choice.text  # 2 tokens of a choice
     assert choice_s < 1.0, f"the choice request took {choice_s:.2f} s beside a big compile"
     assert refused.status_code == 400, refused.text
     err = refused.json()["error"]
@@ -278,7 +279,7 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
         return next((p for p in pool.procs if p.job is not None and p.job.spec == s), None)
 
     async def run():
-        v = Validator("xgrammar", compile_timeout=60, max_processes=2)
+        v = Validator("xgrammar", compile_timeout=60, processes=2)
         v.configure(real_source.path, real_source.config.vocab_size)
         try:
             await v.check(StructuredOutputs("regex", "[a-z]+"))
