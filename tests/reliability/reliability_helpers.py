@@ -67,6 +67,10 @@ def resources(pid: int) -> Resources:
     return Resources(rss / 1024, fds, threads, shm_segments(pid))
 
 
+# A single-rank engine's segments: the request ring, the response ring, the heartbeats.
+ENGINE_SEGMENTS = 3
+
+
 def shm_segments(pid: int) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{pid}_"))
 

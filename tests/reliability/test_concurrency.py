@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from reliability_helpers import (PROMPTS, greedy, reference_texts, resources, stream_completion, wait_idle_gauges,
+from reliability_helpers import (ENGINE_SEGMENTS, PROMPTS, greedy, reference_texts, resources, stream_completion, wait_idle_gauges,
                                  wait_for_worker)
 from server_helpers import ServerProcess, SharedServer
 
@@ -123,7 +123,7 @@ def test_thousands_of_requests_leave_no_growth(server):
           f"\n  worker before: {worker_before}\n  worker after:  {worker_after}")
     assert after.fds <= before.fds + 2, (before, after)
     assert after.threads <= before.threads, (before, after)
-    assert after.shm == before.shm and len(after.shm) == 2, (before, after)
+    assert after.shm == before.shm and len(after.shm) == ENGINE_SEGMENTS, (before, after)
     assert after.rss_mb < before.rss_mb + 32, (before, after)
     assert (worker_after.fds, worker_after.threads) == (worker_before.fds, worker_before.threads)
     assert worker_after.rss_mb < worker_before.rss_mb + 32, (worker_before, worker_after)

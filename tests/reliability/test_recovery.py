@@ -26,8 +26,9 @@ import time
 import httpx
 import pytest
 
-from reliability_helpers import (PROMPTS, assert_died_cleanly, greedy, kill_during_streams, reference_texts, resources,
-                                 shm_segments, streams_through_fault, wait_for_worker, worker_pids)
+from reliability_helpers import (ENGINE_SEGMENTS, PROMPTS, assert_died_cleanly, greedy, kill_during_streams,
+                                 reference_texts, resources, shm_segments, streams_through_fault, wait_for_worker,
+                                 worker_pids)
 from server_helpers import ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -36,7 +37,6 @@ STEP_TIMEOUT = 8.0
 MAX_RESTARTS = 3  # the default: the module's three faults spend it
 MAX_TOKENS = 40
 STREAM_PROMPTS = PROMPTS[:6]
-SEGMENTS = 3  # the request ring, the response ring, the heartbeats
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def _check_recovered(server, reference, outs, watch: HealthWatch, old_pid, t_fau
         assert status == 503 and retry_after is not None and int(retry_after) >= 1, (status, retry_after, error)
         assert error["code"] == "recovering" and "replacing failed workers" in error["message"], error
     new_pid = wait_for_worker(server.proc.pid, old=old_pid)
-    assert len(shm_segments(server.proc.pid)) == SEGMENTS, shm_segments(server.proc.pid)
+    assert len(shm_segments(server.proc.pid)) == ENGINE_SEGMENTS, shm_segments(server.proc.pid)
     return new_pid
 
 
@@ -221,7 +221,7 @@ def test_no_growth_over_the_restarts(server):
     # Three worker sets were replaced: nothing may grow with them.
     assert after.fds <= before.fds + 2, (before, after)
     assert after.threads <= before.threads + 2, (before, after)
-    assert len(after.shm) == len(before.shm) == SEGMENTS, (before, after)
+    assert len(after.shm) == len(before.shm) == ENGINE_SEGMENTS, (before, after)
     assert after.rss_mb < before.rss_mb + 150, (before, after)
     assert len(worker_pids(server.proc.pid)) == 1
 

@@ -175,12 +175,17 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
     _check_run(loop.run_until_complete(run()), expected)
 
 
-def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks(real_source):
+def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks_where_the_cpu_has_them(real_source):
     """bfloat16 matmuls on a CPU: float32 activations, the KV cache in float16, so the same
-    kv_cache_memory holds twice the blocks (and a decode step reads half the bytes)."""
+    kv_cache_memory holds twice the blocks (and a decode step reads half the bytes). A CPU
+    without bfloat16 matmuls (AVX2 only) runs the model in float32, its cache too."""
+    from aiolm.platforms.cpu_linear import bfloat16_matmuls
     from aiolm.worker.model_runner import ModelRunner
 
     runner = ModelRunner(dataclasses.replace(runner_config(real_source), dtype="bfloat16"))
+    if not bfloat16_matmuls():
+        assert runner.dtype == runner.kv_dtype == torch.float32 and runner.num_blocks == KV_BLOCKS
+        return
     assert runner.dtype == torch.float32 and runner.kv_dtype == torch.float16
     assert {c.dtype for c in runner.kv_caches} == {torch.float16}
     assert runner.num_blocks == 2 * KV_BLOCKS
