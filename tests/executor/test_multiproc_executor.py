@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.params import SamplingParams
 from aiolm.config import RunnerConfig
 from paged import hf_greedy
+from procs import processes
 
 BLOCK = 4
 MAX_MODEL_LEN = 96
@@ -44,19 +44,7 @@ def _our_segments() -> set[str]:
 def _worker_children() -> list[int]:
     """Live or zombie processes whose parent is us and that run aiolm.worker."""
     me = os.getpid()
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[1]) == me and (b"aiolm.worker" in cmd or fields[0] == "Z"):
-            found.append(int(d))
-    return found
+    return [p.pid for p in processes() if p.ppid == me and (b"aiolm.worker" in p.cmdline or p.state == "Z")]
 
 
 def _assert_clean(ex: MultiprocExecutor, segments_before: set[str]) -> None:

@@ -13,31 +13,17 @@ from typing import Any
 
 import httpx
 
+from procs import live_running
+
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
 
 
 # -- processes and resources ------------------------------------------------------------
 
 
-def _stat_fields(pid: int) -> list[str]:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rfind(")") + 2:].split()
-
-
 def worker_pids(server_pid: int) -> list[int]:
     """Live (not zombie) ``aiolm.worker`` children of the server."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            fields = _stat_fields(int(d))
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == server_pid and b"aiolm.worker" in cmd and fields[0] != "Z":
-            found.append(int(d))
-    return found
+    return live_running(b"aiolm.worker", server_pid)
 
 
 def wait_for_worker(server_pid: int, old: int | None = None, timeout: float = 120.0) -> int:

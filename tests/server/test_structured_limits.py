@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from aiolm.structured.backend import clean_message
+from procs import live_running
 from server_helpers import ROOT, ServerProcess, free_port, serve_cmd
 
 pytest.importorskip("xgrammar")
@@ -39,19 +40,7 @@ def big_schema(n: int, tag: str = "p") -> dict:
 
 def compile_pids(parent: int | None = None) -> set[int]:
     """Live (not zombie) compile processes, of ``parent`` if given."""
-    found = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
-        if b"aiolm.structured.compile_worker" in cmd and state != "Z" and parent in (None, int(ppid)):
-            found.add(int(d))
-    return found
+    return set(live_running(b"aiolm.structured.compile_worker", parent))
 
 
 def wait_until(what, timeout: float, message: str):
