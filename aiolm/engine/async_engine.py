@@ -22,7 +22,7 @@ import contextlib
 import gc
 import itertools
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
@@ -42,10 +42,13 @@ from aiolm.params import ParamError, SamplingParams
 from aiolm.spec_decode import SpecDecodeStats
 from aiolm.structured.validator import Validator
 
+if TYPE_CHECKING:
+    from aiolm.model.loader import ModelSource
+
 log = logging.getLogger(__name__)
 
 
-def check_model_args(args: EngineArgs) -> Any:
+def check_model_args(args: EngineArgs) -> "ModelSource":
     """The ModelSource ``args.model`` names, checked against the engine flags that depend on
     the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
     one-line message, before any worker starts; the CLI shows that line alone (exit 2)."""
