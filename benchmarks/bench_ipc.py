@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from aiolm.core.outputs import (  # noqa: E402
+from aiolm.core.step import (  # noqa: E402
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,

@@ -34,8 +34,8 @@ class _Idle:
 
 
 def one_round(tokenizer, metrics, requests: int, steps: int, rng: random.Random) -> list[float]:
-    from aiolm.core.outputs import EngineCoreOutput
-    from aiolm.engine.output import OutputProcessor
+    from aiolm.core.step import EngineCoreOutput
+    from aiolm.engine.output_processor import OutputProcessor
     from aiolm.params import SamplingParams
 
     proc = OutputProcessor(tokenizer, lambda ids: None, **({"metrics": metrics} if metrics else {}))
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="checkout to time")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
-    from aiolm.engine.output import OutputProcessor
+    from aiolm.engine.output_processor import OutputProcessor
     from aiolm.model.loader import resolve_model
 
     with_metrics = "metrics" in inspect.signature(OutputProcessor).parameters

@@ -40,7 +40,7 @@ for p in (str(ROOT), str(HERE)):
 
 from bench_ipc import decode_step  # noqa: E402
 
-from aiolm.core.outputs import ModelRunnerOutput  # noqa: E402
+from aiolm.core.step import ModelRunnerOutput  # noqa: E402
 from aiolm.ipc import codec  # noqa: E402
 from aiolm.ipc.shm_ring import ShmRing  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams

@@ -13,7 +13,7 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 
-from aiolm.core.outputs import LogprobsLists
+from aiolm.core.step import LogprobsLists
 from aiolm.params import SamplingParams
 from aiolm.spec_decode.stats import AcceptanceWindow
 

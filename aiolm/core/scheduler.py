@@ -50,7 +50,7 @@ compiler's message. A step with nothing else to run still goes to the workers
 (empty), so their answer arrives.
 
 The SchedulerOutput is a diff against what the workers already hold (see
-aiolm/core/outputs.py). The engine must call ``update_from_output`` after every
+aiolm/core/step.py). The engine must call ``update_from_output`` after every
 ``schedule()``, with an empty ModelRunnerOutput (or None) when nothing ran:
 requests the scheduler finishes by itself (too large for the KV cache) are
 reported there.
@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from aiolm.core.kv_cache import KVCacheBlock, KVCacheManager, PrefixCacheStats
-from aiolm.core.outputs import (
+from aiolm.core.step import (
     CachedRequestData,
     EngineCoreOutput,
     LogprobsLists,

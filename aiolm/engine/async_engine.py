@@ -32,7 +32,7 @@ from aiolm.engine.drain import DrainEstimate
 from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestTimeoutError
 from aiolm.engine.input import InputProcessor, PromptType
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
-from aiolm.engine.output import OutputProcessor, RequestState
+from aiolm.engine.output_processor import OutputProcessor, RequestState
 from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor

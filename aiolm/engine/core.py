@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiolm.actors import Actor
-from aiolm.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aiolm.core.scheduler import Scheduler
 from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepOutputs, WorkerFailed
-from aiolm.engine.output import OutputProcessor
+from aiolm.engine.output_processor import OutputProcessor
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.metrics import EngineMetrics

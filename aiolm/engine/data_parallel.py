@@ -36,7 +36,7 @@ from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
 from aiolm.engine.errors import EngineDeadError, EngineRecoveringError
 from aiolm.engine.input import PromptType
-from aiolm.engine.output import RequestState
+from aiolm.engine.output_processor import RequestState
 from aiolm.engine.router import PrefixRouter
 from aiolm.metrics import CombinedMetrics
 from aiolm.outputs import RequestOutput

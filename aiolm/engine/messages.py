@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.core.outputs import EngineCoreOutput
+from aiolm.core.step import EngineCoreOutput
 from aiolm.core.request import Request
 
 

@@ -6,7 +6,7 @@ import abc
 import asyncio
 from typing import Any, Callable
 
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 
 
 class ExecutorError(RuntimeError):

@@ -12,7 +12,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.worker.model_runner import ModelRunner, RunnerConfig, call_on_runner
 

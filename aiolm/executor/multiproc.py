@@ -27,7 +27,7 @@ import sys
 from typing import Any, Callable
 
 from aiolm.config import RunnerConfig
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.step_watch import StepWatch
 from aiolm.ipc import codec

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aiolm.config import RunnerConfig
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.executor.step_watch import StepWatch

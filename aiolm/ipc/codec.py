@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from aiolm.core.outputs import (
+from aiolm.core.step import (
     CachedRequestData,
     EngineCoreOutput,
     LogprobsLists,

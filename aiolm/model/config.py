@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ModelLoadError(ValueError):
-    """A model cannot be loaded; the message names the file or field and what is supported."""
+from aiolm.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

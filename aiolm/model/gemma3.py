@@ -34,7 +34,8 @@ from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.selector import attention_backend
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.kernels import ops
-from aiolm.model.config import ModelConfig, ModelLoadError
+from aiolm.errors import ModelLoadError
+from aiolm.model.config import ModelConfig
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import RMSNorm

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from aiolm.model.config import ModelLoadError
+from aiolm.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

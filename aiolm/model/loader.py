@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from aiolm.model.config import ModelConfig, ModelLoadError
+from aiolm.errors import ModelLoadError
+from aiolm.model.config import ModelConfig
 from aiolm.model.registry import read_config
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from aiolm.attention.selector import use_attention_backend
-from aiolm.model.config import ModelConfig, ModelLoadError
+from aiolm.errors import ModelLoadError
+from aiolm.model.config import ModelConfig
 from aiolm.platforms import get_platform
 
 if TYPE_CHECKING:

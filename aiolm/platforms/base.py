@@ -8,6 +8,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from aiolm.errors import ModelLoadError
 from aiolm.kernels.ops import TorchOps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,8 +41,6 @@ class Platform:
         if dtype == "auto":
             return self.default_dtype()
         if dtype not in DTYPES:
-            from aiolm.model.config import ModelLoadError
-
             raise ModelLoadError(f"dtype: {dtype!r} is not supported; supported: auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
 

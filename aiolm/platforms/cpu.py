@@ -90,7 +90,7 @@ class CpuPlatform(Platform):
         float32 matmuls are also the faster ones (docs/benchmarks.md)."""
         t = _matmul_dtype(super().resolve_dtype(dtype))
         if t is torch.float16:
-            from aiolm.model.config import ModelLoadError
+            from aiolm.errors import ModelLoadError
 
             try:
                 torch.ones(2, 2, dtype=t) @ torch.ones(2, 2, dtype=t)

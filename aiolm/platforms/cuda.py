@@ -58,7 +58,7 @@ class CudaPlatform(Platform):
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         t = super().resolve_dtype(dtype)
         if t is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            from aiolm.model.config import ModelLoadError
+            from aiolm.errors import ModelLoadError
 
             raise ModelLoadError("dtype: bfloat16 is not supported on this GPU; use float16 or auto")
         return t

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from aiolm.core.outputs import LogprobsLists, PromptLogprobs
+from aiolm.core.step import LogprobsLists, PromptLogprobs
 
 _ROWS_PER_SLICE = 256
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aiolm.core.outputs import LogprobsLists
+from aiolm.core.step import LogprobsLists
 from aiolm.kernels.sampling_ops import argmax_rows
 from aiolm.params import SamplingParams
 from aiolm.sample import logits_processors

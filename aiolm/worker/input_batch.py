@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aiolm.core.outputs import SchedulerOutput
+from aiolm.core.step import SchedulerOutput
 from aiolm.params import SamplingParams
 
 

@@ -16,7 +16,7 @@ import torch
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import kv_cache_shape
 from aiolm.config import RunnerConfig
-from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from aiolm.core.step import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from aiolm.model.loader import resolve_model
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model.registry import build_model

@@ -152,7 +152,7 @@ class StepHandler:
 
     def handle(self, buf: bytes | bytearray | memoryview) -> tuple[bytes | None, int | None]:
         """(the encoded reply or None, the exit status once this rank must stop or None)."""
-        from aiolm.core.outputs import SchedulerOutput
+        from aiolm.core.step import SchedulerOutput
         from aiolm.worker.model_runner import call_on_runner
 
         received = time.perf_counter()

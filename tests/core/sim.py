@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams

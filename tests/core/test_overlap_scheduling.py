@@ -16,7 +16,7 @@ from collections import deque
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiolm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import RequestStatus
 from aiolm.core.scheduler import Scheduler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiolm.core.outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobs
+from aiolm.core.step import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import SchedulerConfig
 from aiolm.params import ParamError, SamplingParams

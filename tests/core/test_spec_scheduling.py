@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aiolm.core.outputs import ModelRunnerOutput
+from aiolm.core.step import ModelRunnerOutput
 from aiolm.spec_decode import SpecConfig
 
 from .sim import Driver, check_scheduler, make_request, make_scheduler

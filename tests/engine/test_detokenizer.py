@@ -339,8 +339,8 @@ def test_final_only_output_defers_detokenizing_and_gives_the_streamed_text(tok, 
     """A final-only request without stop strings is detokenized once at its end, in runs of
     ids; its text equals the text a streaming request builds step by step, with a stop
     token dropped, and an abort flushes what was deferred."""
-    from aiolm.core.outputs import EngineCoreOutput
-    from aiolm.engine.output import OutputProcessor
+    from aiolm.core.step import EngineCoreOutput
+    from aiolm.engine.output_processor import OutputProcessor
     from aiolm.params import OutputKind, SamplingParams
 
     prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
@@ -385,8 +385,8 @@ def test_several_tokens_in_one_step_end_where_a_stop_string_ends(tok):
     """A speculative step hands over several tokens at once: the stop string is found after
     the token that completes it, and the token ids and logprobs stop there too, as if the
     tokens had come one per step."""
-    from aiolm.core.outputs import EngineCoreOutput, LogprobsLists
-    from aiolm.engine.output import OutputProcessor
+    from aiolm.core.step import EngineCoreOutput, LogprobsLists
+    from aiolm.engine.output_processor import OutputProcessor
     from aiolm.params import SamplingParams
 
     ids = tok.encode(" one two three four five", add_special_tokens=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiolm.core.outputs import (
+from aiolm.core.step import (
     CachedRequestData,
     EngineCoreOutput,
     LogprobsLists,

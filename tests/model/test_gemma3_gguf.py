@@ -30,7 +30,7 @@ from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.config import ModelLoadError
+from aiolm.errors import ModelLoadError
 from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_greedy

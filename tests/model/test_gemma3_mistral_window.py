@@ -219,7 +219,7 @@ def test_sliding_window_fields_of_the_llama_family():
     qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8, "max_window_layers": 2}
     assert read_config(qwen).sliding_windows == ()
     assert read_config({**qwen, "use_sliding_window": True}).sliding_windows == (None, None, 8, 8)
-    from aiolm.model.config import ModelLoadError
+    from aiolm.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer"):
         read_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})

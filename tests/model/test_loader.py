@@ -27,7 +27,7 @@ from gguf.quants import quantize as gguf_quantize
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aiolm.model.config import ModelLoadError
+from aiolm.errors import ModelLoadError
 from aiolm.model.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
 from aiolm.model.loader import cache_root, embedded_model_path, resolve_model
 from aiolm.model.registry import MODELS, build_model, read_config

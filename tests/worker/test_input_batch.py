@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from aiolm.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from aiolm.core.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiolm.actors import Actor
-from aiolm.core.outputs import EngineCoreOutput, LogprobsLists
+from aiolm.core.step import EngineCoreOutput, LogprobsLists
 from aiolm.engine.detokenizer import TextStream
 from aiolm.engine.errors import EngineDeadError, RequestError
 from aiolm.engine.messages import StepOutputs
