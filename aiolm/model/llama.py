@@ -7,7 +7,7 @@ sliding windows (Mistral; Qwen2 / Qwen3 where the config enables them).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.selector import attention_backend
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.kernels import ops
-from aiolm.model.config import ModelConfig
+from aiolm.checkpoint.config import ModelConfig
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import RMSNorm
@@ -172,28 +172,3 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - seen)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
-
-
-def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config.json") -> ModelConfig:
-    """Llama, Mistral, Qwen2 and Qwen3 configs, read as transformers reads them: Qwen2's
-    QKV bias by default, Qwen3's QK-norm, and the sliding windows each one honours."""
-    return ModelConfig.from_hf(
-        cfg, source, architecture=architecture,
-        attention_bias=bool(cfg.get("attention_bias", architecture == "qwen2")),
-        qk_norm=architecture == "qwen3",
-        sliding_windows=_sliding_windows(cfg, architecture))
-
-
-def _sliding_windows(cfg: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
-    """Mistral windows every layer; Qwen2 / Qwen3 only with use_sliding_window, the layers
-    their layer_types mark (or those from max_window_layers on); Llama none."""
-    window, n = cfg.get("sliding_window"), int(cfg.get("num_hidden_layers", 0))
-    if window is None:
-        return ()
-    if architecture == "mistral":
-        return (window,) * n
-    if architecture in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention" for i in range(n)]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return ()

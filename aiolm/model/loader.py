@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from aiolm.errors import ModelLoadError
-from aiolm.model.config import ModelConfig
-from aiolm.model.registry import read_config
+from aiolm.checkpoint.config import ModelConfig
+from aiolm.checkpoint.families import read_config
 
 log = logging.getLogger(__name__)
 

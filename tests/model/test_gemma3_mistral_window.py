@@ -25,7 +25,8 @@ import torch
 from aiolm.attention.torch_backend import TorchAttention
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import resolve_model
-from aiolm.model.registry import build_model, model_class, read_config
+from aiolm.checkpoint.families import read_config
+from aiolm.model.registry import build_model, model_class
 from paged import PagedHarness, hf_greedy
 
 WINDOW = 16

@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from aiolm.errors import ModelLoadError
 from aiolm.model.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
 from aiolm.model.loader import cache_root, embedded_model_path, resolve_model
-from aiolm.model.registry import MODELS, build_model, read_config
+from aiolm.checkpoint.families import MODELS, read_config
+from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.platforms.cpu_linear import bfloat16_matmuls
 from paged import PagedHarness

@@ -136,7 +136,7 @@ def test_a_gemma3_forward_matches_the_reference(spy, device):
     for a flat batch of two prefills and then a decode step."""
     from aiolm.attention.selector import use_attention_backend
     from aiolm.attention.torch_backend import TorchAttention
-    from aiolm.model.gemma3 import Gemma3Config
+    from aiolm.checkpoint.gemma3 import Gemma3Config
     from aiolm.model.registry import build_from_config
     from paged import PagedHarness
 

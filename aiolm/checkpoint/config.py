@@ -3,8 +3,9 @@
 One small frozen dataclass instead of passing transformers' config objects around,
 so workers, tests and the loader agree on exactly which fields matter. ``ModelConfig``
 holds what every decoder has (sizes, norms, RoPE, per-layer sliding windows); a family
-whose layers need more subclasses it in its own module (``gemma3.Gemma3Config``). Which
-family reads which Hugging Face architecture is the registry's table (registry.py).
+whose layers need more subclasses it in its own module (``checkpoint/gemma3.py``). Which
+family reads which Hugging Face architecture is the table in ``checkpoint/families.py``.
+Nothing here imports torch: the engine process reads configs too.
 """
 
 from __future__ import annotations

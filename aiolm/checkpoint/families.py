@@ -1,0 +1,56 @@
+"""Hugging Face architecture -> model family: the table the loader and the builder share.
+
+A family is a config mapping here (``checkpoint/<family>.py``: ``config_from_hf(cfg,
+architecture, source)``, torch-free, so the engine process can read a config) and a model
+module under aiolm/model/ that the builder imports by name. Adding one is those two
+modules and a line in MODELS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from aiolm.checkpoint import gemma3, llama
+from aiolm.checkpoint.config import ModelConfig
+from aiolm.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # ModelConfig.architecture
+    module: str  # aiolm.model.<module>: the module of its model class (imported by the builder only)
+    model_class: str
+    model_type: str  # config.json's model_type, for configs that list no architectures
+    config_from_hf: Callable[[dict[str, Any], str, str], ModelConfig]
+
+
+# Hugging Face architecture -> the family that runs it
+MODELS: dict[str, ModelFamily] = {
+    "LlamaForCausalLM": ModelFamily("llama", "llama", "LlamaForCausalLM", "llama", llama.config_from_hf),
+    "MistralForCausalLM": ModelFamily("mistral", "llama", "LlamaForCausalLM", "mistral", llama.config_from_hf),
+    "Qwen2ForCausalLM": ModelFamily("qwen2", "llama", "LlamaForCausalLM", "qwen2", llama.config_from_hf),
+    "Qwen3ForCausalLM": ModelFamily("qwen3", "llama", "LlamaForCausalLM", "qwen3", llama.config_from_hf),
+    "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", "gemma3_text",
+                                     gemma3.config_from_hf),
+}
+
+
+def family_of(architecture: str) -> ModelFamily:
+    """The family whose ModelConfig.architecture is ``architecture``."""
+    family = next((f for f in MODELS.values() if f.name == architecture), None)
+    if family is None:
+        raise ModelLoadError(f"no implementation for architecture {architecture!r}")
+    return family
+
+
+def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json, by the family of its architecture."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in MODELS), None) or next(
+        (a for a, f in MODELS.items() if f.model_type == cfg.get("model_type")), None)
+    if arch is None:
+        raise ModelLoadError(f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; "
+                             f"supported: {', '.join(sorted(MODELS))}")
+    family = MODELS[arch]
+    return family.config_from_hf(cfg, family.name, source)
