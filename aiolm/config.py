@@ -102,8 +102,8 @@ class EngineArgs:
                                       "vllm gives vLLM's names, so its Grafana dashboards work unchanged")
     async_scheduling: bool = _f(False, "overlap scheduling: schedule the next step while the workers run this "
                                        "one (at most two steps in flight); greedy outputs are the same either "
-                                       "way. Off by default: on the 2-vCPU development box it did not measure "
-                                       "faster (docs/benchmarks.md, \"Overlap scheduling\")")
+                                       "way. Off by default: where the engine shares its cores with the workers, "
+                                       "the overlapped work competes with the forward pass (docs/benchmarks.md)")
     log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
     worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
                                      "(--no-worker-recovery: the engine fails fast instead)")

@@ -13,7 +13,7 @@ Three layers, each usable alone:
 * :class:`TextStream` wires the two together with ``min_tokens``, for the
   output processor: ``push(ids) -> (delta, matched_stop)`` then ``finish()``.
 
-Semantics follow vLLM v1 (see docs/reference §3.13), with these choices:
+Semantics follow vLLM v1's detokenizer and stop checker, with these choices:
 
 * ``min_tokens``: as in vLLM, text produced while the output has at most
   ``min_tokens`` tokens is never stop-checked; a stop string may still *start*

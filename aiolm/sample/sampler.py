@@ -18,14 +18,14 @@ The order follows vLLM v1's sampler, so results mean the same thing:
 Choices made for CPU speed (vLLM's sampler targets GPUs):
 
 - The draw is an inverse-CDF lookup with one uniform number per row, instead of
-  an exponential race that needs a random number per vocabulary entry (~10x
-  slower over 49k tokens). A seeded row takes exactly one number from its own
+  an exponential race that needs a random number per vocabulary entry (far
+  slower over a large vocabulary). A seeded row takes exactly one number from its own
   generator per step, so its tokens do not depend on the rest of the batch.
 - Rows with top-k or top-p sample among their top candidates (a partial
-  top-k: 256, then 4096), not a full sort, which is ~30x slower; only a row
+  top-k: 256, then 4096), not a full sort, which costs many times more; only a row
   whose top-p nucleus is wider than that sorts its whole row.
-- Full-size temporaries are avoided where it is easy: fresh 50 MB tensors cost
-  page faults that can exceed the arithmetic done on them.
+- Full-size temporaries are avoided where it is easy: a fresh batch-by-vocabulary
+  tensor costs page faults that can exceed the arithmetic done on it.
 - The argmax is :func:`aiolm.kernels.sampling_ops.argmax_rows`, which uses
   aiolm's kernel where it applies (the same indices as ``torch.argmax``).
 
@@ -48,8 +48,9 @@ from aiolm.sample.logits_processors import BatchRows, LogitsProcessor
 from aiolm.sample.tensors import float_column, long_tensor
 
 _NEG_INF = float("-inf")
-# Candidates searched for a top-p nucleus before falling back to a full sort.
-# On CPU, over 49k logits: top-256 ~ 3x a softmax, top-4096 ~ 10x, a full sort ~ 60x.
+# Candidates searched for a top-p nucleus before falling back to a full sort: a
+# partial top-k over a vocabulary-sized row costs a small multiple of a softmax, a
+# full sort many times more.
 _TOP_P_CANDIDATES = 256
 _WIDE_CANDIDATES = 4096
 
@@ -280,7 +281,7 @@ class Sampler:
         plain_greedy = m.all_greedy and not m.processors
         # One float32 tensor serves the raw logprobs and the processors; it is a
         # copy whenever something will write to it. Upcasting is exact, so argmax
-        # is unchanged, and fp32 argmax is ~3x faster than bf16 on CPU.
+        # is unchanged, and a float32 argmax is cheaper than a bfloat16 one on CPU.
         x = logits.float() if plain_greedy else logits.to(torch.float32, copy=True)
         raw_logprobs = None
         if m.logprob_row_list:
@@ -306,7 +307,7 @@ def _sample(x: torch.Tensor, m: SamplingMetadata, skip: set[int]) -> torch.Tenso
     assert rnd is not None
     greedy = argmax_rows(x) if m.any_greedy else None
     uniforms = _draw_uniforms(rnd, m.default_generator, skip, x.device)
-    # index_select: ~2x faster than x[rows] for whole rows on CPU.
+    # index_select copies whole rows faster than x[rows] on CPU.
     xr = x if rnd.rows is None else x.index_select(0, rnd.rows)
     drawn = _sample_random(xr, rnd, uniforms)
     if greedy is None:
@@ -477,7 +478,7 @@ def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, m: SamplingMetada
     """Sampled token's raw logprob and rank, then each row's top-N, aligned to batch rows."""
     tok = sampled if m.logprob_rows is None else sampled[m.logprob_rows]
     tok_lp = raw.gather(1, tok.unsqueeze(1))
-    # Summing bytes of the bool mask is ~2x cheaper on CPU than summing the bools.
+    # Summing the bool mask's bytes is cheaper on CPU than summing the bools.
     ranks = ((raw > tok_lp).view(torch.uint8).sum(dim=-1, dtype=torch.int32) + 1).tolist()
     tok_list = tok.tolist()
     tok_lp_list = tok_lp.squeeze(1).tolist()

@@ -20,7 +20,8 @@ class SpecConfig:
     for ``backoff`` steps (doubling while it stays low), and each draft is at most one
     longer than the accepted run before it, so text that does not repeat pays little
     for the wider forward passes. On a CPU every verified position costs a good part
-    of a decode step (docs/benchmarks.md), so a low acceptance is a net loss there.
+    of a decode step (docs/benchmarks/log.md, "Speculative decoding, n-gram"), so a low
+    acceptance is a net loss there.
     """
 
     method: str = "ngram"

@@ -23,7 +23,7 @@ class Penalties(LogitsProcessor):
     the frequency update adds one ``-frequency`` per occurrence. Spare columns
     repeat the row's first token (a duplicate); a row with no tokens yet has a
     neutral factor so its spare columns change nothing. Row-wise gather/scatter
-    on these tables is ~10x cheaper on CPU than flat advanced indexing, and
+    on these tables is much cheaper on CPU than flat advanced indexing, and
     nothing here walks the tokens in Python.
     """
 
