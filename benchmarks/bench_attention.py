@@ -10,10 +10,10 @@ which on a busy machine is the steadier of the two.
 
 Pages are placed at random and each layer has its own cache, so K/V come from
 memory as in a real step; prints the time of the 30 layers and the bytes of K/V
-read per second (the AVX2 machine read ~17 GB/s with 2 threads, the AVX-512 one
-~22), for a float32 cache and a float16 one (what `--dtype bfloat16` keeps); the
-same step with a 64-key sliding window (Mistral, Gemma 3's local layers: a row reads
-only its window's pages); then the prefill layer's time and GFLOP/s.
+read per second (to set beside the machine's own read bandwidth), for a float32
+cache and a float16 one (what `--dtype bfloat16` keeps); the same step with a
+64-key sliding window (Mistral, Gemma 3's local layers: a row reads only its
+window's pages); then the prefill layer's time and GFLOP/s.
 """
 
 import statistics

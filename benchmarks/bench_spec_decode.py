@@ -19,8 +19,8 @@ end-to-end tok/s, and the acceptance counters; then the medians.
 
 ``--clock thread`` instead drives the scheduler and the model runner in this
 process on one torch thread and times each generation by this thread's CPU time
-(prefill excluded): on a shared machine whose load swings wall times by 2x or
-more, CPU time per token is the steadier measure of what speculation saves.
+(prefill excluded): on a shared machine whose load swings wall times, CPU time
+per token is the steadier measure of what speculation saves.
 """
 
 from __future__ import annotations

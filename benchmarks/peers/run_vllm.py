@@ -21,7 +21,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # 0.5: on this machine vLLM reads NUMA node 0 as ~12.7 GiB and refuses its default 0.92 share
+    # 0.5: vLLM sizes its share from NUMA node 0's memory, which on a small machine can be less
+    # than its default 0.92 share asks for, and then refuses to start
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048, seed=0, gpu_memory_utilization=0.5)
     items = workload(1, (128, 128), (128, 128), seed=1) if a.single else workload(a.num_requests)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in items]
