@@ -1,6 +1,6 @@
 """Seeded random workloads, identical for aiolm and every peer.
 
-The offline-64 workload of PEERS.md: numpy default_rng(seed); prompt lengths
+The offline-64 workload of docs/benchmarks.md: numpy default_rng(seed); prompt lengths
 integers(lo, hi+1), output lengths integers(lo, hi+1), then each prompt as
 integers(100, 40001, size=len) token ids.
 """
