@@ -14,7 +14,7 @@ namespace aiolm_linear {
 // y's memory. Outputs of 32 to 256 MiB (a prompt step's MLP, the LM head over a few hundred
 // rows) come from a few buffers kept per thread: glibc maps such an allocation afresh and
 // unmaps it on free, so a fresh one is faulted in page by page on every call, a cost that
-// docs/benchmarks.md measures beside the matmul's. A kept buffer is handed out again only
+// docs/benchmarks/log.md measures beside the matmul's. A kept buffer is handed out again only
 // when nothing else holds its storage (the last output was dropped, views included).
 inline at::Tensor output(int64_t M, int64_t N, const at::TensorOptions& options) {
   constexpr int64_t MIN_BYTES = int64_t{32} << 20, MAX_BYTES = int64_t{256} << 20, KEEP = 4;

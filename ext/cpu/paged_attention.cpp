@@ -267,10 +267,9 @@ struct RowState {
 };
 
 // Pages lie anywhere: fetch page b + 1 of a row's n_keys keys while page b is used. With
-// plain loads of a byte per cache line, not prefetch instructions: on a Zen 4 the prefetches
-// of a page changed nothing (a decode step ran as fast without them), while the loads took
-// a quarter off its time (benchmarks/ab_kernel.py decode-attn, docs/benchmarks.md). A load the core has
-// to finish cannot be dropped, and the page is read from cache right after.
+// plain loads of a byte per cache line, not prefetch instructions: a core may drop a
+// prefetch, but it must finish a load, and the page is read from cache right after.
+// benchmarks/ab_kernel.py decode-attn compares the two (docs/benchmarks/log.md has the figures).
 template <typename KV>
 inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b, int64_t n_keys, const KV* kc,
                                const KV* vc) {
