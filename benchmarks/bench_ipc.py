@@ -9,11 +9,18 @@ The worker is a separate process started with subprocess, like aiolm's workers.
     python benchmarks/bench_ipc.py                # both modes, 1 worker
     python benchmarks/bench_ipc.py --workers 2    # TP=2: broadcast to 2 readers
     python benchmarks/bench_ipc.py --json
+    python benchmarks/bench_ipc.py --compare-codec   # msgspec codec vs the marshal one it replaced
 
 Modes: ``back-to-back`` sends the next step as soon as the reply arrives (the
 worker usually catches it while spinning); ``idle`` waits ``--gap-us`` between
 steps so both sides have gone to sleep and every step pays both wakeups, which is
 what a real engine sees around a forward pass.
+
+``--compare-codec`` times encode + decode of 256-request messages (a prefill step
+admitting 256 prompts, a steady-state decode step, the reply with and without
+logprobs) with today's codec and with the marshal codec of ``--baseline`` (read from
+git, with the dataclass messages of that revision), alternating the two in every
+repeat, and prints the medians and their ratio.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import asyncio
 import json
 import os
 import pickle
+import random
 import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -171,11 +181,11 @@ def codec_costs(iters: int) -> dict[str, dict[str, float]]:
         return low * 1e6
 
     so = decode_step(64, 3)
-    mro = ModelRunnerOutput(req_ids=so.scheduled_cached_reqs.req_ids,
-                            sampled_token_ids=[[5] for _ in range(64)])
+    runner_output = ModelRunnerOutput(req_ids=so.scheduled_cached_reqs.req_ids,
+                                      sampled_token_ids=[[5] for _ in range(64)])
     out = {}
     for name, obj in (("SchedulerOutput decode x64", so), ("SchedulerOutput prefill 8x512", prefill_step()),
-                      ("ModelRunnerOutput x64", mro)):
+                      ("ModelRunnerOutput x64", runner_output)):
         enc, pk = codec.encode(obj), pickle.dumps(obj, protocol=5)
         out[name] = {"bytes": len(enc), "encode_us": best(codec.encode, obj), "decode_us": best(codec.decode, enc),
                      "pickle_bytes": len(pk), "pickle_dumps_us": best(pickle.dumps, obj, 5),
@@ -188,6 +198,96 @@ def codec_costs(iters: int) -> dict[str, dict[str, float]]:
         "bytes": len(rpc_fn), "encode_us": best(codec.encode_rpc, lambda w: w.rank, (), n=20),
         "decode_us": best(codec.decode, rpc_fn, n=20)}
     return out
+
+
+# ------------------------------------------------------------ codec comparison
+
+
+def load_baseline_codec(rev: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """(step messages, codec) modules of ``rev``, read with ``git show`` into private modules."""
+    def module(name: str, path: str, replace: tuple[str, str] | None = None) -> types.ModuleType:
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        if replace:
+            src = src.replace(*replace)
+        mod = types.ModuleType(name)
+        sys.modules[name] = mod  # dataclasses resolve their annotations through sys.modules
+        exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
+        return mod
+
+    step = module("_baseline_step", "aiolm/core/step.py")
+    codec_mod = module("_baseline_codec", "aiolm/ipc/codec.py",
+                       ("from aiolm.core.step import", "from _baseline_step import"))
+    return step, codec_mod
+
+
+def messages(types_: Any, n: int = 256, seed: int = 0) -> dict[str, Any]:
+    """The compared messages, built from ``types_`` (a module holding the step message classes).
+
+    Prompt lengths are drawn log-normally (median 512, 32..4096 tokens): chat prompts with
+    a system prompt and some history; each request's blocks cover its prompt in 16-token blocks.
+    """
+    rng = random.Random(seed)
+    lens = [min(4096, max(32, int(rng.lognormvariate(6.24, 0.8)))) for _ in range(n)]
+    ids = [f"chatcmpl-{rng.getrandbits(64):016x}-0" for _ in range(n)]
+    params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=512, stop=["\nUser:"] if i % 4 == 0 else [],
+                             logprobs=5 if i % 8 == 0 else None, eos_token_ids=(2,)) for i in range(n)]
+    new = []
+    blocks = 0
+    for rid, length, sp in zip(ids, lens, params):
+        prompt = [rng.randrange(32000) for _ in range(length)]
+        nb = -(-length // 16)
+        new.append(types_.NewRequestData(rid, prompt, [], sp, list(range(blocks, blocks + nb)), 0))
+        blocks += nb
+    prefill = types_.SchedulerOutput(
+        step=1, scheduled_new_reqs=new, scheduled_cached_reqs=types_.CachedRequestData(),
+        num_scheduled_tokens=dict(zip(ids, lens)), total_num_scheduled_tokens=sum(lens), finished_req_ids=set())
+    cached = types_.CachedRequestData(
+        req_ids=ids, new_token_ids=[[rng.randrange(32000)] for _ in ids],
+        new_block_ids=[[blocks + i] if i % 16 == 0 else [] for i in range(n)],
+        num_computed_tokens=[length + 40 for length in lens])
+    decode = types_.SchedulerOutput(step=41, scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                                    num_scheduled_tokens=dict.fromkeys(ids, 1), total_num_scheduled_tokens=n,
+                                    finished_req_ids=set())
+    sampled = [[rng.randrange(32000)] for _ in ids]
+    clock = dict(worker_times=[0.0004, 0.021, 0.0012], worker_clock=[1234.5, 1234.523])
+    reply = types_.ModelRunnerOutput(req_ids=list(ids), sampled_token_ids=sampled, **clock)
+    logprobs = {rid: types_.LogprobsLists(token_ids=[[tok[0]] + [rng.randrange(32000) for _ in range(5)]],
+                                          logprobs=[[-rng.random() * 5 for _ in range(6)]], ranks=[1])
+                for rid, tok in zip(ids, sampled)}
+    reply_lp = types_.ModelRunnerOutput(req_ids=list(ids), sampled_token_ids=sampled, logprobs=logprobs, **clock)
+    return {f"SchedulerOutput prefill {n} new (median 512 tokens)": prefill,
+            f"SchedulerOutput decode {n} running": decode,
+            f"ModelRunnerOutput {n}": reply,
+            f"ModelRunnerOutput {n}, top-5 logprobs each": reply_lp}
+
+
+def compare_codecs(rev: str, repeats: int) -> dict[str, dict[str, float]]:
+    """Median encode + decode seconds per message, baseline codec vs this one, alternating."""
+    old_step, old_codec = load_baseline_codec(rev)
+    import aiolm.core.step as new_step
+    old_msgs, new_msgs = messages(old_step), messages(new_step)
+
+    def once(c: Any, msg: Any, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            c.decode(c.encode(msg))
+        return (time.perf_counter() - t0) / n
+
+    results = {}
+    for name in new_msgs:
+        old, new = old_msgs[name], new_msgs[name]
+        assert codec.decode(codec.encode(new)) == new
+        assert old_codec.decode(old_codec.encode(old)) == old
+        n = max(1, int(0.02 / max(once(codec, new, 1), 1e-6)))  # about 20 ms per timing
+        olds, news = [], []
+        for _ in range(repeats):
+            olds.append(once(old_codec, old, n))
+            news.append(once(codec, new, n))
+        o, m = statistics.median(olds), statistics.median(news)
+        results[name] = {"baseline_us": o * 1e6, "msgspec_us": m * 1e6, "ratio": m / o,
+                         "baseline_bytes": len(old_codec.encode(old)), "msgspec_bytes": len(codec.encode(new))}
+    return results
 
 
 def main() -> None:
@@ -203,7 +303,21 @@ def main() -> None:
                     help="also run back-to-back with the engine polling this long before sleeping")
     ap.add_argument("--no-uvloop", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare-codec", action="store_true",
+                    help="only compare the codec with the marshal one of --baseline (no processes)")
+    ap.add_argument("--baseline", default="d035e07", help="git revision holding the marshal codec")
+    ap.add_argument("--repeats", type=int, default=21)
     args = ap.parse_args()
+    if args.compare_codec:
+        res = compare_codecs(args.baseline, args.repeats)
+        if args.json:
+            print(json.dumps(res, indent=2))
+            return
+        print(f"encode + decode, median of {args.repeats} (marshal codec of {args.baseline} vs msgspec):")
+        for name, r in res.items():
+            print(f"  {name:48s} {r['baseline_us']:8.1f} us -> {r['msgspec_us']:8.1f} us  x{r['ratio']:.2f}"
+                  f"   ({r['baseline_bytes']} -> {r['msgspec_bytes']} B)")
+        return
     load = os.getloadavg()[0]
     results = {"round_trip": round_trip(args), "codec": codec_costs(args.iters),
                "cpus": os.cpu_count(), "loadavg_1m_before": load}

@@ -1,21 +1,29 @@
 """Messages that cross the scheduler/worker boundary.
 
-Plain dataclasses of ints, lists and strings (plus SamplingParams) so they pickle
-fast and carry only logical decisions: token ids and block ids, never tensors.
+Each is a ``msgspec.Struct`` of ints, floats, strings and lists (plus SamplingParams):
+the type is the wire shape, so aiolm/ipc/codec.py encodes them without a schema of
+its own. They carry only logical decisions: token ids and block ids, never tensors.
 A step's SchedulerOutput is a *diff*: requests the workers have not seen come in
 full, requests they already hold come as deltas.
+
+``array_like``: encoded as arrays of field values, in the order declared here, not as
+maps of names, so the two ends must run the same aiolm (workers are our children).
+``gc=False``: the garbage collector does not track them; a message never refers back
+to itself, so there is no cycle to collect, and a step of many requests adds no work
+to the collector's passes. ``tag``: the two top-level messages name themselves, so one
+decoder tells them apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
+from msgspec import field
 
 from aiolm.params import SamplingParams
 from aiolm.structured.spec import StructuredOutputs
 
 
-@dataclass
-class NewRequestData:
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     """A request the workers have not seen (or must rebuild after preemption)."""
 
     req_id: str
@@ -27,8 +35,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose KV already sits in block_ids (prefix-cache hit)
 
 
-@dataclass
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     """Deltas for requests the workers already hold, one entry per list index."""
 
     req_ids: list[str] = field(default_factory=list)
@@ -41,8 +48,7 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
-@dataclass
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     """One step's decisions: who runs, how many tokens each, which blocks."""
 
     step: int
@@ -67,8 +73,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
-class LogprobsLists:
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     """Per sampled token: ids and logprobs, sampled token first, then the top-N."""
 
     token_ids: list[list[int]]
@@ -80,8 +85,7 @@ class LogprobsLists:
         return LogprobsLists(self.token_ids[start:stop], self.logprobs[start:stop], self.ranks[start:stop])
 
 
-@dataclass
-class PromptLogprobs:
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs of prompt tokens ``start``, ``start + 1``, ... (each scored by the position
     before it), computed in one prefill chunk; ``lists`` holds the actual token first."""
 
@@ -89,8 +93,7 @@ class PromptLogprobs:
     lists: LogprobsLists
 
 
-@dataclass
-class ModelRunnerOutput:
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     """What rank 0 sends back: a token for each request whose prefill is complete."""
 
     req_ids: list[str]
@@ -112,8 +115,7 @@ class ModelRunnerOutput:
     grammar_errors: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, gc=False):
     """Per-request result of one step, handed from the core to output processing."""
 
     req_id: str
