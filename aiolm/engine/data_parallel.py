@@ -2,13 +2,14 @@
 
 A ``DataParallelEngine`` holds N ``AsyncEngine`` replicas on the same event loop,
 each with its own scheduler, KV cache and worker set (worker processes or Ray
-actors, each set its own tensor-parallel group), and offers the public API of
-one ``AsyncEngine``, so the server, its routes and its metrics do not know the
-difference. Why replicas on one loop, not one engine process each: the loop's
-share of a step (scheduling, output processing) is small next to the forward
-pass, which already runs in the workers, so N replicas need no new process
-kind, no second IPC hop per token and no new failure mode; the cost is that the
-loop's work grows with N (docs/distributed.md says when that stops paying).
+actors, each set its own tensor-parallel group), and implements the same
+``EngineClient`` protocol (client.py) as one ``AsyncEngine``, so the server, its
+routes and its metrics do not know the difference. Why replicas on one loop,
+not one engine process each: the loop's share of a step (scheduling, output
+processing) is small next to the forward pass, which already runs in the
+workers, so N replicas need no new process kind, no second IPC hop per token
+and no new failure mode; the cost is that the loop's work grows with N
+(docs/distributed.md says when that stops paying).
 
 Routing (router.py): by prefix-cache affinity (hashes of the first blocks of the
 prompt's token ids) unless that replica is busier than the least loaded one by
@@ -34,6 +35,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
+from aiolm.engine.client import EngineClient
 from aiolm.engine.errors import EngineDeadError, EngineRecoveringError
 from aiolm.engine.input import PromptType
 from aiolm.engine.output_processor import RequestState
@@ -45,7 +47,7 @@ from aiolm.params import ParamError, SamplingParams
 log = logging.getLogger(__name__)
 
 
-def create_engine(args: EngineArgs) -> Any:
+def create_engine(args: EngineArgs) -> EngineClient:
     """An AsyncEngine, or a DataParallelEngine when ``args.data_parallel_size`` > 1."""
     if args.data_parallel_size > 1:
         return DataParallelEngine(args)
@@ -86,7 +88,7 @@ class DataParallelEngine:
                                     self.args.tensor_parallel_size * self.args.data_parallel_size)
         # transformers imports lazily and not thread-safely: the replicas' tokenizer loads,
         # each in a thread, must not be the first to touch it.
-        await asyncio.to_thread(lambda: __import__("transformers").AutoTokenizer)
+        await asyncio.to_thread(lambda: __import__("transformers").PreTrainedTokenizerFast)
         results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
         failed = [e for e in results if isinstance(e, BaseException)]
         if failed:
@@ -280,10 +282,51 @@ class DataParallelEngine:
                 lines.append(f'{p}:{name}{{replica="{i}"}} {v:g}')
         return "\n".join(lines) + "\n"
 
-    def __getattr__(self, name: str) -> Any:
-        """The model-level API (tokenizer, chat template, limits) from a live replica (any
-        replica once none lives: these do not need workers)."""
-        if name.startswith("_") or name in ("replicas", "args", "router", "metrics"):
-            raise AttributeError(name)
+    # -- the model-level API: tokenizer, chat template, limits ---------------------------
+    # From a live replica (any replica once none lives: these do not need workers).
+
+    def _model(self) -> AsyncEngine:
         live = [r for r in self.replicas if r.dead_reason is None]
-        return getattr(live[0] if live else self.replicas[0], name)
+        return live[0] if live else self.replicas[0]
+
+    @property
+    def model_name(self) -> str:
+        return self._model().model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._model().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model().vocab_size
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        return self._model().generation_config
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._model().tokenize(text, add_special_tokens)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenize(text, add_special_tokens)
+
+    def prompt_too_long(self, text: str) -> str | None:
+        return self._model().prompt_too_long(text)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        return self._model().render_chat(messages, add_generation_prompt, **template_kwargs)
+
+    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                **template_kwargs: Any) -> str:
+        return await self._model().render_chat_async(messages, add_generation_prompt, **template_kwargs)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._model().decode(token_ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return self._model().token_strings(token_ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self._model().tokenizer_info()

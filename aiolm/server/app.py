@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from aiolm.engine.client import EngineClient
 from aiolm.server import chat, completions, misc, responses
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
@@ -87,8 +88,8 @@ def _routes(settings: ServerSettings) -> list[BaseRoute]:
     ]
 
 
-def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine: bool = True) -> Starlette:
-    """An OpenAI-compatible Starlette app serving ``engine`` (an AsyncEngine).
+def build_app(engine: EngineClient, settings: ServerSettings | None = None, manage_engine: bool = True) -> Starlette:
+    """An OpenAI-compatible Starlette app serving ``engine`` (an AsyncEngine or a DataParallelEngine).
 
     With ``manage_engine`` the ASGI lifespan starts the engine and shuts it down;
     without it the caller owns the engine's life cycle.
@@ -100,7 +101,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, manage_engine
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if manage_engine:
             await engine.start()
-        if settings.exit_on_engine_death and hasattr(engine, "death_callbacks"):
+        if settings.exit_on_engine_death:
             engine.death_callbacks.append(lambda reason: _exit_on_death(ctx, reason))
         log.info("serving %s (max_model_len %s)", ctx.model_name, getattr(engine, "max_model_len", "?"))
         try:

@@ -8,12 +8,14 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind, ParamError
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
-from aiolm.server.protocol import chat_request, check_unsupported_chat, param_error, sampling_params, structured_spec
+from aiolm.server.protocol import (ChatCompletionRequest, StreamOptions, check_unsupported_chat, param_error, parse,
+                                   sampling_params, structured_spec)
 from aiolm.server.sse import EventStream, until_disconnect
 from aiolm.server.tools import (StreamState, ToolPlan, call_deltas, plan_tools, read_output, template_messages,
                                 tool_calls_json)
@@ -22,8 +24,8 @@ from aiolm.server.tools import (StreamState, ToolPlan, call_deltas, plan_tools, 
 async def create_chat_completion(request: Request) -> Response | EventStream:
     ctx = context(request)
     body = await read_json(request, ctx.settings.max_request_bytes)
-    req = chat_request(ctx.settings.limits).parse(body)
-    check_model(ctx, req["model"])
+    req = parse(ChatCompletionRequest, body, ctx.settings.limits)
+    check_model(ctx, req.model)
     check_unsupported_chat(req)
     structured, structured_param = structured_spec(req)
     plan = plan_tools(req, ctx.settings.tool_call_parser)
@@ -32,43 +34,43 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             raise bad_request(f"'{structured_param}' and 'tool_choice' both constrain the output; give one",
                               param=structured_param)
         structured, structured_param = plan.enforced, "tools"
-    if req["continue_final_message"] and req["add_generation_prompt"] and "add_generation_prompt" in body:
+    cont = req.continue_final_message
+    if cont and req.add_generation_prompt and "add_generation_prompt" in body:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     engine = ctx.engine
-    messages = template_messages(req["messages"])
-    cont = req["continue_final_message"]
+    if req.max_completion_tokens is not None:
+        max_tokens, mt_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, mt_param = req.max_tokens, "max_tokens"
+    top_n = req.top_logprobs or 0
+    stream = req.stream
+    params = sampling_params(req, max_tokens, top_n if req.logprobs else None,
+                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured,
+                             req.prompt_logprobs, engine, rename={"max_tokens": mt_param})
+    messages = template_messages(req.messages)
     try:
         kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
         if plan.tools:
             kwargs["tools"] = plan.tools
         text = await engine.render_chat_async(
-            messages, add_generation_prompt=req["add_generation_prompt"] and not cont, **kwargs)
+            messages, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs)
     except ParamError as e:
         raise param_error(e) from None
     ids = await tokenize(engine, text, add_special_tokens=False, param="messages")
-    if req["max_completion_tokens"] is not None:
-        max_tokens, mt_param = req["max_completion_tokens"], "max_completion_tokens"
-    else:
-        max_tokens, mt_param = req["max_tokens"], "max_tokens"
-    check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req["min_tokens"])
-    top_n = req["top_logprobs"] or 0
-    stream = req["stream"]
-    params = sampling_params(req, max_tokens, top_n if req["logprobs"] else None,
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured,
-                             req["prompt_logprobs"], engine)
+    check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req.min_tokens)
     rid = ctx.new_id("chatcmpl")
-    gen = Generation(ctx, [Prompt(text, ids)], params, rid, req["priority"],
+    gen = Generation(ctx, [Prompt(text, ids)], params, rid, req.priority,
                      rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})
     await gen.start(request.receive)
-    log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req["n"], stream=stream, user=req["user"])
+    log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req.n, stream=stream, user=req.user)
     meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:
-        opts = req["stream_options"] or {}
+        opts = req.stream_options or StreamOptions()
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
-        events = _chat_events(gen, chunk_meta, req["n"], len(ids), bool(opts.get("include_usage")), top_n,
-                              engine, request, ids if req["return_token_ids"] else None,
-                              bool(opts.get("continuous_usage_stats")), plan)
+        events = _chat_events(gen, chunk_meta, req.n, len(ids), opts.include_usage, top_n,
+                              engine, request, ids if req.return_token_ids else None,
+                              opts.continuous_usage_stats, plan)
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -84,19 +86,19 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
                 finish_reason = "tool_calls"
         choices.append({
             "index": c.index, "message": message,
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req["logprobs"] else None,
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req.logprobs else None,
             "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-            "token_ids": list(c.token_ids) if req["return_token_ids"] else None})
+            "token_ids": list(c.token_ids) if req.return_token_ids else None})
     log_extra(request, completion_tokens=completion_tokens)
     return json_response({**meta, "choices": choices, "usage": usage(len(ids), completion_tokens),
                           "system_fingerprint": None,
                           "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids,
-                                                                  req["prompt_logprobs"] or 0),
-                          "prompt_token_ids": ids if req["return_token_ids"] else None})
+                                                                  req.prompt_logprobs or 0),
+                          "prompt_token_ids": ids if req.return_token_ids else None})
 
 
 async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
-                       top_n: int, tokenizer: Any, request: Request,
+                       top_n: int, tokenizer: EngineClient, request: Request,
                        prompt_ids: list[int] | None = None,
                        continuous: bool = False, plan: ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice

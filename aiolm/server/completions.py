@@ -11,25 +11,28 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
-from aiolm.server.protocol import check_unsupported_completion, completion_request, sampling_params, structured_spec
+from aiolm.server.context import ServingContext
+from aiolm.server.protocol import (CompletionRequest, StreamOptions, check_unsupported_completion, parse,
+                                   sampling_params, structured_spec)
 from aiolm.server.sse import EventStream, until_disconnect
 
 
-def _prompt_list(prompt: Any) -> list[str | list[int]]:
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """Normalize OpenAI's four prompt shapes to a list of strings or token-id lists."""
     if isinstance(prompt, str):
         return [prompt]
     if prompt and isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
-async def _prepare(ctx: Any, raw: list[str | list[int]], add_special: bool, max_tokens: int,
+async def _prepare(ctx: ServingContext, raw: list[str | list[int]], add_special: bool, max_tokens: int | None,
                    min_tokens: int) -> list[Prompt]:
     prompts = []
     for i, p in enumerate(raw):
@@ -50,37 +53,33 @@ async def _prepare(ctx: Any, raw: list[str | list[int]], add_special: bool, max_
 
 async def create_completion(request: Request) -> Response | EventStream:
     ctx = context(request)
-    body = await read_json(request, ctx.settings.max_request_bytes)
-    req = completion_request(ctx.settings.limits).parse(body)
-    check_model(ctx, req["model"])
+    req = parse(CompletionRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    check_model(ctx, req.model)
     check_unsupported_completion(req)
     structured, structured_param = structured_spec(req)
-    raw = _prompt_list(req["prompt"])
-    max_tokens = req["max_tokens"]
-    prompts = await _prepare(ctx, raw, req["add_special_tokens"], max_tokens, req["min_tokens"])
-    stream = req["stream"]
+    stream = req.stream
     # Echoed prompt tokens get real logprobs: the engine scores the prompt too (as vLLM does).
-    scored = req["prompt_logprobs"]
-    if req["echo"] and req["logprobs"] is not None:
-        scored = max(scored or 0, req["logprobs"])
-    params = sampling_params(req, max_tokens, req["logprobs"],
+    scored = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        scored = max(scored or 0, req.logprobs)
+    params = sampling_params(req, req.max_tokens, req.logprobs,
                              OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured, scored,
                              ctx.engine)
+    prompts = await _prepare(ctx, _prompt_list(req.prompt), req.add_special_tokens, req.max_tokens, req.min_tokens)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
-        if p.text is None and req["echo"]:
+        if p.text is None and req.echo:
             p.text = tok.decode(p.token_ids)
     rid = ctx.new_id("cmpl")
-    gen = Generation(ctx, prompts, params, rid, req["priority"], rename={"structured_outputs": structured_param})
+    gen = Generation(ctx, prompts, params, rid, req.priority, rename={"structured_outputs": structured_param})
     await gen.start(request.receive)
-    n = req["n"]
+    n = req.n
     log_extra(request, engine_request_id=rid, prompt_tokens=sum(len(p.token_ids) for p in prompts),
-              n=n, prompts=len(prompts), stream=stream, user=req["user"])
+              n=n, prompts=len(prompts), stream=stream, user=req.user)
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:
-        opts = req["stream_options"] or {}
-        events = _events(gen, meta, prompts, req, bool(opts.get("include_usage")), tok, request,
-                         bool(opts.get("continuous_usage_stats")))
+        opts = req.stream_options or StreamOptions()
+        events = _events(gen, meta, prompts, req, opts.include_usage, tok, request, opts.continuous_usage_stats)
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     finals = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -88,18 +87,18 @@ async def create_completion(request: Request) -> Response | EventStream:
     for pi, (prompt, final) in enumerate(zip(prompts, finals)):
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
-            echo = (prompt.text or "") if req["echo"] else ""
+            echo = (prompt.text or "") if req.echo else ""
             lp = None
-            if req["logprobs"] is not None:
-                b = CompletionLogprobs(req["logprobs"], tok)
-                echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req["echo"] else None
+            if req.logprobs is not None:
+                b = CompletionLogprobs(req.logprobs, tok)
+                echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req.echo else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
-            ids = req["return_token_ids"]
+            ids = req.return_token_ids
             choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "prompt_logprobs": (prompt_logprobs_json(final.prompt_logprobs, prompt.token_ids,
-                                                                     req["prompt_logprobs"])
-                                                if req["prompt_logprobs"] is not None else None),
+                                                                     req.prompt_logprobs)
+                                                if req.prompt_logprobs is not None else None),
                             "prompt_token_ids": prompt.token_ids if ids else None,
                             "token_ids": list(c.token_ids) if ids else None})
     log_extra(request, completion_tokens=completion_tokens)
@@ -108,10 +107,10 @@ async def create_completion(request: Request) -> Response | EventStream:
                           "system_fingerprint": None})
 
 
-async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: dict[str, Any],
-                  include_usage: bool, tok: Any, request: Request,
+async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: CompletionRequest,
+                  include_usage: bool, tok: EngineClient, request: Request,
                   continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
-    n, top_n, ids = req["n"], req["logprobs"], req["return_token_ids"]
+    n, top_n, ids = req.n, req.logprobs, req.return_token_ids
     sent_prompt: set[int] = set()
 
     def with_ids(choice: dict[str, Any], pi: int, token_ids: list[int]) -> dict[str, Any]:
@@ -135,7 +134,7 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
     builders: dict[int, CompletionLogprobs] = {}
     if top_n is not None:
         builders = {pi * n + i: CompletionLogprobs(top_n, tok) for pi in range(len(prompts)) for i in range(n)}
-    echo_pending = set(range(len(prompts))) if req["echo"] else set()
+    echo_pending = set(range(len(prompts))) if req.echo else set()
 
     def echo(pi: int, plp: Any) -> list[dict[str, Any]]:
         """A prompt's echo, sent with its first output: that output carries its prompt logprobs."""

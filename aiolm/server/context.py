@@ -6,15 +6,14 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
-
+from aiolm.engine.client import EngineClient
 from aiolm.server.settings import ServerSettings
 
 log = logging.getLogger("aiolm.server")
 
 
 class ServingContext:
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.created = int(time.time())
@@ -25,7 +24,7 @@ class ServingContext:
 
     @property
     def model_name(self) -> str:
-        return str(getattr(self.engine, "model_name", None) or "aiolm")
+        return str(getattr(self.engine, "model_name", None) or "aiolm")  # known once started
 
     def new_id(self, prefix: str, sep: str = "-") -> str:
         return f"{prefix}{sep}{uuid.uuid4().hex}"

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from starlette.types import Receive
 
+from aiolm.engine.client import EngineClient
 from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestError, RequestTimeoutError
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
@@ -56,7 +57,7 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIE
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
-async def tokenize(engine: Any, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+async def tokenize(engine: EngineClient, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
     why = engine.prompt_too_long(text)
     if why is not None:  # cannot fit whatever its tokens: refuse before paying for tokenizing
         raise bad_request(why, param=param, code="context_length_exceeded")

@@ -11,7 +11,7 @@ from aiolm.params import ParamError
 from aiolm.server.errors import APIError, bad_request, json_response
 from aiolm.server.generation import tokenize as encode
 from aiolm.server.http import check_model, context, read_json
-from aiolm.server.protocol import detokenize_request, param_error, tokenize_request
+from aiolm.server.protocol import DetokenizeRequest, TokenizeRequest, param_error, parse
 from aiolm.server.tools import template_messages
 
 
@@ -19,7 +19,7 @@ def _model_card(request: Request) -> dict:
     ctx = context(request)
     engine = ctx.engine
     return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "aiolm",
-            "root": ctx.model_name, "parent": None, "max_model_len": getattr(engine, "max_model_len", None)}
+            "root": ctx.model_name, "parent": None, "max_model_len": engine.max_model_len}
 
 
 async def list_models(request: Request) -> Response:
@@ -38,11 +38,11 @@ async def health(request: Request) -> Response:
     engine = context(request).engine
     if engine.is_healthy():
         return json_response({"status": "ok"})
-    recovering = getattr(engine, "recovering", None)
+    recovering = engine.recovering
     if recovering is not None:
         return APIError(503, f"unhealthy: recovering from a worker failure: {recovering}", code="recovering",
                         type="server_error", headers={"retry-after": "5"}).response()
-    stalled = getattr(engine, "stalled", None)
+    stalled = engine.stalled
     if stalled is not None:
         return APIError(503, f"unhealthy: stalled: {stalled}", code="stalled", type="server_error").response()
     reason = engine.dead_reason or "the engine is not running"
@@ -66,34 +66,36 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     ctx = context(request)
-    req = tokenize_request(ctx.settings.limits).parse(await read_json(request, ctx.settings.max_request_bytes))
-    check_model(ctx, req["model"])
+    req = parse(TokenizeRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    check_model(ctx, req.model)
     engine = ctx.engine
-    if (req["prompt"] is None) == (req["messages"] is None):
-        raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
-    if req["messages"] is not None:
-        msgs = template_messages(req["messages"])
+    if req.messages is not None:
+        if req.prompt is not None:
+            raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+        msgs = template_messages(req.messages)
         try:
-            text = await engine.render_chat_async(msgs, add_generation_prompt=req["add_generation_prompt"])
+            text = await engine.render_chat_async(msgs, add_generation_prompt=req.add_generation_prompt)
         except ParamError as e:
             raise param_error(e) from None
         ids = await encode(engine, text, False)
+    elif req.prompt is not None:
+        ids = await encode(engine, req.prompt, req.add_special_tokens)
     else:
-        ids = await encode(engine, req["prompt"], req["add_special_tokens"])
-    strs = engine.token_strings(ids) if req["return_token_strs"] else None  # vLLM's: null unless asked
+        raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+    strs = engine.token_strings(ids) if req.return_token_strs else None  # vLLM's: null unless asked
     return json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                           "token_strs": strs})
 
 
 async def detokenize(request: Request) -> Response:
     ctx = context(request)
-    req = detokenize_request(ctx.settings.limits).parse(await read_json(request, ctx.settings.max_request_bytes))
-    check_model(ctx, req["model"])
+    req = parse(DetokenizeRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    check_model(ctx, req.model)
     vocab = ctx.engine.vocab_size
-    for i, t in enumerate(req["tokens"]):
+    for i, t in enumerate(req.tokens):
         if t >= vocab:
             raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param=f"tokens[{i}]")
-    return json_response({"prompt": ctx.engine.decode(req["tokens"])})
+    return json_response({"prompt": ctx.engine.decode(req.tokens)})
 
 
 async def tokenizer_info(request: Request) -> Response:

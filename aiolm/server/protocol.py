@@ -1,26 +1,43 @@
-"""The request bodies of the OpenAI-compatible API and their mapping to SamplingParams.
+"""The request bodies of the OpenAI-compatible API, as pydantic models, and their mapping
+to SamplingParams.
 
-Field specs here are the single definition of each endpoint's input: they
-validate requests (400 naming the field) and generate ``/openapi.json``.
+A request is parsed once, at the edge (``parse``), into one of these models; handlers
+then read attributes. The models fix shapes and types only, plus the bounds an
+operator sets (``Limits``); the sampling bounds live in ``SamplingParams``
+(aiolm/params.py), whose ``ParamError`` becomes the 400. ``/openapi.json`` is
+generated from the same models (openapi.py), so the documented API and the enforced
+one cannot drift. A new request field is one attribute on a model here.
+
+``null`` means "not given" for every field, as in OpenAI's API. A field no model
+defines is a 400 naming it (OpenAI's "Unrecognized request argument"), so a client
+never believes it got something the server silently dropped; with ``--lenient-fields``
+it is a logged warning instead.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model, model_validator
+from pydantic.functional_validators import AfterValidator
 
 from aiolm.config import EngineArgs
+from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server import client_json
 from aiolm.server.errors import APIError, bad_request
-from aiolm.server.schema import Bool, Enum, Field, Int, ListOf, MapOf, Num, Obj, OneOf, Spec, Str
-from aiolm.server.tools import message_tool_fields, tool_fields
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_STOP = 64
+log = logging.getLogger("aiolm.server")
+
+MAX_TOOLS = 128
+MAX_CHOICES = 1024
 MAX_BAD_WORDS = 256
+_NOOP = "accepted for OpenAI compatibility; has no effect on this server"
 
 
 @dataclass(frozen=True)
@@ -33,95 +50,494 @@ class Limits:
     lenient: bool = False  # unknown request fields: a logged warning instead of a 400
 
 
-_NOOP = "accepted for OpenAI compatibility; has no effect on this server"
+class Strict(BaseModel):
+    """Every request object: unknown fields refused, no coercion ("1" is not 1), null is absent."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = _keys(cls)  # an unknown field stays, null or not, to be refused by name
+        return {k: v for k, v in data.items() if v is not None or k not in known}
 
 
-def _noop_fields() -> dict[str, Field]:
+@functools.cache
+def _keys(model: type[BaseModel]) -> frozenset[str]:
+    """The JSON keys ``model`` accepts (a field's alias where it has one)."""
+    return frozenset(f.alias or name for name, f in model.model_fields.items())
+
+
+# -- shapes -------------------------------------------------------------------------------
+
+# A union is told apart by the JSON type of its value (a list by its first item), so only
+# one alternative is tried and its error is the precise one. The tags start with "::" so
+# error paths can drop them (_path).
+def _shape(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "::text"
+    if isinstance(value, dict):
+        return "::object"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        if isinstance(first, int) and not isinstance(first, bool):
+            return "::ids"
+        if isinstance(first, list):
+            return "::batch"
+        return "::list"
+    return None
+
+
+def _one_of(what: str, **alternatives: Any) -> Any:
+    """A union of ``alternatives`` (tag -> type); a value of no listed shape: 'must be {what}'."""
+    members = tuple(Annotated[t, Tag("::" + tag)] for tag, t in alternatives.items())
+    return Annotated[Union[members], Discriminator(_shape, custom_error_type="invalid_type",  # type: ignore[valid-type]
+                                                   custom_error_message=f"must be {what}")]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+JsonSchema = dict[str, Any]
+SchemaValue = _one_of("a JSON schema (an object or its JSON text)", object=JsonSchema, text=NonEmptyStr)
+Stop = _one_of("a non-empty string or a list of non-empty strings", text=NonEmptyStr, list=list[NonEmptyStr])
+Choices = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+def _metadata(value: dict[str, Any]) -> dict[str, Any]:
+    if len(value) > 16 or not all(isinstance(v, str) and len(v) <= 512 for v in value.values()):
+        raise ValueError("must map at most 16 keys to strings of at most 512 characters")
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_metadata)]
+
+
+class NoopFields(Strict):
     """Fields OpenAI defines that do not apply to a self-hosted model: accepted, documented, unused."""
-    return {
-        "store": Field(Bool(), doc=_NOOP + " (nothing is stored)"),
-        "metadata": Field(MapOf(Str(max_len=512), max_items=16), doc=_NOOP + " (nothing is stored)"),
-        "service_tier": Field(Str(max_len=64), doc=_NOOP + " (one tier)"),
-        "user": Field(Str(max_len=256), doc=_NOOP + " beyond the access log"),
-        "safety_identifier": Field(Str(max_len=256), doc=_NOOP),
-        "prompt_cache_key": Field(Str(max_len=256), doc=_NOOP + " (prefix caching is automatic)"),
-    }
+
+    store: bool | None = Field(None, description=_NOOP + " (nothing is stored)")
+    metadata: Metadata | None = Field(None, description=_NOOP + " (nothing is stored)")
+    service_tier: Annotated[str, Field(max_length=64)] | None = Field(None, description=_NOOP + " (one tier)")
+    user: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " beyond the access log")
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP)
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = Field(
+        None, description=_NOOP + " (prefix caching is automatic)")
 
 
-def _sampling_fields(limits: Limits) -> dict[str, Field]:
+# -- chat messages and tools --------------------------------------------------------------
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+Content = _one_of("a string or a list of text parts", text=str,
+                  list=Annotated[list[TextPart], Field(max_length=256)])
+
+
+class FunctionCall(Strict):
+    name: NonEmptyStr
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: NonEmptyStr
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None  # type: ignore[valid-type]
+    name: str | None = None
+    refusal: str | None = Field(None, description=_NOOP + " (an earlier answer's refusal text is not shown "
+                                                          "to the model)")
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="an earlier assistant turn's calls")
+    tool_call_id: NonEmptyStr | None = Field(None, description="a tool message: the call it answers")
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: JsonSchema | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(None, description="calls are always generated to the schema when enforced")
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = _one_of("'none', 'auto', 'required' or a named function",
+                     text=Literal["none", "auto", "required"], object=NamedToolChoice)
+
+
+# -- output constraints -------------------------------------------------------------------
+
+class JsonSchemaFormat(Strict):
+    name: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (a label)")
+    description: str | None = Field(None, description=_NOOP + " (not shown to the model)")
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="false: properties the schema does not list may be generated")
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: SchemaValue | None = Field(None, alias="json")  # type: ignore[valid-type]
+    regex: NonEmptyStr | None = None
+    choice: Choices | None = None
+    grammar: NonEmptyStr | None = Field(None, description="EBNF/GBNF whose start rule is 'root'")
+    json_object: bool | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+# -- the request bodies -------------------------------------------------------------------
+
+class SamplingRequest(NoopFields):
     """Fields chat and completions share (OpenAI's plus vLLM's usual extensions)."""
-    stop = OneOf(Str(min_len=1), ListOf(Str(min_len=1), max_items=MAX_STOP),
-                 what="a non-empty string or a list of non-empty strings")
-    return {
-        "model": Field(Str(), doc="served model name; optional"),
-        "n": Field(Int(1, limits.max_n), default=1, doc="how many choices to generate"),
-        "max_tokens": Field(Int(ge=1), doc="most tokens to generate"),
-        "temperature": Field(Num(ge=0), default=1.0),
-        "top_p": Field(Num(gt=0, le=1), default=1.0),
-        "top_k": Field(Int(-1, 2**31 - 1), default=0, doc="-1 or 0 disables"),
-        "min_p": Field(Num(ge=0, le=1), default=0.0),
-        "seed": Field(Int(INT64_MIN, INT64_MAX)),
-        "stop": Field(stop),
-        "stop_token_ids": Field(ListOf(Int(ge=0), max_items=MAX_STOP)),
-        "presence_penalty": Field(Num(ge=-2, le=2), default=0.0),
-        "frequency_penalty": Field(Num(ge=-2, le=2), default=0.0),
-        "repetition_penalty": Field(Num(gt=0, le=2), default=1.0),
-        "logit_bias": Field(MapOf(Num(ge=-100, le=100), max_items=1024), doc="token id -> bias"),
-        "ignore_eos": Field(Bool(), default=False),
-        "min_tokens": Field(Int(0, 2**31 - 1), default=0),
-        **_noop_fields(),
-        "stream": Field(Bool(), default=False),
-        "stream_options": Field(Obj({"include_usage": Field(Bool(), default=False),
-                                     "continuous_usage_stats": Field(Bool(), default=False)},
-                                    lenient=limits.lenient),
-                                doc="only with 'stream': true"),
-        "skip_special_tokens": Field(Bool(), default=True),
-        "spaces_between_special_tokens": Field(Bool(), default=True),
-        "include_stop_str_in_output": Field(Bool(), default=False),
-        "priority": Field(Int(-(2**31), 2**31 - 1), default=0),
-        "allowed_token_ids": Field(ListOf(Int(ge=0), min_items=1, max_items=1 << 20),
-                                   doc="vLLM's: only these tokens may be generated"),
-        "bad_words": Field(ListOf(Str(min_len=1), max_items=MAX_BAD_WORDS),
-                           doc="vLLM's: words never generated (each as tokenized with and without a "
-                               "leading space)"),
-        "prompt_logprobs": Field(Int(0, limits.max_logprobs),
-                                 doc="vLLM's: each prompt token's logprob and this many alternatives "
-                                     "('prompt_logprobs' in the response; not with stream)"),
-        "return_token_ids": Field(Bool(), default=False,
-                                  doc="vLLM's: the prompt's token ids ('prompt_token_ids') and each "
-                                      "choice's ('token_ids') next to the text"),
-        **_structured_fields(limits),
+
+    model: str | None = Field(None, description="served model name; optional")
+    n: Annotated[int, Field(le=Limits.max_n)] = Field(1, description="how many choices to generate")
+    max_tokens: int | None = Field(None, description="most tokens to generate")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(0, description="-1 or 0 disables")
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Stop | None = None  # type: ignore[valid-type]
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = Field(
+        None, description="token id -> bias")
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = Field(None, description="only with 'stream': true")
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)] | None = Field(
+        None, description="vLLM's: only these tokens may be generated")
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="vLLM's: words never generated (each as tokenized with and without a leading space)")
+    prompt_logprobs: Annotated[int, Field(le=Limits.max_logprobs)] | None = Field(
+        None, description="vLLM's: each prompt token's logprob and this many alternatives "
+                          "('prompt_logprobs' in the response; not with stream)")
+    return_token_ids: bool = Field(False, description="vLLM's: the prompt's token ids ('prompt_token_ids') "
+                                                      "and each choice's ('token_ids') next to the text")
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: json_object (any JSON object) or json_schema")
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: SchemaValue | None = Field(  # type: ignore[valid-type]
+        None, description="vLLM's older spelling of structured_outputs.json")
+    guided_regex: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.regex")
+    guided_choice: Choices | None = Field(None, description="vLLM's older spelling of structured_outputs.choice")
+    guided_grammar: NonEmptyStr | None = Field(
+        None, description="vLLM's older spelling of structured_outputs.grammar")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Messages
+    max_completion_tokens: int | None = Field(None, description="most tokens to generate (wins over max_tokens)")
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=Limits.max_logprobs)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="function tools the model may call")
+    tool_choice: ToolChoice | None = Field(  # type: ignore[valid-type]
+        None, description="'none', 'auto' (needs --tool-call-parser), 'required' or "
+                          "{type: function, function: {name}}; default 'auto' with tools")
+    parallel_tool_calls: bool | None = Field(None, description="with 'required': false generates exactly one call")
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = Field(None, description="only ['text']")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def _prompt_type(max_prompts: int) -> Any:
+    ids = Annotated[list[TokenId], Field(min_length=1)]
+    return _one_of("a string, a list of strings, a list of token ids or a list of lists of token ids",
+                   text=str, list=Annotated[list[str], Field(min_length=1, max_length=max_prompts)], ids=ids,
+                   batch=Annotated[list[ids], Field(min_length=1, max_length=max_prompts)])  # type: ignore[valid-type]
+
+
+Prompt = _prompt_type(Limits.max_prompts)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt  # type: ignore[valid-type]
+    max_tokens: int | None = Field(16, description="most tokens to generate")
+    echo: bool = False
+    logprobs: Annotated[int, Field(le=Limits.max_logprobs)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=Limits.max_n)] | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class InputPart(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Annotated[list[Any], Field(max_length=256)] | None = Field(
+        None, description=_NOOP + " (an earlier output's citations)")
+    logprobs: list[Any] | None = Field(None, description=_NOOP + " (an earlier output's logprobs)")
+
+
+class InputItem(Strict):
+    type: Literal["message"] | None = Field(None, description="only 'message' items")
+    role: Literal["user", "system", "developer", "assistant"]
+    content: _one_of("a string or a list of text parts", text=str,  # type: ignore[valid-type]
+                     list=Annotated[list[InputPart], Field(max_length=256)])
+    id: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (an earlier output "
+                                                                                       "item's id)")
+    status: Literal["in_progress", "completed", "incomplete"] | None = Field(None, description=_NOOP)
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (a label)")
+    description: str | None = Field(None, description=_NOOP + " (not shown to the model)")
+    schema_: JsonSchema | None = Field(None, alias="schema",
+                                       description="with type 'json_schema': the schema the output follows")
+    strict: bool | None = Field(None, description="false: properties the schema does not list may be generated")
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(NoopFields):
+    """OpenAI's Responses API, text in and out. Nothing is stored, so nothing can be fetched
+    or continued later: ``previous_response_id``, ``conversation`` and tools are refused."""
+
+    model: str | None = Field(None, description="served model name; optional")
+    input: _one_of("a string or a list of message items", text=str,  # type: ignore[valid-type]
+                   list=Annotated[list[InputItem], Field(min_length=1, max_length=4096)])
+    instructions: str | None = Field(None, description="a system message placed before the input")
+    max_output_tokens: int | None = Field(None, description="most tokens to generate")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stream: bool = Field(False, description="server-sent events named by their type")
+    text: TextConfig | None = Field(None, description="'format': text, json_object or json_schema "
+                                                      "(structured outputs)")
+    truncation: Literal["disabled"] | None = Field(
+        None, description="only 'disabled': an input too long for the context is a 400")
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Messages | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# -- Limits: the operator's bounds on top of the static models ----------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@functools.cache
+def bounded(model: type[M], limits: Limits) -> type[M]:
+    """``model`` with ``limits``' bounds on the fields they apply to (cached: one class per pair)."""
+    logprobs = Annotated[int, Field(le=limits.max_logprobs)] | None
+    types: dict[str, Any] = {
+        "n": Annotated[int, Field(le=limits.max_n)],
+        "prompt_logprobs": logprobs,
+        "top_logprobs": Annotated[int, Field(ge=0, le=limits.max_logprobs)] | None,
+        "best_of": Annotated[int, Field(ge=1, le=limits.max_n)] | None,
+        "prompt": _prompt_type(limits.max_prompts),
     }
+    if issubclass(model, CompletionRequest):
+        types["logprobs"] = logprobs  # chat's is a boolean
+    fields: dict[str, Any] = {}
+    for name, typ in types.items():
+        f = model.model_fields.get(name)
+        if f is not None:
+            fields[name] = (typ, Field(... if f.is_required() else f.default, description=f.description))
+    return create_model(model.__name__, __base__=model, __doc__=model.__doc__, **fields)  # type: ignore[call-overload, no-any-return]
 
 
-MAX_CHOICES = 1024
+REQUEST_MODELS: dict[str, type[Strict]] = {
+    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+}
 
 
-def _structured_fields(limits: Limits) -> dict[str, Field]:
-    """Output constraints, in OpenAI's and vLLM's spellings; at most one per request."""
-    schema = OneOf(MapOf(_Any()), Str(min_len=1), what="a JSON schema (an object or its JSON text)")
-    choices = ListOf(Str(min_len=1), min_items=1, max_items=MAX_CHOICES)
-    lenient = limits.lenient
-    return {
-        "response_format": Field(Obj({
-            "type": Field(Enum(("text", "json_object", "json_schema")), required=True),
-            "json_schema": Field(Obj({"name": Field(Str(max_len=256), doc=_NOOP + " (a label)"),
-                                      "description": Field(Str(), doc=_NOOP + " (not shown to the model)"),
-                                      "schema": Field(MapOf(_Any())),
-                                      "strict": Field(Bool(), doc="false: properties the schema does not "
-                                                                  "list may be generated")}, lenient=lenient)),
-        }, lenient=lenient), doc="OpenAI's: json_object (any JSON object) or json_schema"),
-        "structured_outputs": Field(Obj({
-            "json": Field(schema), "regex": Field(Str(min_len=1)), "choice": Field(choices),
-            "grammar": Field(Str(min_len=1), doc="EBNF/GBNF whose start rule is 'root'"),
-            "json_object": Field(Bool()),
-        }, lenient=lenient), doc="vLLM's: exactly one of json, regex, choice, grammar, json_object"),
-        "guided_json": Field(schema, doc="vLLM's older spelling of structured_outputs.json"),
-        "guided_regex": Field(Str(min_len=1), doc="vLLM's older spelling of structured_outputs.regex"),
-        "guided_choice": Field(choices, doc="vLLM's older spelling of structured_outputs.choice"),
-        "guided_grammar": Field(Str(min_len=1), doc="vLLM's older spelling of structured_outputs.grammar"),
-    }
+# -- parsing: a ValidationError becomes one 400 naming the field ---------------------------
 
+def parse(model: type[M], body: Any, limits: Limits) -> M:
+    """``body`` (parsed JSON) as ``model`` under ``limits``; a 400 naming the field if it does not fit."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")
+    cls = bounded(model, limits)
+    while True:
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            errors = e.errors(include_url=False)
+        unknown = [err for err in errors if err["type"] == "extra_forbidden"]
+        paths = list(dict.fromkeys(_path(err["loc"]) for err in unknown))
+        if not unknown:
+            raise _first_error(errors[0])
+        listed = ", ".join(repr(p) for p in paths)
+        if not limits.lenient:
+            raise bad_request(f"Unrecognized request argument supplied: {listed} (this server does not "
+                              f"implement {'it' if len(paths) == 1 else 'them'})",
+                              param=paths[0], code="unrecognized_argument")
+        log.warning("ignoring request fields this server does not implement: %s", listed)
+        for err in unknown:
+            _drop(body, err["loc"])
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith("::") and part != "[key]":
+            out += f".{part}" if out else part
+    return out
+
+
+def _drop(body: Any, loc: tuple[int | str, ...]) -> None:
+    """Remove the value at ``loc`` (an unknown field) from ``body``."""
+    steps = [p for p in loc if not (isinstance(p, str) and p.startswith("::"))]
+    for p in steps[:-1]:
+        body = body[p]
+    body.pop(steps[-1], None)
+
+
+def _first_error(err: Any) -> APIError:
+    path = _path(err["loc"])
+    if err["type"] == "missing":
+        return bad_request(f"'{path}' is required", param=path, code="missing_required_parameter")
+    if err["type"] == "invalid_type":  # one of our unions: the message says what fits
+        return bad_request(f"'{path}' {err['msg']}, got {_type_name(err['input'])}", param=path)
+    msg = err["msg"].removeprefix("Value error, ")
+    return bad_request(f"'{path}': {msg} (got {_describe(err['input'])})", param=path)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return _type_name(value)
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _type_name(v: Any) -> str:
+    names = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+             list: "array", dict: "object"}
+    return names.get(type(v), type(v).__name__)
+
+
+# -- from a parsed request to engine inputs -----------------------------------------------
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    kind: OutputKind, structured: StructuredOutputs | None = None,
+                    prompt_logprobs: int | None = None, engine: EngineClient | None = None,
+                    rename: dict[str, str] | None = None) -> SamplingParams:
+    """Build SamplingParams, which holds the sampling bounds: a ParamError is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens, output_kind=kind,
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
+            **(token_constraints(req, engine) if engine is not None else {}))
+    except ParamError as e:
+        raise param_error(e, rename) from None
+
+
+def token_constraints(req: SamplingRequest, engine: EngineClient) -> dict[str, Any]:
+    """vLLM's ``allowed_token_ids`` (checked against the vocabulary) and ``bad_words``
+    (tokenized with and without a leading space, as vLLM does)."""
+    out: dict[str, Any] = {}
+    if req.allowed_token_ids is not None:
+        vocab = engine.vocab_size
+        for i, t in enumerate(req.allowed_token_ids):
+            if t >= vocab:
+                raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})",
+                                  param=f"allowed_token_ids[{i}]")
+        out["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.bad_words:
+        seqs: list[list[int]] = []
+        for w in req.bad_words:
+            for text in (w, " " + w) if not w.startswith(" ") else (w,):
+                ids = engine.tokenize(text, False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        out["bad_words_token_ids"] = seqs
+    return out
+
+
+def param_error(e: ParamError, rename: dict[str, str] | None = None) -> APIError:
+    param = (rename or {}).get(e.param, e.param)
+    return bad_request(f"'{param}': {e.message}", param=param)
+
+
+def check_stream_options(req: SamplingRequest) -> None:
+    """OpenAI refuses stream options on a request that does not stream; so do we. vLLM
+    refuses prompt logprobs on a stream."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
+
+
+def check_unsupported_chat(req: ChatCompletionRequest) -> None:
+    check_stream_options(req)
+    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+
+
+def check_unsupported_completion(req: CompletionRequest) -> None:
+    check_stream_options(req)
+    if req.suffix:
+        raise bad_request("'suffix' is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
+
+
+# -- output constraints -------------------------------------------------------------------
 
 def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
@@ -136,26 +552,27 @@ def _schema_text(value: Any, param: str) -> str:
     return json.dumps(value)  # key order kept: it is the order properties are generated in
 
 
-def structured_spec(req: dict[str, Any]) -> tuple[StructuredOutputs | None, str]:
+def structured_spec(req: SamplingRequest) -> tuple[StructuredOutputs | None, str]:
     """The one output constraint a request asks for, and the field that asked (for errors)."""
     found: list[tuple[str, StructuredOutputs]] = []
-    fmt = req.get("response_format")
-    if fmt is not None and fmt["type"] == "json_object":
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
         found.append(("response_format", StructuredOutputs("json_object")))
-    elif fmt is not None and fmt["type"] == "json_schema":
-        js = fmt["json_schema"]
-        if js is None or js["schema"] is None:
+    elif fmt is not None and fmt.type == "json_schema":
+        js = fmt.json_schema
+        if js is None or js.schema_ is None:
             raise bad_request("response_format 'json_schema' needs 'json_schema.schema'",
                               param="response_format.json_schema.schema" if js else "response_format.json_schema")
         param = "response_format.json_schema.schema"
-        found.append((param, StructuredOutputs("json", _schema_text(js["schema"], param), js["strict"] is not False)))
-    so = req.get("structured_outputs") or {}
-    for key, value in so.items():
-        if value is None or value is False:
-            continue
-        found.append((f"structured_outputs.{key}", _structured_one(key, value, f"structured_outputs.{key}")))
-    for key in ("json", "regex", "choice", "grammar"):
-        value = req.get(f"guided_{key}")
+        found.append((param, StructuredOutputs("json", _schema_text(js.schema_, param), js.strict is not False)))
+    so = req.structured_outputs
+    if so is not None:
+        for key, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                           ("grammar", so.grammar), ("json_object", so.json_object)):
+            if value is not None and value is not False:
+                found.append((f"structured_outputs.{key}", _structured_one(key, value, f"structured_outputs.{key}")))
+    for key, value in (("json", req.guided_json), ("regex", req.guided_regex), ("choice", req.guided_choice),
+                       ("grammar", req.guided_grammar)):
         if value is not None:
             found.append((f"guided_{key}", _structured_one(key, value, f"guided_{key}")))
     if len(found) > 1:
@@ -164,15 +581,15 @@ def structured_spec(req: dict[str, Any]) -> tuple[StructuredOutputs | None, str]
     return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
 
 
-def text_format_spec(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
+def text_format_spec(fmt: TextFormat | None) -> StructuredOutputs | None:
     """The Responses API's ``text.format`` as the output constraint chat's ``response_format`` maps to."""
-    if fmt is None or fmt["type"] == "text":
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt["type"] == "json_object":
+    if fmt.type == "json_object":
         return StructuredOutputs("json_object")
-    if fmt["schema"] is None:
+    if fmt.schema_ is None:
         raise bad_request("text.format 'json_schema' needs 'text.format.schema'", param="text.format.schema")
-    return StructuredOutputs("json", _schema_text(fmt["schema"], "text.format.schema"), fmt["strict"] is not False)
+    return StructuredOutputs("json", _schema_text(fmt.schema_, "text.format.schema"), fmt.strict is not False)
 
 
 def _structured_one(key: str, value: Any, param: str) -> StructuredOutputs:
@@ -183,193 +600,3 @@ def _structured_one(key: str, value: Any, param: str) -> StructuredOutputs:
     if key == "choice":
         return StructuredOutputs("grammar", choice_grammar(value))
     return StructuredOutputs(key, value)  # regex, grammar
-
-
-def _content_spec(lenient: bool) -> Spec:
-    part = Obj({"type": Field(Enum(("text",)), required=True), "text": Field(Str(), required=True)},
-               lenient=lenient)
-    return OneOf(Str(), ListOf(part, max_items=256), what="a string or a list of text parts")
-
-
-def chat_request(limits: Limits) -> Obj:
-    message = Obj({
-        "role": Field(Enum(("system", "developer", "user", "assistant", "tool")), required=True),
-        "content": Field(_content_spec(limits.lenient)),
-        "name": Field(Str()),
-        "refusal": Field(Str(), doc=_NOOP + " (an earlier answer's refusal text is not shown to the model)"),
-        **message_tool_fields(limits.lenient),
-    }, lenient=limits.lenient)
-    fields = {
-        "messages": Field(ListOf(message, min_items=1, max_items=4096), required=True),
-        **_sampling_fields(limits),
-        "max_completion_tokens": Field(Int(ge=1), doc="most tokens to generate (wins over max_tokens)"),
-        "logprobs": Field(Bool(), default=False),
-        "top_logprobs": Field(Int(0, limits.max_logprobs)),
-        **tool_fields(limits.lenient, _Any()),
-        "modalities": Field(ListOf(Enum(("text",)), max_items=1), doc="only ['text']"),
-        "add_generation_prompt": Field(Bool(), default=True),
-        "continue_final_message": Field(Bool(), default=False),
-    }
-    return Obj(fields, lenient=limits.lenient)
-
-
-def completion_request(limits: Limits) -> Obj:
-    token_ids = ListOf(Int(ge=0), min_items=1)
-    prompt = OneOf(Str(), ListOf(Str(), min_items=1, max_items=limits.max_prompts), token_ids,
-                   ListOf(token_ids, min_items=1, max_items=limits.max_prompts),
-                   what="a string, a list of strings, a list of token ids or a list of lists of token ids")
-    fields = {
-        "prompt": Field(prompt, required=True),
-        **_sampling_fields(limits),
-        "echo": Field(Bool(), default=False),
-        "logprobs": Field(Int(0, limits.max_logprobs)),
-        "best_of": Field(Int(1, limits.max_n)),
-        "suffix": Field(Str()),
-        "add_special_tokens": Field(Bool(), default=True),
-    }
-    fields["max_tokens"] = Field(Int(ge=1), default=16, doc="most tokens to generate")
-    return Obj(fields, lenient=limits.lenient)
-
-
-def responses_request(limits: Limits) -> Obj:
-    """OpenAI's Responses API, text in and out. Nothing is stored, so nothing can be fetched
-    or continued later: ``previous_response_id``, ``conversation`` and tools are refused."""
-    lenient = limits.lenient
-    part = Obj({
-        "type": Field(Enum(("input_text", "output_text")), required=True),
-        "text": Field(Str(), required=True),
-        "annotations": Field(ListOf(_Any(), max_items=256), doc=_NOOP + " (an earlier output's citations)"),
-        "logprobs": Field(ListOf(_Any()), doc=_NOOP + " (an earlier output's logprobs)"),
-    }, lenient=lenient)
-    item = Obj({
-        "type": Field(Enum(("message",)), doc="only 'message' items"),
-        "role": Field(Enum(("user", "system", "developer", "assistant")), required=True),
-        "content": Field(OneOf(Str(), ListOf(part, max_items=256), what="a string or a list of text parts"),
-                         required=True),
-        "id": Field(Str(max_len=256), doc=_NOOP + " (an earlier output item's id)"),
-        "status": Field(Enum(("in_progress", "completed", "incomplete")), doc=_NOOP),
-    }, lenient=lenient)
-    text_format = Obj({
-        "type": Field(Enum(("text", "json_object", "json_schema")), required=True),
-        "name": Field(Str(max_len=256), doc=_NOOP + " (a label)"),
-        "description": Field(Str(), doc=_NOOP + " (not shown to the model)"),
-        "schema": Field(MapOf(_Any()), doc="with type 'json_schema': the schema the output follows"),
-        "strict": Field(Bool(), doc="false: properties the schema does not list may be generated"),
-    }, lenient=lenient)
-    return Obj({
-        "model": Field(Str(), doc="served model name; optional"),
-        "input": Field(OneOf(Str(), ListOf(item, min_items=1, max_items=4096),
-                             what="a string or a list of message items"), required=True),
-        "instructions": Field(Str(), doc="a system message placed before the input"),
-        "max_output_tokens": Field(Int(ge=1), doc="most tokens to generate"),
-        "temperature": Field(Num(ge=0), default=1.0),
-        "top_p": Field(Num(gt=0, le=1), default=1.0),
-        "stream": Field(Bool(), default=False, doc="server-sent events named by their type"),
-        "text": Field(Obj({"format": Field(text_format)}, lenient=lenient),
-                      doc="'format': text, json_object or json_schema (structured outputs)"),
-        "truncation": Field(Enum(("disabled",)), doc="only 'disabled': an input too long for the context is a 400"),
-        **_noop_fields(),
-    }, lenient=lenient)
-
-
-def tokenize_request(limits: Limits = Limits()) -> Obj:
-    return Obj({
-        "model": Field(Str()),
-        "prompt": Field(Str()),
-        "messages": Field(chat_request(limits).fields["messages"].spec),
-        "add_special_tokens": Field(Bool(), default=True),
-        "add_generation_prompt": Field(Bool(), default=True),
-        "return_token_strs": Field(Bool(), default=False),
-    }, lenient=limits.lenient)
-
-
-def detokenize_request(limits: Limits = Limits()) -> Obj:
-    return Obj({"model": Field(Str()), "tokens": Field(ListOf(Int(ge=0)), required=True)},
-               lenient=limits.lenient)
-
-
-class _Any(Spec):
-    what = "any JSON value"
-
-    def parse(self, value: Any, name: str) -> Any:
-        return value
-
-    def schema(self) -> dict[str, Any]:
-        return {}
-
-
-# -- from a validated body to engine inputs ------------------------------------------------
-
-
-def sampling_params(req: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                    kind: OutputKind, structured: StructuredOutputs | None = None,
-                    prompt_logprobs: int | None = None, engine: Any = None) -> SamplingParams:
-    """Build SamplingParams; anything the engine still refuses becomes a 400 naming the field."""
-    try:
-        return SamplingParams(
-            n=req["n"], temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"],
-            min_p=req["min_p"], seed=req["seed"], presence_penalty=req["presence_penalty"],
-            frequency_penalty=req["frequency_penalty"], repetition_penalty=req["repetition_penalty"],
-            logit_bias=req["logit_bias"], max_tokens=max_tokens, min_tokens=req["min_tokens"],
-            stop=list(req["stop"]) if isinstance(req["stop"], list) else (req["stop"] or []),
-            stop_token_ids=list(req["stop_token_ids"] or []),
-            include_stop_str_in_output=req["include_stop_str_in_output"], ignore_eos=req["ignore_eos"],
-            logprobs=logprobs, skip_special_tokens=req["skip_special_tokens"],
-            spaces_between_special_tokens=req["spaces_between_special_tokens"], output_kind=kind,
-            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
-            **(token_constraints(req, engine) if engine is not None else {}))
-    except ParamError as e:
-        raise param_error(e) from None
-
-
-def token_constraints(req: dict[str, Any], engine: Any) -> dict[str, Any]:
-    """vLLM's ``allowed_token_ids`` (checked against the vocabulary) and ``bad_words``
-    (tokenized with and without a leading space, as vLLM does)."""
-    out: dict[str, Any] = {}
-    allowed = req.get("allowed_token_ids")
-    if allowed is not None:
-        vocab = engine.vocab_size
-        for i, t in enumerate(allowed):
-            if t >= vocab:
-                raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})",
-                                  param=f"allowed_token_ids[{i}]")
-        out["allowed_token_ids"] = list(allowed)
-    words = req.get("bad_words")
-    if words:
-        seqs: list[list[int]] = []
-        for w in words:
-            for text in (w, " " + w) if not w.startswith(" ") else (w,):
-                ids = engine.tokenize(text, False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        out["bad_words_token_ids"] = seqs
-    return out
-
-
-def param_error(e: ParamError, rename: dict[str, str] | None = None) -> APIError:
-    param = (rename or {}).get(e.param, e.param)
-    return bad_request(f"'{param}': {e.message}", param=param)
-
-
-def check_stream_options(req: dict[str, Any]) -> None:
-    """OpenAI refuses stream options on a request that does not stream; so do we. vLLM
-    refuses prompt logprobs on a stream."""
-    if req["stream_options"] is not None and not req["stream"]:
-        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                          param="stream_options")
-    if req["prompt_logprobs"] is not None and req["stream"]:
-        raise bad_request("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
-
-
-def check_unsupported_chat(req: dict[str, Any]) -> None:
-    check_stream_options(req)
-    if req["top_logprobs"] is not None and req["top_logprobs"] > 0 and not req["logprobs"]:
-        raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
-
-
-def check_unsupported_completion(req: dict[str, Any]) -> None:
-    check_stream_options(req)
-    if req["suffix"]:
-        raise bad_request("'suffix' is not supported", param="suffix")
-    if req["best_of"] is not None and req["best_of"] != req["n"]:
-        raise bad_request("'best_of' other than 'n' is not supported", param="best_of")

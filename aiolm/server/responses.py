@@ -23,7 +23,7 @@ from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server.errors import json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
 from aiolm.server.http import check_model, context, log_extra, read_json
-from aiolm.server.protocol import param_error, responses_request, text_format_spec
+from aiolm.server.protocol import ResponsesRequest, param_error, parse, text_format_spec
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tools import message_text
 
@@ -32,14 +32,12 @@ _RENAME = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tok
            "structured_outputs": "text.format"}
 
 
-def _messages(req: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """``instructions`` as a leading system message, then the input items in order."""
-    out = [{"role": "system", "content": req["instructions"]}] if req["instructions"] is not None else []
-    items = req["input"]
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    out += [{"role": it["role"], "content": message_text(it["content"])} for it in items]
-    return out
+    out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    if isinstance(req.input, str):
+        return [*out, {"role": "user", "content": req.input}]
+    return out + [{"role": it.role, "content": message_text(it.content)} for it in req.input]
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -67,17 +65,17 @@ def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None, dic
     return "failed", None, {"code": "server_error", "message": f"the generation ended with '{finish_reason}'"}
 
 
-def _shell(req: dict[str, Any], response_id: str, model: str) -> dict[str, Any]:
+def _shell(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
     """The response object before any output: what the request asked, echoed as OpenAI does."""
-    fmt = ((req["text"] or {}).get("format")) or {"type": "text"}
+    fmt = req.text.format if req.text is not None else None
+    shown = fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-        "background": False, "error": None, "incomplete_details": None, "instructions": req["instructions"],
-        "max_output_tokens": req["max_output_tokens"], "metadata": req["metadata"] or {}, "model": model,
+        "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "model": model,
         "output": [], "parallel_tool_calls": False, "previous_response_id": None,
-        "temperature": req["temperature"], "top_p": req["top_p"],
-        "text": {"format": {k: v for k, v in fmt.items() if v is not None}},
-        "tool_choice": "none", "tools": [], "truncation": "disabled", "usage": None, "user": req["user"],
+        "temperature": req.temperature, "top_p": req.top_p, "text": {"format": shown},
+        "tool_choice": "none", "tools": [], "truncation": "disabled", "usage": None, "user": req.user,
     }
 
 
@@ -90,28 +88,28 @@ def _finished(shell: dict[str, Any], item: dict[str, Any], finish_reason: str | 
 
 async def create_response(request: Request) -> Response | EventStream:
     ctx = context(request)
-    req = responses_request(ctx.settings.limits).parse(await read_json(request, ctx.settings.max_request_bytes))
-    check_model(ctx, req["model"])
-    structured = text_format_spec((req["text"] or {}).get("format"))
+    req = parse(ResponsesRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    check_model(ctx, req.model)
+    structured = text_format_spec(req.text.format if req.text is not None else None)
+    stream = req.stream
+    max_tokens = req.max_output_tokens
+    try:  # SamplingParams holds the bounds: a bad value is a 400 before any work
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
+                                output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+                                structured_outputs=structured)
+    except ParamError as e:
+        raise param_error(e, _RENAME) from None
     engine = ctx.engine
     try:
         text = await engine.render_chat_async(_messages(req), add_generation_prompt=True)
     except ParamError as e:
         raise param_error(e, _RENAME) from None
     ids = await tokenize(engine, text, add_special_tokens=False, param="input")
-    max_tokens = req["max_output_tokens"]
     check_lengths(ctx, len(ids), max_tokens, "input", "max_output_tokens")
-    stream = req["stream"]
-    try:
-        params = SamplingParams(temperature=req["temperature"], top_p=req["top_p"], max_tokens=max_tokens,
-                                output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
-                                structured_outputs=structured)
-    except ParamError as e:
-        raise param_error(e, _RENAME) from None
     response_id = ctx.new_id("resp", "_")
     gen = Generation(ctx, [Prompt(text, ids)], params, response_id, rename=_RENAME)
     await gen.start(request.receive)
-    log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req["user"])
+    log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req.user)
     shell = _shell(req, response_id, ctx.model_name)
     item_id = ctx.new_id("msg", "_")
     if stream:

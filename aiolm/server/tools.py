@@ -1,5 +1,5 @@
-"""Tool calling for /v1/chat/completions: the request fields, the enforced-call schema,
-and turning generated text into OpenAI ``tool_calls``.
+"""Tool calling for /v1/chat/completions: the enforced-call schema, and turning generated
+text into OpenAI ``tool_calls`` (the request fields are models in protocol.py).
 
 ``tool_choice`` ``required`` or a named function constrains generation with a JSON
 schema (structured outputs), so those calls always parse. ``auto`` leaves the model
@@ -17,43 +17,12 @@ from typing import Any
 
 from aiolm.server import client_json
 from aiolm.server.errors import bad_request
-from aiolm.server.schema import Bool, Enum, Field, ListOf, MapOf, Obj, OneOf, Spec, Str
+from aiolm.server.protocol import ChatCompletionRequest, ChatMessage
 from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
 from aiolm.structured.spec import StructuredOutputs
 
-MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
-
-
-def tool_fields(lenient: bool, any_value: Spec) -> dict[str, Field]:
-    function = Obj({"name": Field(Str(min_len=1, max_len=64), required=True),
-                    "description": Field(Str()),
-                    "parameters": Field(MapOf(any_value), doc="a JSON schema of the arguments object"),
-                    "strict": Field(Bool(), doc="calls are always generated to the schema when enforced")},
-                   lenient=lenient)
-    tool = Obj({"type": Field(Enum(("function",)), required=True), "function": Field(function, required=True)},
-               lenient=lenient)
-    named = Obj({"type": Field(Enum(("function",)), required=True),
-                 "function": Field(Obj({"name": Field(Str(min_len=1), required=True)}, lenient=lenient),
-                                   required=True)}, lenient=lenient)
-    return {
-        "tools": Field(ListOf(tool, max_items=MAX_TOOLS), doc="function tools the model may call"),
-        "tool_choice": Field(OneOf(Enum(("none", "auto", "required")), named),
-                             doc="'none', 'auto' (needs --tool-call-parser), 'required' or "
-                                 "{type: function, function: {name}}; default 'auto' with tools"),
-        "parallel_tool_calls": Field(Bool(), doc="with 'required': false generates exactly one call"),
-    }
-
-
-def message_tool_fields(lenient: bool) -> dict[str, Field]:
-    call = Obj({"id": Field(Str(min_len=1), required=True),
-                "type": Field(Enum(("function",)), required=True),
-                "function": Field(Obj({"name": Field(Str(min_len=1), required=True),
-                                       "arguments": Field(Str(), required=True)}, lenient=lenient),
-                                  required=True)}, lenient=lenient)
-    return {"tool_calls": Field(ListOf(call, max_items=MAX_TOOLS), doc="an earlier assistant turn's calls"),
-            "tool_call_id": Field(Str(min_len=1), doc="a tool message: the call it answers")}
 
 
 @dataclass
@@ -71,29 +40,28 @@ class ToolPlan:
         return self.enforced is not None or self.parser is not None
 
 
-def plan_tools(req: dict[str, Any], parser_name: str | None) -> ToolPlan:
-    """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (400s name the field)."""
-    tools = req["tools"] or []
-    choice = req["tool_choice"]
+def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
+    """Check ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` beyond their shapes (400s name the field)."""
+    tools = req.tools or []
+    choice = req.tool_choice
     if not tools:
         if choice not in (None, "none", "auto"):
             raise bad_request(f"'tool_choice' {_choice_text(choice)} needs 'tools'", param="tool_choice")
         return ToolPlan()
     names: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
-        fn = t["function"]
-        if not _NAME.match(fn["name"]):
+        fn = t.function
+        if not _NAME.match(fn.name):
             raise bad_request(f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', "
-                              f"got {fn['name']!r}", param=f"tools[{i}].function.name")
-        if fn["name"] in names:
-            raise bad_request(f"'tools[{i}].function.name' {fn['name']!r} is given twice",
+                              f"got {fn.name!r}", param=f"tools[{i}].function.name")
+        if fn.name in names:
+            raise bad_request(f"'tools[{i}].function.name' {fn.name!r} is given twice",
                               param=f"tools[{i}].function.name")
-        params = fn["parameters"] if fn["parameters"] is not None else {"type": "object", "properties": {}}
+        params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
         _check_schema(params, f"tools[{i}].function.parameters", top=True)
-        names[fn["name"]] = params
-    template_tools = [{"type": "function", "function": {k: v for k, v in t["function"].items() if v is not None}}
-                      for t in tools]
-    parallel = req["parallel_tool_calls"] is not False
+        names[fn.name] = params
+    template_tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+    parallel = req.parallel_tool_calls is not False
     choice = "auto" if choice is None else choice
     if choice == "none":
         return ToolPlan(template_tools)
@@ -103,8 +71,8 @@ def plan_tools(req: dict[str, Any], parser_name: str | None) -> ToolPlan:
                               "(hermes, llama3_json or pythonic); use 'required', a named function or 'none'",
                               param="tool_choice")
         return ToolPlan(template_tools, parser=PARSERS[parser_name](), parallel=parallel)
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
+    if not isinstance(choice, str):
+        name = choice.function.name
         if name not in names:
             raise bad_request(f"'tool_choice.function.name' {name!r} is not one of the tools "
                               f"({', '.join(names)})", param="tool_choice.function.name")
@@ -163,49 +131,49 @@ def _check_schema(s: Any, path: str, top: bool = False) -> None:
                 _check_schema(sub, f"{path}.{key}[{j}]")
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Validated messages as chat templates want them: a call's arguments as an object
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Parsed messages as chat templates want them: a call's arguments as an object
     (templates serialize it themselves), the tool result under ``tool_call_id``."""
     out = []
     for i, m in enumerate(messages):
-        if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
             # As at OpenAI: only an assistant turn that made tool calls may leave its content out.
-            raise bad_request(f"'messages[{i}].content' is required for a {m['role']} message (null or missing "
+            raise bad_request(f"'messages[{i}].content' is required for a {m.role} message (null or missing "
                               f"content is allowed only on an assistant message with tool_calls)",
                               param=f"messages[{i}].content")
-        msg: dict[str, Any] = {"role": m["role"], "content": message_text(m["content"]) or ""}
-        if m.get("name"):
-            msg["name"] = m["name"]
-        if m.get("tool_calls"):
-            if m["role"] != "assistant":
+        msg: dict[str, Any] = {"role": m.role, "content": message_text(m.content) or ""}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
                 raise bad_request(f"'messages[{i}].tool_calls' is only for assistant messages",
                                   param=f"messages[{i}].tool_calls")
             calls = []
-            for j, c in enumerate(m["tool_calls"]):
+            for j, c in enumerate(m.tool_calls):
                 path = f"messages[{i}].tool_calls[{j}].function.arguments"
+                text = c.function.arguments
                 try:
-                    args = client_json.loads(c["function"]["arguments"]) if c["function"]["arguments"].strip() else {}
+                    args = client_json.loads(text) if text.strip() else {}
                 except client_json.TooDeep as e:
                     raise bad_request(f"'{path}' is {e}", param=path) from None
                 except ValueError as e:
                     raise bad_request(f"'{path}' is not valid JSON: {e}", param=path) from None
-                calls.append({"id": c["id"], "type": "function",
-                              "function": {"name": c["function"]["name"], "arguments": args}})
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             msg["tool_calls"] = calls
-        if m.get("tool_call_id"):
-            if m["role"] != "tool":
+        if m.tool_call_id:
+            if m.role != "tool":
                 raise bad_request(f"'messages[{i}].tool_call_id' is only for tool messages",
                                   param=f"messages[{i}].tool_call_id")
-            msg["tool_call_id"] = m["tool_call_id"]
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
-def message_text(content: Any) -> str | None:
-    """OpenAI allows content as a list of parts; the engine's template wants a string."""
+def message_text(content: str | list[Any] | None) -> str | None:
+    """OpenAI allows content as a list of text parts; the engine's template wants a string."""
     if content is None or isinstance(content, str):
         return content
-    return "".join(part["text"] for part in content)
+    return "".join(part.text for part in content)
 
 
 def enforced_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:

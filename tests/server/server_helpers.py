@@ -184,6 +184,7 @@ class FakeEngine:
         self.started = False
         self.dead: str | None = None
         self.scheduler = None
+        self.death_callbacks: list[Any] = []
         from aiolm.metrics import EngineMetrics
 
         self.metrics = EngineMetrics(self)  # the real registry, reading this engine's gauges
@@ -226,9 +227,15 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.started and self.dead is None
 
+    def health(self) -> tuple[bool, str | None]:
+        return self.is_healthy(), self.dead
+
     @property
     def dead_reason(self) -> str | None:
         return self.dead
+
+    recovering: str | None = None
+    stalled: str | None = None
 
     def kv_cache_usage(self) -> float:
         return 0.01 * len(self.live)
@@ -236,7 +243,8 @@ class FakeEngine:
     def num_requests(self) -> tuple[int, int]:
         return len(self.live), 0
 
-    async def add_request(self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0) -> _State:
+    async def add_request(self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0,
+                          timeout: float | None = None) -> _State:
         from aiolm.engine.errors import EngineDeadError
 
         if self.dead:

@@ -6,13 +6,14 @@ test_server_openai.py (they share its server).
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
+from pydantic import BaseModel
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
-from aiolm.server.protocol import Limits
-from aiolm.server.schema import ListOf, MapOf, Obj, OneOf, Spec
 from aiolm.server.settings import ServerSettings
 
 from server_helpers import FakeEngine, fake_engine  # noqa: F401  (fixture)
@@ -44,32 +45,30 @@ def _served(app) -> set[tuple[str, str]]:
     return out
 
 
-def _unwrap(schema: dict) -> dict:
-    """An optional field's schema is ``anyOf [it, null]``: the non-null alternative(s)."""
-    alts = [a for a in schema.get("anyOf", [schema]) if a != {"type": "null"}]
-    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through Optional, lists, unions, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
-def _fields_documented(spec: Spec, schema: dict, where: str) -> int:
-    """Every field the validator accepts, at every depth, is a property of the document's
-    schema there (and nothing else is, for a strict object); returns how many were checked."""
-    schema = _unwrap(schema)
-    if isinstance(spec, Obj):
-        props = schema.get("properties", {})
-        assert set(props) == set(spec.fields), (where, set(spec.fields) ^ set(props))
-        assert schema.get("additionalProperties") is False, where
-        assert sorted(schema.get("required", [])) == sorted(k for k, f in spec.fields.items() if f.required), where
-        return len(props) + sum(_fields_documented(f.spec, props[k], f"{where}.{k}") for k, f in spec.fields.items())
-    if isinstance(spec, ListOf):
-        assert schema["type"] == "array", where
-        return _fields_documented(spec.item, schema["items"], where + "[]")
-    if isinstance(spec, MapOf):
-        return _fields_documented(spec.value, schema["additionalProperties"], where + "{}")
-    if isinstance(spec, OneOf):
-        alts = schema["anyOf"]
-        assert len(alts) == len(spec.alternatives), where
-        return sum(_fields_documented(a, s, where) for a, s in zip(spec.alternatives, alts))
-    return 0
+def _fields_documented(model: type[BaseModel], schemas: dict, name: str, seen: set[str]) -> int:
+    """Every field the model accepts, at every depth, is a property of the document's schema
+    for it (and nothing else is: unknown fields are refused); returns how many were checked."""
+    if name in seen:
+        return 0
+    seen.add(name)
+    schema = schemas[name]
+    props = schema.get("properties", {})
+    accepted = {f.alias or k: f for k, f in model.model_fields.items()}
+    assert set(props) == set(accepted), (name, set(accepted) ^ set(props))
+    assert schema.get("additionalProperties") is False, name
+    assert sorted(schema.get("required", [])) == sorted(k for k, f in accepted.items() if f.is_required()), name
+    checked = len(props)
+    for f in accepted.values():
+        for inner in _models_in(f.annotation) + [m for meta in f.metadata for m in _models_in(meta)]:
+            checked += _fields_documented(inner, schemas, inner.__name__, seen)
+    return checked
 
 
 def test_openapi_documents_every_route_and_every_accepted_field(fake_engine):
@@ -86,16 +85,14 @@ def test_openapi_documents_every_route_and_every_accepted_field(fake_engine):
             assert all("schema" in v for v in ok.values()), (path, method)
             for name in (p["name"] for p in op.get("parameters", [])):
                 assert "{" + name + "}" in path
-    # Which validator each route parses its body with (the handlers' own choice, read from them).
-    models = {"/v1/chat/completions": protocol.chat_request, "/v1/completions": protocol.completion_request,
-              "/v1/responses": protocol.responses_request, "/tokenize": protocol.tokenize_request,
-              "/detokenize": protocol.detokenize_request}
-    assert {p for p, m in documented if m == "post"} == set(models)
+    # Which model each route parses its body with (protocol.REQUEST_MODELS, which the handlers use).
+    assert {p for p, m in documented if m == "post"} == set(protocol.REQUEST_MODELS)
     schemas = doc["components"]["schemas"]
-    checked = 0
-    for path, build in models.items():
+    checked, seen = 0, set()
+    for path, model in protocol.REQUEST_MODELS.items():
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-        checked += _fields_documented(build(Limits()), schemas[ref.rsplit("/", 1)[1]], path)
+        assert ref.rsplit("/", 1)[1] == model.__name__
+        checked += _fields_documented(model, schemas, model.__name__, seen)
     assert checked > 150, checked  # the nested message, tool and format objects were walked too
 
 

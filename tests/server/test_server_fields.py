@@ -139,7 +139,8 @@ def test_openapi_says_unknown_fields_are_refused(fake_engine):
         schemas = c.get("/openapi.json").json()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
         assert schemas[name]["additionalProperties"] is False, name
-    msg = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]
+    ref = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["$ref"]
+    msg = schemas[ref.rsplit("/", 1)[1]]  # nested objects are components of their own
     assert msg["additionalProperties"] is False and "refusal" in msg["properties"]
 
 

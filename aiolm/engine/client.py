@@ -1,0 +1,93 @@
+"""What the HTTP server and the CLI use of an engine: the ``EngineClient`` protocol.
+
+``AsyncEngine`` (async_engine.py) and ``DataParallelEngine`` (data_parallel.py) both
+satisfy it structurally, so the server is typed against this and never knows which
+it serves. ``model_name`` and ``max_model_len`` are known once ``start()`` has read
+the model; the tokenizer and template methods need a started engine too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from aiolm.engine.input import PromptType
+    from aiolm.engine.output_processor import RequestState
+    from aiolm.outputs import RequestOutput
+    from aiolm.params import SamplingParams
+
+
+class MetricsSource(Protocol):
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the engine's registry."""
+        ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+    metrics: MetricsSource
+    death_callbacks: list[Callable[[str], None]]  # each called once, with the reason, when it dies
+
+    # -- life cycle and health ------------------------------------------------------
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def health(self) -> tuple[bool, str | None]: ...
+
+    @property
+    def recovering(self) -> str | None:
+        """Why no request is taken while workers are being replaced, else None."""
+        ...
+
+    @property
+    def stalled(self) -> str | None: ...
+
+    @property
+    def dead_reason(self) -> str | None: ...
+
+    # -- requests -------------------------------------------------------------------
+    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          timeout: float | None = None) -> RequestState: ...
+
+    def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]: ...
+
+    def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                 request_id: str | None = None, priority: int = 0,
+                 timeout: float | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        ...
+
+    def kv_cache_usage(self) -> float: ...
+
+    # -- the model's tokenizer and chat template ------------------------------------
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def generation_config(self) -> dict[str, Any]: ...
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def prompt_too_long(self, text: str) -> str | None: ...
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str: ...
+
+    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                **template_kwargs: Any) -> str: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_strings(self, token_ids: list[int]) -> list[str]: ...
+
+    def tokenizer_info(self) -> dict[str, Any]: ...
