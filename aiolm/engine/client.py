@@ -8,7 +8,14 @@ the model; the tokenizer and template methods need a started engine too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncIterator,
+    Callable,
+    Protocol,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     from aiolm.engine.input import PromptType
@@ -25,10 +32,20 @@ class MetricsSource(Protocol):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    model_name: str
-    max_model_len: int
-    metrics: MetricsSource
-    death_callbacks: list[Callable[[str], None]]  # each called once, with the reason, when it dies
+    # Read-only here: an engine may hold them as plain attributes or as properties.
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def metrics(self) -> MetricsSource: ...
+
+    @property
+    def death_callbacks(self) -> list[Callable[[str], None]]:
+        """Each called once, with the reason, when the engine dies."""
+        ...
 
     # -- life cycle and health ------------------------------------------------------
     async def start(self) -> None: ...

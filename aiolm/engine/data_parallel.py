@@ -29,9 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
@@ -95,7 +96,7 @@ class DataParallelEngine:
             await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
             raise failed[0]
         for i, r in enumerate(self.replicas):
-            r.death_callbacks.append(lambda reason, i=i: self._replica_died(i, reason))
+            r.death_callbacks.append(functools.partial(self._replica_died, i))
         self._started = True
         log.info("%d data-parallel replicas started", len(self.replicas))
 
@@ -198,13 +199,13 @@ class DataParallelEngine:
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None) -> AsyncGenerator[RequestOutput, None]:
         state = await self.add_request(prompt, params, request_id, priority, timeout)
         async with contextlib.aclosing(self.stream(state)) as outputs:
             async for out in outputs:
                 yield out
 
-    async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+    async def stream(self, state: RequestState) -> AsyncGenerator[RequestOutput, None]:
         """The replica's stream; a request its dead replica failed before any output is
         resubmitted once to another replica (the caller sees one stream)."""
         tried: list[int] = []

@@ -29,8 +29,12 @@ from aiolm.engine.client import EngineClient
 from aiolm.server import chat, completions, misc, responses
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
-from aiolm.server.middleware import (AuthMiddleware, BodyLimitMiddleware, BodyTimeoutMiddleware,
-                                     RequestContextMiddleware)
+from aiolm.server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    BodyTimeoutMiddleware,
+    RequestContextMiddleware,
+)
 from aiolm.server.openapi import openapi_schema
 from aiolm.server.settings import ServerSettings, from_environment
 from aiolm.server.sse import ClientGone

@@ -11,14 +11,35 @@ from starlette.responses import Response
 from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind, ParamError
 from aiolm.server.errors import bad_request, json_response
-from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
+from aiolm.server.generation import (
+    Generation,
+    Prompt,
+    check_lengths,
+    engine_error,
+    tokenize,
+    usage,
+)
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
-from aiolm.server.protocol import (ChatCompletionRequest, StreamOptions, check_unsupported_chat, param_error, parse,
-                                   sampling_params, structured_spec)
+from aiolm.server.protocol import (
+    ChatCompletionRequest,
+    StreamOptions,
+    check_unsupported_chat,
+    param_error,
+    parse,
+    sampling_params,
+    structured_spec,
+)
 from aiolm.server.sse import EventStream, until_disconnect
-from aiolm.server.tools import (StreamState, ToolPlan, call_deltas, plan_tools, read_output, template_messages,
-                                tool_calls_json)
+from aiolm.server.tools import (
+    StreamState,
+    ToolPlan,
+    call_deltas,
+    plan_tools,
+    read_output,
+    template_messages,
+    tool_calls_json,
+)
 
 
 async def create_chat_completion(request: Request) -> Response | EventStream:
@@ -39,6 +60,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     engine = ctx.engine
+    max_tokens: int | None
     if req.max_completion_tokens is not None:
         max_tokens, mt_param = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -13,13 +13,26 @@ from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind
+from aiolm.server.context import ServingContext
 from aiolm.server.errors import bad_request, json_response
-from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize, usage
+from aiolm.server.generation import (
+    Generation,
+    Prompt,
+    check_lengths,
+    engine_error,
+    tokenize,
+    usage,
+)
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
-from aiolm.server.context import ServingContext
-from aiolm.server.protocol import (CompletionRequest, StreamOptions, check_unsupported_completion, parse,
-                                   sampling_params, structured_spec)
+from aiolm.server.protocol import (
+    CompletionRequest,
+    StreamOptions,
+    check_unsupported_completion,
+    parse,
+    sampling_params,
+    structured_spec,
+)
 from aiolm.server.sse import EventStream, until_disconnect
 
 
@@ -147,8 +160,8 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
     try:
         async for pi, out in gen.stream():
             if pi in echo_pending:
-                for c in echo(pi, out.prompt_logprobs):
-                    yield c
+                for echoed in echo(pi, out.prompt_logprobs):
+                    yield echoed
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)

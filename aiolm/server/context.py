@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+
 from aiolm.engine.client import EngineClient
 from aiolm.server.settings import ServerSettings
 

@@ -22,7 +22,16 @@ import logging
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 from pydantic.functional_validators import AfterValidator
 
 from aiolm.config import EngineArgs
@@ -473,7 +482,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, max_tokens=max_tokens,
+            repetition_penalty=req.repetition_penalty, max_tokens=max_tokens,
+            logit_bias=req.logit_bias,  # type: ignore[arg-type]  # JSON keys: SamplingParams reads them as ids
             min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []),

@@ -21,7 +21,13 @@ from starlette.responses import Response
 
 from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server.errors import json_response
-from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
+from aiolm.server.generation import (
+    Generation,
+    Prompt,
+    check_lengths,
+    engine_error,
+    tokenize,
+)
 from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.protocol import ResponsesRequest, param_error, parse, text_format_spec
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect

@@ -10,13 +10,12 @@ from typing import get_args
 
 import pytest
 from pydantic import BaseModel
+from server_helpers import FakeEngine, fake_engine  # noqa: F401  (fixture)
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings
-
-from server_helpers import FakeEngine, fake_engine  # noqa: F401  (fixture)
 
 # A valid body for each POST route: every field is tried against it, one at a time.
 BASES = {
