@@ -1,12 +1,15 @@
 """Sampling parameters: one validated object per request.
 
 Validation happens at construction so a bad request fails at the API edge with
-an error that names the offending field, never deep inside a worker.
+an error that names the offending field, never deep inside a worker. This is the
+one place the sampling bounds live: the HTTP server's request models
+(server/protocol.py) fix types only and turn a ``ParamError`` into the 400.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -31,6 +34,7 @@ class OutputKind(enum.Enum):
 
 
 _GREEDY_EPS = 1e-5
+_INT32_MAX = 2**31 - 1  # counts stay in a fixed-width integer wherever they travel (wire codec, tensors)
 # Stop strings are searched on the event loop for every generated token of every
 # sequence: their count and length bound that work (docs/reliability.md).
 MAX_STOP_STRINGS = 64
@@ -94,16 +98,18 @@ class SamplingParams:
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v: Any) -> bool:  # finite: infinity or NaN would poison every logit it touches
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                return False
+            return abs(v) < 2**1000 if isinstance(v, int) else math.isfinite(v)  # an int must fit a float
 
         check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         check(is_num(self.temperature) and self.temperature >= 0, "temperature",
               f"must be a number >= 0, got {self.temperature!r}")
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
               f"must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k",
-              f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check(is_int(self.top_k) and 0 <= self.top_k <= _INT32_MAX, "top_k",
+              f"must be -1, 0 (disabled) or a positive 32-bit integer, got {self.top_k!r}")
         check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
               f"must be in [0, 1], got {self.min_p!r}")
         check(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**63 - 1024), "seed",
@@ -136,8 +142,8 @@ class SamplingParams:
                   "bad_words_token_ids", "must be a list of non-empty lists of non-negative integers")
         check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-              f"must be an integer >= 0, got {self.min_tokens!r}")
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= _INT32_MAX, "min_tokens",
+              f"must be an integer in [0, {_INT32_MAX}], got {self.min_tokens!r}")
         if self.max_tokens is not None:
             check(self.min_tokens <= self.max_tokens, "min_tokens",
                   f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

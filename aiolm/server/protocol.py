@@ -454,7 +454,8 @@ def _first_error(err: Any) -> APIError:
         return bad_request(f"'{path}' is required", param=path, code="missing_required_parameter")
     if err["type"] == "invalid_type":  # one of our unions: the message says what fits
         return bad_request(f"'{path}' {err['msg']}, got {_type_name(err['input'])}", param=path)
-    msg = err["msg"].removeprefix("Value error, ")
+    msg = "Input should be a JSON object" if err["type"] in ("model_type", "dict_type") else \
+        err["msg"].removeprefix("Value error, ")
     return bad_request(f"'{path}': {msg} (got {_describe(err['input'])})", param=path)
 
 

@@ -153,3 +153,29 @@ def test_load_is_open_and_tokenizer_info_needs_the_key(fake_engine):
         assert c.get("/tokenizer_info").status_code == 401
         info = c.get("/tokenizer_info", headers={"authorization": "Bearer k"}).json()
         assert info["tokenizer_class"] == "FakeTokenizer" and info["max_model_len"] == FakeEngine.max_model_len
+
+
+def test_answers_fit_the_documented_models(fake_engine):
+    """What the server sends validates against the answer models /openapi.json documents."""
+    from aiolm.server import output_models as out
+
+    with _client(fake_engine) as c:
+        checks = [
+            (c.post("/v1/chat/completions", json={**BASES["/v1/chat/completions"], "n": 2}), out.ChatCompletion),
+            (c.post("/v1/completions", json=BASES["/v1/completions"]), out.Completion),
+            (c.post("/v1/responses", json=BASES["/v1/responses"]), out.Response),
+            (c.post("/tokenize", json=BASES["/tokenize"]), out.TokenizeResponse),
+            (c.post("/detokenize", json=BASES["/detokenize"]), out.DetokenizeResponse),
+            (c.get("/v1/models"), out.ModelList),
+            (c.get("/v1/models/fake-model"), out.ModelCard),
+            (c.get("/health"), out.Status),
+            (c.get("/version"), out.Version),
+            (c.get("/load"), out.ServerLoad),
+            (c.get("/tokenizer_info"), out.TokenizerInfo),
+            (c.post("/v1/completions", json={"prompt": 5}), out.ErrorResponse),
+        ]
+        doc = c.get("/openapi.json").json()
+    for r, model in checks:
+        model.model_validate(r.json())
+        assert model.__name__ in doc["components"]["schemas"]
+    assert checks[0][0].json()["object"] == "chat.completion" and len(checks[0][0].json()["choices"]) == 2
