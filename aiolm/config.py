@@ -192,14 +192,18 @@ class EngineArgs:
                           prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
 
     def resolved_device(self) -> str:
-        """The device to run on; a clear error when CUDA is asked for and torch has none."""
-        import torch
+        """The device to run on; a clear error when CUDA is asked for and there is none.
+        Asked without importing torch (aiolm/cuda_probe.py): the engine process runs no model."""
+        from aiolm import cuda_probe
 
+        if self.device == "cpu":
+            return "cpu"
+        cuda = cuda_probe.torch_cuda_build() and cuda_probe.gpu_visible()
         if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: torch {torch.__version__} sees no CUDA device "
-                             f"({'a CPU-only build' if not torch.version.cuda else 'no GPU or driver found'}); "
+            return "cuda" if cuda else "cpu"
+        if self.device.startswith("cuda") and not cuda:
+            raise ValueError(f"device {self.device!r}: torch {cuda_probe.torch_version()} sees no CUDA device "
+                             f"({'a CPU-only build' if not cuda_probe.torch_cuda_build() else 'no GPU or driver found'}); "
                              f"use --device cpu")
         return self.device
 

@@ -143,7 +143,7 @@ class GGUFStream:
     def __init__(self, path: Path, s: Shape, qtype: str, specs: list[tuple[str, tuple[int, ...]]]) -> None:
         import gguf
 
-        from aiolm.model.gguf_convert import gguf_name
+        from aiolm.checkpoint.gguf_convert import gguf_name
 
         self.gguf = gguf
         self.qtype = gguf.GGMLQuantizationType[qtype]
@@ -179,7 +179,7 @@ class GGUFStream:
         return self.gguf.quants.quant_shape_to_byte_shape(shape, self.qtype), np.uint8
 
     def write(self, name: str, arr: np.ndarray) -> None:
-        from aiolm.model.gguf_convert import permute_rope_rows
+        from aiolm.checkpoint.gguf_convert import permute_rope_rows
 
         if arr.ndim == 1:
             self.w.write_tensor_data(arr.astype(np.float32))

@@ -1,7 +1,9 @@
 """Convert a GGUF file into a Hugging Face-shaped folder of float32 weights.
 
-Dequantization uses the `gguf` package; the values stored are exactly the dequantized
-ones (the engine casts to the requested dtype later). What llama.cpp's converter
+Dequantization uses the `gguf` package and the weights are written with safetensors'
+numpy API, without torch, so whichever process meets the file first (the engine, a
+worker) can convert it. The values stored are exactly the dequantized ones (the worker
+casts to the requested dtype later). What llama.cpp's converter
 (convert_hf_to_gguf.py) changed on the way in is undone here, per architecture:
 
 - Llama and Mistral: it permutes the Q and K rows for its RoPE layout; we unpermute
@@ -227,8 +229,7 @@ def _gemma3_config(field: Any, cfg: dict[str, Any], path: Path) -> dict[str, Any
 def convert_gguf(path: Path, out_dir: Path) -> None:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files."""
     import gguf
-    import torch
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -238,7 +239,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     arch = _field(reader, "general.architecture")
     permute = arch in _PERMUTED_QK
     shift = _NORM_SHIFT.get(arch, 0.0)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         if i % max(1, total // 10) == 0:
@@ -260,7 +261,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
             arr = unpermute_rope_rows(arr, n)
         if shift and name.endswith("norm.weight"):
             arr = arr - np.float32(shift)
-        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        tensors[name] = np.ascontiguousarray(arr, dtype=np.float32)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
 

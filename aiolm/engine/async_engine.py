@@ -43,7 +43,7 @@ from aiolm.spec_decode import SpecDecodeStats
 from aiolm.structured.validator import Validator
 
 if TYPE_CHECKING:
-    from aiolm.model.loader import ModelSource
+    from aiolm.checkpoint.source import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def check_model_args(args: EngineArgs) -> "ModelSource":
     the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
     one-line message, before any worker starts; the CLI shows that line alone (exit 2)."""
     from aiolm.distributed.sharding import split_error
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     source = resolve_model(args.model)
     mc = source.config

@@ -15,10 +15,11 @@ import torch
 from aiolm.attention.selector import use_attention_backend
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.families import family_of
+from aiolm.model.loader import iter_weights
 from aiolm.platforms import get_platform
 
 if TYPE_CHECKING:
-    from aiolm.model.loader import ModelSource
+    from aiolm.checkpoint.source import ModelSource
 
 
 class CausalLM(Protocol):
@@ -48,7 +49,7 @@ def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     platform = get_platform(device)
     with use_attention_backend(platform.attention_backend(attention)):
         model = model_class(source.config)(source.config, max_positions)
-    model.load_weights(source.iter_weights(lazy=True))  # a rank reads only its slices
+    model.load_weights(iter_weights(source, lazy=True))  # a rank reads only its slices
     return platform.prepare_model(model, source, dtype)
 
 

@@ -163,7 +163,7 @@ def tokenizer_info(loader: Callable[[], Any], vocab_size: int, tokenizer_dir: Pa
     """
     from importlib.metadata import version
 
-    from aiolm.model.loader import cache_root
+    from aiolm.checkpoint.gguf_cache import cache_root
 
     xgr = xgrammar_module()
     path = None

@@ -118,9 +118,9 @@ def _build_compiler(tokenizer_dir: Path, vocab_size: int) -> Any:
     from aiolm.structured.backend import tokenizer_info, xgrammar_module
 
     def load_tokenizer() -> Any:  # only when aiolm's cache has no tokenizer info for these files
-        from transformers import AutoTokenizer
+        from aiolm.checkpoint.source import load_tokenizer as load
 
-        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        return load(tokenizer_dir)
 
     info = tokenizer_info(load_tokenizer, vocab_size, tokenizer_dir)
     return xgrammar_module().GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -15,6 +15,7 @@ from aiolm.distributed.cpu_bind import parse_cpu_bind, split_cpus
 from aiolm.distributed.parallel_state import TPGroup, set_tp_group
 from aiolm.distributed.sharding import kv_head_for_rank, split_error
 from aiolm.model.llama import LlamaForCausalLM
+from aiolm.model.loader import iter_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def _load_rank(source, rank: int, world: int) -> tuple[LlamaForCausalLM, int]:
         seen = []
 
         def weights():
-            for name, w in source.iter_weights(lazy=True):
+            for name, w in iter_weights(source, lazy=True):
                 seen.append(w)
                 yield name, w
 
@@ -50,7 +51,7 @@ def _load_rank(source, rank: int, world: int) -> tuple[LlamaForCausalLM, int]:
 
 
 def test_a_rank_reads_only_its_slices_of_smollm2(real_source):
-    full = dict(real_source.iter_weights())
+    full = dict(iter_weights(real_source))
     total = sum(t.numel() * t.element_size() for t in full.values())
     model, read = _load_rank(real_source, 1, 3)
     # Everything but the norms (a few KB) is split in three.
@@ -77,7 +78,7 @@ def test_a_kv_head_shared_by_ranks_is_replicated(tmp_path):
     HFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=1)).save_pretrained(tmp_path)
     src = resolve_model(tmp_path)
-    full = dict(src.iter_weights())
+    full = dict(iter_weights(src))
     k, v = full["model.layers.0.self_attn.k_proj.weight"], full["model.layers.0.self_attn.v_proj.weight"]
     for rank in range(2):
         model, _ = _load_rank(src, rank, 2)

@@ -306,7 +306,7 @@ _27B = dict(context_length=131072, embedding_length=5376, block_count=62, feed_f
 def test_config_of_the_27b_shape_and_of_a_file_without_a_window(tmp_path):
     """What llama.cpp hard-codes, as google/gemma-3-27b's config says it: queries scaled by
     hidden / heads = 168, not head_dim; linear RoPE scaling on the global layers only."""
-    from aiolm.model.gguf_convert import read_hf_config
+    from aiolm.checkpoint.gguf_convert import read_hf_config
     from aiolm.checkpoint.families import read_config
 
     _metadata_only(tmp_path / "27b.gguf", **_27B)

@@ -24,7 +24,7 @@ import torch
 
 from aiolm.attention.torch_backend import TorchAttention
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.loader import resolve_model
+from aiolm.model.loader import iter_weights, resolve_model
 from aiolm.checkpoint.families import read_config
 from aiolm.model.registry import build_model, model_class
 from paged import PagedHarness, hf_greedy
@@ -185,7 +185,7 @@ def test_logits_match_and_the_window_matters(family, prompts):
         assert max(float(t.abs().max()) for t in theirs) <= 3.0  # the soft-cap bounds them
     plain_cfg = dataclasses.replace(src.config, sliding_windows=())
     plain = model_class(plain_cfg)(plain_cfg)
-    plain.load_weights(src.iter_weights())
+    plain.load_weights(iter_weights(src))
     off = PagedHarness(plain.eval()).step({i: p for i, p in enumerate(prompts)})
     assert (off[0] - theirs[0]).abs().max() > 1e-3  # 40 tokens: past the window
     torch.testing.assert_close(off[2], theirs[2], rtol=1e-4, atol=1e-4)  # shorter than it: same

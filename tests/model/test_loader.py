@@ -28,8 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from aiolm.errors import ModelLoadError
-from aiolm.model.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
-from aiolm.model.loader import cache_root, embedded_model_path, resolve_model
+from aiolm.checkpoint.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
+from aiolm.model.loader import cache_root, embedded_model_path, iter_weights, resolve_model
 from aiolm.checkpoint.families import MODELS, read_config
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
@@ -357,7 +357,7 @@ def test_gguf_logits_match_transformers_reading_the_same_file(mixed, tiny_prompt
 
     # The comparison can see a Q/K layout error: leave llama.cpp's permutation in and it fails.
     def still_permuted():
-        for name, t in src.iter_weights():
+        for name, t in iter_weights(src):
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 t = torch.from_numpy(llama_cpp_permute(t.numpy(), HEADS if "q_proj" in name else KV_HEADS))
             yield name, t
@@ -447,7 +447,7 @@ def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch, 
     assert cache_root() == cache
     path = tmp_path / "model.gguf"
     shutil.copy(tied_gguf, path)
-    with caplog.at_level("INFO", logger="aiolm.model"):
+    with caplog.at_level("INFO", logger="aiolm.checkpoint"):
         first = resolve_model(path)
     progress = [r.getMessage() for r in caplog.records if ": tensor " in r.getMessage()]
     assert progress and progress[0].startswith("converting model.gguf: tensor 1 of ")  # the first start says how far
@@ -493,7 +493,7 @@ import json, sys, time
 from pathlib import Path
 import gguf, torch, safetensors.torch  # heavy imports before the start line
 from transformers import AutoTokenizer
-import aiolm.model.gguf_convert
+import aiolm.checkpoint.gguf_convert
 from aiolm.model.loader import cache_root, resolve_model
 
 gguf_path, barrier = sys.argv[1:3]
@@ -646,7 +646,7 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
     assert_logits_close(our_last_logits(model, prompts), expected)
     if c["rope"]:  # the comparison can see the scaling: without it the logits move
         plain = type(model)(dataclasses.replace(src.config, rope_scaling=None))
-        plain.load_weights(src.iter_weights())
+        plain.load_weights(iter_weights(src))
         diffs = [(o - e).abs().max().item() for o, e in zip(our_last_logits(plain.eval(), prompts), expected)]
         assert max(diffs) > 1e-3
 

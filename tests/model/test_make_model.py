@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.loader import resolve_model
+from aiolm.model.loader import iter_weights, resolve_model
 from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_from_gguf, hf_greedy
 
@@ -51,7 +51,7 @@ def prompt(made):
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    return dict(resolve_model(path).iter_weights())
+    return dict(iter_weights(resolve_model(path)))
 
 
 def aiolm_greedy(path: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
