@@ -1,13 +1,11 @@
 """The ops model layers call: norms, rotary embedding, SiLU- and GeLU-and-mul.
 
-Layers call the functions at the bottom of this module and never ask what runs
-them. Behind them is one implementation object, installed by the worker's
-platform (``aiolm/platforms/``): ``TorchOps``, the reference that runs on any
-device and dtype, or a subclass that sends the tensors it can take to native
-kernels and everything else to the reference. Until a platform installs one,
-the CPU platform's ops are used (they fall back to the reference for tensors
-that are not float32 on the CPU), so a model built directly in a test or a
-script computes the same numbers as in a worker.
+A layer calls the ops object its model was built with (``BuildContext.ops``,
+aiolm/model/layers/context.py) and never asks what runs it. ``TorchOps`` is the
+reference that runs on any device and dtype; a platform's ops subclass it and send
+the tensors their native kernels take to those kernels, everything else to the
+reference (cpu_ops.py, triton/ops.py). There is no process-wide choice: two models
+built on different platforms each call their own.
 """
 
 from __future__ import annotations
@@ -54,43 +52,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-_impl: TorchOps | None = None
-
-
-def install(impl: TorchOps) -> None:
-    """Make ``impl`` run every op of this process (the platform calls this once)."""
-    global _impl
-    _impl = impl
-
-
-def current() -> TorchOps:
-    if _impl is None:
-        from aiolm.platforms import get_platform
-
-        install(get_platform("cpu").ops())
-    assert _impl is not None
-    return _impl
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return current().rms_norm(x, weight, eps)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return current().add_rms_norm(x, residual, weight, eps)
-
-
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return current().rotary(positions, q, k, cos, sin)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return current().silu_and_mul(x)
-
-
-def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    return current().gelu_and_mul(x, approximate)

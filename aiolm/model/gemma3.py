@@ -18,7 +18,7 @@ What sets it apart from the Llama family (llama.py), each as transformers comput
   when ``final_logit_softcapping`` is set.
 
 Weights keep Hugging Face's names; q/k/v and gate/up are fused as in llama.py, whose
-loading and CPU packing this module reuses.
+loading this module reuses.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ import torch
 from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
-from aiolm.attention.selector import attention_backend
-from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.kernels import ops
 from aiolm.checkpoint.gemma3 import Gemma3Config
+from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import RMSNorm
@@ -43,22 +41,25 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # transformers' na
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: Gemma3Config, rotary: RotaryEmbedding, window: int | None) -> None:
+    def __init__(self, cfg: Gemma3Config, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None,
+                 prefix: str = "") -> None:
         super().__init__()
-        tp = get_tp_group().world_size
+        tp = ctx.tp_group.world_size
         if cfg.num_heads % tp:
             raise ValueError(f"num_attention_heads {cfg.num_heads} not divisible by tensor parallel size {tp}")
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj = QKVParallelLinear(ctx, cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.attention_bias,
+                                          names=tuple(f"{prefix}.{x}_proj" for x in "qkv"))
+        self.o_proj = RowParallelLinear(ctx, cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias,
+                                        names=(f"{prefix}.o_proj",))
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops)
         self.rotary = rotary
-        self.attn = attention_backend()(self.num_heads, self.num_kv_heads, self.head_dim,
-                                        cfg.query_pre_attn_scalar ** -0.5, sliding_window=window)
+        self.attn = ctx.attention_backend(self.num_heads, self.num_kv_heads, self.head_dim,
+                                          cfg.query_pre_attn_scalar ** -0.5, sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -73,26 +74,30 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: Gemma3Config, ctx: BuildContext, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.ops = ctx.ops
+        self.gate_up_proj = ColumnParallelLinear(ctx, cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                 names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"))
+        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size,
+                                           names=(f"{prefix}.down_proj",))
         self.approximate = _ACTIVATIONS[cfg.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.gelu_and_mul(self.gate_up_proj(x), self.approximate))
+        return self.down_proj(self.ops.gelu_and_mul(self.gate_up_proj(x), self.approximate))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config, rotary: RotaryEmbedding, window: int | None) -> None:
+    def __init__(self, cfg: Gemma3Config, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None,
+                 prefix: str = "") -> None:
         super().__init__()
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = Gemma3Attention(cfg, rotary, window)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.mlp = Gemma3MLP(cfg)
-        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        h, eps, ops = cfg.hidden_size, cfg.rms_norm_eps, ctx.ops
+        self.input_layernorm = RMSNorm(h, eps, ops)
+        self.self_attn = Gemma3Attention(cfg, ctx, rotary, window, prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, ops)
+        self.mlp = Gemma3MLP(cfg, ctx, prefix=f"{prefix}.mlp")
+        self.post_feedforward_layernorm = RMSNorm(h, eps, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,20 +113,20 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, cfg: Gemma3Config, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: Gemma3Config, ctx: BuildContext, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
         length = max_positions or cfg.max_position_embeddings
-        global_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_theta, cfg.rope_scaling)
-        local_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_local_theta)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        global_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_theta, cfg.rope_scaling, ctx.ops)
+        local_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_local_theta, None, ctx.ops)
+        self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, local_rope if cfg.local_layers[i] else global_rope, cfg.window(i))
+            Gemma3DecoderLayer(cfg, ctx, local_rope if cfg.local_layers[i] else global_rope, cfg.window(i),
+                               prefix=f"model.layers.{i}")
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size,
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

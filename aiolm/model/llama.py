@@ -13,10 +13,8 @@ import torch
 from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
-from aiolm.attention.selector import attention_backend
-from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.kernels import ops
 from aiolm.checkpoint.config import ModelConfig
+from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import RMSNorm
@@ -24,22 +22,25 @@ from aiolm.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, window: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        tp = get_tp_group().world_size
+        tp = ctx.tp_group.world_size
         if cfg.num_heads % tp:
             raise ValueError(f"num_attention_heads {cfg.num_heads} not divisible by tensor parallel size {tp}")
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = QKVParallelLinear(ctx, cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.attention_bias,
+                                          names=tuple(f"{prefix}.{x}_proj" for x in "qkv"))
+        self.o_proj = RowParallelLinear(ctx, cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        names=(f"{prefix}.o_proj",))
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = attention_backend()(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                                        sliding_window=window)
+        self.attn = ctx.attention_backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                          sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -57,26 +58,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.ops = ctx.ops
+        self.gate_up_proj = ColumnParallelLinear(ctx, cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                 names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"))
+        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size,
+                                           names=(f"{prefix}.down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    # A platform may give the layer a whole-layer step for the steps it can take
-    # (platforms/gguf_blocks.py); it answers None for the others, which run the modules.
+    # A whole-layer step for the steps it can take, which the quant config the layer was
+    # built with may offer once the layer's weights are ready (a GGUF file's blocks:
+    # aiolm/quant/gguf_blocks.py); it answers None for the others, which run the modules.
     fused: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, window: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, window)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.quant = ctx.quant
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        self.self_attn = Attention(cfg, ctx, rotary, window, prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        self.mlp = MLP(cfg, ctx, prefix=f"{prefix}.mlp")
+
+    def process_weights_after_loading(self) -> None:
+        """After its parts' own steps (model/layers/context.py): take the fused step, if offered."""
+        self.fused = self.quant.fused_decoder_layer(self)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +114,17 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, cfg.window(i)) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+                                 cfg.rope_theta, cfg.rope_scaling, ctx.ops)
+        self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary, cfg.window(i), prefix=f"model.layers.{i}")
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size,
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from aiolm.attention.selector import use_attention_backend
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.families import family_of
+from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model.layers.context import BuildContext, process_weights_after_loading
+from aiolm.platforms import Platform, get_platform
+
 from aiolm.model.loader import iter_weights
-from aiolm.platforms import get_platform
 
 if TYPE_CHECKING:
     from aiolm.checkpoint.source import ModelSource
@@ -41,17 +43,45 @@ def model_class(cfg: ModelConfig) -> type:
     return getattr(importlib.import_module(f"aiolm.model.{family.module}"), family.model_class)
 
 
+def build_context(platform: Platform, dtype: torch.dtype = torch.float32, attention: str = "auto",
+                  model_config: ModelConfig | None = None, checkpoint: Any = None,
+                  device: torch.device | str | None = None) -> BuildContext:
+    """What a model built on ``platform`` in ``dtype`` gets: the platform's ops, the attention
+    backend ``attention`` (auto or a name in aiolm/attention/registry.py), the quant method
+    it chooses for ``checkpoint`` (a file or folder), and this rank's tensor-parallel group."""
+    tp = get_tp_group()
+    return BuildContext(
+        ops=platform.ops(), attention_backend=platform.attention_backend(attention),
+        quant=platform.quant_config(dtype, model_config, checkpoint, tp.world_size), tp_group=tp,
+        dtype=platform.activation_dtype(dtype),
+        device=torch.device(device) if device is not None else platform.device, platform=platform)
+
+
 def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", max_positions: int | None = None,
-                attention: str = "auto") -> CausalLM:
-    """The model of ``source`` loaded and laid out for ``device``'s platform, with the
-    attention backend ``attention`` (auto|cpu|torch|triton)."""
-    platform = get_platform(device)
-    with use_attention_backend(platform.attention_backend(attention)):
-        model = model_class(source.config)(source.config, max_positions)
+                attention: str = "auto", platform: Platform | None = None) -> CausalLM:
+    """The model of ``source`` loaded and laid out for ``platform`` (by default ``device``'s),
+    with the attention backend ``attention`` (auto|cpu|torch|triton)."""
+    if platform is None:
+        platform, where = get_platform(device), torch.device(device)
+    else:
+        where = platform.device
+    ctx = build_context(platform, dtype, attention, source.config, source.origin, where)
+    model = model_class(source.config)(source.config, ctx, max_positions)
     model.load_weights(iter_weights(source, lazy=True))  # a rank reads only its slices
-    return platform.prepare_model(model, source, dtype)
+    return finish(model, ctx)
 
 
-def build_from_config(cfg: ModelConfig) -> CausalLM:
-    return model_class(cfg)(cfg)
+def finish(model: Any, ctx: BuildContext) -> Any:
+    """A loaded model moved to its device and dtype, each layer's weights laid out by its
+    method (children first), and whatever the build only needed let go."""
+    model = model.to(dtype=ctx.dtype, device=ctx.device).eval()
+    process_weights_after_loading(model)
+    ctx.quant.release()
+    return model
+
+
+def build_from_config(cfg: ModelConfig, ctx: BuildContext, max_positions: int | None = None) -> CausalLM:
+    """A model of ``cfg`` with its weights as constructed (tests fill them themselves, then
+    call ``finish``)."""
+    return model_class(cfg)(cfg, ctx, max_positions)

@@ -2,7 +2,7 @@
 
 ``--dtype bfloat16`` on a CPU means bfloat16 matmuls in the decoder layers of an
 otherwise float32 model, with the KV cache in float16: the speed of the CPU's
-matrix units where the answers least feel it (cpu_linear.py), with embeddings,
+matrix units where the answers least feel it (aiolm/quant/cpu_packed.py), with embeddings,
 norms, attention arithmetic, the residual stream and the logits in float32.
 """
 
@@ -12,28 +12,37 @@ import ctypes
 import functools
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from aiolm.errors import ModelLoadError
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.kernels.ops import TorchOps
-from aiolm.platforms import cpu_linear
 from aiolm.platforms.base import Platform
+from aiolm.quant import QuantConfig, quant_config
 
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_ONEDNN_BATCH_HINT = 64  # as aiolm/quant/cpu_packed.py packs
 
 
-def _f32_cpu(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu"
+@functools.cache
+def bfloat16_matmuls() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU. It needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; an AVX2-only CPU has neither, and bfloat16 there would be emulated."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _ONEDNN_BATCH_HINT)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _matmul_dtype(dtype: torch.dtype) -> torch.dtype:
     """bfloat16, where this CPU multiplies in it; else float32, said once in the log."""
-    if dtype != torch.bfloat16 or cpu_linear.bfloat16_matmuls():
+    if dtype != torch.bfloat16 or bfloat16_matmuls():
         return dtype
     _say_no_bfloat16()
     return torch.float32
@@ -45,40 +54,11 @@ def _say_no_bfloat16() -> None:
                 "AVX-NE-CONVERT), so the model runs in float32")
 
 
-class CpuKernelOps(TorchOps):
-    """The C++ kernels for the float32 CPU tensors they take; anything else goes to the reference.
-
-    Call only once ``cpu_kernels.load()`` succeeded."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() == 2 and _f32_cpu(x) and weight.dtype == torch.float32:
-            return torch.ops.aiolm.rms_norm(x, weight, eps)
-        return super().rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # x may be a bfloat16 matmul's output: the normalised sum then comes back in
-        # bfloat16, rounded as the next bfloat16 matmul would round its input
-        if x.dim() == 2 and _f32_cpu(residual) and weight.dtype == torch.float32:
-            torch.ops.aiolm.add_rms_norm_(x, residual, weight, eps)
-            return x, residual
-        return super().add_rms_norm(x, residual, weight, eps)
-
-    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if _f32_cpu(q) and cos.dtype == torch.float32:
-            torch.ops.aiolm.rotary_(q, k, positions, cos, sin)
-            return q, k
-        return super().rotary(positions, q, k, cos, sin)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.aiolm.silu_and_mul(x)
-        return super().silu_and_mul(x)
-
-
 class CpuPlatform(Platform):
     name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
 
     @property
     def attention_backends(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -90,8 +70,6 @@ class CpuPlatform(Platform):
         float32 matmuls are also the faster ones (docs/benchmarks.md)."""
         t = _matmul_dtype(super().resolve_dtype(dtype))
         if t is torch.float16:
-            from aiolm.errors import ModelLoadError
-
             try:
                 torch.ones(2, 2, dtype=t) @ torch.ones(2, 2, dtype=t)
             except RuntimeError as e:
@@ -103,8 +81,33 @@ class CpuPlatform(Platform):
         and 8x finer than bfloat16, whose cache changed greedy answers here."""
         return torch.float16 if dtype == torch.bfloat16 else dtype
 
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """bfloat16 on a CPU is only the matmuls (module docstring): float32 around them."""
+        return torch.float32 if dtype == torch.bfloat16 else dtype
+
     def ops(self) -> TorchOps:
-        return CpuKernelOps() if cpu_kernels.load() else TorchOps()
+        if not cpu_kernels.load():
+            return TorchOps()
+        from aiolm.kernels.cpu_ops import CpuKernelOps
+
+        return CpuKernelOps()
+
+    def quant_config(self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None,
+                     tp_size: int = 1) -> QuantConfig:
+        """Packed float32 or bfloat16 weights (aiolm/quant/cpu_packed.py) for a model in float32
+        or bfloat16, with a GGUF file's own blocks beside them where the C++ kernels run on
+        one rank (aiolm/quant/gguf_blocks.py); dense weights in any other dtype."""
+        matmul_dtype = _matmul_dtype(dtype)
+        if self.activation_dtype(matmul_dtype) != torch.float32:
+            return quant_config("dense")
+        kernels = cpu_kernels.load()
+        # Handing bfloat16 matmul outputs straight on pays only where the next op (the
+        # fused kernels) reads bfloat16; otherwise they come back as float32.
+        packed = quant_config("cpu_packed", matmul_dtype=matmul_dtype, hand_over_bf16=kernels)
+        if kernels and tp_size == 1 and checkpoint is not None and Path(checkpoint).suffix == ".gguf":
+            return quant_config("gguf_blocks", path=Path(checkpoint), model_config=model_config, inner=packed,
+                                matmul_dtype=matmul_dtype)
+        return packed
 
     def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
                       shm_name: str | None = None, cpu_bind: str = "auto",
@@ -117,29 +120,13 @@ class CpuPlatform(Platform):
 
     def tune_worker_process(self) -> None:
         """Step activations come from glibc's heap, not fresh mappings: glibc maps every
-        allocation over 32 MiB (a 2048-token step's MLP outputs) anew and its pages fault
-        in on every step, 10-15% of a 1.1B model's prompt step (docs/benchmarks.md). Only
-        after loading, so that the weights' transient copies went back to the system; the
-        heap then keeps up to 1 GiB of freed step memory for the next step."""
+        allocation over 32 MiB (a long prompt step's MLP outputs) anew, and its pages would
+        fault in again on every step. Only after loading, so that the weights' transient
+        copies went back to the system; the heap then keeps up to 1 GiB of freed step
+        memory for the next step."""
         try:
             mallopt = ctypes.CDLL(None).mallopt
         except (OSError, AttributeError):  # not a C library with mallopt: nothing to tune
             return
         mallopt(_M_MMAP_MAX, 0)
         mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-
-    def prepare_model(self, model: nn.Module, source: Any, dtype: torch.dtype) -> nn.Module:
-        from aiolm.platforms import gguf_blocks
-
-        matmul_dtype = dtype = _matmul_dtype(dtype)
-        if dtype == torch.bfloat16:
-            dtype = torch.float32  # bfloat16 on a CPU: only the matmuls (module docstring)
-        model = model.to(dtype=dtype, device=self.device).eval()
-        if dtype == torch.float32:
-            kernels = cpu_kernels.load()
-            # Handing bfloat16 matmul outputs straight on pays only where the next op (the
-            # fused kernels) reads bfloat16; otherwise they come back as float32.
-            cpu_linear.pack_model(model, matmul_dtype, hand_over_bf16=kernels)
-            if kernels and source.origin.suffix == ".gguf":
-                gguf_blocks.attach(model, source.origin, matmul_dtype)
-        return model

@@ -15,10 +15,12 @@ llama.cpp does: x is rounded to int8 per block of 32 and the blocks are multipli
 with integer dot products (``aiolm::gguf_int8_linear``), faster but no longer the
 float32 path's arithmetic.
 
-The CPU platform attaches them after packing (platforms/cpu.py), only with one
-tensor-parallel rank. A layer whose fused tensors differ in block type (a Q4_K_M
-file's Q4_K q and k beside a Q6_K v) runs one block matmul per run of a type
-(``GGUFParts``) and gets no fused decode step.
+The CPU platform chooses this method for a GGUF checkpoint when the C++ kernels load
+and there is one tensor-parallel rank (platforms/cpu.py); each layer's blocks come from
+the file when its weights are processed after loading, beside the method it would have
+had otherwise (``inner``: packed panels), which takes the larger steps. A layer whose
+fused tensors differ in block type (a Q4_K_M file's Q4_K q and k beside a Q6_K v) runs
+one block matmul per run of a type (``GGUFParts``) and gets no fused decode step.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
+from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.gguf_convert import hf_name, unpermute_rope_rows
+from aiolm.checkpoint.gguf_convert import hf_name, unpermute_rope_rows
+from aiolm.model.gguf_index import read_tensors
+from aiolm.quant.base import LinearMethod, LinearSpec, QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -217,20 +223,10 @@ def int8_rows(blocks: GGUFWeight | GGUFParts, matmul_dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class GGUFLinear:
-    """A linear layer's method: steps of up to ``MAX_ROWS`` rows from the blocks (with INT8,
-    up to the blocks' int8_rows), larger ones through the method the layer had before."""
+    """A layer's blocks, for steps of up to ``MAX_ROWS`` rows (with INT8, up to ``int8_rows``)."""
 
     blocks: GGUFWeight | GGUFParts
-    fallback: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-    int8_rows: int  # int8_rows(blocks, the fallback's matmul dtype)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[0]
-        if INT8 and rows <= self.int8_rows:
-            return self.blocks.linear_int8(x.float(), bias)
-        if rows <= MAX_ROWS:
-            return self.blocks.linear(x.float(), bias)
-        return self.fallback(x, bias)
+    int8_rows: int  # int8_rows(blocks, the layer's other matmul dtype)
 
 
 @dataclass(frozen=True)
@@ -249,19 +245,18 @@ class FusedDecodeLayer:
 
     @classmethod
     def of(cls, layer: Any) -> "FusedDecodeLayer | None":
-        """The fused step for ``layer``, or None where it is not the plain Llama shape."""
-        from aiolm.attention.cpu_backend import CpuPagedAttention
-        from aiolm.model.llama import DecoderLayer
-
+        """The fused step for ``layer``, a Llama-shaped decoder layer (input norm, attention
+        with qkv/o projections, post-attention norm, SiLU MLP with gate_up/down), or None
+        where its parts are not all what the C++ step computes."""
         a, mlp = layer.self_attn, layer.mlp
         linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if (type(layer) is not DecoderLayer or a.q_norm is not None or type(a.attn) is not CpuPagedAttention
-                or not all(isinstance(m.method, GGUFLinear) and isinstance(m.method.blocks, GGUFWeight)
-                           for m in linears)
+        gguf = [getattr(m, "gguf", None) for m in linears]
+        if (a.q_norm is not None or type(a.attn) is not CpuPagedAttention
+                or not all(isinstance(g, GGUFLinear) and isinstance(g.blocks, GGUFWeight) for g in gguf)
                 or any(m.bias is not None for m in linears[1:]) or a.rotary.cos.dtype != torch.float32
                 or layer.input_layernorm.weight.dtype != torch.float32):
             return None
-        blocks = [m.method.blocks for m in linears]
+        blocks = [g.blocks for g in gguf]
         weights = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
         for b in blocks:
             weights += [b.qs, b.scale, b.mins]
@@ -270,7 +265,7 @@ class FusedDecodeLayer:
         ints = [v for b in blocks for v in (b.qtype, b.n)]
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
         return cls(a.attn, a.rotary.cos, a.rotary.sin, weights, {False: ints + [0], True: ints + [1]},
-                   min(m.method.int8_rows for m in linears),
+                   min(g.int8_rows for g in gguf),
                    [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0])
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -286,37 +281,82 @@ class FusedDecodeLayer:
             self.floats)
 
 
-def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float32) -> int:
-    """Give each linear layer of ``model`` its GGUF blocks, beside the decoder layers'
-    matmuls in ``matmul_dtype`` and the LM head's in float32; returns how many got them."""
-    from aiolm.distributed.parallel_state import get_tp_group
-    from aiolm.model.gguf_index import read_tensors
+class GGUFBlocksMethod(LinearMethod):
+    """``inner``'s weights and multiply, plus the file's blocks in ``layer.gguf`` (None where
+    a tensor of the layer is not in a block type the kernels take) for the small steps."""
 
-    if get_tp_group().world_size != 1:
-        return 0
-    cfg = model.config
-    permute = cfg.architecture in ("llama", "mistral")
-    raw: dict[str, tuple[np.ndarray, str]] = {}
-    for t in read_tensors(gguf_path).values():
-        name = hf_name(t.name)
-        if name is not None and t.type_name in TYPE_IDS:
-            raw[name] = (t.data, t.type_name)
+    def __init__(self, config: "GGUFBlocksConfig", spec: LinearSpec, inner: LinearMethod,
+                 dtype: torch.dtype) -> None:
+        self.config, self.names, self.inner, self.dtype = config, spec.names, inner, dtype
 
-    def rows(name: str) -> tuple[np.ndarray, str] | None:
-        got = raw.get(name)
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        self.inner.create_weights(layer, in_features, out_features)
+        layer.gguf = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+        blocks = self.config.blocks([n + ".weight" for n in self.names])
+        layer.gguf = None if blocks is None else GGUFLinear(blocks, int8_rows(blocks, self.dtype))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        g = layer.gguf
+        if g is not None:
+            rows = x.shape[0]
+            if INT8 and rows <= g.int8_rows:
+                return g.blocks.linear_int8(x.float(), bias)
+            if rows <= MAX_ROWS:
+                return g.blocks.linear(x.float(), bias)
+        return self.inner.apply(layer, x, bias)
+
+
+class GGUFBlocksConfig(QuantConfig):
+    """The blocks of the GGUF file at ``path`` beside ``inner``'s methods (whose decoder
+    layers multiply in ``matmul_dtype``, the LM head in float32). ``model_config`` says which
+    q/k rows the file stores permuted (llama.cpp's RoPE layout for Llama and Mistral)."""
+
+    name = "gguf_blocks"
+
+    def __init__(self, path: Path, model_config: Any, inner: QuantConfig,
+                 matmul_dtype: torch.dtype = torch.float32) -> None:
+        self.path, self.model_config, self.inner, self.matmul_dtype = Path(path), model_config, inner, matmul_dtype
+        self._raw: dict[str, tuple[np.ndarray, str]] | None = None
+        self.layers = self.fused = 0
+
+    def linear_method(self, spec: LinearSpec) -> LinearMethod:
+        dtype = torch.float32 if spec.lm_head else self.matmul_dtype  # as the inner method multiplies
+        return GGUFBlocksMethod(self, spec, self.inner.linear_method(spec), dtype)
+
+    def fused_decoder_layer(self, layer: Any) -> FusedDecodeLayer | None:
+        fused = FusedDecodeLayer.of(layer)
+        self.fused += fused is not None
+        return fused
+
+    def _tensors(self) -> dict[str, tuple[np.ndarray, str]]:
+        if self._raw is None:
+            self._raw = {}
+            for t in read_tensors(self.path).values():
+                name = hf_name(t.name)
+                if name is not None and t.type_name in TYPE_IDS:
+                    self._raw[name] = (t.data, t.type_name)
+        return self._raw
+
+    def _rows(self, name: str) -> tuple[np.ndarray, str] | None:
+        got = self._tensors().get(name)
         if got is None:
             return None
         data, ttype = got
         data = np.asarray(data, dtype=np.uint8)
-        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            data = unpermute_rope_rows(data, heads)
+        cfg = self.model_config
+        if cfg.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = unpermute_rope_rows(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         return data, ttype
 
-    def give(layer: Any, names: list[str], dtype: torch.dtype = matmul_dtype) -> int:
-        parts = [rows(n) for n in names]
+    def blocks(self, names: list[str]) -> GGUFWeight | GGUFParts | None:
+        """The blocks of the tensors ``names`` side by side, or None where one is missing
+        or in a type the kernels do not take."""
+        parts = [self._rows(n) for n in names]
         if any(p is None for p in parts):
-            return 0
+            return None
         runs: list[tuple[list[np.ndarray], str]] = []  # consecutive tensors of one type, concatenated
         for data, ttype in parts:  # type: ignore[misc]
             if runs and runs[-1][1] == ttype:
@@ -324,21 +364,12 @@ def attach(model: Any, gguf_path: Path, matmul_dtype: torch.dtype = torch.float3
             else:
                 runs.append(([data], ttype))
         weights = tuple(GGUFWeight.from_blocks(np.concatenate(d), t) for d, t in runs)
-        blocks = weights[0] if len(weights) == 1 else GGUFParts(weights)
-        layer.method = GGUFLinear(blocks, layer.method or layer.dense, int8_rows(blocks, dtype))
-        return 1
+        self.layers += 1
+        return weights[0] if len(weights) == 1 else GGUFParts(weights)
 
-    n = fused = 0
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        n += give(layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
-        n += give(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
-        n += give(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-        n += give(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
-        layer.fused = FusedDecodeLayer.of(layer)
-        fused += layer.fused is not None
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    n += give(model.lm_head, [head], torch.float32)  # its matmuls stay float32 (cpu_linear.pack_model)
-    log.info("%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
-             "such steps as one call", n, MAX_ROWS, " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "", fused)
-    return n
+    def release(self) -> None:
+        self._raw = None  # the file's mapping: the blocks are copies
+        log.info("%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
+                 "such steps as one call", self.layers, MAX_ROWS, " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "",
+                 self.fused)
+        self.inner.release()

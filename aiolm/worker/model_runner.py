@@ -28,6 +28,7 @@ from aiolm.sample.sampler import Sampler, SamplingMetadata
 from aiolm.structured.backend import BackgroundCompiles, Compiler
 from aiolm.worker.cuda_graph import CudaGraphRunner, capture_sizes, plan_step
 from aiolm.worker.input_batch import InputBatch
+from aiolm.worker.kv_cache_size import KVCacheSizer
 
 log = logging.getLogger(__name__)
 # A step with no tokens is the scheduler waiting for grammars only: the reply waits this long
@@ -43,7 +44,6 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads)
         self.platform = get_platform(cfg.device)
         self.device = self.platform.worker_device(cfg.device, get_tp_group().rank + cfg.device_offset)
-        self.platform.install()
         self.source = resolve_model(cfg.model)
         Compiler.configure(self.source.load_tokenizer, self.source.path)  # loaded on first use
         if cfg.structured_outputs:
@@ -60,14 +60,15 @@ class ModelRunner:
         self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
-        kv_bytes = self.platform.kv_cache_bytes(self)
+        sizer = KVCacheSizer(self.platform)
+        kv_bytes = sizer.kv_cache_bytes(self)
         self.num_blocks = int(kv_bytes // per_block)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f requests of max_model_len %d)",
                  self.num_blocks, cfg.block_size, self.num_blocks * cfg.block_size,
                  self.num_blocks * cfg.block_size / cfg.max_model_len, cfg.max_model_len)
         min_blocks = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
         if self.num_blocks < min_blocks:
-            raise ValueError(self.platform.too_few_blocks(cfg, self.num_blocks, min_blocks))
+            raise ValueError(sizer.too_few_blocks(cfg, self.num_blocks, min_blocks))
         shape = kv_cache_shape(self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim)
         with self.platform.memory_guard("allocating the KV cache", cfg):
             self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)

@@ -11,7 +11,7 @@ from torch import nn
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
-from aiolm.platforms import gguf_blocks
+from aiolm.quant import gguf_blocks
 from paged import PagedHarness
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
@@ -54,7 +54,7 @@ def test_fused_layer_gives_the_modules_bits(model, int8, variant, monkeypatch):
             g = torch.Generator().manual_seed(0)
             for a in attns:
                 a.attn.sliding_window = 24
-                a.qkv_proj.bias = nn.Parameter(0.05 * torch.randn(a.qkv_proj.method.blocks.n, generator=g),
+                a.qkv_proj.bias = nn.Parameter(0.05 * torch.randn(a.qkv_proj.gguf.blocks.n, generator=g),
                                                requires_grad=False)
         plans = [gguf_blocks.FusedDecodeLayer.of(layer) for layer in model.layers]
         assert all(p is not None for p in plans), "every layer of the embedded model should be fused"
@@ -79,7 +79,7 @@ def test_layers_of_another_shape_keep_their_modules(model):
     assert gguf_blocks.FusedDecodeLayer.of(layer) is not None
     o_bias = layer.self_attn.o_proj.bias
     try:
-        layer.self_attn.o_proj.bias = nn.Parameter(torch.zeros(layer.self_attn.o_proj.method.blocks.n),
+        layer.self_attn.o_proj.bias = nn.Parameter(torch.zeros(layer.self_attn.o_proj.gguf.blocks.n),
                                                    requires_grad=False)
         assert gguf_blocks.FusedDecodeLayer.of(layer) is None  # the C++ step adds no o bias
     finally:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.platforms import gguf_blocks
+from aiolm.quant import gguf_blocks
+from aiolm.quant.base import LinearMethod, LinearSpec
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -111,8 +112,14 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
     else:
         w = np.random.default_rng(2).standard_normal((16, 256)).astype(np.float32)
         g = gguf_blocks.GGUFWeight.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype)
-    lin = gguf_blocks.GGUFLinear(g, lambda x, bias: torch.nn.functional.linear(x, g.dequantize(), bias),
-                                 gguf_blocks.int8_rows(g, matmul_dtype))
+    layer = torch.nn.Module()  # a linear layer as GGUFBlocksMethod leaves it: blocks beside a dense weight
+    layer.weight = torch.nn.Parameter(g.dequantize(), requires_grad=False)
+    layer.gguf = gguf_blocks.GGUFLinear(g, gguf_blocks.int8_rows(g, matmul_dtype))
+    method = gguf_blocks.GGUFBlocksMethod(None, LinearSpec(()), LinearMethod(), matmul_dtype)  # type: ignore[arg-type]
+
+    def lin(x: torch.Tensor) -> torch.Tensor:
+        return method.apply(layer, x)
+
     if qtype == "Q6_K" or not cpu_kernels.has_avx512_vnni():
         limit = 16
     else:
@@ -121,7 +128,7 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
     for rows in (3, 16, 17, 32, 33, 300):
         x = torch.randn(rows, 256)
         assert torch.equal(lin(x), g.linear_int8(x)) == (rows <= limit), rows
-        assert not torch.equal(g.linear_int8(x), lin.fallback(x, None))  # the two are told apart
+        assert not torch.equal(g.linear_int8(x), LinearMethod().apply(layer, x))  # the two are told apart
     small = torch.randn(3, 256)
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     assert not torch.equal(lin(small), g.linear_int8(small))
@@ -136,10 +143,11 @@ def test_bfloat16_model_keeps_int8_from_its_amx_matmuls_but_not_from_its_float32
     model = build_model(real_source, torch.bfloat16)
     monkeypatch.setattr(gguf_blocks, "INT8", True)
     vnni = cpu_kernels.has_avx512_vnni()
-    head, gate_up = model.lm_head.method, model.layers[0].mlp.gate_up_proj.method
+    head, gate_up = model.lm_head, model.layers[0].mlp.gate_up_proj
     x = torch.randn(64, 576)
-    assert torch.equal(head(x), head.blocks.linear_int8(x)) == vnni
-    assert torch.equal(gate_up(x), gate_up.blocks.linear_int8(x)) == (vnni and not cpu_kernels.has_amx())
+    assert torch.equal(head._matmul(x), head.gguf.blocks.linear_int8(x)) == vnni
+    assert torch.equal(gate_up._matmul(x).float(), gate_up.gguf.blocks.linear_int8(x)) == (
+        vnni and not cpu_kernels.has_amx())
 
 
 @pytest.mark.parametrize("kernel", ["linear_int8", "linear"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.platforms import gguf_blocks
+from aiolm.quant import gguf_blocks
 from test_gguf_int8 import ISAS, _isas  # the int8 paths this build has, as the Q4_0/Q4_1/Q8_0 tests run them
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
@@ -239,12 +239,12 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
     monkeypatch.setenv("AIOLM_CACHE_DIR", str(cache))
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     model = build_model(resolve_model(path), torch.float32)
-    layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
+    layers = [m for m in model.modules() if isinstance(getattr(m, "gguf", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * LAYERS + 1  # every linear layer and the LM head
-    qkv0 = model.layers[0].self_attn.qkv_proj.method.blocks
+    qkv0 = model.layers[0].self_attn.qkv_proj.gguf.blocks
     assert isinstance(qkv0, gguf_blocks.GGUFParts) and [p.qtype for p in qkv0.parts] == [12, 14]
     assert [p.n for p in qkv0.parts] == [HIDDEN + KV_HEADS * HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS]
-    assert {m.method.blocks.qtype for m in layers if m is not model.layers[0].self_attn.qkv_proj} == {12, 14}
+    assert {m.gguf.blocks.qtype for m in layers if m is not model.layers[0].self_attn.qkv_proj} == {12, 14}
     # decode steps: one C++ call a layer, but for layer 0, whose QKV is two matmuls
     assert model.layers[0].fused is None and all(layer.fused is not None for layer in model.layers[1:])
 
@@ -257,7 +257,7 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
         layer.fused = None
     modules_tokens, modules_logits = _decode(model, prompt, 6)  # the same kernels, called module by module
     for m in layers:
-        m.method = m.method.fallback
+        m.gguf = None  # the blocks taken away: the method it had beside them
     f32_tokens, f32_logits = _decode(model, prompt, 6)
 
     assert all(torch.equal(a, b) for a, b in zip(blocks_logits, modules_logits))  # decode_layer: the same bits

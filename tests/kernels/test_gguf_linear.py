@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.platforms import gguf_blocks
+from aiolm.quant import gguf_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -53,15 +53,15 @@ def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_sourc
 
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     model = build_model(real_source, torch.float32)
-    layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear)]
+    layers = [m for m in model.modules() if isinstance(getattr(m, "gguf", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * model.config.num_layers + 1  # every linear layer and the LM head
-    assert {m.method.blocks.qtype for m in layers} == {3, 8}  # the file's Q4_1 layers, its Q8_0 embedding
+    assert {m.gguf.blocks.qtype for m in layers} == {3, 8}  # the file's Q4_1 layers, its Q8_0 embedding
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          add_generation_prompt=True, tokenize=False)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     with_blocks = PagedHarness(model).greedy([prompt], 24)[0]
     for m in layers:
-        m.method = m.method.fallback
+        m.gguf = None  # the blocks taken away: the method it had beside them
     without = PagedHarness(model).greedy([prompt], 24)[0]
     assert with_blocks == without
     assert "Paris" in tokenizer.decode(with_blocks)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.platforms.cpu_linear import pack_weight, to_panels
+from aiolm.quant.cpu_packed import pack_weight, to_panels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 

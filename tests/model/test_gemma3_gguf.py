@@ -265,7 +265,7 @@ def test_tokenizer_chat_template_and_turn_end(written):
 
 
 def test_greedy_from_the_gguf_and_the_folder_match_transformers(written, prompts):
-    from aiolm.platforms.gguf_blocks import GGUFLinear, GGUFParts, GGUFWeight
+    from aiolm.quant.gguf_blocks import GGUFLinear, GGUFParts, GGUFWeight
 
     path, src, folder, hf = written
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
@@ -275,11 +275,11 @@ def test_greedy_from_the_gguf_and_the_folder_match_transformers(written, prompts
     from_gguf = build_model(src, torch.float32)
     if cpu_kernels.load():  # decode steps read the file's own blocks where aiolm keeps that type
         layers = from_gguf.layers
-        assert isinstance(layers[3].self_attn.qkv_proj.method.blocks, GGUFWeight)  # Q8_0 q, k, v
-        assert isinstance(layers[2].self_attn.qkv_proj.method.blocks, GGUFParts)  # Q4_K q, k beside a Q6_K v
-        assert not isinstance(layers[0].self_attn.qkv_proj.method, GGUFLinear)  # Q5_0: float32 only
-        assert all(isinstance(layer.mlp.down_proj.method, GGUFLinear) for layer in layers)
-        assert isinstance(from_gguf.lm_head.method, GGUFLinear)  # the tied Q8_0 embedding
+        assert isinstance(layers[3].self_attn.qkv_proj.gguf.blocks, GGUFWeight)  # Q8_0 q, k, v
+        assert isinstance(layers[2].self_attn.qkv_proj.gguf.blocks, GGUFParts)  # Q4_K q, k beside a Q6_K v
+        assert not isinstance(layers[0].self_attn.qkv_proj.gguf, GGUFLinear)  # Q5_0: float32 only
+        assert all(isinstance(layer.mlp.down_proj.gguf, GGUFLinear) for layer in layers)
+        assert isinstance(from_gguf.lm_head.gguf, GGUFLinear)  # the tied Q8_0 embedding
         assert all(getattr(layer, "fused", None) is None for layer in layers)  # the Llama-only fused step
     assert PagedHarness(from_gguf).greedy(prompts, NEW_TOKENS) == expected
     assert PagedHarness(from_gguf, block_size=4).greedy(prompts, NEW_TOKENS, split=3) == expected

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiolm.attention.torch_backend import TorchAttention
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import iter_weights, resolve_model
 from aiolm.checkpoint.families import read_config
-from aiolm.model.registry import build_model, model_class
+from aiolm.model.registry import build_context, build_from_config, build_model, finish
+from aiolm.platforms import get_platform
 from paged import PagedHarness, hf_greedy
 
 WINDOW = 16
@@ -85,15 +85,6 @@ def _mistral(vocab: int):
     return model
 
 
-def _torch_backend(model):
-    """Every layer's attention on the torch reference backend, same window and scale."""
-    for layer in model.layers:
-        a = layer.self_attn.attn
-        layer.self_attn.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.scale,
-                                              sliding_window=a.sliding_window, soft_cap=a.soft_cap)
-    return model
-
-
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
@@ -135,9 +126,7 @@ def test_greedy_matches_transformers_past_the_window(family, prompts, backend):
     kind, folder, _, expected = family
     if backend == "cpu" and not cpu_kernels.load():
         pytest.skip("no C++ compiler for the CPU kernels")
-    model = build_model(resolve_model(folder), torch.float32)
-    if backend == "torch":
-        _torch_backend(model)
+    model = build_model(resolve_model(folder), torch.float32, attention=backend)
     # pages of 16 keys (prefill tiles when head_dim is 64), then pages of 4 with the prompt
     # prefilled in two passes: windows start mid-page and cross page boundaries
     assert PagedHarness(model, block_size=16).greedy(prompts, NEW_TOKENS) == expected
@@ -184,9 +173,10 @@ def test_logits_match_and_the_window_matters(family, prompts):
     if kind == "gemma3":
         assert max(float(t.abs().max()) for t in theirs) <= 3.0  # the soft-cap bounds them
     plain_cfg = dataclasses.replace(src.config, sliding_windows=())
-    plain = model_class(plain_cfg)(plain_cfg)
+    ctx = build_context(get_platform("cpu"), torch.float32)
+    plain = build_from_config(plain_cfg, ctx)
     plain.load_weights(iter_weights(src))
-    off = PagedHarness(plain.eval()).step({i: p for i, p in enumerate(prompts)})
+    off = PagedHarness(finish(plain, ctx)).step({i: p for i, p in enumerate(prompts)})
     assert (off[0] - theirs[0]).abs().max() > 1e-3  # 40 tokens: past the window
     torch.testing.assert_close(off[2], theirs[2], rtol=1e-4, atol=1e-4)  # shorter than it: same
 

@@ -33,7 +33,7 @@ from aiolm.model.loader import cache_root, embedded_model_path, iter_weights, re
 from aiolm.checkpoint.families import MODELS, read_config
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
-from aiolm.platforms.cpu_linear import bfloat16_matmuls
+from aiolm.platforms.cpu import bfloat16_matmuls
 from paged import PagedHarness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -839,7 +839,7 @@ def test_bfloat16_on_a_cpu_without_bfloat16_matmuls_builds_float32_and_says_so(t
     said = [r.getMessage() for r in caplog.records if "no bfloat16 matmuls" in r.getMessage()]
     assert len(said) == 1 and "runs in float32" in said[0]
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    assert model.layers[0].mlp.gate_up_proj.method.data.dtype == torch.float32
+    assert model.layers[0].mlp.gate_up_proj.packed.data.dtype == torch.float32
     assert torch.equal(model.layers[0].mlp(x), exact.layers[0].mlp(x))
 
 
@@ -851,8 +851,8 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
     assert not model.training
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # embeddings, norms: float32
     mlp = model.layers[0].mlp
-    assert mlp.gate_up_proj.method.data.dtype == torch.bfloat16
-    assert model.lm_head.method.data.dtype == torch.float32  # logits stay float32
+    assert mlp.gate_up_proj.packed.data.dtype == torch.bfloat16
+    assert model.lm_head.packed.data.dtype == torch.float32  # logits stay float32
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     got, want = mlp(x), exact.layers[0].mlp(x)
     assert got.dtype == torch.bfloat16  # the down matmul's output, handed on to add_rms_norm_ as it is
@@ -860,9 +860,9 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # ... only that
     # gate/up reaches the fused SiLU as bfloat16 and the down projection reads its bfloat16 output:
     # the same numbers as the float32 hand-over, which rounds the same values at the same places
-    up = dataclasses.replace(mlp.gate_up_proj.method, hand_over_bf16=False)(x)
+    up = dataclasses.replace(mlp.gate_up_proj.packed, hand_over_bf16=False)(x)
     assert up.dtype == torch.float32
-    unfused = dataclasses.replace(mlp.down_proj.method, hand_over_bf16=False)(torch.ops.aiolm.silu_and_mul(up))
+    unfused = dataclasses.replace(mlp.down_proj.packed, hand_over_bf16=False)(torch.ops.aiolm.silu_and_mul(up))
     assert torch.equal(got.float(), unfused)
     # add_rms_norm_ on that bfloat16 output: the float32 sum and norm, rounded once at the end
     res = torch.randn(5, model.config.hidden_size)

@@ -1,4 +1,4 @@
-"""CudaPlatform's KV-cache sizing and its "does not fit" errors, on a CPU.
+"""The worker's KV-cache sizing on the CUDA platform and its "does not fit" errors, on a CPU.
 
 No GPU can exist here, so torch.cuda's memory queries are replaced by a scripted GPU (the
 one mock this suite allows). The profile itself is real: the embedded model runs the
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from aiolm.config import RunnerConfig
+from aiolm.worker.kv_cache_size import KVCacheSizer
 
 GiB = 2**30
 
@@ -74,8 +75,8 @@ def test_kv_cache_gets_what_is_left_of_the_fraction(monkeypatch, runner, caplog)
     platform = _platform(monkeypatch, gpu)
     assert platform.worker_device("cuda", 0) == torch.device("cuda", 0)
     platform.worker_device("cuda", 0)  # a second call (ModelRunner's) keeps the first measurement
-    with caplog.at_level("INFO", logger="aiolm.platforms.cuda"):
-        kv = platform.kv_cache_bytes(runner)
+    with caplog.at_level("INFO", logger="aiolm.worker.kv_cache_size"):
+        kv = KVCacheSizer(platform).kv_cache_bytes(runner)
     # 40 GiB budget - (10 weights + 3 prefill activations) - 2 outside torch - 2 x 0.5 graph pool
     assert kv == 40 * GiB - 13 * GiB - 2 * GiB - GiB
     assert "KV cache 24.00 GiB" in caplog.text and "CUDA graphs 1.00 GiB" in caplog.text
@@ -91,14 +92,14 @@ def test_without_graphs_and_without_a_baseline(monkeypatch, runner):
                       free=[80 * GiB - 20 * GiB - 7 * GiB, 50 * GiB], reserved=20 * GiB)
     platform = _platform(monkeypatch, gpu)
     runner.uses_cuda_graphs = lambda: False
-    assert platform.kv_cache_bytes(runner) == 40 * GiB - 13 * GiB - 7 * GiB
+    assert KVCacheSizer(platform).kv_cache_bytes(runner) == 40 * GiB - 13 * GiB - 7 * GiB
 
 
 def test_weights_larger_than_the_fraction(monkeypatch, runner):
     gpu = ScriptedGpu(total=80 * GiB, allocated=[50 * GiB], peaks=[], free=[], reserved=50 * GiB)
     platform = _platform(monkeypatch, gpu)
     with pytest.raises(ValueError) as e:
-        platform.kv_cache_bytes(runner)
+        KVCacheSizer(platform).kv_cache_bytes(runner)
     msg = str(e.value)
     assert "--gpu-memory-utilization 0.5" in msg and "50.00 GiB" in msg and "40.00 GiB" in msg
     assert "kv_cache_memory" not in msg
@@ -111,7 +112,7 @@ def test_no_room_left_for_the_kv_cache(monkeypatch, runner):
                       free=[38 * GiB], reserved=42 * GiB)
     platform = _platform(monkeypatch, gpu)
     with pytest.raises(ValueError) as e:
-        platform.kv_cache_bytes(runner)
+        KVCacheSizer(platform).kv_cache_bytes(runner)
     msg = str(e.value)
     assert "no room is left for the KV cache" in msg
     assert "--gpu-memory-utilization 0.5" in msg and "weights 30.00 GiB" in msg and "activation peak 12.00 GiB" in msg
@@ -125,7 +126,7 @@ def test_other_processes_leave_too_little_free(monkeypatch, runner):
     platform = _platform(monkeypatch, gpu)
     platform.worker_device("cuda", 0)  # 60 GiB held by another process
     with pytest.raises(ValueError) as e:
-        platform.kv_cache_bytes(runner)
+        KVCacheSizer(platform).kv_cache_bytes(runner)
     msg = str(e.value)
     assert "only 10.00 GiB" in msg and "other processes hold 60.00 GiB" in msg and "--gpu-memory-utilization" in msg
 
@@ -134,9 +135,9 @@ def test_too_few_blocks_names_the_knob_of_each_platform(monkeypatch):
     from aiolm.platforms.cpu import CpuPlatform
 
     cfg = RunnerConfig(max_model_len=4096, gpu_memory_utilization=0.3)
-    assert "raise kv_cache_memory" in CpuPlatform().too_few_blocks(cfg, 10, 257)
+    assert "raise kv_cache_memory" in KVCacheSizer(CpuPlatform()).too_few_blocks(cfg, 10, 257)
     platform = _platform(monkeypatch, ScriptedGpu(80 * GiB, [], [], [], 0))
-    msg = platform.too_few_blocks(cfg, 10, 257)
+    msg = KVCacheSizer(platform).too_few_blocks(cfg, 10, 257)
     assert "kv_cache_memory" not in msg
     assert "--gpu-memory-utilization" in msg and "--max-model-len" in msg and "10 blocks" in msg
 

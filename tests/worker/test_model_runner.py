@@ -179,7 +179,7 @@ def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks_where_the_c
     """bfloat16 matmuls on a CPU: float32 activations, the KV cache in float16, so the same
     kv_cache_memory holds twice the blocks (and a decode step reads half the bytes). A CPU
     without bfloat16 matmuls (AVX2 only) runs the model in float32, its cache too."""
-    from aiolm.platforms.cpu_linear import bfloat16_matmuls
+    from aiolm.platforms.cpu import bfloat16_matmuls
     from aiolm.worker.model_runner import ModelRunner
 
     runner = ModelRunner(dataclasses.replace(runner_config(real_source), dtype="bfloat16"))

@@ -5,19 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.model.layers.linear import PackableLinear
+from aiolm.model.layers.context import BuildContext
+from aiolm.model.layers.linear import LinearBase
+from aiolm.quant.base import LinearSpec
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int) -> None:
+    def __init__(self, ctx: BuildContext, vocab_size: int, hidden: int) -> None:
         super().__init__()
-        self.tp = get_tp_group()
+        self.tp = ctx.tp_group
         self.vocab_size = vocab_size
         self.per_rank = (vocab_size + self.tp.world_size - 1) // self.tp.world_size
         self.start = self.tp.rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+        if not isinstance(self, LinearBase):  # an LM head's weight is its quant method's
+            self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -32,8 +34,22 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: part.shape[0]].copy_(part)
 
 
-class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
-    """Logits for this rank's vocabulary slice; gathered to full vocabulary on return."""
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
+    """Logits for this rank's vocabulary slice; gathered to full vocabulary on return.
+
+    ``tied_to``: the embedding whose weight the head reads (tie_word_embeddings); its
+    quant method then keeps that weight as it is and lays out a copy, if any."""
+
+    def __init__(self, ctx: BuildContext, vocab_size: int, hidden: int,
+                 tied_to: VocabParallelEmbedding | None = None) -> None:
+        super().__init__(ctx, vocab_size, hidden)
+        spec = LinearSpec(("model.embed_tokens",) if tied_to is not None else ("lm_head",), lm_head=True,
+                          shared_weight=tied_to is not None)
+        self._take_method(ctx, spec, hidden, self.per_rank)
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight.data.zero_()  # rows past the vocabulary (the last rank's slice) stay zero
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self._matmul(hidden)

@@ -1,50 +1,51 @@
-"""Linear layers shaped for tensor parallelism.
+"""Linear layers shaped for tensor parallelism, each multiplying through its quant method.
 
 Column-parallel layers split their output features across ranks (QKV, gate/up);
 row-parallel ones split their input features and end in an all-reduce (o, down).
 Fused layers load each Hugging Face shard into its slice via ``load_shard``, which
 indexes the loaded tensor only where this rank's slice lies (a ``LazyWeight`` from
 model/loader.py then reads nothing else).
+
+A layer gets its quant method from the build context when it is constructed (aiolm/quant/
+base.py): the method creates the weight the loader fills, lays it out after loading and
+does the multiply. ``names`` are the checkpoint tensors fused into the layer, which a
+method that reads its own copy of them (a GGUF file's blocks) looks up.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
-from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.distributed.sharding import kv_head_for_rank
+from aiolm.model.layers.context import BuildContext
+from aiolm.quant.base import LinearMethod, LinearSpec
 
-LinearMethod = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
-
-class PackableLinear(nn.Module):
-    """A linear layer whose multiply the platform may replace once weights are loaded.
-
-    ``method(x, bias)`` is set by the platform's weight preparation (a packed layout, a
-    quantized copy); until then, or where it sets none, the layer multiplies by its plain
-    weight. Its output dtype is the method's business: the layer only passes it on."""
+class LinearBase(nn.Module):
+    """A linear layer whose weight and multiply belong to ``quant_method``."""
 
     weight: nn.Parameter
-    method: LinearMethod | None = None
+    quant_method: LinearMethod
 
-    def dense(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return nn.functional.linear(x.to(self.weight.dtype), self.weight, bias)
+    def _take_method(self, ctx: BuildContext, spec: LinearSpec, in_features: int, out_features: int) -> None:
+        self.quant_method = ctx.quant.linear_method(spec)
+        self.quant_method.create_weights(self, in_features, out_features)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.method is not None:
-            return self.method(x, bias)
-        return self.dense(x, bias)
+        return self.quant_method.apply(self, x, bias)
 
 
-class ColumnParallelLinear(PackableLinear):
+class ColumnParallelLinear(LinearBase):
     """y = x W^T (+ b) with W's rows (outputs) split across ranks; shards laid side by side."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+    # The op after this layer reads its output as it comes (the activation of gate/up)
+    output_to_kernel = True
+
+    def __init__(self, ctx: BuildContext, in_features: int, shard_sizes: list[int], bias: bool = False,
+                 names: tuple[str, ...] = ()) -> None:
         super().__init__()
-        tp = get_tp_group()
+        tp = ctx.tp_group
         for s in shard_sizes:
             if s % tp.world_size:
                 raise ValueError(f"output size {s} not divisible by tensor parallel size {tp.world_size}")
@@ -52,7 +53,7 @@ class ColumnParallelLinear(PackableLinear):
         self.full_sizes = list(shard_sizes)
         self.local_sizes = [s // tp.world_size for s in shard_sizes]
         out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self._take_method(ctx, LinearSpec(names, output_to_kernel=self.output_to_kernel), in_features, out)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,13 +74,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; KV heads are replicated when there are fewer than ranks
     (distributed/sharding.py says which one a rank holds)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        tp = get_tp_group().world_size
+    output_to_kernel = False  # q, k, v go to RoPE and attention
+
+    def __init__(self, ctx: BuildContext, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, names: tuple[str, ...] = ()) -> None:
+        tp = ctx.tp_group.world_size
         if num_kv_heads < tp and tp % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over tensor parallel size {tp}")
         self.kv_replicas = max(1, tp // num_kv_heads)
         kv_global = max(num_kv_heads, tp) * head_dim
-        super().__init__(hidden, [num_heads * head_dim, kv_global, kv_global], bias)
+        super().__init__(ctx, hidden, [num_heads * head_dim, kv_global, kv_global], bias, names)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
@@ -96,17 +100,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data[start:start + d].copy_(loaded[head * d:(head + 1) * d])
 
 
-class RowParallelLinear(PackableLinear):
+class RowParallelLinear(LinearBase):
     """y = all_reduce(x_local W_local^T): each rank holds a slice of the input features."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, ctx: BuildContext, in_features: int, out_features: int, bias: bool = False,
+                 names: tuple[str, ...] = ()) -> None:
         super().__init__()
-        tp = get_tp_group()
+        tp = ctx.tp_group
         if in_features % tp.world_size:
             raise ValueError(f"input size {in_features} not divisible by tensor parallel size {tp.world_size}")
         self.tp = tp
         self.local_in = in_features // tp.world_size
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        # with one rank the output goes straight into the fused residual norm; with more,
+        # into the all-reduce first
+        spec = LinearSpec(names, output_to_kernel=tp.world_size == 1)
+        self._take_method(ctx, spec, self.local_in, out_features)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

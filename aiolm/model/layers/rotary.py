@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiolm.kernels import ops
+from aiolm.kernels.ops import TorchOps
 
 
 def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -41,8 +41,9 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[t
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         inv, _ = _inv_freq(head_dim, theta, scaling)
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(pos, inv)
@@ -52,4 +53,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hk, D], positions: [T]. May rotate q and k in place."""
-        return ops.rotary(positions, q, k, self.cos, self.sin)
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)

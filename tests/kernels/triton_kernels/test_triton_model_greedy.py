@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from paged import PagedHarness
-from triton_cases import ops_installed
+from triton_cases import model_with_ops
 
 
 @pytest.mark.slow
@@ -24,7 +24,6 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
     from aiolm.attention.triton_backend import TritonAttention
     from aiolm.kernels.triton import activation, norm, rope
     from aiolm.kernels.triton.ops import TritonOps
-    from aiolm.model.registry import build_model
 
     prompts = [tokenizer.encode("The capital of France is"),
                tokenizer.encode("List three colours of the rainbow, then say why the sky is blue:")]
@@ -33,7 +32,7 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
     # attend to a cached prefix; then decode rows, all in flat batches of both prompts
     want = PagedHarness(real_model, block_size=16).greedy(prompts, max_new, split=3)
 
-    triton_model = build_model(real_source, torch.float32, attention="triton")
+    triton_model = model_with_ops(real_source, TritonOps(), "triton")
     assert all(type(layer.self_attn.attn) is TritonAttention for layer in triton_model.layers)
     launches: Counter[str] = Counter()
     for mod, name in ((norm, "rms_norm"), (norm, "add_rms_norm_"), (rope, "rotary_"), (activation, "silu_and_mul")):
@@ -41,8 +40,7 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
             launches[_name] += 1
             return _real(*a, **kw)
         monkeypatch.setattr(mod, name, counted)
-    with ops_installed(TritonOps()):
-        got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
+    got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
     assert got == want
     assert len(want[0]) == len(want[1]) == max_new
     # every op of every layer ran its kernel: 2 prefill passes + 2 decode steps

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from aiolm.kernels.ops import TorchOps
-from triton_cases import ops_installed
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 KERNELS = [("norm", "rms_norm"), ("norm", "add_rms_norm_"), ("rope", "rotary_"),
@@ -134,10 +133,13 @@ def test_a_gemma3_forward_matches_the_reference(spy, device):
     """A tiny random Gemma 3 (QK-norm on [T, H, D] views, four norms per layer, GeLU-tanh,
     a sliding and a global layer): the same logits through TritonOps as through TorchOps,
     for a flat batch of two prefills and then a decode step."""
-    from aiolm.attention.selector import use_attention_backend
     from aiolm.attention.torch_backend import TorchAttention
     from aiolm.checkpoint.gemma3 import Gemma3Config
-    from aiolm.model.registry import build_from_config
+    from aiolm.distributed.parallel_state import get_tp_group
+    from aiolm.kernels.triton.ops import TritonOps
+    from aiolm.model.layers.context import BuildContext
+    from aiolm.model.registry import build_from_config, finish
+    from aiolm.quant import quant_config
     from paged import PagedHarness
 
     cfg = Gemma3Config(architecture="gemma3", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -145,29 +147,29 @@ def test_a_gemma3_forward_matches_the_reference(spy, device):
                        max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
                        sliding_windows=(8, None), local_layers=(True, False), query_pre_attn_scalar=32.0,
                        final_logit_softcapping=3.0)
-    with use_attention_backend(TorchAttention):
-        model = build_from_config(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if "norm" in name else
-                    0.15 * torch.randn(p.shape, generator=g))
-    model = model.to(device).eval()
+
+    def build(ops: TorchOps) -> torch.nn.Module:
+        """The same random weights each time, on ``ops``."""
+        ctx = BuildContext(ops=ops, attention_backend=TorchAttention, quant=quant_config("dense"),
+                           tp_group=get_tp_group(), device=torch.device(device))
+        model = build_from_config(cfg, ctx)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if "norm" in name else
+                        0.15 * torch.randn(p.shape, generator=g))
+        return finish(model, ctx)
+
     prompts = {0: list(range(3, 15)), 1: list(range(40, 45))}
 
-    def run() -> list[torch.Tensor]:
+    def run(model: torch.nn.Module) -> list[torch.Tensor]:
         h = PagedHarness(model, num_blocks=8, block_size=16, device=device)
         first = h.step(prompts)
         second = h.step({0: [7], 1: [9]})
         return [first[0], first[1], second[0], second[1]]
 
-    from aiolm.kernels.triton.ops import TritonOps
-
-    with ops_installed(TorchOps()):
-        want = run()
-
-    with ops_installed(TritonOps()):
-        got = run()
+    want = run(build(TorchOps()))
+    got = run(build(TritonOps()))
     for g_, w in zip(got, want):
         torch.testing.assert_close(g_, w, atol=1e-4, rtol=1e-4)
     # per step: 2 layers x (4 decoder norms + q and k norms) + the final norm, one GeLU per layer

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -94,14 +92,17 @@ def assert_same_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
         assert torch.equal(got, want)
 
 
-@contextmanager
-def ops_installed(impl) -> Iterator[None]:
-    """Model layers call ``impl``'s ops (aiolm.kernels.ops) inside the block, the previous ones after."""
-    from aiolm.kernels import ops
+def model_with_ops(source, ops, attention: str):
+    """The model of ``source`` as the CPU platform builds it in float32, but calling ``ops``
+    (a test's choice: the Triton ops under triton's interpreter) and ``attention``."""
+    import dataclasses
 
-    before = ops._impl  # not ops.current(): that would build the C++ CPU kernels to install them
-    ops.install(impl)
-    try:
-        yield
-    finally:
-        ops._impl = before
+    from aiolm.model.loader import iter_weights
+    from aiolm.model.registry import build_context, build_from_config, finish
+    from aiolm.platforms import get_platform
+
+    ctx = build_context(get_platform("cpu"), torch.float32, attention, source.config, source.origin)
+    ctx = dataclasses.replace(ctx, ops=ops)
+    model = build_from_config(source.config, ctx)
+    model.load_weights(iter_weights(source, lazy=True))
+    return finish(model, ctx)

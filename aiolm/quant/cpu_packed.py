@@ -1,0 +1,142 @@
+"""Float32 and bfloat16 linear layers on the CPU, with each weight laid out once at load time.
+
+``F.linear`` goes to MKL's sgemm, which re-lays out the weight on every call and
+takes a slow path on AMD CPUs. aiolm's own kernel (``aiolm::panel_linear``,
+ext/cpu/panel_gemm.cpp) reads the weight as panels of 16 output columns, and in a
+whole model's sequence of layers beats oneDNN's packed GEMM at small batches and
+matches it above (benchmarks/bench_linear.py). Without the compiled kernels, oneDNN's
+packed weight is the fallback. Either layout is checked against ``F.linear`` on a probe
+before it is used, and a layer whose layout fails the probe keeps its plain weight.
+
+With a bfloat16 matmul dtype (``--dtype bfloat16`` on a CPU that multiplies in it) the
+weight is instead packed by oneDNN in bfloat16, which runs on AMX or AVX512-BF16: x is
+rounded to bfloat16 on the way in and y comes back as float32, so everything between
+the matmuls stays float32. The LM head always multiplies in float32, so that greedy
+picks and logprobs do not hang on bfloat16's 8-bit logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aiolm.kernels import cpu as cpu_kernels
+from aiolm.quant.base import LinearMethod, LinearSpec, QuantConfig
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output columns per panel, as panel_gemm.cpp lays them out
+_ONEDNN_BATCH_HINT = 64  # oneDNN picks its weight layout for about this many rows
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out, in] in the layout of the kernel that multiplies a float32 x by it."""
+
+    data: torch.Tensor
+    out_features: int
+    panels: bool  # True: aiolm::panel_linear's [P, in, 16]; False: oneDNN's opaque layout
+    hand_over_bf16: bool = False  # a bfloat16 matmul's y as it comes (the next op reads bfloat16)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y in float32, or in bfloat16 for a bfloat16 matmul that hands its output over."""
+        if self.panels:
+            y = torch.ops.aiolm.panel_linear(x, self.data, self.out_features)
+            return y if bias is None else y.add_(bias)
+        if self.data.dtype == torch.bfloat16:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, None, "none", [], "")
+            if not self.hand_over_bf16:
+                y = y.float()
+            return y if bias is None else y.add_(bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in, 16], zero-padded: panel p holds columns 16p..16p+15."""
+    n, k = weight.shape
+    p = -(-n // PANEL)
+    padded = weight.new_zeros(p * PANEL, k)
+    padded[:n] = weight
+    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _pack(weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight | None:
+    if dtype == torch.float32 and cpu_kernels.ready(weight):
+        return PackedWeight(to_panels(weight), weight.shape[0], panels=True)
+    weight = weight.to(dtype)
+    try:
+        data = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
+    except (AttributeError, RuntimeError) as e:
+        log.info("oneDNN packed linear unavailable, using F.linear: %s", e)
+        return None
+    return PackedWeight(data, weight.shape[0], panels=False)
+
+
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32,
+                hand_over_bf16: bool = False) -> PackedWeight | None:
+    """A packed copy of a float32 CPU weight [out, in] to multiply in ``dtype`` (float32 or
+    bfloat16), or None if none can be used."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"packed CPU matmuls run in float32 or bfloat16, not {dtype}")
+    packed = _pack(weight.contiguous(), dtype)
+    if packed is None:
+        return None
+    probe = torch.randn(7, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    got = packed(probe).float()
+    want = nn.functional.linear(probe.to(dtype), weight.to(dtype)).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
+        log.warning("packed linear disagrees with F.linear on a probe; not using it")
+        return None
+    if hand_over_bf16 and packed.data.dtype == torch.bfloat16:
+        packed = PackedWeight(packed.data, packed.out_features, packed.panels, hand_over_bf16=True)
+    return packed
+
+
+class CpuPackedMethod(LinearMethod):
+    """The layer's float32 weight packed once for ``dtype`` matmuls; ``layer.packed`` holds
+    the copy (None where no layout passed its probe: then the plain weight)."""
+
+    def __init__(self, dtype: torch.dtype, hand_over_bf16: bool = False, keep_weight: bool = False) -> None:
+        self.dtype = dtype
+        self.hand_over_bf16 = hand_over_bf16
+        self.keep_weight = keep_weight
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        super().create_weights(layer, in_features, out_features)
+        layer.packed = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        packed = pack_weight(layer.weight.data, self.dtype, self.hand_over_bf16)
+        layer.packed = packed
+        if packed is not None and not self.keep_weight:
+            layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = layer.packed
+        if packed is None:
+            return nn.functional.linear(x.to(layer.weight.dtype), layer.weight, bias)
+        return packed(x, bias)
+
+
+class CpuPackedConfig(QuantConfig):
+    """Decoder layers multiply in ``matmul_dtype`` (float32 or bfloat16), the LM head in
+    float32. With ``hand_over_bf16`` (the fused C++ ops read bfloat16), a bfloat16 matmul
+    whose output goes straight into such an op hands it over as it is."""
+
+    name = "cpu_packed"
+
+    def __init__(self, matmul_dtype: torch.dtype = torch.float32, hand_over_bf16: bool = False) -> None:
+        self.matmul_dtype = matmul_dtype
+        self.hand_over_bf16 = hand_over_bf16
+
+    def linear_method(self, spec: LinearSpec) -> LinearMethod:
+        if spec.lm_head:
+            return CpuPackedMethod(torch.float32, keep_weight=spec.shared_weight)
+        return CpuPackedMethod(self.matmul_dtype, self.hand_over_bf16 and spec.output_to_kernel,
+                               keep_weight=spec.shared_weight)
