@@ -14,9 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILES = sorted((ROOT / "aiolm" / "model").rglob("*.py"))
 
 # Names whose use in model code would mean choosing by hardware.
-HARDWARE_IMPORTS = {"aiolm.kernels.cpu", "aiolm.platforms.cpu", "aiolm.platforms.cuda",
-                    "aiolm.platforms.cpu_linear", "aiolm.platforms.gguf_blocks", "aiolm.attention.cpu_backend",
-                    "aiolm.attention.triton_backend"}
+HARDWARE_IMPORTS = {"aiolm.kernels.cpu", "aiolm.kernels.cpu_ops", "aiolm.kernels.triton", "aiolm.platforms.cpu",
+                    "aiolm.platforms.cuda", "aiolm.quant.cpu_packed", "aiolm.quant.gguf_blocks",
+                    "aiolm.attention.cpu_backend", "aiolm.attention.triton_backend"}
+# What a layer or a family gets from its BuildContext, never from a process-wide source.
+LAYER_FILES = sorted((ROOT / "aiolm" / "model" / "layers").rglob("*.py")) + [
+    ROOT / "aiolm" / "model" / f for f in ("llama.py", "gemma3.py")]
+PROCESS_WIDE = {"aiolm.platforms", "aiolm.platforms.get_platform", "aiolm.platforms.current_platform",
+                "aiolm.distributed.parallel_state"}
 HARDWARE_WORDS = ("torch.ops.aiolm", "torch.cuda", "device.type", "cpu_kernels", "has_avx512", "is_available")
 
 
@@ -45,10 +50,26 @@ def test_model_code_does_not_branch_on_hardware(path):
         assert word not in code, f"{path.name} mentions {word}"
 
 
+@pytest.mark.parametrize("path", LAYER_FILES, ids=[str(p.relative_to(ROOT)) for p in LAYER_FILES])
+def test_layers_take_what_they_run_on_from_their_build_context(path):
+    found = _imports(ast.parse(path.read_text())) & PROCESS_WIDE
+    assert not found, f"{path.name} imports {found}: a layer gets its platform's choices through BuildContext"
+
+
+PLATFORM_FILES = sorted((ROOT / "aiolm" / "platforms").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", PLATFORM_FILES, ids=[str(p.relative_to(ROOT)) for p in PLATFORM_FILES])
+def test_platforms_import_no_model_code(path):
+    """A platform answers questions about its hardware; the builder takes its answers to the model."""
+    found = {m for m in _imports(ast.parse(path.read_text())) if m.startswith(("aiolm.model", "aiolm.worker"))}
+    assert not found, f"{path.name} imports {found}"
+
+
 def test_engine_process_imports_no_model_stack():
     probe = ("import sys, aiolm.engine.async_engine\n"
              "bad = ('aiolm.worker', 'aiolm.model.layers', 'aiolm.model.llama', 'aiolm.model.registry', "
-             "'aiolm.kernels', 'aiolm.attention', 'aiolm.platforms')\n"
+             "'aiolm.kernels', 'aiolm.attention', 'aiolm.platforms', 'aiolm.quant')\n"
              "print(sorted(m for m in sys.modules if m.startswith(bad)))\n"
              "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
