@@ -68,13 +68,13 @@ def linear_case(case: str, rows: int):
         from aiolm.model.loader import resolve_model
         from aiolm.model.registry import build_model
 
-        ws = [build_model(resolve_model(None)).lm_head.method.blocks]
+        ws = [build_model(resolve_model(None)).lm_head.gguf.blocks]
     elif case == "model":
         from aiolm.model.loader import resolve_model
         from aiolm.model.registry import build_model
 
-        ws = [mod.method.blocks for mod in build_model(resolve_model(None)).modules()
-              if hasattr(getattr(mod, "method", None), "blocks")]
+        ws = [mod.gguf.blocks for mod in build_model(resolve_model(None)).modules()
+              if getattr(mod, "gguf", None) is not None]
     elif case == "prompt-layer":
         rows = 2048
         ws = [random_blocks(n, k, rng, "Q4_1") for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
@@ -140,10 +140,9 @@ def panel_case(rows: int):
 
     ws = []
     for mod in build_model(resolve_model(None), torch.float32).modules():
-        method = getattr(mod, "method", None)
-        method = getattr(method, "fallback", method)  # a GGUF layer's float32 matmul
-        if getattr(method, "panels", False):
-            ws.append(method)
+        packed = getattr(mod, "packed", None)  # a layer's float32 matmul (a GGUF layer's beside its blocks)
+        if getattr(packed, "panels", False):
+            ws.append(packed)
     return ws, [torch.randn(rows, w.data.shape[1]) for w in ws]
 
 

@@ -4,7 +4,7 @@
 
 1. SmolLM2-135M's linear shapes at several batch sizes: F.linear (MKL) against
    oneDNN with the weight packed once, aiolm::panel_linear over 16-column panels
-   (platforms/cpu_linear.py) and the GGUF file's own blocks
+   (aiolm/quant/cpu_packed.py) and the GGUF file's own blocks
    (aiolm::gguf_linear). Weights stay in cache here, which flatters every method.
 1b. All 30 layers' four linears in sequence, distinct weights per layer as in a
    real step, oneDNN against the panels (runs interleaved, medians).
@@ -72,7 +72,7 @@ def main() -> None:
               ("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("lm_head", model.lm_head)]
     if "1" in sections:
         per_layer_methods(layers)
-    shapes = [(mod.method.blocks.n, mod.method.blocks.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
+    shapes = [(mod.gguf.blocks.n, mod.gguf.blocks.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
     if "1b" in sections:
         layer_sequence(shapes, a.rounds)
     if "1c" in sections:
@@ -82,17 +82,17 @@ def main() -> None:
     if "1e" in sections:
         int8_kernel_rate()
     if "1f" in sections:
-        int8_prompt_layer([mod.method.blocks for _, mod in layers[:4]], shapes)
+        int8_prompt_layer([mod.gguf.blocks for _, mod in layers[:4]], shapes)
     if "2" in sections:
         decode_steps(model, a.rounds)
 
 
 def per_layer_methods(layers) -> None:
-    from aiolm.platforms.cpu_linear import to_panels
+    from aiolm.quant.cpu_packed import to_panels
 
     print("| layer | rows | F.linear GFLOP/s | oneDNN packed | panels | GGUF blocks |\n|---|---|---|---|---|---|")
     for name, mod in layers:
-        g = mod.method.blocks
+        g = mod.gguf.blocks
         n, k = g.n, g.scale.shape[1] // 8 * 32
         w = torch.randn(n, k)
         dnnl_w, panels = onednn(w), to_panels(w)
@@ -109,7 +109,7 @@ def per_layer_methods(layers) -> None:
 
 
 def layer_sequence(shapes, rounds: int) -> None:
-    from aiolm.platforms.cpu_linear import to_panels
+    from aiolm.quant.cpu_packed import to_panels
 
     print("\n| rows | 30 layers' linears, oneDNN (ms) | panels (ms) | panels GFLOP/s |\n|---|---|---|---|")
     for m in (16, 32, 64, 128, 512, 2048):
@@ -136,12 +136,12 @@ def layer_sequence(shapes, rounds: int) -> None:
 def int8_crossover(layers, rounds: int) -> None:
     """Microseconds per call of one layer's weights: short timed runs (5 calls), so that on a
     shared machine most runs fit in one time slice and the median is the unloaded speed."""
-    from aiolm.platforms.cpu_linear import to_panels
+    from aiolm.quant.cpu_packed import to_panels
 
     print("\n| layer (N x K, type) | rows | GGUF blocks, float (µs) | GGUF blocks, int8 x (µs) | panels (µs) |"
           "\n|---|---|---|---|---|")
     for name, mod in layers:
-        g = mod.method.blocks
+        g = mod.gguf.blocks
         n, k = g.n, g.scale.shape[1] // 8 * 32
         panels = to_panels(torch.randn(n, k))
         kind = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[g.qtype]
@@ -166,7 +166,7 @@ def random_blocks(n: int, k: int, rng, qtype: str = "Q4_0"):
     scale 0.01 (Q4_1's mins -0.08)."""
     import numpy as np
 
-    from aiolm.platforms.gguf_blocks import GGUFWeight
+    from aiolm.quant.gguf_blocks import GGUFWeight
 
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
     b = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
@@ -179,7 +179,7 @@ def random_blocks(n: int, k: int, rng, qtype: str = "Q4_0"):
 def int8_tinyllama(rounds: int) -> None:
     import numpy as np
 
-    from aiolm.platforms.cpu_linear import pack_weight
+    from aiolm.quant.cpu_packed import pack_weight
 
     rng = np.random.default_rng(0)
 
@@ -231,7 +231,7 @@ def int8_kernel_rate() -> None:
 
 
 def int8_prompt_layer(blocks, shapes) -> None:
-    from aiolm.platforms.gguf_blocks import TYPE_IDS
+    from aiolm.quant.gguf_blocks import TYPE_IDS
 
     rows, names = 2048, {v: k for k, v in TYPE_IDS.items()}
     xs = [torch.randn(rows, k) for _, k in shapes]
@@ -257,13 +257,13 @@ def int8_prompt_layer(blocks, shapes) -> None:
 def decode_steps(model, rounds: int) -> None:
     from paged import PagedHarness
 
-    from aiolm.platforms import gguf_blocks
+    from aiolm.quant import gguf_blocks
 
     # Each layer's int8 limit is fixed when its blocks are attached: lift it, so that the int8
     # column is int8 at every batch size (the fused layers read it too).
     for m in model.modules():
-        if isinstance(getattr(m, "method", None), gguf_blocks.GGUFLinear):
-            m.method = dataclasses.replace(m.method, int8_rows=64)
+        if isinstance(getattr(m, "gguf", None), gguf_blocks.GGUFLinear):
+            m.gguf = dataclasses.replace(m.gguf, int8_rows=64)
     for layer in model.layers:
         layer.fused = gguf_blocks.FusedDecodeLayer.of(layer)
     names = ("MAX_ROWS", "INT8")
@@ -290,7 +290,7 @@ def decode_steps(model, rounds: int) -> None:
 
 
 def onednn(w: torch.Tensor):
-    from aiolm.platforms.cpu_linear import PackedWeight
+    from aiolm.quant.cpu_packed import PackedWeight
 
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), w.shape[0], panels=False)
 

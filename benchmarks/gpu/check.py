@@ -29,13 +29,11 @@ SKIP = 3
 
 
 def _model(dtype: torch.dtype = torch.float32, attention: str = "auto"):
-    """The embedded model on CUDA, its layers' ops those the CUDA platform installs in a
-    worker (TritonOps), as the engine runs it."""
+    """The embedded model on CUDA, its layers' ops the CUDA platform's (TritonOps), as the
+    engine runs it."""
     from aiolm.model.loader import resolve_model
     from aiolm.model.registry import build_model
-    from aiolm.platforms import get_platform
 
-    get_platform("cuda").install()
     source = resolve_model(None)
     return source, build_model(source, dtype, torch.device("cuda"), attention=attention)
 

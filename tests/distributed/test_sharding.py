@@ -16,6 +16,8 @@ from aiolm.distributed.parallel_state import TPGroup, set_tp_group
 from aiolm.distributed.sharding import kv_head_for_rank, split_error
 from aiolm.model.llama import LlamaForCausalLM
 from aiolm.model.loader import iter_weights
+from aiolm.model.registry import build_context, build_from_config
+from aiolm.platforms import get_platform
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +38,7 @@ def _load_rank(source, rank: int, world: int) -> tuple[LlamaForCausalLM, int]:
     """Rank ``rank``'s model, loaded as the worker loads it; and the bytes it read."""
     set_tp_group(TPGroup(rank, world))  # loading runs no collective
     try:
-        model = LlamaForCausalLM(source.config)
+        model = build_from_config(source.config, build_context(get_platform("torch")))
         seen = []
 
         def weights():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
+from aiolm.kernels.cpu_ops import CpuKernelOps
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.kernels.ops import TorchOps
 from aiolm.model.layers.rotary import RotaryEmbedding
@@ -30,7 +31,7 @@ def test_rms_norm_and_the_fused_residual_add(rows, size):
 
 def test_rms_norm_module_gives_the_same_answer_on_both_paths():
     torch.manual_seed(0)
-    norm = RMSNorm(64, 1e-6)
+    norm = RMSNorm(64, 1e-6, CpuKernelOps())
     norm.weight.data.uniform_(0.5, 1.5)
     x, res = torch.randn(5, 64), torch.randn(5, 64)
     fused_h, fused_r = norm(x.clone(), res.clone())
@@ -43,7 +44,7 @@ def test_rms_norm_module_gives_the_same_answer_on_both_paths():
 def test_rotary_in_place_on_strided_views_of_a_fused_qkv():
     torch.manual_seed(1)
     heads, kv_heads, d, t = 9, 3, 64, 11
-    rope = RotaryEmbedding(d, 4096, 10000.0)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None, CpuKernelOps())
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
     q = qkv[:, : heads * d].reshape(t, heads, d)  # strided views, as the model has them
     k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(t, kv_heads, d)

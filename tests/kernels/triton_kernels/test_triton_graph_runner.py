@@ -21,6 +21,7 @@ class TinyAttentionLayer:
 
     def __init__(self, device: str) -> None:
         from aiolm.attention.triton_backend import TritonAttention
+        from aiolm.kernels.ops import TorchOps
         from aiolm.model.layers.rotary import RotaryEmbedding
 
         g = torch.Generator().manual_seed(0)
@@ -28,7 +29,7 @@ class TinyAttentionLayer:
         self.emb, self.wq, self.wk, self.wv, self.wo = (
             w(100, HIDDEN), w(HIDDEN, HEADS * HEAD_DIM), w(HIDDEN, KV_HEADS * HEAD_DIM),
             w(HIDDEN, KV_HEADS * HEAD_DIM), w(HEADS * HEAD_DIM, HIDDEN))
-        rope = RotaryEmbedding(HEAD_DIM, MAX_LEN, 10000.0)
+        rope = RotaryEmbedding(HEAD_DIM, MAX_LEN, 10000.0, None, TorchOps())  # its cos/sin tables only
         self.cos, self.sin = rope.cos.to(device), rope.sin.to(device)
         self.attn = TritonAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
         self.cache = torch.zeros(2, 40, BLOCK, KV_HEADS, HEAD_DIM, device=device)

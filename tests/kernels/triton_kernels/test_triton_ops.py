@@ -75,7 +75,7 @@ def test_norms_match_the_reference(dtype, triton_ops, spy, device):
 def test_rotary_matches_the_reference(dtype, triton_ops, spy, device):
     from aiolm.model.layers.rotary import RotaryEmbedding
 
-    emb = RotaryEmbedding(32, 64, 10000.0).to(dtype)  # as a model built in ``dtype`` holds it
+    emb = RotaryEmbedding(32, 64, 10000.0, None, TorchOps()).to(dtype)  # as a model built in ``dtype`` holds it
     pos = torch.tensor([0, 1, 15, 16, 63], device=device)
     qkv = _rand(5, (3 + 2 * 1) * 32, dtype=dtype, device=device)
     want_q, want_k = TorchOps().rotary(pos, qkv[:, :96].view(5, 3, 32), qkv[:, 96:128].view(5, 1, 32),

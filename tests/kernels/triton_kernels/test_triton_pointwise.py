@@ -92,7 +92,7 @@ def test_rope_matches_the_model_layer(device):
     from aiolm.kernels.ops import TorchOps
     from aiolm.model.layers.rotary import RotaryEmbedding
 
-    emb = RotaryEmbedding(64, 512, 100000.0)
+    emb = RotaryEmbedding(64, 512, 100000.0, None, TorchOps())
     pos = torch.tensor([0, 1, 17, 511, 300])
     q, k = _rand(5, 9, 64, dtype=torch.float32), _rand(5, 3, 64, dtype=torch.float32, seed=4)
     want_q, want_k = TorchOps().rotary(pos, q.clone(), k.clone(), emb.cos, emb.sin)  # the model's reference
