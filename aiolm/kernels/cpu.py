@@ -77,7 +77,7 @@ def has_avx512_vnni() -> bool:
 
 def has_amx() -> bool:
     """Whether oneDNN's bfloat16 matmuls run on AMX tiles here, which overtake the int8
-    kernels beyond 32 rows (platforms/gguf_blocks.py)."""
+    kernels beyond 32 rows (aiolm/quant/gguf_blocks.py)."""
     return " amx_bf16" in _cpu_flags()
 
 

@@ -3,7 +3,7 @@
 ``gguf.GGUFReader`` builds a numpy view for every part of every metadata field,
 and a tokenizer's vocabulary is tens of thousands of strings, so opening the
 embedded model with it costs seconds of Python on every worker start. Attaching
-the file's blocks (platforms/gguf_blocks.py) only needs the tensor table, so
+the file's blocks (aiolm/quant/gguf_blocks.py) only needs the tensor table, so
 this reads the header, steps over the metadata by its lengths, and maps the
 tensors' bytes. The format is ggml's GGUF v2/v3 (little-endian).
 """
