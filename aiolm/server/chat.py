@@ -56,7 +56,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
                               param=structured_param)
         structured, structured_param = plan.enforced, "tools"
     cont = req.continue_final_message
-    if cont and req.add_generation_prompt and "add_generation_prompt" in body:
+    if cont and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     engine = ctx.engine
