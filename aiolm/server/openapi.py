@@ -94,8 +94,8 @@ def component_schemas(limits: Limits) -> dict[str, Any]:
     """Every request and answer model, nested ones lifted out of ``$defs``, by class name
     (cached per limits: the result is shared, never mutated)."""
     requests = [bounded(m, limits) for m in REQUEST_MODELS.values()]
-    answers: list[type[BaseModel]] = [out.ErrorResponse, *(ok for _, _, ok, _ in _POSTS), out.TokenizerInfo, out.ModelList,
-               out.ServerLoad, out.Status, out.Version]
+    answers: list[type[BaseModel]] = [out.ErrorResponse, *(ok for _, _, ok, _ in _POSTS), out.TokenizerInfo,
+                                      out.ModelList, out.ServerLoad, out.Status, out.Version]
     keyed: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests]
     keyed += [(m, "serialization") for m in answers]
     _, top = models_json_schema(keyed, ref_template=_REF)

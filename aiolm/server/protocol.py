@@ -395,7 +395,8 @@ def bounded(model: type[M], limits: Limits) -> type[M]:
         f = model.model_fields.get(name)
         if f is not None:
             fields[name] = (typ, Field(... if f.is_required() else f.default, description=f.description))
-    return create_model(model.__name__, __base__=model, __doc__=model.__doc__, **fields)  # type: ignore[call-overload, no-any-return]
+    made = create_model(model.__name__, __base__=model, __doc__=model.__doc__, **fields)  # type: ignore[call-overload]
+    return made  # type: ignore[no-any-return]
 
 
 REQUEST_MODELS: dict[str, type[Strict]] = {
