@@ -30,7 +30,7 @@ def torch_cuda_build() -> bool:
     if spec is None or not spec.submodule_search_locations:
         return False
     try:
-        text = (Path(list(spec.submodule_search_locations)[0]) / "version.py").read_text()
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
     except OSError:
         return False
     m = re.search(r"^cuda\b[^=\n]*=\s*(.+)$", text, re.MULTILINE)

@@ -11,7 +11,7 @@ Nothing here imports torch: the engine process reads configs too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from aiolm.errors import ModelLoadError
 
@@ -45,7 +45,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json", *, architecture: str,
-                **family: Any) -> "ModelConfig":
+                **family: Any) -> Self:
         """The fields every decoder has, as Llama-style configs spell them; a family module
         passes ``family`` values for the fields it spells or defaults differently, and for
         its subclass's own fields."""

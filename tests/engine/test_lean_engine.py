@@ -46,7 +46,7 @@ asyncio.run(main())
 @pytest.mark.slow
 def test_engine_process_imports_no_model_stack_nor_torch():
     run = subprocess.run([sys.executable, "-c", _CHILD, ",".join(FORBIDDEN)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["tokens"] == 8 and report["text"].strip(), report  # the workers did generate
