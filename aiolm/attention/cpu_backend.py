@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from aiolm.kernels import cpu as cpu_kernels
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import TorchAttention
+from aiolm.kernels import cpu as cpu_kernels
 
 
 class CpuPagedAttention(TorchAttention):

@@ -55,7 +55,7 @@ class AttentionBackend:
         self.group = num_heads // num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens (written by ``slot_mapping``).
         Returns [T, H * D]."""
         raise NotImplementedError
@@ -108,7 +108,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
         """Build metadata from plain lists (tests and simple callers)."""
         slots: list[int] = []
         for q, s, blocks in zip(query_lens, seq_lens, block_ids):

@@ -23,7 +23,7 @@ loading this module reuses.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -32,7 +32,11 @@ from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.gemma3 import Gemma3Config
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aiolm.model.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
 from aiolm.model.llama import LlamaForCausalLM

@@ -7,7 +7,7 @@ sliding windows (Mistral; Qwen2 / Qwen3 where the config enables them).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -16,7 +16,11 @@ from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aiolm.model.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
 

@@ -1,8 +1,11 @@
-"""Building a ready model from a ModelSource.
+"""Building a ready model from a ModelSource: the builder, the one place that asks a
+platform for its choices and hands them to a model.
 
 Which family runs which Hugging Face architecture, and how its config reads, is the
 torch-free table in aiolm/checkpoint/families.py; a family's model is one module under
-aiolm/model/ holding its layers and its weight names.
+aiolm/model/ holding its layers and its weight names. A model is constructed with a
+BuildContext (model/layers/context.py), loaded, then finished: moved to its device and
+dtype and each layer's weights laid out by its quant method.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.families import family_of
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model.layers.context import BuildContext, process_weights_after_loading
-from aiolm.platforms import Platform, get_platform
-
 from aiolm.model.loader import iter_weights
+from aiolm.platforms import Platform, get_platform
 
 if TYPE_CHECKING:
     from aiolm.checkpoint.source import ModelSource

@@ -12,7 +12,8 @@ torch ops, the torch attention backend and dense weights, on any device.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ class Platform:
         """Process-wide settings for a process that only runs steps (a worker process or a
         Ray actor, never the user's own), once its weights and KV cache are in place."""
 
-    def memory_guard(self, step: str, cfg: Any) -> ContextManager[None]:
+    def memory_guard(self, step: str, cfg: Any) -> AbstractContextManager[None]:
         """Wraps a step that allocates device memory (loading the weights, the KV cache):
         where the device can run out, running out becomes a clear error naming the knob."""
         return contextlib.nullcontext()

@@ -23,7 +23,6 @@ from aiolm.kernels.ops import TorchOps
 from aiolm.platforms.base import Platform
 from aiolm.quant import QuantConfig, quant_config
 
-
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 _ONEDNN_BATCH_HINT = 64  # as aiolm/quant/cpu_packed.py packs

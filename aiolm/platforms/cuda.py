@@ -4,7 +4,8 @@ triton is installed, and the memory questions the worker sizes the KV cache by."
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -107,5 +108,5 @@ class CudaPlatform(Platform):
                 f"--max-num-batched-tokens / --max-num-seqs{hint}. torch: {str(e).splitlines()[0]}") from e
 
 
-def _gib(n: int | float) -> str:
+def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"

@@ -27,4 +27,4 @@ def quant_config(name: str, **options: Any) -> QuantConfig:
     return getattr(importlib.import_module(module), cls)(**options)
 
 
-__all__ = ["LinearMethod", "LinearSpec", "QuantConfig", "QUANT_CONFIGS", "quant_config"]
+__all__ = ["QUANT_CONFIGS", "LinearMethod", "LinearSpec", "QuantConfig", "quant_config"]

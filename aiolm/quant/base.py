@@ -10,8 +10,9 @@ passes x and its bias through; the output's dtype is the method's business.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

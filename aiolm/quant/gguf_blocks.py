@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from aiolm.attention.cpu_backend import CpuPagedAttention
-from aiolm.kernels import cpu as cpu_kernels
 from aiolm.checkpoint.gguf_convert import hf_name, unpermute_rope_rows
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.gguf_index import read_tensors
 from aiolm.quant.base import LinearMethod, LinearSpec, QuantConfig
 
@@ -128,7 +128,7 @@ class GGUFWeight:
     n: int  # output rows (the last group is padded with zero blocks)
 
     @classmethod
-    def from_blocks(cls, blocks: np.ndarray, ttype: str) -> "GGUFWeight":
+    def from_blocks(cls, blocks: np.ndarray, ttype: str) -> GGUFWeight:
         """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
         n = blocks.shape[0]
         pad = -n % 8
@@ -244,7 +244,7 @@ class FusedDecodeLayer:
     floats: list[float]
 
     @classmethod
-    def of(cls, layer: Any) -> "FusedDecodeLayer | None":
+    def of(cls, layer: Any) -> FusedDecodeLayer | None:
         """The fused step for ``layer``, a Llama-shaped decoder layer (input norm, attention
         with qkv/o projections, post-attention norm, SiLU MLP with gate_up/down), or None
         where its parts are not all what the C++ step computes."""
@@ -285,7 +285,7 @@ class GGUFBlocksMethod(LinearMethod):
     """``inner``'s weights and multiply, plus the file's blocks in ``layer.gguf`` (None where
     a tensor of the layer is not in a block type the kernels take) for the small steps."""
 
-    def __init__(self, config: "GGUFBlocksConfig", spec: LinearSpec, inner: LinearMethod,
+    def __init__(self, config: GGUFBlocksConfig, spec: LinearSpec, inner: LinearMethod,
                  dtype: torch.dtype) -> None:
         self.config, self.names, self.inner, self.dtype = config, spec.names, inner, dtype
 

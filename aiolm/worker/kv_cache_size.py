@@ -126,5 +126,5 @@ class KVCacheSizer:
                 f"max_model_len sequence needs ({min_blocks}); raise kv_cache_memory or lower max_model_len")
 
 
-def _gib(n: int | float) -> str:
+def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"

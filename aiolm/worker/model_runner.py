@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import kv_cache_shape
 from aiolm.config import RunnerConfig
-from aiolm.core.step import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from aiolm.model.loader import resolve_model
+from aiolm.core.step import (
+    LogprobsLists,
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+)
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.sample import logits_processors

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged import PagedHarness, hf_greedy
 
 from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.attention.torch_backend import TorchAttention
@@ -17,7 +18,6 @@ from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.quant.base import LinearMethod
 from aiolm.quant.cpu_packed import CpuPackedMethod
-from paged import PagedHarness, hf_greedy
 
 VOCAB, NEW_TOKENS = 512, 12
 PROMPTS = [[5, 17, 300, 42, 8, 99, 123], [400, 3, 3, 250, 77], list(range(60, 100))]
@@ -104,6 +104,6 @@ def test_a_layer_is_built_with_its_ops_or_not_at_all():
 
     with pytest.raises(TypeError):
         RMSNorm(8, 1e-6)  # type: ignore[call-arg]
-    import aiolm.kernels.ops as ops
+    from aiolm.kernels import ops
 
     assert not any(hasattr(ops, name) for name in ("install", "current", "_impl", "rms_norm"))

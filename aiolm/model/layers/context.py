@@ -8,7 +8,7 @@ hardware. Two models built from two contexts live side by side in one process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ class BuildContext:
     quant: QuantConfig  # each linear layer's method (aiolm/quant/)
     tp_group: Any  # this rank's TPGroup (aiolm/distributed/parallel_state.py)
     dtype: torch.dtype = torch.float32  # the weights and activations once loaded
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     platform: Any = None  # the platform that chose the above, for the record
 
 
