@@ -386,10 +386,10 @@ def bounded(model: type[M], limits: Limits) -> type[M]:
         "prompt_logprobs": logprobs,
         "top_logprobs": Annotated[int, Field(ge=0, le=limits.max_logprobs)] | None,
         "best_of": Annotated[int, Field(ge=1, le=limits.max_n)] | None,
-        "prompt": _prompt_type(limits.max_prompts),
     }
-    if issubclass(model, CompletionRequest):
-        types["logprobs"] = logprobs  # chat's is a boolean
+    if issubclass(model, CompletionRequest):  # chat's logprobs is a boolean; /tokenize's prompt one string
+        types["logprobs"] = logprobs
+        types["prompt"] = _prompt_type(limits.max_prompts)
     fields: dict[str, Any] = {}
     for name, typ in types.items():
         f = model.model_fields.get(name)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
@@ -218,3 +220,34 @@ def test_continuous_usage_stats(fake_engine, path, base):
         assert counts == sorted(counts) and counts[-1] == 2 and all(e["usage"]["prompt_tokens"] > 0 for e in events)
         plain = _sse(c.post(path, json={**base, "stream": True, "stream_options": {"include_usage": True}}).text)
         assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 2
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=8)
+_BASES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/responses": {"input": "hi"},
+          "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
+
+
+@pytest.mark.parametrize("path", sorted(_BASES))
+def test_any_json_in_any_field_is_answered_never_a_500(path):
+    """Whatever JSON a documented field gets, the answer is a success or a 4xx naming that field."""
+    engine = FakeEngine()
+    with _client(engine) as c:
+        fields = sorted(c.get("/openapi.json").json()["components"]["schemas"][
+            {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
+             "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest",
+             "/detokenize": "DetokenizeRequest"}[path]]["properties"])
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(field=st.sampled_from(fields), value=_JSON)
+        def check(field, value):
+            r = c.post(path, json={**_BASES[path], field: value})
+            assert r.status_code in (200, 400, 404), (field, value, r.text)
+            if r.status_code != 200:
+                err = r.json()["error"]
+                assert err["param"] and err["message"], (field, value, err)
+
+        check()
+    assert not engine.live
