@@ -327,14 +327,26 @@ def json_values():
         max_leaves=6)
 
 
-def from_schema(schema: dict, max_text: int = 24):
-    """A hypothesis strategy for the JSON Schema subset /openapi.json uses."""
+def from_schema(schema: dict | bool, max_text: int = 24, defs: dict | None = None):
+    """A hypothesis strategy for the JSON Schema subset /openapi.json uses (``defs``: its
+    components, which ``$ref`` names)."""
     from hypothesis import strategies as st
 
-    if "anyOf" in schema:
-        return st.one_of([from_schema(s, max_text) for s in schema["anyOf"]])
+    def sub(s: dict | bool):
+        return from_schema(s, max_text, defs)
+
+    if isinstance(schema, bool):  # true: any value
+        return json_values()
+    if "$ref" in schema:
+        assert defs is not None, schema
+        return st.deferred(lambda: sub(defs[schema["$ref"].rsplit("/", 1)[1]]))
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return st.one_of([sub(s) for s in schema[key]])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
+    if "const" in schema:
+        return st.just(schema["const"])
     t = schema.get("type")
     if t == "null":
         return st.none()
@@ -352,18 +364,16 @@ def from_schema(schema: dict, max_text: int = 24):
         return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", max_text), max_text))
     if t == "array":
         lo = schema.get("minItems", 0)
-        return st.lists(from_schema(schema.get("items", {}), max_text), min_size=lo,
-                        max_size=max(lo, min(schema.get("maxItems", 3), 3)))
+        return st.lists(sub(schema.get("items", {})), min_size=lo, max_size=max(lo, min(schema.get("maxItems", 3), 3)))
     if t == "object":
         props = schema.get("properties", {})
         if not props:
             extra = schema.get("additionalProperties", {})
-            return st.dictionaries(st.text(max_size=6), from_schema(extra, max_text) if extra else json_values(),
-                                   max_size=3)
+            return st.dictionaries(st.text(max_size=6), sub(extra) if extra else json_values(),
+                                   max_size=min(schema.get("maxProperties", 3), 3))
         required = schema.get("required", [])
         optional = [k for k in props if k not in required]
-        return st.fixed_dictionaries({k: from_schema(props[k], max_text) for k in required},
-                                     optional={k: from_schema(props[k], max_text) for k in optional})
+        return st.fixed_dictionaries({k: sub(props[k]) for k in required}, optional={k: sub(props[k]) for k in optional})
     return json_values()
 
 

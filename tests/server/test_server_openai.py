@@ -647,7 +647,7 @@ def test_fuzz_against_openapi_schema(server, model):
 
     strategies = []
     for path, name in targets.items():
-        body = from_schema(schemas[name]).map(
+        body = from_schema(schemas[name], defs=schemas).map(
             lambda b: {**b, "model": model} if isinstance(b, dict) and "model" in b and b.get("model") else b)
         strategies.append(st.tuples(st.just(path), mutate(body).map(lambda b, p=path: cheap(b, p))))
 
