@@ -45,9 +45,9 @@ def timed_step(sched: Scheduler, rng: random.Random) -> tuple[float, SchedulerOu
     t0 = time.perf_counter()
     so = sched.schedule()
     t1 = time.perf_counter()
-    mro = fake_output(sampled_ids(sched, so), rng)
+    runner_output = fake_output(sampled_ids(sched, so), rng)
     t2 = time.perf_counter()
-    sched.update_from_output(so, mro)
+    sched.update_from_output(so, runner_output)
     t3 = time.perf_counter()
     return (t1 - t0) + (t3 - t2), so
 

@@ -195,10 +195,11 @@ class Scheduler:
         self._worker_num_tokens: dict[str, int] = {}
         self._finished_req_ids: set[str] = set()  # to tell the workers next step
         self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
-        spec = config.speculative
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max, spec.search_window) if spec else None)
-        self.spec_decode_stats: SpecDecodeStats | None = SpecDecodeStats() if spec else None
+        speculative = config.speculative
+        self.proposer = (NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                       speculative.prompt_lookup_max, speculative.search_window)
+                         if speculative else None)
+        self.spec_decode_stats: SpecDecodeStats | None = SpecDecodeStats() if speculative else None
         # The Request objects of each step not yet updated (step -> req_id -> request): a
         # result belongs to the request that was scheduled, never to a later one reusing its id.
         self._step_reqs: dict[int, dict[str, Request]] = {}
@@ -218,24 +219,24 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         request.resolve_max_tokens(self.config.max_model_len)
-        spec = self.config.speculative
-        if spec is not None and supports_speculation(request.sampling_params):
-            request.spec_window = AcceptanceWindow(spec.window, spec.min_acceptance, spec.backoff,
-                                                   spec.num_speculative_tokens)
+        speculative = self.config.speculative
+        if speculative is not None and supports_speculation(request.sampling_params):
+            request.spec_window = AcceptanceWindow(speculative.window, speculative.min_acceptance,
+                                                   speculative.backoff, speculative.num_speculative_tokens)
         self.kv_cache_manager.attach(request)
         self.requests[request.req_id] = request
         self._queue(request)
 
     def _queue(self, request: Request) -> None:
         """Into the waiting queue, or first to the grammar wait when it has a grammar."""
-        spec = request.sampling_params.structured_outputs
-        if spec is None:
+        grammar = request.sampling_params.structured_outputs
+        if grammar is None:
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
         else:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.awaiting_grammar[request.req_id] = request
-            self._grammars_to_send[request.req_id] = spec
+            self._grammars_to_send[request.req_id] = grammar
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish the given live requests now, freeing their blocks in this call."""
@@ -331,7 +332,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
         scheduled_running: list[Request] = []
-        spec_tokens: dict[str, list[int]] = {}
+        draft_tokens: dict[str, list[int]] = {}
         proposer = self.proposer
         preempted = False
 
@@ -391,7 +392,7 @@ class Scheduler:
                 if victim.req_id in num_scheduled:
                     budget += num_scheduled.pop(victim.req_id)
                     new_blocks_of.pop(victim.req_id)
-                    spec_tokens.pop(victim.req_id, None)
+                    draft_tokens.pop(victim.req_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -405,7 +406,7 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             new_blocks_of[req.req_id] = new_blocks
             if drafts:
-                spec_tokens[req.req_id] = drafts
+                draft_tokens[req.req_id] = drafts
             budget -= n
             i += 1
 
@@ -450,7 +451,7 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
 
-        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, spec_tokens)
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decoding request, no more than the step's budget, the context and
@@ -483,7 +484,7 @@ class Scheduler:
         scheduled_running: list[Request],
         num_scheduled: dict[str, int],
         new_blocks_of: dict[str, list[KVCacheBlock]],
-        spec_tokens: dict[str, list[int]],
+        draft_tokens: dict[str, list[int]],
     ) -> SchedulerOutput:
         kv = self.kv_cache_manager
         worker_tokens = self._worker_num_tokens
@@ -514,7 +515,7 @@ class Scheduler:
             c_computed.append(req.num_computed_tokens)
             worker_tokens[rid] = total
             step_reqs[rid] = req
-        self._advance(step_reqs, num_scheduled, spec_tokens)
+        self._advance(step_reqs, num_scheduled, draft_tokens)
         finished = self._finished_req_ids
         self._finished_req_ids = set()
         grammars = self._grammars_to_send
@@ -529,12 +530,12 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
-            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_tokens=draft_tokens,
             grammars=grammars,
         )
 
     def _advance(self, step_reqs: dict[str, Request], num_scheduled: dict[str, int],
-                 spec_tokens: dict[str, list[int]]) -> None:
+                 draft_tokens: dict[str, list[int]]) -> None:
         """Count the step's tokens as computed, publish the full blocks it computes to the
         prefix cache, and (overlap) add a placeholder for each token it samples. Draft
         positions are never published: their KV holds tokens that may be rejected; blocks
@@ -546,7 +547,7 @@ class Scheduler:
         for rid, req in step_reqs.items():
             c = req.num_computed_tokens
             req.num_computed_tokens = after = c + num_scheduled[rid]
-            drafts = spec_tokens.get(rid)
+            drafts = draft_tokens.get(rid)
             if drafts:
                 if hashing:
                     kv.cache_blocks(req, after - len(drafts))
@@ -623,14 +624,14 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    def _take_back_rejected(self, spec: dict[str, list[int]], mro: ModelRunnerOutput) -> None:
+    def _take_back_rejected(self, draft_tokens: dict[str, list[int]], runner_output: ModelRunnerOutput) -> None:
         """Count accepted drafts and roll ``num_computed_tokens`` back past the rejected ones.
         A verified request's sampled list holds its
         accepted drafts plus one token, so ``len - 1`` drafts were accepted."""
         stats = self.spec_decode_stats
         assert stats is not None
-        sampled = dict(zip(mro.req_ids, mro.sampled_token_ids))
-        for req_id, drafts in spec.items():
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        for req_id, drafts in draft_tokens.items():
             req = self.requests.get(req_id)
             tokens = sampled.get(req_id)
             if req is None or req.status is not _RUNNING or not tokens:
@@ -641,15 +642,15 @@ class Scheduler:
                 req.spec_window.record(len(drafts), accepted)
             req.num_computed_tokens -= len(drafts) - accepted
 
-    def _grammars_done(self, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+    def _grammars_done(self, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
         """Ready grammars send their requests to the waiting queue; failed ones finish them.
         Ids no longer waiting (aborted meanwhile) are ignored."""
-        for req_id in result.grammars_ready:
+        for req_id in runner_output.grammars_ready:
             req = self.awaiting_grammar.pop(req_id, None)
             if req is not None:
                 req.status = RequestStatus.WAITING
                 self.waiting.add(req)
-        for req_id, message in result.grammar_errors.items():
+        for req_id, message in runner_output.grammar_errors.items():
             req = self.awaiting_grammar.pop(req_id, None)
             if req is not None:
                 req.error = f"the worker could not compile the request's grammar: {message}"

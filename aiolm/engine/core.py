@@ -4,10 +4,11 @@ drain mailbox (adds, aborts) -> schedule -> execute on the executor (awaited, th
 loop stays free) -> update the scheduler -> hand outputs to the OutputProcessor.
 With nothing to do it sleeps on its mailbox; it never spins.
 
-With overlap scheduling (``--async-scheduling``) the core submits step N+1 before it
-awaits step N, so scheduling, IPC, the update and output processing run while the
-workers compute; at most two steps are in flight (aiolm/core/scheduler.py describes
-the placeholders that make this possible).
+One loop runs both pipeline depths. At depth 1 each step is scheduled, run and
+applied before the next is scheduled. At depth 2, overlap scheduling
+(``--async-scheduling``), the core submits step N+1 before it awaits step N, so
+scheduling, IPC, the update and output processing run while the workers compute
+(aiolm/core/scheduler.py describes the placeholders that make this possible).
 
 When the executor fails (a worker died, hung or raised), the core asks its
 WorkerSupervisor for a new one and requeues every live request for recompute;
@@ -99,8 +100,8 @@ class StepTimes:
 class InFlight:
     """A submitted step: its decisions, the executor's handle and the engine's clock."""
 
-    out: SchedulerOutput
-    handle: Any
+    step: SchedulerOutput
+    handle: Any  # the executor's, for result(); None when the submit itself failed
     t_schedule: float  # schedule() started
     t_sent: float  # schedule() returned; the step was handed to the executor right after
 
@@ -113,9 +114,10 @@ class EngineCore(Actor[CoreMessage]):
                  metrics: EngineMetrics | None = None, overlap: bool = False) -> None:
         super().__init__()
         self.metrics = metrics
-        # Overlap needs the scheduler's placeholders and the workers appending their own
-        # tokens (SchedulerConfig/RunnerConfig.async_scheduling): the engine sets all three.
-        self.overlap = overlap
+        # Steps in flight at once. Two (overlap) needs the scheduler's placeholders and the
+        # workers appending their own tokens (SchedulerConfig/RunnerConfig.async_scheduling):
+        # the engine sets all three.
+        self.depth = 2 if overlap else 1
         self._last_reply = 0.0  # rank 0's clock when it answered the previous step
         self.scheduler = scheduler
         self.executor = executor
@@ -147,8 +149,74 @@ class EngineCore(Actor[CoreMessage]):
             if msg.executor is self.executor and self._failure is None:
                 self._failure = ExecutorError(msg.reason)
 
-    async def _recover(self, error: BaseException) -> None:
-        """Replace the executor and requeue every live request; raises when that is not allowed."""
+    async def run(self) -> None:
+        """The step loop. Up to ``depth`` steps are in flight: at depth 2 the next step is
+        scheduled and submitted before the previous one is awaited."""
+        sched = self.scheduler
+        depth = self.depth
+        inflight: deque[InFlight] = deque()
+        while True:
+            if not inflight and not sched.has_unfinished_requests():
+                self._last_reply = 0.0  # an idle engine is no step's cost
+                self._handle(await self.mailbox.receive())
+            for msg in self.mailbox.drain():
+                self._handle(msg)
+            if self._failure is not None:
+                await self._recover(self._failure, inflight)
+                continue
+            submitted = False
+            if len(inflight) < depth and sched.has_unfinished_requests():
+                t0 = time.perf_counter()
+                step = sched.schedule()
+                t1 = time.perf_counter()
+                # A step with nothing to run still goes out when the pipeline is empty (its
+                # outputs are the requests schedule() finished by itself) or when it carries
+                # finished requests or grammars (the workers drop or compile them).
+                if not inflight or step.total_num_scheduled_tokens or step.finished_req_ids or step.grammars:
+                    try:
+                        handle = await self.executor.submit(step)
+                    except ExecutorError as e:
+                        inflight.append(InFlight(step, None, t0, t1))
+                        await self._recover(e, inflight)
+                        continue
+                    inflight.append(InFlight(step, handle, t0, t1))
+                    submitted = True
+                else:
+                    # Every running request waits for a token in flight: nothing to run, but
+                    # requests schedule() finished by itself still go out.
+                    self._send_outputs(sched.update_from_output(step, None))
+            if not inflight or (submitted and len(inflight) < depth):
+                continue  # fill the pipeline before waiting on it
+            flight = inflight.popleft()
+            t_wait = time.perf_counter()
+            try:
+                runner_output = await self.executor.result(flight.handle)
+            except ExecutorError as e:
+                inflight.appendleft(flight)
+                await self._recover(e, inflight)
+                continue
+            t2 = time.perf_counter()
+            for msg in self.mailbox.drain():  # aborts first, so their blocks free now
+                self._handle(msg)
+            outputs = sched.update_from_output(flight.step, runner_output)
+            t3 = time.perf_counter()
+            self._send_outputs(outputs)
+            step = flight.step
+            if not step.is_empty:  # an empty step only waits for grammars (see the scheduler)
+                if self.metrics is not None:
+                    self.metrics.iteration_tokens.observe(step.total_num_scheduled_tokens)
+                self._account(step.total_num_scheduled_tokens, len(step.num_scheduled_tokens), runner_output,
+                              flight.t_schedule, flight.t_sent, t2, t3, t_wait if depth > 1 else None)
+
+    async def _recover(self, error: BaseException, inflight: deque[InFlight]) -> None:
+        """Replace the executor and requeue every live request (raises when that is not
+        allowed), then close the books of every step that was in flight: their tokens are
+        lost with the workers (the requests recompute them)."""
+        lost = list(inflight)
+        inflight.clear()
+        for flight in lost:
+            if flight.handle is not None:
+                self.executor.abandon(flight.handle)
         self._failure = None
         if self.supervisor is None:
             raise error
@@ -159,125 +227,19 @@ class EngineCore(Actor[CoreMessage]):
         self._failure = None  # reports about the old executor only
         self._last_reply = 0.0  # the restart is no step's idle time
         self.scheduler.reset_workers(self.executor.num_blocks)
-
-    async def run(self) -> None:
-        if self.overlap:
-            await self._run_overlapped()
-            return
-        sched = self.scheduler
-        while True:
-            if not sched.has_unfinished_requests():
-                self._last_reply = 0.0  # an idle engine is no step's cost
-                self._handle(await self.mailbox.receive())
-            for msg in self.mailbox.drain():
-                self._handle(msg)
-            if self._failure is not None:
-                await self._recover(self._failure)
-            if not sched.has_unfinished_requests():
-                continue
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            t1 = time.perf_counter()
-            try:
-                result = await self.executor.execute(out)
-            except ExecutorError as e:
-                await self._recover(e)
-                # Outputs the scheduler finished by itself in schedule() still go out.
-                outputs = sched.update_from_output(out, None)
-                if outputs:
-                    self.output.send(StepOutputs(outputs))
-                continue
-            t2 = time.perf_counter()
-            # Aborts that arrived during the step: apply before update so their blocks free now.
-            for msg in self.mailbox.drain():
-                self._handle(msg)
-            outputs = sched.update_from_output(out, result)
-            t3 = time.perf_counter()
-            if outputs:
-                self.output.send(StepOutputs(outputs, time.monotonic()))
-            if not out.is_empty:  # an empty step only waits for grammars (see the scheduler)
-                if self.metrics is not None:
-                    self.metrics.iteration_tokens.observe(out.total_num_scheduled_tokens)
-                self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result,
-                              t0, t1, t2, t3)
-
-    async def _run_overlapped(self) -> None:
-        """The step loop with step N+1 submitted before step N is awaited."""
-        sched = self.scheduler
-        inflight: deque[InFlight] = deque()
-        while True:
-            if not inflight and not sched.has_unfinished_requests():
-                self._last_reply = 0.0
-                self._handle(await self.mailbox.receive())
-            for msg in self.mailbox.drain():
-                self._handle(msg)
-            if self._failure is not None:
-                await self._recover_overlapped(self._failure, inflight)
-                continue
-            submitted = False
-            if len(inflight) < 2 and sched.has_unfinished_requests():
-                t0 = time.perf_counter()
-                out = sched.schedule()
-                t1 = time.perf_counter()
-                # A step that only carries grammars must go out too: the workers compile them.
-                if out.total_num_scheduled_tokens or out.finished_req_ids or out.grammars or not inflight:
-                    try:
-                        handle = await self.executor.submit(out)
-                    except ExecutorError as e:
-                        inflight.append(InFlight(out, None, t0, t1))
-                        await self._recover_overlapped(e, inflight)
-                        continue
-                    inflight.append(InFlight(out, handle, t0, t1))
-                    submitted = True
-                else:
-                    # Every running request waits for a token in flight: nothing to run, but
-                    # requests schedule() finished by itself still go out.
-                    self._send_outputs(sched.update_from_output(out, None))
-            if not inflight or (submitted and len(inflight) < 2):
-                continue  # fill the pipeline before waiting on it
-            step = inflight.popleft()
-            t_wait = time.perf_counter()
-            try:
-                result = await self.executor.result(step.handle)
-            except ExecutorError as e:
-                inflight.appendleft(step)
-                await self._recover_overlapped(e, inflight)
-                continue
-            t2 = time.perf_counter()
-            for msg in self.mailbox.drain():  # aborts first, so their blocks free now
-                self._handle(msg)
-            outputs = sched.update_from_output(step.out, result)
-            t3 = time.perf_counter()
-            self._send_outputs(outputs)
-            out = step.out
-            if not out.is_empty:  # an empty step only waits for grammars (see the scheduler)
-                if self.metrics is not None:
-                    self.metrics.iteration_tokens.observe(out.total_num_scheduled_tokens)
-                self._account(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), result,
-                              step.t_schedule, step.t_sent, t2, t3, t_wait)
-
-    async def _recover_overlapped(self, error: BaseException, inflight: deque[InFlight]) -> None:
-        """Recover, then close the books of every step that was in flight: their tokens
-        are lost with the workers (the requests recompute them)."""
-        lost = list(inflight)
-        inflight.clear()
-        for step in lost:
-            if step.handle is not None:
-                self.executor.abandon(step.handle)
-        await self._recover(error)
-        for step in lost:
-            self._send_outputs(self.scheduler.update_from_output(step.out, None))
+        for flight in lost:
+            self._send_outputs(self.scheduler.update_from_output(flight.step, None))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:
             self.output.send(StepOutputs(outputs, time.monotonic()))
 
-    def _account(self, tokens: int, reqs: int, result: ModelRunnerOutput | None,
+    def _account(self, tokens: int, reqs: int, runner_output: ModelRunnerOutput | None,
                  t0: float, t1: float, t2: float, t3: float, t_wait: float | None = None) -> None:
-        """One step's costs; ``t_wait`` (overlap only) is when the core began awaiting it."""
-        worker = result.worker_times if result is not None else []
+        """One step's costs; ``t_wait`` (depth 2 only) is when the core began awaiting it."""
+        worker = runner_output.worker_times if runner_output is not None else []
         prepare, forward, sample = worker if len(worker) == 3 else (0.0, 0.0, 0.0)
-        clock = result.worker_clock if result is not None else []
+        clock = runner_output.worker_clock if runner_output is not None else []
         idle = 0.0
         if len(clock) == 2:
             if self._last_reply:

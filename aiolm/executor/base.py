@@ -29,10 +29,10 @@ class Executor(abc.ABC):
         """Start workers and wait until each reports ready with its KV capacity."""
 
     @abc.abstractmethod
-    async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; raises ExecutorError if a worker died."""
 
-    async def submit(self, out: SchedulerOutput) -> Any:
+    async def submit(self, step: SchedulerOutput) -> Any:
         """Hand a step to the workers and return at once with a handle for ``result``.
 
         Steps run in the order submitted, so the engine may submit the next step before
@@ -40,7 +40,7 @@ class Executor(abc.ABC):
         same order. This default runs ``execute`` as a task, which pipelines as long as
         ``execute`` queues its step before its first wait (the local executor's thread does).
         """
-        return asyncio.ensure_future(self.execute(out))
+        return asyncio.ensure_future(self.execute(step))
 
     async def result(self, handle: Any) -> ModelRunnerOutput:
         """The result of a submitted step; raises ExecutorError if a worker died."""

@@ -29,10 +29,10 @@ class LocalExecutor(Executor):
         self.runner = await loop.run_in_executor(self._pool, ModelRunner, self.cfg)
         self.num_blocks = self.runner.num_blocks
 
-    async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "executor not started"
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.execute, out)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.execute, step)
         except Exception as e:  # the runner's batch state is suspect now: the engine replaces it
             raise ExecutorError(f"the step failed: {type(e).__name__}: {e}", traceback.format_exc()) from e
 

@@ -37,9 +37,10 @@ from aiolm.ipc.stale import sweep_stale_segments
 
 log = logging.getLogger(__name__)
 
-# Poll a step's response this long before sleeping on the wake socket: it holds the
-# loop for at most 100 us per step, and saves a wake-up (~70 us here) on short steps.
-# bench_ipc.py --spin-us 100 measures the round trip with this setting.
+# Poll a step's response this long before sleeping on the wake socket: it holds the loop
+# for at most this long per step, and a reply that lands meanwhile costs no wake-up
+# (a socket read and a loop turn), which short decode steps would otherwise each pay.
+# benchmarks/bench_ipc.py --spin-us measures the round trip with a given spin.
 RESPONSE_SPIN_S = 100e-6
 
 
@@ -98,9 +99,10 @@ class MultiprocExecutor(Executor):
         env.setdefault("PYTHONUNBUFFERED", "1")
         # libgomp's threads spin for milliseconds after each parallel region by default,
         # so between steps they hold the cores that the engine loop and the worker's own
-        # main thread need in order to wake up. 10000 spins (~0.1 ms) still bridge the
-        # gaps inside a forward pass, and cut the IPC time of a 64-request step
-        # (docs/benchmarks.md). A user's setting wins.
+        # main thread need in order to wake up. A short spin still bridges the gaps between
+        # the parallel regions of one forward pass, so the pass does not pay for waking its
+        # threads either (docs/benchmarks.md has the IPC time with and without). A user's
+        # setting wins.
         env.setdefault("GOMP_SPINCOUNT", "10000")
         try:
             self._make_all_reduce_segment()
@@ -324,13 +326,13 @@ class MultiprocExecutor(Executor):
         return rank, (f"worker {rank} (pid {self.procs[rank].pid}) is hung: {beats}{step}"
                       f"{expected} (--step-timeout)")
 
-    async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return await self.result(await self.submit(out))
+    async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return await self.result(await self.submit(step))
 
-    async def submit(self, out: SchedulerOutput) -> asyncio.Future[bytes]:
+    async def submit(self, step: SchedulerOutput) -> asyncio.Future[bytes]:
         async with self._lock:
-            handle = (await self._send(codec.encode_scheduler_output(out), range(1)))[0]
-        self._step_tokens[handle] = out.total_num_scheduled_tokens
+            handle = (await self._send(codec.encode_scheduler_output(step), range(1)))[0]
+        self._step_tokens[handle] = step.total_num_scheduled_tokens
         return handle
 
     async def result(self, handle: Any) -> ModelRunnerOutput:
@@ -341,11 +343,11 @@ class MultiprocExecutor(Executor):
             buf = await self._recv(0, handle, watch.limit(tokens) if watch is not None else 0.0, tokens)
         finally:
             self._step_tokens.pop(handle, None)
-        out = self._step_result(codec.decode(buf))
-        clock = out.worker_clock
+        runner_output = self._step_result(codec.decode(buf))
+        clock = runner_output.worker_clock
         if watch is not None and clock and self._stalls == stalls:  # a stalled step measures the stall
             watch.observe(tokens, clock[1] - clock[0])
-        return out
+        return runner_output
 
     def abandon(self, handle: Any) -> None:
         self._step_tokens.pop(handle, None)

@@ -249,11 +249,11 @@ class RayExecutor(MultiprocExecutor):
 
     # -- steps --------------------------------------------------------------------------
 
-    async def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         async with self._lock:
             self._check()
-            buf = codec.encode_scheduler_output(out)
-            tokens = out.total_num_scheduled_tokens
+            buf = codec.encode_scheduler_output(step)
+            tokens = step.total_num_scheduled_tokens
             limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
             remote = {rank: self._remote_call(rank, "handle", buf) for rank in range(self.num_local, self.world_size)}
             answer: bytes | None = None

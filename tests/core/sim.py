@@ -72,9 +72,9 @@ class WorkerSim:
         assert not set(new_ids) & set(cached_ids), "a request is both new and cached"
         assert len(set(new_ids + cached_ids)) == len(new_ids) + len(cached_ids)
         assert set(new_ids + cached_ids) == set(so.num_scheduled_tokens)
-        for rid, spec in so.grammars.items():
+        for rid, grammar in so.grammars.items():
             assert rid not in self.compiling and rid not in self.compiled, f"{rid}: grammar sent twice"
-            self.compiling[rid] = spec
+            self.compiling[rid] = grammar
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.reqs, f"{nr.req_id} re-sent as new while held"
             if nr.sampling_params.structured_outputs is not None:
@@ -90,10 +90,10 @@ class WorkerSim:
             st.tokens.extend(toks)
             st.block_ids.extend(blks)
         sampling = []
-        spec = so.scheduled_spec_decode_tokens
+        draft_tokens = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
-            drafts = spec.get(rid, [])
+            drafts = draft_tokens.get(rid, [])
             assert n >= 1
             assert not drafts or st.num_computed == len(st.tokens) - 1, f"{rid} drafts outside decode"
             assert st.num_computed + n <= len(st.tokens) + len(drafts), f"{rid} scheduled past its tokens"
@@ -134,9 +134,9 @@ class WorkerSim:
 
 def fake_output(sampling: list[str], rng: random.Random | None = None, eos_prob: float = 0.0,
                 vocab: int = 50, token: int | None = None,
-                spec: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+                draft_tokens: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
     """One sampled token per request that finished its prefill; the rest get [].
-    A request with drafts (``spec``) gets a random number of them accepted, then one token."""
+    A request with drafts (``draft_tokens``) gets a random number of them accepted, then one token."""
     rng = rng or random.Random(0)
     toks = []
     for rid in sampling:
@@ -146,7 +146,7 @@ def fake_output(sampling: list[str], rng: random.Random | None = None, eos_prob:
             tok = EOS
         else:
             tok = rng.randrange(1, vocab)
-        drafts = spec.get(rid, []) if spec else []
+        drafts = draft_tokens.get(rid, []) if draft_tokens else []
         toks.append(drafts[:rng.randint(0, len(drafts))] + [tok])
     return ModelRunnerOutput(req_ids=list(sampling), sampled_token_ids=toks)
 
@@ -169,13 +169,13 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
         assert r.req_id not in kv.req_to_blocks and r.num_computed_tokens == 0
     assert len(running_ids) <= cfg.max_num_seqs
     assert set(kv.req_to_blocks) <= set(running_ids)
-    spec = so.scheduled_spec_decode_tokens if so is not None else {}
+    draft_tokens = so.scheduled_spec_decode_tokens if so is not None else {}
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         assert len(kv.get_blocks(r.req_id)) * kv.block_size >= r.num_computed_tokens
         # Between steps only accepted tokens count; right after schedule() drafts do too.
         # Overlap: tokens sampled by steps in flight are computed before they are known.
-        assert r.num_computed_tokens <= r.num_tokens + len(spec.get(r.req_id, ())) + r.num_output_placeholders
+        assert r.num_computed_tokens <= r.num_tokens + len(draft_tokens.get(r.req_id, ())) + r.num_output_placeholders
         assert r.num_output_placeholders <= 2
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -216,13 +216,13 @@ class Driver:
         check_scheduler(self.sched, so)
         sampling = self.worker.apply(so)
         self.worker.check(self.sched, so)
-        spec = so.scheduled_spec_decode_tokens
-        mro = fake_output(sampling, self.rng, self.eos_prob, token=token, spec=spec)
-        for rid, toks in zip(mro.req_ids, mro.sampled_token_ids):
-            if rid in spec:
-                self.worker.reject(rid, len(spec[rid]) + 1 - len(toks))
-        mro.grammars_ready, mro.grammar_errors = self.worker.finish_compiles(self.rng)
-        outs = self.sched.update_from_output(so, mro)
+        draft_tokens = so.scheduled_spec_decode_tokens
+        runner_output = fake_output(sampling, self.rng, self.eos_prob, token=token, draft_tokens=draft_tokens)
+        for rid, toks in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            if rid in draft_tokens:
+                self.worker.reject(rid, len(draft_tokens[rid]) + 1 - len(toks))
+        runner_output.grammars_ready, runner_output.grammar_errors = self.worker.finish_compiles(self.rng)
+        outs = self.sched.update_from_output(so, runner_output)
         self.record(outs)
         check_scheduler(self.sched)
         return so, outs

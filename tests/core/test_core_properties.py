@@ -38,12 +38,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, budget, max_num_seqs, threshold, policy, caching, seed, num_spec):
         # Speculation with short n-grams over a small vocabulary: drafts, partial acceptance,
         # adaptive pauses and lookahead pressure on the small pool all happen.
-        spec = (SpecConfig(num_speculative_tokens=num_spec, prompt_lookup_min=1, prompt_lookup_max=3,
-                           search_window=16, window=2, min_acceptance=0.5, backoff=2) if num_spec else None)
+        speculative = (SpecConfig(num_speculative_tokens=num_spec, prompt_lookup_min=1, prompt_lookup_max=3,
+                                  search_window=16, window=2, min_acceptance=0.5, backoff=2) if num_spec else None)
         self.sched = make_scheduler(
             num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=threshold, policy=policy, enable_prefix_caching=caching,
-            max_model_len=48, speculative=spec)
+            max_model_len=48, speculative=speculative)
         self.driver = Driver(self.sched, seed=seed, eos_prob=0.15)
         self.next_id = 0
         self.added: set[str] = set()

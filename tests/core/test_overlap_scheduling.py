@@ -98,8 +98,8 @@ def run_program(sched: Scheduler, overlap: bool, arrivals: dict[int, list], abor
             else:
                 record(sched.update_from_output(so, None))
         if inflight and not (overlap and submitted and len(inflight) < 2):  # as EngineCore fills its pipeline
-            so, mro = inflight.popleft()
-            record(sched.update_from_output(so, mro))
+            so, runner_output = inflight.popleft()
+            record(sched.update_from_output(so, runner_output))
             check_scheduler(sched)
             for req in sched.running if overlap else ():  # the workers hold the known tokens + placeholders
                 held = worker.tokens[req.req_id]

@@ -19,8 +19,8 @@ def one_step(sched, token: int = 7):
     check_scheduler(sched, so)
     sampling = [rid for rid in so.num_scheduled_tokens
                 if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens]
-    mro = ModelRunnerOutput(req_ids=sampling, sampled_token_ids=[[token] for _ in sampling])
-    return so, sched.update_from_output(so, mro)
+    runner_output = ModelRunnerOutput(req_ids=sampling, sampled_token_ids=[[token] for _ in sampling])
+    return so, sched.update_from_output(so, runner_output)
 
 
 # -- intake -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from .sim import Driver, check_scheduler, make_request, make_scheduler
 REPEAT = [5, 6, 7, 8, 5, 6, 7]  # ends in "5 6 7", which was followed by 8
 
 
-def spec(k: int = 3, **kw) -> SpecConfig:
+def spec_config(k: int = 3, **kw) -> SpecConfig:
     kw.setdefault("prompt_lookup_min", 2)
     kw.setdefault("prompt_lookup_max", 3)
     return SpecConfig(num_speculative_tokens=k, search_window=64, **kw)
@@ -24,7 +24,7 @@ def prefill(sched, req):
 
 
 def test_drafts_are_scheduled_with_reserved_slots_and_rejected_ones_rolled_back():
-    sched = make_scheduler(speculative=spec(k=3), block_size=4)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4)
     req = prefill(sched, make_request("a", REPEAT, max_tokens=20))
     so = sched.schedule()
     # Suffix "6 7 8" occurred at the start, followed by 5 6 7.
@@ -45,7 +45,7 @@ def test_drafts_are_scheduled_with_reserved_slots_and_rejected_ones_rolled_back(
 
 
 def test_a_stop_inside_the_accepted_run_truncates_and_frees():
-    sched = make_scheduler(speculative=spec(k=3), block_size=4)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4)
     prefill(sched, make_request("a", REPEAT, max_tokens=20, stop_token_ids=[6]))
     so = sched.schedule()
     assert so.scheduled_spec_decode_tokens == {"a": [5, 6, 7]}
@@ -55,17 +55,17 @@ def test_a_stop_inside_the_accepted_run_truncates_and_frees():
 
 
 def test_drafts_are_capped_by_max_tokens_context_and_budget():
-    sched = make_scheduler(speculative=spec(k=3), block_size=4)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4)
     prefill(sched, make_request("a", REPEAT, max_tokens=3))  # one output so far, two more allowed
     so = sched.schedule()
     assert so.scheduled_spec_decode_tokens == {"a": [5]}  # two tokens at most: one draft + one
-    sched = make_scheduler(speculative=spec(k=3), block_size=4, max_model_len=10)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4, max_model_len=10)
     prefill(sched, make_request("a", REPEAT, max_tokens=20))  # 8 tokens, positions up to 9 fit
     assert sched.schedule().scheduled_spec_decode_tokens == {"a": [5, 6]}
-    sched = make_scheduler(speculative=spec(k=3), block_size=4, max_num_batched_tokens=8)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4, max_num_batched_tokens=8)
     prefill(sched, make_request("a", REPEAT, max_tokens=20))
     assert sched.schedule().scheduled_spec_decode_tokens == {"a": [5, 6, 7]}
-    sched = make_scheduler(speculative=spec(k=3), block_size=4, long_prefill_token_threshold=2)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4, long_prefill_token_threshold=2)
     prefill(sched, make_request("a", REPEAT[:4], max_tokens=20))
     so = sched.schedule()  # "5 6 7 8 8": no drafts, or at most threshold - 1 of them
     assert all(len(d) <= 1 for d in so.scheduled_spec_decode_tokens.values())
@@ -73,7 +73,7 @@ def test_drafts_are_capped_by_max_tokens_context_and_budget():
 
 def test_lookahead_is_dropped_before_anyone_is_preempted():
     # 3 usable blocks of 4: "a" (7 tokens) takes 2, "b" (3 tokens) takes 1; none is left for drafts.
-    sched = make_scheduler(speculative=spec(k=3), block_size=4, num_blocks=4)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4, num_blocks=4)
     a, b = make_request("a", REPEAT, max_tokens=20), make_request("b", [1, 2, 3], max_tokens=20)
     sched.add_request(a)
     sched.add_request(b)
@@ -87,13 +87,13 @@ def test_lookahead_is_dropped_before_anyone_is_preempted():
 
 
 def test_requests_that_cannot_be_verified_exactly_never_draft():
-    sched = make_scheduler(speculative=spec(k=3), block_size=4)
+    sched = make_scheduler(speculative=spec_config(k=3), block_size=4)
     prefill(sched, make_request("a", REPEAT, max_tokens=20, temperature=0.7, seed=1))
     assert sched.schedule().scheduled_spec_decode_tokens == {}
 
 
 def test_low_acceptance_pauses_a_request():
-    sched = make_scheduler(speculative=spec(k=2, prompt_lookup_min=1, prompt_lookup_max=1, window=2,
+    sched = make_scheduler(speculative=spec_config(k=2, prompt_lookup_min=1, prompt_lookup_max=1, window=2,
                                             min_acceptance=0.5, backoff=4), block_size=4)
     drv = Driver(sched)
     sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=40))

@@ -108,8 +108,8 @@ async def _drive(ex, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         if step % 2 == 0 and step // 2 < len(prompts):
             sched.add_request(Request(str(step // 2), prompts[step // 2], _greedy(max_new)))
         so = sched.schedule()
-        mro = await ex.execute(so)
-        for o in sched.update_from_output(so, mro):
+        runner_output = await ex.execute(so)
+        for o in sched.update_from_output(so, runner_output):
             assert o.error is None
             out[o.req_id].extend(o.new_token_ids)
         step += 1
