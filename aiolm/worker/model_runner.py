@@ -90,15 +90,15 @@ class ModelRunner:
         self._last_sampled: list[list[int]] = []
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        self.batch.update(out)
-        if out.grammars:
-            self.grammars.submit(out.grammars)
-        if out.total_num_scheduled_tokens == 0:
+        self.batch.update(scheduler_output)
+        if scheduler_output.grammars:
+            self.grammars.submit(scheduler_output.grammars)
+        if scheduler_output.total_num_scheduled_tokens == 0:
             ready, errors = self.grammars.collect(wait=GRAMMAR_IDLE_WAIT_S)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], grammars_ready=ready, grammar_errors=errors)
-        step = self.batch.prepare(out, self.device)
+        step = self.batch.prepare(scheduler_output, self.device)
         meta = AttentionMetadata(
             num_tokens=int(step.input_ids.shape[0]), query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens, block_table=step.block_table, slot_mapping=step.slot_mapping,
@@ -115,7 +115,7 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if sample_idx and step.num_drafts is not None:
-            self._verify(out, step, hidden, sample_idx, sampled_ids, logprobs)
+            self._verify(scheduler_output, step, hidden, sample_idx, sampled_ids, logprobs)
         elif sample_idx:
             last = step.query_start_loc[1:] - 1
             if len(sample_idx) != len(step.req_ids):
