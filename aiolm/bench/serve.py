@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
              random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed))
     if args.text_prompts:
         from aiolm.bench.workload import as_text
-        from aiolm.model.loader import resolve_model
+        from aiolm.checkpoint.source import resolve_model
 
         items = as_text(items, resolve_model(None).load_tokenizer())
     rates = [float(r) for r in str(args.request_rate).split(",")]

@@ -31,7 +31,7 @@ from aiolm.errors import ModelLoadError
 from aiolm.checkpoint.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
 from aiolm.model.loader import cache_root, embedded_model_path, iter_weights, resolve_model
 from aiolm.checkpoint.families import MODELS, read_config
-from aiolm.model.registry import build_model
+from aiolm.model.registry import build_context, build_from_config, build_model, finish
 from aiolm.platforms import get_platform
 from aiolm.platforms.cpu import bfloat16_matmuls
 from paged import PagedHarness
@@ -362,11 +362,19 @@ def test_gguf_logits_match_transformers_reading_the_same_file(mixed, tiny_prompt
                 t = torch.from_numpy(llama_cpp_permute(t.numpy(), HEADS if "q_proj" in name else KV_HEADS))
             yield name, t
 
-    wrong = type(model)(src.config)
-    wrong.load_weights(still_permuted())
-    wrong.eval()
+    wrong = _built_with(src.config, still_permuted())
     diffs = [(o - e).abs().max().item() for o, e in zip(our_last_logits(wrong, tiny_prompts), expected)]
     assert max(diffs) > 1e-2
+
+
+
+def _built_with(config, weights):
+    """A float32 CPU model of ``config`` loaded from ``weights``: what build_model makes of a
+    source, with the config or the weights changed."""
+    ctx = build_context(get_platform("cpu"), torch.float32)
+    model = build_from_config(config, ctx)
+    model.load_weights(weights)
+    return finish(model, ctx)
 
 
 def test_gguf_tied_embeddings(tied_gguf, tmp_path, monkeypatch, tiny_prompts):
@@ -645,9 +653,8 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
     expected = hf_last_logits(ref, prompts)
     assert_logits_close(our_last_logits(model, prompts), expected)
     if c["rope"]:  # the comparison can see the scaling: without it the logits move
-        plain = type(model)(dataclasses.replace(src.config, rope_scaling=None))
-        plain.load_weights(iter_weights(src))
-        diffs = [(o - e).abs().max().item() for o, e in zip(our_last_logits(plain.eval(), prompts), expected)]
+        plain = _built_with(dataclasses.replace(src.config, rope_scaling=None), iter_weights(src))
+        diffs = [(o - e).abs().max().item() for o, e in zip(our_last_logits(plain, prompts), expected)]
         assert max(diffs) > 1e-3
 
 
