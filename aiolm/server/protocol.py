@@ -82,8 +82,7 @@ def _keys(model: type[BaseModel]) -> frozenset[str]:
 # -- shapes -------------------------------------------------------------------------------
 
 # A union is told apart by the JSON type of its value (a list by its first item), so only
-# one alternative is tried and its error is the precise one. The tags start with "::" so
-# error paths can drop them (_path).
+# one alternative is tried and its error is the precise one. Error paths drop the tags (_steps).
 def _shape(value: Any) -> str | None:
     if isinstance(value, str):
         return "::text"
@@ -417,40 +416,51 @@ def parse(model: type[M], body: Any, limits: Limits) -> M:
             return cls.model_validate(body)
         except ValidationError as e:
             errors = e.errors(include_url=False)
-        unknown = [err for err in errors if err["type"] == "extra_forbidden"]
-        paths = list(dict.fromkeys(_path(err["loc"]) for err in unknown))
+        unknown = [_steps(body, err["loc"]) for err in errors if err["type"] == "extra_forbidden"]
         if not unknown:
-            raise _first_error(errors[0])
+            raise _first_error(errors[0], body)
+        paths = list(dict.fromkeys(_path(steps) for steps in unknown))
         listed = ", ".join(repr(p) for p in paths)
         if not limits.lenient:
             raise bad_request(f"Unrecognized request argument supplied: {listed} (this server does not "
                               f"implement {'it' if len(paths) == 1 else 'them'})",
                               param=paths[0], code="unrecognized_argument")
         log.warning("ignoring request fields this server does not implement: %s", listed)
-        for err in unknown:
-            _drop(body, err["loc"])
+        for steps in unknown:
+            where = body
+            for step in steps[:-1]:
+                where = where[step]
+            where.pop(steps[-1], None)
 
 
-def _path(loc: tuple[int | str, ...]) -> str:
-    out = ""
+_TAGS = frozenset({"::text", "::object", "::list", "::ids", "::batch", "[key]"})
+
+
+def _steps(body: Any, loc: tuple[int | str, ...]) -> list[int | str]:
+    """The keys and indexes of ``loc`` that are in the body (a union's tag is not; a missing
+    field's name is, as the last step). Walked alongside the body, so a client's key that
+    happens to look like a tag is still a key."""
+    steps: list[int | str] = []
     for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not part.startswith("::") and part != "[key]":
-            out += f".{part}" if out else part
+        if isinstance(body, dict) and part in body or isinstance(body, list) and isinstance(part, int):
+            body = body[part]  # type: ignore[index]
+        elif part in _TAGS:
+            continue
+        else:
+            body = None
+        steps.append(part)
+    return steps
+
+
+def _path(steps: list[int | str]) -> str:
+    out = ""
+    for part in steps:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out
 
 
-def _drop(body: Any, loc: tuple[int | str, ...]) -> None:
-    """Remove the value at ``loc`` (an unknown field) from ``body``."""
-    steps = [p for p in loc if not (isinstance(p, str) and p.startswith("::"))]
-    for p in steps[:-1]:
-        body = body[p]
-    body.pop(steps[-1], None)
-
-
-def _first_error(err: Any) -> APIError:
-    path = _path(err["loc"])
+def _first_error(err: Any, body: Any) -> APIError:
+    path = _path(_steps(body, err["loc"]))
     if err["type"] == "missing":
         return bad_request(f"'{path}' is required", param=path, code="missing_required_parameter")
     if err["type"] == "invalid_type":  # one of our unions: the message says what fits
