@@ -212,7 +212,7 @@ def load_baseline_codec(rev: str) -> tuple[types.ModuleType, types.ModuleType]:
             src = src.replace(*replace)
         mod = types.ModuleType(name)
         sys.modules[name] = mod  # dataclasses resolve their annotations through sys.modules
-        exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
+        exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)  # noqa: S102 (this repository's own source)
         return mod
 
     step = module("_baseline_step", "aiolm/core/step.py")
@@ -250,7 +250,7 @@ def messages(types_: Any, n: int = 256, seed: int = 0) -> dict[str, Any]:
                                     num_scheduled_tokens=dict.fromkeys(ids, 1), total_num_scheduled_tokens=n,
                                     finished_req_ids=set())
     sampled = [[rng.randrange(32000)] for _ in ids]
-    clock = dict(worker_times=[0.0004, 0.021, 0.0012], worker_clock=[1234.5, 1234.523])
+    clock = {"worker_times": [0.0004, 0.021, 0.0012], "worker_clock": [1234.5, 1234.523]}
     reply = types_.ModelRunnerOutput(req_ids=list(ids), sampled_token_ids=sampled, **clock)
     logprobs = {rid: types_.LogprobsLists(token_ids=[[tok[0]] + [rng.randrange(32000) for _ in range(5)]],
                                           logprobs=[[-rng.random() * 5 for _ in range(6)]], ranks=[1])

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from aiolm.core.kv_cache import KVCacheBlock, KVCacheManager, PrefixCacheStats
+from aiolm.core.request import Request, RequestStatus
 from aiolm.core.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -76,7 +77,6 @@ from aiolm.core.step import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from aiolm.core.request import Request, RequestStatus
 from aiolm.params import ParamError
 from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 from aiolm.structured.spec import StructuredOutputs
@@ -365,6 +365,7 @@ class Scheduler:
             # Decode fast path (the common case): the last block still has room.
             # Same rule as allocate_slots' first check, inlined to save a call per request.
             blocks = req_blocks.get(req.req_id)
+            new_blocks: list[KVCacheBlock] | None
             if blocks is not None and req.num_computed_tokens + n <= len(blocks) * bs:
                 new_blocks = []
             else:

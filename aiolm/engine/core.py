@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiolm.actors import Actor
-from aiolm.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aiolm.core.scheduler import Scheduler
+from aiolm.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aiolm.engine.messages import AbortRequests, AddRequests, CoreMessage, StepOutputs, WorkerFailed
 from aiolm.engine.output_processor import OutputProcessor
 from aiolm.engine.recovery import WorkerSupervisor

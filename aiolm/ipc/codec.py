@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
 
 import cloudpickle
 import msgspec
@@ -38,7 +39,7 @@ from aiolm.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from aiolm.params import SamplingParams
 
 __all__ = [
-    "RpcCall", "SHUTDOWN", "decode", "decode_model_runner_output", "decode_rpc", "decode_scheduler_output",
+    "SHUTDOWN", "RpcCall", "decode", "decode_model_runner_output", "decode_rpc", "decode_scheduler_output",
     "encode", "encode_model_runner_output", "encode_rpc", "encode_scheduler_output",
 ]
 
@@ -114,7 +115,7 @@ def _enc_hook(obj: Any) -> Any:
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_DECODER = msgspec.msgpack.Decoder(Union[_SchedulerOutputWire, ModelRunnerOutput])
+_DECODER = msgspec.msgpack.Decoder(_SchedulerOutputWire | ModelRunnerOutput)
 
 
 def encode(obj: Any) -> bytes:

@@ -167,16 +167,16 @@ def test_a_stop_at_step_n_discards_the_token_of_step_n_plus_1():
     worker = OrderedWorker(overlap=True)
     sched.add_request(make_request("r", [3, 4, 5], max_tokens=10))
     so1 = sched.schedule()
-    mro1 = worker.run(so1)
+    worker.run(so1)  # its reply is replaced by eos below
     so2 = sched.schedule()  # before so1's token is known: a placeholder decode
     assert so2.num_scheduled_tokens == {"r": 1}
     assert sched.requests["r"].num_output_placeholders == 2
-    mro2 = worker.run(so2)
+    runner_output2 = worker.run(so2)
     eos = ModelRunnerOutput(["r"], [[EOS]])  # step 1 sampled EOS after all
     (out,) = sched.update_from_output(so1, eos)
     assert out.new_token_ids == [EOS] and out.finish_reason == "stop"
     assert sched.kv_cache_manager.usage == 0.0  # freed now: step 2, still running, was sent first
-    assert sched.update_from_output(so2, mro2) == []  # step 2's token is dropped
+    assert sched.update_from_output(so2, runner_output2) == []  # step 2's token is dropped
     so3 = sched.schedule()
     assert so3.finished_req_ids == {"r"} and not so3.num_scheduled_tokens
     assert not sched.has_unfinished_requests()
