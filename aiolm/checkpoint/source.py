@@ -80,8 +80,8 @@ class ModelSource:
 def load_tokenizer(folder: Path) -> Any:
     """The tokenizer in ``folder``, as AutoTokenizer would build it.
 
-    A folder whose tokenizer_config.json names a plain tokenizer.json class (every GGUF
-    conversion's does) loads that class directly, which imports no torch; any other
+    A folder whose tokenizer_config.json names a plain tokenizer.json class (the embedded
+    model's conversion does) loads that class directly, which imports no torch; any other
     goes through AutoTokenizer, which picks the class by the model's config."""
     tc = folder / "tokenizer_config.json"
     declared = _read_json(tc).get("tokenizer_class") if tc.exists() else None

@@ -909,3 +909,25 @@ def test_embedded_model_resolves(real_source):
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (9, 3, 64, 1536)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
     assert 2 in src.eos_token_ids and src.chat_template and "<|im_start|>" in src.chat_template
+
+
+def test_embedded_tokenizer_loads_without_torch_as_autotokenizer_does(real_source):
+    """The converted folder's tokenizer.json class loads directly (no torch: the engine
+    process loads it) and tokenizes and renders chats exactly as AutoTokenizer's pick."""
+    from transformers import AutoTokenizer
+
+    probe = ("import sys, json\nfrom aiolm.checkpoint.source import resolve_model\n"
+             "tok = resolve_model(None).load_tokenizer()\n"
+             "print(json.dumps([type(tok).__name__, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1])[1] is False
+    ours, auto = real_source.load_tokenizer(), AutoTokenizer.from_pretrained(str(real_source.path))
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    texts = ["Hello, world!", "  spaces\tand\nnewlines ", "<|im_start|>user\nhi<|im_end|>", "日本語 ça va?"]
+    for t in texts:
+        assert ours(t)["input_ids"] == auto(t)["input_ids"]
+        assert ours.decode(ours(t)["input_ids"]) == auto.decode(auto(t)["input_ids"])
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token, ours.bos_token, ours.all_special_ids) == (auto.eos_token, auto.bos_token, auto.all_special_ids)
