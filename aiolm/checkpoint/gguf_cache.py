@@ -5,6 +5,12 @@ Folders are keyed by the GGUF's content (sha256), so another checkout or virtual
 environment with the same file finds the same folder. A conversion writes into a private
 temporary folder and renames it into place: readers see all of a folder or none of it,
 and when two processes convert at once the first rename wins and the other's copy goes.
+
+The conversion itself runs in a child process (``python -m aiolm.checkpoint.gguf_convert``):
+it holds every dequantized float32 tensor at once, and building the tokenizer from GGUF
+metadata imports torch through transformers; neither belongs in a long-lived server's
+heap. Its progress lines are relayed to this process's ``progress``; its refusal comes
+back as the same ModelLoadError message.
 """
 
 from __future__ import annotations
@@ -13,8 +19,12 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+from aiolm.errors import ModelLoadError
 
 _CACHE_FORMAT = 1
 
@@ -66,10 +76,10 @@ def gguf_cache_folder(gguf_path: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        from aiolm.checkpoint.gguf_convert import convert_gguf, progress
+        from aiolm.checkpoint.gguf_convert import progress
 
         progress("converting %s to float32 safetensors in %s (once)", gguf_path, final)
-        convert_gguf(gguf_path, tmp)
+        _convert_in_child(gguf_path, tmp)
         try:
             os.rename(tmp, final)  # atomic: readers see all of the folder or none of it
         except OSError:
@@ -80,3 +90,31 @@ def gguf_cache_folder(gguf_path: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
+    """gguf_convert.convert_gguf(gguf_path, out_dir), run by ``python -m`` in a child."""
+    from aiolm.checkpoint.gguf_convert import PROGRESS_PREFIX, REFUSAL_PREFIX, progress
+
+    proc = subprocess.Popen([sys.executable, "-m", "aiolm.checkpoint.gguf_convert", str(gguf_path), str(out_dir)],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    refusal, other = None, []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith(PROGRESS_PREFIX):
+                progress("%s", line[len(PROGRESS_PREFIX):].rstrip("\n"))
+            elif line.startswith(REFUSAL_PREFIX):
+                refusal = json.loads(line[len(REFUSAL_PREFIX):])
+            else:
+                other.append(line)
+                sys.stderr.write(line)  # transformers' warnings, as if it had run here
+        proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = "".join(other[-20:]).strip()
+        raise ModelLoadError(refusal or f"{gguf_path}: the conversion process failed "
+                                        f"(exit code {proc.returncode}): {tail}")

@@ -32,6 +32,8 @@ import numpy as np
 from aiolm.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
+PROGRESS_PREFIX = "aiolm: "  # what a progress line starts with where nobody set up logging
+REFUSAL_PREFIX = "aiolm-refused: "  # main()'s last stderr line when the file is refused: JSON, the message
 
 
 def progress(msg: str, *args: Any) -> None:
@@ -44,7 +46,7 @@ def progress(msg: str, *args: Any) -> None:
     if log.isEnabledFor(logging.INFO) and log.hasHandlers():
         log.info(msg, *args)
     else:
-        print("aiolm: " + msg % args, file=sys.stderr, flush=True)
+        print(PROGRESS_PREFIX + msg % args, file=sys.stderr, flush=True)
 
 # GGUF architecture name -> (HF architectures entry, model_type)
 _ARCHS = {
@@ -301,3 +303,20 @@ def _save_tokenizer(path: Path, out_dir: Path) -> None:
     tok.save_pretrained(str(out_dir))
     if getattr(tok, "chat_template", None):
         (out_dir / "chat_template.jinja").write_text(tok.chat_template)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m aiolm.checkpoint.gguf_convert GGUF OUT_DIR``: progress on stderr; a refusal
+    as a last stderr line, REFUSAL_PREFIX and the message in JSON, exit code 2 (gguf_cache.py
+    reads them)."""
+    gguf_path, out_dir = argv if argv is not None else sys.argv[1:]
+    try:
+        convert_gguf(Path(gguf_path), Path(out_dir))
+    except ModelLoadError as e:
+        print(REFUSAL_PREFIX + json.dumps(str(e)), file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
