@@ -438,8 +438,10 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
 
 def test_first_conversion_is_said_where_nobody_set_up_logging(tied_gguf, tmp_path):
     """A script calling LLM() (or `aiolm generate`, at warnings only) sees the one-time
-    conversion's progress on stderr; the second start converts nothing and says nothing."""
-    code = "import sys; from aiolm.model.loader import resolve_model; resolve_model(sys.argv[1])"
+    conversion's progress on stderr; the second start converts nothing and says nothing.
+    The conversion runs in a child process: the caller (an engine process) imports no torch."""
+    code = ("import sys; from aiolm.checkpoint.source import resolve_model; resolve_model(sys.argv[1]); "
+            "print('torch' in sys.modules)")
     env = dict(os.environ, AIOLM_CACHE_DIR=str(tmp_path / "cache"))
     runs = [subprocess.run([sys.executable, "-c", code, str(tied_gguf)], env=env, capture_output=True, text=True,
                            timeout=300, cwd=Path(__file__).resolve().parents[2]) for _ in range(2)]
@@ -447,6 +449,7 @@ def test_first_conversion_is_said_where_nobody_set_up_logging(tied_gguf, tmp_pat
     assert "aiolm: converting " in runs[0].stderr and "(once)" in runs[0].stderr
     assert ": tensor 1 of " in runs[0].stderr
     assert "converting" not in runs[1].stderr
+    assert [r.stdout.strip() for r in runs] == ["False", "False"]
 
 
 def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch, caplog):
