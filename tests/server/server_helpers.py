@@ -137,11 +137,6 @@ KEYED_SERVER_FLAGS = ("--api-key", API_KEY, "--max-request-bytes", str(256 << 10
 OPEN_SERVER_FLAGS = ("--tool-call-parser", "hermes", "--shutdown-timeout", "5")
 
 
-@pytest.fixture(scope="module")
-def server(keyed_servers: SharedServer) -> ServerProcess:
-    """The shared real `aiolm serve` with an API key and vLLM's metric names."""
-    return keyed_servers.get()
-
 
 
 # -- a fake engine: the AsyncEngine surface the server uses, no model --------------------
@@ -375,8 +370,3 @@ def from_schema(schema: dict | bool, max_text: int = 24, defs: dict | None = Non
         optional = [k for k in props if k not in required]
         return st.fixed_dictionaries({k: sub(props[k]) for k in required}, optional={k: sub(props[k]) for k in optional})
     return json_values()
-
-
-@pytest.fixture
-def fake_engine() -> FakeEngine:
-    return FakeEngine()

@@ -10,7 +10,7 @@ from typing import get_args
 
 import pytest
 from pydantic import BaseModel
-from server_helpers import FakeEngine, fake_engine  # noqa: F401  (fixture)
+from server_helpers import FakeEngine
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 

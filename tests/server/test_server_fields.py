@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, build_parser, settings_from_namespace
 
-from server_helpers import FakeEngine, fake_engine  # noqa: F401  (fixture)
+from server_helpers import FakeEngine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import API_KEY, ROOT, from_schema, json_values, server  # noqa: F401  (fixture)
+from server_helpers import API_KEY, ROOT, from_schema, json_values
 from metrics_contract import Scrape, check_contract
 
 TIMEOUT = 180.0

@@ -22,7 +22,7 @@ from aiolm.server.settings import ServerSettings
 from aiolm.structured.validator import Validator
 from aiolm.structured.spec import StructuredOutputs
 
-from server_helpers import API_KEY, FakeEngine, fake_engine, server  # noqa: F401  (fixtures)
+from server_helpers import API_KEY, FakeEngine
 
 jsonschema = pytest.importorskip("jsonschema")
 

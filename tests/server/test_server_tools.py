@@ -18,7 +18,7 @@ from aiolm.server.settings import ServerSettings, build_parser, settings_from_na
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
 from aiolm.server.tools import StreamState, ToolPlan
 
-from server_helpers import FakeEngine, ServerProcess, SharedServer, fake_engine  # noqa: F401
+from server_helpers import FakeEngine, ServerProcess, SharedServer
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, build_parser, from_environment, parse_serve_args
 
-from server_helpers import FakeEngine, fake_engine, free_port  # noqa: F401  (fixture)
+from server_helpers import FakeEngine, free_port
 
 
 def _client(engine: FakeEngine, **settings) -> TestClient:

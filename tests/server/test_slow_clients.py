@@ -16,7 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from aiolm.server.slow_clients import guarded
-from server_helpers import free_port, server  # noqa: F401  (fixture)
+from server_helpers import free_port
 
 HEADER_TIMEOUT = 1.0
 MAX_CONNECTIONS = 8
