@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 M = TypeVar("M")
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Actor(Generic[M]):
         self._task: asyncio.Task[None] | None = None
         self._on_crash: Callable[[Actor[M], BaseException], None] | None = None
 
-    def start(self, on_crash: Callable[["Actor[M]", BaseException], None]) -> None:
+    def start(self, on_crash: Callable[[Actor[M], BaseException], None]) -> None:
         self._on_crash = on_crash
         self._task = asyncio.get_running_loop().create_task(self._main(), name=self.name)
 

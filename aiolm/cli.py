@@ -17,7 +17,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from aiolm.config import CliParser, EngineArgs, int_in
 
@@ -34,8 +35,11 @@ SmolLM2-135M-Instruct). `aiolm COMMAND --help` lists a command's flags."""
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 def _run(coro: Any) -> Any:
@@ -79,9 +83,18 @@ def serve(argv: list[str]) -> int:
     app = build_app(create_engine(engine_args), settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     http = slow_clients.guarded(AutoHTTPProtocol, ns.header_timeout, ns.max_connections)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop=loop, http=http, lifespan="on", access_log=False,
-                            log_level=ns.log_level, timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
-                            log_config=None)
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        loop=loop,
+        http=http,
+        lifespan="on",
+        access_log=False,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
+        log_config=None,
+    )
     server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui))(config)
     server.run(sockets=[sock])
     return 0 if server.started and app.state.ctx.engine_died is None else 1
@@ -89,8 +102,10 @@ def serve(argv: list[str]) -> int:
 
 def _check_model_path(parser: argparse.ArgumentParser, model: str | None) -> None:
     if model is not None and not os.path.exists(os.path.expanduser(model)):
-        parser.error(f"model {model!r}: no such file or directory (give a Hugging Face model folder or a "
-                     f".gguf file; no model hub is contacted)")
+        parser.error(
+            f"model {model!r}: no such file or directory (give a Hugging Face model folder or a "
+            f".gguf file; no model hub is contacted)"
+        )
 
 
 def _check_model(parser: argparse.ArgumentParser, args: EngineArgs) -> None:
@@ -182,14 +197,19 @@ def _gen_parser(prog: str, with_prompt: bool) -> argparse.ArgumentParser:
         temperature_help = "sampling temperature (default 0: greedy)"
     else:
         p.add_argument("--system", default=None, help="a system message to start the conversation")
-        temperature_help = (f"sampling temperature (default: the model's generation config, else "
-                            f"{CHAT_DEFAULTS['temperature']})")
+        temperature_help = (
+            f"sampling temperature (default: the model's generation config, else {CHAT_DEFAULTS['temperature']})"
+        )
     EngineArgs.add_cli_args(p)
     p.add_argument("--max-tokens", type=int_in(1), default=256, help="most tokens per answer")
     p.add_argument("--temperature", type=float, default=0.0 if with_prompt else None, help=temperature_help)
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling mass (default 1 for generate; chat: the model's generation config, "
-                        f"else {CHAT_DEFAULTS['top_p']})")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling mass (default 1 for generate; chat: the model's generation config, "
+        f"else {CHAT_DEFAULTS['top_p']})",
+    )
     p.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     p.add_argument("--log-level", default="warning")
     return p
@@ -205,8 +225,13 @@ def _sampling(ns: argparse.Namespace, defaults: dict[str, Any]) -> Any:
 
     temperature = ns.temperature if ns.temperature is not None else defaults.get("temperature", 1.0)
     top_p = ns.top_p if ns.top_p is not None else defaults.get("top_p", 1.0)
-    return SamplingParams(max_tokens=ns.max_tokens, temperature=temperature, top_p=top_p,
-                          seed=ns.sampling_seed, output_kind=OutputKind.DELTA)
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=ns.sampling_seed,
+        output_kind=OutputKind.DELTA,
+    )
 
 
 def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
@@ -242,8 +267,11 @@ async def _start(engine: Any) -> None:
     """Start the engine, saying on stderr how long loading took (every call loads the model)."""
     t0 = time.monotonic()
     await engine.start()
-    print(f"loaded {engine.model_name} in {time.monotonic() - t0:.1f}s "
-          f"(each command loads the model; `aiolm serve` keeps it loaded)", file=sys.stderr)
+    print(
+        f"loaded {engine.model_name} in {time.monotonic() - t0:.1f}s "
+        f"(each command loads the model; `aiolm serve` keeps it loaded)",
+        file=sys.stderr,
+    )
 
 
 def generate(argv: list[str]) -> int:
@@ -326,8 +354,11 @@ def chat(argv: list[str]) -> int:
         lines = _StdinLines(loop)
         try:
             if interactive:
-                print(f"chatting with {engine.model_name} (temperature {params.temperature}, top_p {params.top_p}); "
-                      "/reset clears the history, Ctrl-C stops an answer, Ctrl-D quits", file=sys.stderr)
+                print(
+                    f"chatting with {engine.model_name} (temperature {params.temperature}, top_p {params.top_p}); "
+                    "/reset clears the history, Ctrl-C stops an answer, Ctrl-D quits",
+                    file=sys.stderr,
+                )
             while not leave.is_set():
                 if interactive:
                     sys.stdout.write("> ")
@@ -341,7 +372,7 @@ def chat(argv: list[str]) -> int:
                 if line in ("/exit", "/quit"):
                     break
                 if line == "/reset":
-                    del history[int(bool(ns.system)):]
+                    del history[int(bool(ns.system)) :]
                     continue
                 history.append({"role": "user", "content": line})
                 pieces: list[str] = []

@@ -10,8 +10,9 @@ import argparse
 import base64
 import dataclasses
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from aiolm.executor.step_watch import StepWatch
@@ -28,7 +29,7 @@ def _f(default: Any, help: str) -> Any:
 class CliParser(argparse.ArgumentParser):
     """argparse with one-line errors (``aiolm serve: error: ...``), exit code 2, no usage dump."""
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -54,9 +55,12 @@ class EngineArgs:
     model: str | None = _f(None, "Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
     gpu_memory_utilization: float = _f(0.9, "on CUDA: fraction of device memory for weights, activations and KV cache")
-    dtype: str = _f("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA; "
-                            "bfloat16 on CPU: bfloat16 matmuls in the decoder layers, a float16 KV cache, "
-                            "all else float32)")
+    dtype: str = _f(
+        "auto",
+        "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA; "
+        "bfloat16 on CPU: bfloat16 matmuls in the decoder layers, a float16 KV cache, "
+        "all else float32)",
+    )
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens (default: min(model, 8192))")
     max_num_seqs: int = _f(128, "most requests in one batch")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill splits longer prompts)")
@@ -64,65 +68,110 @@ class EngineArgs:
     kv_cache_memory: int = _f(1 << 30, "bytes of KV cache per worker on CPU")
     block_size: int = _f(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
-    tensor_parallel_size: int = _f(1, "number of worker processes splitting each layer (one machine; more with --executor ray)")
-    attention_backend: str = _f("auto", "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, "
-                                        "triton on CUDA; torch is the reference)")
+    tensor_parallel_size: int = _f(
+        1, "number of worker processes splitting each layer (one machine; more with --executor ray)"
+    )
+    attention_backend: str = _f(
+        "auto",
+        "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, triton on CUDA; torch is the reference)",
+    )
     enforce_eager: bool = _f(False, "on CUDA: never replay CUDA graphs (every step runs eagerly)")
     max_cudagraph_size: int = _f(256, "on CUDA: largest decode batch captured as a CUDA graph")
-    all_reduce: str = _f("auto", "all-reduce between tensor-parallel ranks: auto (CPU: shm, CUDA: symm_mem "
-                                 "where valid), shm, gloo, symm_mem, nccl; env AIOLM_ALL_REDUCE overrides auto")
-    cpu_bind: str = _f("auto", "CPU cores of tensor-parallel ranks: auto (disjoint blocks of the allowed "
-                               "cores), none, or one cpu list per rank like 0-3;4-7")
-    executor: str = _f("mp", "mp (worker processes through shared memory), ray (Ray actors, across "
-                             "machines: docs/distributed.md) or local (in process, for debugging)")
-    distributed_executor_backend: str | None = _f(None, "vLLM's name for --executor: mp or ray; when given, "
-                                                        "it sets --executor")
-    ray_address: str | None = _f(None, "with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, "
-                                       "else a private local cluster)")
-    data_parallel_size: int = _f(1, "engine replicas, each with its own workers (and tensor-parallel group), "
-                                    "behind one API; requests are routed by load and prefix-cache affinity")
+    all_reduce: str = _f(
+        "auto",
+        "all-reduce between tensor-parallel ranks: auto (CPU: shm, CUDA: symm_mem "
+        "where valid), shm, gloo, symm_mem, nccl; env AIOLM_ALL_REDUCE overrides auto",
+    )
+    cpu_bind: str = _f(
+        "auto",
+        "CPU cores of tensor-parallel ranks: auto (disjoint blocks of the allowed "
+        "cores), none, or one cpu list per rank like 0-3;4-7",
+    )
+    executor: str = _f(
+        "mp",
+        "mp (worker processes through shared memory), ray (Ray actors, across "
+        "machines: docs/distributed.md) or local (in process, for debugging)",
+    )
+    distributed_executor_backend: str | None = _f(
+        None, "vLLM's name for --executor: mp or ray; when given, it sets --executor"
+    )
+    ray_address: str | None = _f(
+        None, "with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a private local cluster)"
+    )
+    data_parallel_size: int = _f(
+        1,
+        "engine replicas, each with its own workers (and tensor-parallel group), "
+        "behind one API; requests are routed by load and prefix-cache affinity",
+    )
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
     max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
-    structured_outputs_backend: str = _f("xgrammar", "xgrammar (JSON schema, regex, choice and EBNF outputs) "
-                                                     "or none (requests asking for them are refused)")
-    structured_outputs_compile_timeout: float = _f(30.0, "seconds a request's grammar (JSON schema, regex, choice, "
-                                                         "EBNF) may take to compile; past it the compile is "
-                                                         "stopped and the request refused (HTTP 400), and so is "
-                                                         "every later request with that grammar")
-    speculative: str | None = _f(None, "speculative decoding: ngram (prompt lookup: drafts copied from what followed "
-                                       "an earlier occurrence of the sequence's last tokens, verified in one "
-                                       "forward pass; greedy output unchanged) or None (off)")
+    structured_outputs_backend: str = _f(
+        "xgrammar",
+        "xgrammar (JSON schema, regex, choice and EBNF outputs) or none (requests asking for them are refused)",
+    )
+    structured_outputs_compile_timeout: float = _f(
+        30.0,
+        "seconds a request's grammar (JSON schema, regex, choice, "
+        "EBNF) may take to compile; past it the compile is "
+        "stopped and the request refused (HTTP 400), and so is "
+        "every later request with that grammar",
+    )
+    speculative: str | None = _f(
+        None,
+        "speculative decoding: ngram (prompt lookup: drafts copied from what followed "
+        "an earlier occurrence of the sequence's last tokens, verified in one "
+        "forward pass; greedy output unchanged) or None (off)",
+    )
     num_speculative_tokens: int = _f(4, "with --speculative: most draft tokens verified per request and step")
     prompt_lookup_min: int = _f(2, "with --speculative ngram: shortest suffix match that yields drafts")
     prompt_lookup_max: int = _f(5, "with --speculative ngram: longest suffix match tried")
-    metrics_prefix: str = _f("aiolm", "prefix of the Prometheus metric names (<prefix>:num_requests_running, ...); "
-                                      "vllm gives vLLM's names, so its Grafana dashboards work unchanged")
-    async_scheduling: bool = _f(False, "overlap scheduling: schedule the next step while the workers run this "
-                                       "one (at most two steps in flight); greedy outputs are the same either "
-                                       "way. Off by default: where the engine shares its cores with the workers, "
-                                       "the overlapped work competes with the forward pass (docs/benchmarks.md)")
-    log_step_costs: bool = _f(False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating")
-    worker_recovery: bool = _f(True, "restart dead, hung or failing workers and recompute in-flight requests "
-                                     "(--no-worker-recovery: the engine fails fast instead)")
+    metrics_prefix: str = _f(
+        "aiolm",
+        "prefix of the Prometheus metric names (<prefix>:num_requests_running, ...); "
+        "vllm gives vLLM's names, so its Grafana dashboards work unchanged",
+    )
+    async_scheduling: bool = _f(
+        False,
+        "overlap scheduling: schedule the next step while the workers run this "
+        "one (at most two steps in flight); greedy outputs are the same either "
+        "way. Off by default: where the engine shares its cores with the workers, "
+        "the overlapped work competes with the forward pass (docs/benchmarks.md)",
+    )
+    log_step_costs: bool = _f(
+        False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating"
+    )
+    worker_recovery: bool = _f(
+        True,
+        "restart dead, hung or failing workers and recompute in-flight requests "
+        "(--no-worker-recovery: the engine fails fast instead)",
+    )
     max_worker_restarts: int = _f(3, "most worker restarts within --worker-restart-window before the engine gives up")
     worker_restart_window: float = _f(600.0, "seconds over which --max-worker-restarts is counted")
-    step_timeout: float = _f(0.0, "the floor of a step's time limit in seconds: a step may take this plus 10x "
-                                  "what the measured rate predicts for its tokens before its workers count as "
-                                  "hung and are replaced; steps before the first measured one get 600 "
-                                  "(0 = 30 on CPU, 60 on CUDA)")
-    max_waiting_requests: int | None = _f(None, "sequences that may wait beyond the --max-num-seqs running ones; "
-                                                "more are refused (EngineBusyError, HTTP 429). None: no bound "
-                                                "(the Python default, so LLM.generate takes any batch); "
-                                                f"`aiolm serve` defaults to {SERVE_MAX_WAITING}")
+    step_timeout: float = _f(
+        0.0,
+        "the floor of a step's time limit in seconds: a step may take this plus 10x "
+        "what the measured rate predicts for its tokens before its workers count as "
+        "hung and are replaced; steps before the first measured one get 600 "
+        "(0 = 30 on CPU, 60 on CUDA)",
+    )
+    max_waiting_requests: int | None = _f(
+        None,
+        "sequences that may wait beyond the --max-num-seqs running ones; "
+        "more are refused (EngineBusyError, HTTP 429). None: no bound "
+        "(the Python default, so LLM.generate takes any batch); "
+        f"`aiolm serve` defaults to {SERVE_MAX_WAITING}",
+    )
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend is not None:
             if self.distributed_executor_backend not in ("mp", "ray"):
-                raise ValueError(f"distributed_executor_backend: {self.distributed_executor_backend!r} is not "
-                                 f"supported; supported: mp, ray")
+                raise ValueError(
+                    f"distributed_executor_backend: {self.distributed_executor_backend!r} is not "
+                    f"supported; supported: mp, ray"
+                )
             self.executor = self.distributed_executor_backend
         if self.executor not in ("mp", "ray", "local"):
             raise ValueError(f"executor: {self.executor!r} is not supported; supported: mp, ray, local")
@@ -153,11 +202,14 @@ class EngineArgs:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.structured_outputs_backend not in ("xgrammar", "none"):
-            raise ValueError(f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
-                             f"supported: xgrammar, none")
+            raise ValueError(
+                f"structured_outputs_backend: {self.structured_outputs_backend!r}; supported: xgrammar, none"
+            )
         if not 0 < self.structured_outputs_compile_timeout < float("inf"):
-            raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, "
-                             f"got {self.structured_outputs_compile_timeout}")
+            raise ValueError(
+                f"structured_outputs_compile_timeout must be a positive number of seconds, "
+                f"got {self.structured_outputs_compile_timeout}"
+            )
         self.spec_config()  # raises on a bad combination
         from aiolm.metrics import check_prefix
 
@@ -165,31 +217,46 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
-            raise ValueError(f"attention_backend: {self.attention_backend!r} is not supported; "
-                             f"supported: auto, cpu, torch, triton")
+            raise ValueError(
+                f"attention_backend: {self.attention_backend!r} is not supported; supported: auto, cpu, torch, triton"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: {self.dtype!r} is not supported; supported: auto, float32, bfloat16, float16")
         if self.async_scheduling and self.speculative is not None:
             # Drafts come from the request's latest tokens, which overlap has not seen yet.
-            raise ValueError("async_scheduling cannot be combined with speculative decoding "
-                             "(--speculative); turn one of them off")
+            raise ValueError(
+                "async_scheduling cannot be combined with speculative decoding (--speculative); turn one of them off"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), "
-                             f"got {self.max_model_len}")
-        for name, low in (("max_cudagraph_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("kv_cache_memory", 1),
-                          ("block_size", 1), ("long_prefill_token_threshold", 0), ("num_threads", 0),
-                          ("max_logprobs", 0), ("seed", 0)):
+            raise ValueError(
+                f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}"
+            )
+        for name, low in (
+            ("max_cudagraph_size", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("kv_cache_memory", 1),
+            ("block_size", 1),
+            ("long_prefill_token_threshold", 0),
+            ("num_threads", 0),
+            ("max_logprobs", 0),
+            ("seed", 0),
+        ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
-    def spec_config(self) -> "SpecConfig | None":
+    def spec_config(self) -> SpecConfig | None:
         """The speculative-decoding settings, or None when ``speculative`` is off."""
         if self.speculative is None:
             return None
         from aiolm.spec_decode import SpecConfig
 
-        return SpecConfig(method=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-                          prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        return SpecConfig(
+            method=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
+        )
 
     def resolved_device(self) -> str:
         """The device to run on; a clear error when CUDA is asked for and there is none.
@@ -202,12 +269,14 @@ class EngineArgs:
         if self.device == "auto":
             return "cuda" if cuda else "cpu"
         if self.device.startswith("cuda") and not cuda:
-            raise ValueError(f"device {self.device!r}: torch {cuda_probe.torch_version()} sees no CUDA device "
-                             f"({'a CPU-only build' if not cuda_probe.torch_cuda_build() else 'no GPU or driver found'}); "
-                             f"use --device cpu")
+            raise ValueError(
+                f"device {self.device!r}: torch {cuda_probe.torch_version()} sees no CUDA device "
+                f"({'a CPU-only build' if not cuda_probe.torch_cuda_build() else 'no GPU or driver found'}); "
+                f"use --device cpu"
+            )
         return self.device
 
-    def step_watch(self) -> "StepWatch":
+    def step_watch(self) -> StepWatch:
         """The step time limits (executor/step_watch.py) these flags ask for."""
         from aiolm.executor.step_watch import StepWatch
 
@@ -228,7 +297,7 @@ class EngineArgs:
                 parser.add_argument(flag, type=typ, default=f.default, help=help_text)
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
@@ -263,7 +332,7 @@ class RunnerConfig:
         return base64.b64encode(pickle.dumps(self)).decode()
 
     @staticmethod
-    def decode(text: str) -> "RunnerConfig":
+    def decode(text: str) -> RunnerConfig:
         cfg = pickle.loads(base64.b64decode(text))
         if not isinstance(cfg, RunnerConfig):
             raise ValueError(f"not a RunnerConfig: {type(cfg).__name__}")

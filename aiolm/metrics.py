@@ -34,8 +34,9 @@ from __future__ import annotations
 import math
 import re
 from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -43,12 +44,74 @@ from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # every series exists from the start, at 0
@@ -60,8 +123,10 @@ _PREFIX = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 def check_prefix(prefix: str) -> str:
     """A metric name prefix Prometheus accepts (the ``:`` is added after it), else ValueError."""
     if not _PREFIX.fullmatch(prefix):
-        raise ValueError(f"metrics_prefix: {prefix!r} is not a Prometheus name prefix "
-                         f"(letters, digits and '_', not starting with a digit)")
+        raise ValueError(
+            f"metrics_prefix: {prefix!r} is not a Prometheus name prefix "
+            f"(letters, digits and '_', not starting with a digit)"
+        )
     return prefix
 
 
@@ -131,16 +196,15 @@ class FinishedRequest:
 _REQUEST_HISTOGRAMS = (
     ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
     ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
-    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-     REQUEST_LATENCY_BUCKETS),
-    ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
-     REQUEST_LATENCY_BUCKETS),
-    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-     REQUEST_LATENCY_BUCKETS),
-    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-     REQUEST_LATENCY_BUCKETS),
-    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
-     ITL_BUCKETS),
+    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+    (
+        "request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),
     ("request_prompt_tokens", "Number of prefill tokens processed.", None),
     ("request_generation_tokens", "Number of generation tokens processed.", None),
     ("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", None),
@@ -174,8 +238,9 @@ class EngineMetrics:
     def configure(self, model_name: str, max_model_len: int) -> None:
         """Name the model and size the token-count buckets (on engine start)."""
         tokens = buckets_1_2_5(max_model_len)
-        self.requests = {name: self.requests.get(name) or Histogram(tokens if b is None else b)
-                         for name, _, b in _REQUEST_HISTOGRAMS}
+        self.requests = {
+            name: self.requests.get(name) or Histogram(tokens if b is None else b) for name, _, b in _REQUEST_HISTOGRAMS
+        }
         self.model_name = model_name
 
     # -- fed by the engine ---------------------------------------------------------
@@ -276,42 +341,59 @@ class _Collector:
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         # vLLM's older name, still read by its classic Grafana dashboard.
-        yield gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
-                                            "DEPRECATED: use kv_cache_usage_perc.", usage)
-        yield gauge("engine_healthy", "1 while the engine serves, 0 once it is dead.",
-                    1.0 if src.is_healthy() else 0.0)
+        yield gauge(
+            "gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use kv_cache_usage_perc.",
+            usage,
+        )
+        yield gauge("engine_healthy", "1 while the engine serves, 0 once it is dead.", 1.0 if src.is_healthy() else 0.0)
         pcs = getattr(sched, "prefix_cache_stats", None)
-        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      pcs.queries if pcs is not None else 0)
-        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      pcs.hits if pcs is not None else 0)
-        yield counter("num_preemptions", "Cumulative number of preemption from the engine.",
-                      getattr(sched, "num_preemptions", 0))
+        yield counter(
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            pcs.queries if pcs is not None else 0,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            pcs.hits if pcs is not None else 0,
+        )
+        yield counter(
+            "num_preemptions", "Cumulative number of preemption from the engine.", getattr(sched, "num_preemptions", 0)
+        )
         spec = getattr(sched, "spec_decode_stats", None)
         if spec is not None:  # vLLM's speculative decoding series, only when it is on
             yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
             yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
-            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                          spec.num_accepted_tokens)
-            per_pos = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
-                                          "Accepted tokens per draft position.", labels=(*LABELS, "position"))
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                p + "spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=(*LABELS, "position"),
+            )
             for pos, count in enumerate(list(spec.accepted_per_position)):
                 per_pos.add_metric([*labels, str(pos)], count)
             yield per_pos
         yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
-        success = CounterMetricFamily(p + "request_success", "Count of successfully processed requests.",
-                                      labels=(*LABELS, "finished_reason"))
+        success = CounterMetricFamily(
+            p + "request_success", "Count of successfully processed requests.", labels=(*LABELS, "finished_reason")
+        )
         for reason, count in list(m.success.items()):
             success.add_metric([*labels, reason], count)
         yield success
         yield from self._histograms(p, labels)
         cfg = getattr(sched, "config", None)
         if cfg is not None:
-            info = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
-                    "enable_prefix_caching": str(cfg.enable_prefix_caching), "engine": str(m.engine_index)}
-            g = GaugeMetricFamily(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                                  labels=tuple(info))
+            info = {
+                "block_size": str(cfg.block_size),
+                "num_gpu_blocks": str(cfg.num_blocks),
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "engine": str(m.engine_index),
+            }
+            g = GaugeMetricFamily(
+                p + "cache_config_info", "Information of the LLMEngine CacheConfig", labels=tuple(info)
+            )
             g.add_metric(list(info.values()), 1.0)
             yield g
 
@@ -323,11 +405,13 @@ class _Collector:
             h.add_to(f, labels)
             return f
 
-        yield family("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                     m.iteration_tokens)
+        yield family("iteration_tokens_total", "Histogram of number of tokens per engine_step.", m.iteration_tokens)
         yield family("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl)
         # vLLM's older name for the same per-token gaps, still read by its classic dashboard.
-        yield family("time_per_output_token_seconds", "Histogram of time per output token in seconds. "
-                                                      "DEPRECATED: use inter_token_latency_seconds.", m.itl)
+        yield family(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds. DEPRECATED: use inter_token_latency_seconds.",
+            m.itl,
+        )
         for name, doc, _ in _REQUEST_HISTOGRAMS:
             yield family(name, doc, m.requests[name])

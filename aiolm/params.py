@@ -104,21 +104,31 @@ class SamplingParams:
             return abs(v) < 2**1000 if isinstance(v, int) else math.isfinite(v)  # an int must fit a float
 
         check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        check(is_num(self.temperature) and self.temperature >= 0, "temperature",
-              f"must be a number >= 0, got {self.temperature!r}")
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
-              f"must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and 0 <= self.top_k <= _INT32_MAX, "top_k",
-              f"must be -1, 0 (disabled) or a positive 32-bit integer, got {self.top_k!r}")
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-              f"must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**63 - 1024), "seed",
-              f"must be a 64-bit signed integer, got {self.seed!r}")
+        check(
+            is_num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be a number >= 0, got {self.temperature!r}",
+        )
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check(
+            is_int(self.top_k) and 0 <= self.top_k <= _INT32_MAX,
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive 32-bit integer, got {self.top_k!r}",
+        )
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        check(
+            self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**63 - 1024),
+            "seed",
+            f"must be a 64-bit signed integer, got {self.seed!r}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             check(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
-        check(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-              "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        check(
+            is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            f"must be in (0, 2], got {self.repetition_penalty!r}",
+        )
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict), "logit_bias", "must be a map of token id to bias")
             clean: dict[int, float] = {}
@@ -127,48 +137,90 @@ class SamplingParams:
                     tok = int(k)
                 except (TypeError, ValueError):
                     raise ParamError("logit_bias", f"key {k!r} is not a token id") from None
-                check(is_num(v) and -100 <= v <= 100, "logit_bias",
-                      f"bias for token {tok} must be in [-100, 100], got {v!r}")
+                check(
+                    is_num(v) and -100 <= v <= 100,
+                    "logit_bias",
+                    f"bias for token {tok} must be in [-100, 100], got {v!r}",
+                )
                 clean[tok] = float(v)
             self.logit_bias = clean
         if self.allowed_token_ids is not None:
-            check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
-                  and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
-                  "allowed_token_ids", "must be a non-empty list of non-negative integers")
+            check(
+                isinstance(self.allowed_token_ids, list)
+                and len(self.allowed_token_ids) > 0
+                and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of non-negative integers",
+            )
         if self.bad_words_token_ids is not None:
-            check(isinstance(self.bad_words_token_ids, list)
-                  and all(isinstance(w, list) and w and all(is_int(t) and t >= 0 for t in w)
-                          for w in self.bad_words_token_ids),
-                  "bad_words_token_ids", "must be a list of non-empty lists of non-negative integers")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= _INT32_MAX, "min_tokens",
-              f"must be an integer in [0, {_INT32_MAX}], got {self.min_tokens!r}")
+            check(
+                isinstance(self.bad_words_token_ids, list)
+                and all(
+                    isinstance(w, list) and w and all(is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids
+                ),
+                "bad_words_token_ids",
+                "must be a list of non-empty lists of non-negative integers",
+            )
+        check(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        check(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= _INT32_MAX,
+            "min_tokens",
+            f"must be an integer in [0, {_INT32_MAX}], got {self.min_tokens!r}",
+        )
         if self.max_tokens is not None:
-            check(self.min_tokens <= self.max_tokens, "min_tokens",
-                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-              "stop", "must be a non-empty string or a list of non-empty strings")
-        check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
-              f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a non-empty string or a list of non-empty strings",
+        )
+        check(
+            len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+        )
         longest = max((len(s) for s in self.stop), default=0)
-        check(longest <= MAX_STOP_STRING_CHARS, "stop",
-              f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters, one has {longest}")
+        check(
+            longest <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters, one has {longest}",
+        )
         total = sum(len(s) for s in self.stop)
-        check(total <= MAX_STOP_TOTAL_CHARS, "stop",
-              f"the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all, got {total}")
-        check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids", "must be a list of non-negative integers")
+        check(
+            total <= MAX_STOP_TOTAL_CHARS,
+            "stop",
+            f"the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all, got {total}",
+        )
+        check(
+            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
         # The upper bound is the engine's --max-logprobs, checked where the engine is known
         # (engine/input.py), so one flag sets it for the server and the library alike.
-        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-              "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
-        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-              "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        check(
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            f"must be an integer >= 0, got {self.logprobs!r}",
+        )
+        check(
+            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
+            f"must be an integer >= 0, got {self.prompt_logprobs!r}",
+        )
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            check(isinstance(so, StructuredOutputs) and so.kind in KINDS and isinstance(so.text, str),
-                  "structured_outputs", f"must be StructuredOutputs with a kind in {KINDS}")
+            check(
+                isinstance(so, StructuredOutputs) and so.kind in KINDS and isinstance(so.text, str),
+                "structured_outputs",
+                f"must be StructuredOutputs with a kind in {KINDS}",
+            )
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
 
     @property
@@ -183,7 +235,7 @@ class SamplingParams:
             ids.update(self.eos_token_ids)
         return ids
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
 
     @classmethod

@@ -31,8 +31,14 @@ def _checkout(rev: str, into: Path) -> Path:
 
 def _run(tree: Path, command: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-m", "aiolm.cli", *command, "--json"], cwd=tree, env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "aiolm.cli", *command, "--json"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -48,7 +54,7 @@ def _headline(result: dict) -> tuple[str, float]:
 
 def main() -> None:
     argv = sys.argv[1:]
-    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("before")
     ap.add_argument("after", nargs="?", default=None, help="a revision (default: this working tree)")
@@ -69,10 +75,12 @@ def main() -> None:
                     results[name].append(value)
                     print(f"round {r + 1} {name}: {key} = {value:.2f}", flush=True)
             med = {n: statistics.median(v) for n, v in results.items()}
-            print(f"median {key}: before {med['before']:.2f}, after {med['after']:.2f} "
-                  f"({med['after'] / med['before']:.3f}x)")
+            print(
+                f"median {key}: before {med['before']:.2f}, after {med['after']:.2f} "
+                f"({med['after'] / med['before']:.3f}x)"
+            )
         finally:
-            for name, tree in trees.items():
+            for tree in trees.values():
                 if tree != ROOT:
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 

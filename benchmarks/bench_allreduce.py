@@ -38,8 +38,7 @@ def run_rank(args: argparse.Namespace) -> None:
     from aiolm.distributed.cpu_bind import bind_rank
 
     bind_rank(args.rank, args.world, "auto")
-    group, name = make_tp_group(args.rank, args.world, "cpu", args.impl, shm_name=args.name or None,
-                                port=args.port)
+    group, name = make_tp_group(args.rank, args.world, "cpu", args.impl, shm_name=args.name or None, port=args.port)
     results = []
     for nbytes in args.sizes:
         x = torch.randn(nbytes // 4)
@@ -52,8 +51,14 @@ def run_rank(args: argparse.Namespace) -> None:
             group.all_reduce(y)
             times.append(time.perf_counter() - t0)
         times.sort()
-        results.append({"bytes": nbytes, "median_us": statistics.median(times) * 1e6,
-                        "p90_us": times[int(len(times) * 0.9)] * 1e6, "iters": len(times)})
+        results.append(
+            {
+                "bytes": nbytes,
+                "median_us": statistics.median(times) * 1e6,
+                "p90_us": times[int(len(times) * 0.9)] * 1e6,
+                "iters": len(times),
+            }
+        )
     if args.rank == 0:
         print(json.dumps({"impl": name, "world": args.world, "results": results}), flush=True)
     if torch.distributed.is_initialized():  # gloo's threads must stop before the process exits
@@ -73,10 +78,29 @@ def run_group(world: int, impl: str, sizes: list[int]) -> dict:
     name, unlink = create_segment(world) if impl == "shm" else ("", lambda: False)
     port = _free_port()
     try:
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world),
-                                   "--impl", impl, "--name", name, "--port", str(port),
-                                   "--sizes", *map(str, sizes)], stdout=subprocess.PIPE, text=True)
-                 for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank",
+                    str(r),
+                    "--world",
+                    str(world),
+                    "--impl",
+                    impl,
+                    "--name",
+                    name,
+                    "--port",
+                    str(port),
+                    "--sizes",
+                    *map(str, sizes),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
         outs = [p.communicate(timeout=900)[0] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError(f"{impl} x{world}: a rank failed: {[p.returncode for p in procs]}")
@@ -106,8 +130,11 @@ def main() -> None:
             out = run_group(world, impl, args.sizes)
             for r in out["results"]:
                 table.setdefault((world, r["bytes"]), {})[impl] = r["median_us"]
-                print(f"{impl:>4} x{world}  {r['bytes']:>8} B  median {r['median_us']:9.1f} us  "
-                      f"p90 {r['p90_us']:9.1f} us  ({r['iters']} calls)", flush=True)
+                print(
+                    f"{impl:>4} x{world}  {r['bytes']:>8} B  median {r['median_us']:9.1f} us  "
+                    f"p90 {r['p90_us']:9.1f} us  ({r['iters']} calls)",
+                    flush=True,
+                )
     if set(args.impl) == {"shm", "gloo"}:
         print("\n| ranks | bytes | shm median (us) | gloo median (us) | gloo / shm |\n|---|---|---|---|---|")
         for (world, nbytes), row in sorted(table.items()):

@@ -35,31 +35,47 @@ B, ctx, H, KVH, D, bs, L = 64, 256, 9, 3, 64, 16, 30
 nb_per = ctx // bs
 nblocks = B * nb_per + 8
 g = torch.Generator().manual_seed(0)
-table = torch.randperm(nblocks - 8, generator=g)[:B * nb_per].view(B, nb_per).contiguous().long()
-q = torch.randn(B, H, D); out = torch.empty_like(q)
-qsl = torch.arange(B + 1, dtype=torch.long); sl = torch.full((B,), ctx, dtype=torch.long)
+table = torch.randperm(nblocks - 8, generator=g)[: B * nb_per].view(B, nb_per).contiguous().long()
+q = torch.randn(B, H, D)
+out = torch.empty_like(q)
+qsl = torch.arange(B + 1, dtype=torch.long)
+sl = torch.full((B,), ctx, dtype=torch.long)
 for dtype in (torch.float16, torch.float32):
-    caches = [(torch.randn(nblocks, bs, KVH, D).to(dtype), torch.randn(nblocks, bs, KVH, D).to(dtype))
-              for _ in range(L)]
+    caches = [
+        (torch.randn(nblocks, bs, KVH, D).to(dtype), torch.randn(nblocks, bs, KVH, D).to(dtype)) for _ in range(L)
+    ]
 
     def run():
         for kc, vc in caches:
             torch.ops.aiolm.paged_attention(out, q, kc, vc, table, qsl, sl, 0.125)
-    run(); ts=[]
+
+    run()
+    ts = []
     for _ in range(9):
-        t0=time.perf_counter(); run(); ts.append(time.perf_counter()-t0)
-    mb = B*ctx*KVH*D*2*dtype.itemsize*L/1e6
-    t=statistics.median(ts)
-    print(f"decode, {str(dtype)[6:]} cache: 30 layers {t*1e3:.1f} ms [{min(ts)*1e3:.1f}] "
-          f"({t*1e3/L:.2f} ms/layer, {mb/t/1e3:.1f} GB/s)")
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    mb = B * ctx * KVH * D * 2 * dtype.itemsize * L / 1e6
+    t = statistics.median(ts)
+    print(
+        f"decode, {str(dtype)[6:]} cache: 30 layers {t * 1e3:.1f} ms [{min(ts) * 1e3:.1f}] "
+        f"({t * 1e3 / L:.2f} ms/layer, {mb / t / 1e3:.1f} GB/s)"
+    )
+
+
 def run_window():
     for kc, vc in caches:
         torch.ops.aiolm.paged_attention(out, q, kc, vc, table, qsl, sl, 0.125, 64)
+
+
 if "window" in str(torch.ops.aiolm.paged_attention.default._schema):  # builds before windows lack it
-    run_window(); ts = []
+    run_window()
+    ts = []
     for _ in range(9):
-        t0 = time.perf_counter(); run_window(); ts.append(time.perf_counter() - t0)
-    print(f"30 layers, 64-key window: {statistics.median(ts)*1e3:.1f} ms [{min(ts)*1e3:.1f}]")
+        t0 = time.perf_counter()
+        run_window()
+        ts.append(time.perf_counter() - t0)
+    print(f"30 layers, 64-key window: {statistics.median(ts) * 1e3:.1f} ms [{min(ts) * 1e3:.1f}]")
 
 lens = [160] * 12 + [128]
 tables, nxt = [], 0
@@ -68,15 +84,22 @@ for n in lens:
     nxt += n // bs
 pk, pv = torch.randn(nxt, bs, KVH, D), torch.randn(nxt, bs, KVH, D)
 pt = torch.tensor(tables[:-1] + [tables[-1] + [0, 0]], dtype=torch.long)
-pq = torch.randn(sum(lens), H, D); pout = torch.empty_like(pq)
-pqsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.long)
+pq = torch.randn(sum(lens), H, D)
+pout = torch.empty_like(pq)
+pqsl = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.long)
 psl = torch.tensor(lens, dtype=torch.long)
+
+
 def prefill():
     torch.ops.aiolm.paged_attention(pout, pq, pk, pv, pt, pqsl, psl, 0.125)
-prefill(); ts = []
+
+
+prefill()
+ts = []
 for _ in range(15):
-    t0 = time.perf_counter(); prefill(); ts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    prefill()
+    ts.append(time.perf_counter() - t0)
 t = statistics.median(ts)
 flops = sum(n * (n + 1) / 2 for n in lens) * H * D * 4
-print(f"prefill, one layer, {sum(lens)} tokens: {t * 1e3:.2f} ms [{min(ts) * 1e3:.2f}] "
-      f"({flops / t / 1e9:.0f} GFLOP/s)")
+print(f"prefill, one layer, {sum(lens)} tokens: {t * 1e3:.2f} ms [{min(ts) * 1e3:.2f}] ({flops / t / 1e9:.0f} GFLOP/s)")

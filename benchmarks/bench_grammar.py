@@ -34,8 +34,15 @@ from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
 from aiolm.structured.backend import Compiler
 from aiolm.structured.spec import StructuredOutputs
 
-SCHEMA = {"type": "array", "minItems": 40, "items": {"type": "object", "properties": {
-    "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12}}, "required": ["id", "name"]}}
+SCHEMA = {
+    "type": "array",
+    "minItems": 40,
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12}},
+        "required": ["id", "name"],
+    },
+}
 
 
 def main() -> None:
@@ -55,8 +62,12 @@ def main() -> None:
     Compiler.configure(lambda: tok)
     spec = StructuredOutputs("json", args.schema)
     constrained = args.rows if args.constrained is None else args.constrained
-    params = [SamplingParams(temperature=0, structured_outputs=spec if i < constrained else None,
-                             eos_token_ids=source.eos_token_ids) for i in range(args.rows)]
+    params = [
+        SamplingParams(
+            temperature=0, structured_outputs=spec if i < constrained else None, eos_token_ids=source.eos_token_ids
+        )
+        for i in range(args.rows)
+    ]
     plain = [SamplingParams(temperature=0) for _ in range(args.rows)]
     t0 = time.perf_counter()
     proc = Grammar.build(BatchRows(params, [[] for _ in params], [[] for _ in params], vocab, torch.device("cpu")))
@@ -65,10 +76,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     logits = [torch.randn(args.rows, vocab, generator=g) * 3 for _ in range(4)]
     sampler = Sampler()
-    meta = SamplingMetadata.build(plain, [[] for _ in plain], [[] for _ in plain], vocab, "cpu",
-                                  [None] * args.rows, make_generator(0))
-    parts: dict[str, list[float]] = {"fill": [], "mask": [], "advance": [], "all three": [],
-                                     "greedy sampler (reference)": []}
+    meta = SamplingMetadata.build(
+        plain, [[] for _ in plain], [[] for _ in plain], vocab, "cpu", [None] * args.rows, make_generator(0)
+    )
+    parts: dict[str, list[float]] = {
+        "fill": [],
+        "mask": [],
+        "advance": [],
+        "all three": [],
+        "greedy sampler (reference)": [],
+    }
     for i in range(args.steps):
         x = logits[i % len(logits)].clone()
         t0 = clock()
@@ -82,8 +99,13 @@ def main() -> None:
         t4 = clock()
         sampler(logits[i % len(logits)], meta)
         t5 = clock()
-        for name, sec in (("fill", t1 - t0), ("mask", t2 - t1), ("advance", t4 - t3),
-                          ("all three", t2 - t0 + t4 - t3), ("greedy sampler (reference)", t5 - t4)):
+        for name, sec in (
+            ("fill", t1 - t0),
+            ("mask", t2 - t1),
+            ("advance", t4 - t3),
+            ("all three", t2 - t0 + t4 - t3),
+            ("greedy sampler (reference)", t5 - t4),
+        ):
             parts[name].append(sec * 1e3)
     print(f"rows={args.rows} constrained={constrained}")
     for name, ms in parts.items():

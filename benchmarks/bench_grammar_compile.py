@@ -26,22 +26,46 @@ from aiolm.model.loader import resolve_model
 from aiolm.structured.backend import compile_spec, tokenizer_info, xgrammar_module
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "age", "address"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "address"],
+    "additionalProperties": False,
+}
 
 
 def tools_schema(n: int) -> dict:
     """tool_choice "required" over ``n`` tools of four parameters each (as aiolm/server/tools.py builds it)."""
+
     def call(i: int) -> dict:
-        params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                                   "unit": {"enum": ["c", "f"]}, "detail": {"type": "boolean"}},
-                  "required": ["city"]}
-        return {"type": "object", "properties": {"name": {"const": f"tool_{i}"}, "arguments": params},
-                "required": ["name", "arguments"], "additionalProperties": False}
+        params = {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"enum": ["c", "f"]},
+                "detail": {"type": "boolean"},
+            },
+            "required": ["city"],
+        }
+        return {
+            "type": "object",
+            "properties": {"name": {"const": f"tool_{i}"}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
 
     return {"type": "array", "items": {"anyOf": [call(i) for i in range(n)]}, "minItems": 1}
 
@@ -88,13 +112,17 @@ def main() -> None:
     vocab = source.config.vocab_size
     info = tokenizer_info(source.load_tokenizer, vocab, source.path)
     compiler = xgrammar_module().GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    cases = [("choice of 3", StructuredOutputs("grammar", choice_grammar(["yes", "no", "maybe"]))),
-             ("regex (phone)", StructuredOutputs("regex", r"\(\d{3}\) \d{3}-\d{4}")),
-             ("json_object", StructuredOutputs("json_object")),
-             ("person schema", StructuredOutputs("json", json.dumps(PERSON))),
-             ("20 tools, required", StructuredOutputs("json", json.dumps(tools_schema(20))))]
-    cases += [(f"{n} optional integer properties", StructuredOutputs("json", json.dumps(props_schema(int(n)))))
-              for n in args.props.split(",")]
+    cases = [
+        ("choice of 3", StructuredOutputs("grammar", choice_grammar(["yes", "no", "maybe"]))),
+        ("regex (phone)", StructuredOutputs("regex", r"\(\d{3}\) \d{3}-\d{4}")),
+        ("json_object", StructuredOutputs("json_object")),
+        ("person schema", StructuredOutputs("json", json.dumps(PERSON))),
+        ("20 tools, required", StructuredOutputs("json", json.dumps(tools_schema(20)))),
+    ]
+    cases += [
+        (f"{n} optional integer properties", StructuredOutputs("json", json.dumps(props_schema(int(n)))))
+        for n in args.props.split(",")
+    ]
     print(f"{'grammar':36} {'text':>10} {'compile':>10}")
     for name, spec in cases:
         t0 = time.perf_counter()

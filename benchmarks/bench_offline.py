@@ -54,8 +54,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--json-schema", default=None,
-                   help="also time the same prompts with this JSON schema (text) on every request")
+    p.add_argument(
+        "--json-schema", default=None, help="also time the same prompts with this JSON schema (text) on every request"
+    )
     p.add_argument("--json-max-tokens", type=int, default=256, help="cap on a constrained request's tokens")
     EngineArgs.add_cli_args(p)
     args = p.parse_args()
@@ -71,9 +72,14 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
         constrained = None
         if args.json_schema:
-            constrained = [SamplingParams(temperature=0.0, max_tokens=args.json_max_tokens,
-                                          structured_outputs=StructuredOutputs("json", args.json_schema))
-                           for _ in prompts]
+            constrained = [
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=args.json_max_tokens,
+                    structured_outputs=StructuredOutputs("json", args.json_schema),
+                )
+                for _ in prompts
+            ]
             output_lens = _documents(llm.generate(inputs, constrained, use_tqdm=False), args.json_schema)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         llm.engine.core.times = StepTimes()  # the timed repeats' per-step costs only
@@ -82,7 +88,7 @@ def main() -> None:
         json_rates: list[float] = []  # output tokens/s of each constrained repeat (its own count)
         for r in range(args.repeats):
             runs = [("plain", params, times)] + ([("json", constrained, json_times)] if constrained else [])
-            for name, ps, into in (runs if r % 2 == 0 else runs[::-1]):
+            for name, ps, into in runs if r % 2 == 0 else runs[::-1]:
                 t = time.perf_counter()
                 outs = llm.generate(inputs, ps, use_tqdm=False)
                 into.append(time.perf_counter() - t)
@@ -130,8 +136,10 @@ def main() -> None:
         print(f"total tokens/s:  {result['total_tok_per_s']:.1f}")
         print(f"requests/s:      {result['requests_per_s']:.3f}")
         if json_times:
-            print(f"with the schema: {result['json_output_tok_per_s']:.1f} output tokens/s "
-                  f"({result['json_to_plain']:.3f} of plain)")
+            print(
+                f"with the schema: {result['json_output_tok_per_s']:.1f} output tokens/s "
+                f"({result['json_to_plain']:.3f} of plain)"
+            )
 
 
 def _documents(outs: list, schema: str) -> list[int]:

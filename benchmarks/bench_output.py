@@ -79,8 +79,10 @@ def main() -> None:
             times = one_round(tokenizer, metrics, args.requests, args.steps, rng)
             medians[on].append(statistics.median(times) * 1e6)
     for on, ms in medians.items():
-        print(f"{args.root}: metrics {'on ' if on else 'off'}: per-step median {statistics.median(ms):7.1f} us "
-              f"(round medians {', '.join(f'{m:.1f}' for m in ms)})")
+        print(
+            f"{args.root}: metrics {'on ' if on else 'off'}: per-step median {statistics.median(ms):7.1f} us "
+            f"(round medians {', '.join(f'{m:.1f}' for m in ms)})"
+        )
     if with_metrics:
         from aiolm.metrics import EngineMetrics
 
@@ -88,8 +90,7 @@ def main() -> None:
         m.configure("bench", 4096)
         gaps = [rng.uniform(0.005, 0.2) for _ in range(args.requests)]
         runs = timeit.repeat(lambda: m.step_outputs(0, args.requests, gaps), number=2000, repeat=7)
-        print(f"step_outputs alone ({args.requests} latencies): {min(runs) / 2000 * 1e6:.1f} us per step "
-              f"(best of 7)")
+        print(f"step_outputs alone ({args.requests} latencies): {min(runs) / 2000 * 1e6:.1f} us per step (best of 7)")
 
 
 if __name__ == "__main__":

@@ -95,14 +95,18 @@ def main() -> None:
     from aiolm.executor.ray import _runtime_env
 
     so = decode_step(64, 0)
-    sizes = {"scheduler_output_bytes": len(codec.encode_scheduler_output(so)),
-             "model_runner_output_bytes": len(EchoRank().handle(codec.encode_scheduler_output(so))[0] or b"")}
+    sizes = {
+        "scheduler_output_bytes": len(codec.encode_scheduler_output(so)),
+        "model_runner_output_bytes": len(EchoRank().handle(codec.encode_scheduler_output(so))[0] or b""),
+    }
     ray_cluster.connect(None, 2)
     actor = ray.remote(EchoRank).options(num_cpus=1, runtime_env=_runtime_env()).remote()
     req = ShmRing.create(1, num_slots=8, slot_size=1 << 20)
     resp = ShmRing.create(1, num_slots=4, slot_size=1 << 18, reader_rank=0)
-    worker = subprocess.Popen([sys.executable, str(HERE / "bench_ipc.py"), "--worker", req.name, resp.name, "0",
-                               str(os.getpid())], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker = subprocess.Popen(
+        [sys.executable, str(HERE / "bench_ipc.py"), "--worker", req.name, resp.name, "0", str(os.getpid())],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     loop = uvloop.new_event_loop()
     times: dict[str, list[float]] = {"shm": [], "ray": []}
     try:
@@ -113,7 +117,7 @@ def main() -> None:
         for r in range(args.rounds):
             steps = [decode_step(64, i) for i in range(args.steps)]
             order = [("shm", lambda: shm_steps(req, resp, steps, gap)), ("ray", lambda: ray_steps(actor, steps, gap))]
-            for name, run in (order if r % 2 == 0 else order[::-1]):
+            for name, run in order if r % 2 == 0 else order[::-1]:
                 times[name] += loop.run_until_complete(run())
     finally:
         loop.close()
@@ -125,14 +129,19 @@ def main() -> None:
     result = {**sizes, "gap_us": args.gap_us, "rounds": args.rounds, "steps_per_round": args.steps}
     for name, ts in times.items():
         us = sorted(t * 1e6 for t in ts)
-        result[name] = {"median_us": round(statistics.median(us), 1), "p90_us": round(us[int(len(us) * 0.9)], 1),
-                        "n": len(us)}
+        result[name] = {
+            "median_us": round(statistics.median(us), 1),
+            "p90_us": round(us[int(len(us) * 0.9)], 1),
+            "n": len(us),
+        }
     result["ray_minus_shm_median_us"] = round(result["ray"]["median_us"] - result["shm"]["median_us"], 1)
     if args.json:
         print(json.dumps(result))
         return
-    print(f"decode step x64: SchedulerOutput {sizes['scheduler_output_bytes']} B, "
-          f"ModelRunnerOutput {sizes['model_runner_output_bytes']} B")
+    print(
+        f"decode step x64: SchedulerOutput {sizes['scheduler_output_bytes']} B, "
+        f"ModelRunnerOutput {sizes['model_runner_output_bytes']} B"
+    )
     for name in ("shm", "ray"):
         r = result[name]
         print(f"{name:4s} round trip: median {r['median_us']:8.1f} us  p90 {r['p90_us']:8.1f} us  (n={r['n']})")

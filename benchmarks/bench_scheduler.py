@@ -24,17 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.params import SamplingParams
 
 
 def sampled_ids(sched: Scheduler, so: SchedulerOutput) -> list[str]:
     """Requests whose prefill is complete this step (what a model runner samples for)."""
     reqs = sched.requests
-    return [rid for rid in so.num_scheduled_tokens
-            if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens]
+    return [rid for rid in so.num_scheduled_tokens if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens]
 
 
 def fake_output(rids: list[str], rng: random.Random) -> ModelRunnerOutput:
@@ -55,14 +54,19 @@ def timed_step(sched: Scheduler, rng: random.Random) -> tuple[float, SchedulerOu
 def report(name: str, times: list[float]) -> None:
     us = sorted(t * 1e6 for t in times)
     p99 = us[min(len(us) - 1, int(0.99 * len(us)))]
-    print(f"{name:<34} steps={len(us):5d}  median={statistics.median(us):8.1f} us  p99={p99:8.1f} us"
-          f"  min={us[0]:8.1f} us")
+    print(
+        f"{name:<34} steps={len(us):5d}  median={statistics.median(us):8.1f} us  p99={p99:8.1f} us  min={us[0]:8.1f} us"
+    )
 
 
 def bench_decode(steps: int, num_reqs: int = 256, prompt_len: int = 128) -> None:
     rng = random.Random(0)
-    cfg = SchedulerConfig(num_blocks=num_reqs * (prompt_len + steps + 64) // 16 + 1, max_num_seqs=num_reqs,
-                          max_num_batched_tokens=8192, max_model_len=prompt_len + steps + 64)
+    cfg = SchedulerConfig(
+        num_blocks=num_reqs * (prompt_len + steps + 64) // 16 + 1,
+        max_num_seqs=num_reqs,
+        max_num_batched_tokens=8192,
+        max_model_len=prompt_len + steps + 64,
+    )
     sched = Scheduler(cfg)
     sp = SamplingParams(max_tokens=steps + 32, ignore_eos=True)
     for i in range(num_reqs):
@@ -106,8 +110,10 @@ def bench_mixed(steps: int, target_running: int = 200) -> None:
         times.append(t)
     report(f"mixed prefill/decode ~{target_running} reqs", times)
     stats = sched.prefix_cache_stats
-    print(f"{'':34} steps with prefill chunks: {mixed}, prefix hit rate {stats.hit_rate:.2f}, "
-          f"kv usage {sched.kv_cache_usage:.2f}")
+    print(
+        f"{'':34} steps with prefill chunks: {mixed}, prefix hit rate {stats.hit_rate:.2f}, "
+        f"kv usage {sched.kv_cache_usage:.2f}"
+    )
 
 
 def calibrate() -> float:
@@ -124,8 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
     args = ap.parse_args()
-    print(f"calibration: sum(range(1000)) takes {calibrate():.1f} us here "
-          "(roughly 5-10 us on an idle modern x86 core)")
+    print(f"calibration: sum(range(1000)) takes {calibrate():.1f} us here (roughly 5-10 us on an idle modern x86 core)")
     bench_decode(args.steps)
     bench_mixed(args.steps)
     print(f"calibration after: {calibrate():.1f} us")

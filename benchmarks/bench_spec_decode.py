@@ -72,8 +72,10 @@ def main():
     print(report.low_stock(totals))
 '''
 
-COPY_PROMPT = ("Repeat the following Python code exactly, but rename the method `process_items` to "
-               "`handle_items` everywhere. Output only the code.\n\n```python\n" + CODE + "```")
+COPY_PROMPT = (
+    "Repeat the following Python code exactly, but rename the method `process_items` to "
+    "`handle_items` everywhere. Output only the code.\n\n```python\n" + CODE + "```"
+)
 
 
 async def _one(engine: AsyncEngine, prompt: Any, params: SamplingParams) -> dict[str, Any]:
@@ -87,15 +89,28 @@ async def _one(engine: AsyncEngine, prompt: Any, params: SamplingParams) -> dict
     t1 = time.perf_counter()
     assert first is not None
     n = len(ids)
-    return {"tokens": n, "ids": ids, "e2e_tok_s": n / (t1 - t0),
-            "decode_tok_s": (n - 1) / (t1 - first) if n > 1 and t1 > first else 0.0}
+    return {
+        "tokens": n,
+        "ids": ids,
+        "e2e_tok_s": n / (t1 - t0),
+        "decode_tok_s": (n - 1) / (t1 - first) if n > 1 and t1 > first else 0.0,
+    }
 
 
-async def run_mode(args: argparse.Namespace, spec: bool, workloads: dict[str, tuple[Any, SamplingParams]],
-                   ) -> dict[str, dict[str, Any]]:
-    ea = EngineArgs(max_model_len=2048, kv_cache_memory=256 << 20, num_threads=args.num_threads,
-                    speculative="ngram" if spec else None, num_speculative_tokens=args.num_speculative_tokens,
-                    prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+async def run_mode(
+    args: argparse.Namespace,
+    spec: bool,
+    workloads: dict[str, tuple[Any, SamplingParams]],
+) -> dict[str, dict[str, Any]]:
+    ea = EngineArgs(
+        max_model_len=2048,
+        kv_cache_memory=256 << 20,
+        num_threads=args.num_threads,
+        speculative="ngram" if spec else None,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+    )
     out = {}
     async with AsyncEngine(ea) as engine:
         warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -108,8 +123,7 @@ async def run_mode(args: argparse.Namespace, spec: bool, workloads: dict[str, tu
             st = engine.spec_decode_stats
             if st is not None:
                 drafted, accepted = st.num_draft_tokens - d0[0], st.num_accepted_tokens - d0[1]
-                res.update(drafted=drafted, accepted=accepted,
-                           acceptance=accepted / drafted if drafted else 0.0)
+                res.update(drafted=drafted, accepted=accepted, acceptance=accepted / drafted if drafted else 0.0)
             out[name] = res
     return out
 
@@ -135,18 +149,29 @@ def proposer_cost() -> dict[int, float]:
     return out
 
 
-def run_in_process(args: argparse.Namespace, workloads: dict[str, tuple[Any, SamplingParams]],
-                   runner: Any, spec: bool) -> dict[str, dict[str, Any]]:
+def run_in_process(
+    args: argparse.Namespace, workloads: dict[str, tuple[Any, SamplingParams]], runner: Any, spec: bool
+) -> dict[str, dict[str, Any]]:
     """Scheduler + model runner in this thread; decode timed by thread CPU time and wall time."""
     from aiolm.core.request import Request
     from aiolm.core.scheduler import Scheduler, SchedulerConfig
 
-    ea = EngineArgs(speculative="ngram" if spec else None, num_speculative_tokens=args.num_speculative_tokens,
-                    prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    ea = EngineArgs(
+        speculative="ngram" if spec else None,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+    )
     out = {}
     for name, (prompt, params) in workloads.items():
-        sched = Scheduler(SchedulerConfig(num_blocks=runner.num_blocks, max_model_len=2048,
-                                          enable_prefix_caching=False, speculative=ea.spec_config()))
+        sched = Scheduler(
+            SchedulerConfig(
+                num_blocks=runner.num_blocks,
+                max_model_len=2048,
+                enable_prefix_caching=False,
+                speculative=ea.spec_config(),
+            )
+        )
         rid = f"{name}-{spec}-{time.monotonic_ns()}"
         # The engine's input processor fills in the model's EOS ids; do the same here.
         eos = tuple(runner.source.eos_token_ids)
@@ -167,13 +192,16 @@ def run_in_process(args: argparse.Namespace, workloads: dict[str, tuple[Any, Sam
                 ids.extend(o.new_token_ids)
         runner.execute(sched.schedule())  # tell the runner the request finished
         n = len(ids)
-        res_d: dict[str, Any] = {"tokens": n, "ids": ids, "decode_tok_s": (n - 1) / wall,
-                                 "e2e_tok_s": (n - 1) / cpu,  # e2e column: tokens per CPU-second
-                                 "step_cpu_ms": {k: 1e3 * statistics.median(v) for k, v in sorted(step_cpu.items())}}
+        res_d: dict[str, Any] = {
+            "tokens": n,
+            "ids": ids,
+            "decode_tok_s": (n - 1) / wall,
+            "e2e_tok_s": (n - 1) / cpu,  # e2e column: tokens per CPU-second
+            "step_cpu_ms": {k: 1e3 * statistics.median(v) for k, v in sorted(step_cpu.items())},
+        }
         st = sched.spec_decode_stats
         if st is not None:
-            res_d.update(drafted=st.num_draft_tokens, accepted=st.num_accepted_tokens,
-                         acceptance=st.acceptance_rate)
+            res_d.update(drafted=st.num_draft_tokens, accepted=st.num_accepted_tokens, acceptance=st.acceptance_rate)
         out[name] = res_d
     return out
 
@@ -184,18 +212,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from aiolm.model.loader import resolve_model
 
     tok = resolve_model(None).load_tokenizer()
-    text = tok.apply_chat_template([{"role": "user", "content": COPY_PROMPT}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": COPY_PROMPT}], tokenize=False, add_generation_prompt=True
+    )
     copy_ids = tok.encode(text, add_special_tokens=False)
     rng = np.random.default_rng(0)
     workloads = {
-        "copy": ({"prompt_token_ids": list(copy_ids)},
-                 SamplingParams(temperature=0, max_tokens=args.copy_max_tokens, output_kind=OutputKind.DELTA)),
-        "random": ({"prompt_token_ids": rng.integers(100, 40001, size=128).tolist()},
-                   SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, output_kind=OutputKind.DELTA)),
+        "copy": (
+            {"prompt_token_ids": list(copy_ids)},
+            SamplingParams(temperature=0, max_tokens=args.copy_max_tokens, output_kind=OutputKind.DELTA),
+        ),
+        "random": (
+            {"prompt_token_ids": rng.integers(100, 40001, size=128).tolist()},
+            SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, output_kind=OutputKind.DELTA),
+        ),
     }
-    workloads["random-sampled"] = (workloads["random"][0], SamplingParams(
-        temperature=0.8, max_tokens=128, ignore_eos=True, output_kind=OutputKind.DELTA))
+    workloads["random-sampled"] = (
+        workloads["random"][0],
+        SamplingParams(temperature=0.8, max_tokens=128, ignore_eos=True, output_kind=OutputKind.DELTA),
+    )
     runner = None
     if args.clock == "thread":
         import torch
@@ -204,25 +239,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         from aiolm.worker.model_runner import ModelRunner
 
         torch.set_num_threads(1)
-        runner = ModelRunner(RunnerConfig(max_model_len=2048, kv_cache_memory=256 << 20, num_threads=1,
-                                          structured_outputs=False))
+        runner = ModelRunner(
+            RunnerConfig(max_model_len=2048, kv_cache_memory=256 << 20, num_threads=1, structured_outputs=False)
+        )
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {"off": {}, "ngram": {}}
     for r in range(args.rounds):
         order = [False, True] if r % 2 == 0 else [True, False]
         for spec in order:
             mode = "ngram" if spec else "off"
-            res = (run_in_process(args, workloads, runner, spec) if runner is not None
-                   else await run_mode(args, spec, workloads))
+            res = (
+                run_in_process(args, workloads, runner, spec)
+                if runner is not None
+                else await run_mode(args, spec, workloads)
+            )
             for name, v in res.items():
                 runs[mode].setdefault(name, []).append(v)
-                extra = (f" drafted {v['drafted']} accepted {v['accepted']} ({100 * v['acceptance']:.0f}%)"
-                         if "drafted" in v else "")
+                extra = (
+                    f" drafted {v['drafted']} accepted {v['accepted']} ({100 * v['acceptance']:.0f}%)"
+                    if "drafted" in v
+                    else ""
+                )
                 second = "per CPU-second" if runner is not None else "e2e"
                 if "step_cpu_ms" in v:
                     extra += " | step CPU ms by tokens: " + ", ".join(
-                        f"{k}: {ms:.1f}" for k, ms in v["step_cpu_ms"].items())
-                print(f"round {r} {mode:5} {name:6} {v['tokens']} tokens decode {v['decode_tok_s']:.1f} tok/s "
-                      f"{second} {v['e2e_tok_s']:.1f} tok/s{extra}", flush=True)
+                        f"{k}: {ms:.1f}" for k, ms in v["step_cpu_ms"].items()
+                    )
+                print(
+                    f"round {r} {mode:5} {name:6} {v['tokens']} tokens decode {v['decode_tok_s']:.1f} tok/s "
+                    f"{second} {v['e2e_tok_s']:.1f} tok/s{extra}",
+                    flush=True,
+                )
     summary: dict[str, Any] = {"prompt_tokens_copy": len(copy_ids), "proposer_us": proposer_cost()}
     print("n-gram proposal, CPU us by context length:", summary["proposer_us"])
     for name in workloads:
@@ -232,15 +278,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         med_e2e = {m: statistics.median(v["e2e_tok_s"] for v in runs[m][name]) for m in runs}
         best = {m: max(v["e2e_tok_s"] for v in runs[m][name]) for m in runs}  # the least disturbed run
         acc = statistics.median(v["acceptance"] for v in on)
-        summary[name] = {"tokens": off[0]["tokens"], "identical_tokens": same,
-                         "decode_tok_s": med, "e2e_tok_s": med_e2e,
-                         "speedup_decode": med["ngram"] / med["off"], "speedup_e2e": med_e2e["ngram"] / med_e2e["off"],
-                         "best_e2e_tok_s": best, "speedup_best_e2e": best["ngram"] / best["off"],
-                         "acceptance": acc}
-        print(f"{name}: {off[0]['tokens']} tokens, identical={same}, decode off {med['off']:.1f} ngram "
-              f"{med['ngram']:.1f} tok/s (x{med['ngram'] / med['off']:.2f}), e2e off {med_e2e['off']:.1f} "
-              f"ngram {med_e2e['ngram']:.1f} (x{med_e2e['ngram'] / med_e2e['off']:.2f}; best runs "
-              f"x{best['ngram'] / best['off']:.2f}), acceptance {100 * acc:.0f}%")
+        summary[name] = {
+            "tokens": off[0]["tokens"],
+            "identical_tokens": same,
+            "decode_tok_s": med,
+            "e2e_tok_s": med_e2e,
+            "speedup_decode": med["ngram"] / med["off"],
+            "speedup_e2e": med_e2e["ngram"] / med_e2e["off"],
+            "best_e2e_tok_s": best,
+            "speedup_best_e2e": best["ngram"] / best["off"],
+            "acceptance": acc,
+        }
+        print(
+            f"{name}: {off[0]['tokens']} tokens, identical={same}, decode off {med['off']:.1f} ngram "
+            f"{med['ngram']:.1f} tok/s (x{med['ngram'] / med['off']:.2f}), e2e off {med_e2e['off']:.1f} "
+            f"ngram {med_e2e['ngram']:.1f} (x{med_e2e['ngram'] / med_e2e['off']:.2f}; best runs "
+            f"x{best['ngram'] / best['off']:.2f}), acceptance {100 * acc:.0f}%"
+        )
     return summary
 
 
@@ -252,8 +306,12 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
     ap.add_argument("--copy-max-tokens", type=int, default=400)
     ap.add_argument("--num-threads", type=int, default=0)
-    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                    help="wall: engines with worker processes; thread: in process, CPU time per token")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="wall: engines with worker processes; thread: in process, CPU time per token",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     summary = asyncio.run(main_async(args))

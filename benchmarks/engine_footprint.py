@@ -58,9 +58,13 @@ def one_run(tree: str, extra: list[str]) -> dict[str, Any]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--port", str(port), *extra],
-                            cwd=tree, env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, "serve", "--port", str(port), *extra],
+        cwd=tree,
+        env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while True:
             try:
@@ -75,11 +79,17 @@ def one_run(tree: str, extra: list[str]) -> dict[str, Any]:
         health_s = time.monotonic() - start
         rss_health = _rss_mib(proc.pid)
         model = _get(base + "/v1/models")["data"][0]["id"]
-        _get(base + "/v1/completions", {"model": model, "prompt": "The capital of France is",
-                                        "max_tokens": 16, "temperature": 0})
+        _get(
+            base + "/v1/completions",
+            {"model": model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
+        )
         time.sleep(0.5)
-        return {"health_s": health_s, "rss_health_mib": rss_health, "rss_after_mib": _rss_mib(proc.pid),
-                "torch_mapped": _torch_mapped(proc.pid)}
+        return {
+            "health_s": health_s,
+            "rss_health_mib": rss_health,
+            "rss_after_mib": _rss_mib(proc.pid),
+            "torch_mapped": _torch_mapped(proc.pid),
+        }
     finally:
         proc.terminate()
         try:
@@ -101,11 +111,13 @@ def main() -> None:
         for name, tree in trees.items():  # alternating, so drift in the machine's load hits both
             r = one_run(tree, a.serve_args.split())
             results[name].append(r)
-            print(name, i, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
-                  flush=True)
+            print(
+                name, i, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True
+            )
     for name, rs in results.items():
-        medians = {k: round(statistics.median(r[k] for r in rs), 2)
-                   for k in ("health_s", "rss_health_mib", "rss_after_mib")}
+        medians = {
+            k: round(statistics.median(r[k] for r in rs), 2) for k in ("health_s", "rss_health_mib", "rss_after_mib")
+        }
         print(name, "median", json.dumps(medians), "libtorch mapped:", sorted({r["torch_mapped"] for r in rs}))
 
 

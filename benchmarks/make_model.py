@@ -77,15 +77,17 @@ def tensor_specs(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
         p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (s.hidden,)),
-                  (p + "self_attn.q_proj.weight", (s.hidden, s.hidden)),
-                  (p + "self_attn.k_proj.weight", (kv, s.hidden)),
-                  (p + "self_attn.v_proj.weight", (kv, s.hidden)),
-                  (p + "self_attn.o_proj.weight", (s.hidden, s.hidden)),
-                  (p + "post_attention_layernorm.weight", (s.hidden,)),
-                  (p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)),
-                  (p + "mlp.up_proj.weight", (s.intermediate, s.hidden)),
-                  (p + "mlp.down_proj.weight", (s.hidden, s.intermediate))]
+        specs += [
+            (p + "input_layernorm.weight", (s.hidden,)),
+            (p + "self_attn.q_proj.weight", (s.hidden, s.hidden)),
+            (p + "self_attn.k_proj.weight", (kv, s.hidden)),
+            (p + "self_attn.v_proj.weight", (kv, s.hidden)),
+            (p + "self_attn.o_proj.weight", (s.hidden, s.hidden)),
+            (p + "post_attention_layernorm.weight", (s.hidden,)),
+            (p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)),
+            (p + "mlp.up_proj.weight", (s.intermediate, s.hidden)),
+            (p + "mlp.down_proj.weight", (s.hidden, s.intermediate)),
+        ]
     return specs + [("model.norm.weight", (s.hidden,)), ("lm_head.weight", (s.vocab, s.hidden))]
 
 
@@ -99,12 +101,28 @@ def make_tensor(name: str, shape: tuple[int, ...], index: int, seed: int) -> np.
 
 
 def hf_config(s: Shape, dtype: str) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
-            "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim,
-            "max_position_embeddings": s.max_positions, "rope_theta": s.rope_theta, "rms_norm_eps": s.rms_eps,
-            "vocab_size": s.vocab, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-            "initializer_range": INIT_STD, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": dtype}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "max_position_embeddings": s.max_positions,
+        "rope_theta": s.rope_theta,
+        "rms_norm_eps": s.rms_eps,
+        "vocab_size": s.vocab,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": INIT_STD,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": dtype,
+    }
 
 
 class SafetensorsStream:
@@ -166,8 +184,13 @@ class GGUFStream:
         for name, shape in specs:
             info = self._stored_shape(shape)
             nbytes = int(np.prod(info[0]))
-            w.add_tensor_info(gguf_name(name), info[0], info[1], nbytes * (4 if info[1] == np.float32 else 1),
-                              raw_dtype=None if info[1] == np.float32 else self.qtype)
+            w.add_tensor_info(
+                gguf_name(name),
+                info[0],
+                info[1],
+                nbytes * (4 if info[1] == np.float32 else 1),
+                raw_dtype=None if info[1] == np.float32 else self.qtype,
+            )
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -187,8 +210,12 @@ class GGUFStream:
         if name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE row order
             arr = permute_rope_rows(arr, self.s.heads if "q_proj" in name else self.s.kv_heads)
         rows = 4096  # quantize in slices: the numpy quantizer's temporaries are several times the input
-        out = np.concatenate([self.gguf.quants.quantize(np.ascontiguousarray(arr[i:i + rows]), self.qtype)
-                              for i in range(0, arr.shape[0], rows)])
+        out = np.concatenate(
+            [
+                self.gguf.quants.quantize(np.ascontiguousarray(arr[i : i + rows]), self.qtype)
+                for i in range(0, arr.shape[0], rows)
+            ]
+        )
         self.w.write_tensor_data(out)
 
     def close(self) -> None:
@@ -267,8 +294,14 @@ def make_model(out: Path, scale: str = "full", formats: tuple[str, ...] = ALL_FO
     for w in [*st, *gg]:
         w.close()
     params = sum(int(np.prod(shape)) for _, shape in specs)
-    manifest = {"scale": scale, "shape": asdict(s), "parameters": params, "seed": seed, "init_std": INIT_STD,
-                "files": files}
+    manifest = {
+        "scale": scale,
+        "shape": asdict(s),
+        "parameters": params,
+        "seed": seed,
+        "init_std": INIT_STD,
+        "files": files,
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -294,8 +327,10 @@ def main() -> None:
     out = (a.out or Path("~/.cache/aiolm-bench") / name).expanduser().resolve()
     t = time.perf_counter()
     m = make_model(out, a.scale, formats, a.seed)
-    print(f"{out}: {m['parameters'] / 1e9:.3f}B parameters, {', '.join(m['files'].values())} "
-          f"in {time.perf_counter() - t:.0f} s")
+    print(
+        f"{out}: {m['parameters'] / 1e9:.3f}B parameters, {', '.join(m['files'].values())} "
+        f"in {time.perf_counter() - t:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -36,11 +36,18 @@ def main() -> None:
 
     src = resolve_model(None)
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(vocab_size=src.config.vocab_size, hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=2048, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=src.config.vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(args.out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -40,8 +40,9 @@ def main() -> None:
     kv_heads = model.layers[0].self_attn.num_kv_heads
     platform = get_platform("cpu")
     kv_dtype = platform.kv_cache_dtype(getattr(torch, a.dtype))  # as the model runner keeps it
-    caches = [torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype)
-              for _ in range(cfg.num_layers)]
+    caches = [
+        torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype) for _ in range(cfg.num_layers)
+    ]
     platform.tune_worker_process()  # the heap settings a worker process steps under
     qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
     tables, nxt = [], 1
@@ -64,8 +65,10 @@ def main() -> None:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    print(f"{a.step} ({a.dtype}): median {1e3 * statistics.median(times):.0f} ms of 5 "
-          f"({', '.join(f'{1e3 * t:.0f}' for t in times)})")
+    print(
+        f"{a.step} ({a.dtype}): median {1e3 * statistics.median(times):.0f} ms of 5 "
+        f"({', '.join(f'{1e3 * t:.0f}' for t in times)})"
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             step()

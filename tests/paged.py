@@ -14,8 +14,14 @@ from aiolm.attention.torch_backend import kv_cache_shape
 class PagedHarness:
     """Owns a KV cache and hands out blocks sequentially; enough to test model maths."""
 
-    def __init__(self, model, num_blocks: int = 256, block_size: int = 16, dtype=torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        model,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        dtype=torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -47,12 +53,13 @@ class PagedHarness:
             tables.append(self._ensure(seq, end))
             self.lens[seq] = end
         meta = AttentionMetadata.build(qlens, slens, tables, self.block_size, self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
-                            self.caches, meta)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), self.caches, meta
+        )
         if every:
             logits = self.model.compute_logits(hidden).float().cpu()
             starts = meta.query_start_loc.tolist()
-            return {seq: logits[starts[i]:starts[i + 1]] for i, seq in enumerate(chunks)}
+            return {seq: logits[starts[i] : starts[i + 1]] for i, seq in enumerate(chunks)}
         last = meta.query_start_loc[1:] - 1
         logits = self.model.compute_logits(hidden[last]).float()
         return {seq: logits[i].cpu() for i, seq in enumerate(chunks)}
@@ -83,8 +90,12 @@ def hf_greedy(model, prompt_ids: list[int], max_new: int, device: str = "cpu") -
     past = None
     with torch.no_grad():
         for _ in range(max_new):
-            res = model(ids if past is None else ids[:, -1:], attention_mask=torch.ones_like(ids),
-                        past_key_values=past, use_cache=True)
+            res = model(
+                ids if past is None else ids[:, -1:],
+                attention_mask=torch.ones_like(ids),
+                past_key_values=past,
+                use_cache=True,
+            )
             past = res.past_key_values
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
@@ -105,7 +116,6 @@ def hf_from_gguf(path: Path):
     gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map

@@ -27,12 +27,11 @@ def processes() -> list[Proc]:
             cmd = Path(f"/proc/{d}/cmdline").read_bytes()
         except OSError:
             continue
-        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]  # the name in parentheses may hold spaces
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]  # the name in parentheses may hold spaces
         found.append(Proc(int(d), int(ppid), state, cmd))
     return found
 
 
 def live_running(marker: bytes, parent: int | None = None) -> list[int]:
     """Live (not zombie) processes whose command line holds ``marker``, children of ``parent`` if given."""
-    return [p.pid for p in processes()
-            if marker in p.cmdline and p.state != "Z" and parent in (None, p.ppid)]
+    return [p.pid for p in processes() if marker in p.cmdline and p.state != "Z" and parent in (None, p.ppid)]

@@ -15,8 +15,13 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on
 
 def _make(*args: str) -> subprocess.CompletedProcess:
     # BIN: the interpreter running these tests, so nothing new is installed anywhere else
-    return subprocess.run(["make", "--no-print-directory", *args, f"BIN={Path(sys.executable).parent}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["make", "--no-print-directory", *args, f"BIN={Path(sys.executable).parent}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_torch_build_is_chosen_and_said_in_one_line():
@@ -28,8 +33,9 @@ def test_torch_build_is_chosen_and_said_in_one_line():
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("torch: ")]
     assert len(lines) == 2, out.stdout  # what is installed from where, then what is there
     assert ("CUDA build" if variant == "cuda" else "CPU build") in lines[0]
-    assert lines[1] == f"torch: {torch.__version__} " + (f"CUDA {torch.version.cuda}" if torch.version.cuda
-                                                          else "CPU build")
+    assert lines[1] == f"torch: {torch.__version__} " + (
+        f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    )
 
 
 def test_cuda_variant_adds_triton_and_a_misspelt_one_is_refused():

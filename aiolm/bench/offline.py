@@ -17,8 +17,7 @@ from aiolm.params import OutputKind, SamplingParams
 
 async def _run_items(engine: Any, items: list[Item]) -> float:
     async def one(i: int, it: Item) -> None:
-        p = SamplingParams(temperature=0, max_tokens=it.max_tokens, ignore_eos=True,
-                           output_kind=OutputKind.FINAL_ONLY)
+        p = SamplingParams(temperature=0, max_tokens=it.max_tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
         async for _ in engine.generate({"prompt_token_ids": it.prompt_token_ids}, p):
             pass
 
@@ -30,8 +29,11 @@ async def _run_items(engine: Any, items: list[Item]) -> float:
 async def throughput(args: argparse.Namespace) -> dict[str, Any]:
     from aiolm.engine.async_engine import AsyncEngine
 
-    items = (jsonl_workload(args.dataset) if args.dataset else
-             random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed))
+    items = (
+        jsonl_workload(args.dataset)
+        if args.dataset
+        else random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed)
+    )
     out_tokens = sum(it.max_tokens for it in items)
     in_tokens = sum(len(it.prompt_token_ids) for it in items)
     async with AsyncEngine(EngineArgs.from_namespace(args)) as engine:
@@ -45,17 +47,27 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
         costs = engine.core.times.summary()
         spec = _spec_stats(engine)
     med = statistics.median(times)
-    return {"benchmark": "throughput", "requests": len(items), "output_tokens": out_tokens,
-            "prompt_tokens": in_tokens, "times_s": times, "median_s": med,
-            "output_tok_s": out_tokens / med, "total_tok_s": (in_tokens + out_tokens) / med,
-            "requests_s": len(items) / med, "step_costs_ms": costs, **spec}
+    return {
+        "benchmark": "throughput",
+        "requests": len(items),
+        "output_tokens": out_tokens,
+        "prompt_tokens": in_tokens,
+        "times_s": times,
+        "median_s": med,
+        "output_tok_s": out_tokens / med,
+        "total_tok_s": (in_tokens + out_tokens) / med,
+        "requests_s": len(items) / med,
+        "step_costs_ms": costs,
+        **spec,
+    }
 
 
 async def latency(args: argparse.Namespace) -> dict[str, Any]:
     from aiolm.engine.async_engine import AsyncEngine
 
-    items = random_workload(args.batch_size, (args.input_len, args.input_len),
-                            (args.output_len_fixed, args.output_len_fixed), args.seed)
+    items = random_workload(
+        args.batch_size, (args.input_len, args.input_len), (args.output_len_fixed, args.output_len_fixed), args.seed
+    )
     async with AsyncEngine(EngineArgs.from_namespace(args)) as engine:
         await _run_items(engine, items)  # warm-up
         engine.core.times = StepTimes()
@@ -70,11 +82,20 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     def pct(p: float) -> float:
         return times[min(len(times) - 1, int(p / 100 * len(times)))]
 
-    return {"benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
-            "output_len": args.output_len_fixed, "times_s": times, "mean_s": statistics.fmean(times),
-            "p50_s": pct(50), "p90_s": pct(90), "p99_s": pct(99),
-            "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times),
-            "step_costs_ms": costs, **spec}
+    return {
+        "benchmark": "latency",
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len_fixed,
+        "times_s": times,
+        "mean_s": statistics.fmean(times),
+        "p50_s": pct(50),
+        "p90_s": pct(90),
+        "p99_s": pct(99),
+        "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times),
+        "step_costs_ms": costs,
+        **spec,
+    }
 
 
 def _spec_stats(engine: Any) -> dict[str, Any]:
@@ -82,10 +103,16 @@ def _spec_stats(engine: Any) -> dict[str, Any]:
     st = engine.spec_decode_stats
     if st is None:
         return {}
-    return {"spec_decode": {"drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
-                            "accepted_tokens": st.num_accepted_tokens, "acceptance_rate": st.acceptance_rate,
-                            "accepted_per_position": st.accepted_per_position,
-                            "drafted_per_position": st.drafted_per_position}}
+    return {
+        "spec_decode": {
+            "drafts": st.num_drafts,
+            "draft_tokens": st.num_draft_tokens,
+            "accepted_tokens": st.num_accepted_tokens,
+            "acceptance_rate": st.acceptance_rate,
+            "accepted_per_position": st.accepted_per_position,
+            "drafted_per_position": st.drafted_per_position,
+        }
+    }
 
 
 def add_args(sub: argparse._SubParsersAction) -> None:

@@ -36,9 +36,15 @@ class Result:
 
 async def _one(client: Any, url: str, model: str, item: Item, timeout: float) -> Result:
     prompt = item.prompt_text if item.prompt_text is not None else item.prompt_token_ids
-    body = {"model": model, "prompt": prompt, "max_tokens": item.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": item.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     last = t0
     res = Result(ok=False)
@@ -83,9 +89,18 @@ def _pcts(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(v), "p50": q(50), "p90": q(90), "p99": q(99)}
 
 
-async def run_load(base_url: str, model: str, items: list[Item], rate: float, concurrency: int,
-                   burstiness: float = 1.0, seed: int = 0, timeout: float = 600.0,
-                   slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict[str, Any]:
+async def run_load(
+    base_url: str,
+    model: str,
+    items: list[Item],
+    rate: float,
+    concurrency: int,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    timeout: float = 600.0,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+) -> dict[str, Any]:
     try:
         import httpx
     except ImportError as e:  # a `make serve` install has the server, not the load generator
@@ -97,6 +112,7 @@ async def run_load(base_url: str, model: str, items: list[Item], rate: float, co
     sem = asyncio.Semaphore(concurrency if concurrency > 0 else len(items))
     limits = httpx.Limits(max_connections=max(1, concurrency if concurrency > 0 else len(items)))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
         async def gated(it: Item) -> Result:
             async with sem:
                 return await _one(client, url, model, it, timeout)
@@ -114,11 +130,19 @@ async def run_load(base_url: str, model: str, items: list[Item], rate: float, co
     out_tokens = sum(r.output_tokens for r in ok)
     good = [r for r in ok if (slo_ttft is None or r.ttft <= slo_ttft) and (slo_tpot is None or r.tpot <= slo_tpot)]
     return {
-        "rate": rate, "concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5], "duration_s": dur,
-        "output_tok_s": out_tokens / dur, "requests_s": len(ok) / dur, "goodput_req_s": len(good) / dur,
-        "ttft_s": _pcts([r.ttft for r in ok]), "tpot_s": _pcts([r.tpot for r in ok if r.output_tokens > 1]),
-        "itl_s": _pcts([x for r in ok for x in r.itl]), "e2e_s": _pcts([r.e2e for r in ok]),
+        "rate": rate,
+        "concurrency": concurrency,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": dur,
+        "output_tok_s": out_tokens / dur,
+        "requests_s": len(ok) / dur,
+        "goodput_req_s": len(good) / dur,
+        "ttft_s": _pcts([r.ttft for r in ok]),
+        "tpot_s": _pcts([r.tpot for r in ok if r.output_tokens > 1]),
+        "itl_s": _pcts([x for r in ok for x in r.itl]),
+        "e2e_s": _pcts([r.e2e for r in ok]),
     }
 
 
@@ -148,9 +172,11 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prompt-len", default="64-256")
     s.add_argument("--output-len", default="32-128")
     s.add_argument("--dataset")
-    s.add_argument("--text-prompts", action="store_true",
-                   help="send prompts as text (decoded with the embedded model's tokenizer) to servers "
-                        "that refuse token ids")
+    s.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="send prompts as text (decoded with the embedded model's tokenizer) to servers that refuse token ids",
+    )
     s.add_argument("--request-rate", default="inf", help="req/s (comma list to sweep); inf = all at once")
     s.add_argument("--max-concurrency", type=int, default=0, help="0 = unbounded")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -164,8 +190,11 @@ def add_args(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    items = (jsonl_workload(args.dataset) if args.dataset else
-             random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed))
+    items = (
+        jsonl_workload(args.dataset)
+        if args.dataset
+        else random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed)
+    )
     if args.text_prompts:
         from aiolm.bench.workload import as_text
         from aiolm.checkpoint.source import resolve_model
@@ -174,10 +203,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rates = [float(r) for r in str(args.request_rate).split(",")]
     results = []
     for rate in rates:
-        results.append(asyncio.run(run_load(
-            args.base_url, args.model, items, rate, args.max_concurrency, args.burstiness, args.seed,
-            args.timeout, None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
-            None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)))
+        results.append(
+            asyncio.run(
+                run_load(
+                    args.base_url,
+                    args.model,
+                    items,
+                    rate,
+                    args.max_concurrency,
+                    args.burstiness,
+                    args.seed,
+                    args.timeout,
+                    None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+                    None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
+                )
+            )
+        )
         print(json.dumps(results[-1], indent=None if args.json else 2))
     if args.plot:
         plot(results, args.plot)

@@ -21,12 +21,18 @@ class Item:
 
 def as_text(items: list[Item], tokenizer: object) -> list[Item]:
     """The same prompts as text, for servers that refuse token-id prompts (llama-cpp-python)."""
-    return [Item(it.prompt_token_ids, it.max_tokens, tokenizer.decode(it.prompt_token_ids))  # type: ignore[attr-defined]
-            for it in items]
+    return [
+        Item(it.prompt_token_ids, it.max_tokens, tokenizer.decode(it.prompt_token_ids))  # type: ignore[attr-defined]
+        for it in items
+    ]
 
 
-def random_workload(num_requests: int = 64, prompt_len: tuple[int, int] = (64, 256),
-                    output_len: tuple[int, int] = (32, 128), seed: int = 0) -> list[Item]:
+def random_workload(
+    num_requests: int = 64,
+    prompt_len: tuple[int, int] = (64, 256),
+    output_len: tuple[int, int] = (32, 128),
+    seed: int = 0,
+) -> list[Item]:
     import numpy as np
 
     rng = np.random.default_rng(seed)

@@ -44,8 +44,7 @@ class ModelConfig:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json", *, architecture: str,
-                **family: Any) -> Self:
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json", *, architecture: str, **family: Any) -> Self:
         """The fields every decoder has, as Llama-style configs spell them; a family module
         passes ``family`` values for the fields it spells or defaults differently, and for
         its subclass's own fields."""
@@ -60,7 +59,8 @@ class ModelConfig:
         rope_params = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type", "default") != "default" else None)
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         fields: dict[str, Any] = dict(

@@ -32,8 +32,7 @@ MODELS: dict[str, ModelFamily] = {
     "MistralForCausalLM": ModelFamily("mistral", "llama", "LlamaForCausalLM", "mistral", llama.config_from_hf),
     "Qwen2ForCausalLM": ModelFamily("qwen2", "llama", "LlamaForCausalLM", "qwen2", llama.config_from_hf),
     "Qwen3ForCausalLM": ModelFamily("qwen3", "llama", "LlamaForCausalLM", "qwen3", llama.config_from_hf),
-    "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", "gemma3_text",
-                                     gemma3.config_from_hf),
+    "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", "gemma3_text", gemma3.config_from_hf),
 }
 
 
@@ -49,9 +48,11 @@ def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig
     """The ModelConfig of a Hugging Face config.json, by the family of its architecture."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in MODELS), None) or next(
-        (a for a, f in MODELS.items() if f.model_type == cfg.get("model_type")), None)
+        (a for a, f in MODELS.items() if f.model_type == cfg.get("model_type")), None
+    )
     if arch is None:
-        raise ModelLoadError(f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; "
-                             f"supported: {', '.join(sorted(MODELS))}")
+        raise ModelLoadError(
+            f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(sorted(MODELS))}"
+        )
     family = MODELS[arch]
     return family.config_from_hf(cfg, family.name, source)

@@ -39,8 +39,9 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
         raise ModelLoadError(f"{source}: {len(types)} layer_types for {n} layers")
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown:
-        raise ModelLoadError(f"{source}: layer_types {sorted(unknown)} are not supported; "
-                             f"supported: sliding_attention, full_attention")
+        raise ModelLoadError(
+            f"{source}: layer_types {sorted(unknown)} are not supported; supported: sliding_attention, full_attention"
+        )
     window = cfg.get("sliding_window", 4096)
     rope = cfg.get("rope_parameters") or {}
     if "full_attention" in rope or "sliding_attention" in rope:
@@ -54,14 +55,17 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
         scaling = cfg.get("rope_scaling")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
-        raise ModelLoadError(f"{source}: hidden_activation {activation!r} is not supported; "
-                             f"supported: {', '.join(ACTIVATIONS)}")
+        raise ModelLoadError(
+            f"{source}: hidden_activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+        )
     if cfg.get("attn_logit_softcapping") is not None:
         # transformers' Gemma 3 does not apply it either (Gemma 2 did); the checkpoints set null
         log.warning("%s: attn_logit_softcapping is ignored, as transformers' Gemma 3 ignores it", source)
     cap = cfg.get("final_logit_softcapping")
     return Gemma3Config.from_hf(
-        cfg, source, architecture=architecture,
+        cfg,
+        source,
+        architecture=architecture,
         head_dim=int(cfg.get("head_dim", 256)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qk_norm=True,

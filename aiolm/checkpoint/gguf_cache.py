@@ -96,16 +96,20 @@ def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
     """gguf_convert.convert_gguf(gguf_path, out_dir), run by ``python -m`` in a child."""
     from aiolm.checkpoint.gguf_convert import PROGRESS_PREFIX, REFUSAL_PREFIX, progress
 
-    proc = subprocess.Popen([sys.executable, "-m", "aiolm.checkpoint.gguf_convert", str(gguf_path), str(out_dir)],
-                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiolm.checkpoint.gguf_convert", str(gguf_path), str(out_dir)],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     refusal, other = None, []
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
             if line.startswith(PROGRESS_PREFIX):
-                progress("%s", line[len(PROGRESS_PREFIX):].rstrip("\n"))
+                progress("%s", line[len(PROGRESS_PREFIX) :].rstrip("\n"))
             elif line.startswith(REFUSAL_PREFIX):
-                refusal = json.loads(line[len(REFUSAL_PREFIX):])
+                refusal = json.loads(line[len(REFUSAL_PREFIX) :])
             else:
                 other.append(line)
                 sys.stderr.write(line)  # transformers' warnings, as if it had run here
@@ -116,5 +120,6 @@ def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
         raise
     if proc.returncode != 0:
         tail = "".join(other[-20:]).strip()
-        raise ModelLoadError(refusal or f"{gguf_path}: the conversion process failed "
-                                        f"(exit code {proc.returncode}): {tail}")
+        raise ModelLoadError(
+            refusal or f"{gguf_path}: the conversion process failed (exit code {proc.returncode}): {tail}"
+        )

@@ -48,6 +48,7 @@ def progress(msg: str, *args: Any) -> None:
     else:
         print(PROGRESS_PREFIX + msg % args, file=sys.stderr, flush=True)
 
+
 # GGUF architecture name -> (HF architectures entry, model_type)
 _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -59,8 +60,7 @@ _ARCHS = {
 _PERMUTED_QK = ("llama", "mistral")  # architectures whose Q/K rows llama.cpp permuted
 _NORM_SHIFT = {"gemma3": 1.0}  # what llama.cpp added to every *norm.weight
 
-SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -123,14 +123,14 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     converter applies it when writing a Llama GGUF; ``unpermute_rope_rows`` undoes it."""
     rows = w.shape[0]
     half = rows // n_heads // 2
-    return (w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's Q/K permutation (interleaved pairs -> rotate-half halves)."""
     rows = w.shape[0]
     half = rows // n_heads // 2
-    return (w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -143,8 +143,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def read_hf_config(reader: Any, path: Path) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
-        raise ModelLoadError(f"{path}: unknown GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(sorted(_ARCHS))}")
+        raise ModelLoadError(f"{path}: unknown GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}")
     hf_arch, model_type = _ARCHS[arch]
 
     def need(key: str) -> Any:
@@ -201,16 +200,14 @@ def _gemma3_config(field: Any, cfg: dict[str, Any], path: Path) -> dict[str, Any
     n = cfg["num_hidden_layers"]
     window = int(field("attention.sliding_window") or 0)
     # no window: every layer global (llama.cpp then sets no sliding-window type at all)
-    types = ["sliding_attention" if window and (i + 1) % GEMMA3_GLOBAL_EVERY else "full_attention"
-             for i in range(n)]
+    types = ["sliding_attention" if window and (i + 1) % GEMMA3_GLOBAL_EVERY else "full_attention" for i in range(n)]
     kind = field("rope.scaling.type")
     if kind in (None, "none"):
         scaling = None
     elif kind == "linear":  # the 4B-27B models: their global layers' RoPE only
         scaling = {"rope_type": "linear", "factor": _decimal(field("rope.scaling.factor"))}
     else:
-        raise ModelLoadError(f"{path}: gemma3.rope.scaling.type {kind!r} is not supported; "
-                             f"supported: linear, none")
+        raise ModelLoadError(f"{path}: gemma3.rope.scaling.type {kind!r} is not supported; supported: linear, none")
     # queries scaled by head_dim ** -0.5, but by (hidden / heads) ** -0.5 in the 27B (62 layers)
     scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
     cap = field("final_logit_softcapping")
@@ -251,8 +248,10 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
             continue  # e.g. rope_freqs: recomputed from the config
         ttype = t.tensor_type.name
         if ttype not in SUPPORTED_TYPES:
-            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported GGUF type {ttype}; "
-                                 f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+            raise ModelLoadError(
+                f"{path}: tensor {t.name} has unsupported GGUF type {ttype}; "
+                f"supported: {', '.join(sorted(SUPPORTED_TYPES))}"
+            )
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:

@@ -11,10 +11,13 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
     """Llama, Mistral, Qwen2 and Qwen3 configs, read as transformers reads them: Qwen2's
     QKV bias by default, Qwen3's QK-norm, and the sliding windows each one honours."""
     return ModelConfig.from_hf(
-        cfg, source, architecture=architecture,
+        cfg,
+        source,
+        architecture=architecture,
         attention_bias=bool(cfg.get("attention_bias", architecture == "qwen2")),
         qk_norm=architecture == "qwen3",
-        sliding_windows=_sliding_windows(cfg, architecture))
+        sliding_windows=_sliding_windows(cfg, architecture),
+    )
 
 
 def _sliding_windows(cfg: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
@@ -27,6 +30,7 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str) -> tuple[int | None
         return (window,) * n
     if architecture in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention" for i in range(n)]
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention" for i in range(n)
+        ]
         return tuple(window if t == "sliding_attention" else None for t in types)
     return ()

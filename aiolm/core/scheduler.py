@@ -181,10 +181,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed
+        )
         self.requests: dict[str, Request] = {}
-        self.waiting: FCFSQueue | PriorityQueue = (
-            PriorityQueue() if config.policy == "priority" else FCFSQueue())
+        self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if config.policy == "priority" else FCFSQueue()
         self.running: list[Request] = []
         # WAITING_FOR_GRAMMAR requests, and the grammars not yet sent to the workers.
         self.awaiting_grammar: dict[str, Request] = {}
@@ -196,9 +196,16 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # to tell the workers next step
         self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
         speculative = config.speculative
-        self.proposer = (NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                                       speculative.prompt_lookup_max, speculative.search_window)
-                         if speculative else None)
+        self.proposer = (
+            NgramProposer(
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+                speculative.search_window,
+            )
+            if speculative
+            else None
+        )
         self.spec_decode_stats: SpecDecodeStats | None = SpecDecodeStats() if speculative else None
         # The Request objects of each step not yet updated (step -> req_id -> request): a
         # result belongs to the request that was scheduled, never to a later one reusing its id.
@@ -214,15 +221,19 @@ class Scheduler:
         if n == 0:
             raise ParamError("prompt", "the prompt is empty")
         if n > limit:
-            raise ParamError("prompt", f"the prompt has {n} tokens but at most {limit} fit "
-                                       f"(max_model_len {self.config.max_model_len} minus one output token)")
+            raise ParamError(
+                "prompt",
+                f"the prompt has {n} tokens but at most {limit} fit "
+                f"(max_model_len {self.config.max_model_len} minus one output token)",
+            )
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         request.resolve_max_tokens(self.config.max_model_len)
         speculative = self.config.speculative
         if speculative is not None and supports_speculation(request.sampling_params):
-            request.spec_window = AcceptanceWindow(speculative.window, speculative.min_acceptance,
-                                                   speculative.backoff, speculative.num_speculative_tokens)
+            request.spec_window = AcceptanceWindow(
+                speculative.window, speculative.min_acceptance, speculative.backoff, speculative.num_speculative_tokens
+            )
         self.kv_cache_manager.attach(request)
         self.requests[request.req_id] = request
         self._queue(request)
@@ -346,8 +357,10 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             ph = req.num_output_placeholders
-            if ph and (len(req.output_token_ids) + ph >= req.max_tokens  # type: ignore[operator]
-                       or req.num_tokens + ph >= max_model_len):
+            if ph and (
+                len(req.output_token_ids) + ph >= req.max_tokens  # type: ignore[operator]
+                or req.num_tokens + ph >= max_model_len
+            ):
                 i += 1  # its last token is already being sampled
                 continue
             n = req.num_tokens + ph - req.num_computed_tokens
@@ -413,8 +426,7 @@ class Scheduler:
 
         # 2. admit waiting requests, unless this step had to preempt.
         scheduled_new: list[Request] = []
-        while (not preempted and budget > 0 and len(self.waiting)
-               and len(self.running) < cfg.max_num_seqs):
+        while not preempted and budget > 0 and len(self.waiting) and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             if req.num_output_placeholders:
                 break  # preempted while its token is in flight: resumes once that arrives
@@ -459,8 +471,12 @@ class Scheduler:
         ``max_tokens`` leave room for (a step emits up to len(drafts) + 1 tokens)."""
         cfg = self.config
         assert req.spec_window is not None and self.proposer is not None
-        k = min(req.spec_window.draft_len, budget - 1, cfg.max_model_len - req.num_tokens,
-                req.max_tokens - req.num_output_tokens - 1)  # type: ignore[operator]
+        k = min(
+            req.spec_window.draft_len,
+            budget - 1,
+            cfg.max_model_len - req.num_tokens,
+            req.max_tokens - req.num_output_tokens - 1,  # type: ignore[operator]
+        )
         if cfg.long_prefill_token_threshold:
             k = min(k, cfg.long_prefill_token_threshold - 1)
         return self.proposer.propose(req.all_token_ids, k) if k > 0 else []
@@ -492,19 +508,25 @@ class Scheduler:
         step_reqs: dict[str, Request] = {}
         new_data = []
         for req in scheduled_new:
-            new_data.append(NewRequestData(
-                req_id=req.req_id,
-                prompt_token_ids=req.prompt_token_ids,  # never mutated after construction
-                output_token_ids=list(req.output_token_ids),
-                sampling_params=req.sampling_params,
-                block_ids=kv.get_block_ids(req.req_id),
-                num_computed_tokens=req.num_computed_tokens,
-            ))
+            new_data.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=req.prompt_token_ids,  # never mutated after construction
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=kv.get_block_ids(req.req_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
             worker_tokens[req.req_id] = req.num_tokens
             step_reqs[req.req_id] = req
         cached = CachedRequestData()
         c_ids, c_toks, c_blocks, c_computed = (
-            cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens)
+            cached.req_ids,
+            cached.new_token_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        )
         for req in scheduled_running:
             rid = req.req_id
             known = worker_tokens[rid]
@@ -535,8 +557,9 @@ class Scheduler:
             grammars=grammars,
         )
 
-    def _advance(self, step_reqs: dict[str, Request], num_scheduled: dict[str, int],
-                 draft_tokens: dict[str, list[int]]) -> None:
+    def _advance(
+        self, step_reqs: dict[str, Request], num_scheduled: dict[str, int], draft_tokens: dict[str, list[int]]
+    ) -> None:
         """Count the step's tokens as computed, publish the full blocks it computes to the
         prefix cache, and (overlap) add a placeholder for each token it samples. Draft
         positions are never published: their KV holds tokens that may be rejected; blocks
@@ -561,7 +584,9 @@ class Scheduler:
     # -- results -------------------------------------------------------------------
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput | None,
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stops, cache filled blocks, free finished requests."""
         outputs = self._pending_outputs
@@ -590,7 +615,8 @@ class Scheduler:
             if req is None:
                 continue
             if req.status is not _RUNNING and not (
-                    req.status is RequestStatus.PREEMPTED and req.num_output_placeholders):
+                req.status is RequestStatus.PREEMPTED and req.num_output_placeholders
+            ):
                 continue  # finished or aborted while the step ran (or preempted, without overlap)
             if overlap:
                 req.num_output_placeholders -= 1
@@ -601,11 +627,14 @@ class Scheduler:
             for k, tok in enumerate(tokens):
                 req.append_output_token_ids(tok)
                 # Cheap "could it stop?" filter; _check_stop decides.
-                if (tok in req.stop_token_ids or len(req.output_token_ids) >= req.max_tokens  # type: ignore[operator]
-                        or req.num_tokens >= max_model_len):
+                if (
+                    tok in req.stop_token_ids
+                    or len(req.output_token_ids) >= req.max_tokens  # type: ignore[operator]
+                    or req.num_tokens >= max_model_len
+                ):
                     status = self._check_stop(req, tok)
                     if status is not None:
-                        new_tokens = tokens[:k + 1]
+                        new_tokens = tokens[: k + 1]
                         break
             lp = logprobs.get(req_id) if logprobs else None
             if lp is not None and len(new_tokens) < len(tokens):
@@ -685,7 +714,8 @@ class Scheduler:
         req.error = (
             f"request {req.req_id!r} needs more KV cache than exists: {req.num_tokens} tokens need "
             f"{kv.num_blocks_needed(req.num_tokens + 1)} blocks of {kv.block_size} tokens, "
-            f"the pool has {kv.num_usable_blocks}; raise num_blocks or lower max_model_len")
+            f"the pool has {kv.num_usable_blocks}; raise num_blocks or lower max_model_len"
+        )
         self._finish(req, RequestStatus.FINISHED_ERROR)
         self._pending_outputs.append(self._output(req, []))
 
@@ -715,4 +745,3 @@ def _merge_prompt_logprobs(into: LogprobsLists, chunk: PromptLogprobs) -> None:
     into.token_ids.extend(chunk.lists.token_ids[skip:])
     into.logprobs.extend(chunk.lists.logprobs[skip:])
     into.ranks.extend(chunk.lists.ranks[skip:])
-

@@ -22,7 +22,8 @@ import contextlib
 import gc
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Literal, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_model_args(args: EngineArgs) -> "ModelSource":
+def check_model_args(args: EngineArgs) -> ModelSource:
     """The ModelSource ``args.model`` names, checked against the engine flags that depend on
     the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
     one-line message, before any worker starts; the CLI shows that line alone (exit 2)."""
@@ -67,15 +68,16 @@ class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, *, engine_index: int = 0, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
         if self.args.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 needs several engines: use "
-                             "aiolm.engine.data_parallel.create_engine(args) (aiolm serve does)")
+            raise ValueError(
+                "data_parallel_size > 1 needs several engines: use "
+                "aiolm.engine.data_parallel.create_engine(args) (aiolm serve does)"
+            )
         self._started = False
         self._dead: str | None = None
         self._executor: Executor | None = None
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
-        self.grammars = Validator(self.args.structured_outputs_backend,
-                                  self.args.structured_outputs_compile_timeout)
+        self.grammars = Validator(self.args.structured_outputs_backend, self.args.structured_outputs_compile_timeout)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         # Prometheus metrics in the engine's own registry (aiolm/metrics.py): expose
         # ``metrics_registry`` with prometheus_client, or serve ``metrics.render()``.
@@ -94,10 +96,10 @@ class AsyncEngine:
         return self.core.executor if self.core is not None else self._executor
 
     @classmethod
-    def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "AsyncEngine":
+    def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> AsyncEngine:
         return cls(args, **kwargs)
 
-    async def __aenter__(self) -> "AsyncEngine":
+    async def __aenter__(self) -> AsyncEngine:
         await self.start()
         return self
 
@@ -116,34 +118,63 @@ class AsyncEngine:
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         self.model_name = a.served_model_name or self.source.name
         runner_cfg = RunnerConfig(
-            model=str(self.source.origin), dtype=a.dtype, attention_backend=a.attention_backend,
-            enforce_eager=a.enforce_eager, max_cudagraph_size=a.max_cudagraph_size,
+            model=str(self.source.origin),
+            dtype=a.dtype,
+            attention_backend=a.attention_backend,
+            enforce_eager=a.enforce_eager,
+            max_cudagraph_size=a.max_cudagraph_size,
             max_num_seqs=a.max_num_seqs,
-            max_model_len=self.max_model_len, block_size=a.block_size,
-            kv_cache_memory=a.kv_cache_memory, num_threads=a.num_threads, seed=a.seed,
-            device=a.resolved_device(), device_offset=self.engine_index * a.tensor_parallel_size,
+            max_model_len=self.max_model_len,
+            block_size=a.block_size,
+            kv_cache_memory=a.kv_cache_memory,
+            num_threads=a.num_threads,
+            seed=a.seed,
+            device=a.resolved_device(),
+            device_offset=self.engine_index * a.tensor_parallel_size,
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
-            structured_outputs=a.structured_outputs_backend != "none", async_scheduling=a.async_scheduling)
+            structured_outputs=a.structured_outputs_backend != "none",
+            async_scheduling=a.async_scheduling,
+        )
         # One for the engine's life: a worker set started by recovery keeps the measured rate.
         self.step_watch = a.step_watch()
-        self.supervisor = WorkerSupervisor(lambda k: self._make_executor(runner_cfg, k), a.worker_recovery,
-                                           a.max_worker_restarts, a.worker_restart_window)
+        self.supervisor = WorkerSupervisor(
+            lambda k: self._make_executor(runner_cfg, k),
+            a.worker_recovery,
+            a.max_worker_restarts,
+            a.worker_restart_window,
+        )
         self._executor = executor = await self._make_executor(runner_cfg, 0)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=executor.num_blocks, max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=max(a.max_num_batched_tokens, 1),
-            max_model_len=self.max_model_len, block_size=a.block_size,
-            long_prefill_token_threshold=a.long_prefill_token_threshold,
-            policy=cast(Literal["fcfs", "priority"], a.scheduling_policy), enable_prefix_caching=a.enable_prefix_caching,
-            speculative=a.spec_config(), async_scheduling=a.async_scheduling))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=executor.num_blocks,
+                max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=max(a.max_num_batched_tokens, 1),
+                max_model_len=self.max_model_len,
+                block_size=a.block_size,
+                long_prefill_token_threshold=a.long_prefill_token_threshold,
+                policy=cast(Literal["fcfs", "priority"], a.scheduling_policy),
+                enable_prefix_caching=a.enable_prefix_caching,
+                speculative=a.spec_config(),
+                async_scheduling=a.async_scheduling,
+            )
+        )
         self.grammars.configure(self.source.path, mc.vocab_size)
-        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
-                                     self.source.eos_token_ids, a.max_logprobs)
-        self.output = OutputProcessor(self.tokenizer, self._abort_children, self._on_finish, self.stats,
-                                      self._add_siblings, self.metrics)
-        self.core = EngineCore(self.scheduler, executor, self.output, log_steps=a.log_step_costs,
-                               supervisor=self.supervisor, metrics=self.metrics, overlap=a.async_scheduling)
+        self.inputs = InputProcessor(
+            self.tokenizer, mc.vocab_size, self.max_model_len, self.source.eos_token_ids, a.max_logprobs
+        )
+        self.output = OutputProcessor(
+            self.tokenizer, self._abort_children, self._on_finish, self.stats, self._add_siblings, self.metrics
+        )
+        self.core = EngineCore(
+            self.scheduler,
+            executor,
+            self.output,
+            log_steps=a.log_step_costs,
+            supervisor=self.supervisor,
+            metrics=self.metrics,
+            overlap=a.async_scheduling,
+        )
         self.metrics.configure(self.model_name, self.max_model_len)
         self.output.start(self._on_crash)
         self.core.start(self._on_crash)
@@ -167,13 +198,21 @@ class AsyncEngine:
             holder: list[Executor] = []
             kwargs: dict[str, Any] = dict(
                 on_death=lambda reason: self._on_worker_death(holder[0], reason),
-                step_watch=self.step_watch, incarnation=incarnation,
-                all_reduce=a.all_reduce, cpu_bind=a.cpu_bind)
+                step_watch=self.step_watch,
+                incarnation=incarnation,
+                all_reduce=a.all_reduce,
+                cpu_bind=a.cpu_bind,
+            )
             if a.executor == "ray":
                 from aiolm.executor.ray import RayExecutor
 
-                ex = RayExecutor(runner_cfg, a.tensor_parallel_size, address=a.ray_address,
-                                 min_cluster_cpus=a.tensor_parallel_size * a.data_parallel_size, **kwargs)
+                ex = RayExecutor(
+                    runner_cfg,
+                    a.tensor_parallel_size,
+                    address=a.ray_address,
+                    min_cluster_cpus=a.tensor_parallel_size * a.data_parallel_size,
+                    **kwargs,
+                )
             else:
                 ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, **kwargs)
             holder.append(ex)
@@ -278,14 +317,20 @@ class AsyncEngine:
         if not self._started:
             raise EngineDeadError("engine not started (use `async with` or `await engine.start()`)")
         if self.recovering is not None:
-            raise EngineRecoveringError(f"the engine is replacing failed workers ({self.recovering}); "
-                                        "retry shortly", retry_after=5.0)
+            raise EngineRecoveringError(
+                f"the engine is replacing failed workers ({self.recovering}); retry shortly", retry_after=5.0
+            )
 
     # -- requests -------------------------------------------------------------------
 
-    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0,
-                          timeout: float | None = None) -> RequestState:
+    async def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> RequestState:
         """Validate and queue a request; returns its state (read it with ``stream``).
 
         ``timeout``: seconds from now after which the request is aborted (its blocks
@@ -339,21 +384,31 @@ class AsyncEngine:
             # Retry when the sequences queued ahead (and these n) would have seats.
             running = len(self.scheduler.running) or a.max_num_seqs
             wait = self.drain.seconds_for(live + n - running, running)
-            raise EngineBusyError(f"the engine is full: {live} sequences live, room for "
-                                  f"{a.max_num_seqs} running and {a.max_waiting_requests} waiting "
-                                  f"(--max-waiting-requests); retry in about {wait:.0f} s", retry_after=wait)
+            raise EngineBusyError(
+                f"the engine is full: {live} sequences live, room for "
+                f"{a.max_num_seqs} running and {a.max_waiting_requests} waiting "
+                f"(--max-waiting-requests); retry in about {wait:.0f} s",
+                retry_after=wait,
+            )
 
     def _expire(self, state: RequestState, timeout: float) -> None:
         if self.output is None or self.output.requests.get(state.req_id) is not state:
             return  # finished or aborted meanwhile
-        children = self.output.expire(state.req_id, RequestTimeoutError(
-            f"request {state.req_id!r} ran past its timeout of {timeout:g} s and was aborted"))
+        children = self.output.expire(
+            state.req_id,
+            RequestTimeoutError(f"request {state.req_id!r} ran past its timeout of {timeout:g} s and was aborted"),
+        )
         if children and self.core is not None:
             self.core.send(AbortRequests(children))
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         state = await self.add_request(prompt, params, request_id, priority, timeout)
         # aclosing: when the caller leaves early, the inner stream (and its abort) is closed
         # right here, not later by the garbage collector's async-generator finaliser.
@@ -446,16 +501,19 @@ class AsyncEngine:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenize(text, add_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         """The prompt text of ``messages`` through the model's chat template (ParamError if unusable)."""
         return self.inputs.chat_prompt(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
-    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                **template_kwargs: Any) -> str:
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         """``render_chat``, in a thread when the conversation is large enough to stall the loop."""
-        return await self.inputs.chat_prompt_async(messages, add_generation_prompt=add_generation_prompt,
-                                                   **template_kwargs)
+        return await self.inputs.chat_prompt_async(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

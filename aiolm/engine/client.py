@@ -8,11 +8,10 @@ the model; the tokenizer and template methods need a started engine too.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from typing import (
     TYPE_CHECKING,
     Any,
-    AsyncIterator,
-    Callable,
     Protocol,
     runtime_checkable,
 )
@@ -68,15 +67,25 @@ class EngineClient(Protocol):
     def dead_reason(self) -> str | None: ...
 
     # -- requests -------------------------------------------------------------------
-    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0,
-                          timeout: float | None = None) -> RequestState: ...
+    async def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> RequestState: ...
 
     def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]: ...
 
-    def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0,
-                 timeout: float | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -97,11 +106,13 @@ class EngineClient(Protocol):
 
     def prompt_too_long(self, text: str) -> str | None: ...
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str: ...
 
-    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                **template_kwargs: Any) -> str: ...
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 

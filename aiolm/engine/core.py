@@ -37,9 +37,18 @@ from aiolm.params import ParamError
 log = logging.getLogger(__name__)
 
 
-COST_PARTS = ("schedule", "ipc", "prepare", "forward", "sample", "update", "output",
-              "ipc_send", "ipc_reply",  # the legs of ipc, for diagnosis
-              "idle")  # rank 0 waiting between its previous step's reply and reading this step
+COST_PARTS = (
+    "schedule",
+    "ipc",
+    "prepare",
+    "forward",
+    "sample",
+    "update",
+    "output",
+    "ipc_send",
+    "ipc_reply",  # the legs of ipc, for diagnosis
+    "idle",
+)  # rank 0 waiting between its previous step's reply and reading this step
 OVERHEAD_PARTS = ("schedule", "ipc", "prepare", "update", "output")  # all but forward and sampling
 
 
@@ -109,9 +118,16 @@ class InFlight:
 class EngineCore(Actor[CoreMessage]):
     name = "engine-core"
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, output: OutputProcessor,
-                 log_steps: bool = False, supervisor: WorkerSupervisor | None = None,
-                 metrics: EngineMetrics | None = None, overlap: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        output: OutputProcessor,
+        log_steps: bool = False,
+        supervisor: WorkerSupervisor | None = None,
+        metrics: EngineMetrics | None = None,
+        overlap: bool = False,
+    ) -> None:
         super().__init__()
         self.metrics = metrics
         # Steps in flight at once. Two (overlap) needs the scheduler's placeholders and the
@@ -205,8 +221,16 @@ class EngineCore(Actor[CoreMessage]):
             if not step.is_empty:  # an empty step only waits for grammars (see the scheduler)
                 if self.metrics is not None:
                     self.metrics.iteration_tokens.observe(step.total_num_scheduled_tokens)
-                self._account(step.total_num_scheduled_tokens, len(step.num_scheduled_tokens), runner_output,
-                              flight.t_schedule, flight.t_sent, t2, t3, t_wait if depth > 1 else None)
+                self._account(
+                    step.total_num_scheduled_tokens,
+                    len(step.num_scheduled_tokens),
+                    runner_output,
+                    flight.t_schedule,
+                    flight.t_sent,
+                    t2,
+                    t3,
+                    t_wait if depth > 1 else None,
+                )
 
     async def _recover(self, error: BaseException, inflight: deque[InFlight]) -> None:
         """Replace the executor and requeue every live request (raises when that is not
@@ -234,8 +258,17 @@ class EngineCore(Actor[CoreMessage]):
         if outputs:
             self.output.send(StepOutputs(outputs, time.monotonic()))
 
-    def _account(self, tokens: int, reqs: int, runner_output: ModelRunnerOutput | None,
-                 t0: float, t1: float, t2: float, t3: float, t_wait: float | None = None) -> None:
+    def _account(
+        self,
+        tokens: int,
+        reqs: int,
+        runner_output: ModelRunnerOutput | None,
+        t0: float,
+        t1: float,
+        t2: float,
+        t3: float,
+        t_wait: float | None = None,
+    ) -> None:
         """One step's costs; ``t_wait`` (depth 2 only) is when the core began awaiting it."""
         worker = runner_output.worker_times if runner_output is not None else []
         prepare, forward, sample = worker if len(worker) == 3 else (0.0, 0.0, 0.0)
@@ -254,11 +287,25 @@ class EngineCore(Actor[CoreMessage]):
         sent, replied = max(0.0, sent), max(0.0, replied)
         ipc = max(0.0, (t2 - t1) - prepare - forward - sample) if t_wait is None else sent + replied
         output = self.output.take_busy_time()  # the previous step's outputs, processed during this one
-        costs = {"schedule": t1 - t0, "ipc": ipc,
-                 "prepare": prepare, "forward": forward, "sample": sample, "update": t3 - t2,
-                 "output": output, "ipc_send": sent, "ipc_reply": replied, "idle": idle}
+        costs = {
+            "schedule": t1 - t0,
+            "ipc": ipc,
+            "prepare": prepare,
+            "forward": forward,
+            "sample": sample,
+            "update": t3 - t2,
+            "output": output,
+            "ipc_send": sent,
+            "ipc_reply": replied,
+            "idle": idle,
+        }
         self.times.add(costs, reqs, tokens)
         if self.log_steps:
-            log.info("step %d: %d reqs %d tokens | %s | overhead %.3f ms", self.times.steps, reqs, tokens,
-                     " ".join(f"{k} {1e3 * v:.3f}" for k, v in costs.items()),
-                     1e3 * sum(costs[k] for k in OVERHEAD_PARTS))
+            log.info(
+                "step %d: %d reqs %d tokens | %s | overhead %.3f ms",
+                self.times.steps,
+                reqs,
+                tokens,
+                " ".join(f"{k} {1e3 * v:.3f}" for k, v in costs.items()),
+                1e3 * sum(costs[k] for k in OVERHEAD_PARTS),
+            )

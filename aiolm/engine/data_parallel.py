@@ -32,7 +32,8 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
@@ -61,8 +62,7 @@ class DataParallelEngine:
         one = dataclasses.replace(args, data_parallel_size=1)
         self.replicas = [AsyncEngine(one, engine_index=i) for i in range(args.data_parallel_size)]
         self.metrics = CombinedMetrics([r.metrics for r in self.replicas])
-        self.router = PrefixRouter(len(self.replicas), args.block_size,
-                                   slack=max(1, args.max_num_seqs // 4))
+        self.router = PrefixRouter(len(self.replicas), args.block_size, slack=max(1, args.max_num_seqs // 4))
         self.death_callbacks: list[Callable[[str], None]] = []
         self._owner: weakref.WeakKeyDictionary[RequestState, int] = weakref.WeakKeyDictionary()
         self._submitted: weakref.WeakKeyDictionary[RequestState, tuple] = weakref.WeakKeyDictionary()
@@ -71,7 +71,7 @@ class DataParallelEngine:
 
     # -- life cycle -------------------------------------------------------------------
 
-    async def __aenter__(self) -> "DataParallelEngine":
+    async def __aenter__(self) -> DataParallelEngine:
         await self.start()
         return self
 
@@ -85,8 +85,11 @@ class DataParallelEngine:
             from aiolm.executor import ray_cluster
 
             # One cluster for every replica, sized for all of them.
-            await asyncio.to_thread(ray_cluster.connect, self.args.ray_address,
-                                    self.args.tensor_parallel_size * self.args.data_parallel_size)
+            await asyncio.to_thread(
+                ray_cluster.connect,
+                self.args.ray_address,
+                self.args.tensor_parallel_size * self.args.data_parallel_size,
+            )
         # transformers imports lazily and not thread-safely: the replicas' tokenizer loads,
         # each in a thread, must not be the first to touch it.
         await asyncio.to_thread(lambda: __import__("transformers").PreTrainedTokenizerFast)
@@ -154,12 +157,16 @@ class DataParallelEngine:
     # -- requests ---------------------------------------------------------------------
 
     def _loads(self) -> list[int | None]:
-        return [len(r.output.children) if self._available(r) and r.output is not None else None
-                for r in self.replicas]
+        return [len(r.output.children) if self._available(r) and r.output is not None else None for r in self.replicas]
 
-    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0,
-                          timeout: float | None = None) -> RequestState:
+    async def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> RequestState:
         front = self._front()
         params = front.inputs.params(params)  # a bad request is refused before it is routed
         processed = await front.inputs.process(prompt)
@@ -169,8 +176,15 @@ class DataParallelEngine:
         ids = {"prompt_token_ids": processed.token_ids, "prompt": processed.prompt}
         return await self._submit(ids, params, rid, priority, timeout, exclude=())
 
-    async def _submit(self, ids: dict[str, Any], params: SamplingParams | None, rid: str, priority: int,
-                      timeout: float | None, exclude: tuple[int, ...]) -> RequestState:
+    async def _submit(
+        self,
+        ids: dict[str, Any],
+        params: SamplingParams | None,
+        rid: str,
+        priority: int,
+        timeout: float | None,
+        exclude: tuple[int, ...],
+    ) -> RequestState:
         loads = self._loads()
         for i in exclude:
             loads[i] = None
@@ -194,12 +208,18 @@ class DataParallelEngine:
     def _raise_unavailable(self) -> None:
         if self._dead is not None or all(r.dead_reason is not None for r in self.replicas):
             raise EngineDeadError(self._dead or "every replica is dead")
-        raise EngineRecoveringError(f"no replica takes requests now ({self.health()[1]}); retry shortly",
-                                    retry_after=5.0)
+        raise EngineRecoveringError(
+            f"no replica takes requests now ({self.health()[1]}); retry shortly", retry_after=5.0
+        )
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       timeout: float | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         state = await self.add_request(prompt, params, request_id, priority, timeout)
         async with contextlib.aclosing(self.stream(state)) as outputs:
             async for out in outputs:
@@ -226,10 +246,10 @@ class DataParallelEngine:
                 try:
                     new = await self._submit(ids, params, state.req_id, priority, timeout, exclude=tuple(tried))
                 except (EngineDeadError, EngineRecoveringError):
-                    raise EngineDeadError(f"replica {i} died and no other replica can take "
-                                          f"request {state.req_id!r}") from None
-                log.warning("request %r moved from dead replica %d to replica %d", state.req_id, i,
-                            self._owner[new])
+                    raise EngineDeadError(
+                        f"replica {i} died and no other replica can take request {state.req_id!r}"
+                    ) from None
+                log.warning("request %r moved from dead replica %d to replica %d", state.req_id, i, self._owner[new])
                 state = new
 
     async def abort(self, request_id: str) -> None:
@@ -270,10 +290,12 @@ class DataParallelEngine:
             ("dp_replica_requests_running", "gauge", lambda i, r: float(r.num_requests()[0])),
             ("dp_replica_routed_total", "counter", lambda i, r: float(self.router.stats.routed[i])),
             ("dp_replica_affinity_routed_total", "counter", lambda i, r: float(self.router.stats.affinity[i])),
-            ("dp_replica_prefix_cache_queries_total", "counter",
-             lambda i, r: float(r.scheduler.prefix_cache_stats.queries)),
-            ("dp_replica_prefix_cache_hits_total", "counter",
-             lambda i, r: float(r.scheduler.prefix_cache_stats.hits)),
+            (
+                "dp_replica_prefix_cache_queries_total",
+                "counter",
+                lambda i, r: float(r.scheduler.prefix_cache_stats.queries),
+            ),
+            ("dp_replica_prefix_cache_hits_total", "counter", lambda i, r: float(r.scheduler.prefix_cache_stats.hits)),
         ]
         lines, p = [], self.args.metrics_prefix
         for name, kind, value in rows:
@@ -315,12 +337,14 @@ class DataParallelEngine:
     def prompt_too_long(self, text: str) -> str | None:
         return self._model().prompt_too_long(text)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         return self._model().render_chat(messages, add_generation_prompt, **template_kwargs)
 
-    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                **template_kwargs: Any) -> str:
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         return await self._model().render_chat_async(messages, add_generation_prompt, **template_kwargs)
 
     def decode(self, token_ids: list[int]) -> str:

@@ -38,7 +38,8 @@ a run of invalid bytes, so it is not used.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 _FFFD = "\ufffd"
 # Prompt tokens kept as decoding context for the first output token.
@@ -79,8 +80,9 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return cached[1]
 
 
-def make_decode_fn(tokenizer: Any, skip_special_tokens: bool = True,
-                   spaces_between_special_tokens: bool = True) -> DecodeFn:
+def make_decode_fn(
+    tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+) -> DecodeFn:
     """Pick the cheapest exact ``ids -> str`` for this tokenizer.
 
     The Rust ``backend_tokenizer.decode`` is what an HF fast tokenizer's
@@ -98,8 +100,9 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool = True,
         return decode
 
     def slow_decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                spaces_between_special_tokens=spaces_between_special_tokens)
+        return tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
 
     return slow_decode
 
@@ -116,9 +119,13 @@ class IncrementalDetokenizer:
     decoding anyway, so bytes on both sides still join up.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._decode = make_decode_fn(tokenizer, skip_special_tokens, spaces_between_special_tokens)
@@ -176,7 +183,7 @@ class IncrementalDetokenizer:
             return None
         keep = w[-_PROMPT_CONTEXT_TOKENS:]
         self._window, self._read, self._prefix_text = keep, len(keep), self._decode(keep)
-        return text[len(prefix):]
+        return text[len(prefix) :]
 
     def finish(self) -> str:
         """Release whatever is pending, invalid bytes (as U+FFFD) included."""
@@ -184,7 +191,7 @@ class IncrementalDetokenizer:
         if self._read >= len(w):
             return ""
         text = self._decode(w)
-        delta = text[len(self._prefix_text):]
+        delta = text[len(self._prefix_text) :]
         self._advance(len(w))
         return self._emit(delta)
 
@@ -197,8 +204,8 @@ class IncrementalDetokenizer:
     def _advance(self, cut: int) -> None:
         """Make ids before ``cut`` read; the old read ids become the prefix."""
         w = self._window
-        self._prefix_text = self._decode(w[self._read:cut])
-        del w[:self._read]
+        self._prefix_text = self._decode(w[self._read : cut])
+        del w[: self._read]
         self._read = cut - self._read
 
     def _step(self, tid: int) -> str:
@@ -236,13 +243,13 @@ class IncrementalDetokenizer:
             left = self._decode(w[:k])
             if left.startswith(prefix) and left + right == text:
                 self._advance(k)
-                return left[len(prefix):]
+                return left[len(prefix) :]
         if len(w) - self._read < _HARD_PENDING_CAP:
             return ""
         # Still no safe cut (not byte-level UTF-8 behaviour): give up on
         # exactness rather than grow the window forever.
         self._advance(len(w))
-        return text[len(prefix):]
+        return text[len(prefix) :]
 
 
 class PrefixMatcher:
@@ -322,19 +329,19 @@ class StopChecker:
                 cut = end if self.include_stop_str_in_output else start
                 self.matched = s
                 self.done = True
-                return window[unemitted_at:max(cut, unemitted_at)], s
+                return window[unemitted_at : max(cut, unemitted_at)], s
         hold = 0 if self.include_stop_str_in_output else self._hold_len(delta)
         hold = min(hold, len(window) - unemitted_at)
         self._held = hold
-        self._tail = window[-self._keep:] if self._keep else ""
-        return window[unemitted_at:len(window) - hold], None
+        self._tail = window[-self._keep :] if self._keep else ""
+        return window[unemitted_at : len(window) - hold], None
 
     def finish(self) -> str:
         """End of text without a stop string: release what was held."""
         if self.done:
             return ""
         self.done = True
-        return self._tail[len(self._tail) - self._held:] if self._held else ""
+        return self._tail[len(self._tail) - self._held :] if self._held else ""
 
     def _hold_len(self, delta: str) -> int:
         """Length of the longest suffix of the text so far that is a proper prefix of a stop.
@@ -358,12 +365,20 @@ class TextStream:
     sequence for any other reason call ``finish()`` for the held-back text.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), *,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self.detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens)
+            tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
+        )
         self.stop_checker = StopChecker(stop, include_stop_str_in_output)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
@@ -372,12 +387,17 @@ class TextStream:
         self._parts: list[str] = []
 
     @classmethod
-    def from_params(cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: Any) -> "TextStream":
+    def from_params(cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: Any) -> TextStream:
         """Build from a :class:`aiolm.params.SamplingParams`."""
-        return cls(tokenizer, prompt_token_ids, stop=params.stop,
-                   include_stop_str_in_output=params.include_stop_str_in_output,
-                   min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
-                   spaces_between_special_tokens=params.spaces_between_special_tokens)
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
 
     @property
     def text(self) -> str:
@@ -391,8 +411,7 @@ class TextStream:
         """The stop string that ended the sequence, if any."""
         return self.stop_checker.matched
 
-    def push(self, new_token_ids: Sequence[int], *,
-             stop_terminated: bool = False) -> tuple[str, str | None]:
+    def push(self, new_token_ids: Sequence[int], *, stop_terminated: bool = False) -> tuple[str, str | None]:
         """Add sampled tokens; return (newly emitted text, matched stop string).
 
         ``stop_terminated``: the last id is a stop token (EOS or

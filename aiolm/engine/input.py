@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from aiolm.params import ParamError, SamplingParams
 
@@ -25,8 +26,14 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], max_logprobs: int = 20) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        max_logprobs: int = 20,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -44,14 +51,21 @@ class InputProcessor:
         """Why ``text`` cannot fit in the context without tokenizing it, or None."""
         if self.max_prompt_chars is None or len(text) <= self.max_prompt_chars:
             return None
-        return (f"the prompt has {len(text)} characters, more than can fit in this model's maximum context "
-                f"length of {self.max_model_len} tokens (at most {self.max_prompt_chars} characters)")
+        return (
+            f"the prompt has {len(text)} characters, more than can fit in this model's maximum context "
+            f"length of {self.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
+        )
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **template_kwargs: Any) -> str:
+    def chat_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ParamError("messages", "must be a non-empty list of {role, content} objects")
         for i, m in enumerate(messages):
@@ -61,21 +75,38 @@ class InputProcessor:
             raise ParamError("messages", "this model has no chat template; use a plain prompt")
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **template_kwargs)
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **template_kwargs,
+            )
         except Exception as e:  # jinja errors: the messages do not fit the template
             raise ParamError("messages", f"cannot apply the chat template: {e}") from e
 
-    async def chat_prompt_async(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                                chat_template: str | None = None, **template_kwargs: Any) -> str:
+    async def chat_prompt_async(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """``chat_prompt`` in a thread when the conversation is large (the template's
         work grows with it), so a big chat body cannot stall the event loop."""
         size = len(messages) if isinstance(messages, (list, tuple)) else 0
-        chars = sum(len(m["content"]) for m in messages[:_LARGE_CHAT_MESSAGES + 1]
-                    if isinstance(m, dict) and isinstance(m.get("content"), str)) if size else 0
+        chars = (
+            sum(
+                len(m["content"])
+                for m in messages[: _LARGE_CHAT_MESSAGES + 1]
+                if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
+            if size
+            else 0
+        )
         if size > _LARGE_CHAT_MESSAGES or chars > _LARGE_PROMPT_CHARS:
-            return await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt, chat_template,
-                                           **template_kwargs)
+            return await asyncio.to_thread(
+                self.chat_prompt, messages, add_generation_prompt, chat_template, **template_kwargs
+            )
         return self.chat_prompt(messages, add_generation_prompt, chat_template, **template_kwargs)
 
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
@@ -83,7 +114,8 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
                 raise ParamError("prompt_token_ids", "must be a list of integers")
             return self._check(ProcessedPrompt(prompt.get("prompt"), list(ids)))
         if isinstance(prompt, dict) and "prompt" in prompt:
@@ -114,8 +146,11 @@ class InputProcessor:
         if bad is not None:
             raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if n >= self.max_model_len:
-            raise ParamError("prompt", f"the prompt has {n} tokens; this model's maximum context length is "
-                                       f"{self.max_model_len} tokens, and at least one must be left for output")
+            raise ParamError(
+                "prompt",
+                f"the prompt has {n} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, and at least one must be left for output",
+            )
         return p
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
@@ -127,7 +162,7 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ParamError(name, f"at most {self.max_logprobs} top logprobs, got {value}")
-        for tok in (params.logit_bias or {}):
+        for tok in params.logit_bias or {}:
             if not 0 <= tok < self.vocab_size:
                 raise ParamError("logit_bias", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
         for tok in params.stop_token_ids:

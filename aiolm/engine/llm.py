@@ -16,7 +16,8 @@ import asyncio
 import logging
 import threading
 import weakref
-from typing import Any, Coroutine, Sequence, TypeVar
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
@@ -88,9 +89,12 @@ class LLM:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._runner.run(coro)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -103,16 +107,20 @@ class LLM:
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         return self._run(self._generate_all(prompts, plist, use_tqdm))
 
-    def chat(self, conversations: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         convs = list(conversations)
         if convs and isinstance(convs[0], dict):
-            convs = [convs]  # one conversation
+            convs = [convs]  # type: ignore[list-item]  # one conversation
         return self.generate(convs, params, use_tqdm)  # type: ignore[arg-type]
 
-    async def _generate_all(self, prompts: list[Any], plist: list[SamplingParams],
-                            use_tqdm: bool) -> list[RequestOutput]:
+    async def _generate_all(
+        self, prompts: list[Any], plist: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -138,7 +146,7 @@ class LLM:
         """Stop the engine and its workers now (also done at exit or when collected)."""
         self._finalizer()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

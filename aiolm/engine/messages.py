@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.core.step import EngineCoreOutput
 from aiolm.core.request import Request
+from aiolm.core.step import EngineCoreOutput
 
 
 @dataclass

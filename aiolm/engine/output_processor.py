@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from aiolm.actors import Actor
 from aiolm.core.step import EngineCoreOutput, LogprobsLists
@@ -44,7 +45,7 @@ class SeqState:
 
     def push_text(self, stop_terminated: bool = False) -> str | None:
         """Push the ids ``text`` has not seen; the stop string they matched, if any."""
-        ids = self.token_ids[self.num_pushed:]
+        ids = self.token_ids[self.num_pushed :]
         self.num_pushed = len(self.token_ids)
         return self.text.push(ids, stop_terminated=stop_terminated)[1] if ids else None
 
@@ -62,8 +63,9 @@ class SeqState:
 class RequestState:
     """One user request (n sequences) and the single-slot stream its consumer reads."""
 
-    def __init__(self, req_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams, seqs: list[SeqState]) -> None:
+    def __init__(
+        self, req_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, seqs: list[SeqState]
+    ) -> None:
         self.req_id = req_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -117,16 +119,15 @@ class RequestState:
         for s in self.seqs:
             text = s.text.text
             if delta:
-                t, ids = text[s.sent_text:], s.token_ids[s.sent_tokens:]
-                lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                t, ids = text[s.sent_text :], s.token_ids[s.sent_tokens :]
+                lps = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
                 if not t and not ids and (s.finish_reason is None or s.sent_finish):
                     continue
                 s.sent_text, s.sent_tokens = len(text), len(s.token_ids)
                 s.sent_finish = s.finish_reason is not None
             else:
                 t, ids, lps = text, list(s.token_ids), (list(s.logprobs) if s.logprobs is not None else None)
-            outs.append(CompletionOutput(s.index, t, ids, s.finish_reason, s.stop_reason, lps,
-                                         s.cumulative_logprob))
+            outs.append(CompletionOutput(s.index, t, ids, s.finish_reason, s.stop_reason, lps, s.cumulative_logprob))
         if delta and not outs and not self.finished:
             return None
         metrics = {}
@@ -138,8 +139,16 @@ class RequestState:
         if delta and plp is not None:
             plp = None if self.sent_prompt_logprobs else plp
             self.sent_prompt_logprobs = True
-        return RequestOutput(self.req_id, self.prompt, self.prompt_ids, outs, self.finished,
-                             self.num_cached_tokens, metrics=metrics, prompt_logprobs=plp)
+        return RequestOutput(
+            self.req_id,
+            self.prompt,
+            self.prompt_ids,
+            outs,
+            self.finished,
+            self.num_cached_tokens,
+            metrics=metrics,
+            prompt_logprobs=plp,
+        )
 
 
 class TokenTexts:
@@ -160,8 +169,9 @@ class TokenTexts:
         missing = list({t for t in ids if t not in texts})
         if missing:
             batch = getattr(self.tokenizer, "batch_decode", None)
-            decoded = (batch([[t] for t in missing]) if batch is not None
-                       else [self.tokenizer.decode([t]) for t in missing])
+            decoded = (
+                batch([[t] for t in missing]) if batch is not None else [self.tokenizer.decode([t]) for t in missing]
+            )
             texts.update(zip(missing, decoded))
         return texts
 
@@ -169,11 +179,15 @@ class TokenTexts:
 class OutputProcessor(Actor[StepOutputs]):
     name = "output-processor"
 
-    def __init__(self, tokenizer: Any, abort_children: Callable[[list[str]], None],
-                 on_finish: Callable[[RequestState], None] | None = None,
-                 stats: dict[str, int] | None = None,
-                 add_siblings: Callable[[list[Any]], None] | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        abort_children: Callable[[list[str]], None],
+        on_finish: Callable[[RequestState], None] | None = None,
+        stats: dict[str, int] | None = None,
+        add_siblings: Callable[[list[Any]], None] | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         super().__init__()
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -192,15 +206,23 @@ class OutputProcessor(Actor[StepOutputs]):
         busy, self._busy = self._busy, 0.0
         return busy
 
-    def register(self, req_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams, child_ids: list[str]) -> RequestState:
+    def register(
+        self, req_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, child_ids: list[str]
+    ) -> RequestState:
         seqs = []
         defer = params.output_kind is OutputKind.FINAL_ONLY and not params.stop
         for i, cid in enumerate(child_ids):
             stream = TextStream.from_params(self.tokenizer, prompt_ids, params)
-            seqs.append(SeqState(i, cid, stream, logprobs=[] if params.logprobs is not None else None,
-                                 cumulative_logprob=0.0 if params.logprobs is not None else None,
-                                 defer_text=defer))
+            seqs.append(
+                SeqState(
+                    i,
+                    cid,
+                    stream,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                    defer_text=defer,
+                )
+            )
         state = RequestState(req_id, prompt, prompt_ids, params, seqs)
         self.requests[req_id] = state
         for s in seqs:
@@ -228,8 +250,11 @@ class OutputProcessor(Actor[StepOutputs]):
         if state is None:
             return []
         state.pending_siblings = []
-        live = [s.child_id for s in state.seqs
-                if self.children.pop(s.child_id, None) is not None and s.finish_reason is None]
+        live = [
+            s.child_id
+            for s in state.seqs
+            if self.children.pop(s.child_id, None) is not None and s.finish_reason is None
+        ]
         state.fail(error)
         self._record(state, time.monotonic())
         return live
@@ -277,8 +302,11 @@ class OutputProcessor(Actor[StepOutputs]):
                 else:
                     seq.token_ids.extend(ids)
                     k = len(ids)
-                    stop_str = (None if seq.defer_text and o.finish_reason is None
-                                else seq.push_text(stop_terminated=token_stop))
+                    stop_str = (
+                        None
+                        if seq.defer_text and o.finish_reason is None
+                        else seq.push_text(stop_terminated=token_stop)
+                    )
                 generation_tokens += k
                 last, seq.last_token_time = seq.last_token_time, now
                 if last is None:
@@ -312,7 +340,8 @@ class OutputProcessor(Actor[StepOutputs]):
                     state.finish_time = now
                     self._finished(state)
             if state.params.output_kind is not OutputKind.FINAL_ONLY or (
-                    seq.finish_reason is not None and state.finished):
+                seq.finish_reason is not None and state.finished
+            ):
                 state.wake()  # a final-only consumer has nothing to read before the end
         if stopped:
             self.abort_children(stopped)
@@ -332,12 +361,19 @@ class OutputProcessor(Actor[StepOutputs]):
         if self.metrics is None:
             return
         core = state.core_request
-        self.metrics.request_finished(FinishedRequest(
-            reasons=[s.finish_reason or "abort" for s in state.seqs], prompt_tokens=len(state.prompt_ids),
-            output_tokens=[len(s.token_ids) for s in state.seqs], n=state.params.n,
-            max_tokens=state.params.max_tokens, arrival=state.arrival,
-            scheduled=getattr(core, "scheduled_time", None), first_token=state.first_token_time,
-            finish=finish))
+        self.metrics.request_finished(
+            FinishedRequest(
+                reasons=[s.finish_reason or "abort" for s in state.seqs],
+                prompt_tokens=len(state.prompt_ids),
+                output_tokens=[len(s.token_ids) for s in state.seqs],
+                n=state.params.n,
+                max_tokens=state.params.max_tokens,
+                arrival=state.arrival,
+                scheduled=getattr(core, "scheduled_time", None),
+                first_token=state.first_token_time,
+                finish=finish,
+            )
+        )
 
     def _entries(self, lp: LogprobsLists) -> list[dict[int, Logprob]]:
         """One dict per token: the token itself (its rank), then the top-N (ranks 1..N);

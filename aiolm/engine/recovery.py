@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiolm.engine.errors import EngineDeadError
 from aiolm.executor.base import Executor, ExecutorError
@@ -30,8 +30,13 @@ log = logging.getLogger(__name__)
 class WorkerSupervisor:
     """Decides whether a failed executor may be replaced, and replaces it."""
 
-    def __init__(self, make_executor: Callable[[int], Awaitable[Executor]], enabled: bool = True,
-                 max_restarts: int = 3, window: float = 600.0) -> None:
+    def __init__(
+        self,
+        make_executor: Callable[[int], Awaitable[Executor]],
+        enabled: bool = True,
+        max_restarts: int = 3,
+        window: float = 600.0,
+    ) -> None:
         self.make_executor = make_executor  # incarnation -> a started executor
         self.enabled = enabled
         self.max_restarts = max_restarts
@@ -52,8 +57,11 @@ class WorkerSupervisor:
         log.error("worker failure: %s%s", reason, f"\n{detail}" if detail else "")
         now = time.monotonic()
         if not self._allowed(now):
-            why = ("worker recovery is off" if not self.enabled else
-                   f"{self.max_restarts} restarts within {self.window:g} s already")
+            why = (
+                "worker recovery is off"
+                if not self.enabled
+                else f"{self.max_restarts} restarts within {self.window:g} s already"
+            )
             await old.shutdown()
             raise EngineDeadError(f"{reason} ({why})")
         self._recent.append(now)

@@ -25,8 +25,9 @@ class RouteStats:
 
 
 class PrefixRouter:
-    def __init__(self, num_replicas: int, block_size: int, max_blocks: int = 8, slack: int = 8,
-                 capacity: int = 1 << 16) -> None:
+    def __init__(
+        self, num_replicas: int, block_size: int, max_blocks: int = 8, slack: int = 8, capacity: int = 1 << 16
+    ) -> None:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.max_blocks = max_blocks
@@ -41,7 +42,7 @@ class PrefixRouter:
         hashes, h = [], 0
         n = min(len(token_ids) // self.block_size, self.max_blocks)
         for i in range(n):
-            h = hash((h, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
+            h = hash((h, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
             hashes.append(h)
         return hashes
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 
@@ -52,8 +53,9 @@ class Executor(abc.ABC):
             handle.cancel()
 
     @abc.abstractmethod
-    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Call a method of every rank's model runner; one result per rank."""
 
     @abc.abstractmethod

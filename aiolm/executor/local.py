@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
@@ -36,8 +37,9 @@ class LocalExecutor(Executor):
         except Exception as e:  # the runner's batch state is suspect now: the engine replaces it
             raise ExecutorError(f"the step failed: {type(e).__name__}: {e}", traceback.format_exc()) from e
 
-    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         assert self.runner is not None
         call = functools.partial(call_on_runner, self.runner, method, args, kwargs)
         return [await asyncio.get_running_loop().run_in_executor(self._pool, call)]

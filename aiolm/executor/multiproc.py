@@ -24,7 +24,8 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiolm.config import RunnerConfig
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
@@ -51,10 +52,17 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
-                 on_death: Callable[[str], None] | None = None, step_watch: StepWatch | None = None,
-                 incarnation: int = 0, all_reduce: str = "auto",
-                 cpu_bind: str = "auto") -> None:
+    def __init__(
+        self,
+        cfg: RunnerConfig,
+        world_size: int = 1,
+        startup_timeout: float = 600.0,
+        on_death: Callable[[str], None] | None = None,
+        step_watch: StepWatch | None = None,
+        incarnation: int = 0,
+        all_reduce: str = "auto",
+        cpu_bind: str = "auto",
+    ) -> None:
         self.cfg = cfg
         self.step_watch = step_watch  # None: no step time limit
         self.heartbeats: HeartbeatBoard | None = None
@@ -84,15 +92,15 @@ class MultiprocExecutor(Executor):
         # the order it was sent to, so whoever reads a reply hands it to the oldest future:
         # steps may queue behind each other (overlap scheduling), an rpc may follow them,
         # and a caller cancelled while waiting leaves a future nobody reads, not a stray reply.
-        self._owed: list[collections.deque[asyncio.Future[bytes]]] = [
-            collections.deque() for _ in range(world_size)]
+        self._owed: list[collections.deque[asyncio.Future[bytes]]] = [collections.deque() for _ in range(world_size)]
         self._readers = [asyncio.Lock() for _ in range(world_size)]
 
     async def start(self) -> None:
         sweep_stale_segments()
         self.requests = ShmRing.create(num_readers=self.world_size, num_slots=8, slot_size=1 << 20)
-        self.responses = [ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
-                          for _ in range(self.world_size)]
+        self.responses = [
+            ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0) for _ in range(self.world_size)
+        ]
         self.heartbeats = HeartbeatBoard(self.world_size)
         port = _free_port() if self.world_size > 1 else 0
         env = dict(os.environ)
@@ -107,15 +115,32 @@ class MultiprocExecutor(Executor):
         try:
             self._make_all_reduce_segment()
             for rank in range(self.world_size):
-                cmd = [sys.executable, "-m", "aiolm.worker", "--rank", str(rank),
-                       "--world-size", str(self.world_size),
-                       "--request-ring", str(self.requests.handle()),
-                       "--response-ring", str(self.responses[rank].handle()),
-                       "--parent-pid", str(os.getpid()), "--dist-port", str(port),
-                       "--heartbeat", self.heartbeats.name,
-                       "--all-reduce", self.all_reduce_requested, "--cpu-bind", self.cpu_bind,
-                       *(["--all-reduce-shm", self.all_reduce_shm] if self.all_reduce_shm else []),
-                       "--config", self.cfg.encode()]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "aiolm.worker",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(self.world_size),
+                    "--request-ring",
+                    str(self.requests.handle()),
+                    "--response-ring",
+                    str(self.responses[rank].handle()),
+                    "--parent-pid",
+                    str(os.getpid()),
+                    "--dist-port",
+                    str(port),
+                    "--heartbeat",
+                    self.heartbeats.name,
+                    "--all-reduce",
+                    self.all_reduce_requested,
+                    "--cpu-bind",
+                    self.cpu_bind,
+                    *(["--all-reduce-shm", self.all_reduce_shm] if self.all_reduce_shm else []),
+                    "--config",
+                    self.cfg.encode(),
+                ]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
             infos = await self._handshakes()
         except BaseException:
@@ -157,15 +182,13 @@ class MultiprocExecutor(Executor):
         """Every rank's ready message; the first failure (or the timeout) cancels the rest."""
         tasks = [asyncio.ensure_future(self._handshake(r)) for r in range(self.world_size)]
         try:
-            done, pending = await asyncio.wait(tasks, timeout=self.startup_timeout,
-                                               return_when=asyncio.FIRST_EXCEPTION)
+            done, pending = await asyncio.wait(tasks, timeout=self.startup_timeout, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
                 if t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
             if pending:
                 ranks = [r for r, t in enumerate(tasks) if not t.done()]
-                raise ExecutorError(f"worker(s) {ranks} did not report ready within "
-                                    f"{self.startup_timeout:g} s")
+                raise ExecutorError(f"worker(s) {ranks} did not report ready within {self.startup_timeout:g} s")
             return [t.result() for t in tasks]
         finally:
             for t in tasks:
@@ -180,7 +203,7 @@ class MultiprocExecutor(Executor):
             except TimeoutError:
                 code = self.procs[rank].poll()
                 if code is not None:
-                    raise ExecutorError(f"worker {rank} exited with code {code} during start-up")
+                    raise ExecutorError(f"worker {rank} exited with code {code} during start-up") from None
             except (PeerDied, RingClosed) as e:
                 raise ExecutorError(f"worker {rank} died during start-up") from e
         msg = codec.decode(buf)
@@ -202,8 +225,7 @@ class MultiprocExecutor(Executor):
             return
         silent = self.heartbeats.stalled()
         if silent:
-            why = "; ".join(f"worker {r} (pid {self.procs[r].pid}) has not beaten for {age:.1f} s"
-                            for r, age in silent)
+            why = "; ".join(f"worker {r} (pid {self.procs[r].pid}) has not beaten for {age:.1f} s" for r, age in silent)
             if self._stalled is None:
                 self._stalls += 1
                 log.warning("stalled: %s (stopped, frozen or starved of CPU?); requests wait", why)
@@ -316,15 +338,16 @@ class MultiprocExecutor(Executor):
         silent = board.stalled() if board is not None else []
         if silent:
             rank, age = max(silent, key=lambda s: s[1])
-            return rank, (f"worker {rank} (pid {self.procs[rank].pid}) stopped: no heartbeat for {age:.1f} s, "
-                          f"and {step} (--step-timeout)")
+            return rank, (
+                f"worker {rank} (pid {self.procs[rank].pid}) stopped: no heartbeat for {age:.1f} s, "
+                f"and {step} (--step-timeout)"
+            )
         steps = [board.steps(r) for r in range(self.world_size)] if board is not None else [0]
         rank = steps.index(min(steps))
         predicted = self.step_watch.predict(tokens) if self.step_watch is not None else None
         expected = f"; the measured rate predicts {predicted:.2f} s" if predicted is not None else ""
         beats = "it beats, but " if board is not None else ""
-        return rank, (f"worker {rank} (pid {self.procs[rank].pid}) is hung: {beats}{step}"
-                      f"{expected} (--step-timeout)")
+        return rank, (f"worker {rank} (pid {self.procs[rank].pid}) is hung: {beats}{step}{expected} (--step-timeout)")
 
     async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return await self.result(await self.submit(step))
@@ -363,8 +386,9 @@ class MultiprocExecutor(Executor):
             raise ExecutorError(self._dead or msg[1], self._detail)
         raise ExecutorError(f"worker 0 answered a step with {type(msg).__name__}")
 
-    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         async with self._lock:
             replies = await self._send(codec.encode_rpc(method, args, kwargs), range(self.world_size))
         results = []

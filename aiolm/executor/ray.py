@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiolm.config import RunnerConfig
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
@@ -98,12 +99,20 @@ class _Rank:
 
 
 class RayExecutor(MultiprocExecutor):
-    def __init__(self, cfg: RunnerConfig, world_size: int = 1, startup_timeout: float = 600.0,
-                 on_death: Callable[[str], None] | None = None, step_watch: StepWatch | None = None,
-                 incarnation: int = 0, all_reduce: str = "auto", cpu_bind: str = "auto",
-                 address: str | None = None, min_cluster_cpus: int = 0) -> None:
-        super().__init__(cfg, world_size, startup_timeout, on_death, step_watch, incarnation,
-                         all_reduce, cpu_bind)
+    def __init__(
+        self,
+        cfg: RunnerConfig,
+        world_size: int = 1,
+        startup_timeout: float = 600.0,
+        on_death: Callable[[str], None] | None = None,
+        step_watch: StepWatch | None = None,
+        incarnation: int = 0,
+        all_reduce: str = "auto",
+        cpu_bind: str = "auto",
+        address: str | None = None,
+        min_cluster_cpus: int = 0,
+    ) -> None:
+        super().__init__(cfg, world_size, startup_timeout, on_death, step_watch, incarnation, all_reduce, cpu_bind)
         self.address = address
         self.min_cluster_cpus = max(min_cluster_cpus, world_size)
         self.ranks: list[_Rank] = []
@@ -123,17 +132,25 @@ class RayExecutor(MultiprocExecutor):
         except BaseException as e:
             await self._stop(grace=0.5)
             if isinstance(e, asyncio.TimeoutError):
-                raise ExecutorError(f"the Ray workers did not report ready within {self.startup_timeout:g} s "
-                                    f"(does the cluster have {self.world_size} free bundles of "
-                                    f"{self._bundle()}?)") from None
+                raise ExecutorError(
+                    f"the Ray workers did not report ready within {self.startup_timeout:g} s "
+                    f"(does the cluster have {self.world_size} free bundles of "
+                    f"{self._bundle()}?)"
+                ) from None
             if isinstance(e, ExecutorError) or not isinstance(e, Exception):
                 raise
-            raise ExecutorError(f"starting the Ray workers failed: {type(e).__name__}: {e}",
-                                getattr(e, "traceback_str", None)) from e
+            raise ExecutorError(
+                f"starting the Ray workers failed: {type(e).__name__}: {e}", getattr(e, "traceback_str", None)
+            ) from e
         self.num_blocks = min(i["num_blocks"] for i in self._infos)
         self.all_reduce = str(self._infos[0].get("all_reduce"))
-        log.info("%d Ray rank(s), %d on this node (shm rings), %d through Ray calls; all-reduce: %s",
-                 self.world_size, self.num_local, self.world_size - self.num_local, self.all_reduce)
+        log.info(
+            "%d Ray rank(s), %d on this node (shm rings), %d through Ray calls; all-reduce: %s",
+            self.world_size,
+            self.num_local,
+            self.world_size - self.num_local,
+            self.all_reduce,
+        )
         self._monitor = asyncio.get_running_loop().create_task(self._watch_actors())
 
     def _bundle(self) -> dict[str, float]:
@@ -149,18 +166,30 @@ class RayExecutor(MultiprocExecutor):
         await _wait_ref(self._pg.ready())
         bundle = self._bundle()
         cls = ray.remote(RayWorker)
-        actors = [cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                              max_concurrency=MAX_CONCURRENCY, runtime_env=_runtime_env(),
-                              scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                  self._pg, placement_group_bundle_index=i)).remote()
-                  for i in range(self.world_size)]
+        actors = [
+            cls.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_concurrency=MAX_CONCURRENCY,
+                runtime_env=_runtime_env(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(self.world_size)
+        ]
         infos = await asyncio.gather(*(_wait_ref(a.node_info.remote()) for a in actors))
         here = ray.get_runtime_context().get_node_id()
         # Ranks on this node first (stable in bundle order), so they are 0..num_local-1.
         order = sorted(range(self.world_size), key=lambda i: infos[i]["node_id"] != here)
         forced = _forced_remote(self.world_size)
-        self.ranks = [_Rank(actors[i], infos[i], local=infos[i]["node_id"] == here and r < self.world_size - forced,
-                            same_node=infos[i]["node_id"] == here) for r, i in enumerate(order)]
+        self.ranks = [
+            _Rank(
+                actors[i],
+                infos[i],
+                local=infos[i]["node_id"] == here and r < self.world_size - forced,
+                same_node=infos[i]["node_id"] == here,
+            )
+            for r, i in enumerate(order)
+        ]
         self.num_local = sum(r.local for r in self.ranks)
         for r in self.ranks:
             r.lifeline = asyncio.ensure_future(_wait_ref(r.actor.lifeline.remote()))
@@ -169,18 +198,38 @@ class RayExecutor(MultiprocExecutor):
         all_reduce = self._group_all_reduce(single_node)
         if self.num_local:
             self.requests = ShmRing.create(num_readers=self.num_local, num_slots=8, slot_size=1 << 20)
-            self.responses = [ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
-                              for _ in range(self.num_local)]
+            self.responses = [
+                ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
+                for _ in range(self.num_local)
+            ]
         port = await _wait_ref(self.ranks[0].actor.free_port.remote()) if self.world_size > 1 else 0
         cfg_text = self.cfg.encode()
-        self._infos = await asyncio.gather(*(
-            _wait_ref(r.actor.setup.remote(cfg_text, rank, self.world_size, self.ranks[0].ip, port, all_reduce,
-                                           self.all_reduce_shm, self.cpu_bind if single_node else "none"))
-            for rank, r in enumerate(self.ranks)))
-        for rank, r in enumerate(self.ranks[:self.num_local]):
+        self._infos = await asyncio.gather(
+            *(
+                _wait_ref(
+                    r.actor.setup.remote(
+                        cfg_text,
+                        rank,
+                        self.world_size,
+                        self.ranks[0].ip,
+                        port,
+                        all_reduce,
+                        self.all_reduce_shm,
+                        self.cpu_bind if single_node else "none",
+                    )
+                )
+                for rank, r in enumerate(self.ranks)
+            )
+        )
+        for rank, r in enumerate(self.ranks[: self.num_local]):
             assert self.requests is not None
-            r.serving = asyncio.ensure_future(_wait_ref(r.actor.serve_ring.remote(
-                str(self.requests.handle()), str(self.responses[rank].handle()), rank, os.getpid())))
+            r.serving = asyncio.ensure_future(
+                _wait_ref(
+                    r.actor.serve_ring.remote(
+                        str(self.requests.handle()), str(self.responses[rank].handle()), rank, os.getpid()
+                    )
+                )
+            )
 
     def _group_all_reduce(self, single_node: bool) -> str:
         """The group's all-reduce: as asked on one node; across nodes the shm segment cannot
@@ -192,9 +241,11 @@ class RayExecutor(MultiprocExecutor):
 
         requested = requested_all_reduce(self.all_reduce_requested)
         if requested in ("shm", "symm_mem"):
-            raise ExecutorError(f"all_reduce {requested!r} needs every rank on one node; these ranks span "
-                                f"{len({r.node_id for r in self.ranks})} node(s) "
-                                f"({self.world_size - self.num_local} reached through Ray); use auto")
+            raise ExecutorError(
+                f"all_reduce {requested!r} needs every rank on one node; these ranks span "
+                f"{len({r.node_id for r in self.ranks})} node(s) "
+                f"({self.world_size - self.num_local} reached through Ray); use auto"
+            )
         return "nccl" if self.cfg.device.startswith("cuda") else "gloo"
 
     # -- failures -------------------------------------------------------------------------
@@ -215,8 +266,10 @@ class RayExecutor(MultiprocExecutor):
         gone = sorted((g for g in gone if g[2] is not None), key=lambda g: (g[2] >= 0, g[0]))  # type: ignore[operator]
         if not gone:
             return None
-        return "; ".join(f"worker {rank} (Ray actor, {r.where()}) " +
-                         ("died" if code < 0 else f"stopped with code {code}") for rank, r, code in gone)
+        return "; ".join(
+            f"worker {rank} (Ray actor, {r.where()}) " + ("died" if code < 0 else f"stopped with code {code}")
+            for rank, r, code in gone
+        )
 
     def _check(self) -> None:
         if self._dead is not None:
@@ -233,8 +286,10 @@ class RayExecutor(MultiprocExecutor):
             reply, code = await asyncio.wait_for(asyncio.shield(fut), timeout or None)
         except asyncio.TimeoutError:
             r = self.ranks[rank]
-            self._fail(f"worker {rank} (Ray actor, {r.where()}) is hung: no answer to a step within "
-                       f"{timeout:g} s (--step-timeout)")
+            self._fail(
+                f"worker {rank} (Ray actor, {r.where()}) is hung: no answer to a step within "
+                f"{timeout:g} s (--step-timeout)"
+            )
             r.kill()
             raise ExecutorError(self._dead or "hung") from None
         except asyncio.CancelledError:
@@ -278,8 +333,9 @@ class RayExecutor(MultiprocExecutor):
     submit = Executor.submit
     result = Executor.result
 
-    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         async with self._lock:
             self._check()
             buf = codec.encode_rpc(method, args, kwargs)

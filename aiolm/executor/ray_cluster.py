@@ -50,8 +50,15 @@ def connect(address: str | None, min_cpus: int) -> None:
         num_cpus = max(os.cpu_count() or 1, min_cpus, int(os.environ.get(NUM_CPUS_ENV, "0") or 0))
         store = int(os.environ.get(OBJECT_STORE_ENV, DEFAULT_OBJECT_STORE))
         log.info("starting a local Ray cluster: %d CPUs, %d MiB object store", num_cpus, store >> 20)
-        _init_in_keeper(dict(address="local", num_cpus=num_cpus, object_store_memory=store,
-                             include_dashboard=False, log_to_driver=True))
+        _init_in_keeper(
+            dict(
+                address="local",
+                num_cpus=num_cpus,
+                object_store_memory=store,
+                include_dashboard=False,
+                log_to_driver=True,
+            )
+        )
 
 
 def _init_in_keeper(kwargs: dict) -> None:

@@ -38,8 +38,11 @@ class RayWorker:
         """Where this actor runs: its node (for placement decisions), address and pid."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     def free_port(self) -> int:
         """A TCP port free on this node, for rank 0's torch.distributed rendezvous."""
@@ -47,29 +50,47 @@ class RayWorker:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def setup(self, cfg_text: str, rank: int, world_size: int, host: str, port: int, all_reduce: str,
-              shm_name: str | None, cpu_bind: str) -> dict[str, Any]:
+    def setup(
+        self,
+        cfg_text: str,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        all_reduce: str,
+        shm_name: str | None,
+        cpu_bind: str,
+    ) -> dict[str, Any]:
         """Join the tensor-parallel group and build the model runner; the ready info."""
-        return self._runner_thread.submit(self._setup, cfg_text, rank, world_size, host, port, all_reduce,
-                                          shm_name, cpu_bind).result()
+        return self._runner_thread.submit(
+            self._setup, cfg_text, rank, world_size, host, port, all_reduce, shm_name, cpu_bind
+        ).result()
 
-    def _setup(self, cfg_text: str, rank: int, world_size: int, host: str, port: int, all_reduce: str,
-               shm_name: str | None, cpu_bind: str) -> dict[str, Any]:
+    def _setup(
+        self,
+        cfg_text: str,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        all_reduce: str,
+        shm_name: str | None,
+        cpu_bind: str,
+    ) -> dict[str, Any]:
         from aiolm.worker.worker import StepHandler, build_runner
 
         cfg = RunnerConfig.decode(cfg_text)
         if cfg.device == "cuda":  # Ray makes the actor's one GPU visible as device 0, whatever the rank
             cfg = dataclasses.replace(cfg, device="cuda:0")
-        self.runner, info = build_runner(cfg, rank, world_size, port=port,
-                                         all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind,
-                                         host=host)
+        self.runner, info = build_runner(
+            cfg, rank, world_size, port=port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host
+        )
         self.handler = StepHandler(self.runner, rank)
         return info
 
     def serve_ring(self, request_ring: str, response_ring: str, rank: int, engine_pid: int) -> int:
         """A rank on the engine's node: serve the shm rings until they close or the engine dies."""
-        return self._runner_thread.submit(self._serve_ring, request_ring, response_ring, rank,
-                                          engine_pid).result()
+        return self._runner_thread.submit(self._serve_ring, request_ring, response_ring, rank, engine_pid).result()
 
     def _serve_ring(self, request_ring: str, response_ring: str, rank: int, engine_pid: int) -> int:
         from aiolm.worker.worker import serve_ring

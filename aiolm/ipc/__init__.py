@@ -11,6 +11,16 @@ from aiolm.ipc.lifeline import exit_on_signals, parent_alive, set_parent_death_s
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, RingHandle, ShmRing
 
 __all__ = [
-    "PeerDied", "RingClosed", "RingHandle", "RpcCall", "ShmRing", "decode", "decode_rpc",
-    "encode", "encode_rpc", "exit_on_signals", "parent_alive", "set_parent_death_signal",
+    "PeerDied",
+    "RingClosed",
+    "RingHandle",
+    "RpcCall",
+    "ShmRing",
+    "decode",
+    "decode_rpc",
+    "encode",
+    "encode_rpc",
+    "exit_on_signals",
+    "parent_alive",
+    "set_parent_death_signal",
 ]

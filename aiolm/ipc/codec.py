@@ -39,8 +39,16 @@ from aiolm.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from aiolm.params import SamplingParams
 
 __all__ = [
-    "SHUTDOWN", "RpcCall", "decode", "decode_model_runner_output", "decode_rpc", "decode_scheduler_output",
-    "encode", "encode_model_runner_output", "encode_rpc", "encode_scheduler_output",
+    "SHUTDOWN",
+    "RpcCall",
+    "decode",
+    "decode_model_runner_output",
+    "decode_rpc",
+    "decode_scheduler_output",
+    "encode",
+    "encode_model_runner_output",
+    "encode_rpc",
+    "encode_scheduler_output",
 ]
 
 SHUTDOWN = "shutdown"  # the message that tells a worker to exit
@@ -62,8 +70,8 @@ class RpcCall:
 _PARAM_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _PARAM_HINTS = typing.get_type_hints(SamplingParams)
 _SamplingParamsWire = msgspec.defstruct(
-    "SamplingParamsWire", [(name, _PARAM_HINTS[name]) for name in _PARAM_NAMES],
-    array_like=True, gc=False)
+    "SamplingParamsWire", [(name, _PARAM_HINTS[name]) for name in _PARAM_NAMES], array_like=True, gc=False
+)
 
 
 class _NewRequestWire(NewRequestData):
@@ -92,18 +100,37 @@ def _params_from_wire(wire: Any) -> SamplingParams:
 def _to_wire(so: SchedulerOutput) -> SchedulerOutput:
     if not so.scheduled_new_reqs:
         return so
-    new = [_NewRequestWire(r.req_id, r.prompt_token_ids, r.output_token_ids, _params_to_wire(r.sampling_params),
-                           r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+    new = [
+        _NewRequestWire(
+            r.req_id,
+            r.prompt_token_ids,
+            r.output_token_ids,
+            _params_to_wire(r.sampling_params),
+            r.block_ids,
+            r.num_computed_tokens,
+        )
+        for r in so.scheduled_new_reqs
+    ]
     return msgspec.structs.replace(so, scheduled_new_reqs=new)
 
 
 def _from_wire(wire: SchedulerOutput) -> SchedulerOutput:
-    new = [NewRequestData(r.req_id, r.prompt_token_ids, r.output_token_ids, _params_from_wire(r.sampling_params),
-                          r.block_ids, r.num_computed_tokens) for r in wire.scheduled_new_reqs]
+    new = [
+        NewRequestData(
+            r.req_id,
+            r.prompt_token_ids,
+            r.output_token_ids,
+            _params_from_wire(r.sampling_params),
+            r.block_ids,
+            r.num_computed_tokens,
+        )
+        for r in wire.scheduled_new_reqs
+    ]
     return SchedulerOutput(wire.step, new, *msgspec.structs.astuple(wire)[2:])
 
 
 # --------------------------------------------------------------- encoder and decoder
+
 
 def _enc_hook(obj: Any) -> Any:
     """numpy scalars and arrays (and tensors) that reach a message become plain lists and
@@ -164,8 +191,7 @@ def decode_model_runner_output(buf: bytes | bytearray | memoryview) -> ModelRunn
     return obj
 
 
-def encode_rpc(method: str | Callable[..., Any], args: tuple = (),
-               kwargs: dict[str, Any] | None = None) -> bytes:
+def encode_rpc(method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None) -> bytes:
     """An ``RpcCall``; plain pickle when it can, cloudpickle for lambdas/closures."""
     call = RpcCall(method, tuple(args), dict(kwargs or {}))
     if isinstance(method, str):

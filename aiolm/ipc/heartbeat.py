@@ -92,4 +92,3 @@ class Heartbeat:
     def step_done(self) -> None:
         """One more step finished on this rank (only this rank's thread writes the count)."""
         self._u[self._base + _STEPS] += 1
-

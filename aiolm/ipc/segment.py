@@ -17,7 +17,7 @@ import platform
 import re
 import secrets
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import posix_ipc
 

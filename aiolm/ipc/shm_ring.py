@@ -24,8 +24,9 @@ only readers whose ``sleeping`` word is set, so a busy pipeline pays no syscall.
 The writer waits for room the same way: it publishes ``wake_at`` and readers
 poke it once they pass that count (half the ring free), so a full ring costs a
 wakeup per half ring, not per message. ``read_async``/``write_async`` do the same
-waits on an asyncio loop through ``add_reader``, never blocking it. Every block is cut into short slices after which the peer's liveness is
-checked, so a SIGKILLed peer turns into ``PeerDied`` instead of a hang.
+waits on an asyncio loop through ``add_reader``, never blocking it. Every block is
+cut into short slices after which the peer's liveness is checked, so a SIGKILLed
+peer turns into ``PeerDied`` instead of a hang.
 
 Lifetime: the creator owns the segment (mode 0600, unique ``aiolm_<pid>_<hex>``
 name, ``O_EXCL``) and unlinks it on ``close()`` and at exit. Anyone holding the
@@ -41,8 +42,8 @@ import functools
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from aiolm.ipc import segment
 from aiolm.ipc.wakeup import Poker, WakeChannel, pid_alive, wake_address
@@ -92,7 +93,7 @@ class RingHandle:
         return self.name
 
     @classmethod
-    def parse(cls, text: str) -> "RingHandle":
+    def parse(cls, text: str) -> RingHandle:
         return cls(text.strip().lstrip("/"))
 
     def unlink(self) -> bool:
@@ -115,8 +116,7 @@ class ShmRing:
     writer once the ring is full (nothing is dropped).
     """
 
-    def __init__(self, shm_name: str, mm: mmap.mmap, reader_rank: int | None,
-                 owner: bool, spin_s: float) -> None:
+    def __init__(self, shm_name: str, mm: mmap.mmap, reader_rank: int | None, owner: bool, spin_s: float) -> None:
         self._name = shm_name
         self._mm = mm
         self._buf = memoryview(mm)
@@ -173,8 +173,15 @@ class ShmRing:
     # ----------------------------------------------------------------- set-up
 
     @classmethod
-    def create(cls, num_readers: int, num_slots: int = 16, slot_size: int = 1 << 20, *,
-               reader_rank: int | None = None, spin_s: float = 100e-6) -> "ShmRing":
+    def create(
+        cls,
+        num_readers: int,
+        num_slots: int = 16,
+        slot_size: int = 1 << 20,
+        *,
+        reader_rank: int | None = None,
+        spin_s: float = 100e-6,
+    ) -> ShmRing:
         """Create a fresh ring segment and own it (unlinked on ``close()``/exit).
 
         The creator is the writer unless ``reader_rank`` is given (e.g. the engine
@@ -205,8 +212,7 @@ class ShmRing:
         return ring
 
     @classmethod
-    def attach(cls, handle: RingHandle | str, reader_rank: int | None, *,
-               spin_s: float = 100e-6) -> "ShmRing":
+    def attach(cls, handle: RingHandle | str, reader_rank: int | None, *, spin_s: float = 100e-6) -> ShmRing:
         """Open an existing ring as reader ``reader_rank`` (``None``: as its writer)."""
         if isinstance(handle, str):
             handle = RingHandle.parse(handle)
@@ -321,8 +327,10 @@ class ShmRing:
     def _chunks(self, mv: memoryview, n: int) -> list[tuple[memoryview, int]]:
         cap = self._slot_size
         count = max(1, -(-n // cap))
-        return [(mv[k * cap:min(n, (k + 1) * cap)],
-                 (_FIRST if k == 0 else 0) | (_LAST if k == count - 1 else 0)) for k in range(count)]
+        return [
+            (mv[k * cap : min(n, (k + 1) * cap)], (_FIRST if k == 0 else 0) | (_LAST if k == count - 1 else 0))
+            for k in range(count)
+        ]
 
     def _put(self, chunk: memoryview, clen: int, total: int, flags: int) -> None:
         wr = self._wr
@@ -331,7 +339,7 @@ class ShmRing:
         w = off >> 3
         u[w] = total
         u[w + 1] = clen | (flags << 32)
-        self._buf[off + _SLOT_HDR:off + _SLOT_HDR + clen] = chunk
+        self._buf[off + _SLOT_HDR : off + _SLOT_HDR + clen] = chunk
         if _WEAK_ORDER:
             _fence()
         wr += 1
@@ -398,7 +406,7 @@ class ShmRing:
                 _fence()
             off = self._slots_off + (rd % self._num_slots) * self._stride
             meta = u[(off >> 3) + 1]
-            chunk = bytes(self._buf[off + _SLOT_HDR:off + _SLOT_HDR + (meta & 0xFFFFFFFF)])
+            chunk = bytes(self._buf[off + _SLOT_HDR : off + _SLOT_HDR + (meta & 0xFFFFFFFF)])
             if _WEAK_ORDER:
                 _fence()
             rd += 1
@@ -492,8 +500,9 @@ class ShmRing:
         left = deadline - time.monotonic()
         if left <= 0:
             self._disarm()
-            raise TimeoutError(f"{self._name}: timed out waiting for the "
-                               f"{'readers' if self._rank is None else 'writer'}")
+            raise TimeoutError(
+                f"{self._name}: timed out waiting for the {'readers' if self._rank is None else 'writer'}"
+            )
         return min(_SLICE_S, left)
 
     def _block(self, ready, deadline: float | None, on_idle, spin_s: float) -> None:
@@ -612,7 +621,7 @@ class ShmRing:
             if view is not None:
                 view.release()
 
-    def __enter__(self) -> "ShmRing":
+    def __enter__(self) -> ShmRing:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -620,8 +629,10 @@ class ShmRing:
 
     def __repr__(self) -> str:
         role = "writer" if self._rank is None else f"reader {self._rank}"
-        return (f"ShmRing({self._name}, {role}, readers={self._num_readers}, "
-                f"slots={self._num_slots}x{self._slot_size}, closed={self._closed})")
+        return (
+            f"ShmRing({self._name}, {role}, readers={self._num_readers}, "
+            f"slots={self._num_slots}x{self._slot_size}, closed={self._closed})"
+        )
 
 
 def _resolve(fut: asyncio.Future, value: bool) -> None:

@@ -43,6 +43,7 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
             continue  # raced with its owner or another sweeper
         removed.append(name)
     if removed:
-        log.warning("removed %d shared-memory segment(s) left by dead processes: %s",
-                    len(removed), ", ".join(removed[:8]))
+        log.warning(
+            "removed %d shared-memory segment(s) left by dead processes: %s", len(removed), ", ".join(removed[:8])
+        )
     return removed

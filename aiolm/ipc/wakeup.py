@@ -99,5 +99,5 @@ def pid_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
-    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
     return state not in (b"Z", b"X")

@@ -18,9 +18,15 @@ from aiolm.core.step import LogprobsLists, PromptLogprobs
 _ROWS_PER_SLICE = 256
 
 
-def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                 start_loc: int, first_pos: int, num_positions: int, prompt: Sequence[int],
-                 top_n: int) -> PromptLogprobs | None:
+def score_prompt(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    start_loc: int,
+    first_pos: int,
+    num_positions: int,
+    prompt: Sequence[int],
+    top_n: int,
+) -> PromptLogprobs | None:
     """Entries for the prompt tokens that positions ``first_pos ...`` of this chunk predict.
 
     ``hidden[start_loc + i]`` is position ``first_pos + i``; positions at or past the
@@ -34,10 +40,9 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden:
     ranks: list[int] = []
     for lo in range(0, count, _ROWS_PER_SLICE):
         hi = min(count, lo + _ROWS_PER_SLICE)
-        logits = compute_logits(hidden[start_loc + lo:start_loc + hi]).float()
+        logits = compute_logits(hidden[start_loc + lo : start_loc + hi]).float()
         raw = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(prompt[first_pos + lo + 1:first_pos + hi + 1], dtype=torch.long,
-                               device=raw.device)
+        targets = torch.tensor(prompt[first_pos + lo + 1 : first_pos + hi + 1], dtype=torch.long, device=raw.device)
         tok_lp = raw.gather(1, targets.unsqueeze(1))
         ranks += ((raw > tok_lp).sum(dim=-1) + 1).tolist()
         tok_l, lp_l = targets.tolist(), tok_lp.squeeze(1).tolist()

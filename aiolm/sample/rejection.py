@@ -28,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def verify_positions(sample_idx: Sequence[int], query_ends: Sequence[int],
-                     num_drafts: Sequence[int]) -> list[int]:
+def verify_positions(sample_idx: Sequence[int], query_ends: Sequence[int], num_drafts: Sequence[int]) -> list[int]:
     """Flat-batch indices whose logits are needed: for each sampling request i, its last
     ``num_drafts[i] + 1`` positions (the last known token, then each draft)."""
     out: list[int] = []

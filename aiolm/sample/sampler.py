@@ -64,6 +64,7 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 # --- per-batch state ---------------------------------------------------------------------
 
+
 @dataclass
 class Knobs:
     """Per-row sampling settings for a set of random rows, as [n, 1] columns.
@@ -83,14 +84,14 @@ class Knobs:
             return p.top_k if 0 < p.top_k < vocab_size else vocab_size
 
         return cls(
-            temperature=None if all(p.temperature == 1.0 for p in params)
+            temperature=None
+            if all(p.temperature == 1.0 for p in params)
             else float_column([p.temperature for p in params], device),
-            top_k=None if all(k(p) == vocab_size for p in params)
+            top_k=None
+            if all(k(p) == vocab_size for p in params)
             else long_tensor([k(p) for p in params], device).unsqueeze(1),
-            top_p=None if all(p.top_p >= 1.0 for p in params)
-            else float_column([p.top_p for p in params], device),
-            min_p=None if all(p.min_p == 0.0 for p in params)
-            else float_column([p.min_p for p in params], device),
+            top_p=None if all(p.top_p >= 1.0 for p in params) else float_column([p.top_p for p in params], device),
+            min_p=None if all(p.min_p == 0.0 for p in params) else float_column([p.min_p for p in params], device),
         )
 
     def select(self, idx: torch.Tensor) -> Knobs:
@@ -114,9 +115,14 @@ class RandomRows:
     plain_pos: torch.Tensor | None  # positions without either; None: none
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], rows: list[int],
-              generators: Sequence[torch.Generator | None], vocab_size: int,
-              device: torch.device) -> RandomRows:
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        rows: list[int],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> RandomRows:
         ps = [params[i] for i in rows]
 
         def has_k(p: SamplingParams) -> bool:
@@ -209,11 +215,11 @@ class SamplingMetadata:
             device=dev,
             all_greedy=not random_list,
             any_greedy=any(greedy),
-            random=RandomRows.build(params, random_list, generators, vocab_size, dev)
-            if random_list else None,
+            random=RandomRows.build(params, random_list, generators, vocab_size, dev) if random_list else None,
             default_generator=default_generator,
             processors=logits_processors.build_active(
-                BatchRows(params, output_token_ids, prompt_token_ids, vocab_size, dev), registry),
+                BatchRows(params, output_token_ids, prompt_token_ids, vocab_size, dev), registry
+            ),
             processor_names=frozenset(kind.name for kind in registry),
             num_logprobs=num_logprobs,
             logprob_rows=long_tensor(lp_rows, dev) if lp_rows and len(lp_rows) < n else None,
@@ -242,6 +248,7 @@ class SamplingMetadata:
 
 # --- sampling ----------------------------------------------------------------------------
 
+
 @dataclass
 class SamplerOutput:
     """Sampled token per row and, when any row asked, logprobs aligned to rows.
@@ -265,8 +272,9 @@ class SamplerOutput:
 class Sampler:
     """Stateless: all batch state is in the SamplingMetadata passed to each call."""
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
-                 skip_rng_rows: Sequence[int] = ()) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, skip_rng_rows: Sequence[int] = ()
+    ) -> SamplerOutput:
         """Pick one token per row of ``logits`` ([num_reqs, vocab], any float dtype).
 
         ``skip_rng_rows`` lists rows whose token will be thrown away (a chunked
@@ -276,8 +284,9 @@ class Sampler:
         """
         m = metadata
         if logits.dim() != 2 or logits.shape[0] != m.num_reqs or logits.shape[1] != m.vocab_size:
-            raise ValueError(f"logits shape {tuple(logits.shape)} does not match metadata "
-                             f"({m.num_reqs}, {m.vocab_size})")
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match metadata ({m.num_reqs}, {m.vocab_size})"
+            )
         plain_greedy = m.all_greedy and not m.processors
         # One float32 tensor serves the raw logprobs and the processors; it is a
         # copy whenever something will write to it. Upcasting is exact, so argmax
@@ -350,8 +359,7 @@ def _sample_random(xr: torch.Tensor, rnd: RandomRows, u: torch.Tensor) -> torch.
     return out
 
 
-def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int,
-                       u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample rows with top-k/top-p among their ``width`` most likely tokens.
 
     Returns the tokens and, per row, whether the candidates held the whole
@@ -389,8 +397,9 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int,
     return idx.gather(1, choice.unsqueeze(1)).squeeze(1), fits.squeeze(1)
 
 
-def _softmax_normaliser(x: torch.Tensor, rows: torch.Tensor, row_max: torch.Tensor,
-                        temperature: torch.Tensor | None, chunk: int = 16) -> torch.Tensor:
+def _softmax_normaliser(
+    x: torch.Tensor, rows: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor | None, chunk: int = 16
+) -> torch.Tensor:
     """sum(exp(x[row] / t - max)) for each row in ``rows``, as a [k, 1] column.
 
     Goes through one small reused buffer, chunk by chunk: ``x`` must stay intact
@@ -436,8 +445,9 @@ def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
     return _inverse_cdf(probs, u)
 
 
-def _draw_uniforms(rnd: RandomRows, default: torch.Generator | None, skip: set[int],
-                   device: torch.device) -> torch.Tensor:
+def _draw_uniforms(
+    rnd: RandomRows, default: torch.Generator | None, skip: set[int], device: torch.device
+) -> torch.Tensor:
     """One U[0,1) float64 per random row, from that row's own generator when it has one."""
     n = len(rnd.row_list)
     gen_dev = default.device if default is not None else device

@@ -15,7 +15,8 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -50,12 +51,13 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    messages = {404: f"no route for {request.method} {request.url.path}",
-                405: f"method {request.method} is not allowed on {request.url.path}"}
+    messages = {
+        404: f"no route for {request.method} {request.url.path}",
+        405: f"method {request.method} is not allowed on {request.url.path}",
+    }
     msg = messages.get(exc.status_code, str(exc.detail))
     codes = {404: "not_found", 405: "method_not_allowed"}
-    return APIError(exc.status_code, msg, code=codes.get(exc.status_code),
-                    headers=dict(exc.headers or {})).response()
+    return APIError(exc.status_code, msg, code=codes.get(exc.status_code), headers=dict(exc.headers or {})).response()
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -118,14 +120,26 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
 
     middleware = [Middleware(RequestContextMiddleware, access_log_enabled=settings.access_log)]
     if settings.allowed_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
-                                     allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=settings.allowed_origins,
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["x-request-id"],
+            )
+        )
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes))
     middleware.append(Middleware(BodyTimeoutMiddleware, timeout=settings.body_timeout))
     if settings.api_key:
         middleware.append(Middleware(AuthMiddleware, api_key=settings.api_key))
-    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
-                                ClientDisconnect: _client_gone, Exception: _internal_error}
+    handlers: dict[Any, Any] = {
+        APIError: _api_error,
+        HTTPException: _http_error,
+        ClientGone: _client_gone,
+        ClientDisconnect: _client_gone,
+        Exception: _internal_error,
+    }
     app = Starlette(routes=_routes(settings), middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.ctx = ctx
     return app

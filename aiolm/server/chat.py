@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -52,13 +53,15 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     plan = plan_tools(req, ctx.settings.tool_call_parser)
     if plan.enforced is not None:
         if structured is not None:
-            raise bad_request(f"'{structured_param}' and 'tool_choice' both constrain the output; give one",
-                              param=structured_param)
+            raise bad_request(
+                f"'{structured_param}' and 'tool_choice' both constrain the output; give one", param=structured_param
+            )
         structured, structured_param = plan.enforced, "tools"
     cont = req.continue_final_message
     if cont and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                          param="continue_final_message")
+        raise bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message"
+        )
     engine = ctx.engine
     max_tokens: int | None
     if req.max_completion_tokens is not None:
@@ -67,32 +70,56 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         max_tokens, mt_param = req.max_tokens, "max_tokens"
     top_n = req.top_logprobs or 0
     stream = req.stream
-    params = sampling_params(req, max_tokens, top_n if req.logprobs else None,
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured,
-                             req.prompt_logprobs, engine, rename={"max_tokens": mt_param})
+    params = sampling_params(
+        req,
+        max_tokens,
+        top_n if req.logprobs else None,
+        OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+        structured,
+        req.prompt_logprobs,
+        engine,
+        rename={"max_tokens": mt_param},
+    )
     messages = template_messages(req.messages)
     try:
         kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
         if plan.tools:
             kwargs["tools"] = plan.tools
         text = await engine.render_chat_async(
-            messages, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs)
+            messages, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
+        )
     except ParamError as e:
         raise param_error(e) from None
     ids = await tokenize(engine, text, add_special_tokens=False, param="messages")
     check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req.min_tokens)
     rid = ctx.new_id("chatcmpl")
-    gen = Generation(ctx, [Prompt(text, ids)], params, rid, req.priority,
-                     rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param})
+    gen = Generation(
+        ctx,
+        [Prompt(text, ids)],
+        params,
+        rid,
+        req.priority,
+        rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param},
+    )
     await gen.start(request.receive)
     log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req.n, stream=stream, user=req.user)
     meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:
         opts = req.stream_options or StreamOptions()
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
-        events = _chat_events(gen, chunk_meta, req.n, len(ids), opts.include_usage, top_n,
-                              engine, request, ids if req.return_token_ids else None,
-                              opts.continuous_usage_stats, plan)
+        events = _chat_events(
+            gen,
+            chunk_meta,
+            req.n,
+            len(ids),
+            opts.include_usage,
+            top_n,
+            engine,
+            request,
+            ids if req.return_token_ids else None,
+            opts.continuous_usage_stats,
+            plan,
+        )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
@@ -106,23 +133,42 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-        choices.append({
-            "index": c.index, "message": message,
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req.logprobs else None,
-            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-            "token_ids": list(c.token_ids) if req.return_token_ids else None})
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req.logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+                "token_ids": list(c.token_ids) if req.return_token_ids else None,
+            }
+        )
     log_extra(request, completion_tokens=completion_tokens)
-    return json_response({**meta, "choices": choices, "usage": usage(len(ids), completion_tokens),
-                          "system_fingerprint": None,
-                          "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids,
-                                                                  req.prompt_logprobs or 0),
-                          "prompt_token_ids": ids if req.return_token_ids else None})
+    return json_response(
+        {
+            **meta,
+            "choices": choices,
+            "usage": usage(len(ids), completion_tokens),
+            "system_fingerprint": None,
+            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids, req.prompt_logprobs or 0),
+            "prompt_token_ids": ids if req.return_token_ids else None,
+        }
+    )
 
 
-async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tokens: int, include_usage: bool,
-                       top_n: int, tokenizer: EngineClient, request: Request,
-                       prompt_ids: list[int] | None = None,
-                       continuous: bool = False, plan: ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
+async def _chat_events(
+    gen: Generation,
+    meta: dict[str, Any],
+    n: int,
+    prompt_tokens: int,
+    include_usage: bool,
+    top_n: int,
+    tokenizer: EngineClient,
+    request: Request,
+    prompt_ids: list[int] | None = None,
+    continuous: bool = False,
+    plan: ToolPlan | None = None,
+) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
     delta then carries its new ``token_ids``. With tools, content is shown until calls may
     begin; the calls follow once the choice finishes (aiolm/server/tools.py)."""
@@ -137,8 +183,9 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
 
     tool_states = {i: StreamState(plan) for i in range(n)} if plan is not None and plan.active else None
     for i in range(n):
-        first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}])
+        first = chunk(
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
         if prompt_ids is not None and i == 0:
             first["prompt_token_ids"] = prompt_ids
         yield first
@@ -161,16 +208,21 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
                             finish_reason = "tool_calls"
                 if tool_deltas:
                     if text:
-                        yield chunk([{"index": c.index, "delta": {"content": text}, "logprobs": None,
-                                      "finish_reason": None}])
+                        yield chunk(
+                            [{"index": c.index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
+                        )
                         text = ""
                     for d in tool_deltas[:-1]:
                         yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
                 if not text and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
                     continue
                 delta = tool_deltas[-1] if tool_deltas else ({"content": text} if text else {})
-                choice: dict[str, Any] = {"index": c.index, "delta": delta,
-                                          "logprobs": lp, "finish_reason": finish_reason}
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason,
+                }
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
                 if prompt_ids is not None:
@@ -185,5 +237,4 @@ async def _chat_events(gen: Generation, meta: dict[str, Any], n: int, prompt_tok
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        yield {**meta, "choices": [], "system_fingerprint": None,
-               "usage": usage(prompt_tokens, completion_tokens)}
+        yield {**meta, "choices": [], "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}

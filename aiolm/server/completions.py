@@ -6,7 +6,8 @@ Choice indexes run prompt-major (``prompt_index * n + i``), like OpenAI.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,12 +42,13 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     if isinstance(prompt, str):
         return [prompt]
     if prompt and isinstance(prompt[0], int):
-        return [prompt]  # type: ignore[list-item]
+        return [prompt]
     return list(prompt)  # type: ignore[arg-type]
 
 
-async def _prepare(ctx: ServingContext, raw: list[str | list[int]], add_special: bool, max_tokens: int | None,
-                   min_tokens: int) -> list[Prompt]:
+async def _prepare(
+    ctx: ServingContext, raw: list[str | list[int]], add_special: bool, max_tokens: int | None, min_tokens: int
+) -> list[Prompt]:
     prompts = []
     for i, p in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -75,9 +77,15 @@ async def create_completion(request: Request) -> Response | EventStream:
     scored = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         scored = max(scored or 0, req.logprobs)
-    params = sampling_params(req, req.max_tokens, req.logprobs,
-                             OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, structured, scored,
-                             ctx.engine)
+    params = sampling_params(
+        req,
+        req.max_tokens,
+        req.logprobs,
+        OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+        structured,
+        scored,
+        ctx.engine,
+    )
     prompts = await _prepare(ctx, _prompt_list(req.prompt), req.add_special_tokens, req.max_tokens, req.min_tokens)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
@@ -87,8 +95,15 @@ async def create_completion(request: Request) -> Response | EventStream:
     gen = Generation(ctx, prompts, params, rid, req.priority, rename={"structured_outputs": structured_param})
     await gen.start(request.receive)
     n = req.n
-    log_extra(request, engine_request_id=rid, prompt_tokens=sum(len(p.token_ids) for p in prompts),
-              n=n, prompts=len(prompts), stream=stream, user=req.user)
+    log_extra(
+        request,
+        engine_request_id=rid,
+        prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        n=n,
+        prompts=len(prompts),
+        stream=stream,
+        user=req.user,
+    )
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     if stream:
         opts = req.stream_options or StreamOptions()
@@ -107,22 +122,39 @@ async def create_completion(request: Request) -> Response | EventStream:
                 echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req.echo else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
             ids = req.return_token_ids
-            choices.append({"index": pi * n + c.index, "text": echo + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                            "prompt_logprobs": (prompt_logprobs_json(final.prompt_logprobs, prompt.token_ids,
-                                                                     req.prompt_logprobs)
-                                                if req.prompt_logprobs is not None else None),
-                            "prompt_token_ids": prompt.token_ids if ids else None,
-                            "token_ids": list(c.token_ids) if ids else None})
+            choices.append(
+                {
+                    "index": pi * n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "prompt_logprobs": (
+                        prompt_logprobs_json(final.prompt_logprobs, prompt.token_ids, req.prompt_logprobs)
+                        if req.prompt_logprobs is not None
+                        else None
+                    ),
+                    "prompt_token_ids": prompt.token_ids if ids else None,
+                    "token_ids": list(c.token_ids) if ids else None,
+                }
+            )
     log_extra(request, completion_tokens=completion_tokens)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    return json_response({**meta, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
-                          "system_fingerprint": None})
+    return json_response(
+        {**meta, "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+    )
 
 
-async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], req: CompletionRequest,
-                  include_usage: bool, tok: EngineClient, request: Request,
-                  continuous: bool = False) -> AsyncIterator[dict[str, Any]]:
+async def _events(
+    gen: Generation,
+    meta: dict[str, Any],
+    prompts: list[Prompt],
+    req: CompletionRequest,
+    include_usage: bool,
+    tok: EngineClient,
+    request: Request,
+    continuous: bool = False,
+) -> AsyncIterator[dict[str, Any]]:
     n, top_n, ids = req.n, req.logprobs, req.return_token_ids
     sent_prompt: set[int] = set()
 
@@ -153,9 +185,23 @@ async def _events(gen: Generation, meta: dict[str, Any], prompts: list[Prompt], 
         """A prompt's echo, sent with its first output: that output carries its prompt logprobs."""
         echo_pending.discard(pi)
         p = prompts[pi]
-        return [chunk([with_ids({"index": pi * n + i, "text": p.text or "",
-                                 "logprobs": builders[pi * n + i].prompt(p.token_ids, plp) if top_n is not None else None,
-                                 "finish_reason": None}, pi, [])]) for i in range(n)]
+        return [
+            chunk(
+                [
+                    with_ids(
+                        {
+                            "index": pi * n + i,
+                            "text": p.text or "",
+                            "logprobs": builders[pi * n + i].prompt(p.token_ids, plp) if top_n is not None else None,
+                            "finish_reason": None,
+                        },
+                        pi,
+                        [],
+                    )
+                ]
+            )
+            for i in range(n)
+        ]
 
     try:
         async for pi, out in gen.stream():

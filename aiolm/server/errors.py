@@ -13,18 +13,30 @@ from typing import Any
 from starlette.responses import Response
 
 _TYPES = {
-    400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-    404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
 }
 
 
 class APIError(Exception):
     """A request the server refuses; carries everything the error body needs."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -8,13 +8,20 @@ from the in-flight set, so nothing outlives its HTTP request.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.types import Receive
 
 from aiolm.engine.client import EngineClient
-from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestError, RequestTimeoutError
+from aiolm.engine.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineRecoveringError,
+    RequestError,
+    RequestTimeoutError,
+)
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
 from aiolm.server.context import ServingContext
@@ -33,8 +40,11 @@ class Prompt:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The OpenAI ``usage`` object of a chat or text completion."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIError:
@@ -66,8 +76,14 @@ async def tokenize(engine: EngineClient, text: str, add_special_tokens: bool, pa
     return engine.tokenize(text, add_special_tokens)
 
 
-def check_lengths(ctx: ServingContext, num_prompt: int, max_tokens: int | None,
-                  prompt_param: str, max_tokens_param: str, min_tokens: int = 0) -> None:
+def check_lengths(
+    ctx: ServingContext,
+    num_prompt: int,
+    max_tokens: int | None,
+    prompt_param: str,
+    max_tokens_param: str,
+    min_tokens: int = 0,
+) -> None:
     """Refuse what cannot fit in the context, with vLLM's wording (400, not a silent clip)."""
     limit = ctx.engine.max_model_len
     if num_prompt == 0:
@@ -76,24 +92,35 @@ def check_lengths(ctx: ServingContext, num_prompt: int, max_tokens: int | None,
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, your request has "
             f"{num_prompt} input tokens, which leaves no room for output. Please reduce the length "
-            f"of the input.", param=prompt_param, code="context_length_exceeded")
+            f"of the input.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if max_tokens is not None and num_prompt + max_tokens > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in the "
             f"completion). Please reduce the length of the input or completion.",
-            param=max_tokens_param, code="context_length_exceeded")
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
     room = limit - num_prompt if max_tokens is None else max_tokens
     if min_tokens > room:
-        raise bad_request(f"'min_tokens' ({min_tokens}) is more than can be generated ({room})",
-                          param="min_tokens")
+        raise bad_request(f"'min_tokens' ({min_tokens}) is more than can be generated ({room})", param="min_tokens")
 
 
 class Generation:
     """The engine requests behind one HTTP request (one per prompt, each with ``n`` choices)."""
 
-    def __init__(self, ctx: ServingContext, prompts: list[Prompt], params: SamplingParams,
-                 request_id: str, priority: int = 0, rename: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        rename: dict[str, str] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.prompts = prompts
         self.params = params
@@ -122,13 +149,17 @@ class Generation:
         if self.ctx.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
         if self.priority and not settings.allow_request_priority:
-            raise bad_request("'priority' is not enabled on this server (start it with --allow-request-priority)",
-                              param="priority")
+            raise bad_request(
+                "'priority' is not enabled on this server (start it with --allow-request-priority)", param="priority"
+            )
         seqs = len(self.prompts) * self.params.n
         if seqs > settings.max_seqs_per_request:
-            raise bad_request(f"this request asks for {seqs} sequences ({len(self.prompts)} prompt(s) x n="
-                              f"{self.params.n}); the limit is {settings.max_seqs_per_request} "
-                              f"(--max-seqs-per-request)", param="n")
+            raise bad_request(
+                f"this request asks for {seqs} sequences ({len(self.prompts)} prompt(s) x n="
+                f"{self.params.n}); the limit is {settings.max_seqs_per_request} "
+                f"(--max-seqs-per-request)",
+                param="n",
+            )
         timeout = settings.request_timeout or None
         self.ctx.server_load += 1
         self._loaded = True
@@ -136,8 +167,9 @@ class Generation:
             for i, p in enumerate(self.prompts):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
-                state = await engine.add_request(prompt, self.params, rid, self.priority,
-                                                 **({"timeout": timeout} if timeout else {}))
+                state = await engine.add_request(
+                    prompt, self.params, rid, self.priority, **({"timeout": timeout} if timeout else {})
+                )
                 self.states.append(state)
                 self.ctx.inflight.add(rid)
         except BaseException as e:

@@ -33,19 +33,23 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if ctype:
         main = ctype.split(";", 1)[0].strip().lower()
         if main != "application/json" and not main.endswith("+json"):
-            raise APIError(415, f"Content-Type must be application/json, got {main!r}",
-                           code="unsupported_media_type")
+            raise APIError(415, f"Content-Type must be application/json, got {main!r}", code="unsupported_media_type")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise APIError(413, f"the request body is over the {max_bytes}-byte limit", code="request_too_large",
-                           headers={"connection": "close"})
+            raise APIError(
+                413,
+                f"the request body is over the {max_bytes}-byte limit",
+                code="request_too_large",
+                headers={"connection": "close"},
+            )
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        value = await asyncio.to_thread(client_json.loads, body) if len(body) > _OFFLOAD_BYTES \
-            else client_json.loads(body)
+        value = (
+            await asyncio.to_thread(client_json.loads, body) if len(body) > _OFFLOAD_BYTES else client_json.loads(body)
+        )
     except client_json.TooDeep as e:
         raise bad_request(f"the request body is {e}", code="invalid_json") from None
     except ValueError as e:  # UnicodeDecodeError is a ValueError
@@ -53,8 +57,11 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if _may_hold_surrogates(body):
         where = lone_surrogate_path(value)  # recursion bounded by client_json.MAX_DEPTH
         if where is not None:
-            raise bad_request(f"'{where}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
-                              param=where, code="invalid_unicode")
+            raise bad_request(
+                f"'{where}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                param=where,
+                code="invalid_unicode",
+            )
     return value
 
 
@@ -97,5 +104,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def check_model(ctx: ServingContext, model: str | None) -> None:
     """Like OpenAI: naming a model that is not served is a 404; omitting it is fine."""
     if model is not None and model != ctx.model_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.model_name}'.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{ctx.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )

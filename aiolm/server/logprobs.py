@@ -26,8 +26,9 @@ def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:n]
 
 
-def prompt_logprobs_json(plp: list[dict[int, Logprob] | None] | None, token_ids: list[int],
-                         top_n: int) -> list[dict[str, Any] | None] | None:
+def prompt_logprobs_json(
+    plp: list[dict[int, Logprob] | None] | None, token_ids: list[int], top_n: int
+) -> list[dict[str, Any] | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else token id ->
     {logprob, rank, decoded_token} for the token itself and the top ``top_n`` (the engine
     may have scored more, for echo)."""
@@ -40,20 +41,31 @@ def prompt_logprobs_json(plp: list[dict[int, Logprob] | None] | None, token_ids:
             continue
         keep = [(tid, e[tid])] if tid in e else []
         keep += [(t, lp) for t, lp in _top(e, top_n) if t != tid]
-        out.append({str(t): {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-                    for t, lp in keep})
+        out.append(
+            {
+                str(t): {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in keep
+            }
+        )
     return out
 
 
-def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]] | None, top_n: int,
-                  tokenizer: Any) -> dict[str, Any] | None:
+def chat_logprobs(
+    token_ids: list[int], lps: list[dict[int, Logprob]] | None, top_n: int, tokenizer: Any
+) -> dict[str, Any] | None:
     if lps is None:
         return None
     content = []
     for tid, entry in zip(token_ids, lps):
         text, value = _token(tid, entry, tokenizer)
-        top = [{"token": lp.decoded_token or "", "logprob": clamp(lp.logprob),
-                "bytes": list((lp.decoded_token or "").encode())} for _, lp in _top(entry, top_n)]
+        top = [
+            {
+                "token": lp.decoded_token or "",
+                "logprob": clamp(lp.logprob),
+                "bytes": list((lp.decoded_token or "").encode()),
+            }
+            for _, lp in _top(entry, top_n)
+        ]
         content.append({"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": top})
     return {"content": content, "refusal": None}
 

@@ -72,11 +72,16 @@ class RequestContextMiddleware:
             if self.enabled:
                 client = scope.get("client")
                 line = {
-                    "event": "http_request", "request_id": rid, "method": scope.get("method"),
-                    "path": scope.get("path"), "status": status or 500,
-                    "duration_ms": round(1e3 * (time.perf_counter() - start), 2), "bytes_out": sent,
+                    "event": "http_request",
+                    "request_id": rid,
+                    "method": scope.get("method"),
+                    "path": scope.get("path"),
+                    "status": status or 500,
+                    "duration_ms": round(1e3 * (time.perf_counter() - start), 2),
+                    "bytes_out": sent,
                     "client": f"{client[0]}:{client[1]}" if client else None,
-                    "user_agent": _header(scope, b"user-agent"), **extra,
+                    "user_agent": _header(scope, b"user-agent"),
+                    **extra,
                 }
                 access_log.info(json.dumps(line, ensure_ascii=False, default=str))
 
@@ -99,8 +104,12 @@ class BodyLimitMiddleware:
                     await APIError(400, "invalid Content-Length header").response()(scope, receive, send)
                     return
                 if n > self.max_bytes:
-                    err = APIError(413, f"the request body is {n} bytes; the limit is {self.max_bytes}",
-                                   code="request_too_large", headers={"connection": "close"})
+                    err = APIError(
+                        413,
+                        f"the request body is {n} bytes; the limit is {self.max_bytes}",
+                        code="request_too_large",
+                        headers={"connection": "close"},
+                    )
                     await err.response()(scope, receive, send)
                     return
         await self.app(scope, receive, send)
@@ -136,8 +145,12 @@ class BodyTimeoutMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(left, 0.0))
             except asyncio.TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s",
-                               code="request_timeout", headers={"connection": "close"}) from None
+                raise APIError(
+                    408,
+                    f"the request body did not arrive within {self.timeout:g} s",
+                    code="request_timeout",
+                    headers={"connection": "close"},
+                ) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
@@ -167,8 +180,12 @@ class AuthMiddleware:
             scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
             ok = hmac.compare_digest(token.strip(" ").encode("latin-1"), self.expected)
             if scheme.lower() != "bearer" or not ok:
-                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+                err = APIError(
+                    401,
+                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    code="invalid_api_key",
+                    headers={"www-authenticate": "Bearer"},
+                )
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -18,8 +18,15 @@ from aiolm.server.tools import template_messages
 def _model_card(request: Request) -> dict:
     ctx = context(request)
     engine = ctx.engine
-    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "aiolm",
-            "root": ctx.model_name, "parent": None, "max_model_len": engine.max_model_len}
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "aiolm",
+        "root": ctx.model_name,
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+    }
 
 
 async def list_models(request: Request) -> Response:
@@ -40,8 +47,13 @@ async def health(request: Request) -> Response:
         return json_response({"status": "ok"})
     recovering = engine.recovering
     if recovering is not None:
-        return APIError(503, f"unhealthy: recovering from a worker failure: {recovering}", code="recovering",
-                        type="server_error", headers={"retry-after": "5"}).response()
+        return APIError(
+            503,
+            f"unhealthy: recovering from a worker failure: {recovering}",
+            code="recovering",
+            type="server_error",
+            headers={"retry-after": "5"},
+        ).response()
     stalled = engine.stalled
     if stalled is not None:
         return APIError(503, f"unhealthy: stalled: {stalled}", code="stalled", type="server_error").response()
@@ -83,8 +95,7 @@ async def tokenize(request: Request) -> Response:
     else:
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
     strs = engine.token_strings(ids) if req.return_token_strs else None  # vLLM's: null unless asked
-    return json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                          "token_strs": strs})
+    return json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs})
 
 
 async def detokenize(request: Request) -> Response:

@@ -19,12 +19,14 @@ from aiolm.server.protocol import REQUEST_MODELS, Limits, bounded
 _REF = "#/components/schemas/{model}"
 _STR = {"type": "string"}
 _CHUNKS = "`data: {chunk}` events, then `data: [DONE]`"
-_RESPONSE_EVENTS = ("`event: <type>` and `data: {event}` pairs, each event with `type` and `sequence_number`: "
-                    "response.created, response.in_progress, response.output_item.added, "
-                    "response.content_part.added, response.output_text.delta (many), response.output_text.done, "
-                    "response.content_part.done, response.output_item.done, then response.completed "
-                    "(response.incomplete when max_output_tokens cut the text; an `error` event if the engine "
-                    "failed); no [DONE]")
+_RESPONSE_EVENTS = (
+    "`event: <type>` and `data: {event}` pairs, each event with `type` and `sequence_number`: "
+    "response.created, response.in_progress, response.output_item.added, "
+    "response.content_part.added, response.output_text.delta (many), response.output_text.done, "
+    "response.content_part.done, response.output_item.done, then response.completed "
+    "(response.incomplete when max_output_tokens cut the text; an `error` event if the engine "
+    "failed); no [DONE]"
+)
 # (path, summary, answer model, what a stream carries) of each POST route
 _POSTS: list[tuple[str, str, type[BaseModel], str | None]] = [
     ("/v1/chat/completions", "Create chat completion", out.ChatCompletion, _CHUNKS),
@@ -40,8 +42,10 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): {"description": "error", "content": {"application/json": {"schema": _ref(out.ErrorResponse)}}}
-            for c in codes}
+    return {
+        str(c): {"description": "error", "content": {"application/json": {"schema": _ref(out.ErrorResponse)}}}
+        for c in codes
+    }
 
 
 def _ok(schema: dict[str, Any], stream: str | None = None, media: str = "application/json") -> dict[str, Any]:
@@ -53,18 +57,29 @@ def _ok(schema: dict[str, Any], stream: str | None = None, media: str = "applica
 
 
 def _post(summary: str, body: type[BaseModel], ok: type[BaseModel], stream: str | None) -> dict[str, Any]:
-    return {"post": {
-        "summary": summary, "operationId": summary.lower().replace(" ", "_"),
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
-        "responses": {**_ok(_ref(ok), stream), **_errors(400, 401, 404, 413, 415, 503)},
-    }}
+    return {
+        "post": {
+            "summary": summary,
+            "operationId": summary.lower().replace(" ", "_"),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
+            "responses": {**_ok(_ref(ok), stream), **_errors(400, 401, 404, 413, 415, 503)},
+        }
+    }
 
 
-def _get(summary: str, ok: dict[str, Any], media: str = "application/json", errors: tuple[int, ...] = (),
-         params: tuple[str, ...] = ()) -> dict[str, Any]:
+def _get(
+    summary: str,
+    ok: dict[str, Any],
+    media: str = "application/json",
+    errors: tuple[int, ...] = (),
+    params: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """``params``: the path's ``{name}`` parameters."""
-    op: dict[str, Any] = {"summary": summary, "operationId": summary.lower().replace(" ", "_"),
-                          "responses": {**_ok(ok, media=media), **_errors(*errors)}}
+    op: dict[str, Any] = {
+        "summary": summary,
+        "operationId": summary.lower().replace(" ", "_"),
+        "responses": {**_ok(ok, media=media), **_errors(*errors)},
+    }
     if params:
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": _STR} for p in params]
     return {"get": op}
@@ -72,9 +87,10 @@ def _get(summary: str, ok: dict[str, Any], media: str = "application/json", erro
 
 def _web_paths() -> dict[str, Any]:
     """The chat page (``--web-ui``) and its static files."""
-    return {"/": _get("Chat page", _STR, media="text/html"),
-            "/web/{path}": _get("Chat page files", _STR, media="application/octet-stream", errors=(404,),
-                                params=("path",))}
+    return {
+        "/": _get("Chat page", _STR, media="text/html"),
+        "/web/{path}": _get("Chat page files", _STR, media="application/octet-stream", errors=(404,), params=("path",)),
+    }
 
 
 def _open(schema: Any) -> None:
@@ -94,8 +110,15 @@ def component_schemas(limits: Limits) -> dict[str, Any]:
     """Every request and answer model, nested ones lifted out of ``$defs``, by class name
     (cached per limits: the result is shared, never mutated)."""
     requests = [bounded(m, limits) for m in REQUEST_MODELS.values()]
-    answers: list[type[BaseModel]] = [out.ErrorResponse, *(ok for _, _, ok, _ in _POSTS), out.TokenizerInfo,
-                                      out.ModelList, out.ServerLoad, out.Status, out.Version]
+    answers: list[type[BaseModel]] = [
+        out.ErrorResponse,
+        *(ok for _, _, ok, _ in _POSTS),
+        out.TokenizerInfo,
+        out.ModelList,
+        out.ServerLoad,
+        out.Status,
+        out.Version,
+    ]
     keyed: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests]
     keyed += [(m, "serialization") for m in answers]
     _, top = models_json_schema(keyed, ref_template=_REF)
@@ -106,26 +129,34 @@ def component_schemas(limits: Limits) -> dict[str, Any]:
 
 
 def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dict[str, Any]:
-    paths: dict[str, Any] = {path: _post(summary, REQUEST_MODELS[path], ok, stream)
-                             for path, summary, ok, stream in _POSTS}
-    paths.update({
-        "/tokenizer_info": _get("Tokenizer info", _ref(out.TokenizerInfo), errors=(401,)),
-        "/load": _get("Server load", _ref(out.ServerLoad)),
-        "/v1/models": _get("List models", _ref(out.ModelList), errors=(401,)),
-        "/v1/models/{model}": _get("Retrieve model", _ref(out.ModelCard), errors=(401, 404), params=("model",)),
-        "/health": _get("Health", _ref(out.Status), errors=(503,)),
-        "/ping": _get("Ping", _ref(out.Status), errors=(503,)),
-        "/version": _get("Version", _ref(out.Version)),
-        "/metrics": _get("Prometheus metrics", {"type": "string"}, media="text/plain"),
-        "/openapi.json": _get("OpenAPI document", {"type": "object"}),
-        **(_web_paths() if web_ui else {}),
-    })
+    paths: dict[str, Any] = {
+        path: _post(summary, REQUEST_MODELS[path], ok, stream) for path, summary, ok, stream in _POSTS
+    }
+    paths.update(
+        {
+            "/tokenizer_info": _get("Tokenizer info", _ref(out.TokenizerInfo), errors=(401,)),
+            "/load": _get("Server load", _ref(out.ServerLoad)),
+            "/v1/models": _get("List models", _ref(out.ModelList), errors=(401,)),
+            "/v1/models/{model}": _get("Retrieve model", _ref(out.ModelCard), errors=(401, 404), params=("model",)),
+            "/health": _get("Health", _ref(out.Status), errors=(503,)),
+            "/ping": _get("Ping", _ref(out.Status), errors=(503,)),
+            "/version": _get("Version", _ref(out.Version)),
+            "/metrics": _get("Prometheus metrics", {"type": "string"}, media="text/plain"),
+            "/openapi.json": _get("OpenAPI document", {"type": "object"}),
+            **(_web_paths() if web_ui else {}),
+        }
+    )
     return {
         "openapi": "3.1.0",
-        "info": {"title": "aiolm", "version": aiolm.__version__,
-                 "description": f"OpenAI-compatible API serving '{model_name}'."},
+        "info": {
+            "title": "aiolm",
+            "version": aiolm.__version__,
+            "description": f"OpenAI-compatible API serving '{model_name}'.",
+        },
         "paths": paths,
-        "components": {"schemas": component_schemas(limits),
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "schemas": component_schemas(limits),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
         "security": [{"bearer": []}],
     }

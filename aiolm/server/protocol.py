@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import operator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -81,6 +82,7 @@ def _keys(model: type[BaseModel]) -> frozenset[str]:
 
 # -- shapes -------------------------------------------------------------------------------
 
+
 # A union is told apart by the JSON type of its value (a list by its first item), so only
 # one alternative is tried and its error is the precise one. Error paths drop the tags (_steps).
 def _shape(value: Any) -> str | None:
@@ -101,8 +103,14 @@ def _shape(value: Any) -> str | None:
 def _one_of(what: str, **alternatives: Any) -> Any:
     """A union of ``alternatives`` (tag -> type); a value of no listed shape: 'must be {what}'."""
     members = tuple(Annotated[t, Tag("::" + tag)] for tag, t in alternatives.items())
-    return Annotated[Union[members], Discriminator(_shape, custom_error_type="invalid_type",  # type: ignore[valid-type]
-                                                   custom_error_message=f"must be {what}")]
+    return Annotated[
+        functools.reduce(operator.or_, members),
+        Discriminator(
+            _shape,
+            custom_error_type="invalid_type",
+            custom_error_message=f"must be {what}",
+        ),
+    ]
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -131,18 +139,19 @@ class NoopFields(Strict):
     user: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " beyond the access log")
     safety_identifier: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP)
     prompt_cache_key: Annotated[str, Field(max_length=256)] | None = Field(
-        None, description=_NOOP + " (prefix caching is automatic)")
+        None, description=_NOOP + " (prefix caching is automatic)"
+    )
 
 
 # -- chat messages and tools --------------------------------------------------------------
+
 
 class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-Content = _one_of("a string or a list of text parts", text=str,
-                  list=Annotated[list[TextPart], Field(max_length=256)])
+Content = _one_of("a string or a list of text parts", text=str, list=Annotated[list[TextPart], Field(max_length=256)])
 
 
 class FunctionCall(Strict):
@@ -160,10 +169,12 @@ class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None  # type: ignore[valid-type]
     name: str | None = None
-    refusal: str | None = Field(None, description=_NOOP + " (an earlier answer's refusal text is not shown "
-                                                          "to the model)")
+    refusal: str | None = Field(
+        None, description=_NOOP + " (an earlier answer's refusal text is not shown to the model)"
+    )
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="an earlier assistant turn's calls")
+        None, description="an earlier assistant turn's calls"
+    )
     tool_call_id: NonEmptyStr | None = Field(None, description="a tool message: the call it answers")
 
 
@@ -191,11 +202,13 @@ class NamedToolChoice(Strict):
     function: FunctionName
 
 
-ToolChoice = _one_of("'none', 'auto', 'required' or a named function",
-                     text=Literal["none", "auto", "required"], object=NamedToolChoice)
+ToolChoice = _one_of(
+    "'none', 'auto', 'required' or a named function", text=Literal["none", "auto", "required"], object=NamedToolChoice
+)
 
 
 # -- output constraints -------------------------------------------------------------------
+
 
 class JsonSchemaFormat(Strict):
     name: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (a label)")
@@ -226,6 +239,7 @@ class StreamOptions(Strict):
 
 # -- the request bodies -------------------------------------------------------------------
 
+
 class SamplingRequest(NoopFields):
     """Fields chat and completions share (OpenAI's plus vLLM's usual extensions)."""
 
@@ -242,8 +256,7 @@ class SamplingRequest(NoopFields):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = Field(
-        None, description="token id -> bias")
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = Field(None, description="token id -> bias")
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False
@@ -253,23 +266,31 @@ class SamplingRequest(NoopFields):
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)] | None = Field(
-        None, description="vLLM's: only these tokens may be generated")
+        None, description="vLLM's: only these tokens may be generated"
+    )
     bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = Field(
-        None, description="vLLM's: words never generated (each as tokenized with and without a leading space)")
+        None, description="vLLM's: words never generated (each as tokenized with and without a leading space)"
+    )
     prompt_logprobs: Annotated[int, Field(le=Limits.max_logprobs)] | None = Field(
-        None, description="vLLM's: each prompt token's logprob and this many alternatives "
-                          "('prompt_logprobs' in the response; not with stream)")
-    return_token_ids: bool = Field(False, description="vLLM's: the prompt's token ids ('prompt_token_ids') "
-                                                      "and each choice's ('token_ids') next to the text")
+        None,
+        description="vLLM's: each prompt token's logprob and this many alternatives "
+        "('prompt_logprobs' in the response; not with stream)",
+    )
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's: the prompt's token ids ('prompt_token_ids') "
+        "and each choice's ('token_ids') next to the text",
+    )
     response_format: ResponseFormat | None = Field(
-        None, description="OpenAI's: json_object (any JSON object) or json_schema")
+        None, description="OpenAI's: json_object (any JSON object) or json_schema"
+    )
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: SchemaValue | None = Field(  # type: ignore[valid-type]
-        None, description="vLLM's older spelling of structured_outputs.json")
+        None, description="vLLM's older spelling of structured_outputs.json"
+    )
     guided_regex: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.regex")
     guided_choice: Choices | None = Field(None, description="vLLM's older spelling of structured_outputs.choice")
-    guided_grammar: NonEmptyStr | None = Field(
-        None, description="vLLM's older spelling of structured_outputs.grammar")
+    guided_grammar: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.grammar")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -278,10 +299,13 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=Limits.max_logprobs)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="function tools the model may call")
+        None, description="function tools the model may call"
+    )
     tool_choice: ToolChoice | None = Field(  # type: ignore[valid-type]
-        None, description="'none', 'auto' (needs --tool-call-parser), 'required' or "
-                          "{type: function, function: {name}}; default 'auto' with tools")
+        None,
+        description="'none', 'auto' (needs --tool-call-parser), 'required' or "
+        "{type: function, function: {name}}; default 'auto' with tools",
+    )
     parallel_tool_calls: bool | None = Field(None, description="with 'required': false generates exactly one call")
     modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = Field(None, description="only ['text']")
     add_generation_prompt: bool = True
@@ -290,9 +314,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 def _prompt_type(max_prompts: int) -> Any:
     ids = Annotated[list[TokenId], Field(min_length=1)]
-    return _one_of("a string, a list of strings, a list of token ids or a list of lists of token ids",
-                   text=str, list=Annotated[list[str], Field(min_length=1, max_length=max_prompts)], ids=ids,
-                   batch=Annotated[list[ids], Field(min_length=1, max_length=max_prompts)])  # type: ignore[valid-type]
+    return _one_of(
+        "a string, a list of strings, a list of token ids or a list of lists of token ids",
+        text=str,
+        list=Annotated[list[str], Field(min_length=1, max_length=max_prompts)],
+        ids=ids,
+        batch=Annotated[list[ids], Field(min_length=1, max_length=max_prompts)],
+    )
 
 
 Prompt = _prompt_type(Limits.max_prompts)
@@ -312,17 +340,20 @@ class InputPart(Strict):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: Annotated[list[Any], Field(max_length=256)] | None = Field(
-        None, description=_NOOP + " (an earlier output's citations)")
+        None, description=_NOOP + " (an earlier output's citations)"
+    )
     logprobs: list[Any] | None = Field(None, description=_NOOP + " (an earlier output's logprobs)")
 
 
 class InputItem(Strict):
     type: Literal["message"] | None = Field(None, description="only 'message' items")
     role: Literal["user", "system", "developer", "assistant"]
-    content: _one_of("a string or a list of text parts", text=str,  # type: ignore[valid-type]
-                     list=Annotated[list[InputPart], Field(max_length=256)])
-    id: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (an earlier output "
-                                                                                       "item's id)")
+    content: _one_of(  # type: ignore[valid-type]
+        "a string or a list of text parts",
+        text=str,
+        list=Annotated[list[InputPart], Field(max_length=256)],
+    )
+    id: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (an earlier output item's id)")
     status: Literal["in_progress", "completed", "incomplete"] | None = Field(None, description=_NOOP)
 
 
@@ -330,8 +361,9 @@ class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (a label)")
     description: str | None = Field(None, description=_NOOP + " (not shown to the model)")
-    schema_: JsonSchema | None = Field(None, alias="schema",
-                                       description="with type 'json_schema': the schema the output follows")
+    schema_: JsonSchema | None = Field(
+        None, alias="schema", description="with type 'json_schema': the schema the output follows"
+    )
     strict: bool | None = Field(None, description="false: properties the schema does not list may be generated")
 
 
@@ -344,17 +376,20 @@ class ResponsesRequest(NoopFields):
     or continued later: ``previous_response_id``, ``conversation`` and tools are refused."""
 
     model: str | None = Field(None, description="served model name; optional")
-    input: _one_of("a string or a list of message items", text=str,  # type: ignore[valid-type]
-                   list=Annotated[list[InputItem], Field(min_length=1, max_length=4096)])
+    input: _one_of(  # type: ignore[valid-type]
+        "a string or a list of message items",
+        text=str,
+        list=Annotated[list[InputItem], Field(min_length=1, max_length=4096)],
+    )
     instructions: str | None = Field(None, description="a system message placed before the input")
     max_output_tokens: int | None = Field(None, description="most tokens to generate")
     temperature: float = 1.0
     top_p: float = 1.0
     stream: bool = Field(False, description="server-sent events named by their type")
-    text: TextConfig | None = Field(None, description="'format': text, json_object or json_schema "
-                                                      "(structured outputs)")
+    text: TextConfig | None = Field(None, description="'format': text, json_object or json_schema (structured outputs)")
     truncation: Literal["disabled"] | None = Field(
-        None, description="only 'disabled': an input too long for the context is a 400")
+        None, description="only 'disabled': an input too long for the context is a 400"
+    )
 
 
 class TokenizeRequest(Strict):
@@ -394,17 +429,21 @@ def bounded(model: type[M], limits: Limits) -> type[M]:
         f = model.model_fields.get(name)
         if f is not None:
             fields[name] = (typ, Field(... if f.is_required() else f.default, description=f.description))
-    made = create_model(model.__name__, __base__=model, __doc__=model.__doc__, **fields)  # type: ignore[call-overload]
-    return made  # type: ignore[no-any-return]
+    made = create_model(model.__name__, __base__=model, __doc__=model.__doc__, **fields)
+    return made
 
 
 REQUEST_MODELS: dict[str, type[Strict]] = {
-    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-    "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
 # -- parsing: a ValidationError becomes one 400 naming the field ---------------------------
+
 
 def parse(model: type[M], body: Any, limits: Limits) -> M:
     """``body`` (parsed JSON) as ``model`` under ``limits``; a 400 naming the field if it does not fit."""
@@ -422,9 +461,12 @@ def parse(model: type[M], body: Any, limits: Limits) -> M:
         paths = list(dict.fromkeys(_path(steps) for steps in unknown))
         listed = ", ".join(repr(p) for p in paths)
         if not limits.lenient:
-            raise bad_request(f"Unrecognized request argument supplied: {listed} (this server does not "
-                              f"implement {'it' if len(paths) == 1 else 'them'})",
-                              param=paths[0], code="unrecognized_argument")
+            raise bad_request(
+                f"Unrecognized request argument supplied: {listed} (this server does not "
+                f"implement {'it' if len(paths) == 1 else 'them'})",
+                param=paths[0],
+                code="unrecognized_argument",
+            )
         log.warning("ignoring request fields this server does not implement: %s", listed)
         for steps in unknown:
             where = body
@@ -465,8 +507,11 @@ def _first_error(err: Any, body: Any) -> APIError:
         return bad_request(f"'{path}' is required", param=path, code="missing_required_parameter")
     if err["type"] == "invalid_type":  # one of our unions: the message says what fits
         return bad_request(f"'{path}' {err['msg']}, got {_type_name(err['input'])}", param=path)
-    msg = "Input should be a JSON object" if err["type"] in ("model_type", "dict_type") else \
-        err["msg"].removeprefix("Value error, ")
+    msg = (
+        "Input should be a JSON object"
+        if err["type"] in ("model_type", "dict_type")
+        else err["msg"].removeprefix("Value error, ")
+    )
     return bad_request(f"'{path}': {msg} (got {_describe(err['input'])})", param=path)
 
 
@@ -478,32 +523,58 @@ def _describe(value: Any) -> str:
 
 
 def _type_name(v: Any) -> str:
-    names = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-             list: "array", dict: "object"}
+    names = {
+        type(None): "null",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }
     return names.get(type(v), type(v).__name__)
 
 
 # -- from a parsed request to engine inputs -----------------------------------------------
 
-def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    kind: OutputKind, structured: StructuredOutputs | None = None,
-                    prompt_logprobs: int | None = None, engine: EngineClient | None = None,
-                    rename: dict[str, str] | None = None) -> SamplingParams:
+
+def sampling_params(
+    req: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    kind: OutputKind,
+    structured: StructuredOutputs | None = None,
+    prompt_logprobs: int | None = None,
+    engine: EngineClient | None = None,
+    rename: dict[str, str] | None = None,
+) -> SamplingParams:
     """Build SamplingParams, which holds the sampling bounds: a ParamError is a 400 naming the field."""
     try:
         return SamplingParams(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, max_tokens=max_tokens,
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            max_tokens=max_tokens,
             logit_bias=req.logit_bias,  # type: ignore[arg-type]  # JSON keys: SamplingParams reads them as ids
             min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []),
-            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens, output_kind=kind,
-            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
-            **(token_constraints(req, engine) if engine is not None else {}))
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            output_kind=kind,
+            structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
+            **(token_constraints(req, engine) if engine is not None else {}),
+        )
     except ParamError as e:
         raise param_error(e, rename) from None
 
@@ -516,8 +587,9 @@ def token_constraints(req: SamplingRequest, engine: EngineClient) -> dict[str, A
         vocab = engine.vocab_size
         for i, t in enumerate(req.allowed_token_ids):
             if t >= vocab:
-                raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})",
-                                  param=f"allowed_token_ids[{i}]")
+                raise bad_request(
+                    f"token id {t} is outside the vocabulary [0, {vocab})", param=f"allowed_token_ids[{i}]"
+                )
         out["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.bad_words:
         seqs: list[list[int]] = []
@@ -539,8 +611,9 @@ def check_stream_options(req: SamplingRequest) -> None:
     """OpenAI refuses stream options on a request that does not stream; so do we. vLLM
     refuses prompt logprobs on a stream."""
     if req.stream_options is not None and not req.stream:
-        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                          param="stream_options")
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
 
@@ -560,6 +633,7 @@ def check_unsupported_completion(req: CompletionRequest) -> None:
 
 
 # -- output constraints -------------------------------------------------------------------
+
 
 def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
@@ -583,23 +657,33 @@ def structured_spec(req: SamplingRequest) -> tuple[StructuredOutputs | None, str
     elif fmt is not None and fmt.type == "json_schema":
         js = fmt.json_schema
         if js is None or js.schema_ is None:
-            raise bad_request("response_format 'json_schema' needs 'json_schema.schema'",
-                              param="response_format.json_schema.schema" if js else "response_format.json_schema")
+            raise bad_request(
+                "response_format 'json_schema' needs 'json_schema.schema'",
+                param="response_format.json_schema.schema" if js else "response_format.json_schema",
+            )
         param = "response_format.json_schema.schema"
         found.append((param, StructuredOutputs("json", _schema_text(js.schema_, param), js.strict is not False)))
     so = req.structured_outputs
     if so is not None:
-        for key, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                           ("grammar", so.grammar), ("json_object", so.json_object)):
+        for key, value in (
+            ("json", so.json_),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+            ("json_object", so.json_object),
+        ):
             if value is not None and value is not False:
                 found.append((f"structured_outputs.{key}", _structured_one(key, value, f"structured_outputs.{key}")))
-    for key, value in (("json", req.guided_json), ("regex", req.guided_regex), ("choice", req.guided_choice),
-                       ("grammar", req.guided_grammar)):
+    for key, value in (
+        ("json", req.guided_json),
+        ("regex", req.guided_regex),
+        ("choice", req.guided_choice),
+        ("grammar", req.guided_grammar),
+    ):
         if value is not None:
             found.append((f"guided_{key}", _structured_one(key, value, f"guided_{key}")))
     if len(found) > 1:
-        raise bad_request(f"'{found[1][0]}' and '{found[0][0]}' both constrain the output; give one",
-                          param=found[1][0])
+        raise bad_request(f"'{found[1][0]}' and '{found[0][0]}' both constrain the output; give one", param=found[1][0])
     return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
 
 

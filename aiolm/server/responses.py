@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,8 +35,12 @@ from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tools import message_text
 
 # Engine-side names of what a Responses request calls otherwise (for 400s naming the field).
-_RENAME = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
-           "structured_outputs": "text.format"}
+_RENAME = {
+    "prompt": "input",
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "structured_outputs": "text.format",
+}
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -52,14 +57,23 @@ def _text_part(text: str) -> dict[str, Any]:
 
 def _message(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """The output item; ``text`` None while it is still being written (no part yet)."""
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [] if text is None else [_text_part(text)]}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [] if text is None else [_text_part(text)],
+    }
 
 
 def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + output_tokens}
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
 
 
 def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
@@ -76,20 +90,43 @@ def _shell(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any
     fmt = req.text.format if req.text is not None else None
     shown = fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-        "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "model": model,
-        "output": [], "parallel_tool_calls": False, "previous_response_id": None,
-        "temperature": req.temperature, "top_p": req.top_p, "text": {"format": shown},
-        "tool_choice": "none", "tools": [], "truncation": "disabled", "usage": None, "user": req.user,
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": False,
+        "previous_response_id": None,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "text": {"format": shown},
+        "tool_choice": "none",
+        "tools": [],
+        "truncation": "disabled",
+        "usage": None,
+        "user": req.user,
     }
 
 
-def _finished(shell: dict[str, Any], item: dict[str, Any], finish_reason: str | None,
-              usage: dict[str, Any]) -> dict[str, Any]:
+def _finished(
+    shell: dict[str, Any], item: dict[str, Any], finish_reason: str | None, usage: dict[str, Any]
+) -> dict[str, Any]:
     status, incomplete, error = _outcome(finish_reason)
-    return {**shell, "status": status, "incomplete_details": incomplete, "error": error, "output": [item],
-            "usage": usage}
+    return {
+        **shell,
+        "status": status,
+        "incomplete_details": incomplete,
+        "error": error,
+        "output": [item],
+        "usage": usage,
+    }
 
 
 async def create_response(request: Request) -> Response | EventStream:
@@ -100,9 +137,13 @@ async def create_response(request: Request) -> Response | EventStream:
     stream = req.stream
     max_tokens = req.max_output_tokens
     try:  # SamplingParams holds the bounds: a bad value is a 400 before any work
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
-                                output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
-                                structured_outputs=structured)
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=max_tokens,
+            output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+            structured_outputs=structured,
+        )
     except ParamError as e:
         raise param_error(e, _RENAME) from None
     engine = ctx.engine
@@ -119,18 +160,24 @@ async def create_response(request: Request) -> Response | EventStream:
     shell = _shell(req, response_id, ctx.model_name)
     item_id = ctx.new_id("msg", "_")
     if stream:
-        return EventStream(_events(gen, shell, item_id, len(ids), request), done=False, close=gen.abort,
-                           on_gone=lambda: log_extra(request, client_gone=True))
+        return EventStream(
+            _events(gen, shell, item_id, len(ids), request),
+            done=False,
+            close=gen.abort,
+            on_gone=lambda: log_extra(request, client_gone=True),
+        )
     (final,) = await until_disconnect(request.receive, gen.collect())
     c = final.outputs[0]
     log_extra(request, completion_tokens=len(c.token_ids))
     item = _message(item_id, c.text, "completed" if c.finish_reason == "stop" else "incomplete")
-    return json_response(_finished(shell, item, c.finish_reason,
-                                   _usage(len(ids), final.num_cached_tokens, len(c.token_ids))))
+    return json_response(
+        _finished(shell, item, c.finish_reason, _usage(len(ids), final.num_cached_tokens, len(c.token_ids)))
+    )
 
 
-async def _events(gen: Generation, shell: dict[str, Any], item_id: str, prompt_tokens: int,
-                  request: Request) -> AsyncIterator[NamedEvent]:
+async def _events(
+    gen: Generation, shell: dict[str, Any], item_id: str, prompt_tokens: int, request: Request
+) -> AsyncIterator[NamedEvent]:
     numbers = itertools.count()
 
     def event(kind: str, **fields: Any) -> NamedEvent:

@@ -17,9 +17,10 @@ import argparse
 import json
 import os
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from aiolm.config import SERVE_MAX_WAITING, CliParser, EngineArgs, int_in
 from aiolm.server.protocol import Limits
@@ -48,8 +49,9 @@ class ServerSettings:
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_n=self.max_n, max_prompts=self.max_prompts, max_logprobs=self.max_logprobs,
-                      lenient=self.lenient_fields)
+        return Limits(
+            max_n=self.max_n, max_prompts=self.max_prompts, max_logprobs=self.max_logprobs, lenient=self.lenient_fields
+        )
 
 
 def seconds(text: str) -> float:
@@ -72,58 +74,124 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int_in(1, 65535), default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=os.environ.get("AIOLM_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' (also AIOLM_API_KEY); /health and /metrics stay open")
-    g.add_argument("--allowed-origins", type=_origins, default=[],
-                   help="comma-separated CORS origins ('*' for any); none by default")
-    g.add_argument("--max-request-bytes", type=int_in(1), default=d.max_request_bytes,
-                   help="largest request body accepted (413 above)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("AIOLM_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' (also AIOLM_API_KEY); /health and /metrics stay open",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        help="comma-separated CORS origins ('*' for any); none by default",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int_in(1),
+        default=d.max_request_bytes,
+        help="largest request body accepted (413 above)",
+    )
     g.add_argument("--max-n", type=int_in(1), default=d.max_n, help="largest 'n' (choices per request)")
-    g.add_argument("--max-prompts", type=int_in(1), default=d.max_prompts,
-                   help="most prompts in one /v1/completions request")
-    g.add_argument("--shutdown-timeout", type=seconds, default=d.shutdown_timeout,
-                   help="seconds in-flight requests may finish after SIGTERM before they are aborted")
-    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="one JSON line per HTTP request on the 'aiolm.access' logger")
-    g.add_argument("--web-ui", action=argparse.BooleanOptionalAction, default=d.web_ui,
-                   help="serve the chat page at / (static files in aiolm/server/web)")
-    g.add_argument("--lenient-fields", action="store_true", default=d.lenient_fields,
-                   help="log a warning for request fields the server does not implement instead of a 400")
-    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                   help="how to read tool calls in the model's free output (tool_choice 'auto'); "
-                        "hermes: <tool_call> JSON blocks (Qwen, Hermes), llama3_json: a JSON object, "
-                        "pythonic: [f(a=1), ...]")
+    g.add_argument(
+        "--max-prompts", type=int_in(1), default=d.max_prompts, help="most prompts in one /v1/completions request"
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=seconds,
+        default=d.shutdown_timeout,
+        help="seconds in-flight requests may finish after SIGTERM before they are aborted",
+    )
+    g.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per HTTP request on the 'aiolm.access' logger",
+    )
+    g.add_argument(
+        "--web-ui",
+        action=argparse.BooleanOptionalAction,
+        default=d.web_ui,
+        help="serve the chat page at / (static files in aiolm/server/web)",
+    )
+    g.add_argument(
+        "--lenient-fields",
+        action="store_true",
+        default=d.lenient_fields,
+        help="log a warning for request fields the server does not implement instead of a 400",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how to read tool calls in the model's free output (tool_choice 'auto'); "
+        "hermes: <tool_call> JSON blocks (Qwen, Hermes), llama3_json: a JSON object, "
+        "pythonic: [f(a=1), ...]",
+    )
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    g.add_argument("--max-seqs-per-request", type=int_in(1), default=d.max_seqs_per_request,
-                   help="most sequences (prompts x n) one HTTP request may start (400 above)")
-    g.add_argument("--allow-request-priority", action=argparse.BooleanOptionalAction, default=False,
-                   help="honour the 'priority' field of requests, lower values first (implies "
-                        "--scheduling-policy priority); otherwise a non-zero one is a 400")
-    g.add_argument("--body-timeout", type=seconds, default=d.body_timeout,
-                   help="seconds a client may take to send a whole request body (408 after)")
-    g.add_argument("--request-timeout", type=seconds, default=d.request_timeout,
-                   help="seconds a generation may run before it is aborted and its KV blocks freed "
-                        "(0 = no limit)")
-    g.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
-                   help="stop the server (exit status 1) once the engine is dead, so a supervisor "
-                        "restarts it; otherwise it stays up answering 503")
+    g.add_argument(
+        "--max-seqs-per-request",
+        type=int_in(1),
+        default=d.max_seqs_per_request,
+        help="most sequences (prompts x n) one HTTP request may start (400 above)",
+    )
+    g.add_argument(
+        "--allow-request-priority",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="honour the 'priority' field of requests, lower values first (implies "
+        "--scheduling-policy priority); otherwise a non-zero one is a 400",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=d.body_timeout,
+        help="seconds a client may take to send a whole request body (408 after)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=seconds,
+        default=d.request_timeout,
+        help="seconds a generation may run before it is aborted and its KV blocks freed (0 = no limit)",
+    )
+    g.add_argument(
+        "--exit-on-engine-death",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop the server (exit status 1) once the engine is dead, so a supervisor "
+        "restarts it; otherwise it stays up answering 503",
+    )
 
 
 def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
-        api_key=ns.api_key or None, allowed_origins=list(ns.allowed_origins or []),
-        max_request_bytes=ns.max_request_bytes, max_n=ns.max_n, max_prompts=ns.max_prompts,
-        shutdown_timeout=ns.shutdown_timeout, access_log=ns.access_log, web_ui=ns.web_ui,
-        max_seqs_per_request=ns.max_seqs_per_request, allow_request_priority=ns.allow_request_priority,
-        body_timeout=ns.body_timeout, request_timeout=ns.request_timeout,
+        api_key=ns.api_key or None,
+        allowed_origins=list(ns.allowed_origins or []),
+        max_request_bytes=ns.max_request_bytes,
+        max_n=ns.max_n,
+        max_prompts=ns.max_prompts,
+        shutdown_timeout=ns.shutdown_timeout,
+        access_log=ns.access_log,
+        web_ui=ns.web_ui,
+        max_seqs_per_request=ns.max_seqs_per_request,
+        allow_request_priority=ns.allow_request_priority,
+        body_timeout=ns.body_timeout,
+        request_timeout=ns.request_timeout,
         exit_on_engine_death=ns.exit_on_engine_death,
-        lenient_fields=ns.lenient_fields, tool_call_parser=ns.tool_call_parser, max_logprobs=ns.max_logprobs)
+        lenient_fields=ns.lenient_fields,
+        tool_call_parser=ns.tool_call_parser,
+        max_logprobs=ns.max_logprobs,
+    )
 
 
 def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
     parser = CliParser(prog=prog, description="Serve the OpenAI-compatible API.")
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(max_waiting_requests=SERVE_MAX_WAITING)  # a server bounds its queue
     add_server_args(parser)
@@ -131,7 +199,9 @@ def build_parser(prog: str = "aiolm serve") -> argparse.ArgumentParser:
 
 
 def parse_serve_args(
-    argv: list[str], parser: argparse.ArgumentParser | None = None, defaults: Mapping[str, Any] | None = None,
+    argv: list[str],
+    parser: argparse.ArgumentParser | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> tuple[EngineArgs, ServerSettings, argparse.Namespace]:
     parser = parser or build_parser()
     if defaults:
@@ -165,8 +235,10 @@ def _read_config(path: str) -> dict[str, Any]:
         data = json.loads(text)
     if not isinstance(data, dict):
         raise SystemExit(f"{path}: the config must be an object of flag names")
-    return {k.replace("-", "_"): (_origins(v) if k.replace("-", "_") == "allowed_origins" and isinstance(v, str)
-                                  else v) for k, v in data.items()}
+    return {
+        k.replace("-", "_"): (_origins(v) if k.replace("-", "_") == "allowed_origins" and isinstance(v, str) else v)
+        for k, v in data.items()
+    }
 
 
 def from_environment(env: Mapping[str, str] | None = None) -> tuple[EngineArgs, ServerSettings]:
@@ -174,8 +246,11 @@ def from_environment(env: Mapping[str, str] | None = None) -> tuple[EngineArgs, 
     env = os.environ if env is None else env
     defaults = _read_config(env["AIOLM_CONFIG"]) if env.get("AIOLM_CONFIG") else {}
     argv = shlex.split(env.get("AIOLM_ARGS", ""))
-    for var, flag in (("AIOLM_MODEL", "--model"), ("AIOLM_API_KEY", "--api-key"),
-                      ("AIOLM_ALLOWED_ORIGINS", "--allowed-origins")):
+    for var, flag in (
+        ("AIOLM_MODEL", "--model"),
+        ("AIOLM_API_KEY", "--api-key"),
+        ("AIOLM_ALLOWED_ORIGINS", "--allowed-origins"),
+    ):
         if env.get(var):
             argv += [flag, env[var]]
     engine_args, settings, _ = parse_serve_args(argv, build_parser("create_app"), defaults)

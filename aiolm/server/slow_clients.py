@@ -35,17 +35,25 @@ MAX_CONNECTIONS = 2048
 def add_args(parser: argparse.ArgumentParser, seconds: Any, count: Any) -> None:
     """The flags of `aiolm serve` (``seconds`` and ``count`` are the argparse types to use)."""
     g = parser.add_argument_group("connections")
-    g.add_argument("--header-timeout", type=seconds, default=HEADER_TIMEOUT_S,
-                   help="seconds a client may take to send a request's headers, from its first byte; "
-                        "the connection is closed after (0 = no limit)")
-    g.add_argument("--max-connections", type=count, default=MAX_CONNECTIONS,
-                   help="most open client connections; one more is closed as soon as it opens")
+    g.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=HEADER_TIMEOUT_S,
+        help="seconds a client may take to send a request's headers, from its first byte; "
+        "the connection is closed after (0 = no limit)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=count,
+        default=MAX_CONNECTIONS,
+        help="most open client connections; one more is closed as soon as it opens",
+    )
 
 
 def guarded(base: type, header_timeout: float, max_connections: int) -> type:
     """``base`` (uvicorn's HTTP protocol class) with the header timeout and connection cap."""
 
-    class Guarded(base):  # type: ignore[misc, valid-type]
+    class Guarded(base):
         _header_timer: asyncio.TimerHandle | None = None
         _cycle_when_armed: Any = None
 
@@ -61,8 +69,11 @@ def guarded(base: type, header_timeout: float, max_connections: int) -> type:
             super().data_received(data)
             if self.cycle is not self._cycle_when_armed:  # a request's headers are complete
                 self._disarm()
-            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete) \
-                    and not self.transport.is_closing():
+            if (
+                self._header_timer is None
+                and (self.cycle is None or self.cycle.response_complete)
+                and not self.transport.is_closing()
+            ):
                 self._arm()  # the first bytes of a kept-alive connection's next request
 
         def connection_lost(self, exc: Exception | None) -> None:

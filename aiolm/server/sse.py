@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 from starlette.types import Receive, Scope, Send
 
@@ -89,9 +90,14 @@ class EventStream:
     ``on_gone`` is called so the access log can say so.
     """
 
-    def __init__(self, events: AsyncIterator[Any], headers: dict[str, str] | None = None,
-                 on_gone: Callable[[], None] | None = None, done: bool = True,
-                 close: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[Any],
+        headers: dict[str, str] | None = None,
+        on_gone: Callable[[], None] | None = None,
+        done: bool = True,
+        close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.events = events
         self.headers = headers or {}
         self.on_gone = on_gone
@@ -99,8 +105,11 @@ class EventStream:
         self.close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         try:
             await until_disconnect(receive, self._pump(send, headers))

@@ -52,11 +52,14 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
     for i, t in enumerate(tools):
         fn = t.function
         if not _NAME.match(fn.name):
-            raise bad_request(f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', "
-                              f"got {fn.name!r}", param=f"tools[{i}].function.name")
+            raise bad_request(
+                f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', got {fn.name!r}",
+                param=f"tools[{i}].function.name",
+            )
         if fn.name in names:
-            raise bad_request(f"'tools[{i}].function.name' {fn.name!r} is given twice",
-                              param=f"tools[{i}].function.name")
+            raise bad_request(
+                f"'tools[{i}].function.name' {fn.name!r} is given twice", param=f"tools[{i}].function.name"
+            )
         params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
         _check_schema(params, f"tools[{i}].function.parameters", top=True)
         names[fn.name] = params
@@ -67,15 +70,19 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         return ToolPlan(template_tools)
     if choice == "auto":
         if parser_name is None:
-            raise bad_request("'tool_choice' 'auto' needs the server started with --tool-call-parser "
-                              "(hermes, llama3_json or pythonic); use 'required', a named function or 'none'",
-                              param="tool_choice")
+            raise bad_request(
+                "'tool_choice' 'auto' needs the server started with --tool-call-parser "
+                "(hermes, llama3_json or pythonic); use 'required', a named function or 'none'",
+                param="tool_choice",
+            )
         return ToolPlan(template_tools, parser=PARSERS[parser_name](), parallel=parallel)
     if not isinstance(choice, str):
         name = choice.function.name
         if name not in names:
-            raise bad_request(f"'tool_choice.function.name' {name!r} is not one of the tools "
-                              f"({', '.join(names)})", param="tool_choice.function.name")
+            raise bad_request(
+                f"'tool_choice.function.name' {name!r} is not one of the tools ({', '.join(names)})",
+                param="tool_choice.function.name",
+            )
         schema = _call_schema(name, names[name])
         return ToolPlan(template_tools, StructuredOutputs("json", json.dumps(schema)), named=name, parallel=False)
     options = [_call_schema(n, p) for n, p in names.items()]
@@ -89,8 +96,12 @@ def _choice_text(choice: Any) -> str:
 
 
 def _call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _check_schema(s: Any, path: str, top: bool = False) -> None:
@@ -103,11 +114,11 @@ def _check_schema(s: Any, path: str, top: bool = False) -> None:
     types = typ if isinstance(typ, list) else [typ] if typ is not None else []
     for t in types:
         if t not in _JSON_TYPES:
-            raise bad_request(f"'{path}.type' must be one of {', '.join(sorted(_JSON_TYPES))}, got {t!r}",
-                              param=f"{path}.type")
+            raise bad_request(
+                f"'{path}.type' must be one of {', '.join(sorted(_JSON_TYPES))}, got {t!r}", param=f"{path}.type"
+            )
     if top and typ is not None and typ != "object":
-        raise bad_request(f"'{path}' must describe an object (type 'object'), got type {typ!r}",
-                          param=f"{path}.type")
+        raise bad_request(f"'{path}' must describe an object (type 'object'), got type {typ!r}", param=f"{path}.type")
     props = s.get("properties")
     if props is not None:
         if not isinstance(props, dict):
@@ -138,16 +149,19 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
             # As at OpenAI: only an assistant turn that made tool calls may leave its content out.
-            raise bad_request(f"'messages[{i}].content' is required for a {m.role} message (null or missing "
-                              f"content is allowed only on an assistant message with tool_calls)",
-                              param=f"messages[{i}].content")
+            raise bad_request(
+                f"'messages[{i}].content' is required for a {m.role} message (null or missing "
+                f"content is allowed only on an assistant message with tool_calls)",
+                param=f"messages[{i}].content",
+            )
         msg: dict[str, Any] = {"role": m.role, "content": message_text(m.content) or ""}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
             if m.role != "assistant":
-                raise bad_request(f"'messages[{i}].tool_calls' is only for assistant messages",
-                                  param=f"messages[{i}].tool_calls")
+                raise bad_request(
+                    f"'messages[{i}].tool_calls' is only for assistant messages", param=f"messages[{i}].tool_calls"
+                )
             calls = []
             for j, c in enumerate(m.tool_calls):
                 path = f"messages[{i}].tool_calls[{j}].function.arguments"
@@ -162,8 +176,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_calls"] = calls
         if m.tool_call_id:
             if m.role != "tool":
-                raise bad_request(f"'messages[{i}].tool_call_id' is only for tool messages",
-                                  param=f"messages[{i}].tool_call_id")
+                raise bad_request(
+                    f"'messages[{i}].tool_call_id' is only for tool messages", param=f"messages[{i}].tool_call_id"
+                )
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
@@ -208,8 +223,9 @@ def call_id() -> str:
 
 
 def tool_calls_json(calls: list[ParsedCall]) -> list[dict[str, Any]]:
-    return [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+    return [
+        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]
 
 
 def call_deltas(calls: list[ParsedCall]) -> list[dict[str, Any]]:
@@ -217,8 +233,13 @@ def call_deltas(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     arguments), then its arguments text."""
     out = []
     for i, c in enumerate(calls):
-        out.append({"tool_calls": [{"index": i, "id": call_id(), "type": "function",
-                                    "function": {"name": c.name, "arguments": ""}}]})
+        out.append(
+            {
+                "tool_calls": [
+                    {"index": i, "id": call_id(), "type": "function", "function": {"name": c.name, "arguments": ""}}
+                ]
+            }
+        )
         out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
     return out
 
@@ -239,13 +260,13 @@ class StreamState:
             return ""
         assert self.plan.parser is not None
         upto = max(self.shown, self.plan.parser.safe_prefix(self.text))
-        out, self.shown = self.text[self.shown:upto], upto
+        out, self.shown = self.text[self.shown : upto], upto
         return out
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content still to show, calls)."""
         content, calls = read_output(self.plan, self.text)
         if not calls:
-            return self.text[self.shown:], []
-        rest = (content or "")[self.shown:] if content and len(content) > self.shown else ""
+            return self.text[self.shown :], []
+        rest = (content or "")[self.shown :] if content and len(content) > self.shown else ""
         return rest, calls

@@ -19,8 +19,10 @@ from starlette.staticfiles import StaticFiles
 WEB_DIR = Path(__file__).with_name("web")
 PREFIX = "/web"
 _HEADERS = {
-    "content-security-policy": ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
     "cache-control": "no-cache",
@@ -33,5 +35,4 @@ async def index(request: Request) -> Response:
 
 def web_routes() -> list[BaseRoute]:
     """``GET /`` (the page) and ``/web/*`` (its scripts and styles)."""
-    return [Route("/", index, methods=["GET"]),
-            Mount(PREFIX, StaticFiles(directory=WEB_DIR), name="web")]
+    return [Route("/", index, methods=["GET"]), Mount(PREFIX, StaticFiles(directory=WEB_DIR), name="web")]

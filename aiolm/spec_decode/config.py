@@ -41,8 +41,9 @@ class SpecConfig:
         if self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
-                             f"({self.prompt_lookup_min})")
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min ({self.prompt_lookup_min})"
+            )
         if self.search_window <= self.prompt_lookup_max:
             raise ValueError("search_window must exceed prompt_lookup_max")
         if self.window < 1 or self.backoff < 1 or not 0.0 <= self.min_acceptance <= 1.0:

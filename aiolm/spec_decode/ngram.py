@@ -56,4 +56,4 @@ class NgramProposer:
             p += 1
         if best_p < 0:
             return []
-        return list(tokens[best_p + 1:best_p + 1 + k])
+        return list(tokens[best_p + 1 : best_p + 1 + k])

@@ -47,9 +47,11 @@ class SpecDecodeStats:
 
     def summary(self) -> str:
         per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(self.accepted_per_position, self.drafted_per_position))
-        return (f"speculative decoding: {self.num_drafts} verifications, {self.num_draft_tokens} drafted, "
-                f"{self.num_accepted_tokens} accepted ({100 * self.acceptance_rate:.1f}%), "
-                f"mean acceptance length {self.mean_acceptance_length:.2f}, per position [{per_pos}]")
+        return (
+            f"speculative decoding: {self.num_drafts} verifications, {self.num_draft_tokens} drafted, "
+            f"{self.num_accepted_tokens} accepted ({100 * self.acceptance_rate:.1f}%), "
+            f"mean acceptance length {self.mean_acceptance_length:.2f}, per position [{per_pos}]"
+        )
 
 
 class AcceptanceWindow:
@@ -67,8 +69,7 @@ class AcceptanceWindow:
     a request whose drafts fail early drafts one token at a time.
     """
 
-    __slots__ = ("_hist", "_drafted", "_accepted", "_min_rate", "_base", "_backoff", "_pause", "_max_len",
-                 "draft_len")
+    __slots__ = ("_hist", "_drafted", "_accepted", "_min_rate", "_base", "_backoff", "_pause", "_max_len", "draft_len")
 
     def __init__(self, window: int, min_rate: float, backoff: int, max_len: int = 1 << 30) -> None:
         self._hist: deque[tuple[int, int]] = deque(maxlen=window)

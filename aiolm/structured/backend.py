@@ -21,10 +21,11 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiolm.structured.spec import StructuredOutputs
 
@@ -44,8 +45,12 @@ def xgrammar_module() -> Any:
     return xgrammar
 
 
-_WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid grammar",
-         "json_object": "invalid JSON grammar"}
+_WHAT = {
+    "json": "invalid JSON schema",
+    "regex": "invalid regex",
+    "grammar": "invalid grammar",
+    "json_object": "invalid JSON grammar",
+}
 
 
 def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
@@ -67,8 +72,9 @@ def describe_error(spec: StructuredOutputs, error: Exception) -> str:
 
 # xgrammar's C++ errors start with its logger's prefix, "[12:34:56] /project/cpp/grammar_parser.cc:820: ",
 # and failed internal checks add "Check failed: (error.empty()) is false: ". Neither helps a client.
-_CPP_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+?\.(?:cc|cpp|cxx|h|hpp):\d+: (?:Check failed: .*? is false: )?",
-                         re.MULTILINE)
+_CPP_PREFIX = re.compile(
+    r"^\[\d{2}:\d{2}:\d{2}\] \S+?\.(?:cc|cpp|cxx|h|hpp):\d+: (?:Check failed: .*? is false: )?", re.MULTILINE
+)
 _MAX_MESSAGE = 1000  # characters: some messages quote the whole grammar back
 
 
@@ -77,7 +83,7 @@ def clean_message(text: str) -> str:
     cut to ``_MAX_MESSAGE`` characters."""
     text = _CPP_PREFIX.sub("", text).strip()
     if "Stack trace:" in text:  # debug builds append a native stack
-        text = text[:text.index("Stack trace:")].rstrip()
+        text = text[: text.index("Stack trace:")].rstrip()
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
 
 
@@ -121,6 +127,7 @@ class Compiler:
     def preload(cls, vocab_size: int) -> None:
         """Build the compiler in a daemon thread now, so the first grammar does not wait
         for the tokenizer (seconds) inside a step; a build() meanwhile waits on the lock."""
+
         def run() -> None:
             try:
                 cls._get(vocab_size)
@@ -147,8 +154,16 @@ class Compiler:
             return cls._compiler
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 def tokenizer_info(loader: Callable[[], Any], vocab_size: int, tokenizer_dir: Path | None) -> Any:

@@ -42,9 +42,10 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiolm.engine.errors import EngineDeadError
 from aiolm.structured.compile_worker import HEADER_BYTES, encode_frame
@@ -99,8 +100,14 @@ class CompilePool:
     client; ``remember`` says whether it is a verdict about the grammar worth caching.
     """
 
-    def __init__(self, tokenizer_dir: Path, vocab_size: int, timeout: float, processes: int,
-                 settled: Callable[[CompileJob, str | None, bool], None]) -> None:
+    def __init__(
+        self,
+        tokenizer_dir: Path,
+        vocab_size: int,
+        timeout: float,
+        processes: int,
+        settled: Callable[[CompileJob, str | None, bool], None],
+    ) -> None:
         if processes < 2:
             raise ValueError("a compile pool needs at least 2 processes: one stays free for small grammars")
         self.tokenizer_dir = tokenizer_dir
@@ -194,8 +201,11 @@ class CompilePool:
         if p.job is not job:
             return
         self._kill(p, f"its grammar ran past the {self.timeout:g} s limit")
-        self._settle(job, f"the grammar took longer than {self.timeout:g} s to compile and was refused "
-                          f"(--structured-outputs-compile-timeout); a smaller schema or grammar compiles faster")
+        self._settle(
+            job,
+            f"the grammar took longer than {self.timeout:g} s to compile and was refused "
+            f"(--structured-outputs-compile-timeout); a smaller schema or grammar compiles faster",
+        )
         self._dispatch()
 
     def _aged(self, p: _Proc, job: CompileJob) -> None:
@@ -270,9 +280,18 @@ class CompilePool:
         failure = ""
         try:
             p.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "aiolm.structured.compile_worker", "--parent-pid", str(os.getpid()),
-                "--tokenizer-dir", str(self.tokenizer_dir), "--vocab-size", str(self.vocab_size),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                sys.executable,
+                "-m",
+                "aiolm.structured.compile_worker",
+                "--parent-pid",
+                str(os.getpid()),
+                "--tokenizer-dir",
+                str(self.tokenizer_dir),
+                "--vocab-size",
+                str(self.vocab_size),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
             if p.doomed:  # the pool closed while it started
                 _sigkill(p.process)
             assert p.process.stdout is not None
@@ -335,8 +354,11 @@ class CompilePool:
             job.proc = None
             job.crashes += 1
             if job.crashes >= _MAX_CRASHES:
-                self._settle(job, f"the grammar compiler failed on this grammar (its process died {job.crashes} "
-                                  f"times, last with exit status {code})")
+                self._settle(
+                    job,
+                    f"the grammar compiler failed on this grammar (its process died {job.crashes} "
+                    f"times, last with exit status {code})",
+                )
             else:  # maybe not the grammar's fault: once more
                 self._fresh.appendleft(job)
         self._dispatch()

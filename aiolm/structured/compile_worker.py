@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), name="aiolm-lifeline", daemon=True).start()
     # The engine stops these itself; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s compile-worker %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s compile-worker %(levelname)s %(message)s",
+    )
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints from libraries must not reach the protocol
     sys.stdout = sys.stderr
@@ -93,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         compiler = _build_compiler(args.tokenizer_dir, args.vocab_size)
     except Exception as e:  # xgrammar missing, the tokenizer unreadable: the engine says why to clients
-        replies.write(encode_frame({"ready": False, "error": f"cannot prepare the grammar compiler: "
-                                                             f"{type(e).__name__}: {e}"}))
+        replies.write(
+            encode_frame({"ready": False, "error": f"cannot prepare the grammar compiler: {type(e).__name__}: {e}"})
+        )
         return 1
     replies.write(encode_frame({"ready": True}))
     from aiolm.structured.backend import compile_spec, describe_error

@@ -32,8 +32,7 @@ class Validator:
     """Refuses a request whose grammar does not compile, or not within ``compile_timeout``
     seconds, with ParamError('structured_outputs', message)."""
 
-    def __init__(self, backend: str = "xgrammar", compile_timeout: float = 30.0,
-                 processes: int = PROCESSES) -> None:
+    def __init__(self, backend: str = "xgrammar", compile_timeout: float = 30.0, processes: int = PROCESSES) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend: {backend!r}; supported: {', '.join(BACKENDS)}")
         if not compile_timeout > 0:
@@ -57,8 +56,10 @@ class Validator:
         if spec is None:
             return
         if self.backend == "none":
-            raise ParamError("structured_outputs", "structured outputs are disabled on this server "
-                                                   "(--structured-outputs-backend none)")
+            raise ParamError(
+                "structured_outputs",
+                "structured outputs are disabled on this server (--structured-outputs-backend none)",
+            )
         key, text = await _encode(spec)
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
@@ -74,8 +75,9 @@ class Validator:
             if self.pool is None:
                 if self.tokenizer_dir is None:
                     raise RuntimeError("Validator.configure() was not called")
-                self.pool = CompilePool(self.tokenizer_dir, self.vocab_size, self.compile_timeout,
-                                        self.processes, self._settled)
+                self.pool = CompilePool(
+                    self.tokenizer_dir, self.vocab_size, self.compile_timeout, self.processes, self._settled
+                )
             job = self._jobs[key] = CompileJob(spec, key, text, asyncio.get_running_loop().create_future())
             self.pool.submit(job)
         job.waiters += 1
@@ -103,6 +105,7 @@ class Validator:
 
 async def _encode(spec: StructuredOutputs) -> tuple[bytes, bytes]:
     """(the grammar's cache key, its text in UTF-8); a long text is encoded and hashed in a thread."""
+
     def encode() -> tuple[bytes, bytes]:
         text = spec.text.encode()
         h = hashlib.sha256(f"{spec.kind}\0{spec.strict}\0".encode())

@@ -13,8 +13,9 @@ import sys
 import numpy as np
 
 
-def workload(num: int = 64, plen: tuple[int, int] = (64, 256), olen: tuple[int, int] = (32, 128),
-             seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(
+    num: int = 64, plen: tuple[int, int] = (64, 256), olen: tuple[int, int] = (32, 128), seed: int = 0
+) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(seed)
     p = rng.integers(plen[0], plen[1] + 1, size=num)
     o = rng.integers(olen[0], olen[1] + 1, size=num)
@@ -23,8 +24,14 @@ def workload(num: int = 64, plen: tuple[int, int] = (64, 256), olen: tuple[int, 
 
 def report(peer: str, dtype: str, times: list[float], out_tokens: int, extra: dict | None = None) -> None:
     med = statistics.median(times)
-    res = {"peer": peer, "dtype": dtype, "times_s": times, "median_s": med,
-           "output_tokens": out_tokens, "output_tok_s": out_tokens / med}
+    res = {
+        "peer": peer,
+        "dtype": dtype,
+        "times_s": times,
+        "median_s": med,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / med,
+    }
     res.update(extra or {})
     print("RESULT " + json.dumps(res))
     sys.stdout.flush()

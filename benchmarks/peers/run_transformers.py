@@ -31,21 +31,28 @@ def main() -> None:
     if os.path.isdir(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     dtype=dt).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dt
+        ).eval()
     items = workload(1, (128, 128), (128, 128), seed=1) if a.single else workload(a.num_requests)
     pad = 0
 
     def run() -> None:
         for i in range(0, len(items), a.batch):
-            chunk = items[i:i + a.batch]
+            chunk = items[i : i + a.batch]
             width = max(len(p) for p, _ in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
             new = max(o for _, o in chunk)
             with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, pad_token_id=pad)
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
 
     if a.continuous:
         run = continuous(model, items)
@@ -56,8 +63,7 @@ def main() -> None:
         t = time.perf_counter()
         run()
         times.append(time.perf_counter() - t)
-    report("transformers-cb" if a.continuous else "transformers-static16", a.dtype, times,
-           sum(o for _, o in items))
+    report("transformers-cb" if a.continuous else "transformers-static16", a.dtype, times, sum(o for _, o in items))
 
 
 def continuous(model, items):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.params import SamplingParams
 from aiolm.structured.spec import StructuredOutputs
 
@@ -80,8 +80,8 @@ class WorkerSim:
             if nr.sampling_params.structured_outputs is not None:
                 assert nr.req_id in self.compiled, f"{nr.req_id} scheduled before its grammar compiled"
             self.reqs[nr.req_id] = WorkerRequest(
-                list(nr.prompt_token_ids) + list(nr.output_token_ids), list(nr.block_ids),
-                nr.num_computed_tokens)
+                list(nr.prompt_token_ids) + list(nr.output_token_ids), list(nr.block_ids), nr.num_computed_tokens
+            )
             self.seen_new.append(nr.req_id)
         c = so.scheduled_cached_reqs
         for rid, toks, blks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
@@ -132,9 +132,14 @@ class WorkerSim:
             assert len(st.block_ids) * kv.block_size >= st.num_computed
 
 
-def fake_output(sampling: list[str], rng: random.Random | None = None, eos_prob: float = 0.0,
-                vocab: int = 50, token: int | None = None,
-                draft_tokens: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+def fake_output(
+    sampling: list[str],
+    rng: random.Random | None = None,
+    eos_prob: float = 0.0,
+    vocab: int = 50,
+    token: int | None = None,
+    draft_tokens: dict[str, list[int]] | None = None,
+) -> ModelRunnerOutput:
     """One sampled token per request that finished its prefill; the rest get [].
     A request with drafts (``draft_tokens``) gets a random number of them accepted, then one token."""
     rng = rng or random.Random(0)
@@ -147,7 +152,7 @@ def fake_output(sampling: list[str], rng: random.Random | None = None, eos_prob:
         else:
             tok = rng.randrange(1, vocab)
         drafts = draft_tokens.get(rid, []) if draft_tokens else []
-        toks.append(drafts[:rng.randint(0, len(drafts))] + [tok])
+        toks.append(drafts[: rng.randint(0, len(drafts))] + [tok])
     return ModelRunnerOutput(req_ids=list(sampling), sampled_token_ids=toks)
 
 
@@ -189,11 +194,15 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
             # Work conservation: with budget left, no running request is skipped.
             for r in sched.running:
                 ph = r.num_output_placeholders
-                assert (r.req_id in so.num_scheduled_tokens or r.num_computed_tokens == r.num_tokens + ph
-                        or len(r.output_token_ids) + ph >= r.max_tokens
-                        or r.num_tokens + ph >= cfg.max_model_len
-                        or (ph and len(sched.running) == 1)), (  # alone, out of blocks: awaits its token
-                    f"{r.req_id} skipped although budget was left")
+                assert (
+                    r.req_id in so.num_scheduled_tokens
+                    or r.num_computed_tokens == r.num_tokens + ph
+                    or len(r.output_token_ids) + ph >= r.max_tokens
+                    or r.num_tokens + ph >= cfg.max_model_len
+                    or (ph and len(sched.running) == 1)
+                ), (  # alone, out of blocks: awaits its token
+                    f"{r.req_id} skipped although budget was left"
+                )
         if cfg.long_prefill_token_threshold:
             assert max(so.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
 

@@ -15,7 +15,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from aiolm.core.kv_cache import BlockHasher
 from aiolm.core.request import Request
 from aiolm.spec_decode import SpecConfig
-
 from aiolm.structured.spec import StructuredOutputs
 
 from .sim import BAD_GRAMMAR, Driver, WorkerSim, check_scheduler, make_request, make_scheduler
@@ -38,12 +37,30 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, budget, max_num_seqs, threshold, policy, caching, seed, num_spec):
         # Speculation with short n-grams over a small vocabulary: drafts, partial acceptance,
         # adaptive pauses and lookahead pressure on the small pool all happen.
-        speculative = (SpecConfig(num_speculative_tokens=num_spec, prompt_lookup_min=1, prompt_lookup_max=3,
-                                  search_window=16, window=2, min_acceptance=0.5, backoff=2) if num_spec else None)
+        speculative = (
+            SpecConfig(
+                num_speculative_tokens=num_spec,
+                prompt_lookup_min=1,
+                prompt_lookup_max=3,
+                search_window=16,
+                window=2,
+                min_acceptance=0.5,
+                backoff=2,
+            )
+            if num_spec
+            else None
+        )
         self.sched = make_scheduler(
-            num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-            long_prefill_token_threshold=threshold, policy=policy, enable_prefix_caching=caching,
-            max_model_len=48, speculative=speculative)
+            num_blocks=num_blocks,
+            block_size=4,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=threshold,
+            policy=policy,
+            enable_prefix_caching=caching,
+            max_model_len=48,
+            speculative=speculative,
+        )
         self.driver = Driver(self.sched, seed=seed, eos_prob=0.15)
         self.next_id = 0
         self.added: set[str] = set()
@@ -66,9 +83,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             min_tokens = min(min_tokens, max_tokens)
         rid = f"r{self.next_id}"
         self.next_id += 1
-        self.sched.add_request(make_request(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
-                                            priority=priority, arrival_time=float(self.next_id),
-                                            ignore_eos=ignore_eos, structured_outputs=grammar))
+        self.sched.add_request(
+            make_request(
+                rid,
+                prompt,
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                priority=priority,
+                arrival_time=float(self.next_id),
+                ignore_eos=ignore_eos,
+                structured_outputs=grammar,
+            )
+        )
         self.added.add(rid)
         if grammar == BAD_GRAMMAR:
             self.bad_grammar.add(rid)
@@ -128,15 +154,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestScheduler = SchedulerMachine.TestCase
 
 
 @settings(max_examples=50, deadline=None)
-@given(tokens=st.lists(st.integers(0, 9), max_size=40),
-       chunks=st.lists(st.integers(1, 7), min_size=1, max_size=10),
-       salt=st.one_of(st.none(), st.text(max_size=3)))
+@given(
+    tokens=st.lists(st.integers(0, 9), max_size=40),
+    chunks=st.lists(st.integers(1, 7), min_size=1, max_size=10),
+    salt=st.one_of(st.none(), st.text(max_size=3)),
+)
 def test_incremental_hashing_matches_one_shot(tokens, chunks, salt):
     hasher = BlockHasher(4, seed=1)
     prompt, rest = tokens[:5] or [1], tokens[5:]

@@ -16,9 +16,9 @@ from collections import deque
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.core.request import RequestStatus
 from aiolm.core.scheduler import Scheduler
+from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 
 from .sim import EOS, check_scheduler, make_request, make_scheduler
 
@@ -67,8 +67,9 @@ class OrderedWorker:
         return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled)
 
 
-def run_program(sched: Scheduler, overlap: bool, arrivals: dict[int, list], aborts: dict[int, list[str]],
-                max_steps: int = 3000) -> dict[str, tuple[list[int], str | None]]:
+def run_program(
+    sched: Scheduler, overlap: bool, arrivals: dict[int, list], aborts: dict[int, list[str]], max_steps: int = 3000
+) -> dict[str, tuple[list[int], str | None]]:
     """Drive ``sched`` like the engine core: serial, or up to two steps in flight."""
     worker = OrderedWorker(overlap)
     inflight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
@@ -104,7 +105,7 @@ def run_program(sched: Scheduler, overlap: bool, arrivals: dict[int, list], abor
             for req in sched.running if overlap else ():  # the workers hold the known tokens + placeholders
                 held = worker.tokens[req.req_id]
                 assert len(held) == req.num_tokens + req.num_output_placeholders
-                assert held[:req.num_tokens] == req.all_token_ids
+                assert held[: req.num_tokens] == req.all_token_ids
     assert not sched.has_unfinished_requests() and not inflight, "requests did not finish"
     kv = sched.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.check_invariants() == []
@@ -130,28 +131,48 @@ def program(data, n_reqs: int) -> tuple[dict, dict, list[tuple]]:
 def build(specs, aborts_at: dict[int, list[str]]):
     arrivals: dict[int, list] = {}
     for rid, prompt, max_tokens, arrive, ignore_eos, min_tokens in specs:
-        arrivals.setdefault(arrive, []).append(make_request(
-            rid, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, min_tokens=min_tokens,
-            arrival_time=float(int(rid[1:]))))
+        arrivals.setdefault(arrive, []).append(
+            make_request(
+                rid,
+                prompt,
+                max_tokens=max_tokens,
+                ignore_eos=ignore_eos,
+                min_tokens=min_tokens,
+                arrival_time=float(int(rid[1:])),
+            )
+        )
     return arrivals
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), num_blocks=st.integers(9, 24), budget=st.integers(1, 24),
-       max_num_seqs=st.integers(1, 6), threshold=st.sampled_from([0, 0, 3]),
-       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans())
+@given(
+    data=st.data(),
+    num_blocks=st.integers(9, 24),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 6),
+    threshold=st.sampled_from([0, 0, 3]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+)
 def test_overlap_produces_the_serial_tokens(data, num_blocks, budget, max_num_seqs, threshold, policy, caching):
     specs = program(data, data.draw(st.integers(1, 7), label="n"))
     aborted = data.draw(st.lists(st.sampled_from([s[0] for s in specs]), max_size=2, unique=True), label="abort")
     abort_step = data.draw(st.integers(0, 30), label="abort_step")
     results = {}
     for overlap in (False, True):
-        sched = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                               long_prefill_token_threshold=threshold, policy=policy,
-                               enable_prefix_caching=caching, max_model_len=48, async_scheduling=overlap)
+        sched = make_scheduler(
+            num_blocks=num_blocks,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=threshold,
+            policy=policy,
+            enable_prefix_caching=caching,
+            max_model_len=48,
+            async_scheduling=overlap,
+        )
         results[overlap] = run_program(sched, overlap, build(specs, {}), {abort_step: aborted})
     serial, overlapped = results[False], results[True]
-    for rid, _, max_tokens, *_ in specs:
+    for rid, *_ in specs:
         if rid in aborted:  # aborted at another point of its life: its tokens so far are a prefix
             a, b = serial.get(rid, ([], None))[0], overlapped.get(rid, ([], None))[0]
             n = min(len(a), len(b))
@@ -202,8 +223,9 @@ def test_preempted_while_in_flight_keeps_its_token():
     as it would have without overlap, and resumes with it."""
     sched = make_scheduler(num_blocks=5, block_size=4, async_scheduling=True)  # 4 usable blocks
     sched.add_request(make_request("a", list(range(1, 8)), max_tokens=8, ignore_eos=True, arrival_time=0.0))
-    sched.add_request(make_request("b", list(range(1, 8)), max_tokens=8, ignore_eos=True, arrival_time=1.0,
-                                   cache_salt="x"))
+    sched.add_request(
+        make_request("b", list(range(1, 8)), max_tokens=8, ignore_eos=True, arrival_time=1.0, cache_salt="x")
+    )
     so1 = sched.schedule()  # both prefill 7 tokens: 2 blocks each, the pool is full
     assert so1.num_scheduled_tokens == {"a": 7, "b": 7}
     so2 = sched.schedule()  # both decode position 7 (still in their second block)

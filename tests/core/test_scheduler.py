@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from aiolm.core.step import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import SchedulerConfig
+from aiolm.core.step import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from aiolm.params import ParamError, SamplingParams
 from aiolm.structured.spec import StructuredOutputs
 
@@ -17,8 +17,11 @@ def one_step(sched, token: int = 7):
     """Schedule and feed ``token`` to every request whose prefill completed."""
     so = sched.schedule()
     check_scheduler(sched, so)
-    sampling = [rid for rid in so.num_scheduled_tokens
-                if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens]
+    sampling = [
+        rid
+        for rid in so.num_scheduled_tokens
+        if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens
+    ]
     runner_output = ModelRunnerOutput(req_ids=sampling, sampled_token_ids=[[token] for _ in sampling])
     return so, sched.update_from_output(so, runner_output)
 
@@ -188,8 +191,9 @@ def test_preemption_refunds_budget_of_a_victim_scheduled_earlier():
     sched.add_request(make_request("old", 4, max_tokens=8, priority=9, arrival_time=0.0, ignore_eos=True))
     d = Driver(sched)
     d.step()  # old: prefill 4 tokens (1 block)
-    sched.add_request(make_request("vip", list(range(50, 57)), max_tokens=8, priority=0, arrival_time=1.0,
-                                   ignore_eos=True))
+    sched.add_request(
+        make_request("vip", list(range(50, 57)), max_tokens=8, priority=0, arrival_time=1.0, ignore_eos=True)
+    )
     d.step()  # old decodes into its block 2, vip prefills into 2 blocks -> pool full
     assert sched.num_free_blocks == 0
     d.step()  # both still fit in their last blocks
@@ -206,14 +210,13 @@ def test_preemption_refunds_budget_of_a_victim_scheduled_earlier():
 def test_refund_lets_later_running_requests_use_the_victims_budget():
     # Running order [V, R, T]; V has the worst priority and is scheduled first, then R needs a block.
     sched = make_scheduler(num_blocks=5, policy="priority", max_model_len=64)  # 4 usable blocks
-    sched.add_request(make_request("V", list(range(1, 7)), max_tokens=9, priority=9, arrival_time=0.0,
-                                   ignore_eos=True))
+    sched.add_request(make_request("V", list(range(1, 7)), max_tokens=9, priority=9, arrival_time=0.0, ignore_eos=True))
     d = Driver(sched)
     d.step()  # V: 6-token prompt in 2 blocks
-    sched.add_request(make_request("R", [41, 42, 43, 44], max_tokens=9, priority=0, arrival_time=1.0,
-                                   ignore_eos=True))
-    sched.add_request(make_request("T", list(range(60, 72)), max_tokens=9, priority=1, arrival_time=2.0,
-                                   ignore_eos=True))
+    sched.add_request(make_request("R", [41, 42, 43, 44], max_tokens=9, priority=0, arrival_time=1.0, ignore_eos=True))
+    sched.add_request(
+        make_request("T", list(range(60, 72)), max_tokens=9, priority=1, arrival_time=2.0, ignore_eos=True)
+    )
     sched.config.max_num_batched_tokens = 9
     so, _ = d.step()
     assert so.num_scheduled_tokens == {"V": 1, "R": 4, "T": 4} and sched.num_free_blocks == 0
@@ -228,8 +231,9 @@ def test_refund_lets_later_running_requests_use_the_victims_budget():
 def test_no_admission_in_a_step_that_preempted():
     sched = make_scheduler(num_blocks=4, policy="priority", max_model_len=64)  # 3 usable blocks
     sched.add_request(make_request("A", [1, 2, 3, 4], max_tokens=4, priority=0, arrival_time=0.0, ignore_eos=True))
-    sched.add_request(make_request("B", list(range(11, 19)), max_tokens=4, priority=5, arrival_time=1.0,
-                                   ignore_eos=True))
+    sched.add_request(
+        make_request("B", list(range(11, 19)), max_tokens=4, priority=5, arrival_time=1.0, ignore_eos=True)
+    )
     d = Driver(sched)
     so, _ = d.step()
     assert sched.num_free_blocks == 0
@@ -434,14 +438,20 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_arrive_once_in_order():
         plp = {}
         if count > 0:
             # send each chunk twice, as after a preemption's recompute: only the new entries count
-            chunk = PromptLogprobs(start + 1, LogprobsLists([[prompt[start + 1 + i]] for i in range(count)],
-                                                            [[-float(start + 1 + i)] for i in range(count)],
-                                                            [1] * count))
+            chunk = PromptLogprobs(
+                start + 1,
+                LogprobsLists(
+                    [[prompt[start + 1 + i]] for i in range(count)],
+                    [[-float(start + 1 + i)] for i in range(count)],
+                    [1] * count,
+                ),
+            )
             plp = {"b": chunk}
             sched.update_from_output(so, ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=plp))
         done = req.num_computed_tokens == req.num_tokens
-        outs = sched.update_from_output(so, ModelRunnerOutput(
-            req_ids=["b"], sampled_token_ids=[[7] if done else []], prompt_logprobs=plp))
+        outs = sched.update_from_output(
+            so, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[[7] if done else []], prompt_logprobs=plp)
+        )
         firsts += [o for o in outs if o.req_id == "b"]
     assert firsts[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in firsts[1:])
     got = firsts[0].prompt_logprobs
@@ -502,8 +512,12 @@ def test_request_fields_and_status():
     assert r.max_tokens == 8
     r.append_output_token_ids([3, 4])
     assert r.all_token_ids == [1, 2, 3, 4] and r.num_output_tokens == 2 and r.prompt_token_ids == [1, 2]
-    for status, reason in [(RequestStatus.FINISHED_STOPPED, "stop"), (RequestStatus.FINISHED_LENGTH, "length"),
-                           (RequestStatus.FINISHED_ABORTED, "abort"), (RequestStatus.FINISHED_ERROR, "error")]:
+    for status, reason in [
+        (RequestStatus.FINISHED_STOPPED, "stop"),
+        (RequestStatus.FINISHED_LENGTH, "length"),
+        (RequestStatus.FINISHED_ABORTED, "abort"),
+        (RequestStatus.FINISHED_ERROR, "error"),
+    ]:
         assert status.is_finished and status.finish_reason == reason
     assert not RequestStatus.PREEMPTED.is_finished
     assert not RequestStatus.WAITING_FOR_GRAMMAR.is_finished

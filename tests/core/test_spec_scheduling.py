@@ -93,8 +93,10 @@ def test_requests_that_cannot_be_verified_exactly_never_draft():
 
 
 def test_low_acceptance_pauses_a_request():
-    sched = make_scheduler(speculative=spec_config(k=2, prompt_lookup_min=1, prompt_lookup_max=1, window=2,
-                                            min_acceptance=0.5, backoff=4), block_size=4)
+    sched = make_scheduler(
+        speculative=spec_config(k=2, prompt_lookup_min=1, prompt_lookup_max=1, window=2, min_acceptance=0.5, backoff=4),
+        block_size=4,
+    )
     drv = Driver(sched)
     sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=40))
     drafted = []

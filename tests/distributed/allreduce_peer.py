@@ -69,8 +69,7 @@ def run_cases(comm: ShmAllReduce) -> list[str]:
             exact = sum(t.double() for t in inputs)
             magnitude = sum(t.double().abs() for t in inputs)
             # float32 accumulation: (world - 1) roundings of float32, then one to the dtype
-            bound = (world * torch.finfo(torch.float32).eps * magnitude
-                     + torch.finfo(dtype).eps * exact.abs() + 1e-30)
+            bound = world * torch.finfo(torch.float32).eps * magnitude + torch.finfo(dtype).eps * exact.abs() + 1e-30
             err = (got.double() - exact).abs()
             assert bool((err <= bound).all()), f"case {i} {op} {dt} {shape}: max err {float(err.max())}"
         digests.append(hashlib.sha256(got.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
@@ -92,8 +91,7 @@ def main() -> int:
     try:
         comm.all_reduce(torch.ones(10))
     except (PeerDied, TimeoutError) as e:
-        print(json.dumps({"error": type(e).__name__, "message": str(e), "waited": time.monotonic() - t0}),
-              flush=True)
+        print(json.dumps({"error": type(e).__name__, "message": str(e), "waited": time.monotonic() - t0}), flush=True)
         return 3
     print(json.dumps({"error": None}), flush=True)
     return 0

@@ -48,8 +48,13 @@ _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @pytest.mark.skipif(_GPUS < 2, reason=f"needs CUDA with at least 2 GPUs ({_GPUS} visible)")
 def test_cuda_all_reduce_matches_nccl_on_every_rank():
-    out = subprocess.run([sys.executable, "benchmarks/gpu/allreduce_check.py", "--ranks", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/gpu/allreduce_check.py", "--ranks", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "allreduce_check: ok" in out.stdout
     assert "all-reduce in use: symm_mem" in out.stdout or "all-reduce in use: nccl" in out.stdout

@@ -63,22 +63,31 @@ def test_a_rank_reads_only_its_slices_of_smollm2(real_source):
     q = full["model.layers.4.self_attn.q_proj.weight"]
     k = full["model.layers.4.self_attn.k_proj.weight"]
     v = full["model.layers.4.self_attn.v_proj.weight"]
-    assert torch.equal(attn.qkv_proj.weight, torch.cat([q[3 * d:6 * d], k[d:2 * d], v[d:2 * d]]))
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q[3 * d : 6 * d], k[d : 2 * d], v[d : 2 * d]]))
     o = full["model.layers.4.self_attn.o_proj.weight"]
-    assert torch.equal(attn.o_proj.weight, o[:, 3 * d:6 * d])
+    assert torch.equal(attn.o_proj.weight, o[:, 3 * d : 6 * d])
     emb = full["model.embed_tokens.weight"]
     per = emb.shape[0] // 3
-    assert torch.equal(model.embed_tokens.weight, emb[per:2 * per])
+    assert torch.equal(model.embed_tokens.weight, emb[per : 2 * per])
 
 
 def test_a_kv_head_shared_by_ranks_is_replicated(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     from aiolm.model.loader import resolve_model
 
     torch.manual_seed(0)
-    HFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=1)).save_pretrained(tmp_path)
+    HFLlama(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path)
     src = resolve_model(tmp_path)
     full = dict(iter_weights(src))
     k, v = full["model.layers.0.self_attn.k_proj.weight"], full["model.layers.0.self_attn.v_proj.weight"]
@@ -102,13 +111,16 @@ def test_cpu_lists_split_and_parse():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cpus")
 def test_bind_rank_pins_disjoint_cores_and_sizes_threads():
-    code = ("import json, os, torch; from aiolm.distributed.cpu_bind import bind_rank; "
-            "import sys; r = int(sys.argv[1]); got = bind_rank(r, 2, 'auto'); "
-            "print(json.dumps([got, sorted(os.sched_getaffinity(0)), torch.get_num_threads()]))")
+    code = (
+        "import json, os, torch; from aiolm.distributed.cpu_bind import bind_rank; "
+        "import sys; r = int(sys.argv[1]); got = bind_rank(r, 2, 'auto'); "
+        "print(json.dumps([got, sorted(os.sched_getaffinity(0)), torch.get_num_threads()]))"
+    )
     outs = []
     for rank in range(2):
-        out = subprocess.run([sys.executable, "-c", code, str(rank)], cwd=ROOT, capture_output=True,
-                             text=True, timeout=120, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(rank)], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+        ).stdout
         outs.append(json.loads(out))
     blocks = split_cpus(sorted(os.sched_getaffinity(0)), 2)
     if blocks is None:

@@ -28,8 +28,10 @@ def _our_segments() -> set[str]:
 
 
 def _start(mode: str, name: str, world: int, *extra: str) -> list[subprocess.Popen[str]]:
-    return [subprocess.Popen([sys.executable, PEER, mode, name, str(r), *extra], stdout=subprocess.PIPE,
-                             text=True) for r in range(world)]
+    return [
+        subprocess.Popen([sys.executable, PEER, mode, name, str(r), *extra], stdout=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
 
 
 def _reap(procs: list[subprocess.Popen[str]]) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, Coroutine, TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import torch
 
@@ -13,8 +14,14 @@ T = TypeVar("T")
 
 # Light engine: small context and KV cache; one torch thread per worker, because
 # extra intra-op threads only fight each other on a small, shared CPU machine.
-ENGINE_ARGS: dict[str, Any] = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=32,
-                                   max_num_batched_tokens=1024, num_threads=1, executor="mp")
+ENGINE_ARGS: dict[str, Any] = dict(
+    max_model_len=1024,
+    kv_cache_memory=256 << 20,
+    max_num_seqs=32,
+    max_num_batched_tokens=1024,
+    num_threads=1,
+    executor="mp",
+)
 
 
 class LoopThread:

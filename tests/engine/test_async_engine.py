@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from engine_harness import ENGINE_ARGS, LoopThread, one_torch_thread, thread_schedstat
 
 from aiolm import AsyncEngine, OutputKind, ParamError, RequestOutput, SamplingParams
 from paged import hf_greedy
-from engine_harness import ENGINE_ARGS, LoopThread, one_torch_thread, thread_schedstat
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +56,14 @@ def run(loop_thread, engine):
     assert engine.is_healthy()
 
 
-async def collect(engine: AsyncEngine, prompt: Any, params: SamplingParams,
-                  request_id: str | None = None) -> list[RequestOutput]:
+async def collect(
+    engine: AsyncEngine, prompt: Any, params: SamplingParams, request_id: str | None = None
+) -> list[RequestOutput]:
     return [out async for out in engine.generate(prompt, params, request_id=request_id)]
+
+
+async def _drain(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [o async for o in stream]
 
 
 async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
@@ -65,13 +71,14 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
     processor has taken in every request's last tokens (it runs a step behind the scheduler)."""
     deadline = time.monotonic() + timeout
     while True:
-        if (engine.num_requests() == (0, 0) and engine.kv_cache_usage() == 0.0
-                and not engine.output.requests):
+        if engine.num_requests() == (0, 0) and engine.kv_cache_usage() == 0.0 and not engine.output.requests:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle after {timeout}s: requests {engine.num_requests()}, "
-                                 f"KV usage {engine.kv_cache_usage():.3f}, "
-                                 f"unfinished outputs {list(engine.output.requests)}")
+            raise AssertionError(
+                f"engine not idle after {timeout}s: requests {engine.num_requests()}, "
+                f"KV usage {engine.kv_cache_usage():.3f}, "
+                f"unfinished outputs {list(engine.output.requests)}"
+            )
         await asyncio.sleep(0.02)
 
 
@@ -92,7 +99,7 @@ def check_cumulative(tokenizer, outs: list[RequestOutput], n: int = 1) -> None:
         genuine_fffd = FFFD in final.text.rstrip(FFFD)
         prev_text, prev_ids = "", []
         for c in seq:
-            assert c.text.startswith(prev_text) and c.token_ids[:len(prev_ids)] == prev_ids
+            assert c.text.startswith(prev_text) and c.token_ids[: len(prev_ids)] == prev_ids
             if c is not final and not genuine_fffd:
                 assert FFFD not in c.text, f"partial character streamed: {c.text!r}"
             prev_text, prev_ids = c.text, c.token_ids
@@ -130,9 +137,14 @@ def test_many_concurrent_streams_complete_with_the_right_texts(engine, run, toke
         SamplingParams(temperature=0.0, max_tokens=11, min_tokens=4),  # may stop at EOS
         SamplingParams(temperature=0.9, max_tokens=7, logit_bias={11: 5.0}, ignore_eos=True, seed=4),
     ]
-    prompts = ["Once upon a time,", [{"role": "user", "content": "Say hi."}], "1, 2, 3,",
-               "Hello", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}],
-               "The weather today"]
+    prompts = [
+        "Once upon a time,",
+        [{"role": "user", "content": "Say hi."}],
+        "1, 2, 3,",
+        "Hello",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}],
+        "The weather today",
+    ]
     jobs += [("sampled", p, sp) for p, sp in zip(prompts, sampled)]
     assert len(jobs) == 12
 
@@ -162,6 +174,7 @@ def test_many_concurrent_streams_complete_with_the_right_texts(engine, run, toke
 
 
 # --- leaving a stream early --------------------------------------------------------------
+
 
 def test_breaking_out_of_a_stream_aborts_it_and_frees_its_blocks(engine, run):
     async def go():
@@ -212,11 +225,13 @@ def test_slow_consumer_gets_merged_outputs(engine, run, tokenizer):
     prompt = "A list of animals: cat, dog,"
 
     async def go():
-        streams = [engine.generate(prompt, greedy(16)),
-                   engine.generate(prompt, greedy(16, output_kind=OutputKind.DELTA))]
+        streams = [
+            engine.generate(prompt, greedy(16)),
+            engine.generate(prompt, greedy(16, output_kind=OutputKind.DELTA)),
+        ]
         firsts = [await s.__anext__() for s in streams]
         await wait_idle(engine, timeout=60)  # both requests finished while nobody was reading
-        rests = [[o async for o in s] for s in streams]
+        rests = [await _drain(s) for s in streams]
         return firsts, rests
 
     (first, first_delta), (rest, rest_delta) = run(go())
@@ -241,7 +256,7 @@ def _two_token_stop(tokenizer, ids: list[int]) -> tuple[str, int, int]:
     text = tokenizer.decode(ids)
     offsets = [len(tokenizer.decode(ids[:k])) for k in range(len(ids) + 1)]
     for i in range(1, len(ids) - 1):
-        a, b = text[offsets[i]:offsets[i + 1]], text[offsets[i + 1]:offsets[i + 2]]
+        a, b = text[offsets[i] : offsets[i + 1]], text[offsets[i + 1] : offsets[i + 2]]
         if len(a.strip()) >= 2 and len(b.strip()) >= 2:
             stop = a[-2:] + b[:2]
             if text.find(stop) == offsets[i + 1] - 2:
@@ -255,7 +270,8 @@ def test_stop_string_spanning_two_tokens(engine, run, tokenizer):
         stop, pos, ntok = _two_token_stop(tokenizer, full.token_ids)
         cut, incl = await asyncio.gather(
             collect(engine, STOP_PROMPT, greedy(24, stop=["never in the text", stop])),
-            collect(engine, STOP_PROMPT, greedy(24, stop=stop, include_stop_str_in_output=True)))
+            collect(engine, STOP_PROMPT, greedy(24, stop=stop, include_stop_str_in_output=True)),
+        )
         return full, stop, pos, ntok, cut, incl
 
     full, stop, pos, ntok, cut, incl = run(go())
@@ -269,19 +285,22 @@ def test_stop_string_spanning_two_tokens(engine, run, tokenizer):
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.token_ids == full.token_ids[:ntok]
     i = incl[-1].outputs[0]
-    assert i.text == full.text[:pos + len(stop)] and i.text.endswith(stop)
+    assert i.text == full.text[: pos + len(stop)] and i.text.endswith(stop)
     assert i.finish_reason == "stop" and i.stop_reason == stop
 
 
 # --- UTF-8 -------------------------------------------------------------------------------
 
+
 def test_multibyte_utf8_output_is_never_split(engine, run, tokenizer):
     prompt = "日本語の文章: 東京は日本の首都です。大阪は"
 
     async def go():
-        return await asyncio.gather(collect(engine, prompt, greedy(24)),
-                                    collect(engine, prompt, greedy(24, output_kind=OutputKind.DELTA)),
-                                    collect(engine, prompt, greedy(20)))
+        return await asyncio.gather(
+            collect(engine, prompt, greedy(24)),
+            collect(engine, prompt, greedy(24, output_kind=OutputKind.DELTA)),
+            collect(engine, prompt, greedy(20)),
+        )
 
     cum, delta, cut = run(go())
     c = cum[-1].outputs[0]
@@ -301,6 +320,7 @@ def test_multibyte_utf8_output_is_never_split(engine, run, tokenizer):
 
 
 # --- n > 1 and seeds ---------------------------------------------------------------------
+
 
 def test_n3_with_seeds_is_reproducible(engine, run, tokenizer):
     prompt = "My favourite animal is"
@@ -333,8 +353,11 @@ def test_n_sequences_share_the_prompt_kv_through_the_prefix_cache(engine, run, t
 
     async def go():
         before = engine.scheduler.prefix_cache_stats.hits
-        outs = await collect(engine, {"prompt_token_ids": ids},
-                             SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
+        outs = await collect(
+            engine,
+            {"prompt_token_ids": ids},
+            SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=4, ignore_eos=True),
+        )
         return outs[-1], engine.scheduler.prefix_cache_stats.hits - before
 
     final, hits = run(go())
@@ -344,14 +367,18 @@ def test_n_sequences_share_the_prompt_kv_through_the_prefix_cache(engine, run, t
 
 # --- delta output --------------------------------------------------------------------------
 
+
 def test_delta_outputs_concatenate_to_the_cumulative_text(engine, run):
     prompt = "Here is a short recipe for pancakes:"
 
     async def go():
         n = 2
-        return await asyncio.gather(*(
-            collect(engine, prompt, SamplingParams(n=n, seed=5, max_tokens=12, ignore_eos=True, output_kind=kind))
-            for kind in (OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY)))
+        return await asyncio.gather(
+            *(
+                collect(engine, prompt, SamplingParams(n=n, seed=5, max_tokens=12, ignore_eos=True, output_kind=kind))
+                for kind in (OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY)
+            )
+        )
 
     cum, delta, final = run(go())
     assert len(final) == 1 and final[0].finished
@@ -366,6 +393,7 @@ def test_delta_outputs_concatenate_to_the_cumulative_text(engine, run):
 
 # --- logprobs ------------------------------------------------------------------------------
 
+
 def test_logprobs_match_the_reference_distribution(engine, run, tokenizer, hf_reference):
     prompt = "The capital of France is"
     k = 3
@@ -377,7 +405,7 @@ def test_logprobs_match_the_reference_distribution(engine, run, tokenizer, hf_re
     with one_torch_thread(), torch.no_grad():
         x = torch.tensor([ids])
         logits = hf_reference(x, attention_mask=torch.ones_like(x)).logits[0].float()
-    ref = torch.log_softmax(logits, dim=-1)[len(out.prompt_token_ids) - 1:-1]
+    ref = torch.log_softmax(logits, dim=-1)[len(out.prompt_token_ids) - 1 : -1]
     total = 0.0
     for step, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
         assert tok in entry and len(entry) <= k + 1
@@ -394,6 +422,7 @@ def test_logprobs_match_the_reference_distribution(engine, run, tokenizer, hf_re
 
 # --- the loop stays free during a long prefill -------------------------------------------
 
+
 def test_loop_stays_responsive_during_a_long_prefill(engine, run):
     """A ticker on the engine's loop keeps its 5 ms period within 20 ms during a ~900-token prefill.
 
@@ -407,7 +436,6 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
     period = 0.005
 
     async def go():
-        loop = asyncio.get_running_loop()
         done = asyncio.Event()
         ticks: list[tuple[float, float, float]] = []  # (wall lag, run-queue wait, on-CPU time)
 
@@ -441,8 +469,10 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 1
     assert elapsed > 0.1 and len(ticks) > 10  # the prefill took long enough to measure
     net = sorted((wall - rq for wall, rq, _ in ticks), reverse=True)
-    report = (f"{len(ticks)} ticks during a {elapsed:.2f} s prefill; worst wall lags (ms, lag/run-queue/cpu): "
-              f"{[tuple(round(1e3 * x, 1) for x in t) for t in sorted(ticks, reverse=True)[:5]]}")
+    report = (
+        f"{len(ticks)} ticks during a {elapsed:.2f} s prefill; worst wall lags (ms, lag/run-queue/cpu): "
+        f"{[tuple(round(1e3 * x, 1) for x in t) for t in sorted(ticks, reverse=True)[:5]]}"
+    )
     # schedstat's on-CPU counter is brought up to date only at scheduler events, so one
     # reading can exceed the interval it spans; the loop cannot be busy longer than that.
     assert max(min(cpu, wall + period) for wall, _, cpu in ticks) < 0.020, report
@@ -453,19 +483,23 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
 
 # --- bad input -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-5), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(stop=[""]), "stop"),
-    (dict(logprobs=-1), "logprobs"),  # the upper bound is the engine's --max-logprobs (below)
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(seed="x"), "seed"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(stop=[""]), "stop"),
+        (dict(logprobs=-1), "logprobs"),  # the upper bound is the engine's --max-logprobs (below)
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(seed="x"), "seed"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ParamError) as e:
         SamplingParams(**kwargs)
@@ -538,6 +572,7 @@ def test_duplicate_live_request_id_is_refused_and_unknown_abort_is_harmless(engi
 
 # --- per-step cost accounting ---------------------------------------------------------------
 
+
 def test_step_cost_accounting_splits_each_step_into_its_parts(engine, run):
     """Every part is measured (not zero, not negative), the worker's own clock fits inside
     the executor round trip, and pure-decode steps are counted with their batch size."""
@@ -545,8 +580,9 @@ def test_step_cost_accounting_splits_each_step_into_its_parts(engine, run):
 
     async def go():
         engine.core.times = StepTimes()
-        await asyncio.gather(*(collect(engine, {"prompt_token_ids": list(range(100, 140 + i))}, greedy(12))
-                               for i in range(4)))
+        await asyncio.gather(
+            *(collect(engine, {"prompt_token_ids": list(range(100, 140 + i))}, greedy(12)) for i in range(4))
+        )
         await wait_idle(engine)
         return engine.core.times
 
@@ -560,5 +596,4 @@ def test_step_cost_accounting_splits_each_step_into_its_parts(engine, run):
     for part in ("schedule", "ipc", "prepare", "forward", "sample", "update", "output"):
         assert every[part] > 0.0, f"{part} was never measured"
     assert every["forward"] > every["prepare"]  # 30 layers cost more than building a few tensors
-    assert every["overhead"] == pytest.approx(sum(every[k] for k in
-                                                 ("schedule", "ipc", "prepare", "update", "output")))
+    assert every["overhead"] == pytest.approx(sum(every[k] for k in ("schedule", "ipc", "prepare", "update", "output")))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -56,7 +54,7 @@ def chunks(ids: list[int], rng: random.Random | None) -> list[list[int]]:
     out, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 5)
-        out.append(ids[i:i + n])
+        out.append(ids[i : i + n])
         i += n
     return out
 
@@ -212,7 +210,7 @@ def reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str 
         hits = [s for s in stop if text[:end].endswith(s)]
         if hits:
             s = max(hits, key=len)
-            return text[:end] if include else text[:end - len(s)], s
+            return text[:end] if include else text[: end - len(s)], s
     return text, None
 
 
@@ -266,7 +264,7 @@ def test_stop_checker_matches_reference_under_random_chunking():
         pieces, i = [], 0
         while i < len(text):
             n = rng.randint(0, 5)
-            pieces.append(text[i:i + n])
+            pieces.append(text[i : i + n])
             i += n
         out, matched, deltas = feed_all(StopChecker(stop, include), pieces)
         assert (out, matched) == reference_stop(text, stop, include), (text, stop, pieces)
@@ -363,12 +361,18 @@ def test_final_only_output_defers_detokenizing_and_gives_the_streamed_text(tok, 
                 last = step == len(seq) - 1
                 reason = None if not last else ("length" if i == 0 else "stop")
                 for name in kinds:
-                    outs.append(EngineCoreOutput(f"{name}{i}", [seq[step]], finish_reason=reason,
-                                                 stop_reason=eos if reason == "stop" else None))
+                    outs.append(
+                        EngineCoreOutput(
+                            f"{name}{i}",
+                            [seq[step]],
+                            finish_reason=reason,
+                            stop_reason=eos if reason == "stop" else None,
+                        )
+                    )
         op.process(outs)
         if step == 3:  # deferred: nothing detokenized yet
             assert states["final1"].seqs[0].text.text == "" and states["stream1"].seqs[0].text.text
-    for i, t in enumerate(texts):
+    for i in range(len(texts)):
         final, streamed = states[f"final{i}"].build(delta=False), states[f"stream{i}"].build(delta=False)
         assert final.finished and final.outputs[0].text == streamed.outputs[0].text
         want = tok.decode(ids[i] if i == 0 else ids[i][:-1])
@@ -400,7 +404,7 @@ def test_several_tokens_in_one_step_end_where_a_stop_string_ends(tok):
     for j, t in enumerate(ids):
         op.process([EngineCoreOutput("single", [t], new_logprobs=lps.slice(j, j + 1))])
     burst, single = (states[r].build(delta=False).outputs[0] for r in ("burst", "single"))
-    assert burst.token_ids == ids[:stop_at + 1] == single.token_ids
+    assert burst.token_ids == ids[: stop_at + 1] == single.token_ids
     assert burst.text == single.text == " one " and burst.stop_reason == single.stop_reason == "two th"
     assert [next(iter(d.values())).logprob for d in burst.logprobs] == [-0.5, -1.0, -1.5]
     assert aborted == [["burst"], ["single"]]

@@ -24,6 +24,6 @@ def test_the_service_time_follows_recent_departures():
         d.departed(10.0)
     assert d.service_s == pytest.approx(10.0, rel=0.01)
     d.departed(5.0, sequences=3)  # n siblings count as three departures
-    assert d.service_s == pytest.approx(10 - 5 * (1 - 0.9 ** 3), rel=0.01)
+    assert d.service_s == pytest.approx(10 - 5 * (1 - 0.9**3), rel=0.01)
     d.departed(-1.0)  # a clock that went backwards: ignored
-    assert d.service_s == pytest.approx(10 - 5 * (1 - 0.9 ** 3), rel=0.01)
+    assert d.service_s == pytest.approx(10 - 5 * (1 - 0.9**3), rel=0.01)

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from engine_harness import ENGINE_ARGS, LoopThread, after_death
 
 from aiolm import AsyncEngine, EngineDeadError, SamplingParams
-from engine_harness import ENGINE_ARGS, LoopThread, after_death
 
 pytestmark = pytest.mark.slow
 

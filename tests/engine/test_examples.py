@@ -21,9 +21,17 @@ SERVER_URL = "http://127.0.0.1:8000/v1"  # what README snippets that need `aiolm
 def test_examples_run_standalone():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = ["--max-tokens", "8", "--num-threads", "1"]
-    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "examples" / name), *common], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in ("embed_in_app.py", "offline_batch.py")}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / name), *common],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("embed_in_app.py", "offline_batch.py")
+    }
     results = {}
     try:
         for name, p in procs.items():
@@ -60,8 +68,12 @@ def test_readme_python_snippets_run_as_written():
     assert len(blocks) >= 2
     blocks = [b for b in blocks if SERVER_URL not in b]  # those run against a server, below
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for code in blocks]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for code in blocks
+    ]
     try:
         results = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:
@@ -88,8 +100,7 @@ def test_readme_client_snippets_run_against_a_server(open_servers):
     port = open_servers.get().port
     for code in blocks:
         code = code.replace(SERVER_URL, f"http://127.0.0.1:{port}/v1")
-        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
-                           timeout=TIMEOUT)
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=TIMEOUT)
         assert p.returncode == 0, f"{code}\n{p.stdout}\n{p.stderr[-3000:]}"
         lines = p.stdout.strip().splitlines()
         if "json_schema" in code:  # the structured outputs example: a document, then a choice
@@ -98,10 +109,14 @@ def test_readme_client_snippets_run_against_a_server(open_servers):
             assert lines[1] in ("yes", "no")
     # The README's curl stream, verbatim but for the port (its comment lines are shell comments).
     curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl -N" in b)
-    p = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")], text=True,
-                       capture_output=True, timeout=TIMEOUT)
+    p = subprocess.run(
+        ["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+        text=True,
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
     assert p.returncode == 0, p.stderr
-    events = [ln[len("data: "):] for ln in p.stdout.splitlines() if ln.startswith("data: ")]
+    events = [ln[len("data: ") :] for ln in p.stdout.splitlines() if ln.startswith("data: ")]
     assert events and events[-1] == "[DONE]", p.stdout
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

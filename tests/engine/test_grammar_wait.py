@@ -15,10 +15,10 @@ import time
 import uuid
 
 import pytest
+from engine_harness import ENGINE_ARGS, LoopThread
 
 from aiolm import AsyncEngine, OutputKind, SamplingParams
 from aiolm.structured.spec import StructuredOutputs
-from engine_harness import ENGINE_ARGS, LoopThread
 
 pytestmark = pytest.mark.slow
 xgr = pytest.importorskip("xgrammar")
@@ -55,13 +55,21 @@ def slow_schema() -> dict:
     """A short document whose grammar is slow to build: bounded repetitions of a character class
     (below xgrammar's limit for its compact form) give one token-mask state per position.
     A random key makes the text new to every cache."""
+
     def word(n: int) -> dict:
         return {"type": "string", "pattern": f"^[A-Z][a-z]{{1,{n}}}$"}
 
     words = {k: word(100 + i) for i, k in enumerate(("name", "city", "street", "country", "job"))}
-    return {"type": "object", "properties": {**words, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                             f"x{uuid.uuid4().hex[:8]}": {"type": "boolean"}},
-            "required": [*words, "age"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {
+            **words,
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            f"x{uuid.uuid4().hex[:8]}": {"type": "boolean"},
+        },
+        "required": [*words, "age"],
+        "additionalProperties": False,
+    }
 
 
 def compile_seconds(tokenizer, vocab_size: int, schema: dict) -> float:
@@ -87,8 +95,9 @@ def test_a_new_grammar_compiles_while_other_requests_stream(served):
         constrained: asyncio.Task | None = None
 
         async def run_constrained():
-            params = SamplingParams(temperature=0.0, max_tokens=150,
-                                    structured_outputs=StructuredOutputs("json", json.dumps(schema)))
+            params = SamplingParams(
+                temperature=0.0, max_tokens=150, structured_outputs=StructuredOutputs("json", json.dumps(schema))
+            )
             window.append(time.perf_counter())
             outs = [o async for o in engine.generate("A person as JSON:", params)]
             window.append(time.perf_counter())
@@ -110,16 +119,17 @@ def test_a_new_grammar_compiles_while_other_requests_stream(served):
     # so the plain stream had to keep going through both.
     assert t_done - t_submit > compile_s and len(gaps) >= 5, (t_done - t_submit, len(gaps))
     assert max(gaps) < 0.5 * compile_s, (
-        f"the plain stream stalled {max(gaps):.3f}s while a {compile_s:.3f}s grammar compiled; "
-        f"gaps {sorted(gaps)[-5:]}")
+        f"the plain stream stalled {max(gaps):.3f}s while a {compile_s:.3f}s grammar compiled; gaps {sorted(gaps)[-5:]}"
+    )
     assert out.finish_reason == "stop", out
     jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_aborting_a_request_that_waits_for_its_grammar_leaves_nothing_behind(served):
     loop_thread, engine = served
-    params = SamplingParams(temperature=0.0, max_tokens=40,
-                            structured_outputs=StructuredOutputs("json", json.dumps(slow_schema())))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputs("json", json.dumps(slow_schema()))
+    )
 
     async def go():
         task = asyncio.ensure_future(engine.generate("A person as JSON:", params).__anext__())

@@ -16,8 +16,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = ("torch", "aiolm.model", "aiolm.kernels", "aiolm.attention", "aiolm.platforms", "aiolm.quant",
-             "aiolm.worker", "xgrammar")
+FORBIDDEN = (
+    "torch",
+    "aiolm.model",
+    "aiolm.kernels",
+    "aiolm.attention",
+    "aiolm.platforms",
+    "aiolm.quant",
+    "aiolm.worker",
+    "xgrammar",
+)
 
 _CHILD = """
 import asyncio, json, sys
@@ -45,8 +53,14 @@ asyncio.run(main())
 
 @pytest.mark.slow
 def test_engine_process_imports_no_model_stack_nor_torch():
-    run = subprocess.run([sys.executable, "-c", _CHILD, ",".join(FORBIDDEN)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", _CHILD, ",".join(FORBIDDEN)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["tokens"] == 8 and report["text"].strip(), report  # the workers did generate

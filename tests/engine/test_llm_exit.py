@@ -55,8 +55,14 @@ def test_scripts_holding_an_llm_exit_cleanly(tmp_path):
     for name, body in SCRIPTS.items():
         path = tmp_path / f"{name}.py"
         path.write_text(textwrap.dedent(SETUP) + body)
-        procs[name] = subprocess.Popen([sys.executable, str(path)], cwd=tmp_path, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(path)],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
     results = {}
     try:
         for name, p in procs.items():

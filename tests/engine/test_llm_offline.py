@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from engine_harness import ENGINE_ARGS
 
 from aiolm import LLM, SamplingParams
-from engine_harness import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,10 @@ def test_generate_returns_outputs_in_input_order(llm, capsys):
 
 
 def test_chat_applies_the_template(llm, tokenizer):
-    conv = [{"role": "system", "content": "You are concise."},
-            {"role": "user", "content": "What is the capital of France?"}]
+    conv = [
+        {"role": "system", "content": "You are concise."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     (one,) = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert one.prompt.rstrip().endswith("<|im_start|>assistant")
     assert one.prompt == tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)

@@ -17,19 +17,23 @@ import signal
 from typing import Any
 
 import pytest
+from engine_harness import ENGINE_ARGS, LoopThread
 
 from aiolm import AsyncEngine, RequestOutput, SamplingParams
 from aiolm.structured.spec import StructuredOutputs
-from engine_harness import ENGINE_ARGS, LoopThread
 
 pytestmark = pytest.mark.slow
 
-SMALL = dict(ENGINE_ARGS, max_model_len=256, kv_cache_memory=16 << 20, max_num_seqs=8,
-             max_num_batched_tokens=64)
-PREFIX = ("You are a careful assistant. Answer briefly and precisely, and never repeat yourself. "
-          "Here is the question: ")
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Count from one to ten.",
-             "Why is the sky blue?", "Write a haiku about autumn leaves.", "What does a compiler do?"]
+SMALL = dict(ENGINE_ARGS, max_model_len=256, kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=64)
+PREFIX = "You are a careful assistant. Answer briefly and precisely, and never repeat yourself. Here is the question: "
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Count from one to ten.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn leaves.",
+    "What does a compiler do?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,9 @@ def engines(loop_thread):
             loop_thread.run(eng.shutdown(), timeout=60)
 
 
-async def final(engine: AsyncEngine, prompt: str, params: SamplingParams, request_id: str | None = None) -> RequestOutput:
+async def final(
+    engine: AsyncEngine, prompt: str, params: SamplingParams, request_id: str | None = None
+) -> RequestOutput:
     last = None
     async for out in engine.generate(prompt, params, request_id=request_id):
         last = out
@@ -77,22 +83,36 @@ async def final(engine: AsyncEngine, prompt: str, params: SamplingParams, reques
 def workload() -> list[tuple[str, SamplingParams]]:
     g = dict(temperature=0.0)
     # Half run to their limit (enough tokens to fill the KV cache), half may end on EOS.
-    items = [(PREFIX + q, SamplingParams(max_tokens=64 if i % 2 else 48, ignore_eos=bool(i % 2), **g))
-             for i, q in enumerate(QUESTIONS)]
+    items = [
+        (PREFIX + q, SamplingParams(max_tokens=64 if i % 2 else 48, ignore_eos=bool(i % 2), **g))
+        for i, q in enumerate(QUESTIONS)
+    ]
     items += [
         (PREFIX + "Tell me about the moon.", SamplingParams(max_tokens=40, stop=[" is", " was"], **g)),
         (PREFIX + "List some fruits.", SamplingParams(max_tokens=32, n=2, **g)),
         ("Once upon a time", SamplingParams(max_tokens=30, min_tokens=20, logprobs=2, **g)),
-        ("Is water wet? Answer yes or no:", SamplingParams(
-            max_tokens=8, structured_outputs=StructuredOutputs("grammar", 'root ::= " yes" | " no"'), **g)),
+        (
+            "Is water wet? Answer yes or no:",
+            SamplingParams(
+                max_tokens=8, structured_outputs=StructuredOutputs("grammar", 'root ::= " yes" | " no"'), **g
+            ),
+        ),
         ("1, 2, 3, 4,", SamplingParams(max_tokens=60, ignore_eos=True, **g)),
     ]
     return items
 
 
 def summary(out: RequestOutput) -> list[tuple]:
-    return [(c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
-             None if c.logprobs is None else [sorted(d) for d in c.logprobs]) for c in out.outputs]
+    return [
+        (
+            c.text,
+            list(c.token_ids),
+            c.finish_reason,
+            c.stop_reason,
+            None if c.logprobs is None else [sorted(d) for d in c.logprobs],
+        )
+        for c in out.outputs
+    ]
 
 
 async def wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> None:

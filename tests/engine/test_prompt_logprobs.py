@@ -12,16 +12,19 @@ pytestmark = pytest.mark.slow
 
 # Chunks of 32 tokens: a long prompt is scored over several steps (and none of them is a
 # matmul of 16 rows or fewer, where the GGUF model's quantized-block kernel would run).
-PROMPT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, Berlin is "
-          "the capital of Germany, and Madrid is the capital of Spain. The largest planet is Jupiter, "
-          "the smallest is Mercury, and the one we live on is called the Earth, third from the Sun.")
+PROMPT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France, Berlin is "
+    "the capital of Germany, and Madrid is the capital of Spain. The largest planet is Jupiter, "
+    "the smallest is Mercury, and the one we live on is called the Earth, third from the Sun."
+)
 NUM_TOKENS = 56  # two chunks: 32 and 24 positions
 
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(max_model_len=512, kv_cache_memory=128 << 20, num_threads=1, max_num_batched_tokens=32,
-             max_logprobs=5) as model:
+    with LLM(
+        max_model_len=512, kv_cache_memory=128 << 20, num_threads=1, max_num_batched_tokens=32, max_logprobs=5
+    ) as model:
         yield model
 
 
@@ -35,9 +38,11 @@ def test_prompt_logprobs_match_a_float32_forward(llm, hf_reference):
     ids = llm.engine.tokenize(PROMPT, True)[:NUM_TOKENS]
     assert len(ids) == NUM_TOKENS
     top = 3
-    asked, plain = llm.generate([{"prompt_token_ids": ids}] * 2,
-                                [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=top),
-                                 SamplingParams(temperature=0, max_tokens=2)], use_tqdm=False)
+    asked, plain = llm.generate(
+        [{"prompt_token_ids": ids}] * 2,
+        [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=top), SamplingParams(temperature=0, max_tokens=2)],
+        use_tqdm=False,
+    )
     assert plain.prompt_logprobs is None
     plp = asked.prompt_logprobs
     assert plp is not None and len(plp) == len(ids) and plp[0] is None
@@ -60,12 +65,18 @@ def test_prompt_logprobs_ignore_the_prefix_cache_and_n(llm):
     ids = llm.engine.tokenize(PROMPT, True)[:NUM_TOKENS]
     warm = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert warm[0].outputs[0].token_ids
-    first, again = (llm.generate([{"prompt_token_ids": ids}],
-                                 SamplingParams(temperature=0, max_tokens=2, n=2, prompt_logprobs=0),
-                                 use_tqdm=False)[0] for _ in range(2))
+    first, again = (
+        llm.generate(
+            [{"prompt_token_ids": ids}],
+            SamplingParams(temperature=0, max_tokens=2, n=2, prompt_logprobs=0),
+            use_tqdm=False,
+        )[0]
+        for _ in range(2)
+    )
     assert len(first.prompt_logprobs) == len(ids)  # the cached prefix was computed again
-    assert [e and {t: v.logprob for t, v in e.items()} for e in first.prompt_logprobs] == \
-           [e and {t: v.logprob for t, v in e.items()} for e in again.prompt_logprobs]
+    assert [e and {t: v.logprob for t, v in e.items()} for e in first.prompt_logprobs] == [
+        e and {t: v.logprob for t, v in e.items()} for e in again.prompt_logprobs
+    ]
     assert all(len(e) == 1 for e in first.prompt_logprobs[1:])  # 0 alternatives: the token itself
 
 

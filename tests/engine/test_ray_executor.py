@@ -33,13 +33,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from aiolm import AsyncEngine, SamplingParams  # noqa: E402
 from engine_harness import LoopThread  # noqa: E402
+
+from aiolm import AsyncEngine, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ARGS = dict(max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=8, max_num_batched_tokens=256,
-            num_threads=1)
+ARGS = dict(max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=8, max_num_batched_tokens=256, num_threads=1)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_NEW = 24
 
@@ -106,8 +106,9 @@ def ray_env():
     """A short private temp dir for the cluster (Ray's socket paths must stay short), a
     small cluster, and the transport split of the first worker set."""
     tmp = tempfile.mkdtemp(prefix="aiolm-ray-", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "AIOLM_RAY_NUM_CPUS", "AIOLM_RAY_REMOTE_RANKS",
-                                            "RAY_ADDRESS")}
+    saved = {
+        k: os.environ.get(k) for k in ("RAY_TMPDIR", "AIOLM_RAY_NUM_CPUS", "AIOLM_RAY_REMOTE_RANKS", "RAY_ADDRESS")
+    }
     os.environ.update(RAY_TMPDIR=tmp, AIOLM_RAY_NUM_CPUS="3", AIOLM_RAY_REMOTE_RANKS="1")
     os.environ.pop("RAY_ADDRESS", None)
     try:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_harness import ENGINE_ARGS
 
 from aiolm import LLM, SamplingParams
 from aiolm.params import OutputKind
-from engine_harness import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +33,11 @@ def factorial(n):
     return result
 '''
 COPY = [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}]
-CHATS = [COPY,
-         [{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "user", "content": "Write a short poem about the sea."}]]
+CHATS = [
+    COPY,
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +80,21 @@ def test_greedy_output_is_identical_and_copying_accepts_drafts(llm, plain):
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
     ids = [{"prompt_token_ids": [(i * 7919) % 40000 + 100 for i in range(64)]}]
     ignore = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    assert (generate(llm, True, ids, ignore, chat=False)[0].outputs[0].token_ids
-            == generate(llm, False, ids, ignore, chat=False)[0].outputs[0].token_ids)
+    assert (
+        generate(llm, True, ids, ignore, chat=False)[0].outputs[0].token_ids
+        == generate(llm, False, ids, ignore, chat=False)[0].outputs[0].token_ids
+    )
 
 
 def test_acceptance_counters_reach_the_metrics(llm, plain):
     generate(llm, True, [COPY], SamplingParams(temperature=0.0, max_tokens=48))
     text = llm.engine.metrics.render().decode()
     st = llm.engine.spec_decode_stats
-    value = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("aiolm:spec_decode_num_") and "per_pos" not in line}
+    value = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("aiolm:spec_decode_num_") and "per_pos" not in line
+    }
     assert value["aiolm:spec_decode_num_accepted_tokens_total"] == st.num_accepted_tokens > 0
     assert value["aiolm:spec_decode_num_draft_tokens_total"] == st.num_draft_tokens
     per_pos = [line for line in text.splitlines() if line.startswith("aiolm:spec_decode_num_accepted_tokens_per_pos")]
@@ -97,19 +104,25 @@ def test_acceptance_counters_reach_the_metrics(llm, plain):
 def test_stop_strings_max_tokens_and_logprobs_inside_accepted_runs(llm, plain):
     full = plain[0].outputs[0]
     mid = len(full.text) // 2
-    stop = full.text[mid:mid + 10]  # a string from the middle of the answer
-    cases = [SamplingParams(temperature=0.0, max_tokens=128, stop=[stop]),
-             SamplingParams(temperature=0.0, max_tokens=128, stop=[stop], include_stop_str_in_output=True),
-             SamplingParams(temperature=0.0, max_tokens=37),
-             SamplingParams(temperature=0.0, max_tokens=40, logprobs=3)]
+    stop = full.text[mid : mid + 10]  # a string from the middle of the answer
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=128, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=128, stop=[stop], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=37),
+        SamplingParams(temperature=0.0, max_tokens=40, logprobs=3),
+    ]
     before = counts(llm)
     on = generate(llm, True, [COPY] * len(cases), cases)
     assert counts(llm)[1] > before[1]
     off = generate(llm, False, [COPY] * len(cases), cases)
     for params, a, b in zip(cases, on, off):
         x, y = a.outputs[0], b.outputs[0]
-        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
-                                                                         y.stop_reason), params
+        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+            y.token_ids,
+            y.text,
+            y.finish_reason,
+            y.stop_reason,
+        ), params
     assert on[0].outputs[0].stop_reason == stop and not on[0].outputs[0].text.endswith(stop)
     assert on[1].outputs[0].text.endswith(stop)
     assert len(on[2].outputs[0].token_ids) == 37 and on[2].outputs[0].finish_reason == "length"

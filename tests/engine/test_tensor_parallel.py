@@ -18,12 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from aiolm import AsyncEngine, EngineDeadError, SamplingParams
 from engine_harness import ENGINE_ARGS, LoopThread
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           [{"role": "user", "content": "What is tensor parallelism? Answer briefly."}]]
+from aiolm import AsyncEngine, EngineDeadError, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    [{"role": "user", "content": "What is tensor parallelism? Answer briefly."}],
+]
 MAX_NEW = 48
 
 
@@ -71,8 +75,9 @@ def _run_tp(model: str | None, tp: int, kill_rank: int | None = None) -> list[li
     lt = LoopThread()
     # With a rank to kill, recovery is off: this checks the fail-fast path (tests/reliability
     # covers recovery).
-    engine = AsyncEngine(model=model, tensor_parallel_size=tp, dtype="float32", **ENGINE_ARGS,
-                         worker_recovery=kill_rank is None)
+    engine = AsyncEngine(
+        model=model, tensor_parallel_size=tp, dtype="float32", **ENGINE_ARGS, worker_recovery=kill_rank is None
+    )
     try:
         lt.run(engine.start(), timeout=600)
         ex = engine.executor
@@ -101,10 +106,21 @@ def tiny_llama(tmp_path_factory, real_source):
 
     path = tmp_path_factory.mktemp("tiny_llama_tp")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=real_source.config.vocab_size, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=real_source.config.vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
     with torch.no_grad():  # larger weights than the init: logits far apart, no argmax ties
         for p in model.parameters():
             if p.dim() == 2:
@@ -159,8 +175,14 @@ _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.skipif(_GPUS < 2, reason=f"needs CUDA with at least 2 GPUs ({_GPUS} visible)")
 def test_tp2_on_cuda_gives_tp1_tokens(tiny_llama):
     async def tokens(tp: int) -> list[list[int]]:
-        async with AsyncEngine(model=tiny_llama, tensor_parallel_size=tp, dtype="float32", device="cuda",
-                               max_model_len=1024, max_num_seqs=8) as engine:
+        async with AsyncEngine(
+            model=tiny_llama,
+            tensor_parallel_size=tp,
+            dtype="float32",
+            device="cuda",
+            max_model_len=1024,
+            max_num_seqs=8,
+        ) as engine:
             if tp > 1:
                 assert engine.executor.all_reduce in ("symm_mem", "nccl")  # type: ignore[union-attr]
             return await _greedy_tokens(engine)
@@ -175,12 +197,18 @@ def test_sigkilled_engine_leaves_no_segment_behind(tiny_llama):
     import subprocess
     import sys
 
-    code = ("import os, sys, time; from aiolm import LLM; "
-            "llm = LLM(model=sys.argv[1], tensor_parallel_size=2, dtype='float32', max_model_len=256, "
-            "kv_cache_memory=16 << 20, num_threads=1); "
-            "print(llm.engine.executor.all_reduce_shm, flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", code, tiny_llama], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import os, sys, time; from aiolm import LLM; "
+        "llm = LLM(model=sys.argv[1], tensor_parallel_size=2, dtype='float32', max_model_len=256, "
+        "kv_cache_memory=16 << 20, num_threads=1); "
+        "print(llm.engine.executor.all_reduce_shm, flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, tiny_llama],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         name = proc.stdout.readline().strip()  # type: ignore[union-attr]
         assert name.startswith(f"aiolm_{proc.pid}_") and os.path.exists(f"/dev/shm/{name}")

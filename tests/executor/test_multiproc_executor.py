@@ -19,12 +19,12 @@ import time
 import pytest
 import torch
 
+from aiolm.config import RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.executor import ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.params import SamplingParams
-from aiolm.config import RunnerConfig
 from paged import hf_greedy
 from procs import processes
 
@@ -67,10 +67,19 @@ def tiny(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )
+    )
     with torch.no_grad():  # larger weights than the init: logits far apart, no argmax ties
         for p in model.parameters():
             if p.dim() == 2:
@@ -85,14 +94,23 @@ def tiny(tmp_path_factory):
 
 def _cfg(path, **kw) -> RunnerConfig:
     kw.setdefault("max_model_len", MAX_MODEL_LEN)
-    return RunnerConfig(model=str(path), dtype="float32", max_num_seqs=8, block_size=BLOCK,
-                        kv_cache_memory=1 << 20, num_threads=1, **kw)
+    return RunnerConfig(
+        model=str(path), dtype="float32", max_num_seqs=8, block_size=BLOCK, kv_cache_memory=1 << 20, num_threads=1, **kw
+    )
 
 
 def _scheduler(ex) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=ex.num_blocks, block_size=BLOCK, max_num_seqs=8,
-                                     max_num_batched_tokens=24, long_prefill_token_threshold=10,
-                                     max_model_len=MAX_MODEL_LEN, hash_seed=0))
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=ex.num_blocks,
+            block_size=BLOCK,
+            max_num_seqs=8,
+            max_num_batched_tokens=24,
+            long_prefill_token_threshold=10,
+            max_model_len=MAX_MODEL_LEN,
+            hash_seed=0,
+        )
+    )
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -120,8 +138,7 @@ async def _drive(ex, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(VOCAB) for _ in range(9)]
-    return [(shared if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 25))]
-            for i in range(n)]
+    return [(shared if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 25))] for i in range(n)]
 
 
 def _one_step_output(req_id: str, prompt_len: int = 8):
@@ -161,8 +178,9 @@ def test_start_timeout_is_an_executor_error_and_cleans_up(tiny):
 def test_tensor_parallel_over_indivisible_heads_fails_start_readably():
     """SmolLM2-135M has 9 attention heads: 2 ranks cannot split them."""
     before = _our_segments()
-    ex = MultiprocExecutor(RunnerConfig(max_model_len=128, kv_cache_memory=32 << 20, num_threads=1),
-                           world_size=2, startup_timeout=300)
+    ex = MultiprocExecutor(
+        RunnerConfig(max_model_len=128, kv_cache_memory=32 << 20, num_threads=1), world_size=2, startup_timeout=300
+    )
     with pytest.raises(ExecutorError, match="not divisible by tensor parallel size 2"):
         _run(ex.start())
     _assert_clean(ex, before)
@@ -177,8 +195,9 @@ def test_cancelled_call_then_worker_killed_mid_step(tiny):
     during a step fails that step within 2 s, and every later call at once."""
     before = _our_segments()
     deaths: list[tuple[float, str]] = []
-    ex = MultiprocExecutor(_cfg(tiny[0]), startup_timeout=120,
-                           on_death=lambda why: deaths.append((time.monotonic(), why)))
+    ex = MultiprocExecutor(
+        _cfg(tiny[0]), startup_timeout=120, on_death=lambda why: deaths.append((time.monotonic(), why))
+    )
 
     def set_delay(runner, seconds):  # nested, so cloudpickle ships it by value
         import time as _time
@@ -265,8 +284,13 @@ def test_tensor_parallel_2_matches_one_rank_and_transformers_then_a_rank_dies(ti
     assert _run(one_rank()) == want
 
     deaths: list[float] = []
-    ex = MultiprocExecutor(_cfg(path), world_size=2, startup_timeout=180,
-                           on_death=lambda why: deaths.append(time.monotonic()), all_reduce=all_reduce)
+    ex = MultiprocExecutor(
+        _cfg(path),
+        world_size=2,
+        startup_timeout=180,
+        on_death=lambda why: deaths.append(time.monotonic()),
+        all_reduce=all_reduce,
+    )
 
     async def two_ranks():
         await ex.start()

@@ -40,7 +40,7 @@ def check_message(msg: bytes, expect_seq: int) -> None:
     seq, crc = _HDR.unpack_from(msg)
     if seq != expect_seq:
         raise AssertionError(f"expected message {expect_seq}, got {seq}")
-    if zlib.crc32(memoryview(msg)[_HDR.size:]) != crc:
+    if zlib.crc32(memoryview(msg)[_HDR.size :]) != crc:
         raise AssertionError(f"message {seq} is corrupt")
 
 
@@ -118,8 +118,8 @@ def owner(num_slots: int, how_to_end: str) -> None:
         exit_on_signals()
     ring = ShmRing.create(1, num_slots, 256)
     child = subprocess.Popen(
-        [sys.executable, __file__, "orphan_reader", ring.name, "0", str(os.getpid())],
-        stdout=subprocess.PIPE, text=True)
+        [sys.executable, __file__, "orphan_reader", ring.name, "0", str(os.getpid())], stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "attached"
     for seq in range(5):

@@ -51,7 +51,7 @@ def test_a_stopped_rank_is_stalled_and_beats_again_after_sigcont(board):
         os.kill(p.pid, signal.SIGSTOP)
         took = _wait(lambda: board.stalled() != [], STALL_S + 2.0)
         assert took > STALL_S - 2 * BEAT_S  # not before its beats are really overdue
-        (rank, age), = board.stalled()
+        ((rank, age),) = board.stalled()
         assert rank == 1 and age > STALL_S
         os.kill(p.pid, signal.SIGCONT)
         _wait(lambda: board.stalled() == [], 2.0)

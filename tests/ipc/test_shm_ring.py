@@ -33,12 +33,19 @@ class Peer:
 
     def __init__(self, *args: object) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), *map(str, args)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.err: list[str] = []
-        self.pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True),
-                      threading.Thread(target=self._pump, args=(self.proc.stderr, self.err.append), daemon=True)]
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err.append), daemon=True),
+        ]
         for t in self.pumps:
             t.start()
 
@@ -154,6 +161,7 @@ def test_basics_in_one_process(no_leftovers):
     w.write(big)
     assert r.read(timeout=1) == big
     import array
+
     ints = array.array("i", range(10))
     w.write(memoryview(ints))
     assert r.read(timeout=1) == ints.tobytes()
@@ -297,6 +305,7 @@ def test_async_reader_keeps_loop_responsive(spawn, no_leftovers):
     """Engine side: the ring is created by the reader, a worker attaches as writer."""
     try:
         import uvloop
+
         new_loop = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         new_loop = asyncio.new_event_loop
@@ -434,8 +443,9 @@ def test_owner_exit_paths_leave_nothing(spawn, no_leftovers, how):
     elif how == "sigkill":
         owner.proc.send_signal(signal.SIGKILL)
     rc = owner.wait(20)
-    assert rc == {"normal": 0, "exception": 1, "sigterm": 128 + signal.SIGTERM,
-                  "sigkill": -signal.SIGKILL}[how], owner.stderr()
+    assert rc == {"normal": 0, "exception": 1, "sigterm": 128 + signal.SIGTERM, "sigkill": -signal.SIGKILL}[how], (
+        owner.stderr()
+    )
     wait_until(lambda: not pid_alive(child), 5, "the orphaned reader to exit")
     assert not (SHM / info["ring"]).exists()
     assert shm_entries(owner.pid, child) == []

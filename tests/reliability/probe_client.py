@@ -57,38 +57,54 @@ async def probes(base: str) -> dict[str, Any]:
         near = [(" the" * (MAX_STOP_STRING_CHARS // 4))[:-1] + x for x in "XYZW"]
         assert sum(map(len, near)) <= MAX_STOP_TOTAL_CHARS
         res["stop_at_cap_tokens"] = n = MAX_STOP_STRING_CHARS // 4 + 14
-        body = {"prompt": "Repeat after me:", "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
-                "logit_bias": {str(the[0]): 100}, "stop": near}
+        body = {
+            "prompt": "Repeat after me:",
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logit_bias": {str(the[0]): 100},
+            "stop": near,
+        }
         res["stop_at_cap"] = await _timed("stop_at_cap", marks, asyncio.gather(*(_stream(c, body) for _ in range(8))))
         # 2. As many stop strings as allowed.
         many = [f"never-{i:02d}-" + "q" * 50 for i in range(MAX_STOP_STRINGS)]
         body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0.0, "ignore_eos": True, "stop": many}
         res["stop_64"] = await _timed("stop_64", marks, asyncio.gather(*(_stream(c, body) for _ in range(8))))
         # 3. Past each cap: a 400 naming the field.
-        over = {"count": ["x%d" % i for i in range(MAX_STOP_STRINGS + 1)],
-                "length": ["y" * (MAX_STOP_STRING_CHARS + 1)],
-                "total": ["z" * MAX_STOP_STRING_CHARS] * (MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS) + ["w"]}
+        over = {
+            "count": [f"x{i}" for i in range(MAX_STOP_STRINGS + 1)],
+            "length": ["y" * (MAX_STOP_STRING_CHARS + 1)],
+            "total": ["z" * MAX_STOP_STRING_CHARS] * (MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS) + ["w"],
+        }
         res["stop_over_cap"] = {}
         for k, stop in over.items():
             r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stop": stop})
             res["stop_over_cap"][k] = {"status": r.status_code, "param": r.json()["error"]["param"]}
         # 4. Twenty logprobs on 64 concurrent streams.
-        body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
-                "logprobs": 20}
+        body = {
+            "prompt": "The capital of France is",
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 20,
+        }
         res["logprobs_64"] = await _timed("logprobs_64", marks, asyncio.gather(*(_stream(c, body) for _ in range(64))))
         # 5. A 4 MB chat body.
         big = {"messages": [{"role": "user", "content": "word " * ((4 << 20) // 5)}], "max_tokens": 4}
         raw = json.dumps(big).encode()
-        r = await _timed("chat_4mb", marks, c.post("/v1/chat/completions", content=raw,
-                                                     headers={"content-type": "application/json"}))
+        r = await _timed(
+            "chat_4mb", marks, c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        )
         res["chat_4mb"] = {"status": r.status_code, "bytes": len(raw), "error": r.json().get("error")}
     # 6. A slow body: headers and a few bytes, then nothing.
     host, port = base.split("//")[1].split(":")
     t0 = time.time()
     marks.append(("slow_body", t0, None))
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )
         reply = s.recv(65536).decode(errors="replace")
     marks[-1] = ("slow_body", t0, time.time())
     res["slow_body"] = {"status_line": reply.split("\r\n", 1)[0], "seconds": time.time() - t0}

@@ -76,8 +76,9 @@ def wait_idle_gauges(base_url: str, timeout: float = 30.0) -> dict[str, float]:
     """Gauges once running, waiting and KV usage are all 0 (or the last seen, after ``timeout``)."""
     deadline = time.monotonic() + timeout
     g = gauges(base_url)
-    while time.monotonic() < deadline and any(g.get(k, 1.0) != 0.0 for k in
-                                              ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")):
+    while time.monotonic() < deadline and any(
+        g.get(k, 1.0) != 0.0 for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    ):
         time.sleep(0.2)
         g = gauges(base_url)
     return g
@@ -97,8 +98,9 @@ class StreamResult:
     ended_at: float = 0.0
 
 
-async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any], disconnect_after: int | None = None,
-                            on_chunk: Any = None) -> StreamResult:
+async def stream_completion(
+    client: httpx.AsyncClient, body: dict[str, Any], disconnect_after: int | None = None, on_chunk: Any = None
+) -> StreamResult:
     """POST /v1/completions with stream=true; leave after ``disconnect_after`` chunks if given."""
     res = StreamResult()
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
@@ -137,8 +139,9 @@ def greedy(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
 async def reference_texts(base_url: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Fault-free greedy texts, generated together (the same batch shape as the runs compared)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        outs = await asyncio.gather(*(stream_completion(client, greedy(p, max_tokens, ignore_eos=True))
-                                      for p in prompts))
+        outs = await asyncio.gather(
+            *(stream_completion(client, greedy(p, max_tokens, ignore_eos=True)) for p in prompts)
+        )
     assert all(o.finish_reason == "length" and not o.error for o in outs), outs
     return [o.text for o in outs]
 
@@ -146,9 +149,15 @@ async def reference_texts(base_url: str, prompts: list[str], max_tokens: int) ->
 # -- engine death ---------------------------------------------------------------------------
 
 
-async def streams_through_fault(base_url: str, prompts: list[str], max_tokens: int, fault: Any,
-                                after_chunks: int = 4, timeout: float = 60.0,
-                                return_exceptions: bool = False) -> tuple[float, list]:
+async def streams_through_fault(
+    base_url: str,
+    prompts: list[str],
+    max_tokens: int,
+    fault: Any,
+    after_chunks: int = 4,
+    timeout: float = 60.0,
+    return_exceptions: bool = False,
+) -> tuple[float, list]:
     """One greedy stream per prompt; ``fault()`` (in a thread) once one has ``after_chunks`` chunks.
     (fault time, each stream's StreamResult, or with ``return_exceptions`` the exception of one
     cut off by the server going away)."""
@@ -159,8 +168,10 @@ async def streams_through_fault(base_url: str, prompts: list[str], max_tokens: i
             if res.chunks >= after_chunks:
                 started.set()
 
-        tasks = [asyncio.ensure_future(stream_completion(client, greedy(p, max_tokens, ignore_eos=True),
-                                                         on_chunk=on_chunk)) for p in prompts]
+        tasks = [
+            asyncio.ensure_future(stream_completion(client, greedy(p, max_tokens, ignore_eos=True), on_chunk=on_chunk))
+            for p in prompts
+        ]
         await asyncio.wait_for(started.wait(), 120)
         t_fault = time.monotonic()
         await asyncio.to_thread(fault)
@@ -170,8 +181,9 @@ async def streams_through_fault(base_url: str, prompts: list[str], max_tokens: i
 
 async def kill_during_streams(base_url: str, pid: int, prompts: list[str], max_tokens: int = 400) -> tuple[float, list]:
     """SIGKILL worker ``pid`` while the streams decode (see streams_through_fault)."""
-    return await streams_through_fault(base_url, prompts, max_tokens, lambda: os.kill(pid, signal.SIGKILL),
-                                       return_exceptions=True)
+    return await streams_through_fault(
+        base_url, prompts, max_tokens, lambda: os.kill(pid, signal.SIGKILL), return_exceptions=True
+    )
 
 
 def assert_died_cleanly(server: Any, killed: float, outs: list) -> str:
@@ -186,8 +198,8 @@ def assert_died_cleanly(server: Any, killed: float, outs: list) -> str:
     assert any(not isinstance(o, BaseException) for o in outs)
     try:
         code = server.proc.wait(60)
-    except Exception:
-        raise AssertionError(f"server still running 60 s after its engine died:\n{server.log()}")
+    except Exception as e:
+        raise AssertionError(f"server still running 60 s after its engine died:\n{server.log()}") from e
     log = server.log()
     assert code != 0, log
     assert "the engine is dead" in log

@@ -17,9 +17,16 @@ from typing import Any
 
 import httpx
 import pytest
-
-from reliability_helpers import (ENGINE_SEGMENTS, PROMPTS, greedy, reference_texts, resources, stream_completion, wait_idle_gauges,
-                                 wait_for_worker)
+from reliability_helpers import (
+    ENGINE_SEGMENTS,
+    PROMPTS,
+    greedy,
+    reference_texts,
+    resources,
+    stream_completion,
+    wait_for_worker,
+    wait_idle_gauges,
+)
 from server_helpers import ServerProcess, SharedServer
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -28,7 +35,16 @@ CLIENTS = 300
 MAX_TOKENS = 8  # short answers: 300 clients on two shared cores
 SHORT_REQUESTS = 2000
 PARALLEL = 64
-WORDS = ["Hi", "Hello", "Yes", "No", "Why", "Ocean", "Blue", "Sun"]  # one token each: the model's work per request is least
+WORDS = [
+    "Hi",
+    "Hello",
+    "Yes",
+    "No",
+    "Why",
+    "Ocean",
+    "Blue",
+    "Sun",
+]  # one token each: the model's work per request is least
 IDLE = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
 
 
@@ -46,9 +62,16 @@ def _round(base_url: str, seed: int) -> list:
     async def go():
         limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(
-                stream_completion(client, greedy(PROMPTS[i % len(PROMPTS)], MAX_TOKENS, ignore_eos=True),
-                                  disconnect_after=leave.get(i)) for i in range(CLIENTS)))
+            return await asyncio.gather(
+                *(
+                    stream_completion(
+                        client,
+                        greedy(PROMPTS[i % len(PROMPTS)], MAX_TOKENS, ignore_eos=True),
+                        disconnect_after=leave.get(i),
+                    )
+                    for i in range(CLIENTS)
+                )
+            )
 
     outs = asyncio.run(go())
     for i, o in enumerate(outs):
@@ -61,8 +84,7 @@ def test_300_streams_with_disconnects_complete_correctly_and_leave_nothing(serve
     reference = asyncio.run(reference_texts(server.base_url, PROMPTS, MAX_TOKENS))
     t0 = time.monotonic()
     outs = _round(server.base_url, seed=1)
-    print(f"\n  {CLIENTS} clients ({sum(o.disconnected for o in outs)} leaving early) in "
-          f"{time.monotonic() - t0:.1f} s")
+    print(f"\n  {CLIENTS} clients ({sum(o.disconnected for o in outs)} leaving early) in {time.monotonic() - t0:.1f} s")
     for i, o in enumerate(outs):
         if not o.disconnected:
             assert o.finish_reason == "length", (i, o)
@@ -79,14 +101,17 @@ def _short_requests(base_url: str, n: int) -> None:
         if i % 10:
             r = await c.post("/v1/completions", json=greedy(WORDS[i % len(WORDS)], 1))
             return i, (r.status_code, r.json())
-        return i, await stream_completion(c, greedy(WORDS[i % len(WORDS)], 3, ignore_eos=True),
-                                          disconnect_after=1 if i % 20 == 0 else None)
+        return i, await stream_completion(
+            c, greedy(WORDS[i % len(WORDS)], 3, ignore_eos=True), disconnect_after=1 if i % 20 == 0 else None
+        )
 
     async def go() -> list[tuple[int, Any]]:
         # Several small pools: httpx's work per request grows with its pool, and the client
         # shares the cores with the server.
-        clients = [httpx.AsyncClient(base_url=base_url, timeout=300,
-                                     limits=httpx.Limits(max_connections=PARALLEL // 4)) for _ in range(4)]
+        clients = [
+            httpx.AsyncClient(base_url=base_url, timeout=300, limits=httpx.Limits(max_connections=PARALLEL // 4))
+            for _ in range(4)
+        ]
         gate = asyncio.Semaphore(PARALLEL)
 
         async def gated(i: int) -> tuple[int, Any]:
@@ -119,8 +144,10 @@ def test_thousands_of_requests_leave_no_growth(server):
     took = time.monotonic() - t0
     assert wait_idle_gauges(server.base_url) == IDLE
     after, worker_after = resources(server.proc.pid), resources(worker)
-    print(f"\n  {SHORT_REQUESTS} requests in {took:.1f} s\n  server before: {before}\n  server after:  {after}"
-          f"\n  worker before: {worker_before}\n  worker after:  {worker_after}")
+    print(
+        f"\n  {SHORT_REQUESTS} requests in {took:.1f} s\n  server before: {before}\n  server after:  {after}"
+        f"\n  worker before: {worker_before}\n  worker after:  {worker_after}"
+    )
     assert after.fds <= before.fds + 2, (before, after)
     assert after.threads <= before.threads, (before, after)
     assert after.shm == before.shm and len(after.shm) == ENGINE_SEGMENTS, (before, after)
@@ -131,8 +158,10 @@ def test_thousands_of_requests_leave_no_growth(server):
 
 
 def test_priority_without_allow_request_priority_is_a_400_naming_it(server):
-    for path, body in (("/v1/completions", greedy("Hello", 4)),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})):
+    for path, body in (
+        ("/v1/completions", greedy("Hello", 4)),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    ):
         r = httpx.post(server.base_url + path, json={**body, "priority": 3}, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -16,23 +16,28 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from reliability_helpers import greedy, shm_segments, stream_completion, worker_pids
 from server_helpers import START_TIMEOUT, ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 # Long shared openings (several 16-token blocks), different endings.
-OPENINGS = ["You are a careful assistant who answers questions about the sea and its animals. " * 3,
-            "Here is a list of cities, rivers and mountains that every geography student should know: " * 3]
+OPENINGS = [
+    "You are a careful assistant who answers questions about the sea and its animals. " * 3,
+    "Here is a list of cities, rivers and mountains that every geography student should know: " * 3,
+]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--data-parallel-size", "2", "--no-worker-recovery",
-                                  "--max-num-seqs", "8", "--shutdown-timeout", "5"),
-                        port, tmp_path_factory.mktemp("dp") / "server.log")
+    srv = ServerProcess(
+        serve_cmd(
+            port, "--data-parallel-size", "2", "--no-worker-recovery", "--max-num-seqs", "8", "--shutdown-timeout", "5"
+        ),
+        port,
+        tmp_path_factory.mktemp("dp") / "server.log",
+    )
     try:
         srv.wait_ready(max(START_TIMEOUT, 480.0))  # two replicas start side by side on shared cores
         yield srv
@@ -48,7 +53,7 @@ def replica_metrics(base_url: str) -> dict[str, list[float]]:
             name, value = line.rsplit(" ", 1)
             metric, label = name.split("{")
             i = int(label.split('"')[1])
-            out.setdefault(metric[len("aiolm:dp_replica_"):], [0.0, 0.0])[i] = float(value)
+            out.setdefault(metric[len("aiolm:dp_replica_") :], [0.0, 0.0])[i] = float(value)
     return out
 
 
@@ -69,8 +74,9 @@ def test_both_replicas_serve_and_repeated_prompts_go_to_the_replica_that_cached_
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            return await asyncio.gather(*(stream_completion(c, greedy(f"Short prompt {i}:", 24, ignore_eos=True))
-                                          for i in range(6)))
+            return await asyncio.gather(
+                *(stream_completion(c, greedy(f"Short prompt {i}:", 24, ignore_eos=True)) for i in range(6))
+            )
 
     outs = asyncio.run(burst())
     assert all(o.finish_reason == "length" and not o.error for o in outs), outs
@@ -87,7 +93,7 @@ def test_both_replicas_serve_and_repeated_prompts_go_to_the_replica_that_cached_
         first = _complete(url, opening + "Question one?")
         m1 = replica_metrics(url)
         home = _delta(m1, m0, "routed_total").index(1.0)
-        for k, ending in enumerate(["Question two?", "Question three?"]):
+        for ending in ["Question two?", "Question three?"]:
             text = _complete(url, opening + ending)
             m2 = replica_metrics(url)
             assert _delta(m2, m1, "routed_total")[home] == 1.0, (home, m1, m2)
@@ -112,10 +118,15 @@ def test_a_killed_replica_ends_its_streams_within_2s_and_the_other_keeps_serving
                 def on_chunk(res):
                     if res.chunks >= 3:
                         started[i].set()
+
                 return on_chunk
 
-            tasks = [asyncio.ensure_future(stream_completion(client, greedy(f"Long story {i}:", 160, ignore_eos=True),
-                                                             on_chunk=mark(i))) for i in range(4)]
+            tasks = [
+                asyncio.ensure_future(
+                    stream_completion(client, greedy(f"Long story {i}:", 160, ignore_eos=True), on_chunk=mark(i))
+                )
+                for i in range(4)
+            ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
             running = replica_metrics(url)["requests_running"]
             killed = time.monotonic()

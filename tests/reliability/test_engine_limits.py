@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from engine_harness import ENGINE_ARGS, LoopThread, after_death
 
 from aiolm import AsyncEngine, EngineBusyError, EngineDeadError, RequestTimeoutError, SamplingParams
 from aiolm.ipc.stale import sweep_stale_segments
-from engine_harness import ENGINE_ARGS, LoopThread, after_death
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -75,8 +75,9 @@ def test_a_request_past_its_timeout_is_aborted_and_its_blocks_freed(small_engine
     async def go():
         got = []
         with pytest.raises(RequestTimeoutError):
-            async for out in engine.generate("Tell a long story:", SamplingParams(max_tokens=900, ignore_eos=True),
-                                             timeout=1.0):
+            async for out in engine.generate(
+                "Tell a long story:", SamplingParams(max_tokens=900, ignore_eos=True), timeout=1.0
+            ):
                 got.append(out)
         idle = await _idle(engine)
         # The engine goes on serving.

@@ -18,9 +18,16 @@ import time
 
 import httpx
 import pytest
-
-from reliability_helpers import (PROMPTS, assert_died_cleanly, gauges, greedy, kill_during_streams, stream_completion,
-                                 wait_for_worker, wait_idle_gauges)
+from reliability_helpers import (
+    PROMPTS,
+    assert_died_cleanly,
+    gauges,
+    greedy,
+    kill_during_streams,
+    stream_completion,
+    wait_for_worker,
+    wait_idle_gauges,
+)
 from server_helpers import ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -34,10 +41,23 @@ IDLE = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usag
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--no-worker-recovery", "--max-num-seqs", str(SEATS),
-                                  "--max-waiting-requests", str(WAITING), "--max-seqs-per-request", "16",
-                                  "--request-timeout", str(REQUEST_TIMEOUT), "--allow-request-priority"),
-                        port, tmp_path_factory.mktemp("failfast") / "server.log")
+    srv = ServerProcess(
+        serve_cmd(
+            port,
+            "--no-worker-recovery",
+            "--max-num-seqs",
+            str(SEATS),
+            "--max-waiting-requests",
+            str(WAITING),
+            "--max-seqs-per-request",
+            "16",
+            "--request-timeout",
+            str(REQUEST_TIMEOUT),
+            "--allow-request-priority",
+        ),
+        port,
+        tmp_path_factory.mktemp("failfast") / "server.log",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -49,10 +69,12 @@ def test_twice_the_waiting_bound_at_once_gets_429_for_the_excess(server):
     n = 2 * WAITING
 
     async def go():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
-                                     limits=httpx.Limits(max_connections=n)) as c:
-            return await asyncio.gather(*(c.post("/v1/completions", json=greedy(PROMPTS[i % 8], 24, ignore_eos=True))
-                                          for i in range(n)))
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=120, limits=httpx.Limits(max_connections=n)
+        ) as c:
+            return await asyncio.gather(
+                *(c.post("/v1/completions", json=greedy(PROMPTS[i % 8], 24, ignore_eos=True)) for i in range(n))
+            )
 
     rs = asyncio.run(go())
     ok = [r for r in rs if r.status_code == 200]
@@ -73,8 +95,10 @@ def test_retry_after_is_the_time_the_queue_ahead_takes_to_drain(server):
     tokens = 24  # every request here must finish within REQUEST_TIMEOUT, queueing included
 
     async def go():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
-                                     limits=httpx.Limits(max_connections=SEATS + WAITING + 1)) as c:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=120, limits=httpx.Limits(max_connections=SEATS + WAITING + 1)
+        ) as c:
+
             async def timed(i: int) -> float:
                 r = await c.post("/v1/completions", json=greedy(PROMPTS[i % 8], tokens, ignore_eos=True))
                 assert r.status_code == 200, r.text
@@ -121,7 +145,9 @@ async def _until(check, timeout: float = 60.0) -> None:
 
 def _starts(c: httpx.AsyncClient, first: dict[str, float], name: str, body: dict) -> asyncio.Future:
     """A stream that notes in ``first`` when its first chunk arrived."""
-    return asyncio.ensure_future(stream_completion(c, body, on_chunk=lambda res: first.setdefault(name, time.monotonic())))
+    return asyncio.ensure_future(
+        stream_completion(c, body, on_chunk=lambda res: first.setdefault(name, time.monotonic()))
+    )
 
 
 def test_requests_past_the_timeout_are_aborted_and_free_their_blocks(server):
@@ -159,10 +185,13 @@ def test_a_lower_priority_value_gets_a_seat_before_earlier_waiting_requests(serv
     async def go():
         first: dict[str, float] = {}
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as c:
-            tasks = [_starts(c, first, f"run{i}", greedy(p, 64, ignore_eos=True)) for i, p in enumerate(PROMPTS[:SEATS])]
+            tasks = [
+                _starts(c, first, f"run{i}", greedy(p, 64, ignore_eos=True)) for i, p in enumerate(PROMPTS[:SEATS])
+            ]
             await _until(lambda: len(first) == SEATS)
-            tasks += [_starts(c, first, f"low{i}", greedy(PROMPTS[i], 8, ignore_eos=True, priority=5))
-                      for i in range(lows)]
+            tasks += [
+                _starts(c, first, f"low{i}", greedy(PROMPTS[i], 8, ignore_eos=True, priority=5)) for i in range(lows)
+            ]
             await _until(lambda: waiting(lows))
             t_high = time.monotonic()
             tasks.append(_starts(c, first, "high", greedy(PROMPTS[7], 8, ignore_eos=True, priority=-5)))

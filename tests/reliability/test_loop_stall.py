@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from aiolm.params import MAX_STOP_STRING_CHARS
 from engine_harness import ENGINE_ARGS, LoopThread, thread_schedstat
 from server_helpers import ROOT, free_port
+
+from aiolm.params import MAX_STOP_STRING_CHARS
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -42,8 +42,9 @@ def test_client_controlled_work_never_stalls_the_loop():
     lt = LoopThread()
     port = free_port()
     app = build_app(AsyncEngine(**ENGINE_ARGS), ServerSettings(body_timeout=BODY_TIMEOUT, access_log=False))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning",
-                                           log_config=None))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning", log_config=None)
+    )
     ticks: list[tuple[float, float, float, float]] = []  # (time, wall lag, run-queue wait, on-CPU time)
     done = asyncio.Event()
 
@@ -72,9 +73,14 @@ def test_client_controlled_work_never_stalls_the_loop():
     serving = None
     try:
         serving = lt.run(start(), timeout=300)
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("probe_client.py")),
-                               f"http://127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("probe_client.py")), f"http://127.0.0.1:{port}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         res = json.loads(proc.stdout)
     finally:
@@ -107,9 +113,11 @@ def test_client_controlled_work_never_stalls_the_loop():
 
     worst = sorted(ticks, key=lambda x: x[1], reverse=True)[:5]
     net = sorted((wall - rq for _, wall, rq, _ in ticks), reverse=True)
-    report = (f"{len(ticks)} ticks; longest on-CPU {1e3 * max(c for *_, c in ticks):.1f} ms, longest lag net of "
-              f"run-queue wait {1e3 * net[0]:.1f} ms; worst wall lags (probe, wall lag, run-queue, cpu ms): "
-              f"{[(probe_at(t), *(round(1e3 * x, 1) for x in v)) for t, *v in worst]}")
+    report = (
+        f"{len(ticks)} ticks; longest on-CPU {1e3 * max(c for *_, c in ticks):.1f} ms, longest lag net of "
+        f"run-queue wait {1e3 * net[0]:.1f} ms; worst wall lags (probe, wall lag, run-queue, cpu ms): "
+        f"{[(probe_at(t), *(round(1e3 * x, 1) for x in v)) for t, *v in worst]}"
+    )
     print(report)
     assert len(ticks) > 200, report
     assert max(cpu for *_, cpu in ticks) < STALL, report
@@ -117,4 +125,3 @@ def test_client_controlled_work_never_stalls_the_loop():
     # (tokenizing, templates, JSON off the loop); a VM losing its CPU (steal) shows as
     # neither, so two ticks over the whole run may exceed it.
     assert sum(x >= STALL for x in net) <= 2, report
-

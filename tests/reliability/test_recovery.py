@@ -25,10 +25,19 @@ import time
 
 import httpx
 import pytest
-
-from reliability_helpers import (ENGINE_SEGMENTS, PROMPTS, assert_died_cleanly, greedy, kill_during_streams,
-                                 reference_texts, resources, shm_segments, streams_through_fault, wait_for_worker,
-                                 worker_pids)
+from reliability_helpers import (
+    ENGINE_SEGMENTS,
+    PROMPTS,
+    assert_died_cleanly,
+    greedy,
+    kill_during_streams,
+    reference_texts,
+    resources,
+    shm_segments,
+    streams_through_fault,
+    wait_for_worker,
+    worker_pids,
+)
 from server_helpers import ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -43,9 +52,20 @@ STREAM_PROMPTS = PROMPTS[:6]
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("recovery")
     port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--step-timeout", str(STEP_TIMEOUT), "--max-worker-restarts",
-                                  str(MAX_RESTARTS), "--shutdown-timeout", "5"),
-                        port, d / "server.log", env={"AIOLM_TEST_FAULT": str(d / "fault")})
+    srv = ServerProcess(
+        serve_cmd(
+            port,
+            "--step-timeout",
+            str(STEP_TIMEOUT),
+            "--max-worker-restarts",
+            str(MAX_RESTARTS),
+            "--shutdown-timeout",
+            "5",
+        ),
+        port,
+        d / "server.log",
+        env={"AIOLM_TEST_FAULT": str(d / "fault")},
+    )
     srv.fault_file = d / "fault"
     try:
         srv.wait_ready()
@@ -104,8 +124,9 @@ class HealthWatch:
 
 def _streams_through(server: ServerProcess, fault, after_chunks: int = 8) -> tuple[float, list]:
     """Start the streams, call ``fault()`` once one has ``after_chunks`` chunks, await them all."""
-    return asyncio.run(streams_through_fault(server.base_url, STREAM_PROMPTS, MAX_TOKENS, fault, after_chunks,
-                                             timeout=300))
+    return asyncio.run(
+        streams_through_fault(server.base_url, STREAM_PROMPTS, MAX_TOKENS, fault, after_chunks, timeout=300)
+    )
 
 
 def _log(server: ServerProcess) -> str:
@@ -118,8 +139,10 @@ def _check_recovered(server, reference, outs, watch: HealthWatch, old_pid, t_fau
     watch_seen = watch.seen
     down = [t for t, s, _ in watch_seen if s == 503]
     if t_fault and down:
-        print(f"\n  /health 503 from +{down[0] - t_fault:.1f} s to +{down[-1] - t_fault:.1f} s after the fault; "
-              f"streams done +{max(o.ended_at for o in outs) - t_fault:.1f} s")
+        print(
+            f"\n  /health 503 from +{down[0] - t_fault:.1f} s to +{down[-1] - t_fault:.1f} s after the fault; "
+            f"streams done +{max(o.ended_at for o in outs) - t_fault:.1f} s"
+        )
     errors = [o.error for o in outs if o.error]
     assert not errors, f"streams failed: {errors}\n{server.log()}"
     assert [o.finish_reason for o in outs] == ["length"] * len(outs)

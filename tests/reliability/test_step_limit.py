@@ -9,7 +9,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 from server_helpers import ServerProcess, free_port, serve_cmd
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -20,9 +19,11 @@ FLOOR = 1.0  # --step-timeout: the limit of a step that the measured rate predic
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--step-timeout", str(FLOOR), "--max-num-batched-tokens", "1024",
-                                  "--no-enable-prefix-caching"),
-                        port, tmp_path_factory.mktemp("step_limit") / "server.log")
+    srv = ServerProcess(
+        serve_cmd(port, "--step-timeout", str(FLOOR), "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching"),
+        port,
+        tmp_path_factory.mktemp("step_limit") / "server.log",
+    )
     try:
         srv.wait_ready()
         yield srv

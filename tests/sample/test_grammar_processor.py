@@ -41,8 +41,11 @@ def _greedy(proc: Grammar, logits: torch.Tensor) -> list[int]:
 
 def test_rows_follow_their_grammar_to_the_stop_token(tokenizer):
     torch.manual_seed(0)
-    params = [_params(StructuredOutputs("regex", "[0-9]{3}-ok")), _params(None),
-              _params(StructuredOutputs("grammar", choice_grammar(["alpha", "beta"])))]
+    params = [
+        _params(StructuredOutputs("regex", "[0-9]{3}-ok")),
+        _params(None),
+        _params(StructuredOutputs("grammar", choice_grammar(["alpha", "beta"]))),
+    ]
     outputs: list[list[int]] = [[], [], []]
     proc = Grammar.build(_rows(params, outputs))
     assert proc is not None and proc.rows == [0, 2]
@@ -145,8 +148,14 @@ def test_tokenizer_info_is_cached_by_the_tokenizer_files(tmp_path, monkeypatch, 
     entries = list((tmp_path / "cache" / "tokenizer-info").glob("*.json"))
     assert len(loads) == 1 and len(entries) == 1
     read = tokenizer_info(lambda: pytest.fail("the cached info must not load the tokenizer"), VOCAB, folder)
-    for attr in ("decoded_vocab", "stop_token_ids", "special_token_ids", "vocab_type", "add_prefix_space",
-                 "vocab_size"):
+    for attr in (
+        "decoded_vocab",
+        "stop_token_ids",
+        "special_token_ids",
+        "vocab_type",
+        "add_prefix_space",
+        "vocab_size",
+    ):
         assert getattr(read, attr) == getattr(built, attr), attr
     reference = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)
     assert read.decoded_vocab == reference.decoded_vocab and read.stop_token_ids == reference.stop_token_ids

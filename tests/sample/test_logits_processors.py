@@ -66,9 +66,15 @@ class NoImmediateRepeat(LogitsProcessor):
 
 def meta(params, outputs=None, vocab=8, registry=None, seed=0):
     n = len(params)
-    return SamplingMetadata.build(params, outputs or [[] for _ in range(n)], [[] for _ in range(n)],
-                                  vocab, "cpu", default_generator=make_generator(seed),
-                                  registry=registry)
+    return SamplingMetadata.build(
+        params,
+        outputs or [[] for _ in range(n)],
+        [[] for _ in range(n)],
+        vocab,
+        "cpu",
+        default_generator=make_generator(seed),
+        registry=registry,
+    )
 
 
 def test_registered_processor_bans_a_token_for_greedy_and_random_rows(monkeypatch):
@@ -95,8 +101,9 @@ def test_registry_order_is_application_order():
     reg = logits_processors.REGISTRY
     for order in ([*reg, ban_token(2)], [ban_token(2), *reg]):
         m = meta(p, vocab=4, registry=order)
-        assert [type(x).__name__ for x in m.processors] == [c.__name__ for c in order
-                                                            if c.__name__ in ("BanToken", "LogitBias")]
+        assert [type(x).__name__ for x in m.processors] == [
+            c.__name__ for c in order if c.__name__ in ("BanToken", "LogitBias")
+        ]
         assert sampler(logits, m).sampled.item() == 3
 
 
@@ -124,8 +131,12 @@ def test_allowed_token_ids_restricts_only_the_rows_that_ask():
     vocab = 50
     logits = torch.randn(4, vocab) * 3
     allowed = [7, 11, 45, 99]  # 99 is outside the vocabulary: ignored
-    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0),
+    ]
     out = sampler(logits, meta(params, vocab=vocab)).sampled.tolist()
     assert out[0] == max((7, 11, 45), key=lambda t: logits[0, t].item())
     assert out[1] == logits[1].argmax().item() and out[3] == logits[3].argmax().item()
@@ -176,15 +187,25 @@ def test_registered_processor_changes_the_model_runners_tokens(monkeypatch, real
     changes the output, and the banned token never appears."""
     from aiolm.worker.model_runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner(RunnerConfig(dtype="float32", max_num_seqs=2, max_model_len=64,
-                                      block_size=16, kv_cache_memory=16 << 20, num_threads=1))
+    runner = ModelRunner(
+        RunnerConfig(
+            dtype="float32", max_num_seqs=2, max_model_len=64, block_size=16, kv_cache_memory=16 << 20, num_threads=1
+        )
+    )
     prompt = list(range(100, 110))
 
     def generate(rid: str) -> list[int]:
-        sched = Scheduler(SchedulerConfig(num_blocks=runner.num_blocks, block_size=16, max_num_seqs=2,
-                                          max_num_batched_tokens=64, max_model_len=64, hash_seed=0))
-        sched.add_request(Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6,
-                                                              ignore_eos=True)))
+        sched = Scheduler(
+            SchedulerConfig(
+                num_blocks=runner.num_blocks,
+                block_size=16,
+                max_num_seqs=2,
+                max_num_batched_tokens=64,
+                max_model_len=64,
+                hash_seed=0,
+            )
+        )
+        sched.add_request(Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
         tokens: list[int] = []
         for _ in range(20):
             if not sched.has_unfinished_requests():

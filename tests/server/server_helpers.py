@@ -16,16 +16,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LIGHT_ENGINE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", str(256 << 20), "--max-num-seqs", "32",
-                      "--num-threads", "1"]  # one torch thread: several times faster on shared cores
+LIGHT_ENGINE_FLAGS = [
+    "--max-model-len",
+    "1024",
+    "--kv-cache-memory",
+    str(256 << 20),
+    "--max-num-seqs",
+    "32",
+    "--num-threads",
+    "1",
+]  # one torch thread: several times faster on shared cores
 API_KEY = "test-key-123"
 START_TIMEOUT = float(os.environ.get("AIOLM_TEST_SERVER_START_TIMEOUT", "240"))
 
@@ -45,8 +54,9 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env
+        )
         self.returncode: int | None = None
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
@@ -76,13 +86,13 @@ class ServerProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise AssertionError(f"server did not exit {timeout}s after SIGTERM:\n{self.log()}")
+                raise AssertionError(f"server did not exit {timeout}s after SIGTERM:\n{self.log()}") from None
         self.returncode = self.proc.returncode
         self._log.close()
         return self.returncode
 
     @contextlib.contextmanager
-    def serving(self, name: str = "server") -> Iterator["ServerProcess"]:
+    def serving(self, name: str = "server") -> Iterator[ServerProcess]:
         """Ready on entry; on exit SIGTERM, and the process must exit with 0."""
         try:
             self.wait_ready()
@@ -98,8 +108,18 @@ class ServerProcess:
 
 
 def serve_cmd(port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "aiolm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            *LIGHT_ENGINE_FLAGS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "aiolm.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *LIGHT_ENGINE_FLAGS,
+        *extra,
+    ]
 
 
 class SharedServer:
@@ -132,11 +152,17 @@ class SharedServer:
 
 
 # The flags of the two shared servers (session fixtures in tests/conftest.py).
-KEYED_SERVER_FLAGS = ("--api-key", API_KEY, "--max-request-bytes", str(256 << 10), "--shutdown-timeout", "5",
-                      "--metrics-prefix", "vllm")
+KEYED_SERVER_FLAGS = (
+    "--api-key",
+    API_KEY,
+    "--max-request-bytes",
+    str(256 << 10),
+    "--shutdown-timeout",
+    "5",
+    "--metrics-prefix",
+    "vllm",
+)
 OPEN_SERVER_FLAGS = ("--tool-call-parser", "hermes", "--shutdown-timeout", "5")
-
-
 
 
 # -- a fake engine: the AsyncEngine surface the server uses, no model --------------------
@@ -196,8 +222,9 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    async def render_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                **kw: Any) -> str:
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:
         return self.render_chat(messages, add_generation_prompt, **kw)
 
     def prompt_too_long(self, text: str) -> str | None:
@@ -210,8 +237,15 @@ class FakeEngine:
         return [chr(i) for i in ids]
 
     def tokenizer_info(self) -> dict[str, Any]:
-        return {"tokenizer_class": "FakeTokenizer", "vocab_size": self.vocab_size, "bos_token": None,
-                "eos_token": None, "pad_token": None, "unk_token": None, "chat_template": None}
+        return {
+            "tokenizer_class": "FakeTokenizer",
+            "vocab_size": self.vocab_size,
+            "bos_token": None,
+            "eos_token": None,
+            "pad_token": None,
+            "unk_token": None,
+            "chat_template": None,
+        }
 
     async def start(self) -> None:
         self.started = True
@@ -238,8 +272,9 @@ class FakeEngine:
     def num_requests(self) -> tuple[int, int]:
         return len(self.live), 0
 
-    async def add_request(self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0,
-                          timeout: float | None = None) -> _State:
+    async def add_request(
+        self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0, timeout: float | None = None
+    ) -> _State:
         from aiolm.engine.errors import EngineDeadError
 
         if self.dead:
@@ -268,8 +303,11 @@ class FakeEngine:
                     if s.finish_reason is not None:
                         if not delta:
                             lp_all = lps[s.index] if p.logprobs is not None else None
-                            outs.append(CompletionOutput(s.index, text[s.index], list(s.token_ids),
-                                                         s.finish_reason, None, lp_all))
+                            outs.append(
+                                CompletionOutput(
+                                    s.index, text[s.index], list(s.token_ids), s.finish_reason, None, lp_all
+                                )
+                            )
                         continue
                     tid = ord("a") + (step + s.index) % 26
                     s.token_ids.append(tid)
@@ -280,22 +318,44 @@ class FakeEngine:
                     reason = "length" if step == max_tokens - 1 else None
                     stop_hit = next((x for x in p.stop if x in text[s.index]), None)
                     if stop_hit:
-                        text[s.index] = text[s.index][:text[s.index].index(stop_hit)]
+                        text[s.index] = text[s.index][: text[s.index].index(stop_hit)]
                         reason = "stop"
                     s.finish_reason = reason
                     lps[s.index].append({tid: _Logprob(-0.5, 1, piece), ord("z"): _Logprob(-2.0, 2, "z")})
                     use_lp = p.logprobs is not None
                     if delta:
-                        outs.append(CompletionOutput(s.index, text[s.index][before:], [tid], reason, None,
-                                                     lps[s.index][-1:] if use_lp else None))
+                        outs.append(
+                            CompletionOutput(
+                                s.index,
+                                text[s.index][before:],
+                                [tid],
+                                reason,
+                                None,
+                                lps[s.index][-1:] if use_lp else None,
+                            )
+                        )
                     else:
-                        outs.append(CompletionOutput(s.index, text[s.index], list(s.token_ids), reason, None,
-                                                     list(lps[s.index]) if use_lp else None))
+                        outs.append(
+                            CompletionOutput(
+                                s.index,
+                                text[s.index],
+                                list(s.token_ids),
+                                reason,
+                                None,
+                                list(lps[s.index]) if use_lp else None,
+                            )
+                        )
                 finished = all(s.finish_reason for s in st.seqs)
                 if p.output_kind is OutputKind.FINAL_ONLY and not finished:
                     continue
-                yield RequestOutput(st.req_id, None, st.prompt_ids, outs, finished,
-                                    metrics={"ttft": 0.001, "e2e": time.monotonic() - t0} if finished else {})
+                yield RequestOutput(
+                    st.req_id,
+                    None,
+                    st.prompt_ids,
+                    outs,
+                    finished,
+                    metrics={"ttft": 0.001, "e2e": time.monotonic() - t0} if finished else {},
+                )
                 if finished:
                     return
         finally:
@@ -315,11 +375,18 @@ def json_values():
     """Any JSON value (small), for replacing fields with wrong types."""
     from hypothesis import strategies as st
 
-    scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=12)
+    )
     return st.recursive(
-        scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
-        max_leaves=6)
+        scalars,
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
+        max_leaves=6,
+    )
 
 
 def from_schema(schema: dict | bool, max_text: int = 24, defs: dict | None = None):
@@ -353,8 +420,13 @@ def from_schema(schema: dict | bool, max_text: int = 24, defs: dict | None = Non
         return st.integers(lo, hi)
     if t == "number":
         lo = schema.get("minimum", schema.get("exclusiveMinimum"))
-        return st.floats(min_value=lo, max_value=schema.get("maximum"), allow_nan=False, allow_infinity=False,
-                         exclude_min="exclusiveMinimum" in schema)
+        return st.floats(
+            min_value=lo,
+            max_value=schema.get("maximum"),
+            allow_nan=False,
+            allow_infinity=False,
+            exclude_min="exclusiveMinimum" in schema,
+        )
     if t == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", max_text), max_text))
     if t == "array":
@@ -364,9 +436,14 @@ def from_schema(schema: dict | bool, max_text: int = 24, defs: dict | None = Non
         props = schema.get("properties", {})
         if not props:
             extra = schema.get("additionalProperties", {})
-            return st.dictionaries(st.text(max_size=6), sub(extra) if extra else json_values(),
-                                   max_size=min(schema.get("maxProperties", 3), 3))
+            return st.dictionaries(
+                st.text(max_size=6),
+                sub(extra) if extra else json_values(),
+                max_size=min(schema.get("maxProperties", 3), 3),
+            )
         required = schema.get("required", [])
         optional = [k for k in props if k not in required]
-        return st.fixed_dictionaries({k: sub(props[k]) for k in required}, optional={k: sub(props[k]) for k in optional})
+        return st.fixed_dictionaries(
+            {k: sub(props[k]) for k in required}, optional={k: sub(props[k]) for k in optional}
+        )
     return json_values()

@@ -35,8 +35,20 @@ def test_both_engines_are_engine_clients():
     assert isinstance(create_engine(EngineArgs(data_parallel_size=2)), DataParallelEngine)
     assert not hasattr(DataParallelEngine, "__getattr__")
     members = _members()
-    assert {"add_request", "stream", "abort", "generate", "is_healthy", "tokenize", "render_chat_async",
-            "prompt_too_long", "vocab_size", "model_name", "max_model_len", "metrics"} <= members
+    assert {
+        "add_request",
+        "stream",
+        "abort",
+        "generate",
+        "is_healthy",
+        "tokenize",
+        "render_chat_async",
+        "prompt_too_long",
+        "vocab_size",
+        "model_name",
+        "max_model_len",
+        "metrics",
+    } <= members
     for name in sorted(members):
         for engine in (single, dp):
             cls = type(engine)

@@ -15,15 +15,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from server_helpers import ROOT
 
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory", str(64 << 20), "--num-threads", "1"]
 
 
 def _aiolm(*args: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiolm.cli", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "aiolm.cli", *args],
+        cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_usage_without_command():
@@ -45,11 +50,15 @@ def test_usage_without_command():
 # other's start-up.
 MODEL_RUNS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "generate": (("generate", "What is the capital of France?", "--chat", "--max-tokens", "8", *FLAGS), None),
-    "chat-stdin": (("chat", "--temperature", "0", "--max-tokens", "8", *FLAGS),
-                   "What is the capital of France?\n/reset\nWhat is the capital of France?\n"),
+    "chat-stdin": (
+        ("chat", "--temperature", "0", "--max-tokens", "8", *FLAGS),
+        "What is the capital of France?\n/reset\nWhat is the capital of France?\n",
+    ),
     # Sampled at the default temperature and top_p; seeded, so one unlucky draw cannot fail it.
-    "chat-sampled": (("chat", "--max-tokens", "24", "--sampling-seed", "0", *FLAGS),
-                     "What is the capital of France?\n"),
+    "chat-sampled": (
+        ("chat", "--max-tokens", "24", "--sampling-seed", "0", *FLAGS),
+        "What is the capital of France?\n",
+    ),
 }
 
 
@@ -168,8 +177,15 @@ class _Terminal:
 
     def __init__(self, args: list[str]) -> None:
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave,
-                                     start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
         os.close(slave)
         self.screen = ""
 
@@ -198,8 +214,7 @@ class _Terminal:
 
 @pytest.mark.slow
 def test_chat_ctrl_c_stops_the_answer_then_leaves():
-    term = _Terminal([sys.executable, "-m", "aiolm.cli", "chat", "--temperature", "0", "--max-tokens", "400",
-                      *FLAGS])
+    term = _Terminal([sys.executable, "-m", "aiolm.cli", "chat", "--temperature", "0", "--max-tokens", "400", *FLAGS])
     try:
         at = term.read_until("> ", 240)
         term.send("Write a very long story about a dragon.\n")

@@ -116,28 +116,40 @@ def test_every_documented_field_is_one_the_server_reads(fake_engine, path):
 
 def test_responses_refuses_what_it_does_not_do(fake_engine):
     base = BASES["/v1/responses"]
-    cases = [({"previous_response_id": "resp_1"}, "previous_response_id"),
-             ({"tools": [{"type": "web_search"}]}, "tools"),
-             ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
-             ({"input": [{"type": "function_call", "role": "user", "content": "x"}]}, "input[0].type"),
-             ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-              "input[0].content[0].image_url"),
-             ({"input": [{"role": "user", "content": [{"type": "input_file", "text": "x"}]}]},
-              "input[0].content[0].type"),
-             ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-             ({"text": {"verbosity": "low"}}, "text.verbosity"),
-             ({"max_output_tokens": 0}, "max_output_tokens"),
-             ({"max_output_tokens": 10_000}, "max_output_tokens"),
-             ({"input": []}, "input"),
-             ({"model": "other"}, "model")]
+    cases = [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call", "role": "user", "content": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].image_url",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "text": "x"}]}]}, "input[0].content[0].type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 10_000}, "max_output_tokens"),
+        ({"input": []}, "input"),
+        ({"model": "other"}, "model"),
+    ]
     with _client(fake_engine) as c:
         for extra, param in cases:
             r = c.post("/v1/responses", json={**base, **extra})
             assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, (extra, r.text)
         # the accepted no-ops, echoed where OpenAI echoes them
-        r = c.post("/v1/responses", json={**base, "store": False, "metadata": {"k": "v"}, "user": "u",
-                                          "service_tier": "auto", "truncation": "disabled"})
+        r = c.post(
+            "/v1/responses",
+            json={
+                **base,
+                "store": False,
+                "metadata": {"k": "v"},
+                "user": "u",
+                "service_tier": "auto",
+                "truncation": "disabled",
+            },
+        )
         assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"} and r.json()["user"] == "u"
     assert not fake_engine.live
 
@@ -147,8 +159,12 @@ def test_load_is_open_and_tokenizer_info_needs_the_key(fake_engine):
     (That /load counts live requests is checked on the real server, test_server_openai.py.)"""
     with _client(fake_engine, api_key="k") as c:
         assert c.get("/load").json() == {"server_load": 0}
-        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                      headers={"authorization": "Bearer k"}).status_code == 200
+        assert (
+            c.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"authorization": "Bearer k"}
+            ).status_code
+            == 200
+        )
         assert c.get("/load").json() == {"server_load": 0}
         assert c.get("/tokenizer_info").status_code == 401
         info = c.get("/tokenizer_info", headers={"authorization": "Bearer k"}).json()

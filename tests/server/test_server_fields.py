@@ -10,12 +10,11 @@ import logging
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_helpers import FakeEngine
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, build_parser, settings_from_namespace
-
-from server_helpers import FakeEngine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
@@ -32,13 +31,24 @@ UNKNOWN = [
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": None}, "frobnicate"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "hi",
-                                                     "function_call": {"name": "f", "arguments": "{}"}}]},
-     "messages[0].function_call"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi", "cache_control": {}}]}]}, "messages[0].content[0].cache_control"),
-    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
-     "stream_options.x"),
+    (
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "messages": [{"role": "assistant", "content": "hi", "function_call": {"name": "f", "arguments": "{}"}}],
+        },
+        "messages[0].function_call",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+        "messages[0].content[0].cache_control",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+        "stream_options.x",
+    ),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text", "y": 2}}, "response_format.y"),
     ("/v1/completions", {**COMPLETION, "use_beam_search": False}, "use_beam_search"),
     ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
@@ -72,8 +82,10 @@ def test_several_unknown_fields_are_all_named(fake_engine):
 
 def test_lenient_fields_logs_a_warning_instead(fake_engine, caplog):
     with caplog.at_level(logging.WARNING, logger="aiolm.server"), _client(fake_engine, lenient_fields=True) as c:
-        r = c.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": "low",
-                                                 "messages": [{"role": "user", "content": "hi", "x": 1}]})
+        r = c.post(
+            "/v1/chat/completions",
+            json={**CHAT, "reasoning_effort": "low", "messages": [{"role": "user", "content": "hi", "x": 1}]},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == "ab"
         spec = c.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
@@ -88,9 +100,18 @@ def test_lenient_fields_flag():
     assert settings_from_namespace(build_parser().parse_args([])).limits.lenient is False
 
 
-NOOPS = [("store", True), ("metadata", {"k": "v"}), ("service_tier", "auto"), ("user", "u"),
-         ("safety_identifier", "s"), ("prompt_cache_key", "p"), ("parallel_tool_calls", False),
-         ("tool_choice", "none"), ("tool_choice", "auto"), ("modalities", ["text"])]
+NOOPS = [
+    ("store", True),
+    ("metadata", {"k": "v"}),
+    ("service_tier", "auto"),
+    ("user", "u"),
+    ("safety_identifier", "s"),
+    ("prompt_cache_key", "p"),
+    ("parallel_tool_calls", False),
+    ("tool_choice", "none"),
+    ("tool_choice", "auto"),
+    ("modalities", ["text"]),
+]
 
 
 @pytest.mark.parametrize("field,value", NOOPS, ids=[f"{f}={v}" for f, v in NOOPS])
@@ -107,18 +128,23 @@ def test_openai_fields_that_do_not_apply_are_accepted_no_ops(fake_engine, field,
 
 def test_noop_fields_on_completions(fake_engine):
     with _client(fake_engine) as c:
-        r = c.post("/v1/completions", json={**COMPLETION, "store": False, "metadata": {}, "user": "u",
-                                            "service_tier": "default"})
+        r = c.post(
+            "/v1/completions",
+            json={**COMPLETION, "store": False, "metadata": {}, "user": "u", "service_tier": "default"},
+        )
         assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("body,param", [
-    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
-    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),
-    ({**CHAT, "modalities": ["audio"]}, "modalities[0]"),
-    ({**CHAT, "metadata": {"k": 1}}, "metadata"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+        ({**CHAT, "modalities": ["audio"]}, "modalities[0]"),
+        ({**CHAT, "metadata": {"k": 1}}, "metadata"),
+    ],
+)
 def test_no_op_fields_still_refuse_what_they_cannot_do(fake_engine, body, param):
     with _client(fake_engine) as c:
         r = c.post("/v1/chat/completions", json=body)
@@ -176,8 +202,9 @@ def test_return_token_ids(fake_engine):
         rendered = [ord(ch) for ch in "<user>hi<assistant>"]
         assert chat["prompt_token_ids"] == rendered and chat["choices"][0]["token_ids"] == [ord("a"), ord("b")]
         assert c.post("/v1/chat/completions", json=CHAT).json()["prompt_token_ids"] is None
-        events = _sse(c.post("/v1/completions", json={**COMPLETION, "stream": True, "n": 2,
-                                                      "return_token_ids": True}).text)
+        events = _sse(
+            c.post("/v1/completions", json={**COMPLETION, "stream": True, "n": 2, "return_token_ids": True}).text
+        )
         for i in (0, 1):
             mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
             assert mine[0]["prompt_token_ids"] == [ord("h"), ord("i")]
@@ -205,7 +232,7 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(fake_engine, monkeypat
     with _client(fake_engine) as c:
         r = c.post("/v1/completions", json={**COMPLETION, "allowed_token_ids": [97, 98], "bad_words": ["ab", " c"]})
         assert r.status_code == 200, r.text
-        r = c.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [2 ** 40]})
+        r = c.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [2**40]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids[0]"
     # one char per token in the fake tokenizer: "ab", " ab" and " c" (already spaced: once)
     assert seen == [([97, 98], [[97, 98], [32, 97, 98], [32, 99]])]
@@ -214,20 +241,38 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(fake_engine, monkeypat
 @pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
 def test_continuous_usage_stats(fake_engine, path, base):
     with _client(fake_engine) as c:
-        events = _sse(c.post(path, json={**base, "stream": True, "stream_options": {
-            "include_usage": True, "continuous_usage_stats": True}}).text)
+        events = _sse(
+            c.post(
+                path,
+                json={
+                    **base,
+                    "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                },
+            ).text
+        )
         counts = [e["usage"]["completion_tokens"] for e in events]
         assert counts == sorted(counts) and counts[-1] == 2 and all(e["usage"]["prompt_tokens"] > 0 for e in events)
         plain = _sse(c.post(path, json={**base, "stream": True, "stream_options": {"include_usage": True}}).text)
         assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 2
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                     | st.text(max_size=6),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                     max_leaves=8)
-_BASES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/responses": {"input": "hi"},
-          "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+_BASES = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETION,
+    "/v1/responses": {"input": "hi"},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [104]},
+}
 
 
 @pytest.mark.parametrize("path", sorted(_BASES))
@@ -235,10 +280,17 @@ def test_any_json_in_any_field_is_answered_never_a_500(path):
     """Whatever JSON a documented field gets, the answer is a success or a 4xx naming that field."""
     engine = FakeEngine()
     with _client(engine) as c:
-        fields = sorted(c.get("/openapi.json").json()["components"]["schemas"][
-            {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
-             "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest",
-             "/detokenize": "DetokenizeRequest"}[path]]["properties"])
+        fields = sorted(
+            c.get("/openapi.json").json()["components"]["schemas"][
+                {
+                    "/v1/chat/completions": "ChatCompletionRequest",
+                    "/v1/completions": "CompletionRequest",
+                    "/v1/responses": "ResponsesRequest",
+                    "/tokenize": "TokenizeRequest",
+                    "/detokenize": "DetokenizeRequest",
+                }[path]
+            ]["properties"]
+        )
 
         @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
         @given(field=st.sampled_from(fields), value=_JSON)

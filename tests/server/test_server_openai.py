@@ -20,8 +20,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_helpers import API_KEY, ROOT, from_schema, json_values
+
 from metrics_contract import Scrape, check_contract
 
 TIMEOUT = 180.0
@@ -62,8 +62,11 @@ def _wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = _metrics(server)
-        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == 0)
+        idle = (
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -92,17 +95,29 @@ def test_vllm_named_metrics_agree_with_the_responses(server, client, model):
     before = _scrape(server)
     usages, max_tokens = [], [6, 9, 7, 5, 5]
     for mt in max_tokens[:2]:
-        r = client.completions.create(model=model, prompt="The history of the printing press", max_tokens=mt,
-                                      temperature=0, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=model,
+            prompt="The history of the printing press",
+            max_tokens=mt,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         usages.append(r.usage)
-    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=max_tokens[2],
-                                       temperature=0, stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=max_tokens[2],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     usages.append([c.usage for c in stream if c.usage is not None][-1])
     chat = [{"role": "user", "content": "Name three colours of the rainbow, please, in one short line."}]
     for mt in max_tokens[3:]:  # the same chat twice: the second finds its prompt's blocks cached
-        r = client.chat.completions.create(model=model, messages=chat, max_tokens=mt, temperature=0,
-                                           extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=model, messages=chat, max_tokens=mt, temperature=0, extra_body={"ignore_eos": True}
+        )
         usages.append(r.usage)
     reqs = len(usages)
     prompt = sum(u.prompt_tokens for u in usages)
@@ -148,15 +163,20 @@ def test_vllm_named_metrics_agree_with_the_responses(server, client, model):
 
 
 def test_chat_capital_of_france(client, model, server):
-    r = client.chat.completions.create(model=model, messages=PARIS_Q, temperature=0, max_tokens=16,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=model, messages=PARIS_Q, temperature=0, max_tokens=16, logprobs=True, top_logprobs=2
+    )
     choice = r.choices[0]
     assert "Paris" in choice.message.content
     assert choice.message.role == "assistant"
     assert choice.finish_reason in ("stop", "length")
     # usage is right: prompt tokens as /tokenize counts them, one logprob entry per generated token
-    tok = httpx.post(server.base_url + "/tokenize", json={"messages": PARIS_Q},
-                     headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    tok = httpx.post(
+        server.base_url + "/tokenize",
+        json={"messages": PARIS_Q},
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    ).json()
     assert r.usage.prompt_tokens == tok["count"]
     assert r.usage.completion_tokens == len(choice.logprobs.content) >= 1
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -183,14 +203,22 @@ def test_chat_stream_matches_non_stream(client, model):
 def test_completions_async_n2_stream_and_usage(server, model):
     async def run():
         async with _aclient(server) as ac:
-            full = await ac.completions.create(model=model, prompt="The sky is", max_tokens=6, n=2,
-                                               temperature=0.9, seed=3)
+            full = await ac.completions.create(
+                model=model, prompt="The sky is", max_tokens=6, n=2, temperature=0.9, seed=3
+            )
             assert [c.index for c in full.choices] == [0, 1]
             assert 2 <= full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 0
 
-            stream = await ac.completions.create(model=model, prompt=["The sky is", "Grass is"], max_tokens=5, n=2,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 logprobs=1, temperature=0)
+            stream = await ac.completions.create(
+                model=model,
+                prompt=["The sky is", "Grass is"],
+                max_tokens=5,
+                n=2,
+                stream=True,
+                stream_options={"include_usage": True},
+                logprobs=1,
+                temperature=0,
+            )
             texts: dict[int, str] = {}
             ntoks: dict[int, int] = {}
             usage = None
@@ -210,12 +238,25 @@ def test_completions_async_n2_stream_and_usage(server, model):
 
 def test_n_streams_send_each_finish_reason_once(server, client, model):
     # Different lengths per choice (sampled, with a stop on "."), so some finish while others run.
-    body = {"model": model, "prompt": "List some colours:", "max_tokens": 24, "n": 3, "stream": True,
-            "temperature": 1.0, "seed": 5, "stop": ["."]}
+    body = {
+        "model": model,
+        "prompt": "List some colours:",
+        "max_tokens": 24,
+        "n": 3,
+        "stream": True,
+        "temperature": 1.0,
+        "seed": 5,
+        "stop": ["."],
+    }
     finishes: dict[int, int] = {}
     texts: dict[int, str] = {}
-    with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=TIMEOUT) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=TIMEOUT,
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -229,8 +270,9 @@ def test_n_streams_send_each_finish_reason_once(server, client, model):
             else:
                 assert c["index"] not in finishes, f"choice {c['index']} sent after its finish_reason"
     assert finishes == {0: 1, 1: 1, 2: 1}
-    chat = client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=12, n=2, stream=True,
-                                          temperature=1.0, seed=7)
+    chat = client.chat.completions.create(
+        model=model, messages=PARIS_Q, max_tokens=12, n=2, stream=True, temperature=1.0, seed=7
+    )
     per_index: dict[int, list[str]] = {0: [], 1: []}
     for chunk in chat:
         assert len(chunk.choices) == 1
@@ -241,8 +283,12 @@ def test_n_streams_send_each_finish_reason_once(server, client, model):
 
 
 def test_completion_echo_and_token_prompts(client, model, server):
-    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello there"},
-                     headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).json()["tokens"]
+    ids = httpx.post(
+        server.base_url + "/tokenize",
+        json={"prompt": "Hello there"},
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    ).json()["tokens"]
     by_text = client.completions.create(model=model, prompt="Hello there", max_tokens=4, temperature=0, echo=True)
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, echo=True)
     assert by_text.choices[0].text.startswith("Hello there")
@@ -254,8 +300,15 @@ def test_prompt_logprobs_echo_and_token_ids(client, model, server):
     auth = {"authorization": f"Bearer {API_KEY}"}
     text = "The capital of France is"
     ids = httpx.post(server.base_url + "/tokenize", json={"prompt": text}, headers=auth, timeout=30).json()["tokens"]
-    out = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2,
-                                    extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    out = client.completions.create(
+        model=model,
+        prompt=text,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 1, "return_token_ids": True},
+    )
     c = out.choices[0]
     assert c.prompt_token_ids == ids and len(c.token_ids) == 3
     plp = c.prompt_logprobs
@@ -263,21 +316,29 @@ def test_prompt_logprobs_echo_and_token_ids(client, model, server):
     actual = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
     assert all(v <= 0 for v in actual) and all(1 <= len(e) <= 2 for e in plp[1:])
     lp = c.logprobs  # echo + logprobs: the echoed prompt carries the same numbers, then the output
-    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:len(ids)] == pytest.approx(actual, abs=1e-6)
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1 : len(ids)] == pytest.approx(actual, abs=1e-6)
     assert len(lp.tokens) == len(ids) + 3 and all(v is not None for v in lp.token_logprobs[1:])
     plain = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0)
     assert plain.choices[0].prompt_logprobs is None and plain.choices[0].token_ids is None
-    assert plain.choices[0].text == c.text[len(text):]
+    assert plain.choices[0].text == c.text[len(text) :]
     # streamed echo + logprobs: the echo chunk has the prompt's logprobs too
-    chunks = list(client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0, echo=True,
-                                            logprobs=2, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
     first = chunks[0].choices[0]
     assert first.text == text and first.logprobs.token_logprobs[1:] == pytest.approx(actual, abs=1e-6)
     # chat: the rendered prompt's ids and logprobs at the top of the response
     msgs = [{"role": "user", "content": "Say hi."}]
     chat_ids = httpx.post(server.base_url + "/tokenize", json={"messages": msgs}, headers=auth, timeout=30).json()
-    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0,
-                                          extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+    )
     assert chat.prompt_token_ids == chat_ids["tokens"] and len(chat.choices[0].token_ids) == 2
     assert len(chat.prompt_logprobs) == chat_ids["count"] and chat.prompt_logprobs[0] is None
     for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
@@ -288,10 +349,20 @@ def test_prompt_logprobs_echo_and_token_ids(client, model, server):
 
 def test_allowed_token_ids_and_bad_words(client, model, server):
     auth = {"authorization": f"Bearer {API_KEY}"}
-    allowed = httpx.post(server.base_url + "/tokenize", json={"prompt": " yes no maybe", "add_special_tokens": False},
-                         headers=auth, timeout=30).json()["tokens"]
-    out = client.completions.create(model=model, prompt="Is the sky blue?", max_tokens=5, temperature=0.9, seed=3,
-                                    extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    allowed = httpx.post(
+        server.base_url + "/tokenize",
+        json={"prompt": " yes no maybe", "add_special_tokens": False},
+        headers=auth,
+        timeout=30,
+    ).json()["tokens"]
+    out = client.completions.create(
+        model=model,
+        prompt="Is the sky blue?",
+        max_tokens=5,
+        temperature=0.9,
+        seed=3,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    )
     assert out.choices[0].token_ids and set(out.choices[0].token_ids) <= set(allowed)
     kw = dict(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert "Paris" in client.completions.create(**kw).choices[0].text
@@ -304,7 +375,7 @@ def test_stop_sequences(client, model):
     free = client.completions.create(**kw).choices[0].text
     assert len(free) > 6
     stop = free[4:7]
-    cut = free[:free.index(stop)]
+    cut = free[: free.index(stop)]
     stopped = client.completions.create(**kw, stop=[stop, "never-appears"]).choices[0]
     assert stopped.text == cut and stopped.finish_reason == "stop"
     chat = client.chat.completions.create(model=model, messages=PARIS_Q, temperature=0, max_tokens=16, stop=" Paris")
@@ -313,16 +384,22 @@ def test_stop_sequences(client, model):
 
 
 def test_seed_reproducible(client, model):
-    kw = dict(model=model, messages=[{"role": "user", "content": "Tell me a fun fact."}], temperature=0.8,
-              max_tokens=8, seed=1234)
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a fun fact."}],
+        temperature=0.8,
+        max_tokens=8,
+        seed=1234,
+    )
     a = client.chat.completions.create(**kw).choices[0].message.content
     b = client.chat.completions.create(**kw).choices[0].message.content
     assert a == b and a
 
 
 def test_logprobs_completions(client, model):
-    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0,
-                                  logprobs=2)
+    r = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
     assert "".join(lp.tokens) == r.choices[0].text
@@ -344,21 +421,26 @@ def test_request_errors(client, model, server):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=PARIS_Q)
     auth = {"authorization": f"Bearer {API_KEY}"}
-    big = httpx.post(server.base_url + "/v1/completions", headers=auth, timeout=30,
-                     json={"prompt": "x" * (300 << 10)})
+    big = httpx.post(server.base_url + "/v1/completions", headers=auth, timeout=30, json={"prompt": "x" * (300 << 10)})
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, server.base_url + path, headers=auth, timeout=10)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = httpx.post(server.base_url + "/v1/completions", headers={**auth, "content-type": "application/json"},
-                   content=b"{not json", timeout=10)
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers={**auth, "content-type": "application/json"},
+        content=b"{not json",
+        timeout=10,
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    for path, body, param in (("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
-                               "messages[0].content"),
-                              ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
-                              ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt")):
-        r = httpx.post(server.base_url + path, headers={**auth, "content-type": "application/json"},
-                       content=body, timeout=10)
+    for path, body, param in (
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+        ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+    ):
+        r = httpx.post(
+            server.base_url + path, headers={**auth, "content-type": "application/json"}, content=body, timeout=10
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=[5, -1], max_tokens=2)
@@ -370,18 +452,21 @@ def test_request_errors(client, model, server):
 def test_unknown_fields_are_refused_through_the_client(client, model):
     """The openai client's extra_body reaches the server; what it does not implement is a 400 naming it."""
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2,
-                                       extra_body={"use_beam_search": True})
+        client.chat.completions.create(
+            model=model, messages=PARIS_Q, max_tokens=2, extra_body={"use_beam_search": True}
+        )
     assert e.value.body["param"] == "use_beam_search" and e.value.body["code"] == "unrecognized_argument"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"frobnicate": 1})
     assert e.value.body["param"] == "frobnicate"
     with pytest.raises(openai.BadRequestError) as e:  # OpenAI refuses this too
-        client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2,
-                                       stream_options={"include_usage": True})
+        client.chat.completions.create(
+            model=model, messages=PARIS_Q, max_tokens=2, stream_options={"include_usage": True}
+        )
     assert e.value.body["param"] == "stream_options"
-    out = client.chat.completions.create(model=model, messages=PARIS_Q, max_tokens=2, store=False,
-                                         metadata={"k": "v"}, user="u", service_tier="auto")
+    out = client.chat.completions.create(
+        model=model, messages=PARIS_Q, max_tokens=2, store=False, metadata={"k": "v"}, user="u", service_tier="auto"
+    )
     assert out.choices[0].finish_reason == "length"  # the no-op fields are accepted
 
 
@@ -408,14 +493,25 @@ def test_responses_give_chat_text_streamed_or_not(client, model):
     assert part.type == "output_text" and part.annotations == [] and part.text == choice.message.content
     assert r.output_text == choice.message.content
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
-        usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.total_tokens,
+    )
 
     events = list(client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"], kinds
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"], kinds
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ], kinds
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ], kinds
     assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 10
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
@@ -431,41 +527,75 @@ def test_responses_give_chat_text_streamed_or_not(client, model):
 def test_responses_items_instructions_and_incomplete(client, model):
     """Message items (string or text parts, earlier output_text included) and ``instructions``
     render as chat's system + messages; ``max_output_tokens`` cuts to ``incomplete``."""
-    items = [{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]},
-             {"type": "message", "role": "assistant",
-              "content": [{"type": "output_text", "text": "Blue.", "annotations": []}]},
-             {"role": "developer", "content": "Be brief."},
-             {"role": "user", "content": "Count from one to twenty."}]
-    as_chat = [{"role": "system", "content": "You are a counting assistant."},
-               {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
-               {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Count from one to twenty."}]
-    r = client.responses.create(model=model, input=items, instructions="You are a counting assistant.",
-                                max_output_tokens=4, temperature=0, store=False, metadata={"run": "t"}, user="u")
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Blue.", "annotations": []}],
+        },
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Count from one to twenty."},
+    ]
+    as_chat = [
+        {"role": "system", "content": "You are a counting assistant."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Count from one to twenty."},
+    ]
+    r = client.responses.create(
+        model=model,
+        input=items,
+        instructions="You are a counting assistant.",
+        max_output_tokens=4,
+        temperature=0,
+        store=False,
+        metadata={"run": "t"},
+        user="u",
+    )
     choice, usage = _chat_greedy(client, model, as_chat, 4)
     assert choice.finish_reason == "length"
     assert r.output_text == choice.message.content and r.usage.input_tokens == usage.prompt_tokens
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == "incomplete" and r.usage.output_tokens == 4
     assert r.metadata == {"run": "t"} and r.instructions == "You are a counting assistant."
-    last = list(client.responses.create(model=model, input=items, instructions="You are a counting assistant.",
-                                        max_output_tokens=4, temperature=0, stream=True))[-1]
+    last = list(
+        client.responses.create(
+            model=model,
+            input=items,
+            instructions="You are a counting assistant.",
+            max_output_tokens=4,
+            temperature=0,
+            stream=True,
+        )
+    )[-1]
     assert last.type == "response.incomplete" and last.response.output_text == r.output_text
 
 
 def test_responses_json_schema_and_errors(client, model):
-    schema = {"type": "object", "properties": {"city": {"type": "string"},
-                                               "rank": {"type": "integer", "minimum": 1, "maximum": 10}},
-              "required": ["city", "rank"], "additionalProperties": False}
-    r = client.responses.create(model=model, input="Describe Paris as JSON.", max_output_tokens=48, temperature=0,
-                                text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "rank": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model=model,
+        input="Describe Paris as JSON.",
+        max_output_tokens=48,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}},
+    )
     doc = json.loads(r.output_text)
     assert set(doc) == {"city", "rank"} and isinstance(doc["city"], str) and 1 <= doc["rank"] <= 10
     assert r.output_text == json.dumps(doc, ensure_ascii=False)  # the layout README promises
     assert r.text.format.type == "json_schema"
     bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=model, input="x", text={"format": {"type": "json_schema", "name": "c",
-                                                                         "schema": bad}})
+        client.responses.create(
+            model=model, input="x", text={"format": {"type": "json_schema", "name": "c", "schema": bad}}
+        )
     assert e.value.body["param"] == "text.format" and "minimum" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model, input="x", previous_response_id="resp_123")
@@ -498,8 +628,13 @@ def test_tokenize_token_strs_and_tokenizer_info(server):
             ids = c.post("/tokenize", json={"prompt": info[name], "add_special_tokens": False}).json()["tokens"]
             assert len(ids) == 1 and c.post("/detokenize", json={"tokens": ids}).json()["prompt"] == info[name]
         # the template served is the one the server renders chats with
-        text = jinja2.Environment().from_string(info["chat_template"]).render(
-            messages=PARIS_Q, add_generation_prompt=True, bos_token=info["bos_token"], eos_token=info["eos_token"])
+        text = (
+            jinja2.Environment()
+            .from_string(info["chat_template"])
+            .render(
+                messages=PARIS_Q, add_generation_prompt=True, bos_token=info["bos_token"], eos_token=info["eos_token"]
+            )
+        )
         rendered = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
         assert rendered == c.post("/tokenize", json={"messages": PARIS_Q}).json()["tokens"]
         assert "name_or_path" not in info and not any(isinstance(v, str) and v.startswith("/") for v in info.values())
@@ -507,8 +642,11 @@ def test_tokenize_token_strs_and_tokenizer_info(server):
 
 def _aborted(server) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if "request_success_total{" in line and 'finished_reason="abort"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if "request_success_total{" in line and 'finished_reason="abort"' in line
+    )
 
 
 def test_load_counts_live_requests_and_hanging_up_aborts_them(server, model):
@@ -516,10 +654,14 @@ def test_load_counts_live_requests_and_hanging_up_aborts_them(server, model):
     hang up mid-stream; then each is aborted, its KV blocks freed, and /load is 0 again."""
     auth = {"authorization": f"Bearer {API_KEY}"}
     story = "Write a very long story about dragons."
-    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": story}], "max_tokens": 400,
-                                        "ignore_eos": True, "stream": True}),
-              ("/v1/completions", {"prompt": story, "max_tokens": 400, "ignore_eos": True, "stream": True}),
-              ("/v1/responses", {"input": story, "max_output_tokens": 400, "temperature": 0, "stream": True})]
+    bodies = [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": story}], "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ),
+        ("/v1/completions", {"prompt": story, "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        ("/v1/responses", {"input": story, "max_output_tokens": 400, "temperature": 0, "stream": True}),
+    ]
     assert httpx.get(server.base_url + "/load", timeout=10).json() == {"server_load": 0}
     aborted = _aborted(server)
     readers = []  # a line iterator dropped unfinished closes its connection: hold them all
@@ -549,8 +691,13 @@ def test_load_counts_live_requests_and_hanging_up_aborts_them(server, model):
 @pytest.mark.slow
 def test_disconnect_frees_the_request(server, model):
     auth = {"authorization": f"Bearer {API_KEY}"}
-    body = {"model": model, "prompt": "Write a very long story about dragons.", "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": "Write a very long story about dragons.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.base_url, headers=auth, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             seen = 0
@@ -572,8 +719,13 @@ def test_disconnect_frees_the_request(server, model):
 def test_32_concurrent_streams(server, model):
     async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
         stream = await ac.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
-            max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True})
+            model=model,
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", 0
         async for chunk in stream:
             if chunk.choices:
@@ -597,8 +749,13 @@ def test_32_concurrent_streams(server, model):
 
 def test_example_client_runs(server):
     env = {**os.environ, "OPENAI_API_KEY": API_KEY}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), server.base_url + "/v1"],
-                         env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "openai_client.py"), server.base_url + "/v1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "completion 1:" in out.stdout
 
@@ -612,9 +769,13 @@ def test_fuzz_against_openapi_schema(server, model):
     spec = httpx.get(server.base_url + "/openapi.json", timeout=10).json()
     schemas = spec["components"]["schemas"]
     auth = {"authorization": f"Bearer {API_KEY}"}
-    targets = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
-               "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest",
-               "/detokenize": "DetokenizeRequest"}
+    targets = {
+        "/v1/chat/completions": "ChatCompletionRequest",
+        "/v1/completions": "CompletionRequest",
+        "/v1/responses": "ResponsesRequest",
+        "/tokenize": "TokenizeRequest",
+        "/detokenize": "DetokenizeRequest",
+    }
     budget_s = float(os.environ.get("AIOLM_FUZZ_SECONDS", "60"))
     start = time.monotonic()
     counts = {"sent": 0, "2xx": 0, "4xx": 0}
@@ -641,18 +802,25 @@ def test_fuzz_against_openapi_schema(server, model):
         return st.one_of(
             draw_body,
             st.tuples(draw_body, st.text(max_size=8), json_values()).map(
-                lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0]),
+                lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0]
+            ),
             json_values(),
         )
 
     strategies = []
     for path, name in targets.items():
         body = from_schema(schemas[name], defs=schemas).map(
-            lambda b: {**b, "model": model} if isinstance(b, dict) and "model" in b and b.get("model") else b)
+            lambda b: {**b, "model": model} if isinstance(b, dict) and "model" in b and b.get("model") else b
+        )
         strategies.append(st.tuples(st.just(path), mutate(body).map(lambda b, p=path: cheap(b, p))))
 
-    @settings(max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
-              suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(
+        max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "400")),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+    )
     @given(st.one_of(strategies))
     def check(case):
         if time.monotonic() - start > budget_s:

@@ -14,15 +14,14 @@ import re
 import httpx
 import openai
 import pytest
+from server_helpers import API_KEY, FakeEngine
 from starlette.testclient import TestClient
 
 from aiolm.params import ParamError
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings
-from aiolm.structured.validator import Validator
 from aiolm.structured.spec import StructuredOutputs
-
-from server_helpers import API_KEY, FakeEngine
+from aiolm.structured.validator import Validator
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -40,10 +39,14 @@ def _client(engine: FakeEngine) -> TestClient:
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MAPPED = [
     ({"response_format": {"type": "json_object"}}, StructuredOutputs("json_object")),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-     StructuredOutputs("json", json.dumps(SCHEMA), True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": False}}},
-     StructuredOutputs("json", json.dumps(SCHEMA), False)),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+        StructuredOutputs("json", json.dumps(SCHEMA), True),
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": False}}},
+        StructuredOutputs("json", json.dumps(SCHEMA), False),
+    ),
     ({"response_format": {"type": "text"}}, None),
     ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputs("json", json.dumps(SCHEMA))),
     ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputs("json", json.dumps(SCHEMA))),
@@ -84,8 +87,7 @@ CONFLICTS = [
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
 ]
 
 
@@ -105,9 +107,11 @@ def test_validator_caches_and_refuses_off_the_loop(real_source):
         await asyncio.gather(*(v.check(good) for _ in range(8)))  # one shared check
         assert len(v._verdicts) == 1 and not v._jobs
         await v.check(StructuredOutputs("grammar", 'root ::= "café" | "日本"'))  # the text travels as UTF-8
-        for spec, words in ((StructuredOutputs("regex", "(ab"), "invalid regex"),
-                            (StructuredOutputs("grammar", "root ::= missing_rule"), "invalid grammar"),
-                            (StructuredOutputs("json", '{"type": "no-such-type"}'), "invalid JSON schema")):
+        for spec, words in (
+            (StructuredOutputs("regex", "(ab"), "invalid regex"),
+            (StructuredOutputs("grammar", "root ::= missing_rule"), "invalid grammar"),
+            (StructuredOutputs("json", '{"type": "no-such-type"}'), "invalid JSON schema"),
+        ):
             with pytest.raises(ParamError) as e:
                 await v.check(spec)
             assert e.value.param == "structured_outputs" and e.value.message.startswith(words), e.value.message
@@ -143,37 +147,74 @@ def model(client):
     return client.models.list().data[0].id
 
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "age", "address"], "additionalProperties": False}
-INVENTORY = {"type": "object", "properties": {
-    "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "properties": {"sku": {"type": "string", "enum": ["A1", "B2", "C3"]},
-                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["sku", "qty"], "additionalProperties": False}}},
-    "required": ["items"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {
-    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    "temperature": {"type": "number", "minimum": -50, "maximum": 60},
-    "rain": {"type": "boolean"}},
-    "required": ["unit", "temperature", "rain"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "address"],
+    "additionalProperties": False,
+}
+INVENTORY = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "enum": ["A1", "B2", "C3"]},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["sku", "qty"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+        "rain": {"type": "boolean"},
+    },
+    "required": ["unit", "temperature", "rain"],
+    "additionalProperties": False,
+}
 FLAGS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4}
-SCHEMAS = {"person": (PERSON, "Give a person's name, age and address as JSON."),
-           "inventory": (INVENTORY, "List the items in stock as JSON."),
-           "weather": (WEATHER, "What is the weather in Paris? Answer in JSON."),
-           "numbers": (FLAGS, "Give a few small numbers as a JSON array.")}
+SCHEMAS = {
+    "person": (PERSON, "Give a person's name, age and address as JSON."),
+    "inventory": (INVENTORY, "List the items in stock as JSON."),
+    "weather": (WEATHER, "What is the weather in Paris? Answer in JSON."),
+    "numbers": (FLAGS, "Give a few small numbers as a JSON array."),
+}
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_json_schema_documents_validate(client, model, name):
     schema, question = SCHEMAS[name]
     out = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=120,
-        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), schema)
@@ -181,8 +222,13 @@ def test_json_schema_documents_validate(client, model, name):
 
 def test_json_schema_streams_the_same_document(client, model):
     schema, question = SCHEMAS["weather"]
-    kw = dict(model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=120,
-              response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    )
     whole = client.chat.completions.create(**kw).choices[0].message.content
     pieces, finish = [], None
     for chunk in client.chat.completions.create(stream=True, **kw):
@@ -195,16 +241,27 @@ def test_json_schema_streams_the_same_document(client, model):
 
 def test_json_object_and_vllm_spellings(client, model):
     q = [{"role": "user", "content": "Describe a cat in JSON."}]
-    out = client.chat.completions.create(model=model, messages=q, temperature=0, max_tokens=120,
-                                         response_format={"type": "json_object"},
-                                         extra_body={"repetition_penalty": 1.3})  # this model loops otherwise
+    out = client.chat.completions.create(
+        model=model,
+        messages=q,
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_object"},
+        extra_body={"repetition_penalty": 1.3},
+    )  # this model loops otherwise
     assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
     assert isinstance(json.loads(out.choices[0].message.content), dict)
-    out = client.completions.create(model=model, prompt="A person as JSON:", temperature=0, max_tokens=120,
-                                    extra_body={"structured_outputs": {"json": PERSON}})
+    out = client.completions.create(
+        model=model,
+        prompt="A person as JSON:",
+        temperature=0,
+        max_tokens=120,
+        extra_body={"structured_outputs": {"json": PERSON}},
+    )
     jsonschema.validate(json.loads(out.choices[0].text), PERSON)
-    out = client.completions.create(model=model, prompt="A person as JSON:", temperature=0, max_tokens=120,
-                                    extra_body={"guided_json": INVENTORY})
+    out = client.completions.create(
+        model=model, prompt="A person as JSON:", temperature=0, max_tokens=120, extra_body={"guided_json": INVENTORY}
+    )
     jsonschema.validate(json.loads(out.choices[0].text), INVENTORY)
 
 
@@ -216,38 +273,67 @@ def test_regex_choice_and_grammar(client, model):
         assert re.fullmatch(regex, out.choices[0].message.content), out.choices[0].message.content
         assert out.choices[0].finish_reason == "stop"
     q = [{"role": "user", "content": "Is the sky green?"}]
-    for extra in ({"guided_choice": ["yes", "no", "maybe so"]}, {"structured_outputs": {"choice": ["yes", "no", "maybe so"]}}):
+    for extra in (
+        {"guided_choice": ["yes", "no", "maybe so"]},
+        {"structured_outputs": {"choice": ["yes", "no", "maybe so"]}},
+    ):
         out = client.chat.completions.create(model=model, messages=q, temperature=0, max_tokens=10, extra_body=extra)
         assert out.choices[0].message.content in ("yes", "no", "maybe so")
-    grammar = '''root ::= greeting " " name "!"
+    grammar = """root ::= greeting " " name "!"
 greeting ::= "Hello" | "Goodbye"
-name ::= [A-Z] [a-z]+'''
+name ::= [A-Z] [a-z]+"""
     q = [{"role": "user", "content": "Greet someone."}]
     for extra in ({"guided_grammar": grammar}, {"structured_outputs": {"grammar": grammar}}):
         out = client.chat.completions.create(model=model, messages=q, temperature=0, max_tokens=20, extra_body=extra)
         assert re.fullmatch(r"(Hello|Goodbye) [A-Z][a-z]+!", out.choices[0].message.content), out.choices[0]
     # streamed, on completions, seeded sampling: the grammar holds for random picks too
-    text = "".join(c.choices[0].text for c in client.completions.create(
-        model=model, prompt="Call me at", max_tokens=30, stream=True, temperature=1.0, seed=7,
-        extra_body={"guided_regex": regex}) if c.choices)
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model,
+            prompt="Call me at",
+            max_tokens=30,
+            stream=True,
+            temperature=1.0,
+            seed=7,
+            extra_body={"guided_regex": regex},
+        )
+        if c.choices
+    )
     assert re.fullmatch(regex, text), text
 
 
-@pytest.mark.parametrize("extra,param,words", [
-    ({"guided_regex": "(ab"}, "guided_regex", "invalid regex"),
-    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar", "invalid grammar"),
-    ({"guided_json": {"type": "object", "properties": {"a": {"type": "integr"}}}}, "guided_json", "invalid JSON schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
-     "response_format.json_schema.schema", "invalid JSON schema"),
-])
+@pytest.mark.parametrize(
+    "extra,param,words",
+    [
+        ({"guided_regex": "(ab"}, "guided_regex", "invalid regex"),
+        (
+            {"structured_outputs": {"grammar": "root ::= undefined_rule"}},
+            "structured_outputs.grammar",
+            "invalid grammar",
+        ),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "integr"}}}},
+            "guided_json",
+            "invalid JSON schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format.json_schema.schema",
+            "invalid JSON schema",
+        ),
+    ],
+)
 def test_invalid_grammars_are_a_400_with_the_compiler_message(client, model, extra, param, words):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                       extra_body=extra)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5, extra_body=extra
+        )
     assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # and while streaming: refused before the stream starts
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                       extra_body=extra, stream=True)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5, extra_body=extra, stream=True
+        )
     assert e.value.body["param"] == param
 
 
@@ -257,10 +343,18 @@ def test_a_slow_grammar_does_not_hold_up_others(server, model):
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, headers=auth, timeout=TIMEOUT) as c:
-            schemas = [{"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(30)},
-                        "required": [f"k{i}_0"]} for i in range(12)]
-            constrained = [c.post("/v1/completions", json={"prompt": "JSON:", "max_tokens": 8, "temperature": 0,
-                                                           "guided_json": s}) for s in schemas]
+            schemas = [
+                {
+                    "type": "object",
+                    "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(30)},
+                    "required": [f"k{i}_0"],
+                }
+                for i in range(12)
+            ]
+            constrained = [
+                c.post("/v1/completions", json={"prompt": "JSON:", "max_tokens": 8, "temperature": 0, "guided_json": s})
+                for s in schemas
+            ]
             plain = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
             results = await asyncio.gather(plain, *constrained)
             assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]

@@ -10,7 +10,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_helpers import FakeEngine, ServerProcess, SharedServer
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
@@ -18,20 +20,33 @@ from aiolm.server.settings import ServerSettings, build_parser, settings_from_na
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
 from aiolm.server.tools import StreamState, ToolPlan
 
-from server_helpers import FakeEngine, ServerProcess, SharedServer
-
 jsonschema = pytest.importorskip("jsonschema")
 
 TIMEOUT = 180.0
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
-                   "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -40,21 +55,45 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 PARSED = [
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Let me check.\n", [ParsedCall("get_weather", '{"city": "Paris"}')]),
-    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
-               '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>',
-     None, [ParsedCall("add", '{"a": 1, "b": 2}'), ParsedCall("add", '{"a": 3, "b": 4}')]),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me check.\n",
+        [ParsedCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>',
+        None,
+        [ParsedCall("add", '{"a": 1, "b": 2}'), ParsedCall("add", '{"a": 3, "b": 4}')],
+    ),
     ("hermes", "The weather is fine.", "The weather is fine.", []),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}',
-     None, [ParsedCall("get_weather", '{"city": "Oslo", "unit": "c"}')]),
-    ("llama3_json", ' {"name": "add", "arguments": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 5, "b": 6}}',
-     None, [ParsedCall("add", '{"a": 1, "b": 2}'), ParsedCall("add", '{"a": 5, "b": 6}')]),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}',
+        None,
+        [ParsedCall("get_weather", '{"city": "Oslo", "unit": "c"}')],
+    ),
+    (
+        "llama3_json",
+        ' {"name": "add", "arguments": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 5, "b": 6}}',
+        None,
+        [ParsedCall("add", '{"a": 1, "b": 2}'), ParsedCall("add", '{"a": 5, "b": 6}')],
+    ),
     ("llama3_json", "Sure, here you go.", "Sure, here you go.", []),
-    ("pythonic", '[get_weather(city="Paris", unit="c"), add(a=1, b=-2)]',
-     None, [ParsedCall("get_weather", '{"city": "Paris", "unit": "c"}'), ParsedCall("add", '{"a": 1, "b": -2}')]),
-    ("pythonic", "[f(xs=[1, 2.5, None, True], d={'k': 'v'})]",
-     None, [ParsedCall("f", '{"xs": [1, 2.5, null, true], "d": {"k": "v"}}')]),
+    (
+        "pythonic",
+        '[get_weather(city="Paris", unit="c"), add(a=1, b=-2)]',
+        None,
+        [ParsedCall("get_weather", '{"city": "Paris", "unit": "c"}'), ParsedCall("add", '{"a": 1, "b": -2}')],
+    ),
+    (
+        "pythonic",
+        "[f(xs=[1, 2.5, None, True], d={'k': 'v'})]",
+        None,
+        [ParsedCall("f", '{"xs": [1, 2.5, null, true], "d": {"k": "v"}}')],
+    ),
     ("pythonic", "No calls needed.", "No calls needed.", []),
 ]
 
@@ -87,14 +126,17 @@ def test_malformed_calls_fall_back_to_plain_content(name, text):
     assert PARSERS[name]().extract(text) == (text, [])
 
 
-@pytest.mark.parametrize("name,text,content,calls", PARSED + [(n, t, t, []) for n, t in MALFORMED],
-                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PARSED + MALFORMED)])
+@pytest.mark.parametrize(
+    "name,text,content,calls",
+    PARSED + [(n, t, t, []) for n, t in MALFORMED],
+    ids=[f"{p[0]}-{i}" for i, p in enumerate(PARSED + MALFORMED)],
+)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_streamed_pieces_reassemble_to_the_parsed_result(name, text, content, calls, step):
     """Fed in pieces, the content shown plus the calls at the end equal one-shot parsing,
     and no call text ever leaks into the content."""
     state = StreamState(ToolPlan(parser=PARSERS[name]()))
-    shown = "".join(state.feed(text[i:i + step]) for i in range(0, len(text), step))
+    shown = "".join(state.feed(text[i : i + step]) for i in range(0, len(text), step))
     rest, got = state.finish()
     assert got == calls
     if calls:
@@ -118,8 +160,7 @@ def _fn(**over: Any) -> dict[str, Any]:
 
 
 BAD = [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
@@ -131,29 +172,59 @@ BAD = [
     ({"tools": [_fn(parameters={"type": "objekt"})]}, "tools[0].function.parameters.type"),
     ({"tools": [_fn(parameters={"type": "string"})]}, "tools[0].function.parameters.type"),
     ({"tools": [_fn(parameters=[1])]}, "tools[0].function.parameters"),
-    ({"tools": [_fn(parameters={"type": "object", "properties": {"a": {"type": 5}}})]},
-     "tools[0].function.parameters.properties.a.type"),
-    ({"tools": [_fn(parameters={"type": "object", "properties": {"a": "int"}})]},
-     "tools[0].function.parameters.properties.a"),
+    (
+        {"tools": [_fn(parameters={"type": "object", "properties": {"a": {"type": 5}}})]},
+        "tools[0].function.parameters.properties.a.type",
+    ),
+    (
+        {"tools": [_fn(parameters={"type": "object", "properties": {"a": "int"}})]},
+        "tools[0].function.parameters.properties.a",
+    ),
     ({"tools": [_fn(parameters={"type": "object", "required": "a"})]}, "tools[0].function.parameters.required"),
-    ({"tools": [_fn(parameters={"type": "object", "properties": {"xs": {"type": "array", "items": 3}}})]},
-     "tools[0].function.parameters.properties.xs.items"),
-    ({"tools": [_fn(parameters={"type": "object", "properties": {"x": {"anyOf": []}}})]},
-     "tools[0].function.parameters.properties.x.anyOf"),
+    (
+        {"tools": [_fn(parameters={"type": "object", "properties": {"xs": {"type": "array", "items": 3}}})]},
+        "tools[0].function.parameters.properties.xs.items",
+    ),
+    (
+        {"tools": [_fn(parameters={"type": "object", "properties": {"x": {"anyOf": []}}})]},
+        "tools[0].function.parameters.properties.x.anyOf",
+    ),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"},
-                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                                         "function": {"name": "add", "arguments": "{a: 1"}}]}]},
-     "messages[1].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]},
-     "messages[0].tool_calls"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls",
+    ),
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                                         "function": {"name": "add"}}]}]},
-     "messages[0].tool_calls[0].function.arguments"),
+    (
+        {
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add"}}]}
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+    ),
 ]
 
 
@@ -189,10 +260,17 @@ class _RecordingEngine(FakeEngine):
 
 def test_the_template_gets_the_tools_and_the_calls_as_objects():
     engine = _RecordingEngine()
-    msgs = [{"role": "user", "content": "add 1 and 2"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    msgs = [
+        {"role": "user", "content": "add 1 and 2"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
     with _client(engine, "hermes") as c:
         r = c.post("/v1/chat/completions", json={**CHAT, "messages": msgs, "tools": TOOLS})
     assert r.status_code == 200, r.text
@@ -264,13 +342,20 @@ PROMPTS = ["What is the weather in Paris?", "Please add 17 and 25."]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("get_weather", None),
-                                             ("add", False)])
+@pytest.mark.parametrize(
+    "choice,parallel", [("required", True), ("required", False), ("get_weather", None), ("add", False)]
+)
 def test_enforced_calls_always_parse_and_match_the_schema(client, model, prompt, choice, parallel):
     tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
-    kw = dict(messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice=tool_choice,
-              max_tokens=80, temperature=0, **extra)
+    kw = dict(
+        messages=[{"role": "user", "content": prompt}],
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=80,
+        temperature=0,
+        **extra,
+    )
     r = client.chat.completions.create(model=model, **kw)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls", ch
@@ -291,8 +376,14 @@ HERMES = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_
 def test_auto_reads_hermes_calls_in_real_output(client, model, prefix):
     """The model is made to write a hermes block (a choice constraint), and the server's
     parser turns it into a call, streamed or not."""
-    kw = dict(messages=[{"role": "user", "content": "Please add 17 and 25."}], tools=TOOLS, tool_choice="auto",
-              max_tokens=120, temperature=0, extra_body={"structured_outputs": {"choice": [prefix + HERMES]}})
+    kw = dict(
+        messages=[{"role": "user", "content": "Please add 17 and 25."}],
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=120,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": [prefix + HERMES]}},
+    )
     ch = client.chat.completions.create(model=model, **kw).choices[0]
     assert ch.finish_reason == "tool_calls", ch
     assert ch.message.content == (prefix or None)
@@ -311,35 +402,74 @@ def test_auto_free_text_stays_content(client, model):
 def test_tool_result_round_trip(tool_server, client, model):
     """An assistant turn with tool_calls and the tool's answer render through the model's
     template (the answer is in the prompt) and the conversation continues."""
-    msgs = [{"role": "user", "content": "What is the weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": "call_abc123", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-            {"role": "tool", "tool_call_id": "call_abc123", "content": "sunny and 21 degrees"}]
+    msgs = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc123",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc123", "content": "sunny and 21 degrees"},
+    ]
     base = tool_server.base_url
     ids = httpx.post(base + "/tokenize", json={"messages": msgs}, timeout=TIMEOUT).json()["tokens"]
     prompt = httpx.post(base + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()["prompt"]
     assert "sunny and 21 degrees" in prompt and prompt.index("Paris") < prompt.index("sunny and 21 degrees")
-    r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="none",
-                                       max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model=model, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.content and r.usage.prompt_tokens == len(ids)
 
 
 def test_invalid_schema_for_an_enforced_call_is_a_400(client, model):
     bad = _fn(parameters={"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}})
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], tools=[bad],
-                                       tool_choice="required", max_tokens=4)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], tools=[bad], tool_choice="required", max_tokens=4
+        )
     assert e.value.body["param"] == "tools", e.value.body
 
 
-_PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", "(", ")", '"name"',
-                           '"arguments"', '"parameters"', ":", ",", "=", "f", "a", "1", '"x"', " ", "\n", ";"])
+_PIECES = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "<|python_tag|>",
+        "{",
+        "}",
+        "[",
+        "]",
+        "(",
+        ")",
+        '"name"',
+        '"arguments"',
+        '"parameters"',
+        ":",
+        ",",
+        "=",
+        "f",
+        "a",
+        "1",
+        '"x"',
+        " ",
+        "\n",
+        ";",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(sorted(PARSERS)), pieces=st.lists(_PIECES | st.text(max_size=3), max_size=40),
-       step=st.integers(1, 9))
+@given(
+    name=st.sampled_from(sorted(PARSERS)),
+    pieces=st.lists(_PIECES | st.text(max_size=3), max_size=40),
+    step=st.integers(1, 9),
+)
 def test_parsers_never_raise_and_streaming_agrees(name, pieces, step):
     text = "".join(pieces)
     content, calls = PARSERS[name]().extract(text)
@@ -347,7 +477,7 @@ def test_parsers_never_raise_and_streaming_agrees(name, pieces, step):
     for c in calls:
         assert isinstance(json.loads(c.arguments), dict)
     state = StreamState(ToolPlan(parser=PARSERS[name]()))
-    shown = "".join(state.feed(text[i:i + step]) for i in range(0, len(text), step))
+    shown = "".join(state.feed(text[i : i + step]) for i in range(0, len(text), step))
     rest, got = state.finish()
     assert got == calls
     assert shown + rest == text if not calls else (shown + rest).strip() == (content or "").strip()

@@ -14,12 +14,11 @@ import time
 
 import httpx
 import pytest
+from server_helpers import FakeEngine, free_port
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, build_parser, from_environment, parse_serve_args
-
-from server_helpers import FakeEngine, free_port
 
 
 def _client(engine: FakeEngine, **settings) -> TestClient:
@@ -81,10 +80,8 @@ BAD_CHAT = [
     ({**CHAT, "model": "gpt-4"}, "model"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
-     "messages[1].content"),
-    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]},
-     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, "messages[1].content"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "messages[0].content"),
 ]
 
 
@@ -105,9 +102,11 @@ DEEP = [
     ('{"messages": [{"role": "user", "content": "hi"}], "x": %s}', None),
     ('{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": %s}}', None),
     ('{"messages": [{"role": "user", "content": "hi"}], "guided_json": %s}', "guided_json"),
-    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "a", '
-     '"type": "function", "function": {"name": "f", "arguments": %s}}]}]}',
-     "messages[1].tool_calls[0].function.arguments"),
+    (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "a", '
+        '"type": "function", "function": {"name": "f", "arguments": %s}}]}]}',
+        "messages[1].tool_calls[0].function.arguments",
+    ),
 ]
 
 
@@ -127,11 +126,17 @@ def test_deeply_nested_json_is_a_400_that_says_so(fake_engine, template, param, 
 
 def test_json_at_the_nesting_bound_is_parsed(fake_engine):
     with _client(fake_engine) as c:  # the body's object and 127 lists: 128 levels, parsed
-        r = c.post("/tokenize", content='{"prompt": "hi", "x": %s}' % _nested(127),
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/tokenize",
+            content='{"prompt": "hi", "x": ' + _nested(127) + "}",
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and "Unrecognized request argument supplied: 'x'" in r.text, r.text
-        r = c.post("/tokenize", content='{"prompt": "hi", "x": %s}' % _nested(128),
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/tokenize",
+            content='{"prompt": "hi", "x": ' + _nested(128) + "}",
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and "nested too deeply" in r.text, r.text
 
 
@@ -160,8 +165,9 @@ BAD_COMPLETION = [
 @pytest.mark.parametrize("body,param", BAD_COMPLETION, ids=[p for _, p in BAD_COMPLETION])
 def test_completion_validation_names_the_field(fake_engine, body, param):
     with _client(fake_engine) as c:
-        r = c.post("/v1/completions", content=json.dumps(body, allow_nan=True),
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/completions", content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
+        )
         err = _assert_error(r, 400, param)
         if "x" * 200 in json.dumps(body) or "y" * 300 in json.dumps(body):
             assert "maximum context length" in err["message"]
@@ -179,8 +185,12 @@ def test_http_edges_have_openai_error_bodies(fake_engine):
         _assert_error(c.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/json"}), 400)
         deep = b"[" * 100000
         _assert_error(c.post("/v1/completions", content=deep, headers={"content-type": "application/json"}), 400)
-        _assert_error(c.post("/v1/completions", content=b"prompt=x",
-                             headers={"content-type": "application/x-www-form-urlencoded"}), 415)
+        _assert_error(
+            c.post(
+                "/v1/completions", content=b"prompt=x", headers={"content-type": "application/x-www-form-urlencoded"}
+            ),
+            415,
+        )
         _assert_error(c.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), 400)
         _assert_error(c.post("/detokenize", json={"tokens": [-1]}), 400, "tokens[0]")
         _assert_error(c.get("/v1/models/other"), 404)
@@ -201,8 +211,9 @@ def test_lone_surrogates_are_a_400_naming_the_field(fake_engine, caplog, path, b
         err = _assert_error(c.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
         assert err["code"] == "invalid_unicode" and "surrogate" in err["message"]
         # A valid pair is one character, not an error.
-        ok = c.post("/tokenize", content=b'{"prompt": "smile \\ud83d\\ude00"}',
-                    headers={"content-type": "application/json"})
+        ok = c.post(
+            "/tokenize", content=b'{"prompt": "smile \\ud83d\\ude00"}', headers={"content-type": "application/json"}
+        )
         assert ok.status_code == 200, ok.text
     assert "Traceback" not in caplog.text
 
@@ -217,6 +228,7 @@ def test_body_limit_is_413(fake_engine):
             for _ in range(20):
                 yield b"x" * 100
             yield b'"}'
+
         _assert_error(c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
 
 
@@ -243,9 +255,14 @@ def test_request_id_echoed_or_made(fake_engine):
 
 def test_cors(fake_engine):
     with _client(fake_engine, allowed_origins=["https://ui.example"], api_key="k") as c:
-        r = c.options("/v1/chat/completions", headers={
-            "origin": "https://ui.example", "access-control-request-method": "POST",
-            "access-control-request-headers": "authorization,content-type"})
+        r = c.options(
+            "/v1/chat/completions",
+            headers={
+                "origin": "https://ui.example",
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization,content-type",
+            },
+        )
         assert r.status_code == 200
         assert r.headers["access-control-allow-origin"] == "https://ui.example"
         r = c.get("/health", headers={"origin": "https://ui.example"})
@@ -268,8 +285,7 @@ def test_chat_response_shape_and_usage(fake_engine):
         assert [e["token"] for e in lp] == list("abcd")
         assert len(lp[0]["top_logprobs"]) == 2 and lp[0]["bytes"] == [97]
         prompt_len = len("<user>hi<assistant>")
-        assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 8,
-                                 "total_tokens": prompt_len + 8}
+        assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 8, "total_tokens": prompt_len + 8}
 
 
 def _events(r: httpx.Response) -> list:
@@ -363,10 +379,12 @@ def test_metrics_exposition(fake_engine):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     labels = {"model_name": "fake-model", "engine": "0"}
-    for name, kind, value in (("aiolm:num_requests_running", "gauge", 1.0),
-                              ("aiolm:kv_cache_usage_perc", "gauge", 0.01),
-                              ("aiolm:engine_healthy", "gauge", 1.0),
-                              ("aiolm:prompt_tokens", "counter", 0.0)):
+    for name, kind, value in (
+        ("aiolm:num_requests_running", "gauge", 1.0),
+        ("aiolm:kv_cache_usage_perc", "gauge", 0.01),
+        ("aiolm:engine_healthy", "gauge", 1.0),
+        ("aiolm:prompt_tokens", "counter", 0.0),
+    ):
         f = families[name]
         assert f.type == kind and f.samples[0].labels == labels and f.samples[0].value == value, f
     assert families["aiolm:inter_token_latency_seconds"].type == "histogram"
@@ -375,14 +393,41 @@ def test_metrics_exposition(fake_engine):
 def test_openapi_describes_everything(fake_engine):
     with _client(fake_engine, api_key="k") as c:
         spec = c.get("/openapi.json").json()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version",
-                 "/tokenize", "/detokenize", "/metrics"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/version",
+        "/tokenize",
+        "/detokenize",
+        "/metrics",
+    ):
         assert path in spec["paths"], path
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"]
-    for f in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n", "max_tokens",
-              "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias", "stream_options", "ignore_eos",
-              "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "user"):
+    for f in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "stream_options",
+        "ignore_eos",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "user",
+    ):
         assert f in chat["properties"], f
     assert "echo" in spec["components"]["schemas"]["CompletionRequest"]["properties"]
 
@@ -390,8 +435,11 @@ def test_openapi_describes_everything(fake_engine):
 def test_access_log_is_json(fake_engine, caplog):
     with caplog.at_level(logging.INFO, logger="aiolm.access"):
         with _client(fake_engine) as c:
-            c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "user": "u1"},
-                   headers={"x-request-id": "log-me"})
+            c.post(
+                "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 2, "user": "u1"},
+                headers={"x-request-id": "log-me"},
+            )
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "aiolm.access"]
     line = next(ln for ln in lines if ln["request_id"] == "log-me")
     assert line["status"] == 200 and line["path"] == "/v1/completions" and line["method"] == "POST"
@@ -402,13 +450,25 @@ def test_access_log_is_json(fake_engine, caplog):
 def test_settings_from_flags_env_and_config(tmp_path):
     parser = build_parser()
     flags = {a.option_strings[0] for a in parser._actions if a.option_strings}
-    from aiolm.config import EngineArgs
     import dataclasses
+
+    from aiolm.config import EngineArgs
 
     for f in dataclasses.fields(EngineArgs):
         assert "--" + f.name.replace("_", "-") in flags, f.name
-    eargs, settings, _ = parse_serve_args(["some/model.gguf", "--max-model-len", "512", "--api-key", "k",
-                                           "--allowed-origins", "a.com, b.com", "--max-n", "4"])
+    eargs, settings, _ = parse_serve_args(
+        [
+            "some/model.gguf",
+            "--max-model-len",
+            "512",
+            "--api-key",
+            "k",
+            "--allowed-origins",
+            "a.com, b.com",
+            "--max-n",
+            "4",
+        ]
+    )
     assert eargs.model == "some/model.gguf" and eargs.max_model_len == 512
     assert settings.api_key == "k" and settings.allowed_origins == ["a.com", "b.com"] and settings.max_n == 4
     assert eargs.scheduling_policy == "fcfs" and not settings.allow_request_priority
@@ -417,8 +477,14 @@ def test_settings_from_flags_env_and_config(tmp_path):
 
     cfg = tmp_path / "aiolm.json"
     cfg.write_text(json.dumps({"max_num_seqs": 7, "max_model_len": 300, "allowed_origins": "x.org"}))
-    eargs, settings = from_environment({"AIOLM_CONFIG": str(cfg), "AIOLM_ARGS": "--max-model-len 400",
-                                        "AIOLM_MODEL": "m.gguf", "AIOLM_API_KEY": "env-key"})
+    eargs, settings = from_environment(
+        {
+            "AIOLM_CONFIG": str(cfg),
+            "AIOLM_ARGS": "--max-model-len 400",
+            "AIOLM_MODEL": "m.gguf",
+            "AIOLM_API_KEY": "env-key",
+        }
+    )
     assert (eargs.max_num_seqs, eargs.max_model_len, eargs.model) == (7, 400, "m.gguf")
     assert settings.api_key == "env-key" and settings.allowed_origins == ["x.org"]
 
@@ -431,8 +497,9 @@ class _ThreadServer:
         import uvicorn
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -461,6 +528,7 @@ def _wait(pred, timeout: float = 5.0) -> bool:
 def test_client_disconnect_aborts_at_once(stream):
     engine = FakeEngine(step_delay=0.05)  # 200 tokens would take 10 s
     with _ThreadServer(build_app(engine)) as url:
+
         async def drop() -> None:
             async with httpx.AsyncClient(base_url=url) as client:
                 body = {"prompt": "x", "max_tokens": 200, "stream": stream}

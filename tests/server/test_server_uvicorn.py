@@ -7,15 +7,23 @@ import signal
 import sys
 
 import httpx
-
 from server_helpers import LIGHT_ENGINE_FLAGS, ServerProcess, free_port
 
 
 def test_each_request_is_logged_once_under_uvicorn(tmp_path):
     port = free_port()
     env = {"AIOLM_ARGS": shlex.join(LIGHT_ENGINE_FLAGS)}
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", "aiolm.server:create_app", "--host", "127.0.0.1",
-           "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "aiolm.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     srv = ServerProcess(cmd, port, tmp_path / "server.log", env)
     try:
         srv.wait_ready()

@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 import uvicorn
+from server_helpers import free_port
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from aiolm.server.slow_clients import guarded
-from server_helpers import free_port
 
 HEADER_TIMEOUT = 1.0
 MAX_CONNECTIONS = 8
@@ -32,16 +32,27 @@ async def _echo_app(scope, receive, send):
         if not message.get("more_body"):
             break
     reply = b"got " + str(len(body)).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(reply)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(reply)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": reply})
 
 
 @pytest.fixture(scope="module")
 def guarded_server():
     port = free_port()
-    config = uvicorn.Config(_echo_app, host="127.0.0.1", port=port, lifespan="off", log_level="warning",
-                            http=guarded(H11Protocol, HEADER_TIMEOUT, MAX_CONNECTIONS))
+    config = uvicorn.Config(
+        _echo_app,
+        host="127.0.0.1",
+        port=port,
+        lifespan="off",
+        log_level="warning",
+        http=guarded(H11Protocol, HEADER_TIMEOUT, MAX_CONNECTIONS),
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(srv.serve()), daemon=True)
     thread.start()
@@ -64,7 +75,8 @@ def _reply(s: socket.socket) -> bytes:
     s.settimeout(5)
     data = b""
     while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
-            data.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+        data.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]
+    ):
         chunk = s.recv(4096)
         assert chunk, f"closed mid-response: {data!r}"
         data += chunk
@@ -80,7 +92,7 @@ def _closed_after(s: socket.socket, limit: float) -> float:
             pass
     except ConnectionResetError:
         pass
-    except socket.timeout:
+    except TimeoutError:
         pytest.fail(f"the connection was still open after {limit} s")
     return time.monotonic() - t0
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import ROOT, ServerProcess, free_port, serve_cmd
 
 from aiolm.structured.backend import clean_message
 from procs import live_running
-from server_helpers import ROOT, ServerProcess, free_port, serve_cmd
 
 pytest.importorskip("xgrammar")
 LIMIT_S = 3
@@ -56,9 +56,11 @@ def wait_until(what, timeout: float, message: str):
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     port = free_port()
-    srv = ServerProcess(serve_cmd(port, "--structured-outputs-compile-timeout", str(LIMIT_S),
-                                  "--shutdown-timeout", "5"),
-                        port, tmp_path_factory.mktemp("limited") / "server.log")
+    srv = ServerProcess(
+        serve_cmd(port, "--structured-outputs-compile-timeout", str(LIMIT_S), "--shutdown-timeout", "5"),
+        port,
+        tmp_path_factory.mktemp("limited") / "server.log",
+    )
     srv.wait_ready()
     yield srv
     if srv.proc.poll() is None:
@@ -71,18 +73,25 @@ def full_log(srv: ServerProcess) -> str:
 
 
 def post(client: httpx.AsyncClient, extra: dict, max_tokens: int = 2):
-    return client.post("/v1/completions", json={"prompt": "Is it so?", "max_tokens": max_tokens,
-                                                "temperature": 0, **extra})
+    return client.post(
+        "/v1/completions", json={"prompt": "Is it so?", "max_tokens": max_tokens, "temperature": 0, **extra}
+    )
 
 
 @pytest.fixture(scope="module")
 def warm(limited):
     """A structured request started the pool; wait until its three processes are ready."""
-    r = httpx.post(limited.base_url + "/v1/completions", timeout=300, json={
-        "prompt": "Is it so?", "max_tokens": 2, "structured_outputs": {"regex": "[a-z]+"}})
+    r = httpx.post(
+        limited.base_url + "/v1/completions",
+        timeout=300,
+        json={"prompt": "Is it so?", "max_tokens": 2, "structured_outputs": {"regex": "[a-z]+"}},
+    )
     assert r.status_code == 200, r.text
-    wait_until(lambda: len(READY.findall(full_log(limited))) >= 3, 180,
-               f"the compile processes did not all start:\n{limited.log()}")
+    wait_until(
+        lambda: len(READY.findall(full_log(limited))) >= 3,
+        180,
+        f"the compile processes did not all start:\n{limited.log()}",
+    )
     return limited
 
 
@@ -131,27 +140,32 @@ def test_a_client_leaving_stops_its_compile(warm):
 
     t0 = time.monotonic()
     asyncio.run(run())
-    found = wait_until(lambda: STOPPED.findall(full_log(warm)[log_start:]), 5,
-                       f"no compile process was stopped:\n{warm.log()}")
+    found = wait_until(
+        lambda: STOPPED.findall(full_log(warm)[log_start:]), 5, f"no compile process was stopped:\n{warm.log()}"
+    )
     stopped_s = time.monotonic() - t0
-    (pid, why), = found
+    ((pid, why),) = found
     assert why == "every request waiting for its grammar has gone", found
     assert stopped_s < LIMIT_S, f"stopped only after {stopped_s:.2f} s"
     assert int(pid) in before
     wait_until(lambda: int(pid) not in compile_pids(), 5, f"process {pid} is still there")
     # ...and it is replaced
-    wait_until(lambda: len(compile_pids(warm.proc.pid) - before) == 1, 60,
-               f"no new compile process: before {before}, now {compile_pids(warm.proc.pid)}")
+    wait_until(
+        lambda: len(compile_pids(warm.proc.pid) - before) == 1,
+        60,
+        f"no new compile process: before {before}, now {compile_pids(warm.proc.pid)}",
+    )
     assert '"status": 499' in full_log(warm)[log_start:]  # the access log: the client closed the request
 
 
 def test_compiler_messages_carry_no_cpp_paths_or_timestamps(warm):
-    cases = [({"structured_outputs": {"regex": "(ab"}}, "The parenthesis is not closed"),
-             ({"structured_outputs": {"grammar": "root ::= nothing_here"}}, 'Rule "nothing_here" is not defined'),
-             ({"structured_outputs": {"json": {"type": "no-such-type"}}}, 'Unsupported type "no-such-type"')]
+    cases = [
+        ({"structured_outputs": {"regex": "(ab"}}, "The parenthesis is not closed"),
+        ({"structured_outputs": {"grammar": "root ::= nothing_here"}}, 'Rule "nothing_here" is not defined'),
+        ({"structured_outputs": {"json": {"type": "no-such-type"}}}, 'Unsupported type "no-such-type"'),
+    ]
     for extra, words in cases:
-        r = httpx.post(warm.base_url + "/v1/completions", timeout=60,
-                       json={"prompt": "x", "max_tokens": 2, **extra})
+        r = httpx.post(warm.base_url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 2, **extra})
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert words in message, message
@@ -160,13 +174,17 @@ def test_compiler_messages_carry_no_cpp_paths_or_timestamps(warm):
 
 def test_clean_message_keeps_the_message_only():
     raw = {
-        "[11:36:14] /project/cpp/json_schema_converter.cc:5082: Unsupported type \"integr\"\n":
-            'Unsupported type "integr"',
+        '[11:36:14] /project/cpp/json_schema_converter.cc:5082: Unsupported type "integr"\n': (
+            'Unsupported type "integr"'
+        ),
         "[11:36:14] /project/cpp/json_schema_converter.cc:5077: Check failed: (error.empty()) is false: "
-        "Failed to parse JSON: syntax error at line 1 near: x\n": "Failed to parse JSON: syntax error at line 1 near: x",
+        "Failed to parse JSON: syntax error at line 1 near: x\n": (
+            "Failed to parse JSON: syntax error at line 1 near: x"
+        ),
         "[01:02:03] /workspace/cpp/grammar_parser.cc:820: EBNF parser error at line 1, column 10: "
-        "Rule \"a\" is not defined\nStack trace:\n  [bt] (0) libxgrammar.so(+0x1234)\n":
-            'EBNF parser error at line 1, column 10: Rule "a" is not defined',
+        'Rule "a" is not defined\nStack trace:\n  [bt] (0) libxgrammar.so(+0x1234)\n': (
+            'EBNF parser error at line 1, column 10: Rule "a" is not defined'
+        ),
         "plain words": "plain words",
     }
     for text, want in raw.items():
@@ -249,9 +267,9 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
     compile, which stops when the last one leaves (at once when it is big, at its first second
     when it is young); a second big grammar is stopped and queued while the slow lane is taken,
     and starts again once the lane is free; a grammar whose process dies twice is refused."""
-    from aiolm.structured.spec import StructuredOutputs
     from aiolm.params import ParamError
     from aiolm.structured.compile_pool import SLOW_AFTER_S
+    from aiolm.structured.spec import StructuredOutputs
     from aiolm.structured.validator import Validator
 
     def spec(tag: str) -> StructuredOutputs:

@@ -18,16 +18,21 @@ def reference(tokens: list[int], k: int, min_n: int, max_n: int, window: int) ->
     recent such occurrence; the k tokens after it."""
     lo = max(0, len(tokens) - window)
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for end in range(len(tokens) - 2, lo + n - 2, -1):  # end: index of the match's last token
-            if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
     return []
 
 
 @settings(max_examples=300, deadline=None)
-@given(tokens=st.lists(st.integers(0, 4), max_size=60), k=st.integers(1, 5), min_n=st.integers(1, 3),
-       extra=st.integers(0, 3), window=st.integers(8, 40))
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=60),
+    k=st.integers(1, 5),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    window=st.integers(8, 40),
+)
 def test_matches_brute_force(tokens, k, min_n, extra, window):
     max_n = min_n + extra
     if window <= max_n:
@@ -112,8 +117,15 @@ def test_which_requests_speculate():
     assert not supports_speculation(SamplingParams(structured_outputs=StructuredOutputs("regex", "a|b")))
 
 
-@pytest.mark.parametrize("kw", [dict(method="eagle"), dict(num_speculative_tokens=0), dict(prompt_lookup_min=0),
-                                dict(prompt_lookup_min=4, prompt_lookup_max=3)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="eagle"),
+        dict(num_speculative_tokens=0),
+        dict(prompt_lookup_min=0),
+        dict(prompt_lookup_min=4, prompt_lookup_max=3),
+    ],
+)
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         SpecConfig(**kw)

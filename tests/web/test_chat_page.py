@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
-
 from server_helpers import API_KEY, ServerProcess
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -151,6 +150,7 @@ def test_conversation_streams_markdown_and_usage(chat: Chat, artifacts: Path):
     page.emulate_media(color_scheme="dark")
     page.screenshot(path=str(artifacts / "chat-dark.png"))
     dark = page.evaluate("getComputedStyle(document.body).backgroundColor")
+
     def brightness(rgb: str) -> int:
         return sum(int(v) for v in re.findall(r"\d+", rgb)[:3])
 
@@ -169,8 +169,11 @@ def test_stop_aborts_the_request_and_frees_its_kv(chat: Chat):
     expect(el).to_have_attribute("data-state", "stopped")
     expect(el.locator(".meta")).to_have_text("stopped")
     expect(page.locator("#send")).to_be_visible()
-    after = wait_metrics(chat.server, lambda m: m["aiolm:num_requests_running"] == 0
-                         and m["aiolm:kv_cache_usage_perc"] == 0, "running 0 and KV usage 0")
+    after = wait_metrics(
+        chat.server,
+        lambda m: m["aiolm:num_requests_running"] == 0 and m["aiolm:kv_cache_usage_perc"] == 0,
+        "running 0 and KV usage 0",
+    )
     assert after['aiolm:request_success_total{finished_reason="abort"}'] == aborted_before + 1
     assert chat.requests[0]["messages"][0] == {"role": "system", "content": "You are a storyteller."}
 

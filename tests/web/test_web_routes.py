@@ -7,12 +7,12 @@ import fnmatch
 import re
 
 import pytest
+from server_helpers import ROOT, FakeEngine
 from starlette.testclient import TestClient
 
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, from_environment, parse_serve_args
 from aiolm.server.webui import WEB_DIR
-from server_helpers import ROOT, FakeEngine
 
 
 def _client(**settings) -> TestClient:

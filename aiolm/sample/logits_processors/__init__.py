@@ -34,8 +34,7 @@ REGISTRY: list[type[LogitsProcessor]] = [
 __all__ = ["REGISTRY", "BatchRows", "LogitsProcessor", "build_active", "needs_prompt"]
 
 
-def build_active(rows: BatchRows,
-                 registry: Sequence[type[LogitsProcessor]] | None = None) -> list[LogitsProcessor]:
+def build_active(rows: BatchRows, registry: Sequence[type[LogitsProcessor]] | None = None) -> list[LogitsProcessor]:
     """The processors some row uses, in registry order (``registry``: :data:`REGISTRY`)."""
     active = []
     for cls in REGISTRY if registry is None else registry:

@@ -22,9 +22,14 @@ class BadWords(LogitsProcessor):
 
     name = "bad_words"
 
-    def __init__(self, always: tuple[torch.Tensor, torch.Tensor] | None,
-                 prefixed: dict[int, list[tuple[tuple[int, ...], int]]],
-                 tails: dict[int, list[int]], keep: dict[int, int], device: torch.device) -> None:
+    def __init__(
+        self,
+        always: tuple[torch.Tensor, torch.Tensor] | None,
+        prefixed: dict[int, list[tuple[tuple[int, ...], int]]],
+        tails: dict[int, list[int]],
+        keep: dict[int, int],
+        device: torch.device,
+    ) -> None:
         self.always = always  # (rows, tokens) forbidden every step
         self.prefixed = prefixed  # row -> [(prefix, last token)]
         self.tails = tails  # row -> its last output tokens, at most keep[row] of them
@@ -58,7 +63,7 @@ class BadWords(LogitsProcessor):
             toks = new_token_ids[i]
             if toks:
                 tail.extend(toks)
-                del tail[:-self.keep[i]]
+                del tail[: -self.keep[i]]
 
     def apply(self, logits: torch.Tensor) -> None:
         if self.always is not None:
@@ -68,7 +73,7 @@ class BadWords(LogitsProcessor):
         for i, words in self.prefixed.items():
             tail = self.tails[i]
             for prefix, last in words:
-                if len(tail) >= len(prefix) and tuple(tail[len(tail) - len(prefix):]) == prefix:
+                if len(tail) >= len(prefix) and tuple(tail[len(tail) - len(prefix) :]) == prefix:
                     rows.append(i)
                     toks.append(last)
         if rows:

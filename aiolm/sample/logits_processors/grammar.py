@@ -29,7 +29,8 @@ import torch
 from aiolm.kernels.sampling_ops import apply_token_bitmask_
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
-from aiolm.structured.backend import Compiler, xgrammar_module as _xgr
+from aiolm.structured.backend import Compiler
+from aiolm.structured.backend import xgrammar_module as _xgr
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class _RowMatcher:
             bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 bits, two's complement
 
     def catch_up(self, output: Sequence[int]) -> None:
-        for t in output[self.accepted:]:
+        for t in output[self.accepted :]:
             self.accept(t)
 
     def accept(self, token: int) -> None:
@@ -109,8 +110,11 @@ class Grammar(LogitsProcessor):
             try:
                 m = _matcher_for(p, out, rows.vocab_size)
             except Exception:  # the engine compiled this text already: cannot happen, must not kill the step
-                log.exception("structured outputs: the worker could not compile a grammar the engine accepted; "
-                              "row %d runs unconstrained", i)
+                log.exception(
+                    "structured outputs: the worker could not compile a grammar the engine accepted; "
+                    "row %d runs unconstrained",
+                    i,
+                )
                 continue
             idx.append(i)
             matchers.append(m)

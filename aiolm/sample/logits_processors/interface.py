@@ -85,7 +85,9 @@ class LogitsProcessor(abc.ABC):
         return False
 
     def advance(self, new_token_ids: Sequence[Sequence[int]]) -> None:
-        """Tokens appended to each row since the last step (one list per row, maybe empty)."""
+        """Tokens appended to each row since the last step (one list per row, maybe empty).
+        A processor whose state does not follow the output keeps the default, which ignores them."""
+        return None
 
     @abc.abstractmethod
     def apply(self, logits: torch.Tensor) -> None:

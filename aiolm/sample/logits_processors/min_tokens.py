@@ -19,8 +19,9 @@ class MinTokens(LogitsProcessor):
 
     name = "min_tokens"
 
-    def __init__(self, rows: torch.Tensor, tokens: torch.Tensor, limits: torch.Tensor,
-                 output_lens: torch.Tensor) -> None:
+    def __init__(
+        self, rows: torch.Tensor, tokens: torch.Tensor, limits: torch.Tensor, output_lens: torch.Tensor
+    ) -> None:
         self.rows, self.tokens, self.limits = rows, tokens, limits
         self.output_lens = output_lens  # long [num_rows]
 
@@ -41,8 +42,12 @@ class MinTokens(LogitsProcessor):
         if not r:
             return None
         dev = rows.device
-        return cls(long_tensor(r, dev), long_tensor(toks, dev), long_tensor(limits, dev),
-                   long_tensor([len(o) for o in outputs], dev))
+        return cls(
+            long_tensor(r, dev),
+            long_tensor(toks, dev),
+            long_tensor(limits, dev),
+            long_tensor([len(o) for o in outputs], dev),
+        )
 
     def advance(self, new_token_ids: Sequence[Sequence[int]]) -> None:
         self.output_lens += long_tensor([len(t) for t in new_token_ids], self.output_lens.device)
@@ -50,6 +55,7 @@ class MinTokens(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> None:
         active = self.output_lens[self.rows] < self.limits
         # Adding -inf or 0 avoids a data-dependent boolean index (a device sync on GPU).
-        delta = torch.zeros(self.rows.shape, dtype=logits.dtype,
-                            device=logits.device).masked_fill_(active, float("-inf"))
+        delta = torch.zeros(self.rows.shape, dtype=logits.dtype, device=logits.device).masked_fill_(
+            active, float("-inf")
+        )
         logits.index_put_((self.rows, self.tokens), delta, accumulate=True)

@@ -31,19 +31,23 @@ class Penalties(LogitsProcessor):
 
     @classmethod
     def build(cls, rows: BatchRows) -> Penalties | None:
-        if all(p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-               for p in rows.params):
+        if all(p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty for p in rows.params):
             return None
-        return cls(rows.params, rows.output_token_ids, rows.prompt_token_ids, rows.vocab_size,
-                   rows.device)
+        return cls(rows.params, rows.output_token_ids, rows.prompt_token_ids, rows.vocab_size, rows.device)
 
     @classmethod
     def needs_prompt(cls, params: SamplingParams) -> bool:
         """The repetition penalty also counts the prompt's tokens as seen."""
         return params.repetition_penalty != 1.0
 
-    def __init__(self, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]],
-                 prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        outputs: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         n = len(params)
         self.vocab_size = vocab_size
         self.device = device
@@ -53,21 +57,23 @@ class Penalties(LogitsProcessor):
         self._use_hist = [r != 1.0 for r in self._rep]
         self._use_out = [bool(f or pr) for f, pr in zip(freq, self._pres)]
         self.frequency = float_column(freq, device) if any(freq) else None
-        hist = [self._in_vocab(itertools.chain(prompts[i], outputs[i])) if self._use_hist[i] else []
-                for i in range(n)]
+        hist = [self._in_vocab(itertools.chain(prompts[i], outputs[i])) if self._use_hist[i] else [] for i in range(n)]
         out = [self._in_vocab(outputs[i]) if self._use_out[i] else [] for i in range(n)]
         self._hist_len = [len(h) for h in hist]
         self._out_len = [len(o) for o in out]
         # Factors are neutral until a row has a token, so its padding is a no-op.
-        self.rep_factor = (float_column([r if h else 1.0 for r, h in zip(self._rep, hist)], device)
-                           if any(self._use_hist) else None)
-        self.presence = (float_column([pr if o else 0.0 for pr, o in zip(self._pres, out)], device)
-                         if any(self._pres) else None)
+        self.rep_factor = (
+            float_column([r if h else 1.0 for r, h in zip(self._rep, hist)], device) if any(self._use_hist) else None
+        )
+        self.presence = (
+            float_column([pr if o else 0.0 for pr, o in zip(self._pres, out)], device) if any(self._pres) else None
+        )
         self.hist_idx = _padded(hist, device)
         self.out_idx = _padded(out, device)
         # 1 per real occurrence, 0 for padding: what the frequency penalty counts.
-        self.out_weight = (self.out_idx.new_tensor(self._out_len).unsqueeze(1)
-                           > torch.arange(self.out_idx.shape[1], device=device)).float()
+        self.out_weight = (
+            self.out_idx.new_tensor(self._out_len).unsqueeze(1) > torch.arange(self.out_idx.shape[1], device=device)
+        ).float()
 
     def _in_vocab(self, tokens: Iterable[int]) -> list[int]:
         """Ids outside the vocabulary are dropped (they can only come from a bad prompt)."""
@@ -102,8 +108,9 @@ class Penalties(LogitsProcessor):
             if hist_first:
                 assert self.rep_factor is not None
                 rows = [r for r, _ in hist_first]
-                self.rep_factor[long_tensor(rows, self.device)] = float_column([self._rep[r] for r in rows],
-                                                                               self.device)
+                self.rep_factor[long_tensor(rows, self.device)] = float_column(
+                    [self._rep[r] for r in rows], self.device
+                )
         if out_w:
             self.out_idx = _grow(self.out_idx, max(self._out_len), out_first)
             _write(self.out_idx, out_w)
@@ -115,8 +122,9 @@ class Penalties(LogitsProcessor):
             self.out_weight[long_tensor(rows, self.device), long_tensor(cols, self.device)] = 1.0
             if out_first and self.presence is not None:
                 first = [r for r, _ in out_first]
-                self.presence[long_tensor(first, self.device)] = float_column([self._pres[r] for r in first],
-                                                                              self.device)
+                self.presence[long_tensor(first, self.device)] = float_column(
+                    [self._pres[r] for r in first], self.device
+                )
 
     def apply(self, logits: torch.Tensor) -> None:
         """Penalise ``logits`` in place: repetition first, then presence and frequency."""
@@ -146,8 +154,7 @@ def _grow(table: torch.Tensor, width: int, first: list[tuple[int, int]]) -> torc
     """
     if table.shape[1] < width:
         extra = max(width, 2 * table.shape[1], 16) - table.shape[1]
-        block = (table[:, :1].expand(-1, extra) if table.shape[1]
-                 else table.new_zeros(table.shape[0], extra))
+        block = table[:, :1].expand(-1, extra) if table.shape[1] else table.new_zeros(table.shape[0], extra)
         table = torch.cat([table, block], dim=1)
     if first:
         rows, toks = zip(*first)

@@ -17,7 +17,7 @@ class Llama3JsonParser(ToolParser):
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
         if body.startswith(_TAG):
-            body = body[len(_TAG):].lstrip()
+            body = body[len(_TAG) :].lstrip()
         if not body.startswith("{"):
             return text, []
         decoder = json.JSONDecoder()
