@@ -63,7 +63,12 @@ serve: install
 	@echo "aiolm: starting the server (the first start converts the embedded model and builds the CPU kernels once)"
 	$(BIN)/aiolm serve $(ARGS)
 
+# Lint, format and types first (seconds), then the suite; the tools and their rules are pinned
+# in pyproject.toml.
 test: install-test
+	$(BIN)/ruff check aiolm tests benchmarks
+	$(BIN)/ruff format --check aiolm tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 clean:
