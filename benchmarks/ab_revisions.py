@@ -2,12 +2,15 @@
 
     python benchmarks/ab_revisions.py BEFORE [AFTER] --rounds 3 -- bench throughput --repeats 1
     python benchmarks/ab_revisions.py 9cd6f87 HEAD --rounds 3 -- bench latency --batch-size 1
+    python benchmarks/ab_revisions.py 9cd6f87 --fields step_costs_ms.decode_steps.schedule \
+        -- bench latency --batch-size 64 --input-len 128 --output-len 32 --repeats 1
 
 Each revision is checked out once into a temporary git worktree; every round runs the
 aiolm command (``python -m aiolm.cli ...`` with that worktree first on the path) once per
 revision, alternating which goes first, so the machine's slow spells fall on both alike.
 AFTER defaults to the working tree itself. Prints each run and the medians of the
-``--json`` fields that bench prints (output_throughput / decode tok/s).
+``--json`` fields that bench prints (output_throughput / decode tok/s), and of any
+``--fields`` named by their dotted path in that JSON.
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ def _headline(result: dict) -> tuple[str, float]:
     return number, float(result[number])
 
 
+def _field(result: dict, path: str) -> float:
+    value: object = result
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise SystemExit(f"no field {path!r} in the bench output: {result}")
+        value = value[part]
+    return float(value)  # type: ignore[arg-type]
+
+
 def main() -> None:
     argv = sys.argv[1:]
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -59,6 +71,7 @@ def main() -> None:
     ap.add_argument("before")
     ap.add_argument("after", nargs="?", default=None, help="a revision (default: this working tree)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fields", default="", help="comma-separated dotted paths of more JSON numbers to compare")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not command:
         raise SystemExit("give the aiolm command after --, e.g. -- bench throughput --repeats 1")
@@ -66,19 +79,20 @@ def main() -> None:
         trees = {"before": _checkout(a.before, Path(tmp) / "before")}
         trees["after"] = _checkout(a.after, Path(tmp) / "after") if a.after else ROOT
         try:
-            results: dict[str, list[float]] = {"before": [], "after": []}
-            key = ""
+            fields = [f for f in a.fields.split(",") if f]
+            results: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
             for r in range(a.rounds):
                 order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
                 for name in order:
-                    key, value = _headline(_run(trees[name], command))
-                    results[name].append(value)
-                    print(f"round {r + 1} {name}: {key} = {value:.2f}", flush=True)
-            med = {n: statistics.median(v) for n, v in results.items()}
-            print(
-                f"median {key}: before {med['before']:.2f}, after {med['after']:.2f} "
-                f"({med['after'] / med['before']:.3f}x)"
-            )
+                    out = _run(trees[name], command)
+                    key, value = _headline(out)
+                    got = {key: value, **{f: _field(out, f) for f in fields}}
+                    for k, v in got.items():
+                        results[name].setdefault(k, []).append(v)
+                    print(f"round {r + 1} {name}: " + ", ".join(f"{k} = {v:.3f}" for k, v in got.items()), flush=True)
+            for k in results["before"]:
+                before, after = statistics.median(results["before"][k]), statistics.median(results["after"][k])
+                print(f"median {k}: before {before:.3f}, after {after:.3f} ({after / before:.3f}x)")
         finally:
             for tree in trees.values():
                 if tree != ROOT:
