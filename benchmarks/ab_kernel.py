@@ -40,13 +40,19 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from aiolm.kernels import cpu  # noqa: E402
 from bench_linear import random_blocks  # noqa: E402  (this folder: the script's own)
 
-SOURCES = {"head": "gguf_int8.cpp", "prompt-layer": "gguf_int8.cpp", "tinyllama": "gguf_int8.cpp",
-           "model": "gguf_int8.cpp", "panels": "panel_gemm.cpp",
-           "decode-attn": "paged_attention.cpp", "prefill-attn": "paged_attention.cpp"}
+from aiolm.kernels import cpu  # noqa: E402
+
+SOURCES = {
+    "head": "gguf_int8.cpp",
+    "prompt-layer": "gguf_int8.cpp",
+    "tinyllama": "gguf_int8.cpp",
+    "model": "gguf_int8.cpp",
+    "panels": "panel_gemm.cpp",
+    "decode-attn": "paged_attention.cpp",
+    "prefill-attn": "paged_attention.cpp",
+}
 
 
 def build(source: str, namespace: str, out_dir: Path) -> None:
@@ -73,14 +79,20 @@ def linear_case(case: str, rows: int):
         from aiolm.model.loader import resolve_model
         from aiolm.model.registry import build_model
 
-        ws = [mod.gguf.blocks for mod in build_model(resolve_model(None)).modules()
-              if getattr(mod, "gguf", None) is not None]
+        ws = [
+            mod.gguf.blocks
+            for mod in build_model(resolve_model(None)).modules()
+            if getattr(mod, "gguf", None) is not None
+        ]
     elif case == "prompt-layer":
         rows = 2048
         ws = [random_blocks(n, k, rng, "Q4_1") for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
     else:
-        ws = [random_blocks(n, k, rng) for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
-              for _ in range(3)]
+        ws = [
+            random_blocks(n, k, rng)
+            for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+            for _ in range(3)
+        ]
     xs = [torch.randn(rows, w.scale.shape[1] // 8 * 32) for w in ws]
     return ws, xs
 
@@ -96,7 +108,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
-    old = subprocess.run(["git", "show", f"{a.old}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    old = subprocess.run(
+        ["git", "show", f"{a.old}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     with tempfile.TemporaryDirectory() as tmp:
         build(old, "aiolm_old", Path(tmp))
         build((ROOT / path).read_text(), "aiolm_new", Path(tmp))
@@ -126,10 +140,13 @@ def main() -> None:
             call(ns)
             times[ns].append(time.perf_counter() - t0)
     base = statistics.median(times["aiolm_old"])
+    rows = f", {a.rows} rows" if a.case in ("head", "tinyllama", "model", "panels") else ""
     for ns, label in zip(versions, (f"{a.old} ", "worktree")):
         med = statistics.median(times[ns])
-        print(f"{a.case} ({a.threads} threads{', %d rows' % a.rows if a.case in ('head', 'tinyllama', 'model', 'panels') else ''}), "
-              f"{label}: median {med * 1e3:.2f} ms, best {min(times[ns]) * 1e3:.2f} ms, {med / base:.3f}x the old")
+        print(
+            f"{a.case} ({a.threads} threads{rows}), "
+            f"{label}: median {med * 1e3:.2f} ms, best {min(times[ns]) * 1e3:.2f} ms, {med / base:.3f}x the old"
+        )
 
 
 def panel_case(rows: int):
@@ -175,6 +192,7 @@ def attention_case(case: str):
             op(out, q, kc, vc, table, qsl, sl, 0.125)
             outs.append(out)
         return outs
+
     return call
 
 

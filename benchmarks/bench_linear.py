@@ -68,8 +68,13 @@ def main() -> None:
 
     model = build_model(resolve_model(None))
     layer = model.layers[0]
-    layers = [("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj),
-              ("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("lm_head", model.lm_head)]
+    layers = [
+        ("gate_up", layer.mlp.gate_up_proj),
+        ("down", layer.mlp.down_proj),
+        ("qkv", layer.self_attn.qkv_proj),
+        ("o", layer.self_attn.o_proj),
+        ("lm_head", model.lm_head),
+    ]
     if "1" in sections:
         per_layer_methods(layers)
     shapes = [(mod.gguf.blocks.n, mod.gguf.blocks.scale.shape[1] // 8 * 32) for _, mod in layers[:4]]
@@ -107,7 +112,6 @@ def per_layer_methods(layers) -> None:
             print(f"| {name} | {m} | {f32:.0f} | {dnnl:.0f} | {pan:.0f} | {gg:.0f} |", flush=True)
 
 
-
 def layer_sequence(shapes, rounds: int) -> None:
     from aiolm.quant.cpu_packed import to_panels
 
@@ -138,8 +142,10 @@ def int8_crossover(layers, rounds: int) -> None:
     shared machine most runs fit in one time slice and the median is the unloaded speed."""
     from aiolm.quant.cpu_packed import to_panels
 
-    print("\n| layer (N x K, type) | rows | GGUF blocks, float (µs) | GGUF blocks, int8 x (µs) | panels (µs) |"
-          "\n|---|---|---|---|---|")
+    print(
+        "\n| layer (N x K, type) | rows | GGUF blocks, float (µs) | GGUF blocks, int8 x (µs) | panels (µs) |"
+        "\n|---|---|---|---|---|"
+    )
     for name, mod in layers:
         g = mod.gguf.blocks
         n, k = g.n, g.scale.shape[1] // 8 * 32
@@ -152,8 +158,14 @@ def int8_crossover(layers, rounds: int) -> None:
             def rep(f):
                 return lambda: [f() for _ in range(calls)]
 
-            t = interleaved([rep(lambda: g.linear(x)), rep(lambda: g.linear_int8(x)),
-                             rep(lambda: torch.ops.aiolm.panel_linear(x, panels, n))], rounds)
+            t = interleaved(
+                [
+                    rep(lambda: g.linear(x)),
+                    rep(lambda: g.linear_int8(x)),
+                    rep(lambda: torch.ops.aiolm.panel_linear(x, panels, n)),
+                ],
+                rounds,
+            )
             f, i, p = (1e6 * v / calls for v in t)
             print(f"| {name} ({n} x {k}, {kind}) | {m} | {f:.0f} | {i:.0f} | {p:.0f} |", flush=True)
 
@@ -183,8 +195,10 @@ def int8_tinyllama(rounds: int) -> None:
 
     rng = np.random.default_rng(0)
 
-    print("\n| layer (N x K) | rows | int8 x, in cache (GOP/s) | int8 x, from memory | bfloat16 oneDNN, from memory |"
-          "\n|---|---|---|---|---|")
+    print(
+        "\n| layer (N x K) | rows | int8 x, in cache (GOP/s) | int8 x, from memory | bfloat16 oneDNN, from memory |"
+        "\n|---|---|---|---|---|"
+    )
     for name, n, k in [("gate_up", 11264, 2048), ("down", 2048, 5632), ("qkv", 2560, 2048)]:
         ws = [random_blocks(n, k, rng) for _ in range(12)]
         wbs = [pack_weight(w.dequantize(), torch.bfloat16) for w in ws]  # as --dtype bfloat16 packs them
@@ -226,8 +240,11 @@ def int8_kernel_rate() -> None:
             t.append((time.perf_counter() - t0) / calls)
         best[m] = 2 * m * 2048 * 2048 / min(t) / 1e9
     print(f"\n| rows | {' | '.join(map(str, rows))} |\n|---|{'---|' * len(rows)}")
-    print(f"| int8 x, Q4_0 2048 x 2048, GOP/s ({torch.get_num_threads()} threads) | "
-          + " | ".join(f"{best[m]:.0f}" for m in rows) + " |")
+    print(
+        f"| int8 x, Q4_0 2048 x 2048, GOP/s ({torch.get_num_threads()} threads) | "
+        + " | ".join(f"{best[m]:.0f}" for m in rows)
+        + " |"
+    )
 
 
 def int8_prompt_layer(blocks, shapes) -> None:
@@ -249,15 +266,17 @@ def int8_prompt_layer(blocks, shapes) -> None:
         layer()
         t.append(time.perf_counter() - t0)
     med = statistics.median(t)
-    print(f"\n| {rows} rows, qkv + o + gate_up + down, int8 x ({torch.get_num_threads()} threads) | median (ms) | best (ms) |"
-          f" GOP/s at the median |\n|---|---|---|---|\n| {', '.join(names[b.qtype] for b in blocks)} | {med * 1e3:.1f} |"
-          f" {min(t) * 1e3:.1f} | {ops / med / 1e9:.0f} |")
+    types = ", ".join(names[b.qtype] for b in blocks)
+    print(
+        f"\n| {rows} rows, qkv + o + gate_up + down, int8 x ({torch.get_num_threads()} threads) | median (ms) |"
+        f" best (ms) | GOP/s at the median |\n|---|---|---|---|\n| {types} | {med * 1e3:.1f} |"
+        f" {min(t) * 1e3:.1f} | {ops / med / 1e9:.0f} |"
+    )
 
 
 def decode_steps(model, rounds: int) -> None:
-    from paged import PagedHarness
-
     from aiolm.quant import gguf_blocks
+    from paged import PagedHarness
 
     # Each layer's int8 limit is fixed when its blocks are attached: lift it, so that the int8
     # column is int8 at every batch size (the fused layers read it too).
@@ -269,8 +288,10 @@ def decode_steps(model, rounds: int) -> None:
     names = ("MAX_ROWS", "INT8")
     modes = {"panels": (0, False), "blocks, float": (64, False), "blocks, int8 x": (64, True)}
     saved = [getattr(gguf_blocks, n) for n in names]
-    print("\n| batch | decode step, float32 panels (ms) | GGUF blocks, float (ms) | GGUF blocks, int8 x (ms) |"
-          "\n|---|---|---|---|")
+    print(
+        "\n| batch | decode step, float32 panels (ms) | GGUF blocks, float (ms) | GGUF blocks, int8 x (ms) |"
+        "\n|---|---|---|---|"
+    )
     for b in (1, 2, 4, 6, 8, 12, 16, 24, 32):
         h = PagedHarness(model, num_blocks=1024)
         h.step({i: list(range(100, 228)) for i in range(b)})
@@ -281,6 +302,7 @@ def decode_steps(model, rounds: int) -> None:
                     setattr(gguf_blocks, n, v)
                 h.step({i: [5] for i in range(b)})
                 h.lens = {i: 128 for i in range(b)}  # every step decodes at position 128
+
             return run
 
         t = interleaved([step(m) for m in modes], rounds)

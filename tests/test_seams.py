@@ -14,14 +14,27 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILES = sorted((ROOT / "aiolm" / "model").rglob("*.py"))
 
 # Names whose use in model code would mean choosing by hardware.
-HARDWARE_IMPORTS = {"aiolm.kernels.cpu", "aiolm.kernels.cpu_ops", "aiolm.kernels.triton", "aiolm.platforms.cpu",
-                    "aiolm.platforms.cuda", "aiolm.quant.cpu_packed", "aiolm.quant.gguf_blocks",
-                    "aiolm.attention.cpu_backend", "aiolm.attention.triton_backend"}
+HARDWARE_IMPORTS = {
+    "aiolm.kernels.cpu",
+    "aiolm.kernels.cpu_ops",
+    "aiolm.kernels.triton",
+    "aiolm.platforms.cpu",
+    "aiolm.platforms.cuda",
+    "aiolm.quant.cpu_packed",
+    "aiolm.quant.gguf_blocks",
+    "aiolm.attention.cpu_backend",
+    "aiolm.attention.triton_backend",
+}
 # What a layer or a family gets from its BuildContext, never from a process-wide source.
 LAYER_FILES = sorted((ROOT / "aiolm" / "model" / "layers").rglob("*.py")) + [
-    ROOT / "aiolm" / "model" / f for f in ("llama.py", "gemma3.py")]
-PROCESS_WIDE = {"aiolm.platforms", "aiolm.platforms.get_platform", "aiolm.platforms.current_platform",
-                "aiolm.distributed.parallel_state"}
+    ROOT / "aiolm" / "model" / f for f in ("llama.py", "gemma3.py")
+]
+PROCESS_WIDE = {
+    "aiolm.platforms",
+    "aiolm.platforms.get_platform",
+    "aiolm.platforms.current_platform",
+    "aiolm.distributed.parallel_state",
+}
 HARDWARE_WORDS = ("torch.ops.aiolm", "torch.cuda", "device.type", "cpu_kernels", "has_avx512", "is_available")
 
 
@@ -67,12 +80,15 @@ def test_platforms_import_no_model_code(path):
 
 
 def test_engine_process_imports_no_model_stack():
-    probe = ("import sys, aiolm.engine.async_engine\n"
-             "bad = ('aiolm.worker', 'aiolm.model', 'xgrammar', "
-             "'aiolm.kernels', 'aiolm.attention', 'aiolm.platforms', 'aiolm.quant')\n"
-             "print(sorted(m for m in sys.modules if m.startswith(bad)))\n"
-             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
-                         timeout=120).stdout.split("\n")
+    probe = (
+        "import sys, aiolm.engine.async_engine\n"
+        "bad = ('aiolm.worker', 'aiolm.model', 'xgrammar', "
+        "'aiolm.kernels', 'aiolm.attention', 'aiolm.platforms', 'aiolm.quant')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(bad)))\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
     assert out[0] == "[]", out[0]
     assert out[1] == "False"  # not even torch: the engine process holds config, tokenizer, scheduler, actors

@@ -23,15 +23,24 @@ class CpuPagedAttention(TorchAttention):
     _pages_of: torch.Tensor | None = None
     _pages: tuple[torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         if not (cpu_kernels.ready(q) and kv_cache.dtype in (torch.float32, torch.float16)):
             return super().forward(q, k, v, kv_cache, meta)
         torch.ops.aiolm.write_kv_(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # dense, whatever q's strides (a view of qkv)
-        torch.ops.aiolm.paged_attention(out, q, *self.pages(kv_cache), meta.block_table,
-                                        meta.query_start_loc, meta.seq_lens, self.scale,
-                                        self.sliding_window or 0, self.soft_cap or 0.0)
+        torch.ops.aiolm.paged_attention(
+            out,
+            q,
+            *self.pages(kv_cache),
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            self.sliding_window or 0,
+            self.soft_cap or 0.0,
+        )
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

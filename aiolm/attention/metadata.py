@@ -38,8 +38,15 @@ class AttentionBackend:
 
     cuda_graph_safe = False  # True where a CUDA graph can capture forward (no host syncs)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if sliding_window is not None and sliding_window < 1:
@@ -54,8 +61,9 @@ class AttentionBackend:
         self.soft_cap = soft_cap
         self.group = num_heads // num_kv_heads
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens (written by ``slot_mapping``).
         Returns [T, H * D]."""
         raise NotImplementedError
@@ -107,8 +115,14 @@ class AttentionMetadata:
         return self.max_seq_len
 
     @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_ids: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
         """Build metadata from plain lists (tests and simple callers)."""
         slots: list[int] = []
         for q, s, blocks in zip(query_lens, seq_lens, block_ids):

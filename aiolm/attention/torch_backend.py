@@ -31,8 +31,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 class TorchAttention(AttentionBackend):
     """Paged attention with GQA; the reference every other backend is tested against."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens. Returns [T, H * D]."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -45,20 +46,23 @@ class TorchAttention(AttentionBackend):
             for i, n in enumerate(qlens):
                 if n > 1:
                     s0 = starts[i]
-                    out[s0:s0 + n] = self._prefill(q[s0:s0 + n], kv_cache, meta.block_table[i],
-                                                   slens[i], meta.block_size)
+                    out[s0 : s0 + n] = self._prefill(
+                        q[s0 : s0 + n], kv_cache, meta.block_table[i], slens[i], meta.block_size
+                    )
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
-                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         nblk = (seq_len + block_size - 1) // block_size
         ids = blocks[:nblk]
         k = kv_cache[0].index_select(0, ids).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
         v = kv_cache[1].index_select(0, ids).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
         return k, v  # in the cache's dtype: _prefill computes in q's
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
-                 seq_len: int, block_size: int) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, block_size: int
+    ) -> torch.Tensor:
         n = q.shape[0]
         k, v = self._gather(kv_cache, blocks, seq_len, block_size)
         k, v = k.to(q.dtype), v.to(q.dtype)
@@ -83,8 +87,9 @@ class TorchAttention(AttentionBackend):
             mask &= keys > pos - self.sliding_window
         return mask
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                **sdpa: bool) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, **sdpa: bool
+    ) -> torch.Tensor:
         """softmax(cap(q k^T * scale) masked) v; SDPA when there is no soft-cap to apply."""
         if self.soft_cap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **sdpa)
@@ -96,8 +101,9 @@ class TorchAttention(AttentionBackend):
         s = s.masked_fill(~mask, float("-inf"))
         return torch.softmax(s, dim=-1) @ v
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                rows: list[int], out: torch.Tensor) -> None:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int], out: torch.Tensor
+    ) -> None:
         bs = meta.block_size
         if len(rows) == meta.num_reqs:
             tok = meta.query_start_loc[:-1]

@@ -29,21 +29,46 @@ class TritonAttention(AttentionBackend):
 
     cuda_graph_safe = True  # no host reads of device tensors, no allocation that depends on the data
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, soft_cap)
         self._target_programs: int | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens. Returns [T, H * D]."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        splits = choose_num_splits(meta.num_reqs, self.num_kv_heads, meta.max_query_len, meta.max_seq_len,
-                                   meta.block_size, self._programs_to_fill(q.device))
-        paged_attention(out, q, kv_cache[0], kv_cache[1], meta.block_table_i32,
-                        meta.cu_seqlens_q, meta.seq_lens_i32, meta.max_seqlen_q,
-                        self.scale, window=self.sliding_window, soft_cap=self.soft_cap, num_splits=splits)
+        splits = choose_num_splits(
+            meta.num_reqs,
+            self.num_kv_heads,
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.block_size,
+            self._programs_to_fill(q.device),
+        )
+        paged_attention(
+            out,
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_table_i32,
+            meta.cu_seqlens_q,
+            meta.seq_lens_i32,
+            meta.max_seqlen_q,
+            self.scale,
+            window=self.sliding_window,
+            soft_cap=self.soft_cap,
+            num_splits=splits,
+        )
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _programs_to_fill(self, device: torch.device) -> int:

@@ -46,12 +46,21 @@ def check_for_device(requested: str, device_type: str) -> None:
     """Refuse a choice the device cannot run (e.g. shm for CUDA tensors)."""
     allowed = _BY_DEVICE.get(device_type, ())
     if requested != "auto" and requested not in allowed:
-        raise ValueError(f"all_reduce: {requested!r} does not run on {device_type}; "
-                         f"supported there: auto, {', '.join(allowed)}")
+        raise ValueError(
+            f"all_reduce: {requested!r} does not run on {device_type}; supported there: auto, {', '.join(allowed)}"
+        )
 
 
-def make_tp_group(rank: int, world_size: int, device_type: str, requested: str = "auto", *,
-                  shm_name: str | None = None, port: int = 0, host: str = "127.0.0.1") -> tuple[TPGroup, str]:
+def make_tp_group(
+    rank: int,
+    world_size: int,
+    device_type: str,
+    requested: str = "auto",
+    *,
+    shm_name: str | None = None,
+    port: int = 0,
+    host: str = "127.0.0.1",
+) -> tuple[TPGroup, str]:
     """This rank's group and the name of the all-reduce behind it (``none`` for one rank).
 
     The platform calls this once per worker before building the model. ``shm_name``
@@ -68,11 +77,11 @@ def make_tp_group(rank: int, world_size: int, device_type: str, requested: str =
     if device_type == "cuda":
         from aiolm.distributed import cuda_allreduce
 
-        group, name = cuda_allreduce.make_group(rank, world_size, port, prefer_symm_mem=requested != "nccl",
-                                               host=host)
+        group, name = cuda_allreduce.make_group(rank, world_size, port, prefer_symm_mem=requested != "nccl", host=host)
         if requested == "symm_mem" and name != "symm_mem":
-            raise RuntimeError("all_reduce 'symm_mem' was asked for but is not usable here "
-                               "(see the log line above); use auto or nccl")
+            raise RuntimeError(
+                "all_reduce 'symm_mem' was asked for but is not usable here (see the log line above); use auto or nccl"
+            )
     elif requested in ("auto", "shm") and shm_name is not None:
         from aiolm.distributed.shm_allreduce import ShmAllReduce
 

@@ -44,7 +44,7 @@ def split_cpus(cpus: list[int], world_size: int) -> list[list[int]] | None:
     out, i = [], 0
     for r in range(world_size):
         n = base + (r < extra)
-        out.append(sorted(c for core in cores[i:i + n] for c in core))
+        out.append(sorted(c for core in cores[i : i + n] for c in core))
         i += n
     return out
 
@@ -82,8 +82,11 @@ def bind_rank(rank: int, world_size: int, spec: str = "auto") -> list[int] | Non
     if blocks is None:
         torch.set_num_threads(1)
         if rank == 0:
-            log.warning("%d ranks on %d cores: ranks share cores, unpinned, one thread each",
-                        world_size, len(physical_cores(allowed)))
+            log.warning(
+                "%d ranks on %d cores: ranks share cores, unpinned, one thread each",
+                world_size,
+                len(physical_cores(allowed)),
+            )
         return None
     mine = blocks[rank]
     os.sched_setaffinity(0, mine)

@@ -14,6 +14,7 @@ Rank r uses ``cuda:r`` (the executor starts ranks on one node).
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -35,7 +36,8 @@ def symm_mem_unusable_reason(world_size: int) -> str | None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
         return f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} visible GPUs for {world_size} ranks"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        # `import torch.distributed...` here would make `torch` a local name of this whole function
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError:
         return "this torch build has no torch.distributed._symmetric_memory"
     for i in range(world_size):
@@ -72,13 +74,15 @@ class SymmMemAllReduce:
         return x.copy_(staged)
 
 
-def make_group(rank: int, world_size: int, port: int, prefer_symm_mem: bool = True,
-               host: str = "127.0.0.1") -> tuple[TPGroup, str]:
+def make_group(
+    rank: int, world_size: int, port: int, prefer_symm_mem: bool = True, host: str = "127.0.0.1"
+) -> tuple[TPGroup, str]:
     """Join the NCCL group on the current GPU (the worker made its rank's device current:
     platforms/cuda.py worker_device) and put symmetric memory in front of it where valid."""
     device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", init_method=f"tcp://{host}:{port}", rank=rank,
-                            world_size=world_size, device_id=device)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size, device_id=device
+    )
     group = dist.group.WORLD
     assert group is not None
 
@@ -100,6 +104,8 @@ def make_group(rank: int, world_size: int, port: int, prefer_symm_mem: bool = Tr
         return symm.all_reduce(x) if symm.fits(x) else nccl_all_reduce(x)
 
     if rank == 0:
-        log.info("CUDA all-reduce: symm_mem (torch symmetric memory, %d MiB peer buffer; NCCL above it)",
-                 SYMM_MEM_BYTES >> 20)
+        log.info(
+            "CUDA all-reduce: symm_mem (torch symmetric memory, %d MiB peer buffer; NCCL above it)",
+            SYMM_MEM_BYTES >> 20,
+        )
     return TPGroup(rank, world_size, all_reduce, all_gather), "symm_mem"

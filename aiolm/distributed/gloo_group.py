@@ -7,7 +7,7 @@ address is chosen by the engine (loopback, or rank 0's node on Ray).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,9 @@ def make_group(rank: int, world_size: int, port: int, host: str = "127.0.0.1") -
     return TPGroup(rank, world_size, *collectives(world_size))
 
 
-def collectives(world_size: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+def collectives(
+    world_size: int,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """All-reduce (in place) and all-gather (concatenated on the last dim) over the default
     torch.distributed group, whatever its backend (gloo here, NCCL in cuda_allreduce.py)."""
 

@@ -6,8 +6,8 @@ layer code runs with one rank (identity all-reduce) and with several.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -30,8 +30,10 @@ def split_error(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: i
     if not problems:
         return None
     ok = [n for n in range(1, num_heads + 1) if not _problems(n, num_heads, num_kv_heads, intermediate_size)]
-    return (f"tensor_parallel_size {tp} cannot split this model: {'; '.join(problems)} "
-            f"(sizes that work: {', '.join(map(str, ok))})")
+    return (
+        f"tensor_parallel_size {tp} cannot split this model: {'; '.join(problems)} "
+        f"(sizes that work: {', '.join(map(str, ok))})"
+    )
 
 
 def kv_head_for_rank(rank: int, tp: int, num_kv_heads: int) -> range:

@@ -42,7 +42,7 @@ import atexit
 import errno
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -139,8 +139,12 @@ class ShmAllReduce:
             raise RuntimeError(f"{name}: rank {rank} is already attached by a live process") from e
         self._poker = Poker()
         u[self._my_word + 1] = os.getpid()
-        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_data_offset(self.world_size),
-                                count=2 * self.world_size * self.slot_bytes)
+        data = torch.frombuffer(
+            self._mm,
+            dtype=torch.uint8,
+            offset=_data_offset(self.world_size),
+            count=2 * self.world_size * self.slot_bytes,
+        )
         # _slots[buffer][rank]: raw bytes, viewed in the call's dtype
         self._slots = data.view(2, self.world_size, self.slot_bytes)
         self._broken: str | None = None
@@ -217,7 +221,7 @@ class ShmAllReduce:
         acc_dtype = _ACCUMULATE.get(flat.dtype)
         per = self.slot_bytes // flat.element_size()
         for off in range(0, flat.numel(), per):
-            out = flat[off:off + per]
+            out = flat[off : off + per]
             m = out.numel()
             buf = self._publish(out)
             slots = [s.view(flat.dtype)[:m] for s in self._slots[buf]]
@@ -247,18 +251,18 @@ class ShmAllReduce:
             parts = torch.empty(self.world_size, flat.numel(), dtype=x.dtype)
             per = self.slot_bytes // x.element_size()
             for off in range(0, flat.numel(), per):
-                src = flat[off:off + per]
+                src = flat[off : off + per]
                 buf = self._publish(src)
                 for p, s in enumerate(self._slots[buf]):
-                    parts[p, off:off + src.numel()].copy_(s.view(x.dtype)[: src.numel()])
+                    parts[p, off : off + src.numel()].copy_(s.view(x.dtype)[: src.numel()])
             out.copy_(parts.view(self.world_size, -1, cols).transpose(0, 1))
         else:
             for r0 in range(0, rows.shape[0], per_rows):
-                src = rows[r0:r0 + per_rows]
+                src = rows[r0 : r0 + per_rows]
                 k = src.shape[0]
                 buf = self._publish(src.reshape(-1))
                 for p, s in enumerate(self._slots[buf]):
-                    out[r0:r0 + k, p].copy_(s.view(x.dtype)[: k * cols].view(k, cols))
+                    out[r0 : r0 + k, p].copy_(s.view(x.dtype)[: k * cols].view(k, cols))
         return out.view(*x.shape[:-1], self.world_size * cols)
 
     def close(self) -> None:

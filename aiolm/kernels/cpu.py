@@ -1,7 +1,7 @@
 """Builds and loads aiolm's C++ CPU kernels (``torch.ops.aiolm.*``) on first use.
 
-The sources live in the project's ``ext/cpu`` (wheels carry them as data files) and are compiled once per machine into the
-aiolm cache folder, keyed by the source, torch's version and the CPU's flags, so
+The sources live in the project's ``ext/cpu`` (wheels carry them as data files) and are
+compiled once per machine into the aiolm cache folder, keyed by the source, torch's version and the CPU's flags, so
 it is tuned for the host (-march=native) without a build step at install time.
 Only a C++ compiler is needed (no ninja, no pybind11). When no compiler is
 found or the build fails, ``load()`` returns False with the reason logged and
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-
 
 
 def source_dir() -> Path:
@@ -86,14 +85,33 @@ def _compile_flags() -> list[str]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *includes, f"-I{sysconfig.get_paths()['include']}"]
+    return [
+        "-O3",
+        "-march=native",
+        "-std=c++17",
+        "-fPIC",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *includes,
+        f"-I{sysconfig.get_paths()['include']}",
+    ]
 
 
 def _link_command(objects: list[Path], out: Path, compiler: str) -> list[str]:
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    return [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(out), f"-L{torch_lib}", "-lc10",
-            "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+    return [
+        compiler,
+        "-shared",
+        "-fopenmp",
+        *map(str, objects),
+        "-o",
+        str(out),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
 
 
 def library_path() -> Path:
@@ -128,8 +146,7 @@ def _build(target: Path) -> None:
                 raise RuntimeError(f"compiling {src.name} failed:\n{proc.stderr[-4000:]}")
             with _lock_progress:
                 done[0] += 1
-                log.info("built kernel %d of %d: %s (%.0fs)", done[0], len(_SOURCES), src.name,
-                         time.monotonic() - t0)
+                log.info("built kernel %d of %d: %s (%.0fs)", done[0], len(_SOURCES), src.name, time.monotonic() - t0)
             return obj
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:

@@ -23,8 +23,9 @@ class CpuKernelOps(TorchOps):
             return torch.ops.aiolm.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # x may be a bfloat16 matmul's output: the normalised sum then comes back in
         # bfloat16, rounded as the next bfloat16 matmul would round its input
         if x.dim() == 2 and _f32_cpu(residual) and weight.dtype == torch.float32:
@@ -32,8 +33,9 @@ class CpuKernelOps(TorchOps):
             return x, residual
         return super().add_rms_norm(x, residual, weight, eps)
 
-    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if _f32_cpu(q) and cos.dtype == torch.float32:
             torch.ops.aiolm.rotary_(q, k, positions, cos, sin)
             return q, k

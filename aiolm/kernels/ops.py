@@ -24,14 +24,16 @@ class TorchOps:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(dtype)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual): the normalised sum and the new residual stream."""
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
-    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate-half RoPE of q [T, H, D] and k [T, Hk, D] at ``positions``; may work in place."""
         c = cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
         s = sin.index_select(0, positions).unsqueeze(1).to(q.dtype)

@@ -33,11 +33,19 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: l
     """
     if indices is not None and not indices:
         return
-    if (cpu_kernels.ready(logits) and logits.dim() == 2 and logits.stride(1) == 1 and bitmask.device.type == "cpu"
-            and bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.shape[0] == logits.shape[0]):
+    if (
+        cpu_kernels.ready(logits)
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and bitmask.device.type == "cpu"
+        and bitmask.dtype == torch.int32
+        and bitmask.is_contiguous()
+        and bitmask.shape[0] == logits.shape[0]
+    ):
         torch.ops.aiolm.apply_token_bitmask_(logits, bitmask, indices or [])
         return
     from aiolm.structured.backend import xgrammar_module
 
-    xgrammar_module().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                                  vocab_size=logits.shape[1], indices=indices)
+    xgrammar_module().apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1], indices=indices
+    )

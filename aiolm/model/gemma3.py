@@ -45,8 +45,9 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # transformers' na
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: Gemma3Config, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None,
-                 prefix: str = "") -> None:
+    def __init__(
+        self, cfg: Gemma3Config, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None, prefix: str = ""
+    ) -> None:
         super().__init__()
         tp = ctx.tp_group.world_size
         if cfg.num_heads % tp:
@@ -54,19 +55,28 @@ class Gemma3Attention(nn.Module):
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(ctx, cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.attention_bias,
-                                          names=tuple(f"{prefix}.{x}_proj" for x in "qkv"))
-        self.o_proj = RowParallelLinear(ctx, cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias,
-                                        names=(f"{prefix}.o_proj",))
+        self.qkv_proj = QKVParallelLinear(
+            ctx,
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.attention_bias,
+            names=tuple(f"{prefix}.{x}_proj" for x in "qkv"),
+        )
+        self.o_proj = RowParallelLinear(
+            ctx, cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, names=(f"{prefix}.o_proj",)
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops)
         self.rotary = rotary
-        self.attn = ctx.attention_backend(self.num_heads, self.num_kv_heads, self.head_dim,
-                                          cfg.query_pre_attn_scalar ** -0.5, sliding_window=window)
+        self.attn = ctx.attention_backend(
+            self.num_heads, self.num_kv_heads, self.head_dim, cfg.query_pre_attn_scalar**-0.5, sliding_window=window
+        )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -81,10 +91,10 @@ class Gemma3MLP(nn.Module):
     def __init__(self, cfg: Gemma3Config, ctx: BuildContext, prefix: str = "") -> None:
         super().__init__()
         self.ops = ctx.ops
-        self.gate_up_proj = ColumnParallelLinear(ctx, cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                 names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"))
-        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size,
-                                           names=(f"{prefix}.down_proj",))
+        self.gate_up_proj = ColumnParallelLinear(
+            ctx, cfg.hidden_size, [cfg.intermediate_size] * 2, names=(f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        )
+        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size, names=(f"{prefix}.down_proj",))
         self.approximate = _ACTIVATIONS[cfg.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +102,9 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None,
-                 prefix: str = "") -> None:
+    def __init__(
+        self, cfg: Gemma3Config, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None, prefix: str = ""
+    ) -> None:
         super().__init__()
         h, eps, ops = cfg.hidden_size, cfg.rms_norm_eps, ctx.ops
         self.input_layernorm = RMSNorm(h, eps, ops)
@@ -103,8 +114,14 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(cfg, ctx, prefix=f"{prefix}.mlp")
         self.post_feedforward_layernorm = RMSNorm(h, eps, ops)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's post-feedforward output; residual: the stream before it
         (None at layer 0). Returns this layer's output and the stream it is to be added to."""
         if residual is None:
@@ -125,20 +142,24 @@ class Gemma3ForCausalLM(nn.Module):
         local_rope = RotaryEmbedding(cfg.head_dim, length, cfg.rope_local_theta, None, ctx.ops)
         self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, ctx, local_rope if cfg.local_layers[i] else global_rope, cfg.window(i),
-                               prefix=f"model.layers.{i}")
-            for i in range(cfg.num_layers))
+            Gemma3DecoderLayer(
+                cfg, ctx, local_rope if cfg.local_layers[i] else global_rope, cfg.window(i), prefix=f"model.layers.{i}"
+            )
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
-        self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size,
-                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(
+            ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
         x = self.embed_tokens(input_ids)
         # as transformers scales: sqrt(hidden) in float32, then rounded to the activations' dtype
-        x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)

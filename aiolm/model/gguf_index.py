@@ -45,7 +45,7 @@ class _Cursor:
 
     def string(self) -> bytes:
         n = self.take("Q")
-        s = self.buf[self.pos:self.pos + n]
+        s = self.buf[self.pos : self.pos + n]
         self.pos += n
         return s
 
@@ -100,6 +100,6 @@ def read_tensors(path: str | Path) -> dict[str, TensorBlocks]:
         block, nbytes = GGML_QUANT_SIZES[qtype]
         row_bytes = dims[0] // block * nbytes  # dims[0] is the innermost (a row's) length
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        data = raw[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+        data = raw[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
         out[name] = TensorBlocks(name, qtype.name, data)
     return out

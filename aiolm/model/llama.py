@@ -26,8 +26,9 @@ from aiolm.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None,
-                 prefix: str = "") -> None:
+    def __init__(
+        self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         tp = ctx.tp_group.world_size
         if cfg.num_heads % tp:
@@ -35,19 +36,26 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(ctx, cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.attention_bias,
-                                          names=tuple(f"{prefix}.{x}_proj" for x in "qkv"))
-        self.o_proj = RowParallelLinear(ctx, cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        names=(f"{prefix}.o_proj",))
+        self.qkv_proj = QKVParallelLinear(
+            ctx,
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.attention_bias,
+            names=tuple(f"{prefix}.{x}_proj" for x in "qkv"),
+        )
+        self.o_proj = RowParallelLinear(ctx, cfg.num_heads * cfg.head_dim, cfg.hidden_size, names=(f"{prefix}.o_proj",))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.ops) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = ctx.attention_backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                                          sliding_window=window)
+        self.attn = ctx.attention_backend(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window=window
+        )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -65,10 +73,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, prefix: str = "") -> None:
         super().__init__()
         self.ops = ctx.ops
-        self.gate_up_proj = ColumnParallelLinear(ctx, cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                 names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"))
-        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size,
-                                           names=(f"{prefix}.down_proj",))
+        self.gate_up_proj = ColumnParallelLinear(
+            ctx, cfg.hidden_size, [cfg.intermediate_size] * 2, names=(f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        )
+        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size, names=(f"{prefix}.down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -80,8 +88,9 @@ class DecoderLayer(nn.Module):
     # aiolm/quant/gguf_blocks.py); it answers None for the others, which run the modules.
     fused: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None,
-                 prefix: str = "") -> None:
+    def __init__(
+        self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         self.quant = ctx.quant
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
@@ -93,8 +102,14 @@ class DecoderLayer(nn.Module):
         """After its parts' own steps (model/layers/context.py): take the fused step, if offered."""
         self.fused = self.quant.fused_decoder_layer(self)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output; residual: the stream before it (None at layer 0).
         Returns this layer's output and the stream it is to be added to."""
         if self.fused is not None:
@@ -112,8 +127,11 @@ class DecoderLayer(nn.Module):
 
 # Hugging Face parameter suffix -> (our fused module suffix, shard index)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -121,18 +139,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling, ctx.ops)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ctx.ops
+        )
         self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary, cfg.window(i), prefix=f"model.layers.{i}")
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, ctx, rotary, cfg.window(i), prefix=f"model.layers.{i}") for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
-        self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size,
-                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(
+            ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
         x = self.embed_tokens(input_ids)
         residual = None
@@ -182,8 +204,12 @@ class LlamaForCausalLM(nn.Module):
             p = f"layers.{i}"
             expected |= {f"{p}.self_attn.qkv_proj.weight#{s}" for s in range(3)}
             expected |= {f"{p}.mlp.gate_up_proj.weight#{s}" for s in range(2)}
-            expected |= {f"{p}.self_attn.o_proj.weight#0", f"{p}.mlp.down_proj.weight#0",
-                         f"{p}.input_layernorm.weight#0", f"{p}.post_attention_layernorm.weight#0"}
+            expected |= {
+                f"{p}.self_attn.o_proj.weight#0",
+                f"{p}.mlp.down_proj.weight#0",
+                f"{p}.input_layernorm.weight#0",
+                f"{p}.post_attention_layernorm.weight#0",
+            }
         missing = sorted(expected - seen)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

@@ -33,8 +33,9 @@ class CausalLM(Protocol):
     embed_tokens: torch.nn.Module
     layers: torch.nn.ModuleList
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: Any) -> torch.Tensor: ...
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any
+    ) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
     def load_weights(self, weights: Any) -> None: ...
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -45,23 +46,37 @@ def model_class(cfg: ModelConfig) -> type:
     return getattr(importlib.import_module(f"aiolm.model.{family.module}"), family.model_class)
 
 
-def build_context(platform: Platform, dtype: torch.dtype = torch.float32, attention: str = "auto",
-                  model_config: ModelConfig | None = None, checkpoint: Any = None,
-                  device: torch.device | str | None = None) -> BuildContext:
+def build_context(
+    platform: Platform,
+    dtype: torch.dtype = torch.float32,
+    attention: str = "auto",
+    model_config: ModelConfig | None = None,
+    checkpoint: Any = None,
+    device: torch.device | str | None = None,
+) -> BuildContext:
     """What a model built on ``platform`` in ``dtype`` gets: the platform's ops, the attention
     backend ``attention`` (auto or a name in aiolm/attention/registry.py), the quant method
     it chooses for ``checkpoint`` (a file or folder), and this rank's tensor-parallel group."""
     tp = get_tp_group()
     return BuildContext(
-        ops=platform.ops(), attention_backend=platform.attention_backend(attention),
-        quant=platform.quant_config(dtype, model_config, checkpoint, tp.world_size), tp_group=tp,
+        ops=platform.ops(),
+        attention_backend=platform.attention_backend(attention),
+        quant=platform.quant_config(dtype, model_config, checkpoint, tp.world_size),
+        tp_group=tp,
         dtype=platform.activation_dtype(dtype),
-        device=torch.device(device) if device is not None else platform.device, platform=platform)
+        device=torch.device(device) if device is not None else platform.device,
+        platform=platform,
+    )
 
 
-def build_model(source: ModelSource, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", max_positions: int | None = None,
-                attention: str = "auto", platform: Platform | None = None) -> CausalLM:
+def build_model(
+    source: ModelSource,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+    attention: str = "auto",
+    platform: Platform | None = None,
+) -> CausalLM:
     """The model of ``source`` loaded and laid out for ``platform`` (by default ``device``'s),
     with the attention backend ``attention`` (auto|cpu|torch|triton)."""
     if platform is None:

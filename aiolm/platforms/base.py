@@ -77,8 +77,10 @@ class Platform:
         if name != "auto" and name not in BACKENDS:
             raise ValueError(f"attention backend {name!r} is not known; known: auto, {', '.join(BACKENDS)}")
         if name != "auto" and name not in self.attention_backends:
-            raise ValueError(f"attention backend {name!r} does not run on {self.name}; "
-                             f"supported here: auto, {', '.join(self.attention_backends)}")
+            raise ValueError(
+                f"attention backend {name!r} does not run on {self.name}; "
+                f"supported here: auto, {', '.join(self.attention_backends)}"
+            )
         errors = []
         for n in names:
             try:
@@ -87,8 +89,9 @@ class Platform:
                 errors.append(f"{n}: {e}")
         raise ValueError(f"no attention backend can run on {self.name}: {'; '.join(errors)}")
 
-    def quant_config(self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None,
-                     tp_size: int = 1) -> QuantConfig:
+    def quant_config(
+        self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None, tp_size: int = 1
+    ) -> QuantConfig:
         """The linear methods of a model built in ``dtype`` from ``checkpoint`` (its file or
         folder, a Path) on ``tp_size`` ranks: dense weights here."""
         return quant_config("dense")
@@ -102,12 +105,18 @@ class Platform:
         where the device can run out, running out becomes a clear error naming the knob."""
         return contextlib.nullcontext()
 
-    def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
-                      shm_name: str | None = None, cpu_bind: str = "auto",
-                      host: str = "127.0.0.1") -> tuple[Any, str]:
+    def make_tp_group(
+        self,
+        rank: int,
+        world_size: int,
+        port: int,
+        all_reduce: str = "auto",
+        shm_name: str | None = None,
+        cpu_bind: str = "auto",
+        host: str = "127.0.0.1",
+    ) -> tuple[Any, str]:
         """This rank's tensor-parallel group (whose all-reduce row-parallel layers end in)
         and the name of the all-reduce behind it (aiolm/distributed/communicator.py)."""
         from aiolm.distributed.communicator import make_tp_group
 
-        return make_tp_group(rank, world_size, self.device.type, all_reduce, shm_name=shm_name, port=port,
-                             host=host)
+        return make_tp_group(rank, world_size, self.device.type, all_reduce, shm_name=shm_name, port=port, host=host)

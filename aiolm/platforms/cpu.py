@@ -49,8 +49,10 @@ def _matmul_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @functools.cache
 def _say_no_bfloat16() -> None:
-    log.warning("dtype bfloat16: this CPU has no bfloat16 matmuls (oneDNN needs AVX-512 BW/VL/DQ or "
-                "AVX-NE-CONVERT), so the model runs in float32")
+    log.warning(
+        "dtype bfloat16: this CPU has no bfloat16 matmuls (oneDNN needs AVX-512 BW/VL/DQ or "
+        "AVX-NE-CONVERT), so the model runs in float32"
+    )
 
 
 class CpuPlatform(Platform):
@@ -91,8 +93,9 @@ class CpuPlatform(Platform):
 
         return CpuKernelOps()
 
-    def quant_config(self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None,
-                     tp_size: int = 1) -> QuantConfig:
+    def quant_config(
+        self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None, tp_size: int = 1
+    ) -> QuantConfig:
         """Packed float32 or bfloat16 weights (aiolm/quant/cpu_packed.py) for a model in float32
         or bfloat16, with a GGUF file's own blocks beside them where the C++ kernels run on
         one rank (aiolm/quant/gguf_blocks.py); dense weights in any other dtype."""
@@ -104,13 +107,21 @@ class CpuPlatform(Platform):
         # fused kernels) reads bfloat16; otherwise they come back as float32.
         packed = quant_config("cpu_packed", matmul_dtype=matmul_dtype, hand_over_bf16=kernels)
         if kernels and tp_size == 1 and checkpoint is not None and Path(checkpoint).suffix == ".gguf":
-            return quant_config("gguf_blocks", path=Path(checkpoint), model_config=model_config, inner=packed,
-                                matmul_dtype=matmul_dtype)
+            return quant_config(
+                "gguf_blocks", path=Path(checkpoint), model_config=model_config, inner=packed, matmul_dtype=matmul_dtype
+            )
         return packed
 
-    def make_tp_group(self, rank: int, world_size: int, port: int, all_reduce: str = "auto",
-                      shm_name: str | None = None, cpu_bind: str = "auto",
-                      host: str = "127.0.0.1") -> tuple[Any, str]:
+    def make_tp_group(
+        self,
+        rank: int,
+        world_size: int,
+        port: int,
+        all_reduce: str = "auto",
+        shm_name: str | None = None,
+        cpu_bind: str = "auto",
+        host: str = "127.0.0.1",
+    ) -> tuple[Any, str]:
         """Ranks pinned to disjoint cores first, so they do not fight over them."""
         from aiolm.distributed.cpu_bind import bind_rank
 

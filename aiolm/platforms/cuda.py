@@ -22,8 +22,10 @@ class CudaPlatform(Platform):
     def __init__(self) -> None:
         super().__init__("cuda")
         if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device "
-                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+            raise ValueError(
+                "device 'cuda' was asked for, but torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})"
+            )
         self._in_use_before: int | None = None  # until worker_device measures it, all memory in use counts
 
     def worker_device(self, device: str, index: int) -> torch.device:
@@ -32,8 +34,10 @@ class CudaPlatform(Platform):
         d = torch.device(device)
         if d.index is None:
             if index >= torch.cuda.device_count():
-                raise ValueError(f"this rank needs GPU {index} (data-parallel replicas x tensor-parallel ranks, "
-                                 f"one GPU each), but only {torch.cuda.device_count()} are visible")
+                raise ValueError(
+                    f"this rank needs GPU {index} (data-parallel replicas x tensor-parallel ranks, "
+                    f"one GPU each), but only {torch.cuda.device_count()} are visible"
+                )
             d = torch.device("cuda", index)
         torch.cuda.set_device(d)
         if self._in_use_before is None:  # the first call, before this rank's group or model allocates
@@ -105,7 +109,8 @@ class CudaPlatform(Platform):
                 f"--gpu-memory-utilization {cfg.gpu_memory_utilization} allows "
                 f"{_gib(int(total * cfg.gpu_memory_utilization))} for weights, activations and KV cache). "
                 f"Use a smaller dtype or model, split it (--tensor-parallel-size), or lower "
-                f"--max-num-batched-tokens / --max-num-seqs{hint}. torch: {str(e).splitlines()[0]}") from e
+                f"--max-num-batched-tokens / --max-num-seqs{hint}. torch: {str(e).splitlines()[0]}"
+            ) from e
 
 
 def _gib(n: float) -> str:

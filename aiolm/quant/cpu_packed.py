@@ -75,8 +75,9 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight | None:
     return PackedWeight(data, weight.shape[0], panels=False)
 
 
-def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32,
-                hand_over_bf16: bool = False) -> PackedWeight | None:
+def pack_weight(
+    weight: torch.Tensor, dtype: torch.dtype = torch.float32, hand_over_bf16: bool = False
+) -> PackedWeight | None:
     """A packed copy of a float32 CPU weight [out, in] to multiply in ``dtype`` (float32 or
     bfloat16), or None if none can be used."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
@@ -138,5 +139,6 @@ class CpuPackedConfig(QuantConfig):
     def linear_method(self, spec: LinearSpec) -> LinearMethod:
         if spec.lm_head:
             return CpuPackedMethod(torch.float32, keep_weight=spec.shared_weight)
-        return CpuPackedMethod(self.matmul_dtype, self.hand_over_bf16 and spec.output_to_kernel,
-                               keep_weight=spec.shared_weight)
+        return CpuPackedMethod(
+            self.matmul_dtype, self.hand_over_bf16 and spec.output_to_kernel, keep_weight=spec.shared_weight
+        )

@@ -66,7 +66,10 @@ INT8_LIMIT_AMX_BF16 = 32
 
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
-    "Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
+    "Q4_0": (18, 2, False),
+    "Q4_1": (20, 4, True),
+    "Q8_0": (34, 2, False),
+}
 
 
 _Q4K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
@@ -145,8 +148,13 @@ class GGUFWeight:
             return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
         if ttype == "Q6_K":
             codes, scale = _q6k_as_q8(np.ascontiguousarray(blocks).reshape(n, -1, _Q6K_BYTES))
-            return cls(torch.from_numpy(grouped(codes)), torch.from_numpy(grouped(scale)),
-                       torch.zeros(0, dtype=torch.float32), TYPE_IDS[ttype], n)
+            return cls(
+                torch.from_numpy(grouped(codes)),
+                torch.from_numpy(grouped(scale)),
+                torch.zeros(0, dtype=torch.float32),
+                TYPE_IDS[ttype],
+                n,
+            )
         size, off, has_min = _LAYOUT[ttype]
         b = np.ascontiguousarray(blocks).reshape(n, -1, size)
         qs = grouped(b[:, :, off:])
@@ -170,7 +178,7 @@ class GGUFWeight:
         w = d.repeat_interleave(32 // d.shape[-1], -1) * codes
         if self.mins.numel():
             w = w + self.mins.view(groups, nb, 8, 1).transpose(1, 2).float()
-        return w.reshape(groups * 8, -1)[:self.n]
+        return w.reshape(groups * 8, -1)[: self.n]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.ops.aiolm.gguf_linear(x, self.qs, self.scale, self.mins, self.qtype, self.n)
@@ -251,10 +259,14 @@ class FusedDecodeLayer:
         a, mlp = layer.self_attn, layer.mlp
         linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
         gguf = [getattr(m, "gguf", None) for m in linears]
-        if (a.q_norm is not None or type(a.attn) is not CpuPagedAttention
-                or not all(isinstance(g, GGUFLinear) and isinstance(g.blocks, GGUFWeight) for g in gguf)
-                or any(m.bias is not None for m in linears[1:]) or a.rotary.cos.dtype != torch.float32
-                or layer.input_layernorm.weight.dtype != torch.float32):
+        if (
+            a.q_norm is not None
+            or type(a.attn) is not CpuPagedAttention
+            or not all(isinstance(g, GGUFLinear) and isinstance(g.blocks, GGUFWeight) for g in gguf)
+            or any(m.bias is not None for m in linears[1:])
+            or a.rotary.cos.dtype != torch.float32
+            or layer.input_layernorm.weight.dtype != torch.float32
+        ):
             return None
         blocks = [g.blocks for g in gguf]
         weights = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
@@ -264,29 +276,50 @@ class FusedDecodeLayer:
         weights.append(bias.data if bias is not None else torch.empty(0))
         ints = [v for b in blocks for v in (b.qtype, b.n)]
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
-        return cls(a.attn, a.rotary.cos, a.rotary.sin, weights, {False: ints + [0], True: ints + [1]},
-                   min(g.int8_rows for g in gguf),
-                   [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0])
+        return cls(
+            a.attn,
+            a.rotary.cos,
+            a.rotary.sin,
+            weights,
+            {False: ints + [0], True: ints + [1]},
+            min(g.int8_rows for g in gguf),
+            [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0],
+        )
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                 kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = x.shape[0]
         int8 = INT8 and rows <= self.int8_rows
-        if not (int8 or rows <= MAX_ROWS) or x.dtype != torch.float32 or kv_cache.dtype not in (
-                torch.float32, torch.float16):
+        if (
+            not (int8 or rows <= MAX_ROWS)
+            or x.dtype != torch.float32
+            or kv_cache.dtype not in (torch.float32, torch.float16)
+        ):
             return None
         return torch.ops.aiolm.decode_layer(
-            x, residual, positions, kv_cache, *self.attn.pages(kv_cache), meta.block_table, meta.query_start_loc,
-            meta.seq_lens, meta.slot_mapping, self.cos, self.sin, self.weights, self.ints[int8],
-            self.floats)
+            x,
+            residual,
+            positions,
+            kv_cache,
+            *self.attn.pages(kv_cache),
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.slot_mapping,
+            self.cos,
+            self.sin,
+            self.weights,
+            self.ints[int8],
+            self.floats,
+        )
 
 
 class GGUFBlocksMethod(LinearMethod):
     """``inner``'s weights and multiply, plus the file's blocks in ``layer.gguf`` (None where
     a tensor of the layer is not in a block type the kernels take) for the small steps."""
 
-    def __init__(self, config: GGUFBlocksConfig, spec: LinearSpec, inner: LinearMethod,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, config: GGUFBlocksConfig, spec: LinearSpec, inner: LinearMethod, dtype: torch.dtype) -> None:
         self.config, self.names, self.inner, self.dtype = config, spec.names, inner, dtype
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
@@ -316,8 +349,9 @@ class GGUFBlocksConfig(QuantConfig):
 
     name = "gguf_blocks"
 
-    def __init__(self, path: Path, model_config: Any, inner: QuantConfig,
-                 matmul_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, path: Path, model_config: Any, inner: QuantConfig, matmul_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.path, self.model_config, self.inner, self.matmul_dtype = Path(path), model_config, inner, matmul_dtype
         self._raw: dict[str, tuple[np.ndarray, str]] | None = None
         self.layers = self.fused = 0
@@ -369,7 +403,12 @@ class GGUFBlocksConfig(QuantConfig):
 
     def release(self) -> None:
         self._raw = None  # the file's mapping: the blocks are copies
-        log.info("%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
-                 "such steps as one call", self.layers, MAX_ROWS, " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "",
-                 self.fused)
+        log.info(
+            "%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
+            "such steps as one call",
+            self.layers,
+            MAX_ROWS,
+            " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "",
+            self.fused,
+        )
         self.inner.release()

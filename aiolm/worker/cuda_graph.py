@@ -25,8 +25,8 @@ metadata of size B is built once over views of them. Its host lists (``query_len
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -40,8 +40,9 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 def capture_sizes(max_num_seqs: int, max_cudagraph_size: int = DEFAULT_MAX_CUDAGRAPH_SIZE) -> list[int]:
     """Ascending batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to the limit, the limit included."""
     if max_num_seqs < 1 or max_cudagraph_size < 1:
-        raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_cudagraph_size ({max_cudagraph_size}) "
-                         f"must be at least 1")
+        raise ValueError(
+            f"max_num_seqs ({max_num_seqs}) and max_cudagraph_size ({max_cudagraph_size}) must be at least 1"
+        )
     limit = min(max_num_seqs, max_cudagraph_size)
     sizes = [s for s in (1, 2, 4) if s < limit] + list(range(8, limit + 1, 8))
     if not sizes or sizes[-1] != limit:
@@ -86,8 +87,9 @@ def plan_step(num_reqs: int, num_tokens: int, sizes: list[int], enforce_eager: b
 class DecodeBuffers:
     """The persistent inputs of every captured size: int32 metadata, as the kernels want it."""
 
-    def __init__(self, max_size: int, max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self, max_size: int, max_blocks_per_seq: int, block_size: int, max_model_len: int, device: torch.device | str
+    ) -> None:
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
@@ -101,16 +103,24 @@ class DecodeBuffers:
     def meta(self, size: int) -> AttentionMetadata:
         """Metadata of a ``size``-row step over views of the buffers (host lists: the worst case)."""
         return AttentionMetadata(
-            num_tokens=size, query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
-            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size, block_size=self.block_size)
+            num_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+            block_size=self.block_size,
+        )
 
     def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy a decode step of n <= size rows in; rows n..size-1 become padding."""
         n = input_ids.shape[0]
         if n > size or meta.num_reqs != n or meta.num_tokens != n:
-            raise ValueError(f"a decode step of {n} rows ({meta.num_reqs} requests, {meta.num_tokens} "
-                             f"tokens) does not fit a graph of {size}")
+            raise ValueError(
+                f"a decode step of {n} rows ({meta.num_reqs} requests, {meta.num_tokens} "
+                f"tokens) does not fit a graph of {size}"
+            )
         width = meta.block_table.shape[1]
         if width > self.block_table.shape[1]:
             raise ValueError(f"block table of {width} pages, wider than the {self.block_table.shape[1]} captured")
@@ -135,8 +145,15 @@ class CudaGraphRunner:
     on the same padded buffers eagerly, so the padding is exercised everywhere. The tensor
     :meth:`run` returns is a view of a persistent buffer: valid until the next run."""
 
-    def __init__(self, forward: Forward, sizes: list[int], max_blocks_per_seq: int, block_size: int,
-                 max_model_len: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        sizes: list[int],
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device | str,
+    ) -> None:
         self.forward = forward
         self.sizes = sorted(sizes)
         self.device = torch.device(device)
@@ -177,8 +194,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden rows of the n real rows only; ``size`` from :func:`plan_step`."""
         n = input_ids.shape[0]
         self.buffers.fill(size, input_ids, positions, meta)

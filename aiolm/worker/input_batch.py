@@ -37,8 +37,9 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.device = torch.device(device)
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -66,20 +67,26 @@ class InputBatch:
             self._remove(rid)
         for new in out.scheduled_new_reqs:
             self._remove(new.req_id)  # a resumed request is rebuilt from scratch
-            self._add(new.req_id, new.prompt_token_ids, new.output_token_ids,
-                      new.sampling_params, new.block_ids, new.num_computed_tokens)
+            self._add(
+                new.req_id,
+                new.prompt_token_ids,
+                new.output_token_ids,
+                new.sampling_params,
+                new.block_ids,
+                new.num_computed_tokens,
+            )
         c = out.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             row = self.row_of[rid]
             toks = c.new_token_ids[i]
             if toks:
                 n = int(self.num_tokens[row])
-                self.token_ids[row, n:n + len(toks)] = toks
+                self.token_ids[row, n : n + len(toks)] = toks
                 self.num_tokens[row] = n + len(toks)
             blocks = c.new_block_ids[i]
             if blocks:
                 nb = int(self.num_blocks[row])
-                self.block_table[row, nb:nb + len(blocks)] = blocks
+                self.block_table[row, nb : nb + len(blocks)] = blocks
                 self.num_blocks[row] = nb + len(blocks)
             self.num_computed[row] = c.num_computed_tokens[i]
         self.condense()
@@ -88,21 +95,28 @@ class InputBatch:
         for rid, drafts in out.scheduled_spec_decode_tokens.items():
             row = self.row_of[rid]
             n = int(self.num_tokens[row])
-            self.token_ids[row, n:n + len(drafts)] = drafts
+            self.token_ids[row, n : n + len(drafts)] = drafts
 
-    def _add(self, rid: str, prompt: list[int], output: list[int], params: SamplingParams,
-             blocks: list[int], num_computed: int) -> None:
+    def _add(
+        self,
+        rid: str,
+        prompt: list[int],
+        output: list[int],
+        params: SamplingParams,
+        blocks: list[int],
+        num_computed: int,
+    ) -> None:
         row = self.req_ids.index(None) if self.num_rows > len(self.row_of) else self.num_rows
         if row >= self.max_num_reqs:
             raise RuntimeError(f"persistent batch full ({self.max_num_reqs} rows)")
         n_p, n_o = len(prompt), len(output)
         self.token_ids[row, :n_p] = prompt
         if n_o:
-            self.token_ids[row, n_p:n_p + n_o] = output
+            self.token_ids[row, n_p : n_p + n_o] = output
         self.num_prompt[row] = n_p
         self.num_tokens[row] = n_p + n_o
         self.num_computed[row] = num_computed
-        self.block_table[row, :len(blocks)] = blocks
+        self.block_table[row, : len(blocks)] = blocks
         self.num_blocks[row] = len(blocks)
         self.req_ids[row] = rid
         self.params[row] = params
@@ -187,10 +201,19 @@ class InputBatch:
             return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
         return StepInputs(
-            input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), query_start_loc=t(qsl),
-            seq_lens=t(seq), block_table=t(self.block_table[rows, :width]),
-            query_lens=q.tolist(), seq_lens_list=seq.tolist(), req_ids=req_ids,  # type: ignore[arg-type]
-            rows=rows, sample_mask=sample, num_drafts=num_drafts)
+            input_ids=t(ids),
+            positions=t(pos),
+            slot_mapping=t(slots),
+            query_start_loc=t(qsl),
+            seq_lens=t(seq),
+            block_table=t(self.block_table[rows, :width]),
+            query_lens=q.tolist(),
+            seq_lens_list=seq.tolist(),
+            req_ids=req_ids,  # type: ignore[arg-type]
+            rows=rows,
+            sample_mask=sample,
+            num_drafts=num_drafts,
+        )
 
     def append_sampled(self, rows: list[int], tokens: list[int]) -> None:
         """Overlap scheduling: the engine schedules the next step before it has these
@@ -206,7 +229,7 @@ class InputBatch:
         self.num_tokens[r] = n + 1
 
     def output_tokens(self, row: int) -> np.ndarray:
-        return self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]]
+        return self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]]
 
     def prompt_tokens(self, row: int) -> np.ndarray:
-        return self.token_ids[row, :self.num_prompt[row]]
+        return self.token_ids[row, : self.num_prompt[row]]

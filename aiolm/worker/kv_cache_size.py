@@ -59,21 +59,27 @@ class KVCacheSizer:
         budget = int(total * cfg.gpu_memory_utilization)
         weights = p.allocated_memory(device)
         if weights >= budget:
-            raise ValueError(f"the model does not fit: its weights take {_gib(weights)} on {device}, more than "
-                             f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {_gib(total)} allows "
-                             f"({_gib(budget)}); raise --gpu-memory-utilization, use a smaller dtype or model, "
-                             f"or split it (--tensor-parallel-size)")
+            raise ValueError(
+                f"the model does not fit: its weights take {_gib(weights)} on {device}, more than "
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {_gib(total)} allows "
+                f"({_gib(budget)}); raise --gpu-memory-utilization, use a smaller dtype or model, "
+                f"or split it (--tensor-parallel-size)"
+            )
         with p.memory_guard("profiling the largest step", cfg):
             n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
             bs = cfg.block_size
             nblk = (n + bs - 1) // bs + 1
-            caches = [torch.zeros(kv_cache_shape(nblk, bs, runner.num_kv_heads, runner.head_dim),
-                                  dtype=runner.kv_dtype, device=device) for _ in range(runner.num_layers)]
+            caches = [
+                torch.zeros(
+                    kv_cache_shape(nblk, bs, runner.num_kv_heads, runner.head_dim), dtype=runner.kv_dtype, device=device
+                )
+                for _ in range(runner.num_layers)
+            ]
             scratch = sum(c.numel() * c.element_size() for c in caches)
             meta = AttentionMetadata.build([n], [n], [list(range(1, nblk))], bs, device)
             ids = torch.zeros(n, dtype=torch.long, device=device)
             hidden = runner.model(ids, torch.arange(n, device=device), caches, meta)
-            runner.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):])
+            runner.model.compute_logits(hidden[-min(n, cfg.max_num_seqs) :])
             del hidden
             p.synchronize(device)
             prefill_peak = p.peak_allocated_memory(device)
@@ -81,8 +87,12 @@ class KVCacheSizer:
             p.reset_peak_memory(device)
             rows = cfg.max_num_seqs  # a decode step: one token per request, every row sampled
             meta = AttentionMetadata.build([1] * rows, [1] * rows, [[1]] * rows, bs, device)
-            hidden = runner.model(torch.zeros(rows, dtype=torch.long, device=device),
-                                  torch.zeros(rows, dtype=torch.long, device=device), caches, meta)
+            hidden = runner.model(
+                torch.zeros(rows, dtype=torch.long, device=device),
+                torch.zeros(rows, dtype=torch.long, device=device),
+                caches,
+                meta,
+            )
             p.synchronize(device)
             forward_peak = p.peak_allocated_memory(device)  # what a graph captures
             runner.model.compute_logits(hidden).float().softmax(-1)
@@ -96,22 +106,28 @@ class KVCacheSizer:
         graphs = 2 * (forward_peak - before_decode) if runner.uses_cuda_graphs() else 0
         p.empty_cache()
         kv = budget - peak - outside_torch - graphs
-        sizes = (f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {_gib(total)} on {device} is "
-                 f"{_gib(budget)}; weights {_gib(weights)}, activation peak {_gib(peak - weights)} "
-                 f"(max_num_batched_tokens {cfg.max_num_batched_tokens}, max_num_seqs {cfg.max_num_seqs}), "
-                 f"outside torch {_gib(outside_torch)}, CUDA graphs {_gib(graphs)}")
+        sizes = (
+            f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {_gib(total)} on {device} is "
+            f"{_gib(budget)}; weights {_gib(weights)}, activation peak {_gib(peak - weights)} "
+            f"(max_num_batched_tokens {cfg.max_num_batched_tokens}, max_num_seqs {cfg.max_num_seqs}), "
+            f"outside torch {_gib(outside_torch)}, CUDA graphs {_gib(graphs)}"
+        )
         self.report = sizes
         if kv <= 0:
-            raise ValueError(f"the model does not fit: no room is left for the KV cache ({sizes}); raise "
-                             f"--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or "
-                             f"use a smaller dtype or model")
+            raise ValueError(
+                f"the model does not fit: no room is left for the KV cache ({sizes}); raise "
+                f"--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or "
+                f"use a smaller dtype or model"
+            )
         free = p.free_memory(device)
         if kv + graphs > free:
-            raise ValueError(f"the KV cache would get {_gib(kv)} (and CUDA graphs {_gib(graphs)}) under "
-                             f"--gpu-memory-utilization {cfg.gpu_memory_utilization}, but only {_gib(free)} "
-                             f"of {device} is free "
-                             f"(other processes hold {_gib(in_use_before)}); lower "
-                             f"--gpu-memory-utilization or free the GPU")
+            raise ValueError(
+                f"the KV cache would get {_gib(kv)} (and CUDA graphs {_gib(graphs)}) under "
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}, but only {_gib(free)} "
+                f"of {device} is free "
+                f"(other processes hold {_gib(in_use_before)}); lower "
+                f"--gpu-memory-utilization or free the GPU"
+            )
         log.info("GPU memory: KV cache %s (%s)", _gib(kv), sizes)
         return kv
 
@@ -119,11 +135,15 @@ class KVCacheSizer:
         """The error when the KV cache holds less than one max_model_len sequence; it names
         the knob that sized the cache on this platform."""
         if self.platform.profiles_memory:
-            return (f"the KV cache holds {num_blocks} blocks, fewer than one max_model_len {cfg.max_model_len} "
-                    f"sequence needs ({min_blocks}): {self.report}; raise "
-                    f"--gpu-memory-utilization or lower --max-model-len")
-        return (f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {num_blocks} blocks, fewer than one "
-                f"max_model_len sequence needs ({min_blocks}); raise kv_cache_memory or lower max_model_len")
+            return (
+                f"the KV cache holds {num_blocks} blocks, fewer than one max_model_len {cfg.max_model_len} "
+                f"sequence needs ({min_blocks}): {self.report}; raise "
+                f"--gpu-memory-utilization or lower --max-model-len"
+            )
+        return (
+            f"kv_cache_memory {cfg.kv_cache_memory} bytes holds {num_blocks} blocks, fewer than one "
+            f"max_model_len sequence needs ({min_blocks}); raise kv_cache_memory or lower max_model_len"
+        )
 
 
 def _gib(n: float) -> str:

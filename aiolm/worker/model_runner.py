@@ -56,8 +56,9 @@ class ModelRunner:
             Compiler.preload(self.source.config.vocab_size)  # in a thread, while the model loads
         requested = self.platform.resolve_dtype(cfg.dtype)
         with self.platform.memory_guard("loading the weights", cfg):
-            self.model = build_model(self.source, requested, self.device, max_positions=cfg.max_model_len,
-                                     attention=cfg.attention_backend)
+            self.model = build_model(
+                self.source, requested, self.device, max_positions=cfg.max_model_len, attention=cfg.attention_backend
+            )
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
         self.kv_dtype = self.platform.kv_cache_dtype(requested)
         mc = self.source.config
@@ -69,16 +70,20 @@ class ModelRunner:
         sizer = KVCacheSizer(self.platform)
         kv_bytes = sizer.kv_cache_bytes(self)
         self.num_blocks = int(kv_bytes // per_block)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f requests of max_model_len %d)",
-                 self.num_blocks, cfg.block_size, self.num_blocks * cfg.block_size,
-                 self.num_blocks * cfg.block_size / cfg.max_model_len, cfg.max_model_len)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f requests of max_model_len %d)",
+            self.num_blocks,
+            cfg.block_size,
+            self.num_blocks * cfg.block_size,
+            self.num_blocks * cfg.block_size / cfg.max_model_len,
+            cfg.max_model_len,
+        )
         min_blocks = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size + 1
         if self.num_blocks < min_blocks:
             raise ValueError(sizer.too_few_blocks(cfg, self.num_blocks, min_blocks))
         shape = kv_cache_shape(self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim)
         with self.platform.memory_guard("allocating the KV cache", cfg):
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                              for _ in range(mc.num_layers)]
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
         with self.platform.memory_guard("capturing CUDA graphs", cfg):
             self.graphs = self._capture_graphs()
@@ -100,10 +105,15 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], grammars_ready=ready, grammar_errors=errors)
         step = self.batch.prepare(scheduler_output, self.device)
         meta = AttentionMetadata(
-            num_tokens=int(step.input_ids.shape[0]), query_start_loc=step.query_start_loc,
-            seq_lens=step.seq_lens, block_table=step.block_table, slot_mapping=step.slot_mapping,
-            query_lens_cpu=step.query_lens, seq_lens_cpu=step.seq_lens_list,
-            block_size=self.cfg.block_size)
+            num_tokens=int(step.input_ids.shape[0]),
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_table=step.block_table,
+            slot_mapping=step.slot_mapping,
+            query_lens_cpu=step.query_lens,
+            seq_lens_cpu=step.seq_lens_list,
+            block_size=self.cfg.block_size,
+        )
         t1 = time.perf_counter()
         plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
         if plan is not None and not plan.eager:
@@ -138,12 +148,25 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(step, hidden)
         ready, errors = self.grammars.collect()
         t3 = time.perf_counter()
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_lps, worker_times=[t1 - t0, t2 - t1, t3 - t2],
-                                 grammars_ready=ready, grammar_errors=errors)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=sampled_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
+            worker_times=[t1 - t0, t2 - t1, t3 - t2],
+            grammars_ready=ready,
+            grammar_errors=errors,
+        )
 
-    def _verify(self, out: SchedulerOutput, step: Any, hidden: torch.Tensor, sample_idx: list[int],
-                sampled_ids: list[list[int]], logprobs: dict[str, LogprobsLists]) -> None:
+    def _verify(
+        self,
+        out: SchedulerOutput,
+        step: Any,
+        hidden: torch.Tensor,
+        sample_idx: list[int],
+        sampled_ids: list[list[int]],
+        logprobs: dict[str, LogprobsLists],
+    ) -> None:
         """A step with drafts: one sampling row per verified position (aiolm/sample/rejection.py);
         each request gets its accepted drafts plus one token."""
         b = self.batch
@@ -163,8 +186,15 @@ class ModelRunner:
                 outputs.append(hist)
                 prompts.append(prompt)
                 gens.append(b.generators[r])
-        meta = SamplingMetadata.build(params, outputs, prompts, self.vocab_size, self.device,  # type: ignore[arg-type]
-                                      generators=gens, default_generator=self.default_generator)
+        meta = SamplingMetadata.build(
+            params,
+            outputs,
+            prompts,
+            self.vocab_size,
+            self.device,  # type: ignore[arg-type]
+            generators=gens,
+            default_generator=self.default_generator,
+        )
         self._meta_key = None  # the rows were per position: the next step builds afresh
         result = self.sampler(logits, meta)
         tokens = result.sampled.tolist()
@@ -172,8 +202,8 @@ class ModelRunner:
         j = 0
         for i in sample_idx:
             drafts = spec.get(step.req_ids[i], [])
-            a = accepted_prefix(tokens[j:j + len(drafts)], drafts)
-            sampled_ids[i] = tokens[j:j + a + 1]
+            a = accepted_prefix(tokens[j : j + len(drafts)], drafts)
+            sampled_ids[i] = tokens[j : j + a + 1]
             if lp is not None and lp.token_ids[j]:
                 logprobs[step.req_ids[i]] = lp.slice(j, j + a + 1)
             j += nd[i] + 1
@@ -189,8 +219,15 @@ class ModelRunner:
             q = step.query_lens[i]
             first = step.seq_lens_list[i] - q
             start = int(sum(step.query_lens[:i]))
-            plp = score_prompt(self.model.compute_logits, hidden, start, first, q,
-                               b.prompt_tokens(int(step.rows[i])).tolist(), params.prompt_logprobs)
+            plp = score_prompt(
+                self.model.compute_logits,
+                hidden,
+                start,
+                first,
+                q,
+                b.prompt_tokens(int(step.rows[i])).tolist(),
+                params.prompt_logprobs,
+            )
             if plp is not None:
                 out[rid] = plp
         return out
@@ -206,11 +243,15 @@ class ModelRunner:
         self._meta = SamplingMetadata.build(
             params,  # type: ignore[arg-type]
             [b.output_tokens(r).tolist() for r in rows],
-            [b.prompt_tokens(r).tolist() if logits_processors.needs_prompt(p) else []  # type: ignore[arg-type]
-             for r, p in zip(rows, params)],
-            self.vocab_size, self.device,
+            [
+                b.prompt_tokens(r).tolist() if logits_processors.needs_prompt(p) else []  # type: ignore[arg-type]
+                for r, p in zip(rows, params)
+            ],
+            self.vocab_size,
+            self.device,
             generators=[b.generators[r] for r in rows],
-            default_generator=self.default_generator)
+            default_generator=self.default_generator,
+        )
         self._meta_key = key
         return self._meta
 
@@ -226,20 +267,32 @@ class ModelRunner:
         if not self.uses_cuda_graphs():
             return None
         sizes = capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_size)
-        graphs = CudaGraphRunner(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), sizes,
-                                 self.batch.max_blocks, cfg.block_size, cfg.max_model_len, self.device)
+        graphs = CudaGraphRunner(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            sizes,
+            self.batch.max_blocks,
+            cfg.block_size,
+            cfg.max_model_len,
+            self.device,
+        )
         t0, before = time.perf_counter(), torch.cuda.memory_allocated(self.device)
         graphs.capture()
-        log.info("captured CUDA graphs for %d decode sizes (1..%d) in %.1fs, %.0f MiB", len(sizes), sizes[-1],
-                 time.perf_counter() - t0, (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+        log.info(
+            "captured CUDA graphs for %d decode sizes (1..%d) in %.1fs, %.0f MiB",
+            len(sizes),
+            sizes[-1],
+            time.perf_counter() - t0,
+            (torch.cuda.memory_allocated(self.device) - before) / 2**20,
+        )
         return graphs
 
     def kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}
 
 
-def call_on_runner(runner: ModelRunner, method: str | Callable[..., Any], args: tuple = (),
-                   kwargs: dict[str, Any] | None = None) -> Any:
+def call_on_runner(
+    runner: ModelRunner, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
+) -> Any:
     """One rank's part of collective_rpc: a runner method by name, or fn(runner, ...)."""
     if callable(method):
         return method(runner, *args, **(kwargs or {}))

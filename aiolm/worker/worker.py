@@ -15,7 +15,8 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiolm.config import RunnerConfig
 from aiolm.ipc import codec, segment
@@ -61,8 +62,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s",
+    )
     exit_on_signals()
     # Ctrl-C in a terminal reaches the whole foreground process group; the engine decides
     # what an interrupt means (stop an answer, shut down) and stops its workers itself.
@@ -88,20 +91,40 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat: Heartbeat | None) -> int:
     try:
-        runner, info = build_runner(RunnerConfig.decode(args.config), args.rank, args.world_size,
-                                    port=args.dist_port, all_reduce=args.all_reduce,
-                                    shm_name=args.all_reduce_shm, cpu_bind=args.cpu_bind)
+        runner, info = build_runner(
+            RunnerConfig.decode(args.config),
+            args.rank,
+            args.world_size,
+            port=args.dist_port,
+            all_reduce=args.all_reduce,
+            shm_name=args.all_reduce_shm,
+            cpu_bind=args.cpu_bind,
+        )
     except BaseException as e:
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
     responses.write(codec.encode(("ready", info)))
-    return serve_ring(runner, args.rank, requests, responses, lambda: parent_alive(args.parent_pid),
-                      beat.step_done if beat is not None else None)
+    return serve_ring(
+        runner,
+        args.rank,
+        requests,
+        responses,
+        lambda: parent_alive(args.parent_pid),
+        beat.step_done if beat is not None else None,
+    )
 
 
-def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, all_reduce: str = "auto",
-                 shm_name: str | None = None, cpu_bind: str = "auto",
-                 host: str = "127.0.0.1") -> tuple[Any, dict[str, Any]]:
+def build_runner(
+    cfg: RunnerConfig,
+    rank: int,
+    world_size: int,
+    *,
+    port: int,
+    all_reduce: str = "auto",
+    shm_name: str | None = None,
+    cpu_bind: str = "auto",
+    host: str = "127.0.0.1",
+) -> tuple[Any, dict[str, Any]]:
     """This rank's tensor-parallel group and model runner, and its ready message (KV capacity,
     the all-reduce it runs). Shared by worker processes and Ray actors (executor/ray_worker.py)."""
     from aiolm.distributed.parallel_state import set_tp_group
@@ -111,15 +134,22 @@ def build_runner(cfg: RunnerConfig, rank: int, world_size: int, *, port: int, al
     platform = get_platform(cfg.device)
     platform.worker_device(cfg.device, rank + cfg.device_offset)  # current before the group forms
     group, name = platform.make_tp_group(
-        rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host)
+        rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host
+    )
     set_tp_group(group)
     runner = ModelRunner(cfg)
     platform.tune_worker_process()
     return runner, dict(runner.kv_cache_info(), all_reduce=name)
 
 
-def serve_ring(runner: Any, rank: int, requests: ShmRing, responses: ShmRing,
-               engine_alive: Callable[[], bool], step_done: Callable[[], None] | None = None) -> int:
+def serve_ring(
+    runner: Any,
+    rank: int,
+    requests: ShmRing,
+    responses: ShmRing,
+    engine_alive: Callable[[], bool],
+    step_done: Callable[[], None] | None = None,
+) -> int:
     """Execute whatever arrives on the request ring until the engine closes it or dies;
     the exit status. ``step_done`` is called after each step this rank finished."""
     handler = StepHandler(runner, rank, step_done)

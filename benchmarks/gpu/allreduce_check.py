@@ -78,8 +78,7 @@ def run_rank(rank: int, world: int, port: int) -> None:
             row[label + "_us"] = statistics.median(times) * 1e6
         latency.append(row)
     if rank == 0:
-        print(json.dumps({"all_reduce": name, "world": world, "failures": failures, "latency": latency}),
-              flush=True)
+        print(json.dumps({"all_reduce": name, "world": world, "failures": failures, "latency": latency}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -104,8 +103,14 @@ def _graph_failures(group, dev) -> list[dict]:
             graph.replay()
             want = group.all_reduce(x.clone())
             if not torch.equal(out, want):
-                failures.append({"graph": True, "tokens": tokens, "seed": seed,
-                                 "max_diff": (out.float() - want.float()).abs().max().item()})
+                failures.append(
+                    {
+                        "graph": True,
+                        "tokens": tokens,
+                        "seed": seed,
+                        "max_diff": (out.float() - want.float()).abs().max().item(),
+                    }
+                )
     return failures
 
 
@@ -130,14 +135,22 @@ def main() -> int:
         return 3
     from aiolm.distributed.cuda_allreduce import symm_mem_unusable_reason
 
-    print(f"allreduce_check: {world} GPUs ({torch.cuda.get_device_name(0)}); symmetric memory: "
-          f"{symm_mem_unusable_reason(world) or 'usable'}")
+    print(
+        f"allreduce_check: {world} GPUs ({torch.cuda.get_device_name(0)}); symmetric memory: "
+        f"{symm_mem_unusable_reason(world) or 'usable'}"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--ranks", str(world),
-                               "--port", str(port)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, AIOLM_LOG_LEVEL="INFO")) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--rank", str(r), "--ranks", str(world), "--port", str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, AIOLM_LOG_LEVEL="INFO"),
+        )
+        for r in range(world)
+    ]
     outs = [pr.communicate(timeout=600)[0] for pr in procs]
     if any(pr.returncode for pr in procs):
         print(f"allreduce_check: FAILED: rank exit codes {[pr.returncode for pr in procs]}")

@@ -22,9 +22,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # a checkout without installing
 
 import torch  # noqa: E402
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea:",
-           "List three prime numbers greater than ten, separated by commas:",
-           "Explain in one sentence why the sky is blue:"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "List three prime numbers greater than ten, separated by commas:",
+    "Explain in one sentence why the sky is blue:",
+]
 SKIP = 3
 
 
@@ -94,9 +97,11 @@ def parity(max_new: int, bf16_prefix: int) -> int:
             else:
                 good = min(agree) >= bf16_prefix and "Paris" in tok.decode(got[0])
             ok &= good
-            print(f"{name}, {attention} attention: {'ok' if good else 'FAILED'}: tokens agreeing with "
-                  f"transformers per prompt {agree} of {max_new}; "
-                  f"France -> {tok.decode(got[0])[:40]!r} (transformers {tok.decode(want[0])[:40]!r})")
+            print(
+                f"{name}, {attention} attention: {'ok' if good else 'FAILED'}: tokens agreeing with "
+                f"transformers per prompt {agree} of {max_new}; "
+                f"France -> {tok.decode(got[0])[:40]!r} (transformers {tok.decode(want[0])[:40]!r})"
+            )
         torch.cuda.empty_cache()
     return 0 if ok else 1
 
@@ -113,8 +118,12 @@ def _decode_setup(model, batch: int, context: int, device: str = "cuda"):
     cfg = model.config
     bs = 16
     pages = (context + 64) // bs + 1
-    caches = [torch.randn(kv_cache_shape(batch * pages + 1, bs, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=torch.bfloat16, device=device) for _ in range(cfg.num_layers)]
+    caches = [
+        torch.randn(
+            kv_cache_shape(batch * pages + 1, bs, cfg.num_kv_heads, cfg.head_dim), dtype=torch.bfloat16, device=device
+        )
+        for _ in range(cfg.num_layers)
+    ]
     tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(batch)]
 
     def step_inputs(pos: int):
@@ -125,17 +134,26 @@ def _decode_setup(model, batch: int, context: int, device: str = "cuda"):
     return caches, step_inputs, pages * bs
 
 
-def _engine_tokens(dtype: str, enforce_eager: bool, prompts: list[str], max_new: int,
-                   max_model_len: int) -> list[list[int]]:
+def _engine_tokens(
+    dtype: str, enforce_eager: bool, prompts: list[str], max_new: int, max_model_len: int
+) -> list[list[int]]:
     """Greedy tokens of every prompt through the whole engine (worker process, Triton
     attention and ops); ``ignore_eos`` keeps the rows in step, so after the prefill step
     every step is a decode step of len(prompts) rows."""
     from aiolm import LLM, SamplingParams
 
-    with LLM(device="cuda", dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=8,
-             max_model_len=max_model_len, max_num_batched_tokens=256, gpu_memory_utilization=0.3) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True),
-                            use_tqdm=False)
+    with LLM(
+        device="cuda",
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=256,
+        gpu_memory_utilization=0.3,
+    ) as llm:
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True), use_tqdm=False
+        )
         return [o.outputs[0].token_ids for o in outs]
 
 
@@ -156,8 +174,10 @@ def graphs(max_new: int) -> int:
         agree = [_agreement(g, e) for g, e in zip(graph, eager)]
         good = graph == eager and all(len(e) == max_new for e in eager)
         ok &= good
-        print(f"{dtype}, {len(prompts)} prompts: graphs vs eager {'identical' if good else 'DIFFERENT'} "
-              f"(tokens agreeing per prompt {agree} of {max_new})")
+        print(
+            f"{dtype}, {len(prompts)} prompts: graphs vs eager {'identical' if good else 'DIFFERENT'} "
+            f"(tokens agreeing per prompt {agree} of {max_new})"
+        )
     return 0 if ok else 1
 
 
@@ -174,8 +194,10 @@ def decode_speed(max_num_seqs: int, steps: int) -> int:
         ids, p, meta = step_inputs(512)
         plan = plan_step(batch, batch, sizes)
         times = {}
-        for name, fn in (("eager", lambda: model(ids, p, caches, meta)),
-                         ("graph", lambda: runner.run(plan.size, ids, p, meta))):
+        for name, fn in (
+            ("eager", lambda: model(ids, p, caches, meta)),
+            ("graph", lambda: runner.run(plan.size, ids, p, meta)),
+        ):
             fn()
             torch.cuda.synchronize()
             t = []
@@ -197,15 +219,39 @@ def engine() -> int:
     import subprocess
 
     base = ["--device", "cuda", "--attention-backend", "triton", "--json"]
-    runs = {"offline-64, graphs": ["bench", "throughput", "--repeats", "2"],
-            "offline-64, eager": ["bench", "throughput", "--repeats", "2", "--enforce-eager"],
-            "single stream, graphs": ["bench", "latency", "--batch-size", "1", "--input-len", "128",
-                                      "--output-len", "128", "--repeats", "3"],
-            "single stream, eager": ["bench", "latency", "--batch-size", "1", "--input-len", "128",
-                                     "--output-len", "128", "--repeats", "3", "--enforce-eager"]}
+    runs = {
+        "offline-64, graphs": ["bench", "throughput", "--repeats", "2"],
+        "offline-64, eager": ["bench", "throughput", "--repeats", "2", "--enforce-eager"],
+        "single stream, graphs": [
+            "bench",
+            "latency",
+            "--batch-size",
+            "1",
+            "--input-len",
+            "128",
+            "--output-len",
+            "128",
+            "--repeats",
+            "3",
+        ],
+        "single stream, eager": [
+            "bench",
+            "latency",
+            "--batch-size",
+            "1",
+            "--input-len",
+            "128",
+            "--output-len",
+            "128",
+            "--repeats",
+            "3",
+            "--enforce-eager",
+        ],
+    }
     for name, cmd in runs.items():
-        out = subprocess.run([sys.executable, "-m", "aiolm.cli", *cmd, *base], capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "aiolm.cli", *cmd, *base], capture_output=True, text=True, timeout=120
+        )
         if out.returncode != 0:
             print(f"{name}: FAILED\n{out.stderr[-3000:]}")
             return 1
@@ -218,8 +264,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=["parity", "graphs", "decode-speed", "engine"])
     p.add_argument("--max-new", type=int, default=32)
-    p.add_argument("--bf16-prefix", type=int, default=3,
-                   help="parity: leading bfloat16 tokens every prompt must share with transformers")
+    p.add_argument(
+        "--bf16-prefix",
+        type=int,
+        default=3,
+        help="parity: leading bfloat16 tokens every prompt must share with transformers",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()

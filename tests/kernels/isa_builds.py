@@ -33,8 +33,11 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[3:], "-k", sys.a
 
 
 def isa_flags(isa: str) -> list[str]:
-    return [f for f in cpu_kernels._compile_flags()
-            if not (f.startswith("-march") and ISA_BUILDS[isa][0].startswith("-march"))] + ISA_BUILDS[isa]
+    return [
+        f
+        for f in cpu_kernels._compile_flags()
+        if not (f.startswith("-march") and ISA_BUILDS[isa][0].startswith("-march"))
+    ] + ISA_BUILDS[isa]
 
 
 def isa_library(name: str, sources: list[str], isa: str) -> Path:
@@ -54,8 +57,11 @@ def isa_library(name: str, sources: list[str], isa: str) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent, prefix=".build-") as tmp:
         objects = [Path(tmp) / f"{Path(s).stem}.o" for s in sources]
         for src, obj in zip(sources, objects):
-            subprocess.run(["c++", *isa_flags(isa), "-w", "-c", str(cpu_kernels.source_dir() / src), "-o", str(obj)],
-                           check=True, timeout=600)
+            subprocess.run(
+                ["c++", *isa_flags(isa), "-w", "-c", str(cpu_kernels.source_dir() / src), "-o", str(obj)],
+                check=True,
+                timeout=600,
+            )
         out = Path(tmp) / lib.name
         subprocess.run(cpu_kernels._link_command(objects, out, "c++"), check=True, timeout=120)
         os.replace(out, lib)  # atomic: a concurrent run never loads a half-written library
@@ -70,15 +76,22 @@ def isa_libraries(name: str, sources: list[str]) -> dict[str, Path]:
 
 def check_build_flags(isa: str) -> None:
     """The build really lacks AVX-512 (and, on the baseline, AVX2)."""
-    macros = subprocess.run(["c++", *isa_flags(isa), "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
-                            text=True, check=True).stdout
+    macros = subprocess.run(
+        ["c++", *isa_flags(isa), "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True, text=True, check=True
+    ).stdout
     assert ("__AVX512F__" in macros) is False and ("__AVX2__" in macros) == (isa == "avx2")
 
 
 def run_tests_with(lib: Path, test_files: list[str], select: str) -> None:
     """Runs the tests of ``test_files`` that ``select`` (a -k expression) names, in a child
     process with ``lib`` loaded; they must all pass and none may skip."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(lib), select, *test_files], cwd=_ROOT,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(lib), select, *test_files],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]

@@ -15,7 +15,7 @@ def test_matches_torch_argmax(n):
     g = torch.Generator().manual_seed(n)
     x = torch.randn(37, n, generator=g)
     x[1] = 0.0  # all equal: the first
-    x[2, n // 2:] = float("inf")  # the first +inf
+    x[2, n // 2 :] = float("inf")  # the first +inf
     x[3] = float("-inf")  # all -inf: index 0
     x[4, n - 1] = float("nan")  # a NaN wins
     x[5, :] = float("nan")

@@ -32,6 +32,7 @@ def _run(model, plans, cache_dtype) -> tuple[list[dict[int, torch.Tensor]], int]
             out = plan(*args)
             taken[0] += out is not None
             return out
+
         return call
 
     for layer, plan in zip(model.layers, plans):
@@ -54,8 +55,9 @@ def test_fused_layer_gives_the_modules_bits(model, int8, variant, monkeypatch):
             g = torch.Generator().manual_seed(0)
             for a in attns:
                 a.attn.sliding_window = 24
-                a.qkv_proj.bias = nn.Parameter(0.05 * torch.randn(a.qkv_proj.gguf.blocks.n, generator=g),
-                                               requires_grad=False)
+                a.qkv_proj.bias = nn.Parameter(
+                    0.05 * torch.randn(a.qkv_proj.gguf.blocks.n, generator=g), requires_grad=False
+                )
         plans = [gguf_blocks.FusedDecodeLayer.of(layer) for layer in model.layers]
         assert all(p is not None for p in plans), "every layer of the embedded model should be fused"
         dtype = torch.float16 if variant == "float16-cache" else torch.float32
@@ -79,8 +81,9 @@ def test_layers_of_another_shape_keep_their_modules(model):
     assert gguf_blocks.FusedDecodeLayer.of(layer) is not None
     o_bias = layer.self_attn.o_proj.bias
     try:
-        layer.self_attn.o_proj.bias = nn.Parameter(torch.zeros(layer.self_attn.o_proj.gguf.blocks.n),
-                                                   requires_grad=False)
+        layer.self_attn.o_proj.bias = nn.Parameter(
+            torch.zeros(layer.self_attn.o_proj.gguf.blocks.n), requires_grad=False
+        )
         assert gguf_blocks.FusedDecodeLayer.of(layer) is None  # the C++ step adds no o bias
     finally:
         layer.self_attn.o_proj.bias = o_bias

@@ -7,8 +7,8 @@ import torch
 
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.kernels.cpu_ops import CpuKernelOps
-from aiolm.model.layers.norm import RMSNorm
 from aiolm.kernels.ops import TorchOps
+from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
@@ -47,15 +47,15 @@ def test_rotary_in_place_on_strided_views_of_a_fused_qkv():
     rope = RotaryEmbedding(d, 4096, 10000.0, None, CpuKernelOps())
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
     q = qkv[:, : heads * d].reshape(t, heads, d)  # strided views, as the model has them
-    k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(t, kv_heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(t, kv_heads, d)
     pos = torch.tensor([0, 1, 2, 5, 100, 4095, 7, 7, 3, 2000, 9])
     want_q, want_k = TorchOps().rotary(pos, q.clone(), k.clone(), rope.cos, rope.sin)  # the reference
-    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
     got_q, got_k = rope(pos, q, k)
     assert got_q.data_ptr() == q.data_ptr()  # in place
     torch.testing.assert_close(got_q, want_q)
     torch.testing.assert_close(got_k, want_k)
-    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
     with pytest.raises(RuntimeError, match="position 4096 outside"):
         rope(torch.full((t,), 4096), q, k)
 
@@ -79,4 +79,3 @@ def test_silu_and_mul_in_bfloat16_rounds_the_float32_result_once():
     want = torch.ops.aiolm.silu_and_mul(x.float()).bfloat16()
     assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
     assert torch.isnan(got[0, 0])
-

@@ -49,7 +49,8 @@ def test_every_path_quantizes_to_the_same_codes():
 @pytest.mark.parametrize("isa", _isas(), ids=lambda i: ISAS[i])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 # Tiles (gguf_int8.cpp's even_tiles) of 3-11 rows, as runs of up to 6 rows whose sums interleave:
-# 11 rows, runs of 6 and 5; 12, tiles of 6 and 6; 17, tiles of 8 (4 + 4) and 9 (5 + 4); 70, two passes (tiles of 10-11, then 6).
+# 11 rows, runs of 6 and 5; 12, tiles of 6 and 6; 17, tiles of 8 (4 + 4) and 9 (5 + 4);
+# 70, two passes (tiles of 10-11, then 6).
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 11, 12, 13, 17, 70])
 def test_matches_dequantized_weights_times_dequantized_x(isa, qtype, rows):
     """Tight against the same int8 x dequantized (only float rounding differs); within
@@ -147,7 +148,8 @@ def test_bfloat16_model_keeps_int8_from_its_amx_matmuls_but_not_from_its_float32
     x = torch.randn(64, 576)
     assert torch.equal(head._matmul(x), head.gguf.blocks.linear_int8(x)) == vnni
     assert torch.equal(gate_up._matmul(x).float(), gate_up.gguf.blocks.linear_int8(x)) == (
-        vnni and not cpu_kernels.has_amx())
+        vnni and not cpu_kernels.has_amx()
+    )
 
 
 @pytest.mark.parametrize("kernel", ["linear_int8", "linear"])
@@ -196,10 +198,9 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     through the float-block kernel: the length of greedy agreement is printed per prompt,
     and the int8 path must still say Paris and pick the float path's next token at almost
     every step of its answers."""
+    from aiolm.model.registry import build_model
     from model.test_parity import _prompt_ids
     from paged import PagedHarness
-
-    from aiolm.model.registry import build_model
 
     model = build_model(real_source, torch.float32)
     prompts = _prompt_ids(tokenizer)
@@ -213,11 +214,14 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     # The float path's answers fed back as one prompt step each: with VNNI an int8 matmul of
     # every row (gguf_blocks.INT8_LIMIT_VNNI), elsewhere the float32 panels.
     logits = PagedHarness(model).step({i: p + f for i, (p, f) in enumerate(zip(prompts, floats))}, every=True)
-    in_prompt = sum(int((logits[i][len(p) - 1:-1].argmax(-1) == torch.tensor(floats[i])).sum())
-                    for i, p in enumerate(prompts))
+    in_prompt = sum(
+        int((logits[i][len(p) - 1 : -1].argmax(-1) == torch.tensor(floats[i])).sum()) for i, p in enumerate(prompts)
+    )
     agree = [_agreement(a, b) for a, b in zip(int8, floats)]
-    print(f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}; next token under teacher "
-          f"forcing: {hits}/{steps} decoding, {in_prompt}/{steps} in one prompt step")
+    print(
+        f"\nint8 vs float-block greedy agreement (tokens of {n}): {agree}; next token under teacher "
+        f"forcing: {hits}/{steps} decoding, {in_prompt}/{steps} in one prompt step"
+    )
     assert "Paris" in tokenizer.decode(int8[-1])
     assert int8[-1][:12] == floats[-1][:12]
     # Greedy agreement is chaotic (one near-tie decides the rest), so only the teacher-forced
@@ -233,10 +237,9 @@ def test_bfloat16_matmuls_with_int8_activations_still_answer_paris(real_source, 
     """The fastest single-stream mode (docs/benchmarks.md): bfloat16 matmuls for the prompt,
     a float16 KV cache and int8 activations for every decode step still answer the chat
     question."""
+    from aiolm.model.registry import build_model
     from model.test_parity import _prompt_ids
     from paged import PagedHarness
-
-    from aiolm.model.registry import build_model
 
     model = build_model(real_source, torch.bfloat16)
     monkeypatch.setattr(gguf_blocks, "INT8", True)

@@ -15,10 +15,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_gguf_int8 import ISAS, _isas  # the int8 paths this build has, as the Q4_0/Q4_1/Q8_0 tests run them
 
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.quant import gguf_blocks
-from test_gguf_int8 import ISAS, _isas  # the int8 paths this build has, as the Q4_0/Q4_1/Q8_0 tests run them
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -101,7 +101,7 @@ def _min_part(blocks: np.ndarray, shape: tuple[int, int], kind: str) -> torch.Te
         return torch.zeros(shape, dtype=torch.float64)
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, kind)
     groups, nb = g.mins.shape[0], g.mins.shape[1] // 8
-    m = g.mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[:shape[0]]
+    m = g.mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[: shape[0]]
     return m.double().abs().repeat_interleave(32, dim=1)
 
 
@@ -269,5 +269,7 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
     a, b = int8_logits[0], f32_logits[0]
     assert torch.isfinite(a).all() and float((a - b).abs().max()) < 0.05 * float(b.abs().max())
     rel = [float((x - y).abs().max() / y.abs().max()) for x, y in ((blocks_logits[0], b), (a, b))]
-    print(f"\nQ4_K/Q6_K tiny llama: block tokens {blocks_tokens}, int8 {int8_tokens}, float32 {f32_tokens}; "
-          f"first step's largest logit difference / largest logit: blocks {rel[0]:.1e}, int8 {rel[1]:.1e}")
+    print(
+        f"\nQ4_K/Q6_K tiny llama: block tokens {blocks_tokens}, int8 {int8_tokens}, float32 {f32_tokens}; "
+        f"first step's largest logit difference / largest logit: blocks {rel[0]:.1e}, int8 {rel[1]:.1e}"
+    )

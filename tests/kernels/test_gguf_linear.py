@@ -39,25 +39,26 @@ def test_keeps_leading_dims_and_rejects_mismatches():
     with pytest.raises(RuntimeError, match="unsupported GGUF type id 13"):
         torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs, g.scale, g.mins, 13, g.n)
     with pytest.raises(RuntimeError, match="Q4_1 needs float16 mins"):
-        torch.ops.aiolm.gguf_linear(torch.zeros(1, 64), g.qs[:, :g.qs.shape[1] // 2].contiguous().view(torch.uint8),
-                                    g.scale, g.mins, 3, g.n)
+        torch.ops.aiolm.gguf_linear(
+            torch.zeros(1, 64), g.qs[:, : g.qs.shape[1] // 2].contiguous().view(torch.uint8), g.scale, g.mins, 3, g.n
+        )
 
 
 def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_source, tokenizer, monkeypatch):
     """One sequence decodes through the GGUF blocks (1 row per step, float arithmetic: int8
     activations are tests/kernels/test_gguf_int8.py's); the same greedy tokens come out when
     the blocks are taken away and every step runs in float32 through oneDNN."""
-    from paged import PagedHarness
-
     from aiolm.model.registry import build_model
+    from paged import PagedHarness
 
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     model = build_model(real_source, torch.float32)
     layers = [m for m in model.modules() if isinstance(getattr(m, "gguf", None), gguf_blocks.GGUFLinear)]
     assert len(layers) == 4 * model.config.num_layers + 1  # every linear layer and the LM head
     assert {m.gguf.blocks.qtype for m in layers} == {3, 8}  # the file's Q4_1 layers, its Q8_0 embedding
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     with_blocks = PagedHarness(model).greedy([prompt], 24)[0]
     for m in layers:
@@ -80,5 +81,8 @@ def test_other_isa_builds_match_the_references(isa, isa_libraries):
     k-quant tests' module asks it which of its paths exist."""
     isa_builds.check_build_flags(isa)
     here = __file__.rsplit("/", 1)[0]
-    isa_builds.run_tests_with(isa_libraries[isa], [__file__, f"{here}/test_gguf_kquants.py"],
-                              "matches_dequantized_matmul or float_kernel_matches or leading_dims")
+    isa_builds.run_tests_with(
+        isa_libraries[isa],
+        [__file__, f"{here}/test_gguf_kquants.py"],
+        "matches_dequantized_matmul or float_kernel_matches or leading_dims",
+    )

@@ -9,9 +9,9 @@ import isa_builds
 import pytest
 import torch
 
-from aiolm.kernels import cpu as cpu_kernels
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import TorchAttention, kv_cache_shape, write_kv
+from aiolm.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -27,15 +27,18 @@ def _batch(rng: random.Random, shapes: list[tuple[int, int]], block_size: int, n
     return AttentionMetadata.build([q for q, _ in shapes], [s for _, s in shapes], blocks, block_size)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),   # SmolLM2's shape (prefill tiles take the transposed-K kernel)
-    (8, 2, 128, 16),  # head_dim 128 in tiles
-    (10, 2, 64, 32),  # AVX-512 decode rows: 5 query heads per kv head (3 + 2), two 16-key halves a page
-    (4, 4, 64, 8),    # AVX-512 decode rows: one query head per kv head, half-empty score vectors
-    (4, 4, 32, 8),    # no GQA
-    (8, 1, 16, 4),    # MQA, tiny pages
-    (6, 2, 12, 16),   # head_dim not a multiple of 8 takes the scalar path
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [
+        (9, 3, 64, 16),  # SmolLM2's shape (prefill tiles take the transposed-K kernel)
+        (8, 2, 128, 16),  # head_dim 128 in tiles
+        (10, 2, 64, 32),  # AVX-512 decode rows: 5 query heads per kv head (3 + 2), two 16-key halves a page
+        (4, 4, 64, 8),  # AVX-512 decode rows: one query head per kv head, half-empty score vectors
+        (4, 4, 32, 8),  # no GQA
+        (8, 1, 16, 4),  # MQA, tiny pages
+        (6, 2, 12, 16),  # head_dim not a multiple of 8 takes the scalar path
+    ],
+)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, block_size, cache_dtype):
     """float16: the cache of CPU bfloat16 matmuls; both read the same rounded values."""
@@ -46,7 +49,7 @@ def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, blo
     num_blocks = 200
     meta = _batch(rng, shapes, block_size, num_blocks)
     t = meta.num_tokens
-    ref = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    ref = TorchAttention(heads, kv_heads, head_dim, head_dim**-0.5)
     cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)).to(cache_dtype)
     cache2 = cache.clone()
     q = torch.randn(t, heads, head_dim)
@@ -57,8 +60,9 @@ def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, blo
     write_kv(cache2, k, v, meta.slot_mapping)
     assert torch.equal(cache, cache2)
     out = torch.empty_like(q)
-    torch.ops.aiolm.paged_attention(out, q, cache2[0], cache2[1], meta.block_table,
-                                    meta.query_start_loc, meta.seq_lens, head_dim ** -0.5)
+    torch.ops.aiolm.paged_attention(
+        out, q, cache2[0], cache2[1], meta.block_table, meta.query_start_loc, meta.seq_lens, head_dim**-0.5
+    )
     torch.testing.assert_close(out.view(t, -1), want, rtol=1e-5, atol=2e-5)
 
 
@@ -72,8 +76,9 @@ def test_large_scores_stay_finite():
     v = torch.randn(12, kv_heads, d)
     write_kv(cache, k, v, AttentionMetadata.build([12], [12], [[3, 1, 2]], bs).slot_mapping)
     out = torch.empty_like(q)
-    torch.ops.aiolm.paged_attention(out, q, cache[0], cache[1], meta.block_table,
-                                    meta.query_start_loc, meta.seq_lens, 1.0)
+    torch.ops.aiolm.paged_attention(
+        out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, 1.0
+    )
     assert torch.isfinite(out).all()
     # scores 80*j: the last key dominates completely
     torch.testing.assert_close(out[0, 0], v[11, 0])
@@ -85,12 +90,14 @@ def test_rejects_bad_inputs_with_a_clear_error():
     meta.seq_lens = torch.tensor([9])  # 9 tokens need 3 blocks; the table has 2
     q = torch.zeros(2, 2, 8)
     with pytest.raises(RuntimeError, match="block table too narrow"):
-        torch.ops.aiolm.paged_attention(torch.empty_like(q), q, cache[0], cache[1], meta.block_table,
-                                        meta.query_start_loc, meta.seq_lens, 1.0)
+        torch.ops.aiolm.paged_attention(
+            torch.empty_like(q), q, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, 1.0
+        )
     with pytest.raises(RuntimeError, match="float32"):
         qh = q.half()
-        torch.ops.aiolm.paged_attention(torch.empty_like(qh), qh, cache[0], cache[1], meta.block_table,
-                                        meta.query_start_loc, meta.seq_lens, 1.0)
+        torch.ops.aiolm.paged_attention(
+            torch.empty_like(qh), qh, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, 1.0
+        )
 
 
 def test_build_is_cached_and_atomic():
@@ -102,6 +109,7 @@ def test_build_is_cached_and_atomic():
 
 
 # ----------------------------------------------------------------------------- sliding windows, soft-caps
+
 
 def _dense_reference(q, cache, meta, scale, window, softcap):
     """Query by query from the gathered keys, written independently of both backends:
@@ -119,10 +127,10 @@ def _dense_reference(q, cache, meta, scale, window, softcap):
             lo = 0 if window is None else max(0, p - window + 1)
             for h in range(heads):
                 kh = h // (heads // kv_heads)
-                s = (k[lo:p + 1, kh] @ q[starts[r] + i, h]) * scale
+                s = (k[lo : p + 1, kh] @ q[starts[r] + i, h]) * scale
                 if softcap is not None:
                     s = softcap * torch.tanh(s / softcap)
-                out[starts[r] + i, h] = torch.softmax(s, 0) @ v[lo:p + 1, kh]
+                out[starts[r] + i, h] = torch.softmax(s, 0) @ v[lo : p + 1, kh]
     return out
 
 
@@ -132,23 +140,27 @@ def _dense_reference(q, cache, meta, scale, window, softcap):
 WINDOW_SHAPES = [(1, 37), (1, 130), (40, 40), (23, 61), (17, 100), (5, 12), (1, 1), (33, 33), (1, 17)]
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),   # prefill tiles (transposed keys), AVX-512 decode rows
-    (8, 2, 128, 16),  # head_dim 128 in tiles and decode rows
-    (10, 2, 64, 32),  # pages of 32: rows take attend_row_z / attend_row, not tiles
-    (4, 4, 32, 8),    # head_dim 32: the generic row path for everything
-    (6, 2, 12, 4),    # head_dim not a multiple of 8: the scalar path
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [
+        (9, 3, 64, 16),  # prefill tiles (transposed keys), AVX-512 decode rows
+        (8, 2, 128, 16),  # head_dim 128 in tiles and decode rows
+        (10, 2, 64, 32),  # pages of 32: rows take attend_row_z / attend_row, not tiles
+        (4, 4, 32, 8),  # head_dim 32: the generic row path for everything
+        (6, 2, 12, 4),  # head_dim not a multiple of 8: the scalar path
+    ],
+)
 @pytest.mark.parametrize("window", [1, 5, 16, 19, 64])
 @pytest.mark.parametrize("softcap", [None, 7.5])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_sliding_window_and_softcap_match_references(heads, kv_heads, head_dim, block_size, window, softcap,
-                                                     cache_dtype):
+def test_sliding_window_and_softcap_match_references(
+    heads, kv_heads, head_dim, block_size, window, softcap, cache_dtype
+):
     rng = random.Random(heads * 1000 + window)
     torch.manual_seed(window + head_dim)
     meta = _batch(rng, WINDOW_SHAPES, block_size, 300)
     t = meta.num_tokens
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     cache = torch.randn(kv_cache_shape(300, block_size, kv_heads, head_dim)).to(cache_dtype)
     q = 2 * torch.randn(t, heads, head_dim)  # scores of several units: the cap bends them
     k = torch.randn(t, kv_heads, head_dim)
@@ -158,8 +170,9 @@ def test_sliding_window_and_softcap_match_references(heads, kv_heads, head_dim, 
     dense = _dense_reference(q, cache, meta, scale, window, softcap)
     torch.testing.assert_close(want, dense.view(t, -1), rtol=1e-5, atol=2e-5)
     out = torch.empty_like(q)
-    torch.ops.aiolm.paged_attention(out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc,
-                                    meta.seq_lens, scale, window, softcap or 0.0)
+    torch.ops.aiolm.paged_attention(
+        out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, scale, window, softcap or 0.0
+    )
     torch.testing.assert_close(out.view(t, -1), want, rtol=1e-5, atol=2e-5)
     if window < 40:  # the window changed the answer for the rows past it: the test can see it
         full = TorchAttention(heads, kv_heads, head_dim, scale, soft_cap=softcap).forward(q, k, v, cache, meta)
@@ -175,8 +188,9 @@ def test_window_wider_than_every_sequence_changes_nothing():
     outs = []
     for window in (0, 131, 4096):
         out = torch.empty_like(q)
-        torch.ops.aiolm.paged_attention(out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc,
-                                        meta.seq_lens, 0.125, window)
+        torch.ops.aiolm.paged_attention(
+            out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, 0.125, window
+        )
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
@@ -218,5 +232,6 @@ def isa_libraries() -> dict[str, Path]:
 @pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
 def test_other_isa_builds_match_the_references(isa, isa_libraries):
     isa_builds.check_build_flags(isa)
-    isa_builds.run_tests_with(isa_libraries[isa], [__file__],
-                              "sliding_window or mixed_batches or wider_than or never_read or finite")
+    isa_builds.run_tests_with(
+        isa_libraries[isa], [__file__], "sliding_window or mixed_batches or wider_than or never_read or finite"
+    )

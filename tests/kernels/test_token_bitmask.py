@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unav
 
 def _bitmask(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
     words = (vocab + 31) // 32
-    bm = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    bm = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
     bm[:, ::3] = -1  # whole words allowed (skipped by the kernel)
     bm[:, 1::7] = 0  # whole words forbidden
     return bm

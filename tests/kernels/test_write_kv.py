@@ -20,8 +20,8 @@ def test_writes_what_index_copy_writes_from_views_of_the_qkv_projection(dtype):
     qkv[1] *= 3e4  # past float16's range: inf, as Tensor.to gives
     qkv[2] *= 1e-6  # float16's subnormals
     qkv[3, ::7] = float("nan")
-    k = qkv[:, 2 * d:(2 + hk) * d].reshape(tokens, hk, d)  # views with the projection's row stride
-    v = qkv[:, (2 + hk) * d:].reshape(tokens, hk, d)
+    k = qkv[:, 2 * d : (2 + hk) * d].reshape(tokens, hk, d)  # views with the projection's row stride
+    v = qkv[:, (2 + hk) * d :].reshape(tokens, hk, d)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     ref = torch.randn(kv_cache_shape(blocks, bs, hk, d), generator=g).to(dtype)
     got = ref.clone()

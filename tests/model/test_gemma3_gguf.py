@@ -29,8 +29,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file
 
-from aiolm.kernels import cpu as cpu_kernels
 from aiolm.errors import ModelLoadError
+from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_greedy
@@ -53,17 +53,75 @@ LAYER_TYPES = [
     {"q": Q.Q8_0, "k": Q.Q8_0, "v": Q.Q8_0, "o": Q.Q6_K, "gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q8_0},
 ]
 EMBED_TYPE = Q.Q8_0  # as in the real file
-_PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-         "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_PROJ = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-_PIECES = ["▁", "t", "h", "e", "a", "c", "s", "o", "n", "r", "i", "d", "g", "m", "w", "l", "u", "y", "f", "p", "b",
-           ".", ",", "?", "!", "▁t", "he", "▁the", "▁a", "▁c", "at", "▁cat", "in", "▁s", "on", "er", "re",
-           "an", "▁o", "▁w", "nd", "▁an", "▁and", "ow", "▁m", "at", "▁is", "is", "▁on", "▁mat", "ma"]
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_PIECES = [
+    "▁",
+    "t",
+    "h",
+    "e",
+    "a",
+    "c",
+    "s",
+    "o",
+    "n",
+    "r",
+    "i",
+    "d",
+    "g",
+    "m",
+    "w",
+    "l",
+    "u",
+    "y",
+    "f",
+    "p",
+    "b",
+    ".",
+    ",",
+    "?",
+    "!",
+    "▁t",
+    "he",
+    "▁the",
+    "▁a",
+    "▁c",
+    "at",
+    "▁cat",
+    "in",
+    "▁s",
+    "on",
+    "er",
+    "re",
+    "an",
+    "▁o",
+    "▁w",
+    "nd",
+    "▁an",
+    "▁and",
+    "ow",
+    "▁m",
+    "at",
+    "▁is",
+    "is",
+    "▁on",
+    "▁mat",
+    "ma",
+]
 
 
 def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
@@ -85,15 +143,27 @@ def _hf_model():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
         query_pre_attn_scalar=HEAD_DIM,  # as in every Gemma 3 but the 27B
-        max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=WINDOW,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        sliding_window=WINDOW,
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(LAYERS)],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "factor": ROPE_FACTOR,
-                                            "rope_theta": ROPE_THETA}},
-        bos_token_id=2, eos_token_id=1, pad_token_id=0, attn_implementation="eager")
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": ROPE_FACTOR, "rope_theta": ROPE_THETA},
+        },
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(cfg).float().eval()
     # Norms random too (Gemma's multiply by 1 + w). Small embeddings: the input, scaled by
@@ -241,13 +311,24 @@ def test_converted_folder_holds_the_same_weights_and_config(written):
     assert src.config.query_pre_attn_scalar == HEAD_DIM and src.config.rope_local_theta == 10000.0
     # ...and so does transformers
     a, b = AutoConfig.from_pretrained(str(src.path)), AutoConfig.from_pretrained(str(folder))
-    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim", "rms_norm_eps",
-                "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "num_key_value_heads",
-                "vocab_size", "tie_word_embeddings"):
+    for key in (
+        "layer_types",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "head_dim",
+        "rms_norm_eps",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "hidden_activation",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert getattr(a, key) == getattr(b, key), key
     for kind in ("full_attention", "sliding_attention"):
-        assert ({k: v for k, v in a.rope_parameters[kind].items()}
-                == {k: v for k, v in b.rope_parameters[kind].items()}), kind
+        assert {k: v for k, v in a.rope_parameters[kind].items()} == {
+            k: v for k, v in b.rope_parameters[kind].items()
+        }, kind
 
 
 def test_tokenizer_chat_template_and_turn_end(written):
@@ -297,17 +378,28 @@ def _metadata_only(path, arch: str = "gemma3", **keys) -> None:
     w.close()
 
 
-_27B = dict(context_length=131072, embedding_length=5376, block_count=62, feed_forward_length=21504,
-            head_count=32, head_count_kv=16, key_length=128, value_length=128, layer_norm_rms_eps=1e-6,
-            rope_freq_base=1e6, sliding_window=1024, rope_scaling_type=gguf.RopeScalingType.LINEAR,
-            rope_scaling_factor=8.0)
+_27B = dict(
+    context_length=131072,
+    embedding_length=5376,
+    block_count=62,
+    feed_forward_length=21504,
+    head_count=32,
+    head_count_kv=16,
+    key_length=128,
+    value_length=128,
+    layer_norm_rms_eps=1e-6,
+    rope_freq_base=1e6,
+    sliding_window=1024,
+    rope_scaling_type=gguf.RopeScalingType.LINEAR,
+    rope_scaling_factor=8.0,
+)
 
 
 def test_config_of_the_27b_shape_and_of_a_file_without_a_window(tmp_path):
     """What llama.cpp hard-codes, as google/gemma-3-27b's config says it: queries scaled by
     hidden / heads = 168, not head_dim; linear RoPE scaling on the global layers only."""
-    from aiolm.checkpoint.gguf_convert import read_hf_config
     from aiolm.checkpoint.families import read_config
+    from aiolm.checkpoint.gguf_convert import read_hf_config
 
     _metadata_only(tmp_path / "27b.gguf", **_27B)
     cfg = read_hf_config(gguf.GGUFReader(str(tmp_path / "27b.gguf")), tmp_path / "27b.gguf")

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiolm.checkpoint.families import read_config
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import iter_weights, resolve_model
-from aiolm.checkpoint.families import read_config
 from aiolm.model.registry import build_context, build_from_config, build_model, finish
 from aiolm.platforms import get_platform
 from paged import PagedHarness, hf_greedy
@@ -55,13 +55,28 @@ def _gemma3(vocab: int):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
-        sliding_window=WINDOW, layer_types=GEMMA_LAYER_TYPES, query_pre_attn_scalar=48,
-        final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
-        attn_implementation="eager")
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        sliding_window=WINDOW,
+        layer_types=GEMMA_LAYER_TYPES,
+        query_pre_attn_scalar=48,
+        final_logit_softcapping=3.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        },
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(cfg).float().eval()
     _randomize(model, norm_std=0.5)
@@ -72,9 +87,20 @@ def _mistral(vocab: int):
     from transformers import MistralConfig, MistralForCausalLM
 
     cfg = MistralConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=WINDOW,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        sliding_window=WINDOW,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = MistralForCausalLM(cfg).float().eval()
     _randomize(model, norm_std=0.1)
@@ -117,7 +143,9 @@ def test_config_maps_windows_and_family_fields(family):
     else:
         assert cfg.architecture == "mistral" and cfg.sliding_windows == (WINDOW, WINDOW)
     model = build_model(src, torch.float32)
-    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == [cfg.window(i) for i in range(cfg.num_layers)]
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == [
+        cfg.window(i) for i in range(cfg.num_layers)
+    ]
     assert src.load_tokenizer()("hello")["input_ids"]  # the folder carries the real tokenizer
 
 
@@ -151,10 +179,19 @@ print(json.dumps([PagedHarness(model, block_size=bs).greedy(prompts, int(sys.arg
 def test_greedy_matches_transformers_with_no_cpu_kernels_at_all(family, prompts):
     kind, folder, _, expected = family
     tests = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", _PLAIN_TORCH_CHILD, str(folder), json.dumps(prompts),
-                           str(NEW_TOKENS)], cwd=tests.parent, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "AIOLM_DISABLE_CPU_KERNELS": "1", "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAIN_TORCH_CHILD, str(folder), json.dumps(prompts), str(NEW_TOKENS)],
+        cwd=tests.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "AIOLM_DISABLE_CPU_KERNELS": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}",
+        },
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [expected, expected]
 
@@ -166,8 +203,9 @@ def test_logits_match_and_the_window_matters(family, prompts):
     src = resolve_model(folder)
     ours = PagedHarness(build_model(src, torch.float32)).step({i: p for i, p in enumerate(prompts)})
     with torch.no_grad():
-        theirs = [hf(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long)).logits[0, -1]
-                  for p in prompts]
+        theirs = [
+            hf(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long)).logits[0, -1] for p in prompts
+        ]
     for i in range(len(prompts)):
         torch.testing.assert_close(ours[i], theirs[i], rtol=1e-4, atol=1e-4)
     if kind == "gemma3":
@@ -185,15 +223,28 @@ def test_gemma3_original_config_spelling_reads_the_same():
     """Checkpoints written before transformers 5 spell RoPE and the layer pattern differently."""
     from transformers import Gemma3TextConfig
 
-    new = Gemma3TextConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=12,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=4, sliding_window=512,
-                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                               "rope_theta": 1e6}})
+    new = Gemma3TextConfig(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=12,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        sliding_window=512,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    )
     new_dict = {**json.loads(new.to_json_string()), "architectures": ["Gemma3ForCausalLM"]}
     old = {k: v for k, v in new_dict.items() if k not in ("rope_parameters", "layer_types")}
-    old.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6,
-               rope_scaling={"rope_type": "linear", "factor": 8.0})
+    old.update(
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        sliding_window_pattern=6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
     a, b = read_config(new_dict), read_config(old)
     assert dataclasses.replace(a, rope_scaling=None) == dataclasses.replace(b, rope_scaling=None)
     assert {k: a.rope_scaling[k] for k in ("rope_type", "factor")} == b.rope_scaling
@@ -226,7 +277,8 @@ def test_engine_serves_the_family_from_its_folder(family, prompts):
 
     kind, folder, _, expected = family
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(str(folder), max_model_len=128, kv_cache_memory=16 << 20, max_num_seqs=4, num_threads=1,
-             block_size=16) as llm:
+    with LLM(
+        str(folder), max_model_len=128, kv_cache_memory=16 << 20, max_num_seqs=4, num_threads=1, block_size=16
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

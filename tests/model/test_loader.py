@@ -27,10 +27,10 @@ from gguf.quants import quantize as gguf_quantize
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aiolm.errors import ModelLoadError
-from aiolm.checkpoint.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
-from aiolm.model.loader import cache_root, embedded_model_path, iter_weights, resolve_model
 from aiolm.checkpoint.families import MODELS, read_config
+from aiolm.checkpoint.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
+from aiolm.errors import ModelLoadError
+from aiolm.model.loader import cache_root, embedded_model_path, iter_weights, resolve_model
 from aiolm.model.registry import build_context, build_from_config, build_model, finish
 from aiolm.platforms import get_platform
 from aiolm.platforms.cpu import bfloat16_matmuls
@@ -42,13 +42,16 @@ Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 256, 2
 HEAD_DIM = HIDDEN // HEADS
 ROPE_THETA = 50000.0
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "a n", "e r", "Ġ a", "o n", "r e", "Ġ s"]
 
 # Where each type goes. K-quants need rows of 256: ffn_down's input is FFN = 256 wide.
 MIXED_TYPES = {
-    "embd": Q.Q8_0, "out": Q.Q4_0,
+    "embd": Q.Q8_0,
+    "out": Q.Q4_0,
     0: {"q": Q.Q4_0, "k": Q.Q4_1, "v": Q.Q8_0, "o": Q.F16, "gate": Q.BF16, "up": Q.Q4_0, "down": Q.Q4_K},
     1: {"q": Q.F16, "k": Q.BF16, "v": Q.Q4_1, "o": Q.Q8_0, "gate": Q.Q4_1, "up": Q.F32, "down": Q.Q6_K},
 }
@@ -56,6 +59,7 @@ BRIEF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py's Q/K permutation (rotate-half -> interleaved pairs)."""
@@ -147,20 +151,23 @@ def write_llama_gguf(path: Path, types: dict, tied: bool = False, seed: int = 0)
     def mat(rows: int, cols: int) -> np.ndarray:
         return 0.1 * rng.standard_normal((rows, cols))
 
-    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((VOCAB, HIDDEN)),
-        types.get("embd", Q.F32))
+    add(
+        "token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((VOCAB, HIDDEN)), types.get("embd", Q.F32)
+    )
     for i in range(LAYERS):
         g, h, t = f"blk.{i}.", f"model.layers.{i}.", types.get(i, {})
         add(g + "attn_norm.weight", h + "input_layernorm.weight", norm(HIDDEN), Q.F32)
         add(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", norm(HIDDEN), Q.F32)
-        add(g + "attn_q.weight", h + "self_attn.q_proj.weight", mat(HEADS * HEAD_DIM, HIDDEN),
-            t.get("q", Q.F32), HEADS)
-        add(g + "attn_k.weight", h + "self_attn.k_proj.weight", mat(KV_HEADS * HEAD_DIM, HIDDEN),
-            t.get("k", Q.F32), KV_HEADS)
-        add(g + "attn_v.weight", h + "self_attn.v_proj.weight", mat(KV_HEADS * HEAD_DIM, HIDDEN),
-            t.get("v", Q.F32))
-        add(g + "attn_output.weight", h + "self_attn.o_proj.weight", mat(HIDDEN, HEADS * HEAD_DIM),
-            t.get("o", Q.F32))
+        add(g + "attn_q.weight", h + "self_attn.q_proj.weight", mat(HEADS * HEAD_DIM, HIDDEN), t.get("q", Q.F32), HEADS)
+        add(
+            g + "attn_k.weight",
+            h + "self_attn.k_proj.weight",
+            mat(KV_HEADS * HEAD_DIM, HIDDEN),
+            t.get("k", Q.F32),
+            KV_HEADS,
+        )
+        add(g + "attn_v.weight", h + "self_attn.v_proj.weight", mat(KV_HEADS * HEAD_DIM, HIDDEN), t.get("v", Q.F32))
+        add(g + "attn_output.weight", h + "self_attn.o_proj.weight", mat(HIDDEN, HEADS * HEAD_DIM), t.get("o", Q.F32))
         add(g + "ffn_gate.weight", h + "mlp.gate_proj.weight", mat(FFN, HIDDEN), t.get("gate", Q.F32))
         add(g + "ffn_up.weight", h + "mlp.up_proj.weight", mat(FFN, HIDDEN), t.get("up", Q.F32))
         add(g + "ffn_down.weight", h + "mlp.down_proj.weight", mat(HIDDEN, FFN), t.get("down", Q.F32))
@@ -171,8 +178,9 @@ def write_llama_gguf(path: Path, types: dict, tied: bool = False, seed: int = 0)
     return written
 
 
-def write_small_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Q]], arch: str = "llama",
-                     skip: tuple[str, ...] = ()) -> None:
+def write_small_gguf(
+    path: Path, tensors: dict[str, tuple[np.ndarray, Q]], arch: str = "llama", skip: tuple[str, ...] = ()
+) -> None:
     """Valid Llama metadata but no tokenizer and only the tensors given (for error paths)."""
     w = gguf.GGUFWriter(str(path), arch)
     if arch == "llama":
@@ -215,6 +223,7 @@ def temp_folders(root: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- GGUF: fixtures
 
+
 @pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("aiolm_cache")
@@ -247,6 +256,7 @@ def tiny_prompts(mixed):
 
 
 # ----------------------------------------------------------------------------- GGUF: conversion
+
 
 def test_mixed_gguf_really_holds_every_tensor_type(mixed):
     path, _, _ = mixed
@@ -290,8 +300,7 @@ def test_gguf_config_tokenizer_and_chat_template(mixed):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text and max(ids) < VOCAB
     assert tok("<|im_start|>", add_special_tokens=False)["input_ids"] == [1]  # control token stays whole
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                   tokenize=False)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -301,13 +310,23 @@ def test_gguf_weights_of_every_type_dequantize_and_unpermute(mixed):
     raw = {t.name: t for t in reader.tensors}
     ours = load_file(str(src.path / "model.safetensors"))
     assert set(ours) == set(written)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight"}  # hf name -> gguf name
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "lm_head.weight": "output.weight",
+        "model.norm.weight": "output_norm.weight",
+    }  # hf name -> gguf name
     for i in range(LAYERS):
-        for g, h in [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-                     ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-                     ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                     ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")]:
+        for g, h in [
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q", "self_attn.q_proj"),
+            ("attn_k", "self_attn.k_proj"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ]:
             names[f"model.layers.{i}.{h}.weight"] = f"blk.{i}.{g}.weight"
     seen_types = set()
     for hf, (orig, qtype) in written.items():
@@ -349,8 +368,7 @@ def test_gguf_logits_match_transformers_reading_the_same_file(mixed, tiny_prompt
     from transformers import AutoModelForCausalLM
 
     path, _, src = mixed
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                               dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     expected = hf_last_logits(ref, tiny_prompts)
     model = build_model(src, torch.float32)
     assert_logits_close(our_last_logits(model, tiny_prompts), expected)
@@ -365,7 +383,6 @@ def test_gguf_logits_match_transformers_reading_the_same_file(mixed, tiny_prompt
     wrong = _built_with(src.config, still_permuted())
     diffs = [(o - e).abs().max().item() for o, e in zip(our_last_logits(wrong, tiny_prompts), expected)]
     assert max(diffs) > 1e-2
-
 
 
 def _built_with(config, weights):
@@ -387,8 +404,9 @@ def test_gguf_tied_embeddings(tied_gguf, tmp_path, monkeypatch, tiny_prompts):
         assert "lm_head.weight" not in set(st.keys())
     model = build_model(src)
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
-    ref = AutoModelForCausalLM.from_pretrained(str(tied_gguf.parent), gguf_file=tied_gguf.name,
-                                               dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tied_gguf.parent), gguf_file=tied_gguf.name, dtype=torch.float32
+    ).eval()
     assert_logits_close(our_last_logits(model, tiny_prompts), hf_last_logits(ref, tiny_prompts))
 
 
@@ -398,8 +416,10 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, monkeypatch):
     block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
     raw = np.random.default_rng(0).integers(0, 256, size=(HIDDEN, HIDDEN // block * size), dtype=np.uint8)
     path = tmp_path / "iq.gguf"
-    write_small_gguf(path, {"token_embd.weight": (np.ones((VOCAB, HIDDEN), np.float32), Q.F32),
-                            "blk.0.attn_q.weight": (raw, Q.IQ4_NL)})
+    write_small_gguf(
+        path,
+        {"token_embd.weight": (np.ones((VOCAB, HIDDEN), np.float32), Q.F32), "blk.0.attn_q.weight": (raw, Q.IQ4_NL)},
+    )
     with pytest.raises(ModelLoadError) as e:
         resolve_model(path)
     msg = str(e.value)
@@ -436,15 +456,27 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- GGUF: cache
 
+
 def test_first_conversion_is_said_where_nobody_set_up_logging(tied_gguf, tmp_path):
     """A script calling LLM() (or `aiolm generate`, at warnings only) sees the one-time
     conversion's progress on stderr; the second start converts nothing and says nothing.
     The conversion runs in a child process: the caller (an engine process) imports no torch."""
-    code = ("import sys; from aiolm.checkpoint.source import resolve_model; resolve_model(sys.argv[1]); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from aiolm.checkpoint.source import resolve_model; resolve_model(sys.argv[1]); "
+        "print('torch' in sys.modules)"
+    )
     env = dict(os.environ, AIOLM_CACHE_DIR=str(tmp_path / "cache"))
-    runs = [subprocess.run([sys.executable, "-c", code, str(tied_gguf)], env=env, capture_output=True, text=True,
-                           timeout=300, cwd=Path(__file__).resolve().parents[2]) for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code, str(tied_gguf)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        for _ in range(2)
+    ]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
     assert "aiolm: converting " in runs[0].stderr and "(once)" in runs[0].stderr
     assert ": tensor 1 of " in runs[0].stderr
@@ -465,8 +497,13 @@ def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch, 
     assert first.path.parent == cache and first.path.name.startswith("gguf-")
     assert first.name == "model"  # the served name still comes from the file the user named
     stamps = {f.name: f.stat().st_mtime_ns for f in first.path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
-            "chat_template.jinja"} <= set(stamps)
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    } <= set(stamps)
 
     t0 = time.perf_counter()
     second = resolve_model(path)
@@ -532,11 +569,20 @@ def racer(request, tied_gguf, tmp_path_factory):
     base = tmp_path_factory.mktemp("race")
     (base / "barrier").mkdir()
     (base / "racer.py").write_text(_RACER)
-    env = dict(os.environ, AIOLM_CACHE_DIR=str(base / "cache"), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        AIOLM_CACHE_DIR=str(base / "cache"),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     with open(base / "out.txt", "w") as out, open(base / "err.txt", "w") as err:
-        child = subprocess.Popen([sys.executable, str(base / "racer.py"), str(tied_gguf), str(base / "barrier")],
-                                 env=env, cwd=str(ROOT), stdout=out, stderr=err)
+        child = subprocess.Popen(
+            [sys.executable, str(base / "racer.py"), str(tied_gguf), str(base / "barrier")],
+            env=env,
+            cwd=str(ROOT),
+            stdout=out,
+            stderr=err,
+        )
     yield child, base
     if child.poll() is None:
         child.kill()
@@ -570,17 +616,33 @@ def test_two_processes_converting_at_once(racer, tied_gguf, monkeypatch):
 
 # ----------------------------------------------------------------------------- Hugging Face folders
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 20000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 20000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def make_hf_model(vocab: int, tied: bool, rope: dict | None = None, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
-                      rope_parameters=rope or {"rope_type": "default", "rope_theta": 20000.0})
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 20000.0},
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # bigger than the init's 0.02 so logits are far from zero
@@ -662,8 +724,14 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
 
 
 def test_hf_rope_config_spellings():
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
-                num_hidden_layers=1, num_attention_heads=2)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
     assert read_config(base).rope_theta == 10000.0
     assert read_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
     new = read_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7e5}})
@@ -727,6 +795,7 @@ def test_generation_config_eos_ids_are_merged(tiny_hf_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 def test_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="no such file or directory") as e:
@@ -853,8 +922,11 @@ def test_bfloat16_on_a_cpu_without_bfloat16_matmuls_builds_float32_and_says_so(t
     assert torch.equal(model.layers[0].mlp(x), exact.layers[0].mlp(x))
 
 
-@pytest.mark.skipif(not bfloat16_matmuls(), reason="this CPU has no bfloat16 matmuls (AVX2 only: no AVX-512 "
-                                                    "BW/VL/DQ, no AVX-NE-CONVERT); the model runs in float32 there")
+@pytest.mark.skipif(
+    not bfloat16_matmuls(),
+    reason="this CPU has no bfloat16 matmuls (AVX2 only: no AVX-512 "
+    "BW/VL/DQ, no AVX-NE-CONVERT); the model runs in float32 there",
+)
 def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_rest_float32(tiny_hf_dir):
     exact = build_model(resolve_model(tiny_hf_dir), torch.float32)
     model = build_model(resolve_model(tiny_hf_dir), torch.bfloat16)
@@ -884,6 +956,7 @@ def test_build_model_in_bfloat16_on_cpu_multiplies_in_bfloat16_and_keeps_the_res
 
 # ----------------------------------------------------------------------------- RoPE row order
 
+
 @pytest.mark.parametrize("rows,heads,rest", [(64, 4, (64,)), (32, 2, (64,)), (48, 3, ()), (8, 1, (5, 3))])
 def test_unpermute_is_exact_inverse_of_llama_cpp_permute(rows, heads, rest):
     w = np.random.default_rng(rows).standard_normal((rows, *rest)).astype(np.float32)
@@ -900,6 +973,7 @@ def test_unpermute_row_order():
 
 
 # ----------------------------------------------------------------------------- the embedded model
+
 
 def test_embedded_model_resolves(real_source):
     path = embedded_model_path()
@@ -919,9 +993,11 @@ def test_embedded_tokenizer_loads_without_torch_as_autotokenizer_does(real_sourc
     process loads it) and tokenizes and renders chats exactly as AutoTokenizer's pick."""
     from transformers import AutoTokenizer
 
-    probe = ("import sys, json\nfrom aiolm.checkpoint.source import resolve_model\n"
-             "tok = resolve_model(None).load_tokenizer()\n"
-             "print(json.dumps([type(tok).__name__, 'torch' in sys.modules]))")
+    probe = (
+        "import sys, json\nfrom aiolm.checkpoint.source import resolve_model\n"
+        "tok = resolve_model(None).load_tokenizer()\n"
+        "print(json.dumps([type(tok).__name__, 'torch' in sys.modules]))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
     assert json.loads(out.stdout.strip().splitlines()[-1])[1] is False
     ours, auto = real_source.load_tokenizer(), AutoTokenizer.from_pretrained(str(real_source.path))
@@ -931,6 +1007,11 @@ def test_embedded_tokenizer_loads_without_torch_as_autotokenizer_does(real_sourc
         assert ours(t)["input_ids"] == auto(t)["input_ids"]
         assert ours.decode(ours(t)["input_ids"]) == auto.decode(auto(t)["input_ids"])
     chat = [{"role": "user", "content": "What is 2+2?"}]
-    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert (ours.eos_token, ours.bos_token, ours.all_special_ids) == (auto.eos_token, auto.bos_token, auto.all_special_ids)
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    assert (ours.eos_token, ours.bos_token, ours.all_special_ids) == (
+        auto.eos_token,
+        auto.bos_token,
+        auto.all_special_ids,
+    )

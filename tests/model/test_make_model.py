@@ -67,9 +67,14 @@ def test_manifest_and_shape(made):
     assert manifest["files"] == {"f32": "hf-float32", "bf16": "hf-bfloat16", "q4_0": "model-Q4_0.gguf"}
     src = resolve_model(out / "hf-float32")
     tiny = SCALES["tiny"]
-    assert (src.config.hidden_size, src.config.num_layers, src.config.num_heads, src.config.num_kv_heads,
-            src.config.head_dim, src.config.vocab_size) == (tiny.hidden, tiny.layers, tiny.heads, tiny.kv_heads,
-                                                           64, 49152)
+    assert (
+        src.config.hidden_size,
+        src.config.num_layers,
+        src.config.num_heads,
+        src.config.num_kv_heads,
+        src.config.head_dim,
+        src.config.vocab_size,
+    ) == (tiny.hidden, tiny.layers, tiny.heads, tiny.kv_heads, 64, 49152)
     assert not src.config.tie_word_embeddings
     w = weights(out / "hf-float32")
     assert sum(t.numel() for t in w.values()) == manifest["parameters"]
@@ -130,9 +135,11 @@ def test_engine_generates_from_the_gguf(made, prompt):
     expected, _ = aiolm_greedy(gguf_path, prompt)
     llm = LLM(str(gguf_path), dtype="float32", max_model_len=256)  # the fixture's cache: converted already
     try:
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1),
+            use_tqdm=False,
+        )[0].outputs[0]
     finally:
         llm.close()
     assert list(out.token_ids) == expected

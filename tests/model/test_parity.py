@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 
-from paged import hf_greedy
-from paged import PagedHarness
+from paged import PagedHarness, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -21,9 +20,13 @@ PROMPTS = [
 
 def _prompt_ids(tokenizer) -> list[list[int]]:
     chat = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "You are concise."},
-         {"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False)
+        [
+            {"role": "system", "content": "You are concise."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS + [chat]]
 
 
@@ -86,9 +89,17 @@ def _tiny_hf_model(kind: str, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
     else:
@@ -119,8 +130,10 @@ def test_tiny_random_qwen_matches_transformers(kind, tmp_path, tokenizer):
     assert src.config.qk_norm == (kind == "qwen3")
     assert src.config.attention_bias == (kind == "qwen2")
     ours = build_model(src, torch.float32)
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"]
-               for t in ("Hello there, general", "a b c d e f g h i j k l m n o p q r s", "Ünïcödé 🍎")]
+    prompts = [
+        tokenizer(t, add_special_tokens=False)["input_ids"]
+        for t in ("Hello there, general", "a b c d e f g h i j k l m n o p q r s", "Ünïcödé 🍎")
+    ]
     expected = [hf_greedy(hf, p, 12) for p in prompts]
     assert PagedHarness(ours, block_size=4).greedy(prompts, 12) == expected
     assert PagedHarness(ours, block_size=4).greedy(prompts, 12, split=3) == expected

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged import PagedHarness
 from torch import nn
 
 from aiolm.model.loader import resolve_model
@@ -20,6 +19,7 @@ from aiolm.quant import (
     QuantConfig,
     quant_config,
 )
+from paged import PagedHarness
 
 PROMPTS = [[5, 17, 300, 42, 8, 99, 123], list(range(60, 100))]
 

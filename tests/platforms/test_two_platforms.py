@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged import PagedHarness, hf_greedy
 
 from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.attention.torch_backend import TorchAttention
@@ -18,6 +17,7 @@ from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.quant.base import LinearMethod
 from aiolm.quant.cpu_packed import CpuPackedMethod
+from paged import PagedHarness, hf_greedy
 
 NEW_TOKENS = 12
 PROMPTS = [[5, 17, 300, 42, 8, 99, 123], [400, 3, 3, 250, 77], list(range(60, 100))]
@@ -66,8 +66,9 @@ def test_cpu_and_reference_models_in_one_process_each_match_transformers(tiny_ll
 def test_real_model_on_both_platforms_matches_transformers(real_source, real_model, hf_reference, tokenizer):
     """The embedded SmolLM2 GGUF: the CPU platform's model decodes from the file's blocks,
     the reference platform's from dense float32 weights; both give transformers' tokens."""
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("The capital of France is", chat)]
     expected = [hf_greedy(hf_reference, p, 16) for p in prompts]
     reference = build_model(real_source, torch.float32, platform=get_platform("torch"))

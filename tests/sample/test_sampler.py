@@ -41,12 +41,17 @@ def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
 
 # --- greedy -----------------------------------------------------------------------------
 
+
 def test_greedy_rows_in_mixed_batch_are_exact_argmax():
     torch.manual_seed(1)
     n, vocab = 64, 1000
     logits = torch.randn(n, vocab, dtype=torch.bfloat16) * 4
-    params = [SamplingParams(temperature=0.0) if i % 3 == 0 else
-              SamplingParams(temperature=1.3, top_p=0.8, top_k=20, min_p=0.05) for i in range(n)]
+    params = [
+        SamplingParams(temperature=0.0)
+        if i % 3 == 0
+        else SamplingParams(temperature=1.3, top_p=0.8, top_k=20, min_p=0.05)
+        for i in range(n)
+    ]
     out = sampler(logits, meta(params, vocab=vocab)).sampled
     greedy = torch.tensor([i % 3 == 0 for i in range(n)])
     assert out.dtype == torch.long
@@ -72,6 +77,7 @@ def test_top_k_one_equals_greedy():
 
 
 # --- distributions ----------------------------------------------------------------------
+
 
 def test_temperature_sampling_matches_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
@@ -109,11 +115,14 @@ def test_top_p_never_returns_tokens_outside_nucleus():
     assert abs(frac0 - 0.25 / 0.34) < 0.03
 
 
-@pytest.mark.parametrize("vocab,slope,top_p,lo,hi", [
-    (1200, 0.001, 0.6, 256, 1200),  # wider than 256 candidates: full sort
-    (8000, 0.0005, 0.6, 256, 4096),  # fits the second, 4096-candidate pass
-    (8000, 0.0001, 0.7, 4096, 8000),  # wider than both: full sort
-])
+@pytest.mark.parametrize(
+    "vocab,slope,top_p,lo,hi",
+    [
+        (1200, 0.001, 0.6, 256, 1200),  # wider than 256 candidates: full sort
+        (8000, 0.0005, 0.6, 256, 4096),  # fits the second, 4096-candidate pass
+        (8000, 0.0001, 0.7, 4096, 8000),  # wider than both: full sort
+    ],
+)
 def test_wide_top_p_nucleus_stays_exact(vocab, slope, top_p, lo, hi):
     flat = -slope * torch.arange(vocab, dtype=torch.float32)  # strictly decreasing
     p = torch.softmax(flat.double(), -1)
@@ -126,8 +135,7 @@ def test_wide_top_p_nucleus_stays_exact(vocab, slope, top_p, lo, hi):
     # plain rows without top-p/top-k and top-k rows.
     n = 2000
     logits = torch.stack([flat if i % 4 == 0 else peaked for i in range(n)])
-    kinds = [SamplingParams(top_p=top_p), SamplingParams(top_p=0.75), SamplingParams(),
-             SamplingParams(top_k=2)]
+    kinds = [SamplingParams(top_p=top_p), SamplingParams(top_p=0.75), SamplingParams(), SamplingParams(top_k=2)]
     params = [kinds[i % 4] for i in range(n)]
     out = sampler(logits, meta(params, vocab=vocab, default_seed=14)).sampled
     flat_s, peaked_s, plain_s, top2_s = out[0::4], out[1::4], out[2::4], out[3::4]
@@ -188,12 +196,16 @@ PLAIN = SamplingParams(temperature=1.1, repetition_penalty=1.3, seed=7)
 NUCLEUS = SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01, seed=7)
 
 
-def _run_seeded(layout: list[str], target_logits: list[torch.Tensor], noise_seed: int,
-                target: SamplingParams = FILTERED) -> list[int]:
+def _run_seeded(
+    layout: list[str], target_logits: list[torch.Tensor], noise_seed: int, target: SamplingParams = FILTERED
+) -> list[int]:
     """Run steps with the seeded target row at layout.index('T'); return its tokens."""
     vocab = target_logits[0].numel()
-    others = {"g": SamplingParams(temperature=0.0), "u": SamplingParams(temperature=1.0),
-              "s": SamplingParams(temperature=1.2, top_p=0.5, seed=99)}
+    others = {
+        "g": SamplingParams(temperature=0.0),
+        "u": SamplingParams(temperature=1.0),
+        "s": SamplingParams(temperature=1.2, top_p=0.5, seed=99),
+    }
     params = [target if c == "T" else others[c] for c in layout]
     gens = [make_generator(p.seed) if p.seed is not None else None for p in params]
     m = meta(params, vocab=vocab, generators=gens, default_seed=noise_seed)
@@ -238,6 +250,7 @@ def test_skip_rng_rows_leave_the_generator_untouched():
 
 # --- logit processors -------------------------------------------------------------------
 
+
 def greedy_pick(logits, outputs=None, prompts=None, **kw) -> int:
     p = SamplingParams(temperature=0.0, **kw)
     m = meta([p], outputs=[outputs or []], prompts=[prompts or []], vocab=logits.numel())
@@ -274,8 +287,11 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
 
 def test_advance_matches_rebuild_and_penalty_rows_do_not_leak():
     logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]] * 3)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=0.3),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0),
+    ]
     m = meta(params, vocab=4)
     assert sampler(logits, m).sampled.tolist() == [0, 0, 0]
     m.advance([[0], [0], []])
@@ -288,8 +304,10 @@ def test_advance_matches_rebuild_and_penalty_rows_do_not_leak():
 
 def test_penalties_count_repeats_within_one_step_and_keep_rows_apart():
     logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]] * 2)
-    params = [SamplingParams(temperature=0.0, frequency_penalty=0.3),
-              SamplingParams(temperature=0.0, repetition_penalty=1.5)]
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    ]
     m = meta(params, prompts=[[], [3]], vocab=4)
     m.advance([[0, 0, 99], [2]])  # two tokens in one step (e.g. speculative); 99 is ignored
     assert sampler(logits, m).sampled.tolist() == [1, 0]  # 3.0 - 0.6 = 2.4; row 1 untouched at 0
@@ -320,12 +338,15 @@ def test_penalty_tables_match_dense_reference_through_advances():
         return torch.randint(0, hi, (size,), generator=gen).tolist()
 
     params = []
-    for i in range(n):
+    for _ in range(n):
         pick = ints(4, 3)
-        params.append(SamplingParams(
-            repetition_penalty=[1.0, 1.3, 0.7, 2.0][pick[0]],
-            frequency_penalty=[0.0, 0.5, -0.4, 1.5][pick[1]],
-            presence_penalty=[0.0, 0.25, -1.0, 2.0][pick[2]]))
+        params.append(
+            SamplingParams(
+                repetition_penalty=[1.0, 1.3, 0.7, 2.0][pick[0]],
+                frequency_penalty=[0.0, 0.5, -0.4, 1.5][pick[1]],
+                presence_penalty=[0.0, 0.25, -1.0, 2.0][pick[2]],
+            )
+        )
     params[0] = SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
     prompts = [ints(vocab, int(ints(25, 1)[0])) for _ in range(n)]
     outputs = [ints(vocab, int(ints(8, 1)[0])) for _ in range(n)]
@@ -379,6 +400,7 @@ def test_min_tokens_blocks_stop_ids_until_reached():
 
 
 # --- logprobs ---------------------------------------------------------------------------
+
 
 def test_logprobs_are_raw_with_sampled_first_and_correct_ranks():
     torch.manual_seed(19)
@@ -435,12 +457,14 @@ def test_realistic_batch_smoke():
     params = []
     for i in range(n):
         kind = i % 4
-        params.append([
-            SamplingParams(temperature=0.0),
-            SamplingParams(temperature=0.8, top_p=0.9, seed=i),
-            SamplingParams(temperature=1.0, top_k=50, frequency_penalty=0.5, logprobs=5),
-            SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.1),
-        ][kind])
+        params.append(
+            [
+                SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.8, top_p=0.9, seed=i),
+                SamplingParams(temperature=1.0, top_k=50, frequency_penalty=0.5, logprobs=5),
+                SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.1),
+            ][kind]
+        )
     gens = [make_generator(p.seed) if p.seed is not None else None for p in params]
     outputs = [[int(t) for t in torch.randint(0, vocab, (20,))] for _ in range(n)]
     m = meta(params, outputs=outputs, prompts=outputs, vocab=vocab, generators=gens)

@@ -20,14 +20,17 @@ def test_capture_sizes_default():
     assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
 
 
-@pytest.mark.parametrize("max_num_seqs,max_size,want", [
-    (256, 256, [1, 2, 4, 8] + list(range(16, 257, 8))),
-    (10, 256, [1, 2, 4, 8, 10]),  # the limit itself is captured, so every decode batch has a graph
-    (64, 20, [1, 2, 4, 8, 16, 20]),
-    (1, 256, [1]),
-    (3, 256, [1, 2, 3]),
-    (8, 256, [1, 2, 4, 8]),
-])
+@pytest.mark.parametrize(
+    "max_num_seqs,max_size,want",
+    [
+        (256, 256, [1, 2, 4, 8] + list(range(16, 257, 8))),
+        (10, 256, [1, 2, 4, 8, 10]),  # the limit itself is captured, so every decode batch has a graph
+        (64, 20, [1, 2, 4, 8, 16, 20]),
+        (1, 256, [1]),
+        (3, 256, [1, 2, 3]),
+        (8, 256, [1, 2, 4, 8]),
+    ],
+)
 def test_capture_sizes_limits(max_num_seqs, max_size, want):
     assert capture_sizes(max_num_seqs, max_size) == want
 
@@ -39,8 +42,19 @@ def test_capture_sizes_rejects_zero():
 
 def test_padded_size_is_the_smallest_that_fits():
     sizes = capture_sizes(256)
-    assert [padded_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 255, 256)] == \
-        [1, 2, 4, 4, 8, 8, 16, 16, 24, 256, 256]
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 255, 256)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        24,
+        256,
+        256,
+    ]
     assert padded_size(257, sizes) is None
 
 

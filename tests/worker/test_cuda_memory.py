@@ -46,9 +46,16 @@ def runner(real_model):
     """What kv_cache_bytes reads of a ModelRunner; the model runs on the CPU."""
     mc = real_model.config
     cfg = RunnerConfig(max_num_batched_tokens=32, max_model_len=64, max_num_seqs=4, gpu_memory_utilization=0.5)
-    return SimpleNamespace(cfg=cfg, device=torch.device("cpu"), model=real_model, num_layers=mc.num_layers,
-                           num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_dtype=torch.float32,
-                           uses_cuda_graphs=lambda: True)
+    return SimpleNamespace(
+        cfg=cfg,
+        device=torch.device("cpu"),
+        model=real_model,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        kv_dtype=torch.float32,
+        uses_cuda_graphs=lambda: True,
+    )
 
 
 def _scratch(runner) -> int:
@@ -69,9 +76,13 @@ def test_kv_cache_gets_what_is_left_of_the_fraction(monkeypatch, runner, caplog)
     w = 10 * GiB
     # 5 GiB in use by others when the rank took its GPU; later 2 GiB more outside torch
     # (context, libraries): total - free - reserved = 5 + 2
-    gpu = ScriptedGpu(total=80 * GiB, allocated=[w, w + s],
-                      peaks=[w + s + 3 * GiB, w + s + GiB // 2, w + s + GiB],
-                      free=[75 * GiB, 80 * GiB - 20 * GiB - 7 * GiB, 50 * GiB], reserved=20 * GiB)
+    gpu = ScriptedGpu(
+        total=80 * GiB,
+        allocated=[w, w + s],
+        peaks=[w + s + 3 * GiB, w + s + GiB // 2, w + s + GiB],
+        free=[75 * GiB, 80 * GiB - 20 * GiB - 7 * GiB, 50 * GiB],
+        reserved=20 * GiB,
+    )
     platform = _platform(monkeypatch, gpu)
     assert platform.worker_device("cuda", 0) == torch.device("cuda", 0)
     platform.worker_device("cuda", 0)  # a second call (ModelRunner's) keeps the first measurement
@@ -88,8 +99,13 @@ def test_without_graphs_and_without_a_baseline(monkeypatch, runner):
     in use outside torch, other processes' included."""
     s = _scratch(runner)
     w = 10 * GiB
-    gpu = ScriptedGpu(total=80 * GiB, allocated=[w, w + s], peaks=[w + s + 3 * GiB, w + s, w + s + GiB],
-                      free=[80 * GiB - 20 * GiB - 7 * GiB, 50 * GiB], reserved=20 * GiB)
+    gpu = ScriptedGpu(
+        total=80 * GiB,
+        allocated=[w, w + s],
+        peaks=[w + s + 3 * GiB, w + s, w + s + GiB],
+        free=[80 * GiB - 20 * GiB - 7 * GiB, 50 * GiB],
+        reserved=20 * GiB,
+    )
     platform = _platform(monkeypatch, gpu)
     runner.uses_cuda_graphs = lambda: False
     assert KVCacheSizer(platform).kv_cache_bytes(runner) == 40 * GiB - 13 * GiB - 7 * GiB
@@ -108,8 +124,9 @@ def test_weights_larger_than_the_fraction(monkeypatch, runner):
 def test_no_room_left_for_the_kv_cache(monkeypatch, runner):
     s = _scratch(runner)
     w = 30 * GiB
-    gpu = ScriptedGpu(total=80 * GiB, allocated=[w, w + s], peaks=[w + s + 12 * GiB, w + s, w + s],
-                      free=[38 * GiB], reserved=42 * GiB)
+    gpu = ScriptedGpu(
+        total=80 * GiB, allocated=[w, w + s], peaks=[w + s + 12 * GiB, w + s, w + s], free=[38 * GiB], reserved=42 * GiB
+    )
     platform = _platform(monkeypatch, gpu)
     with pytest.raises(ValueError) as e:
         KVCacheSizer(platform).kv_cache_bytes(runner)
@@ -121,8 +138,13 @@ def test_no_room_left_for_the_kv_cache(monkeypatch, runner):
 def test_other_processes_leave_too_little_free(monkeypatch, runner):
     s = _scratch(runner)
     w = 10 * GiB
-    gpu = ScriptedGpu(total=80 * GiB, allocated=[w, w + s], peaks=[w + s + GiB, w + s, w + s],
-                      free=[20 * GiB, 80 * GiB - 50 * GiB - 10 * GiB, 10 * GiB], reserved=10 * GiB)
+    gpu = ScriptedGpu(
+        total=80 * GiB,
+        allocated=[w, w + s],
+        peaks=[w + s + GiB, w + s, w + s],
+        free=[20 * GiB, 80 * GiB - 50 * GiB - 10 * GiB, 10 * GiB],
+        reserved=10 * GiB,
+    )
     platform = _platform(monkeypatch, gpu)
     platform.worker_device("cuda", 0)  # 60 GiB held by another process
     with pytest.raises(ValueError) as e:

@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from aiolm.core.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
+from aiolm.core.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from aiolm.params import SamplingParams
 from aiolm.worker.input_batch import InputBatch
 
@@ -28,17 +28,22 @@ def _sp(**kw) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def _new(rid: str, prompt: list[int], blocks: list[int], computed: int = 0,
-         output: list[int] | None = None, **sp) -> NewRequestData:
+def _new(
+    rid: str, prompt: list[int], blocks: list[int], computed: int = 0, output: list[int] | None = None, **sp
+) -> NewRequestData:
     return NewRequestData(rid, list(prompt), list(output or []), _sp(**sp), list(blocks), computed)
 
 
 def _so(new=(), cached=None, sched=None, finished=()) -> SchedulerOutput:
     sched = dict(sched or {})
-    return SchedulerOutput(step=0, scheduled_new_reqs=list(new),
-                           scheduled_cached_reqs=cached or CachedRequestData(),
-                           num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()),
-                           finished_req_ids=set(finished))
+    return SchedulerOutput(
+        step=0,
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or CachedRequestData(),
+        num_scheduled_tokens=sched,
+        total_num_scheduled_tokens=sum(sched.values()),
+        finished_req_ids=set(finished),
+    )
 
 
 def _check_compact(b: InputBatch) -> None:
@@ -55,12 +60,12 @@ def _check_compact(b: InputBatch) -> None:
 
 def _row_tokens(b: InputBatch, rid: str) -> list[int]:
     row = b.row_of[rid]
-    return b.token_ids[row, :b.num_tokens[row]].tolist()
+    return b.token_ids[row, : b.num_tokens[row]].tolist()
 
 
 def _row_blocks(b: InputBatch, rid: str) -> list[int]:
     row = b.row_of[rid]
-    return b.block_table[row, :b.num_blocks[row]].tolist()
+    return b.block_table[row, : b.num_blocks[row]].tolist()
 
 
 # -- hand-built diffs ----------------------------------------------------------------
@@ -70,15 +75,20 @@ def test_add_remove_condense_keeps_rows_compact_and_data_with_its_row():
     b = InputBatch(max_num_reqs=8, max_model_len=64, block_size=BS)
     prompts = {f"r{i}": list(range(100 * i + 1, 100 * i + 3 + i)) for i in range(6)}
     blocks = {f"r{i}": [10 * i + 1, 10 * i + 2] for i in range(6)}
-    b.update(_so(new=[_new(r, p, blocks[r]) for r, p in prompts.items()],
-                 sched={r: len(p) for r, p in prompts.items()}))
+    b.update(
+        _so(new=[_new(r, p, blocks[r]) for r, p in prompts.items()], sched={r: len(p) for r, p in prompts.items()})
+    )
     _check_compact(b)
     assert [b.req_ids[i] for i in range(6)] == list(prompts)  # added in order
 
     # Drop a middle row, the first row and the last row in one step; one request decodes.
-    b.update(_so(finished={"r0", "r2", "r5"},
-                 cached=CachedRequestData(["r3"], [[7]], [[99]], [len(prompts["r3"])]),
-                 sched={"r3": 1}))
+    b.update(
+        _so(
+            finished={"r0", "r2", "r5"},
+            cached=CachedRequestData(["r3"], [[7]], [[99]], [len(prompts["r3"])]),
+            sched={"r3": 1},
+        )
+    )
     _check_compact(b)
     assert set(b.row_of) == {"r1", "r3", "r4"}
     for rid in ("r1", "r4"):
@@ -115,12 +125,9 @@ def test_persistent_batch_full_raises():
 def test_resumed_request_replaces_its_row(told_finished):
     """After preemption a request comes back as new, with its outputs and fresh blocks."""
     b = InputBatch(max_num_reqs=4, max_model_len=64, block_size=BS)
-    b.update(_so(new=[_new("a", [1, 2, 3, 4, 5], [3, 4]), _new("b", [9, 9], [5])],
-                 sched={"a": 5, "b": 2}))
-    b.update(_so(cached=CachedRequestData(["a", "b"], [[6], [8]], [[], []], [5, 2]),
-                 sched={"a": 1, "b": 1}))
-    b.update(_so(cached=CachedRequestData(["a", "b"], [[7], [8]], [[11], []], [6, 3]),
-                 sched={"a": 1, "b": 1}))
+    b.update(_so(new=[_new("a", [1, 2, 3, 4, 5], [3, 4]), _new("b", [9, 9], [5])], sched={"a": 5, "b": 2}))
+    b.update(_so(cached=CachedRequestData(["a", "b"], [[6], [8]], [[], []], [5, 2]), sched={"a": 1, "b": 1}))
+    b.update(_so(cached=CachedRequestData(["a", "b"], [[7], [8]], [[11], []], [6, 3]), sched={"a": 1, "b": 1}))
     assert _row_tokens(b, "a") == [1, 2, 3, 4, 5, 6, 7]
     assert _row_blocks(b, "a") == [3, 4, 11]
     # "a" was preempted (its blocks freed), now resumed: prompt + 3 outputs, a
@@ -146,8 +153,9 @@ def test_resumed_request_replaces_its_row(told_finished):
 # -- prepare() against plain Python --------------------------------------------------
 
 
-def _reference_inputs(reqs: dict[str, tuple[list[int], list[int], int]], sched: dict[str, int],
-                      order: list[str], bs: int):
+def _reference_inputs(
+    reqs: dict[str, tuple[list[int], list[int], int]], sched: dict[str, int], order: list[str], bs: int
+):
     """Plain lists: rid -> (all tokens, block ids, computed); in ``order``."""
     ids, pos, slots, qsl, seq_lens, sample = [], [], [], [0], [], []
     for rid in order:
@@ -167,8 +175,9 @@ def _check_prepare(b: InputBatch, so: SchedulerOutput, reqs) -> None:
     step = b.prepare(so, CPU)
     assert sorted(step.req_ids) == sorted(so.num_scheduled_tokens)
     assert [b.row_of[r] for r in step.req_ids] == step.rows.tolist()
-    ids, pos, slots, qsl, seq_lens, sample = _reference_inputs(reqs, so.num_scheduled_tokens,
-                                                               step.req_ids, b.block_size)
+    ids, pos, slots, qsl, seq_lens, sample = _reference_inputs(
+        reqs, so.num_scheduled_tokens, step.req_ids, b.block_size
+    )
     assert step.input_ids.tolist() == ids
     assert step.positions.tolist() == pos
     assert step.slot_mapping.tolist() == slots
@@ -194,28 +203,34 @@ def test_prepare_mixed_chunked_prefill_and_decode_matches_plain_python():
     p_dec = [rng.randrange(1, 1000) for _ in range(6)]
     p_hit = p_long[:8] + [rng.randrange(1, 1000) for _ in range(5)]  # 2 blocks from the cache
     # Step 1: "dec" prefills fully, "long" prefills a first chunk.
-    b.update(_so(new=[_new("dec", p_dec, [7, 8]), _new("long", p_long, [1, 2, 3])],
-                 sched={"dec": 6, "long": 10}))
+    b.update(_so(new=[_new("dec", p_dec, [7, 8]), _new("long", p_long, [1, 2, 3])], sched={"dec": 6, "long": 10}))
     reqs = {"dec": (p_dec, [7, 8], 0), "long": (p_long, [1, 2, 3], 0)}
     _check_prepare(b, _so(sched={"dec": 6, "long": 10}), reqs)
     # Step 2: a mixed batch. "dec" decodes its sampled token 50, "long" takes a
     # middle chunk (not the last: no sample), "mid" arrives and prefills completely
     # in one go, "hit" arrives with 8 tokens cached and computes the rest.
-    so = _so(new=[_new("mid", p_mid, [9, 10, 11]), _new("hit", p_hit, [1, 2, 12, 13], computed=8)],
-             cached=CachedRequestData(["dec", "long"], [[50], []], [[], [4, 5]], [6, 10]),
-             sched={"dec": 1, "long": 9, "mid": 9, "hit": 5})
+    so = _so(
+        new=[_new("mid", p_mid, [9, 10, 11]), _new("hit", p_hit, [1, 2, 12, 13], computed=8)],
+        cached=CachedRequestData(["dec", "long"], [[50], []], [[], [4, 5]], [6, 10]),
+        sched={"dec": 1, "long": 9, "mid": 9, "hit": 5},
+    )
     b.update(so)
-    reqs = {"dec": (p_dec + [50], [7, 8], 6), "long": (p_long, [1, 2, 3, 4, 5], 10),
-            "mid": (p_mid, [9, 10, 11], 0), "hit": (p_hit, [1, 2, 12, 13], 8)}
+    reqs = {
+        "dec": (p_dec + [50], [7, 8], 6),
+        "long": (p_long, [1, 2, 3, 4, 5], 10),
+        "mid": (p_mid, [9, 10, 11], 0),
+        "hit": (p_hit, [1, 2, 12, 13], 8),
+    }
     _check_prepare(b, so, reqs)
     step = b.prepare(so, CPU)
-    assert dict(zip(step.req_ids, step.sample_mask)) == {"dec": True, "long": False, "mid": True,
-                                                         "hit": True}
+    assert dict(zip(step.req_ids, step.sample_mask)) == {"dec": True, "long": False, "mid": True, "hit": True}
     # Step 3: "mid" finished and left a hole; "long" finishes its prefill; a request
     # that is held but not scheduled this step ("hit") is simply absent.
-    so = _so(finished={"mid"},
-             cached=CachedRequestData(["dec", "long"], [[51], []], [[], [6]], [7, 19]),
-             sched={"dec": 1, "long": 4})
+    so = _so(
+        finished={"mid"},
+        cached=CachedRequestData(["dec", "long"], [[51], []], [[], [6]], [7, 19]),
+        sched={"dec": 1, "long": 4},
+    )
     b.update(so)
     _check_compact(b)
     reqs = {"dec": (p_dec + [50, 51], [7, 8], 7), "long": (p_long, [1, 2, 3, 4, 5, 6], 19)}
@@ -239,7 +254,7 @@ def _check_against_scheduler(b: InputBatch, sched: Scheduler, so: SchedulerOutpu
         n = so.num_scheduled_tokens.get(rid)
         if n is None:
             # Held but skipped this step: it may not have heard of its last token yet.
-            assert toks == req.all_token_ids[:len(toks)]
+            assert toks == req.all_token_ids[: len(toks)]
             assert len(toks) >= req.num_tokens - 1
         else:
             assert toks == req.all_token_ids, rid
@@ -249,9 +264,15 @@ def _check_against_scheduler(b: InputBatch, sched: Scheduler, so: SchedulerOutpu
 def _run_random(seed: int, steps: int = 160) -> dict[str, int]:
     rng = random.Random(seed)
     bs = BS
-    cfg = SchedulerConfig(num_blocks=rng.choice([14, 20, 40]), block_size=bs, max_num_seqs=6,
-                          max_num_batched_tokens=rng.choice([16, 32]), max_model_len=48,
-                          long_prefill_token_threshold=rng.choice([0, 8]), hash_seed=0)
+    cfg = SchedulerConfig(
+        num_blocks=rng.choice([14, 20, 40]),
+        block_size=bs,
+        max_num_seqs=6,
+        max_num_batched_tokens=rng.choice([16, 32]),
+        max_model_len=48,
+        long_prefill_token_threshold=rng.choice([0, 8]),
+        hash_seed=0,
+    )
     sched = Scheduler(cfg)
     b = InputBatch(max_num_reqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, block_size=bs)
     shared = [rng.randrange(1, 500) for _ in range(12)]
@@ -263,7 +284,7 @@ def _run_random(seed: int, steps: int = 160) -> dict[str, int]:
                 n = rng.randint(1, 30)
                 prompt = [rng.randrange(1, 500) for _ in range(n)]
                 if rng.random() < 0.5:
-                    prompt = shared[:rng.randint(4, 12)] + prompt[:rng.randint(1, n)]
+                    prompt = shared[: rng.randint(4, 12)] + prompt[: rng.randint(1, n)]
                 sp = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, temperature=0.0)
                 sched.add_request(Request(f"q{next_id}", prompt, sp))
                 next_id += 1
@@ -288,8 +309,7 @@ def _run_random(seed: int, steps: int = 160) -> dict[str, int]:
             for rid in step.req_ids:
                 row = b.row_of[rid]
                 reqs[rid] = (_row_tokens(b, rid), _row_blocks(b, rid), int(b.num_computed[row]))
-            ids, pos, slots, qsl, seq_lens, sample = _reference_inputs(
-                reqs, so.num_scheduled_tokens, step.req_ids, bs)
+            ids, pos, slots, qsl, seq_lens, sample = _reference_inputs(reqs, so.num_scheduled_tokens, step.req_ids, bs)
             assert step.input_ids.tolist() == ids
             assert step.positions.tolist() == pos
             assert step.slot_mapping.tolist() == slots
@@ -330,4 +350,3 @@ def test_random_scheduler_diffs_replayed_into_input_batch():
     assert totals["resumed"] > 0, totals
     assert totals["cache_hits"] > 0, totals
     assert totals["aborted"] > 0, totals
-

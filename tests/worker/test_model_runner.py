@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
+from aiolm.config import RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.params import SamplingParams
-from aiolm.config import RunnerConfig
 from paged import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -34,10 +34,12 @@ KV_BLOCKS = 11  # 10 usable (+ the null block): four ~70-token requests cannot a
 # each other make every step several times slower (measured: 2-5 s vs 0.2 s).
 THREADS = 1
 
-BASE = ("The history of the printing press begins in the fifteenth century, when Johannes "
-        "Gutenberg combined movable metal type, oil-based inks and a wooden screw press into a "
-        "practical system that could produce books quickly and cheaply. Within fifty years, "
-        "presses were running in more than two hundred cities across Europe.")
+BASE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based inks and a wooden screw press into a "
+    "practical system that could produce books quickly and cheaply. Within fifty years, "
+    "presses were running in more than two hundred cities across Europe."
+)
 TEXTS = {
     "p0": BASE + " Explain why this mattered for science.",
     "p2": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -54,9 +56,15 @@ def _per_block_bytes(source) -> int:
 
 
 def runner_config(source) -> RunnerConfig:
-    return RunnerConfig(model=None, dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-                        block_size=BLOCK, kv_cache_memory=KV_BLOCKS * _per_block_bytes(source),
-                        num_threads=THREADS)
+    return RunnerConfig(
+        model=None,
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK,
+        kv_cache_memory=KV_BLOCKS * _per_block_bytes(source),
+        num_threads=THREADS,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +87,17 @@ def expected(prompts, hf_reference) -> dict[str, list[int]]:
 
 async def drive(executor, prompts: dict[str, list[int]]) -> dict:
     """The engine core's loop, with arrivals at fixed steps and bookkeeping for the asserts."""
-    sched = Scheduler(SchedulerConfig(num_blocks=executor.num_blocks, block_size=BLOCK, max_num_seqs=8,
-                                      max_num_batched_tokens=64, long_prefill_token_threshold=32,
-                                      max_model_len=MAX_MODEL_LEN, hash_seed=0))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=executor.num_blocks,
+            block_size=BLOCK,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=32,
+            max_model_len=MAX_MODEL_LEN,
+            hash_seed=0,
+        )
+    )
     tokens: dict[str, list[int]] = {k: [] for k in prompts}
     cached: dict[str, int] = {}
     finish: dict[str, str] = {}
@@ -96,7 +112,7 @@ async def drive(executor, prompts: dict[str, list[int]]) -> dict:
         stats["preempted"] += sum(1 for rid in so.finished_req_ids if rid in sched.requests)
         stats["resumed_with_outputs"] += sum(1 for nr in so.scheduled_new_reqs if nr.output_token_ids)
         mro = await executor.execute(so)
-        for rid, toks in zip(mro.req_ids, mro.sampled_token_ids):
+        for toks in mro.sampled_token_ids:
             if not toks:
                 stats["partial_prefills"] += 1
         for out in sched.update_from_output(so, mro):
@@ -110,8 +126,7 @@ async def drive(executor, prompts: dict[str, list[int]]) -> dict:
     stats["steps"] = step
     kv = sched.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
-    return {"tokens": tokens, "cached": cached, "finish": finish, "stats": stats,
-            "prefix": sched.prefix_cache_stats}
+    return {"tokens": tokens, "cached": cached, "finish": finish, "stats": stats, "prefix": sched.prefix_cache_stats}
 
 
 def _check_run(res: dict, expected: dict[str, list[int]]) -> None:
@@ -150,7 +165,8 @@ def test_multiproc_executor_reports_kv_capacity(loop, mp_executor):
 
 
 def test_multiproc_greedy_matches_transformers_with_chunking_prefix_hits_and_preemption(
-        loop, mp_executor, prompts, expected):
+    loop, mp_executor, prompts, expected
+):
     t0 = time.monotonic()
     res = loop.run_until_complete(drive(mp_executor, prompts))
     print(f"multiproc run: {res['stats']} in {time.monotonic() - t0:.1f}s")

@@ -36,27 +36,59 @@ def runner(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny_llama_spec")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=MAX_MODEL_LEN,
+            tie_word_embeddings=False,
+        )
+    )
     with torch.no_grad():  # spread-out logits: no near-ties for greedy, no near-uniform sampling
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.5)
     model.float().eval().save_pretrained(path)
     per_block = 2 * BLOCK * 1 * 16 * 2 * 4  # K and V, block, kv heads, head dim, layers, float32
-    cfg = RunnerConfig(model=str(path), dtype="float32", max_num_seqs=256, max_model_len=MAX_MODEL_LEN,
-                       block_size=BLOCK, kv_cache_memory=4096 * per_block, num_threads=1,
-                       structured_outputs=False)
+    cfg = RunnerConfig(
+        model=str(path),
+        dtype="float32",
+        max_num_seqs=256,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK,
+        kv_cache_memory=4096 * per_block,
+        num_threads=1,
+        structured_outputs=False,
+    )
     return ModelRunner(cfg)
 
 
-def drive(runner, prompts: list[list[int]], params: list[SamplingParams], spec: SpecConfig | None,
-          num_blocks: int | None = None, budget: int = 512, threshold: int = 0) -> dict:
+def drive(
+    runner,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    spec: SpecConfig | None,
+    num_blocks: int | None = None,
+    budget: int = 512,
+    threshold: int = 0,
+) -> dict:
     """The engine core's loop on the real runner; everything arrives at once."""
-    sched = Scheduler(SchedulerConfig(
-        num_blocks=num_blocks or runner.num_blocks, block_size=BLOCK, max_num_seqs=256, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=budget, long_prefill_token_threshold=threshold, hash_seed=0, speculative=spec))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks or runner.num_blocks,
+            block_size=BLOCK,
+            max_num_seqs=256,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=budget,
+            long_prefill_token_threshold=threshold,
+            hash_seed=0,
+            speculative=spec,
+        )
+    )
     ids = [f"{next(_RUNS)}-{i}" for i in range(len(prompts))]  # unique, as the engine's are
     for rid, p, sp in zip(ids, prompts, params):
         sched.add_request(Request(rid, p, sp))
@@ -79,13 +111,23 @@ def drive(runner, prompts: list[list[int]], params: list[SamplingParams], spec: 
     assert len(runner.batch) == 0
     kv = sched.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.check_invariants() == []
-    return {"tokens": [tokens[rid] for rid in ids], "stats": sched.spec_decode_stats,
-            "preempted": preempted, "logprobs": [logprobs[rid] for rid in ids]}
+    return {
+        "tokens": [tokens[rid] for rid in ids],
+        "stats": sched.spec_decode_stats,
+        "preempted": preempted,
+        "logprobs": [logprobs[rid] for rid in ids],
+    }
 
 
 SPEC = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, search_window=64)
-PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6, 7, 5, 6], list(range(16)) + [3, 4, 5],
-           [9, 9, 9, 9], [2, 11, 13, 2, 11, 13, 2, 11, 13, 2, 11, 13, 2], [7, 1, 7, 1, 7, 1, 7]]
+PROMPTS = [
+    [1, 2, 3, 4, 1, 2, 3],
+    [5, 6, 7, 5, 6, 7, 5, 6],
+    list(range(16)) + [3, 4, 5],
+    [9, 9, 9, 9],
+    [2, 11, 13, 2, 11, 13, 2, 11, 13, 2, 11, 13, 2],
+    [7, 1, 7, 1, 7, 1, 7],
+]
 
 
 def test_greedy_same_tokens_with_chunked_prefill_prefix_hits_and_preemption(runner):
@@ -104,10 +146,21 @@ def test_greedy_same_tokens_with_chunked_prefill_prefix_hits_and_preemption(runn
 
 def test_logits_processors_apply_at_every_position(runner):
     """Penalties, bias, bad words and min_tokens see each draft position's own history."""
-    params = [SamplingParams(temperature=0.0, max_tokens=30, min_tokens=5, eos_token_ids=(3,), logprobs=2,
-                             repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1,
-                             logit_bias={4: 1.5}, bad_words_token_ids=[[7, 1]])
-              for _ in PROMPTS]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=30,
+            min_tokens=5,
+            eos_token_ids=(3,),
+            logprobs=2,
+            repetition_penalty=1.3,
+            frequency_penalty=0.2,
+            presence_penalty=0.1,
+            logit_bias={4: 1.5},
+            bad_words_token_ids=[[7, 1]],
+        )
+        for _ in PROMPTS
+    ]
     plain = drive(runner, PROMPTS, params, None)
     spec = drive(runner, PROMPTS, params, SPEC)
     assert spec["tokens"] == plain["tokens"]

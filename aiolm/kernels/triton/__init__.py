@@ -26,4 +26,5 @@ def available() -> bool:
 def interpreting() -> bool:
     """True when triton runs kernels through its CPU interpreter."""
     from triton import knobs
+
     return bool(knobs.runtime.interpret)

@@ -32,8 +32,9 @@ def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
-        _act_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0),
-                                                           N=n, BLOCK=block, GELU=gelu)
+        _act_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), N=n, BLOCK=block, GELU=gelu
+        )
     return out
 
 

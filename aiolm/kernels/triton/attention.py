@@ -31,14 +31,37 @@ from aiolm.kernels.triton.jit_math import tanh
 
 @triton.jit
 def _attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cu_q_ptr, seq_lens_ptr,
-        acc_part_ptr, ml_part_ptr,
-        scale, soft_cap, window,
-        so0, so1, sq0, sq1, sk0, sk1, sk2, sbt0,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-        FP32_DOT: tl.constexpr):
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    acc_part_ptr,
+    ml_part_ptr,
+    scale,
+    soft_cap,
+    window,
+    so0,
+    so1,
+    sq0,
+    sq1,
+    sk0,
+    sk1,
+    sk2,
+    sbt0,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
     seq = tl.program_id(0)
     qb = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -62,8 +85,9 @@ def _attention_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
 
-    q = tl.load(q_ptr + tok[:, None] * sq0 + head[:, None] * sq1 + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * sq0 + head[:, None] * sq1 + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
     else:
@@ -116,8 +140,11 @@ def _attention_kernel(
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok[:, None] * so0 + head[:, None] * so1 + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + tok[:, None] * so0 + head[:, None] * so1 + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         # partials: acc_part [T, H, NUM_SPLITS, D_PAD], ml_part [T, H, NUM_SPLITS, 2]
         num_heads = tl.num_programs(2) // NUM_SPLITS * GROUP
@@ -128,28 +155,37 @@ def _attention_kernel(
 
 
 @triton.jit
-def _reduce_kernel(out_ptr, acc_part_ptr, ml_part_ptr, so0, so1,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _reduce_kernel(
+    out_ptr,
+    acc_part_ptr,
+    ml_part_ptr,
+    so0,
+    so1,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cell = (tok * tl.num_programs(1) + head) * NUM_SPLITS
     s = tl.arange(0, SPLITS_PAD)
     s_ok = s < NUM_SPLITS
     m = tl.load(ml_part_ptr + (cell + s) * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(ml_part_ptr + (cell + s) * 2 + 1, mask=s_ok, other=0.0)
+    lse = tl.load(ml_part_ptr + (cell + s) * 2 + 1, mask=s_ok, other=0.0)
     big = tl.max(m, 0)
     big = tl.where(big == float("-inf"), 0.0, big)
     w = tl.exp(m - big)  # an empty share has m = -inf and weighs nothing
-    total = tl.sum(l * w, 0)
+    total = tl.sum(lse * w, 0)
     d = tl.arange(0, D_PAD)
     acc = tl.load(acc_part_ptr + (cell + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + tok * so0 + head * so1 + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                      block_size: int, target_programs: int = 128) -> int:
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, block_size: int, target_programs: int = 128
+) -> int:
     """Split the pages only for decode steps whose requests x kv heads leave the GPU idle
     and whose contexts are long enough that each share still walks several pages."""
     if max_query_len != 1:
@@ -163,11 +199,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_
     return max(1, min(16, by_work, by_idle))
 
 
-def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                    max_query_len: int, scale: float, *, window: int | None = None,
-                    soft_cap: float | None = None, num_splits: int = 1,
-                    block_m: int | None = None) -> torch.Tensor:
+def paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    *,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    num_splits: int = 1,
+    block_m: int | None = None,
+) -> torch.Tensor:
     """out, q: [T, H, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hk, D];
     block_table [num_seqs, max_blocks], cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs]: int32.
 
@@ -179,8 +226,9 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size}: the kernel needs a power of two of at least 16 "
-                         f"(a page is one tl.dot operand)")
+        raise ValueError(
+            f"block_size {block_size}: the kernel needs a power of two of at least 16 (a page is one tl.dot operand)"
+        )
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("q, out and the cache need a contiguous head_dim")
     if t == 0 or num_seqs == 0:
@@ -191,7 +239,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     block_q = max(1, max(block_m, 16, group_pad) // group_pad)
     d_pad = triton.next_power_of_2(head_dim)
     fp32_dot = torch.float32 in (q.dtype, k_cache.dtype) or (
-        interpreting() and torch.bfloat16 in (q.dtype, k_cache.dtype))  # the interpreter's bf16 dot is wrong
+        interpreting() and torch.bfloat16 in (q.dtype, k_cache.dtype)
+    )  # the interpreter's bf16 dot is wrong
     splits = max(1, int(num_splits))
     if splits > 1:
         acc_part = torch.empty(t, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
@@ -200,15 +249,47 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
         acc_part = ml_part = out  # unused
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * splits)
     _attention_kernel[grid](
-        out, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, acc_part, ml_part,
-        float(scale), float(soft_cap or 0.0), int(window or 0),
-        out.stride(0), out.stride(1), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
-        USE_SOFTCAP=bool(soft_cap), USE_WINDOW=bool(window), FP32_DOT=fp32_dot)
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        acc_part,
+        ml_part,
+        float(scale),
+        float(soft_cap or 0.0),
+        int(window or 0),
+        out.stride(0),
+        out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        NUM_SPLITS=splits,
+        USE_SOFTCAP=bool(soft_cap),
+        USE_WINDOW=bool(window),
+        FP32_DOT=fp32_dot,
+    )
     if splits > 1:
-        _reduce_kernel[(t, num_heads)](out, acc_part, ml_part, out.stride(0), out.stride(1),
-                                       HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
-                                       SPLITS_PAD=triton.next_power_of_2(splits))
+        _reduce_kernel[(t, num_heads)](
+            out,
+            acc_part,
+            ml_part,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+        )
     return out

@@ -13,11 +13,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-                     sk0, sk1, sk2, sv0, sv1, sv2,
-                     sc0, sc1, sc2, sc3,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     HK_PAD: tl.constexpr, D_PAD: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    sk0,
+    sk1,
+    sk2,
+    sv0,
+    sv1,
+    sv2,
+    sc0,
+    sc1,
+    sc2,
+    sc3,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HK_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -42,8 +59,24 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         return
     kc, vc = kv_cache[0], kv_cache[1]  # same strides: views of one tensor
     _write_kv_kernel[(t,)](
-        k, v, kc, vc, slot_mapping,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
-        NUM_KV_HEADS=hk, HEAD_DIM=d, BLOCK_SIZE=block_size,
-        HK_PAD=triton.next_power_of_2(hk), D_PAD=triton.next_power_of_2(d))
+        k,
+        v,
+        kc,
+        vc,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        kc.stride(3),
+        NUM_KV_HEADS=hk,
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        HK_PAD=triton.next_power_of_2(hk),
+        D_PAD=triton.next_power_of_2(d),
+    )

@@ -13,8 +13,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sx, sr, so, eps,
-                     N: tl.constexpr, N_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sx, sr, so, eps, N: tl.constexpr, N_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, N_PAD)
     ok = cols < N
@@ -30,16 +31,28 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sx, sr, so, eps,
     tl.store(out_ptr + row * so + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
-            eps: float) -> None:
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float
+) -> None:
     rows, n = x.shape
     if rows == 0:
         return
     if x.stride(1) != 1 or out.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("rms_norm needs rows with a contiguous last dim")
     res = residual if residual is not None else x
-    _rms_norm_kernel[(rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), float(eps),
-                              N=n, N_PAD=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None)
+    _rms_norm_kernel[(rows,)](
+        x,
+        res,
+        weight,
+        out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        float(eps),
+        N=n,
+        N_PAD=triton.next_power_of_2(n),
+        HAS_RESIDUAL=residual is not None,
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

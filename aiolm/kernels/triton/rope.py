@@ -31,9 +31,25 @@ def _rotate(x_ptr, tok, s0, s1, c, s, h, i, h_ok, NEOX: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, sc, ss,
-                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr):
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    sq0,
+    sq1,
+    sk0,
+    sk1,
+    sc,
+    ss,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    NEOX: tl.constexpr,
+):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -44,8 +60,16 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, sc
     _rotate(k_ptr, tok, sk0, sk1, c, s, h, i, h < NUM_KV_HEADS, NEOX, HALF)
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor, *, is_neox: bool = True, rotary_dim: int | None = None) -> None:
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    rotary_dim: int | None = None,
+) -> None:
     """q: [T, H, D], k: [T, Hk, D] (last dim contiguous), positions [T]; cos, sin [max_pos, >= rot/2]."""
     t, h, d = q.shape
     rot = rotary_dim or d
@@ -56,7 +80,22 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
     if t == 0:
         return
     half = rot // 2
-    _rope_kernel[(t,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos.stride(0), sin.stride(0), NUM_HEADS=h, NUM_KV_HEADS=k.shape[1],
-                       H_PAD=triton.next_power_of_2(max(h, k.shape[1])), HALF=half,
-                       HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox)
+    _rope_kernel[(t,)](
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_HEADS=h,
+        NUM_KV_HEADS=k.shape[1],
+        H_PAD=triton.next_power_of_2(max(h, k.shape[1])),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        NEOX=is_neox,
+    )

@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
-        part = loaded[self.start:self.end]
+        part = loaded[self.start : self.end]
         self.weight.data[: part.shape[0]].copy_(part)
 
 
@@ -40,11 +40,15 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     ``tied_to``: the embedding whose weight the head reads (tie_word_embeddings); its
     quant method then keeps that weight as it is and lays out a copy, if any."""
 
-    def __init__(self, ctx: BuildContext, vocab_size: int, hidden: int,
-                 tied_to: VocabParallelEmbedding | None = None) -> None:
+    def __init__(
+        self, ctx: BuildContext, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None = None
+    ) -> None:
         super().__init__(ctx, vocab_size, hidden)
-        spec = LinearSpec(("model.embed_tokens",) if tied_to is not None else ("lm_head",), lm_head=True,
-                          shared_weight=tied_to is not None)
+        spec = LinearSpec(
+            ("model.embed_tokens",) if tied_to is not None else ("lm_head",),
+            lm_head=True,
+            shared_weight=tied_to is not None,
+        )
         self._take_method(ctx, spec, hidden, self.per_rank)
         if tied_to is not None:
             self.weight = tied_to.weight

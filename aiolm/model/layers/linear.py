@@ -42,8 +42,14 @@ class ColumnParallelLinear(LinearBase):
     # The op after this layer reads its output as it comes (the activation of gate/up)
     output_to_kernel = True
 
-    def __init__(self, ctx: BuildContext, in_features: int, shard_sizes: list[int], bias: bool = False,
-                 names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        ctx: BuildContext,
+        in_features: int,
+        shard_sizes: list[int],
+        bias: bool = False,
+        names: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         tp = ctx.tp_group
         for s in shard_sizes:
@@ -67,7 +73,7 @@ class ColumnParallelLinear(LinearBase):
         if loaded.shape[0] != self.full_sizes[shard]:
             raise ValueError(f"{name} shard {shard}: expected {self.full_sizes[shard]} rows, got {loaded.shape[0]}")
         start = sum(self.local_sizes[:shard])
-        param.data[start:start + n].copy_(loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
+        param.data[start : start + n].copy_(loaded[self.tp_rank * n : (self.tp_rank + 1) * n])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -76,8 +82,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     output_to_kernel = False  # q, k, v go to RoPE and attention
 
-    def __init__(self, ctx: BuildContext, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool, names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        ctx: BuildContext,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        names: tuple[str, ...] = (),
+    ) -> None:
         tp = ctx.tp_group.world_size
         if num_kv_heads < tp and tp % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over tensor parallel size {tp}")
@@ -97,14 +111,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"{name} shard {shard}: expected {self.num_kv_heads * d} rows, got {loaded.shape[0]}")
         head = kv_head_for_rank(self.tp_rank, self.tp_size, self.num_kv_heads)[0]
         start = sum(self.local_sizes[:shard])
-        param.data[start:start + d].copy_(loaded[head * d:(head + 1) * d])
+        param.data[start : start + d].copy_(loaded[head * d : (head + 1) * d])
 
 
 class RowParallelLinear(LinearBase):
     """y = all_reduce(x_local W_local^T): each rank holds a slice of the input features."""
 
-    def __init__(self, ctx: BuildContext, in_features: int, out_features: int, bias: bool = False,
-                 names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, ctx: BuildContext, in_features: int, out_features: int, bias: bool = False, names: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
         tp = ctx.tp_group
         if in_features % tp.world_size:
@@ -127,4 +142,4 @@ class RowParallelLinear(LinearBase):
             self.bias.data.copy_(loaded[...])
             return
         r = self.tp.rank
-        self.weight.data.copy_(loaded[:, r * self.local_in:(r + 1) * self.local_in])
+        self.weight.data.copy_(loaded[:, r * self.local_in : (r + 1) * self.local_in])

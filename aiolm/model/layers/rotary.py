@@ -40,8 +40,9 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[t
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, ops: TorchOps) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None, ops: TorchOps
+    ) -> None:
         super().__init__()
         self.ops = ops
         inv, _ = _inv_freq(head_dim, theta, scaling)

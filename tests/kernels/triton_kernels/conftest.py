@@ -19,8 +19,10 @@ ON_GPU = HAVE_TRITON and torch.cuda.is_available() and os.environ.get("TRITON_IN
 if HAVE_TRITON and not ON_GPU:
     _early = [m for m in sys.modules if m.startswith("aiolm.kernels.triton.")]
     if _early:
-        raise RuntimeError(f"{_early} imported before TRITON_INTERPRET=1 was set: their kernels "
-                           f"were built for a GPU; run this directory in its own pytest process")
+        raise RuntimeError(
+            f"{_early} imported before TRITON_INTERPRET=1 was set: their kernels "
+            f"were built for a GPU; run this directory in its own pytest process"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 collect_ignore_glob = [] if HAVE_TRITON else ["test_*.py"]
@@ -29,4 +31,3 @@ collect_ignore_glob = [] if HAVE_TRITON else ["test_*.py"]
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if ON_GPU else "cpu"
-

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_cases import TOLERANCE, make_batch, reference_attention
 
 MIXED = [(0, 20), (16, 5), (37, 1), (31, 1), (32, 1), (5, 11), (0, 1)]
@@ -20,15 +19,17 @@ def _run(b, scale, **kw):
     from aiolm.kernels.triton.attention import paged_attention
 
     out = torch.full_like(b.q, float("nan"))
-    paged_attention(out, b.q, b.kv_cache[0], b.kv_cache[1], b.block_table, b.cu_seqlens_q, b.seq_lens,
-                    b.max_query_len, scale, **kw)
+    paged_attention(
+        out, b.q, b.kv_cache[0], b.kv_cache[1], b.block_table, b.cu_seqlens_q, b.seq_lens, b.max_query_len, scale, **kw
+    )
     return out
 
 
 def _check(specs, heads, kv_heads, head_dim, block_size, dtype, device, window=None, soft_cap=None, **kw):
-    b = make_batch(specs, heads, kv_heads, head_dim, block_size, dtype, device,
-                   seed=heads * 1000 + head_dim + block_size)
-    scale = head_dim ** -0.5
+    b = make_batch(
+        specs, heads, kv_heads, head_dim, block_size, dtype, device, seed=heads * 1000 + head_dim + block_size
+    )
+    scale = head_dim**-0.5
     got = _run(b, scale, window=window, soft_cap=soft_cap, **kw).float().cpu()
     want = reference_attention(b, scale, window, soft_cap)
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_cases import PagedBatch, reference_attention
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import TorchAttention, kv_cache_shape
-from triton_cases import reference_attention, PagedBatch
 
 
 def _case(cache_dtype, block_size=16, seed=0):
@@ -37,13 +37,20 @@ def test_backend_matches_torch_backend(cache_dtype, block_size, device):
 
     q, k, v, cache, meta, (h, hk, d) = _case(cache_dtype, block_size)
     want_cache = cache.clone()
-    want = TorchAttention(h, hk, d, d ** -0.5).forward(q, k, v, want_cache, meta)
+    want = TorchAttention(h, hk, d, d**-0.5).forward(q, k, v, want_cache, meta)
 
-    dev_meta = AttentionMetadata(meta.num_tokens, meta.query_start_loc.to(device), meta.seq_lens.to(device),
-                                 meta.block_table.to(device), meta.slot_mapping.to(device),
-                                 meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_size)
+    dev_meta = AttentionMetadata(
+        meta.num_tokens,
+        meta.query_start_loc.to(device),
+        meta.seq_lens.to(device),
+        meta.block_table.to(device),
+        meta.slot_mapping.to(device),
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+        meta.block_size,
+    )
     got_cache = cache.to(device)
-    got = TritonAttention(h, hk, d, d ** -0.5).forward(q.to(device), k.to(device), v.to(device), got_cache, dev_meta)
+    got = TritonAttention(h, hk, d, d**-0.5).forward(q.to(device), k.to(device), v.to(device), got_cache, dev_meta)
     assert got.shape == want.shape == (meta.num_tokens, h * d)
     assert torch.equal(got_cache.cpu(), want_cache)  # the same K/V in the same slots
     tol = 2e-5 if cache_dtype == torch.float32 else 2e-3
@@ -59,17 +66,28 @@ def test_backend_window_and_soft_cap(device):
     got = backend.forward(q.to(device), k.to(device), v.to(device), got_cache, meta)
     written = got_cache.cpu()
     pages = [row[: -(-s // meta.block_size)].tolist() for row, s in zip(meta.block_table, meta.seq_lens_cpu)]
-    b = PagedBatch(q, written, meta.block_table.int(), meta.query_start_loc.int(), meta.seq_lens.int(),
-                   meta.query_lens_cpu, meta.seq_lens_cpu, pages)
+    b = PagedBatch(
+        q,
+        written,
+        meta.block_table.int(),
+        meta.query_start_loc.int(),
+        meta.seq_lens.int(),
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+        pages,
+    )
     want = reference_attention(b, 0.1, window=5, soft_cap=3.0).view(meta.num_tokens, h * d)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(num_heads=6, num_kv_heads=4), "num_kv_heads"),
-    (dict(sliding_window=0), "sliding_window"),
-    (dict(soft_cap=-1.0), "soft_cap"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(num_heads=6, num_kv_heads=4), "num_kv_heads"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(soft_cap=-1.0), "soft_cap"),
+    ],
+)
 def test_backend_rejects_bad_options(kwargs, field):
     from aiolm.attention.triton_backend import TritonAttention
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_cases import assert_same_rounding
 
 
@@ -18,8 +17,9 @@ def test_write_matches_index_copy(dtype, kv_heads, head_dim, block_size, device)
     g = torch.Generator().manual_seed(kv_heads * head_dim)
     heads = 2 * kv_heads
     num_blocks = 6
-    slots = torch.tensor([0 * block_size + 0, 3 * block_size + block_size - 1, -1, 5 * block_size + 7,
-                          1 * block_size + 1])
+    slots = torch.tensor(
+        [0 * block_size + 0, 3 * block_size + block_size - 1, -1, 5 * block_size + 7, 1 * block_size + 1]
+    )
     t = slots.numel()
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g, dtype=torch.float32)
     _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)

@@ -27,11 +27,15 @@ class TinyAttentionLayer:
         g = torch.Generator().manual_seed(0)
         w = lambda *s: (torch.randn(*s, generator=g) / s[0] ** 0.5).to(device)  # noqa: E731
         self.emb, self.wq, self.wk, self.wv, self.wo = (
-            w(100, HIDDEN), w(HIDDEN, HEADS * HEAD_DIM), w(HIDDEN, KV_HEADS * HEAD_DIM),
-            w(HIDDEN, KV_HEADS * HEAD_DIM), w(HEADS * HEAD_DIM, HIDDEN))
+            w(100, HIDDEN),
+            w(HIDDEN, HEADS * HEAD_DIM),
+            w(HIDDEN, KV_HEADS * HEAD_DIM),
+            w(HIDDEN, KV_HEADS * HEAD_DIM),
+            w(HEADS * HEAD_DIM, HIDDEN),
+        )
         rope = RotaryEmbedding(HEAD_DIM, MAX_LEN, 10000.0, None, TorchOps())  # its cos/sin tables only
         self.cos, self.sin = rope.cos.to(device), rope.sin.to(device)
-        self.attn = TritonAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        self.attn = TritonAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
         self.cache = torch.zeros(2, 40, BLOCK, KV_HEADS, HEAD_DIM, device=device)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -47,9 +51,16 @@ class TinyAttentionLayer:
 
 
 def _on(meta: AttentionMetadata, device: str) -> AttentionMetadata:
-    return AttentionMetadata(meta.num_tokens, meta.query_start_loc.to(device), meta.seq_lens.to(device),
-                             meta.block_table.to(device), meta.slot_mapping.to(device),
-                             meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_size)
+    return AttentionMetadata(
+        meta.num_tokens,
+        meta.query_start_loc.to(device),
+        meta.seq_lens.to(device),
+        meta.block_table.to(device),
+        meta.slot_mapping.to(device),
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+        meta.block_size,
+    )
 
 
 def _prefilled(device: str, lens: list[int]):
@@ -80,8 +91,9 @@ def test_padded_step_matches_unpadded(lens, device):
 
     layer, blocks = _prefilled(device, lens)
     sizes = capture_sizes(max_num_seqs=8)
-    runner = CudaGraphRunner(layer, sizes, max_blocks_per_seq=MAX_LEN // BLOCK, block_size=BLOCK,
-                             max_model_len=MAX_LEN, device=device)
+    runner = CudaGraphRunner(
+        layer, sizes, max_blocks_per_seq=MAX_LEN // BLOCK, block_size=BLOCK, max_model_len=MAX_LEN, device=device
+    )
     if device == "cuda":
         before = layer.cache.clone()
         runner.capture()

@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
+from triton_cases import model_with_ops
 
 from paged import PagedHarness
-from triton_cases import model_with_ops
 
 
 @pytest.mark.slow
@@ -25,8 +24,10 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
     from aiolm.kernels.triton import activation, norm, rope
     from aiolm.kernels.triton.ops import TritonOps
 
-    prompts = [tokenizer.encode("The capital of France is"),
-               tokenizer.encode("List three colours of the rainbow, then say why the sky is blue:")]
+    prompts = [
+        tokenizer.encode("The capital of France is"),
+        tokenizer.encode("List three colours of the rainbow, then say why the sky is blue:"),
+    ]
     max_new = 3
     # prefill in two passes: the first pass has two fresh chunks, the second two chunks that
     # attend to a cached prefix; then decode rows, all in flat batches of both prompts
@@ -35,15 +36,24 @@ def test_triton_path_greedy_matches_cpu_path(real_source, real_model, tokenizer,
     triton_model = model_with_ops(real_source, TritonOps(), "triton")
     assert all(type(layer.self_attn.attn) is TritonAttention for layer in triton_model.layers)
     launches: Counter[str] = Counter()
+
+    def counting(real, name):
+        def counted(*a, **kw):
+            launches[name] += 1
+            return real(*a, **kw)
+
+        return counted
+
     for mod, name in ((norm, "rms_norm"), (norm, "add_rms_norm_"), (rope, "rotary_"), (activation, "silu_and_mul")):
-        def counted(*a, _real=getattr(mod, name), _name=name, **kw):
-            launches[_name] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(mod, name, counted)
+        monkeypatch.setattr(mod, name, counting(getattr(mod, name), name))
     got = PagedHarness(triton_model, block_size=16).greedy(prompts, max_new, split=3)
     assert got == want
     assert len(want[0]) == len(want[1]) == max_new
     # every op of every layer ran its kernel: 2 prefill passes + 2 decode steps
     layers, steps = len(triton_model.layers), 2 + max_new - 1
-    assert launches == {"rms_norm": steps, "add_rms_norm_": (2 * layers - 1 + 1) * steps,
-                        "rotary_": layers * steps, "silu_and_mul": layers * steps}, launches
+    assert launches == {
+        "rms_norm": steps,
+        "add_rms_norm_": (2 * layers - 1 + 1) * steps,
+        "rotary_": layers * steps,
+        "silu_and_mul": layers * steps,
+    }, launches

@@ -15,8 +15,13 @@ import torch
 from aiolm.kernels.ops import TorchOps
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
-KERNELS = [("norm", "rms_norm"), ("norm", "add_rms_norm_"), ("rope", "rotary_"),
-           ("activation", "silu_and_mul"), ("activation", "gelu_tanh_and_mul")]
+KERNELS = [
+    ("norm", "rms_norm"),
+    ("norm", "add_rms_norm_"),
+    ("rope", "rotary_"),
+    ("activation", "silu_and_mul"),
+    ("activation", "gelu_tanh_and_mul"),
+]
 
 
 @pytest.fixture
@@ -78,11 +83,13 @@ def test_rotary_matches_the_reference(dtype, triton_ops, spy, device):
     emb = RotaryEmbedding(32, 64, 10000.0, None, TorchOps()).to(dtype)  # as a model built in ``dtype`` holds it
     pos = torch.tensor([0, 1, 15, 16, 63], device=device)
     qkv = _rand(5, (3 + 2 * 1) * 32, dtype=dtype, device=device)
-    want_q, want_k = TorchOps().rotary(pos, qkv[:, :96].view(5, 3, 32), qkv[:, 96:128].view(5, 1, 32),
-                                       emb.cos.to(device), emb.sin.to(device))
+    want_q, want_k = TorchOps().rotary(
+        pos, qkv[:, :96].view(5, 3, 32), qkv[:, 96:128].view(5, 1, 32), emb.cos.to(device), emb.sin.to(device)
+    )
     v_before = qkv[:, 128:].clone()
-    got_q, got_k = triton_ops.rotary(pos, qkv[:, :96].view(5, 3, 32), qkv[:, 96:128].view(5, 1, 32),
-                                     emb.cos.to(device), emb.sin.to(device))
+    got_q, got_k = triton_ops.rotary(
+        pos, qkv[:, :96].view(5, 3, 32), qkv[:, 96:128].view(5, 1, 32), emb.cos.to(device), emb.sin.to(device)
+    )
     # the reference rounds cos/sin and each product to ``dtype``; the kernel rounds once
     _close(got_q, want_q)
     _close(got_k, want_k)
@@ -142,22 +149,45 @@ def test_a_gemma3_forward_matches_the_reference(spy, device):
     from aiolm.quant import quant_config
     from paged import PagedHarness
 
-    cfg = Gemma3Config(architecture="gemma3", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
-                       max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
-                       sliding_windows=(8, None), local_layers=(True, False), query_pre_attn_scalar=32.0,
-                       final_logit_softcapping=3.0)
+    cfg = Gemma3Config(
+        architecture="gemma3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+        sliding_windows=(8, None),
+        local_layers=(True, False),
+        query_pre_attn_scalar=32.0,
+        final_logit_softcapping=3.0,
+    )
 
     def build(ops: TorchOps) -> torch.nn.Module:
         """The same random weights each time, on ``ops``."""
-        ctx = BuildContext(ops=ops, attention_backend=TorchAttention, quant=quant_config("dense"),
-                           tp_group=get_tp_group(), device=torch.device(device))
+        ctx = BuildContext(
+            ops=ops,
+            attention_backend=TorchAttention,
+            quant=quant_config("dense"),
+            tp_group=get_tp_group(),
+            device=torch.device(device),
+        )
         model = build_from_config(cfg, ctx)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if "norm" in name else
-                        0.15 * torch.randn(p.shape, generator=g))
+                p.copy_(
+                    (1 + 0.3 * torch.randn(p.shape, generator=g))
+                    if "norm" in name
+                    else 0.15 * torch.randn(p.shape, generator=g)
+                )
         return finish(model, ctx)
 
     prompts = {0: list(range(3, 15)), 1: list(range(40, 45))}

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from triton_cases import assert_same_rounding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -58,8 +57,9 @@ def _cos_sin(max_pos: int, rot: int, half_width: bool):
     return f.cos(), f.sin()
 
 
-def _ref_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int,
-              neox: bool) -> torch.Tensor:
+def _ref_rope(
+    x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, neox: bool
+) -> torch.Tensor:
     half = rot // 2
     c = cos[pos, :half].unsqueeze(1)
     s = sin[pos, :half].unsqueeze(1)
@@ -88,8 +88,8 @@ def test_rope_partial_rotary_dim_and_half_width_cache(neox, device):
 
 def test_rope_matches_the_model_layer(device):
     """The embedded model's RotaryEmbedding (neox layout, duplicated cos/sin) gives the same q, k."""
-    from aiolm.kernels.triton.rope import rotary_
     from aiolm.kernels.ops import TorchOps
+    from aiolm.kernels.triton.rope import rotary_
     from aiolm.model.layers.rotary import RotaryEmbedding
 
     emb = RotaryEmbedding(64, 512, 100000.0, None, TorchOps())
@@ -110,18 +110,18 @@ def _check_rope(dtype, neox, heads, kv_heads, head_dim, rot, half_width, device)
     t = pos.numel()
     # q as a strided view of a fused qkv row
     qkv = _rand(t, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q = qkv[:, :heads * head_dim].view(t, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
     want_q = _ref_rope(q, pos, cos, sin, rot, neox)
     want_k = _ref_rope(k, pos, cos, sin, rot, neox)
-    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     qkv_d = qkv.to(device)
-    qd = qkv_d[:, :heads * head_dim].view(t, heads, head_dim)
-    kd = qkv_d[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    qd = qkv_d[:, : heads * head_dim].view(t, heads, head_dim)
+    kd = qkv_d[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
     rotary_(qd, kd, pos.to(device), cos.to(device), sin.to(device), is_neox=neox, rotary_dim=rot)
     torch.testing.assert_close(qd.cpu(), want_q, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(kd.cpu(), want_k, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(qkv_d[:, (heads + kv_heads) * head_dim:].cpu(), v_before)  # v untouched
+    assert torch.equal(qkv_d[:, (heads + kv_heads) * head_dim :].cpu(), v_before)  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

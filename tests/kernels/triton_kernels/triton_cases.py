@@ -26,8 +26,16 @@ class PagedBatch:
         return max(self.query_lens)
 
 
-def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> PagedBatch:
+def make_batch(
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> PagedBatch:
     """specs: (cached prefix length, new query tokens) per request. Pages are drawn at random
     from a cache twice the needed size, block 0 kept as the null block, and every page
     (used or not) holds random values, so a wrong page read shows up in the output."""
@@ -37,23 +45,32 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     pages, at = [], 0
     for n in need:
-        pages.append(perm[at:at + n])
+        pages.append(perm[at : at + n])
         at += n
     width = max(need)
     table = torch.zeros(len(specs), width, dtype=torch.int32)
     for i, p in enumerate(pages):
-        table[i, :len(p)] = torch.tensor(p, dtype=torch.int32)
+        table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
     kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     qlens = [n for _, n in specs]
     slens = [c + n for c, n in specs]
     q = torch.randn(sum(qlens), num_heads, head_dim, generator=g).to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
-    return PagedBatch(q.to(device), kv.to(device), table.to(device), cu.to(device),
-                      torch.tensor(slens, dtype=torch.int32, device=device), qlens, slens, pages)
+    return PagedBatch(
+        q.to(device),
+        kv.to(device),
+        table.to(device),
+        cu.to(device),
+        torch.tensor(slens, dtype=torch.int32, device=device),
+        qlens,
+        slens,
+        pages,
+    )
 
 
-def reference_attention(b: PagedBatch, scale: float, window: int | None = None,
-                        soft_cap: float | None = None) -> torch.Tensor:
+def reference_attention(
+    b: PagedBatch, scale: float, window: int | None = None, soft_cap: float | None = None
+) -> torch.Tensor:
     """Float32, one query token at a time, straight from the definition."""
     kv = b.kv_cache.float().cpu()
     q = b.q.float().cpu()
@@ -87,7 +104,7 @@ def assert_same_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal, except that triton's interpreter rounds float32 -> bfloat16 toward zero where
     a GPU rounds to nearest: there, one bfloat16 step apart is allowed."""
     if got.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
     else:
         assert torch.equal(got, want)
 
