@@ -1,9 +1,10 @@
 """Hugging Face architecture -> model family: the table the loader and the builder share.
 
-A family is a config mapping here (``checkpoint/<family>.py``: ``config_from_hf(cfg,
-architecture, source)``, torch-free, so the engine process can read a config) and a model
-module under aiolm/model/ that the builder imports by name. Adding one is those two
-modules and a line in MODELS.
+A family is a model module under aiolm/model/ that the builder imports by name, and a
+line in MODELS. A family whose config spells or adds fields beyond what every decoder has
+(``ModelConfig.from_hf``) also names its mapping here (``checkpoint/<family>.py``:
+``config_from_hf(cfg, architecture, source)``), torch-free, so the engine process can
+read the config.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class ModelFamily:
     module: str  # aiolm.model.<module>: the module of its model class (imported by the builder only)
     model_class: str
     model_type: str  # config.json's model_type, for configs that list no architectures
-    config_from_hf: Callable[[dict[str, Any], str, str], ModelConfig]
+    config_from_hf: Callable[[dict[str, Any], str, str], ModelConfig] | None = None  # None: the common fields
 
 
 # Hugging Face architecture -> the family that runs it
@@ -55,4 +56,6 @@ def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig
             f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(sorted(MODELS))}"
         )
     family = MODELS[arch]
+    if family.config_from_hf is None:
+        return ModelConfig.from_hf(cfg, source, architecture=family.name)
     return family.config_from_hf(cfg, family.name, source)
