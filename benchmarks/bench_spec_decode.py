@@ -182,8 +182,8 @@ def run_in_process(
         while sched.has_unfinished_requests():
             so = sched.schedule()
             c0, w0 = time.thread_time(), time.perf_counter()
-            mro = runner.execute(so)
-            res = sched.update_from_output(so, mro)
+            runner_output = runner.execute(so)
+            res = sched.update_from_output(so, runner_output)
             if ids:  # the prefill step (which yields the first token) is not decode
                 cpu += time.thread_time() - c0
                 wall += time.perf_counter() - w0

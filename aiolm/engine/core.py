@@ -47,8 +47,8 @@ COST_PARTS = (
     "output",
     "ipc_send",
     "ipc_reply",  # the legs of ipc, for diagnosis
-    "idle",
-)  # rank 0 waiting between its previous step's reply and reading this step
+    "idle",  # rank 0 waiting between its previous step's reply and reading this step
+)
 OVERHEAD_PARTS = ("schedule", "ipc", "prepare", "update", "output")  # all but forward and sampling
 
 

@@ -67,8 +67,8 @@ class CpuPlatform(Platform):
         return ("cpu", "torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("cpu", "torch")
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
-        """'auto' is float32: it keeps exact parity with transformers, and without AMX the
-        float32 matmuls are also the faster ones (docs/benchmarks.md)."""
+        """'auto' is float32: it keeps exact parity with transformers. ``--dtype bfloat16``
+        trades that for speed on CPUs with bfloat16 units (docs/benchmarks.md)."""
         t = _matmul_dtype(super().resolve_dtype(dtype))
         if t is torch.float16:
             try:
@@ -79,7 +79,8 @@ class CpuPlatform(Platform):
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """bfloat16 matmuls keep the cache in float16: half the bytes a decode step reads,
-        and 8x finer than bfloat16, whose cache changed greedy answers here."""
+        and 8x finer than bfloat16, whose cache changed more greedy answers on the parity
+        prompts (docs/benchmarks/log.md, "The CPU fast path")."""
         return torch.float16 if dtype == torch.bfloat16 else dtype
 
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -54,12 +54,12 @@ MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
 # part from the float32 path's after some tokens (tests/kernels/test_gguf_int8.py prints
 # where), and the float path matches transformers token for token.
 INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
-# How far int8 goes (bench_linear.py, section 1d; docs/benchmarks.md): with VNNI the kernel
+# How far int8 goes (bench_linear.py, section 1d; docs/benchmarks/log.md): with VNNI the kernel
 # of the types with one scale a block (16 output rows a block, one per int32 lane) beats
 # the float32 matmuls, and bfloat16 oneDNN without AMX, at every step size measured, 1 to
 # 1024 rows, so it takes prompts too; Q6_K's (8 rows, 2 rows of x at a time) and the AVX2
 # kernel stay with small steps; beside bfloat16 matmuls on AMX tiles, which overtake int8
-# between 32 and 48 rows (on TinyLlama's and SmolLM2's shapes), every type stops at 32.
+# beyond a few dozen rows, every type stops at 32.
 INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_VNNI = sys.maxsize if cpu_kernels.has_avx512_vnni() else INT8_LIMIT
 INT8_LIMIT_AMX_BF16 = 32

@@ -321,8 +321,8 @@ def _run_random(seed: int, steps: int = 160) -> dict[str, int]:
                 assert s == (req.num_computed_tokens == req.num_tokens), rid
                 if s:
                     sampled.append(rid)
-        mro = ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[[rng.randrange(1, 500)] for _ in sampled])
-        sched.update_from_output(so, mro)
+        runner_output = ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[[rng.randrange(1, 500)] for _ in sampled])
+        sched.update_from_output(so, runner_output)
     # Drain so every block comes back.
     for _ in range(500):
         if not sched.has_unfinished_requests():

@@ -111,11 +111,11 @@ async def drive(executor, prompts: dict[str, list[int]]) -> dict:
         so = sched.schedule()
         stats["preempted"] += sum(1 for rid in so.finished_req_ids if rid in sched.requests)
         stats["resumed_with_outputs"] += sum(1 for nr in so.scheduled_new_reqs if nr.output_token_ids)
-        mro = await executor.execute(so)
-        for toks in mro.sampled_token_ids:
+        runner_output = await executor.execute(so)
+        for toks in runner_output.sampled_token_ids:
             if not toks:
                 stats["partial_prefills"] += 1
-        for out in sched.update_from_output(so, mro):
+        for out in sched.update_from_output(so, runner_output):
             assert out.error is None, out.error
             tokens[out.req_id].extend(out.new_token_ids)
             cached[out.req_id] = max(cached.get(out.req_id, 0), out.num_cached_tokens)

@@ -100,8 +100,8 @@ def drive(
             break
         so = sched.schedule()
         preempted += sum(1 for rid in so.finished_req_ids if rid in sched.requests)
-        mro = runner.execute(so)
-        for out in sched.update_from_output(so, mro):
+        runner_output = runner.execute(so)
+        for out in sched.update_from_output(so, runner_output):
             assert out.error is None, out.error
             tokens[out.req_id].extend(out.new_token_ids)
             if out.new_logprobs is not None:
