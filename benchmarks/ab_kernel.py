@@ -71,12 +71,12 @@ def linear_case(case: str, rows: int):
     """(weights, inputs) of a linear case: each call runs every weight on its input."""
     rng = np.random.default_rng(0)
     if case == "head":
-        from aiolm.model.loader import resolve_model
+        from aiolm.checkpoint.source import resolve_model
         from aiolm.model.registry import build_model
 
         ws = [build_model(resolve_model(None)).lm_head.gguf.blocks]
     elif case == "model":
-        from aiolm.model.loader import resolve_model
+        from aiolm.checkpoint.source import resolve_model
         from aiolm.model.registry import build_model
 
         ws = [
@@ -152,7 +152,7 @@ def main() -> None:
 def panel_case(rows: int):
     """(weights, inputs): the embedded model's float32 panels, as its float32 steps above the
     blocks' rows run them (the LM head's too)."""
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.model.registry import build_model
 
     ws = []

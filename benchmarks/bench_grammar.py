@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from aiolm.model.loader import resolve_model
+from aiolm.checkpoint.source import resolve_model
 from aiolm.params import SamplingParams
 from aiolm.sample.logits_processors import BatchRows
 from aiolm.sample.logits_processors.grammar import Grammar

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from aiolm.model.loader import resolve_model
+from aiolm.checkpoint.source import resolve_model
 from aiolm.structured.backend import compile_spec, tokenizer_info, xgrammar_module
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 

@@ -63,7 +63,7 @@ def main() -> None:
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     torch.set_num_threads(a.threads)
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.model.registry import build_model
 
     model = build_model(resolve_model(None))

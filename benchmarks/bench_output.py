@@ -60,8 +60,8 @@ def main() -> None:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="checkout to time")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.engine.output_processor import OutputProcessor
-    from aiolm.model.loader import resolve_model
 
     with_metrics = "metrics" in inspect.signature(OutputProcessor).parameters
     tokenizer = resolve_model(None).load_tokenizer()

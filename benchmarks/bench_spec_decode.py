@@ -209,7 +209,7 @@ def run_in_process(
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     tok = resolve_model(None).load_tokenizer()
     text = tok.apply_chat_template(

@@ -99,7 +99,7 @@ def resolve_models(model: str | None) -> Models:
     aiolm's rows: float32 (and bfloat16 where asked) on the Hugging Face folder, one row
     per GGUF (float32 activations, the file's blocks for small batches). With no --model
     aiolm runs on the embedded GGUF in each dtype, as it always has."""
-    from aiolm.model.loader import embedded_model_path, resolve_model
+    from aiolm.checkpoint.source import embedded_model_path, resolve_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_model import read_manifest

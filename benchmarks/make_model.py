@@ -227,7 +227,7 @@ def copy_gguf_tokenizer(w: Any) -> None:
     chat template), so llama.cpp and aiolm's GGUF path tokenize as SmolLM2 does."""
     import gguf
 
-    from aiolm.model.loader import embedded_model_path
+    from aiolm.checkpoint.source import embedded_model_path
 
     src = gguf.GGUFReader(str(embedded_model_path()))
 
@@ -251,7 +251,7 @@ def copy_gguf_tokenizer(w: Any) -> None:
 
 def write_hf_folder_files(folder: Path, s: Shape, dtype: str) -> None:
     """Everything but the weights: config, generation config, the embedded tokenizer."""
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     folder.mkdir(parents=True, exist_ok=True)
     src = resolve_model(None).path  # the embedded GGUF's converted folder (tokenizer.json, template)

@@ -32,7 +32,7 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     src = resolve_model(None)
     torch.manual_seed(args.seed)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from aiolm.attention.metadata import AttentionMetadata  # noqa: E402
 from aiolm.attention.torch_backend import kv_cache_shape  # noqa: E402
-from aiolm.model.loader import resolve_model  # noqa: E402
+from aiolm.checkpoint.source import resolve_model  # noqa: E402
 from aiolm.model.registry import build_model  # noqa: E402
 from aiolm.platforms import get_platform  # noqa: E402
 

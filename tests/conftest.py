@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def real_source():
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     return resolve_model(None)
 
@@ -39,7 +39,7 @@ def real_model(real_source):
 @pytest.fixture(scope="session")
 def hf_reference():
     """transformers' own model read from the same GGUF file, float32."""
-    from aiolm.model.loader import embedded_model_path
+    from aiolm.checkpoint.source import embedded_model_path
     from paged import hf_from_gguf
 
     return hf_from_gguf(embedded_model_path())

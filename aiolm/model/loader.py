@@ -2,7 +2,7 @@
 
 What a model's files say (config, tokenizer, chat template, where the weights are, the
 GGUF conversion cache) is read without torch in aiolm/checkpoint/; this module streams
-the safetensors it names, and re-exports the checkpoint names its callers know it by.
+the safetensors it names.
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from aiolm.checkpoint.gguf_cache import cache_root
-from aiolm.checkpoint.source import ModelSource, embedded_model_path, resolve_model
-
-__all__ = ["LazyWeight", "ModelSource", "cache_root", "embedded_model_path", "iter_weights", "resolve_model"]
+from aiolm.checkpoint.source import ModelSource
 
 
 def iter_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str, Any]]:

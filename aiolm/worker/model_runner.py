@@ -16,6 +16,7 @@ import torch
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import kv_cache_shape
+from aiolm.checkpoint.source import resolve_model
 from aiolm.config import RunnerConfig
 from aiolm.core.step import (
     LogprobsLists,
@@ -24,7 +25,6 @@ from aiolm.core.step import (
     SchedulerOutput,
 )
 from aiolm.distributed.parallel_state import get_tp_group
-from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.sample import logits_processors

@@ -34,7 +34,7 @@ SKIP = 3
 def _model(dtype: torch.dtype = torch.float32, attention: str = "auto"):
     """The embedded model on CUDA, its layers' ops the CUDA platform's (TritonOps), as the
     engine runs it."""
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.model.registry import build_model
 
     source = resolve_model(None)
@@ -53,7 +53,7 @@ def _hf_greedy_on_cuda(dtype: torch.dtype, prompts: list[list[int]], max_new: in
     """transformers' own model read from the same GGUF file, on the GPU in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    from aiolm.model.loader import embedded_model_path
+    from aiolm.checkpoint.source import embedded_model_path
     from paged import hf_greedy
 
     path = embedded_model_path()

@@ -18,7 +18,7 @@ if [ ! -x "$VLLM_VENV/bin/python" ]; then
         echo "skipped: vLLM could not be installed here"; exit 3; }
 fi
 # vLLM reads a Hugging Face folder: aiolm's converted copy of the embedded GGUF is one.
-MODEL_DIR=$("$VENV/bin/python" -c "from aiolm.model.loader import resolve_model; print(resolve_model(None).path)")
+MODEL_DIR=$("$VENV/bin/python" -c "from aiolm.checkpoint.source import resolve_model; print(resolve_model(None).path)")
 vllm=$(timeout "$TIMEOUT" "$VLLM_VENV/bin/python" benchmarks/peers/run_vllm.py "$MODEL_DIR" --dtype bfloat16 \
        --repeats 3 | tail -n 1)
 aiolm=$(timeout "$TIMEOUT" "$VENV/bin/python" -m aiolm.cli bench throughput --device cuda --dtype bfloat16 \

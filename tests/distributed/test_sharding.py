@@ -75,7 +75,7 @@ def test_a_kv_head_shared_by_ranks_is_replicated(tmp_path):
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     torch.manual_seed(0)
     HFLlama(

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from aiolm.quant import gguf_blocks
 from paged import PagedHarness

@@ -228,7 +228,7 @@ def _decode(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Ten
 
 
 def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, monkeypatch):
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.model.registry import build_model
 
     path = tmp_path / "tiny-Q4_K_M.gguf"

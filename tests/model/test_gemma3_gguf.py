@@ -29,9 +29,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file
 
+from aiolm.checkpoint.source import resolve_model
 from aiolm.errors import ModelLoadError
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_greedy
 

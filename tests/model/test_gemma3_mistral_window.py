@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from aiolm.checkpoint.families import read_config
+from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.loader import iter_weights, resolve_model
+from aiolm.model.loader import iter_weights
 from aiolm.model.registry import build_context, build_from_config, build_model, finish
 from aiolm.platforms import get_platform
 from paged import PagedHarness, hf_greedy
@@ -165,7 +166,7 @@ _PLAIN_TORCH_CHILD = """
 import json, sys
 import torch
 from aiolm.kernels import cpu
-from aiolm.model.loader import resolve_model
+from aiolm.checkpoint.source import resolve_model
 from aiolm.model.registry import build_model
 from paged import PagedHarness
 assert not cpu.load()

@@ -28,9 +28,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from aiolm.checkpoint.families import MODELS, read_config
+from aiolm.checkpoint.gguf_cache import cache_root
 from aiolm.checkpoint.gguf_convert import SUPPORTED_TYPES, unpermute_rope_rows
+from aiolm.checkpoint.source import embedded_model_path, resolve_model
 from aiolm.errors import ModelLoadError
-from aiolm.model.loader import cache_root, embedded_model_path, iter_weights, resolve_model
+from aiolm.model.loader import iter_weights
 from aiolm.model.registry import build_context, build_from_config, build_model, finish
 from aiolm.platforms import get_platform
 from aiolm.platforms.cpu import bfloat16_matmuls
@@ -542,7 +544,8 @@ from pathlib import Path
 import gguf, torch, safetensors.torch  # heavy imports before the start line
 from transformers import AutoTokenizer
 import aiolm.checkpoint.gguf_convert
-from aiolm.model.loader import cache_root, resolve_model
+from aiolm.checkpoint.gguf_cache import cache_root
+from aiolm.checkpoint.source import resolve_model
 
 gguf_path, barrier = sys.argv[1:3]
 Path(barrier, "child").touch()

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.model.loader import iter_weights, resolve_model
+from aiolm.model.loader import iter_weights
 from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_from_gguf, hf_greedy
 

@@ -120,7 +120,7 @@ def _tiny_hf_model(kind: str, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_tiny_random_qwen_matches_transformers(kind, tmp_path, tokenizer):
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.model.registry import build_model
 
     hf = _tiny_hf_model(kind, tmp_path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from aiolm.model.loader import resolve_model
+from aiolm.checkpoint.source import resolve_model
 from aiolm.model.registry import build_model
 from aiolm.platforms import Platform, get_platform
 from aiolm.quant import (

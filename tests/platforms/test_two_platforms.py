@@ -10,9 +10,9 @@ import torch
 
 from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.attention.torch_backend import TorchAttention
+from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.kernels.ops import TorchOps
-from aiolm.model.loader import resolve_model
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.quant.base import LinearMethod

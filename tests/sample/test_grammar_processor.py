@@ -18,7 +18,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     tok = resolve_model(None).load_tokenizer()
     Compiler.configure(lambda: tok)

@@ -140,7 +140,7 @@ def test_model_dependent_arguments_fail_in_one_line(command, tmp_path):
 def test_a_request_the_model_refuses_is_one_line(tmp_path):
     """--chat for a model without a chat template: exit code 2 and the reason in one line
     (after the line saying the model loaded), no traceback."""
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
 
     for f in resolve_model(None).path.iterdir():  # the embedded model, less its chat template
         if f.name == "tokenizer_config.json":

@@ -176,7 +176,7 @@ def test_the_server_process_never_loads_xgrammar(warm):
 
 _HOST = textwrap.dedent("""
     import asyncio, json, sys
-    from aiolm.model.loader import resolve_model
+    from aiolm.checkpoint.source import resolve_model
     from aiolm.structured.spec import StructuredOutputs
     from aiolm.structured.validator import Validator
 
