@@ -17,6 +17,7 @@ picks and logprobs do not hang on bfloat16's 8-bit logits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ def pack_weight(
         log.warning("packed linear disagrees with F.linear on a probe; not using it")
         return None
     if hand_over_bf16 and packed.data.dtype == torch.bfloat16:
-        packed = PackedWeight(packed.data, packed.out_features, packed.panels, hand_over_bf16=True)
+        packed = dataclasses.replace(packed, hand_over_bf16=True)
     return packed
 
 
@@ -121,7 +122,7 @@ class CpuPackedMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = layer.packed
         if packed is None:
-            return nn.functional.linear(x.to(layer.weight.dtype), layer.weight, bias)
+            return super().apply(layer, x, bias)
         return packed(x, bias)
 
 
