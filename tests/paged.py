@@ -119,3 +119,25 @@ def hf_from_gguf(path: Path):
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def quicksort(arr):",
+    "Les élèves ont mangé des pommes 🍎 et parlé 日本語 avec",
+    "List three colors:\n1.",
+]
+
+
+def parity_prompt_ids(tokenizer) -> list[list[int]]:
+    """The parity prompts (English, code, accents, emoji, CJK, a list) and one chat turn, as ids."""
+    chat = tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "You are concise."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS + [chat]]

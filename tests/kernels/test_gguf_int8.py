@@ -14,6 +14,8 @@ import torch
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.quant import gguf_blocks
 from aiolm.quant.base import LinearMethod, LinearSpec
+from kquant_blocks import random_q6_k
+from paged import parity_prompt_ids
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -106,8 +108,6 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
     the VNNI kernel beats the layer's matmuls (bench_linear.py, section 1d); Q6_K's, and any
     type's without VNNI, steps of up to 16 rows; beside bfloat16 matmuls on AMX, up to 32.
     Off, no step is int8."""
-    from kernels.test_gguf_kquants import random_q6_k
-
     if qtype == "Q6_K":
         g = gguf_blocks.GGUFWeight.from_blocks(random_q6_k(16, 256, np.random.default_rng(2), (1e-3, 1e-2)), qtype)
     else:
@@ -199,11 +199,10 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     and the int8 path must still say Paris and pick the float path's next token at almost
     every step of its answers."""
     from aiolm.model.registry import build_model
-    from model.test_parity import _prompt_ids
     from paged import PagedHarness
 
     model = build_model(real_source, torch.float32)
-    prompts = _prompt_ids(tokenizer)
+    prompts = parity_prompt_ids(tokenizer)
     assert len(prompts) <= min(gguf_blocks.INT8_LIMIT, gguf_blocks.MAX_ROWS)  # decode steps: int8, or float blocks
     n = 48
     monkeypatch.setattr(gguf_blocks, "INT8", False)
@@ -238,11 +237,10 @@ def test_bfloat16_matmuls_with_int8_activations_still_answer_paris(real_source, 
     a float16 KV cache and int8 activations for every decode step still answer the chat
     question."""
     from aiolm.model.registry import build_model
-    from model.test_parity import _prompt_ids
     from paged import PagedHarness
 
     model = build_model(real_source, torch.bfloat16)
     monkeypatch.setattr(gguf_blocks, "INT8", True)
-    chat = _prompt_ids(tokenizer)[-1]
+    chat = parity_prompt_ids(tokenizer)[-1]
     out = PagedHarness(model, dtype=torch.float16).greedy([chat], 16)[0]
     assert "Paris" in tokenizer.decode(out), tokenizer.decode(out)

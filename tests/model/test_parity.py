@@ -7,32 +7,12 @@ import json
 import pytest
 import torch
 
-from paged import PagedHarness, hf_greedy
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def quicksort(arr):",
-    "Les élèves ont mangé des pommes 🍎 et parlé 日本語 avec",
-    "List three colors:\n1.",
-]
-
-
-def _prompt_ids(tokenizer) -> list[list[int]]:
-    chat = tokenizer.apply_chat_template(
-        [
-            {"role": "system", "content": "You are concise."},
-            {"role": "user", "content": "What is the capital of France?"},
-        ],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS + [chat]]
+from paged import PagedHarness, hf_greedy, parity_prompt_ids
 
 
 @pytest.fixture(scope="module")
 def reference(tokenizer, hf_reference):
-    prompts = _prompt_ids(tokenizer)
+    prompts = parity_prompt_ids(tokenizer)
     return prompts, [hf_greedy(hf_reference, p, 48) for p in prompts]
 
 
