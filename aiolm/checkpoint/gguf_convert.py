@@ -16,6 +16,16 @@ casts to the requested dtype later). What llama.cpp's converter
   here says them as Gemma3TextConfig spells them. A tensor name can mean another
   Hugging Face one here: Gemma's ``ffn_norm`` is the pre-feedforward norm, Llama's the
   post-attention one.
+- Mixture of experts (Qwen2-MoE, Qwen3-MoE, and Mixtral, which is a ``llama`` file with
+  ``llama.expert_count``): it stacks a layer's experts into one 3-D tensor per projection
+  (``ffn_{gate,up,down}_exps``, numpy shape [experts, rows, cols]); we split them back into
+  the per-expert names Hugging Face checkpoints use. A layer with a dense ``ffn_gate``
+  instead of experts becomes one of Qwen's ``mlp_only_layers``. The router's top-k weights
+  are renormalised as llama.cpp runs each architecture (Qwen3-MoE and Mixtral yes, Qwen2-MoE
+  no), which the config says as ``norm_topk_prob``.
+
+Tensors are written to model.safetensors one at a time (the header is known from the
+tensor table), so a conversion holds one dequantized tensor, not the model, in memory.
 """
 
 from __future__ import annotations
@@ -56,7 +66,14 @@ _ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a "llama" file with experts
+_MOE_ARCHS = ("qwen2moe", "qwen3moe")  # architectures that are always mixtures of experts
+# llama.cpp's build_moe_ffn renormalises the top-k router weights for these (norm_w);
+# Mixtral always does, and its config has no field for it
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 _PERMUTED_QK = ("llama", "mistral")  # architectures whose Q/K rows llama.cpp permuted
 _NORM_SHIFT = {"gemma3": 1.0}  # what llama.cpp added to every *norm.weight
 
@@ -86,7 +103,30 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_LAYER_NAMES_OF = {"gemma3": _GEMMA3_LAYER_NAMES}  # architectures not named here: _LAYER_NAMES
+# A sparse layer's router and shared expert. Its experts (ffn_*_exps) are one GGUF tensor
+# for many Hugging Face ones: hf_expert_names, not hf_name, names them.
+_QWEN_MOE_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+_QWEN2_MOE_NAMES = {
+    **_QWEN_MOE_NAMES,
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_LAYER_NAMES_OF = {  # architectures not named here: _LAYER_NAMES
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "llama": {**_LAYER_NAMES, "ffn_gate_inp.weight": "block_sparse_moe.gate.weight"},  # Mixtral's router
+    "qwen2moe": {**_LAYER_NAMES, **_QWEN2_MOE_NAMES},
+    "qwen3moe": {**_LAYER_NAMES, **_QWEN_MOE_NAMES},
+}
+# expert projections: GGUF kind -> the Hugging Face module and projection names of each expert
+_EXPERT_KINDS = ("gate", "up", "down")
+_QWEN_EXPERTS = ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+_MIXTRAL_EXPERTS = ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
+_EXPERTS_OF = {"llama": _MIXTRAL_EXPERTS, "qwen2moe": _QWEN_EXPERTS, "qwen3moe": _QWEN_EXPERTS}
+_EXPS = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
+# Mixtral files from before llama.cpp stacked experts hold one tensor per expert
+_ONE_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -99,11 +139,30 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a tensor of a GGUF file of architecture ``arch``."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
-    layer = _LAYER_NAMES_OF.get(arch, _LAYER_NAMES)
     m = _BLK.match(gguf_name)
-    if m and m.group(2) in layer:
-        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"
-    return None
+    if m is None:
+        return None
+    i, part = m.groups()
+    layer = _LAYER_NAMES_OF.get(arch, _LAYER_NAMES)
+    if part in layer:
+        return f"model.layers.{i}.{layer[part]}"
+    one = _ONE_EXPERT.match(part)
+    if one and arch in _EXPERTS_OF:
+        module, proj = _EXPERTS_OF[arch]
+        return f"model.layers.{i}.{module}.experts.{one.group(2)}.{proj[one.group(1)]}.weight"
+    return None  # stacked experts (ffn_*_exps) among them: see hf_expert_names
+
+
+def hf_expert_names(gguf_name: str, arch: str, num_experts: int) -> list[str] | None:
+    """The Hugging Face names of the experts a stacked GGUF expert tensor holds, in its order
+    (``blk.N.ffn_gate_exps.weight`` is [experts, rows, cols]: expert e's gate projection is
+    slice e); None for any other tensor."""
+    m = _BLK.match(gguf_name)
+    exps = _EXPS.match(m.group(2)) if m else None
+    if m is None or exps is None or arch not in _EXPERTS_OF:
+        return None
+    module, proj = _EXPERTS_OF[arch]
+    return [f"model.layers.{m.group(1)}.{module}.experts.{e}.{proj[exps.group(1)]}.weight" for e in range(num_experts)]
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str | None:
@@ -143,7 +202,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def read_hf_config(reader: Any, path: Path) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
-        raise ModelLoadError(f"{path}: unknown GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}")
+        # the dense architectures, then the mixtures of experts
+        known = sorted(set(_ARCHS) - set(_MOE_ARCHS)) + sorted(_MOE_ARCHS)
+        raise ModelLoadError(f"{path}: unknown GGUF architecture {arch!r}; supported: {', '.join(known)}")
     hf_arch, model_type = _ARCHS[arch]
 
     def need(key: str) -> Any:
@@ -177,7 +238,110 @@ def read_hf_config(reader: Any, path: Path) -> dict[str, Any]:
     }
     if arch == "gemma3":
         cfg.update(_gemma3_config(lambda key: _field(reader, f"gemma3.{key}"), cfg, path))
+    if arch in _MOE_ARCHS or int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        shapes = {t.name: _shape(t) for t in reader.tensors}
+        cfg.update(_moe_config(lambda key: _field(reader, f"{arch}.{key}"), arch, cfg, shapes, path))
     return cfg
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape as numpy and Hugging Face order it (the file lists it innermost first)."""
+    return tuple(reversed([int(d) for d in t.shape]))
+
+
+def _moe_config(
+    field: Any, arch: str, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path
+) -> dict[str, Any]:
+    """What a mixture-of-experts config.json has beyond the common fields, spelled as the
+    original checkpoints spell it (Qwen: ``num_experts``, Mixtral: ``num_local_experts``)."""
+    experts = int(field("expert_count") or 0)
+    used = int(field("expert_used_count") or 0)
+    if experts <= 0 or not 0 < used <= experts:
+        raise ModelLoadError(
+            f"{path}: {arch}.expert_count {experts} and {arch}.expert_used_count {used}: "
+            "a mixture of experts needs 0 < used <= count"
+        )
+    layers = cfg["num_hidden_layers"]
+    eps = _decimal(cfg["rms_norm_eps"])  # the checkpoint's 1e-06, not its float32 neighbour
+    # llama.cpp's files of these architectures have experts in every layer; a layer that has
+    # a dense feed-forward instead (and no router) is one of Qwen's mlp_only_layers
+    dense = [
+        i
+        for i in range(layers)
+        if f"blk.{i}.ffn_gate_inp.weight" not in shapes and f"blk.{i}.ffn_gate.weight" in shapes
+    ]
+    if arch == "llama":  # Mixtral: the expert width is the feed-forward length; no dense layers
+        if dense:
+            raise ModelLoadError(
+                f"{path}: layer {dense[0]} has a dense feed-forward; Mixtral has experts in every layer"
+            )
+        width = int(field("expert_feed_forward_length") or cfg["intermediate_size"])
+        return {
+            "architectures": [_MIXTRAL[0]],
+            "model_type": _MIXTRAL[1],
+            "intermediate_size": width,
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "sliding_window": None,
+            "rms_norm_eps": eps,
+        }
+    out: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(field("expert_feed_forward_length") or cfg["intermediate_size"]),
+        "norm_topk_prob": _NORM_TOPK[arch],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "rms_norm_eps": eps,
+    }
+    if arch == "qwen2moe":
+        shared = field("expert_shared_feed_forward_length")
+        if shared is None:  # older files: the shared expert's own width
+            sparse = next((i for i in range(layers) if i not in dense), 0)
+            shared = shapes.get(f"blk.{sparse}.ffn_up_shexp.weight", (0,))[0]
+        out["shared_expert_intermediate_size"] = int(shared)
+        out["qkv_bias"] = cfg["attention_bias"]
+        out["use_sliding_window"] = False
+    return out
+
+
+def _check_moe_tensors(cfg: dict[str, Any], arch: str, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Every sparse layer has its router and all its experts, of the config's shapes (a file
+    cut short or from another converter otherwise loads as a model with missing experts)."""
+    hidden = cfg["hidden_size"]
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
+    width = int(cfg.get("moe_intermediate_size", cfg["intermediate_size"]))
+    dense = set(cfg.get("mlp_only_layers", ()))
+
+    def need(name: str, *expected: tuple[int, ...], what: str) -> None:
+        if name not in shapes:
+            raise ModelLoadError(f"{path}: tensor {name} ({what}) missing")
+        if shapes[name] not in expected:
+            want = " or ".join(str(list(e)) for e in expected)
+            raise ModelLoadError(f"{path}: tensor {name} ({what}) has shape {list(shapes[name])}; expected {want}")
+
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"blk.{i}."
+        if i in dense:
+            ffn = cfg["intermediate_size"]
+            for kind, shape in (("gate", (ffn, hidden)), ("up", (ffn, hidden)), ("down", (hidden, ffn))):
+                need(f"{b}ffn_{kind}.weight", shape, what=f"layer {i}'s dense {kind} projection")
+            continue
+        need(f"{b}ffn_gate_inp.weight", (experts, hidden), what=f"layer {i}'s router")
+        one_each = arch == "llama" and f"{b}ffn_gate.0.weight" in shapes  # the unstacked Mixtral layout
+        for kind in _EXPERT_KINDS:
+            rows, cols = (hidden, width) if kind == "down" else (width, hidden)
+            if one_each:
+                for e in range(experts):
+                    need(f"{b}ffn_{kind}.{e}.weight", (rows, cols), what=f"layer {i}'s expert {e} {kind} projection")
+            else:
+                need(f"{b}ffn_{kind}_exps.weight", (experts, rows, cols), what=f"layer {i}'s stacked {kind} experts")
+        if arch == "qwen2moe":
+            sh = cfg["shared_expert_intermediate_size"]
+            for kind, shape in (("gate", (sh, hidden)), ("up", (sh, hidden)), ("down", (hidden, sh))):
+                need(f"{b}ffn_{kind}_shexp.weight", shape, what=f"layer {i}'s shared expert {kind} projection")
+            # [1, hidden] as the converter writes it; [hidden] in some quantized files
+            need(f"{b}ffn_gate_inp_shexp.weight", (1, hidden), (hidden,), what=f"layer {i}'s shared expert gate")
 
 
 # llama.cpp's Gemma 3 constants (src/llama-model.cpp, LLM_ARCH_GEMMA3): with a sliding
@@ -228,7 +392,6 @@ def _gemma3_config(field: Any, cfg: dict[str, Any], path: Path) -> dict[str, Any
 def convert_gguf(path: Path, out_dir: Path) -> None:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files."""
     import gguf
-    from safetensors.numpy import save_file
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -236,36 +399,32 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
     cfg = read_hf_config(reader, path)
     arch = _field(reader, "general.architecture")
-    permute = arch in _PERMUTED_QK
-    shift = _NORM_SHIFT.get(arch, 0.0)
-    tensors: dict[str, np.ndarray] = {}
-    total = len(reader.tensors)
-    for i, t in enumerate(reader.tensors):
-        if i % max(1, total // 10) == 0:
-            progress("converting %s: tensor %d of %d", path.name, i + 1, total)
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
+    if experts:
+        _check_moe_tensors(cfg, arch, {t.name: _shape(t) for t in reader.tensors}, path)
+    # what each GGUF tensor becomes: one Hugging Face tensor, or one per expert (slices of dim 0)
+    plan: list[tuple[Any, list[str], tuple[int, ...]]] = []
+    for t in reader.tensors:
+        shape = _shape(t)
+        names = hf_expert_names(t.name, arch, experts) if experts else None
+        if names is not None:
+            plan.append((t, names, shape[1:]))
+            continue
         name = hf_name(t.name, arch)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        ttype = t.tensor_type.name
-        if ttype not in SUPPORTED_TYPES:
-            raise ModelLoadError(
-                f"{path}: tensor {t.name} has unsupported GGUF type {ttype}; "
-                f"supported: {', '.join(sorted(SUPPORTED_TYPES))}"
-            )
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(f"{path}: tensor {t.name}: cannot dequantize {ttype} ({e})") from e
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
-            arr = unpermute_rope_rows(arr, n)
-        if shift and name.endswith("norm.weight"):
-            arr = arr - np.float32(shift)
-        tensors[name] = np.ascontiguousarray(arr, dtype=np.float32)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-
+        if name.endswith("shared_expert_gate.weight"):
+            shape = (1, shape[-1])  # a [hidden] one in some files; Hugging Face's is a 1-row linear
+        plan.append((t, [name], shape))
+    for t, _, _ in plan:  # refused before anything is written
+        _check_type(t, path)
+    with _SafetensorsWriter(out_dir / "model.safetensors", [(n, s) for _, names, s in plan for n in names]) as out:
+        for i, (t, names, shape) in enumerate(plan):
+            if i % max(1, len(plan) // 10) == 0:
+                progress("converting %s: tensor %d of %d", path.name, i + 1, len(plan))
+            arr = _dequantize(gguf, t, path).reshape(len(names), *shape)
+            for name, part in zip(names, arr):
+                out.write(_undo_llama_cpp(name, part, arch, cfg))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
     turn_end = _turn_end_id(reader) if arch == "gemma3" else None
     if turn_end is not None and turn_end != gen.get("eos_token_id"):
@@ -274,6 +433,65 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     _save_tokenizer(path, out_dir)
     # config.json last: the loader treats its presence as "the folder is complete".
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _dequantize(gguf: Any, t: Any, path: Path) -> np.ndarray:
+    """A GGUF tensor's values, float32 in numpy (Hugging Face) order."""
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{path}: tensor {t.name}: cannot dequantize {t.tensor_type.name} ({e})") from e
+    return np.asarray(arr, dtype=np.float32).reshape(_shape(t))
+
+
+def _check_type(t: Any, path: Path) -> None:
+    ttype = t.tensor_type.name
+    if ttype not in SUPPORTED_TYPES:
+        raise ModelLoadError(
+            f"{path}: tensor {t.name} has unsupported GGUF type {ttype}; "
+            f"supported: {', '.join(sorted(SUPPORTED_TYPES))}"
+        )
+
+
+def _undo_llama_cpp(name: str, arr: np.ndarray, arch: str, cfg: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter changed in the tensor Hugging Face calls ``name``, undone."""
+    if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+        arr = unpermute_rope_rows(arr, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
+    shift = _NORM_SHIFT.get(arch, 0.0)
+    if shift and name.endswith("norm.weight"):
+        arr = arr - np.float32(shift)
+    return arr
+
+
+class _SafetensorsWriter:
+    """A float32 safetensors file written one tensor at a time: the header (names, shapes and
+    offsets) is known from the tensor table up front, so no tensor waits in memory for the rest.
+    The format: an 8-byte little-endian header length, the JSON header, then the data."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, tuple[int, ...]]]) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape in specs:
+            n = int(np.prod(shape, dtype=np.int64)) * 4
+            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.specs, self.done = specs, 0
+        self.f = open(path, "wb")
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, arr: np.ndarray) -> None:
+        name, shape = self.specs[self.done]
+        assert arr.shape == shape, (name, arr.shape, shape)  # the header promised this shape here
+        self.f.write(np.ascontiguousarray(arr, dtype="<f4").tobytes())
+        self.done += 1
+
+    def __enter__(self) -> _SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
 
 
 def _turn_end_id(reader: Any) -> int | None:
