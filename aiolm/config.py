@@ -71,6 +71,11 @@ class EngineArgs:
     tensor_parallel_size: int = _f(
         1, "number of worker processes splitting each layer (one machine; more with --executor ray)"
     )
+    enable_expert_parallel: bool = _f(
+        False,
+        "mixture-of-experts models: place whole experts on the tensor-parallel ranks "
+        "(E / N each) instead of slicing every expert; attention stays tensor-parallel",
+    )
     attention_backend: str = _f(
         "auto",
         "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, triton on CUDA; torch is the reference)",
@@ -326,6 +331,7 @@ class RunnerConfig:
     seed: int = 0
     structured_outputs: bool = True  # get the grammar compiler ready while the model loads
     async_scheduling: bool = False  # overlap: append sampled tokens here, the engine sends none back
+    enable_expert_parallel: bool = False  # layers of experts: whole experts per rank
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

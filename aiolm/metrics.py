@@ -374,6 +374,17 @@ class _Collector:
             for pos, count in enumerate(list(spec.accepted_per_position)):
                 per_pos.add_metric([*labels, str(pos)], count)
             yield per_pos
+        experts = getattr(src, "expert_tokens", None)
+        if experts:  # a mixture of experts: what expert placement is balanced by
+            routed = CounterMetricFamily(
+                p + "moe_expert_tokens",
+                "Tokens routed to each expert of each layer of experts.",
+                labels=(*LABELS, "layer", "expert"),
+            )
+            for layer, row in enumerate(experts):
+                for expert, count in enumerate(row):
+                    routed.add_metric([*labels, str(layer), str(expert)], count)
+            yield routed
         yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
         success = CounterMetricFamily(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.checkpoint import gemma3, llama
+from aiolm.checkpoint import gemma3, llama, moe
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.errors import ModelLoadError
 
@@ -34,6 +34,9 @@ MODELS: dict[str, ModelFamily] = {
     "Qwen2ForCausalLM": ModelFamily("qwen2", "llama", "LlamaForCausalLM", "qwen2", llama.config_from_hf),
     "Qwen3ForCausalLM": ModelFamily("qwen3", "llama", "LlamaForCausalLM", "qwen3", llama.config_from_hf),
     "Gemma3ForCausalLM": ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", "gemma3_text", gemma3.config_from_hf),
+    "Qwen3MoeForCausalLM": ModelFamily("qwen3_moe", "moe", "MoEForCausalLM", "qwen3_moe", moe.config_from_hf),
+    "Qwen2MoeForCausalLM": ModelFamily("qwen2_moe", "moe", "MoEForCausalLM", "qwen2_moe", moe.config_from_hf),
+    "MixtralForCausalLM": ModelFamily("mixtral", "moe", "MoEForCausalLM", "mixtral", moe.config_from_hf),
 }
 
 

@@ -10,6 +10,8 @@ head counts and the sizes that would work.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def _problems(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[str]:
     problems = []
@@ -34,6 +36,33 @@ def split_error(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: i
         f"tensor_parallel_size {tp} cannot split this model: {'; '.join(problems)} "
         f"(sizes that work: {', '.join(map(str, ok))})"
     )
+
+
+def experts_split_error(tp: int, cfg: Any, expert_parallel: bool) -> str | None:
+    """Why ``tp`` ranks cannot split the layers of experts of ``cfg`` (a MoEConfig): with
+    expert parallelism each rank takes E / N whole experts, without it 1/N of every expert's
+    intermediate features. None if they can."""
+    shared = cfg.shared_expert_intermediate_size
+    if shared % tp:
+        return (
+            f"tensor_parallel_size {tp} cannot split this model: its shared expert size {shared} "
+            f"is not divisible by {tp}"
+        )
+    if expert_parallel:
+        if cfg.num_experts % tp:
+            ok = [n for n in range(1, cfg.num_experts + 1) if cfg.num_experts % n == 0]
+            return (
+                f"--enable-expert-parallel with tensor_parallel_size {tp}: its {cfg.num_experts} experts "
+                f"cannot be split evenly over {tp} ranks (rank counts that divide them: {', '.join(map(str, ok))})"
+            )
+        return None
+    if cfg.moe_intermediate_size % tp:
+        return (
+            f"tensor_parallel_size {tp} cannot split this model: its expert intermediate size "
+            f"{cfg.moe_intermediate_size} is not divisible by {tp} (--enable-expert-parallel places whole "
+            f"experts instead)"
+        )
+    return None
 
 
 def kv_head_for_rank(rank: int, tp: int, num_kv_heads: int) -> range:

@@ -25,6 +25,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from aiolm.checkpoint.moe import MoEConfig
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
@@ -54,11 +55,16 @@ def check_model_args(args: EngineArgs) -> ModelSource:
     the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
     one-line message, before any worker starts; the CLI shows that line alone (exit 2)."""
     from aiolm.checkpoint.source import resolve_model
-    from aiolm.distributed.sharding import split_error
+    from aiolm.distributed.sharding import experts_split_error, split_error
 
     source = resolve_model(args.model)
     mc = source.config
-    why = split_error(args.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+    dense = mc.intermediate_size
+    if isinstance(mc, MoEConfig) and all(mc.sparse_layers):
+        dense = 0  # no dense MLP to split (Mixtral's intermediate_size is its experts')
+    why = split_error(args.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, dense)
+    if why is None and isinstance(mc, MoEConfig):
+        why = experts_split_error(args.tensor_parallel_size, mc, args.enable_expert_parallel)
     if why is not None:
         raise ValueError(f"{source.name}: {why}")
     return source
@@ -89,6 +95,7 @@ class AsyncEngine:
         self.supervisor: WorkerSupervisor | None = None
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
         self._stopping: asyncio.Task[None] | None = None
+        self.expert_tokens: list[list[int]] = []  # expert_load()'s running totals
 
     @property
     def executor(self) -> Executor | None:
@@ -117,6 +124,8 @@ class AsyncEngine:
         mc = self.source.config
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         self.model_name = a.served_model_name or self.source.name
+        if isinstance(mc, MoEConfig):
+            self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
         runner_cfg = RunnerConfig(
             model=str(self.source.origin),
             dtype=a.dtype,
@@ -135,6 +144,7 @@ class AsyncEngine:
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none",
             async_scheduling=a.async_scheduling,
+            enable_expert_parallel=a.enable_expert_parallel,
         )
         # One for the engine's life: a worker set started by recovery keeps the measured rate.
         self.step_watch = a.step_watch()
@@ -473,6 +483,20 @@ class AsyncEngine:
         when it is off; read by metrics and benchmarks."""
         sched = getattr(self, "scheduler", None)
         return sched.spec_decode_stats if sched is not None else None
+
+    async def expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert of each layer of experts since the engine started
+        ([sparse layer][expert], every rank's experts; empty for a dense model): the input
+        an expert-placement balancer needs. Also in /metrics as ``moe_expert_tokens``."""
+        executor = self.executor
+        if not self._started or executor is None or not self.expert_tokens:
+            return [list(row) for row in self.expert_tokens]
+        if self._dead is None:
+            fresh = (await executor.collective_rpc("take_expert_counts"))[0]
+            for row, add in zip(self.expert_tokens, fresh):
+                for e, n in enumerate(add):
+                    row[e] += n
+        return [list(row) for row in self.expert_tokens]
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) in the scheduler; nothing runs in a dead engine."""

@@ -70,13 +70,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, prefix: str = "") -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, prefix: str = "", intermediate: int | None = None) -> None:
         super().__init__()
         self.ops = ctx.ops
+        inter = intermediate or cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            ctx, cfg.hidden_size, [cfg.intermediate_size] * 2, names=(f"{prefix}.gate_proj", f"{prefix}.up_proj")
+            ctx, cfg.hidden_size, [inter] * 2, names=(f"{prefix}.gate_proj", f"{prefix}.up_proj")
         )
-        self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, cfg.hidden_size, names=(f"{prefix}.down_proj",))
+        self.down_proj = RowParallelLinear(ctx, inter, cfg.hidden_size, names=(f"{prefix}.down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -89,14 +90,21 @@ class DecoderLayer(nn.Module):
     fused: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def __init__(
-        self, cfg: ModelConfig, ctx: BuildContext, rotary: RotaryEmbedding, window: int | None = None, prefix: str = ""
+        self,
+        cfg: ModelConfig,
+        ctx: BuildContext,
+        rotary: RotaryEmbedding,
+        window: int | None = None,
+        prefix: str = "",
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the feed-forward block, when not the dense MLP (a layer of experts)."""
         super().__init__()
         self.quant = ctx.quant
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
         self.self_attn = Attention(cfg, ctx, rotary, window, prefix=f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
-        self.mlp = MLP(cfg, ctx, prefix=f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else MLP(cfg, ctx, prefix=f"{prefix}.mlp")
 
     def process_weights_after_loading(self) -> None:
         """After its parts' own steps (model/layers/context.py): take the fused step, if offered."""
@@ -144,12 +152,24 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ctx, rotary, cfg.window(i), prefix=f"model.layers.{i}") for i in range(cfg.num_layers)
+            DecoderLayer(
+                cfg,
+                ctx,
+                rotary,
+                cfg.window(i),
+                f"model.layers.{i}",
+                self.make_mlp(cfg, ctx, i, f"model.layers.{i}.mlp"),
+            )
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
         self.lm_head = ParallelLMHead(
             ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
         )
+
+    def make_mlp(self, cfg: ModelConfig, ctx: BuildContext, layer: int, prefix: str) -> nn.Module | None:
+        """Layer ``layer``'s feed-forward block where it is not the dense MLP; None here."""
+        return None
 
     @torch.inference_mode()
     def forward(
@@ -203,13 +223,16 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.config.num_layers):
             p = f"layers.{i}"
             expected |= {f"{p}.self_attn.qkv_proj.weight#{s}" for s in range(3)}
-            expected |= {f"{p}.mlp.gate_up_proj.weight#{s}" for s in range(2)}
+            expected |= self.expected_mlp_weights(i, f"{p}.mlp")
             expected |= {
                 f"{p}.self_attn.o_proj.weight#0",
-                f"{p}.mlp.down_proj.weight#0",
                 f"{p}.input_layernorm.weight#0",
                 f"{p}.post_attention_layernorm.weight#0",
             }
         missing = sorted(expected - seen)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def expected_mlp_weights(self, layer: int, prefix: str) -> set[str]:
+        """What ``load_weights`` must have filled of layer ``layer``'s feed-forward block."""
+        return {f"{prefix}.gate_up_proj.weight#0", f"{prefix}.gate_up_proj.weight#1", f"{prefix}.down_proj.weight#0"}

@@ -53,10 +53,12 @@ def build_context(
     model_config: ModelConfig | None = None,
     checkpoint: Any = None,
     device: torch.device | str | None = None,
+    expert_parallel: bool = False,
 ) -> BuildContext:
     """What a model built on ``platform`` in ``dtype`` gets: the platform's ops, the attention
     backend ``attention`` (auto or a name in aiolm/attention/registry.py), the quant method
-    it chooses for ``checkpoint`` (a file or folder), and this rank's tensor-parallel group."""
+    it chooses for ``checkpoint`` (a file or folder), and this rank's tensor-parallel group
+    (``expert_parallel``: over which layers of experts place whole experts)."""
     tp = get_tp_group()
     return BuildContext(
         ops=platform.ops(),
@@ -66,6 +68,7 @@ def build_context(
         dtype=platform.activation_dtype(dtype),
         device=torch.device(device) if device is not None else platform.device,
         platform=platform,
+        expert_parallel=expert_parallel,
     )
 
 
@@ -76,14 +79,16 @@ def build_model(
     max_positions: int | None = None,
     attention: str = "auto",
     platform: Platform | None = None,
+    expert_parallel: bool = False,
 ) -> CausalLM:
     """The model of ``source`` loaded and laid out for ``platform`` (by default ``device``'s),
-    with the attention backend ``attention`` (auto|cpu|torch|triton)."""
+    with the attention backend ``attention`` (auto|cpu|torch|triton); ``expert_parallel``:
+    whole experts per tensor-parallel rank."""
     if platform is None:
         platform, where = get_platform(device), torch.device(device)
     else:
         where = platform.device
-    ctx = build_context(platform, dtype, attention, source.config, source.origin, where)
+    ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel)
     model = model_class(source.config)(source.config, ctx, max_positions)
     model.load_weights(iter_weights(source, lazy=True))  # a rank reads only its slices
     return finish(model, ctx)

@@ -12,6 +12,7 @@ import torch
 from aiolm.errors import ModelLoadError
 from aiolm.kernels.ops import TorchOps
 from aiolm.platforms.base import Platform
+from aiolm.quant import QuantConfig, quant_config
 
 
 class CudaPlatform(Platform):
@@ -58,6 +59,14 @@ class CudaPlatform(Platform):
         from aiolm.kernels.triton.ops import TritonOps
 
         return TritonOps()
+
+    def quant_config(
+        self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None, tp_size: int = 1
+    ) -> QuantConfig:
+        """Dense weights; layers of experts run by the fused Triton kernel where triton is installed."""
+        from aiolm.kernels import triton as triton_kernels
+
+        return quant_config("dense", experts="triton" if triton_kernels.available() else "torch")
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         t = super().resolve_dtype(dtype)

@@ -6,6 +6,10 @@ owns the layer's weights: ``create_weights`` gives the layer the parameters the 
 fills, ``process_weights_after_loading`` lays them out for the kernel once they are in
 place (on the model's device and dtype), and ``apply`` is the multiply. The layer only
 passes x and its bias through; the output's dtype is the method's business.
+
+A mixture-of-experts layer (aiolm/model/layers/fused_moe.py) gets an ``ExpertsMethod`` the
+same way: its experts' weights, their layout, and one call that runs every routed expert
+over its tokens and combines them with the routing weights.
 """
 
 from __future__ import annotations
@@ -48,6 +52,60 @@ class LinearMethod:
         return nn.functional.linear(x.to(layer.weight.dtype), layer.weight, bias)
 
 
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """What a quant config may need to know of one layer of experts to choose its method."""
+
+    prefix: str  # the checkpoint's name of the layer's experts: "model.layers.3.mlp.experts"
+    num_experts: int  # in the checkpoint, all ranks together
+    expert_start: int  # the first of this rank's experts (expert parallelism), else 0
+
+
+def experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * w13[e, I:] @ x[t]), e = topk_ids[t, j],
+    one expert at a time in ascending order as transformers sums them; ids outside [0, E)
+    (experts of another rank) add nothing. float32 out."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    num = w13.shape[0]
+    counts = torch.bincount(flat.clamp(-1, num) + 1, minlength=num + 2).tolist()  # [not here, 0 .. E-1, past E]
+    k = topk_ids.shape[1]
+    start = counts[0]  # the sort puts the -1s first
+    for e, n in enumerate(counts[1 : num + 1]):
+        if n:
+            pairs = order[start : start + n]
+            tokens = pairs // k
+            gate, up = nn.functional.linear(x[tokens].to(w13.dtype), w13[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, w2[e]).float()
+            out.index_add_(0, tokens, y * topk_weights.reshape(-1)[pairs, None].float())
+        start += n
+    return out
+
+
+class ExpertsMethod:
+    """Plain expert weights (w13 [E, 2I, H]: each expert's gate rows above its up rows;
+    w2 [E, H, I]) run one expert at a time by ``experts_reference``: any device, any dtype."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int) -> None:
+        layer.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once, after loading, with the layer's weights on its device and in its dtype."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's output for x [T, H] routed to topk_ids (this rank's numbering, -1: not
+        here) with topk_weights (float32 [T, k]); float32 [T, H], before any all-reduce."""
+        return experts_reference(x, layer.w13, layer.w2, topk_weights, topk_ids)
+
+
 class QuantConfig:
     """Chooses the linear method of each layer of one model; the base gives every layer plain
     weights. One object per model build: it may hold what the choice reads (a checkpoint's
@@ -57,6 +115,9 @@ class QuantConfig:
 
     def linear_method(self, spec: LinearSpec) -> LinearMethod:
         return LinearMethod()
+
+    def experts_method(self, spec: ExpertsSpec) -> ExpertsMethod:
+        return ExpertsMethod()
 
     def fused_decoder_layer(self, layer: Any) -> Callable[..., Any] | None:
         """A whole decoder layer's step for the steps it can take, offered to a plain

@@ -40,7 +40,7 @@ from aiolm.attention.cpu_backend import CpuPagedAttention
 from aiolm.checkpoint.gguf_convert import hf_name, unpermute_rope_rows
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.gguf_index import read_tensors
-from aiolm.quant.base import LinearMethod, LinearSpec, QuantConfig
+from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,8 @@ class FusedDecodeLayer:
         with qkv/o projections, post-attention norm, SiLU MLP with gate_up/down), or None
         where its parts are not all what the C++ step computes."""
         a, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):  # a layer of experts
+            return None
         linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
         gguf = [getattr(m, "gguf", None) for m in linears]
         if (
@@ -359,6 +361,9 @@ class GGUFBlocksConfig(QuantConfig):
     def linear_method(self, spec: LinearSpec) -> LinearMethod:
         dtype = torch.float32 if spec.lm_head else self.matmul_dtype  # as the inner method multiplies
         return GGUFBlocksMethod(self, spec, self.inner.linear_method(spec), dtype)
+
+    def experts_method(self, spec: ExpertsSpec) -> ExpertsMethod:
+        return self.inner.experts_method(spec)  # the experts run on the converted float32 weights
 
     def fused_decoder_layer(self, layer: Any) -> FusedDecodeLayer | None:
         fused = FusedDecodeLayer.of(layer)

@@ -69,6 +69,9 @@ async def metrics(request: Request) -> Response:
     """The engine's own registry (aiolm/metrics.py): the same series an embedding app exposes;
     with data parallelism, one series per replica (label ``engine``) and the routing lines."""
     engine = context(request).engine
+    expert_load = getattr(engine, "expert_load", None)  # a mixture of experts' routing counts, fetched fresh
+    if expert_load is not None:
+        await expert_load()
     text = engine.metrics.render()
     per_replica = getattr(engine, "render_replica_metrics", None)  # engine/data_parallel.py
     if per_replica is not None:

@@ -57,7 +57,12 @@ class ModelRunner:
         requested = self.platform.resolve_dtype(cfg.dtype)
         with self.platform.memory_guard("loading the weights", cfg):
             self.model = build_model(
-                self.source, requested, self.device, max_positions=cfg.max_model_len, attention=cfg.attention_backend
+                self.source,
+                requested,
+                self.device,
+                max_positions=cfg.max_model_len,
+                attention=cfg.attention_backend,
+                expert_parallel=cfg.enable_expert_parallel,
             )
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
         self.kv_dtype = self.platform.kv_cache_dtype(requested)
@@ -288,6 +293,12 @@ class ModelRunner:
 
     def kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}
+
+    def take_expert_counts(self) -> list[list[int]]:
+        """Tokens routed to each expert of each layer of experts since the last call
+        ([layer][expert]; empty for a dense model): what expert placement is balanced by."""
+        take = getattr(self.model, "take_expert_counts", None)
+        return take().tolist() if take is not None else []
 
 
 def call_on_runner(

@@ -27,6 +27,8 @@ class BuildContext:
     dtype: torch.dtype = torch.float32  # the weights and activations once loaded
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     platform: Any = None  # the platform that chose the above, for the record
+    # layers of experts place whole experts on ranks (aiolm/model/layers/fused_moe.py)
+    expert_parallel: bool = False
 
 
 def process_weights_after_loading(module: nn.Module) -> None:
