@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-from moe_models import KINDS, moe_model
 from safetensors.torch import load_file, save_file
 
 from aiolm.checkpoint.moe import MoEConfig
@@ -21,6 +20,7 @@ from aiolm.errors import ModelLoadError
 from aiolm.model.layers.fused_moe import Router
 from aiolm.model.registry import build_model
 from aiolm.quant.base import experts_reference
+from moe_models import KINDS, moe_model
 from paged import PagedHarness, hf_greedy
 
 NEW = 12
@@ -138,3 +138,27 @@ def test_mixtral_missing_expert_is_named_as_its_checkpoint_names_it(tmp_path):
     _rewrite(tmp_path, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
     with pytest.raises(ModelLoadError, match=r"layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight"):
         build_model(resolve_model(tmp_path), torch.float32)
+
+
+def test_expert_parallel_places_whole_experts_and_tensor_parallel_slices_them(tmp_path):
+    """Rank 1 of 2: with expert parallelism it holds experts 3-5 whole, without it the second
+    half of every expert's intermediate features (the ranks' outputs are summed by the
+    all-reduce, here left out: one process)."""
+    from aiolm.distributed.parallel_state import TPGroup, get_tp_group, set_tp_group
+
+    hf = moe_model("qwen3_moe", tmp_path, num_experts=6, moe_intermediate_size=48)
+    experts = hf.model.layers[0].mlp.experts  # transformers 5 keeps them fused: [E, 2I, H] and [E, H, I]
+    before = get_tp_group()
+    set_tp_group(TPGroup(rank=1, world_size=2, all_reduce_fn=lambda x: x, all_gather_fn=lambda x: x))
+    try:
+        ep = build_model(resolve_model(tmp_path), torch.float32, expert_parallel=True).layers[0].mlp.experts
+        tp = build_model(resolve_model(tmp_path), torch.float32).layers[0].mlp.experts
+    finally:
+        set_tp_group(before)
+    assert (ep.local_experts, ep.expert_start) == (3, 3)
+    torch.testing.assert_close(ep.w13, experts.gate_up_proj[3:], rtol=0, atol=0)
+    torch.testing.assert_close(ep.w2, experts.down_proj[3:], rtol=0, atol=0)
+    gate, up = experts.gate_up_proj.chunk(2, dim=1)
+    assert (tp.local_experts, tp.expert_start) == (6, 0)
+    torch.testing.assert_close(tp.w13, torch.cat([gate[:, 24:], up[:, 24:]], 1), rtol=0, atol=0)
+    torch.testing.assert_close(tp.w2, experts.down_proj[:, :, 24:], rtol=0, atol=0)
