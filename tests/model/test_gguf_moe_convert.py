@@ -217,3 +217,48 @@ def test_shared_expert_gate_of_a_quantized_file_is_one_dimensional(tmp_path):
     shapes = {t.name: list(t.shape) for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
     assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == [64]
     assert np.array_equal(shapes["blk.0.ffn_gate_exps.weight"], [64, 32, 4])  # ggml order: cols, rows, experts
+
+
+def test_make_model_writes_the_moe_bench_model(tmp_path):
+    """benchmarks/make_model.py --moe --scale tiny: the float32 folder is a Qwen3-MoE transformers
+    runs; the Q4_K_M file has llama.cpp's mix (fallback types where a row is not a multiple of
+    256) and every tensor in it is the folder's, within 4-bit rounding (gguf-py dequantizes)."""
+    import sys
+    from pathlib import Path
+
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from make_model import MOE_SCALES, make_model, moe_parameters
+
+    manifest = make_model(tmp_path, "tiny", formats=("f32", "q4_k_m"), moe=True)
+    s = MOE_SCALES["tiny"]
+    assert manifest["files"] == {"f32": "hf-float32", "q4_k_m": "model-Q4_K_M.gguf"}
+    assert (manifest["parameters"], manifest["active_parameters"]) == moe_parameters(s)
+    folder = load_file(str(tmp_path / "hf-float32" / "model.safetensors"))
+    assert sum(t.numel() for t in folder.values()) == manifest["parameters"]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-float32"), dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == s.experts
+    assert model.config.norm_topk_prob and model.config.vocab_size == 49152
+
+    reader = gguf.GGUFReader(str(tmp_path / "model-Q4_K_M.gguf"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["output.weight"] == "Q6_K" and types["blk.0.ffn_gate_exps.weight"] == "Q4_K"
+    # layer 1 of 2 is one llama.cpp gives more bits: attn_v Q6_K; ffn_down_exps' rows of 128
+    # cannot be K-quants, so Q6_K falls back to Q8_0 there and layer 0's Q4_K to Q5_0
+    assert (types["blk.1.attn_v.weight"], types["blk.0.attn_v.weight"]) == ("Q6_K", "Q4_K")
+    assert (types["blk.1.ffn_down_exps.weight"], types["blk.0.ffn_down_exps.weight"]) == ("Q8_0", "Q5_0")
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    seen = set()
+    for t in reader.tensors:
+        arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        names = hf_expert_names(t.name, "qwen3moe", s.experts) or [hf_name(t.name, "qwen3moe")]
+        parts = arr if t.name.endswith("_exps.weight") else arr[None]  # stacked experts: one per slice
+        for name, part in zip(names, parts):
+            ref = folder[name].numpy()
+            rel = np.sqrt(np.mean((part - ref) ** 2)) / max(float(ref.std()), 1e-12)
+            assert rel < (0.1 if t.tensor_type.name != "F32" else 1e-7), (t.name, name, rel)
+            seen.add(name)
+    assert seen == set(folder)
