@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.quant.base import LinearMethod, LinearSpec, QuantConfig
+from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,27 @@ class CpuPackedMethod(LinearMethod):
         return packed(x, bias)
 
 
+class CpuPackedExpertsMethod(ExpertsMethod):
+    """A layer of experts laid out once for ``aiolm::fused_moe`` (aiolm/kernels/cpu_moe.py:
+    every routed expert over its tokens in one call) in ``dtype``; ``layer.cpu_experts`` holds
+    them and the dense weights go."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from aiolm.kernels.cpu_moe import CpuExperts
+
+        layer.cpu_experts = CpuExperts.from_dense(layer.w13.data, layer.w2.data, self.dtype)
+        layer.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return layer.cpu_experts(x, topk_weights, topk_ids)
+
+
 class CpuPackedConfig(QuantConfig):
     """Decoder layers multiply in ``matmul_dtype`` (float32 or bfloat16), the LM head in
     float32. With ``hand_over_bf16`` (the fused C++ ops read bfloat16), a bfloat16 matmul
@@ -143,3 +164,6 @@ class CpuPackedConfig(QuantConfig):
         return CpuPackedMethod(
             self.matmul_dtype, self.hand_over_bf16 and spec.output_to_kernel, keep_weight=spec.shared_weight
         )
+
+    def experts_method(self, spec: ExpertsSpec) -> ExpertsMethod:
+        return CpuPackedExpertsMethod(self.matmul_dtype)

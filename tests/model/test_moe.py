@@ -145,14 +145,16 @@ def test_expert_parallel_places_whole_experts_and_tensor_parallel_slices_them(tm
     half of every expert's intermediate features (the ranks' outputs are summed by the
     all-reduce, here left out: one process)."""
     from aiolm.distributed.parallel_state import TPGroup, get_tp_group, set_tp_group
+    from aiolm.platforms import get_platform
 
     hf = moe_model("qwen3_moe", tmp_path, num_experts=6, moe_intermediate_size=48)
     experts = hf.model.layers[0].mlp.experts  # transformers 5 keeps them fused: [E, 2I, H] and [E, H, I]
     before = get_tp_group()
     set_tp_group(TPGroup(rank=1, world_size=2, all_reduce_fn=lambda x: x, all_gather_fn=lambda x: x))
     try:
-        ep = build_model(resolve_model(tmp_path), torch.float32, expert_parallel=True).layers[0].mlp.experts
-        tp = build_model(resolve_model(tmp_path), torch.float32).layers[0].mlp.experts
+        torch_platform = get_platform("cpu", reference=True)  # dense expert weights, as loaded
+        ep = build_model(resolve_model(tmp_path), expert_parallel=True, platform=torch_platform).layers[0].mlp.experts
+        tp = build_model(resolve_model(tmp_path), platform=torch_platform).layers[0].mlp.experts
     finally:
         set_tp_group(before)
     assert (ep.local_experts, ep.expert_start) == (3, 3)
