@@ -75,6 +75,20 @@ _MOE_ARCHS = ("qwen2moe", "qwen3moe")  # architectures that are always mixtures 
 # Mixtral always does, and its config has no field for it
 _NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 _PERMUTED_QK = ("llama", "mistral")  # architectures whose Q/K rows llama.cpp permuted
+
+
+def gguf_architecture(architecture: str) -> str:
+    """The GGUF ``general.architecture`` of a file of ModelConfig.architecture ``architecture``
+    (Mixtral's files are ``llama`` ones with experts)."""
+    return {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(architecture, architecture)
+
+
+def permuted_qk(architecture: str) -> bool:
+    """Whether a GGUF file of ModelConfig.architecture ``architecture`` holds its Q and K rows
+    in llama.cpp's RoPE order (undone by ``unpermute_rope_rows``)."""
+    return gguf_architecture(architecture) in _PERMUTED_QK
+
+
 _NORM_SHIFT = {"gemma3": 1.0}  # what llama.cpp added to every *norm.weight
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}

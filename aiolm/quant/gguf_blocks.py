@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from aiolm.attention.cpu_backend import CpuPagedAttention
-from aiolm.checkpoint.gguf_convert import hf_name, unpermute_rope_rows
+from aiolm.checkpoint.gguf_convert import gguf_architecture, hf_name, permuted_qk, unpermute_rope_rows
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.gguf_index import read_tensors
 from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
@@ -373,8 +373,9 @@ class GGUFBlocksConfig(QuantConfig):
     def _tensors(self) -> dict[str, tuple[np.ndarray, str]]:
         if self._raw is None:
             self._raw = {}
+            arch = gguf_architecture(self.model_config.architecture)
             for t in read_tensors(self.path).values():
-                name = hf_name(t.name)
+                name = hf_name(t.name, arch)
                 if name is not None and t.type_name in TYPE_IDS:
                     self._raw[name] = (t.data, t.type_name)
         return self._raw
@@ -386,7 +387,7 @@ class GGUFBlocksConfig(QuantConfig):
         data, ttype = got
         data = np.asarray(data, dtype=np.uint8)
         cfg = self.model_config
-        if cfg.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted_qk(cfg.architecture) and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = unpermute_rope_rows(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         return data, ttype
 
