@@ -1,6 +1,6 @@
 """Write a random-weight Llama of TinyLlama-1.1B's shape in every format the benchmarks run.
 
-    python benchmarks/make_model.py [OUT] [--scale full|tiny] [--formats f32,bf16,q8_0,q4_0]
+    python benchmarks/make_model.py [OUT] [--scale full|tiny|moe-twin] [--formats f32,bf16,q8_0,q4_0]
     python benchmarks/make_model.py [OUT] --moe [--scale full|tiny] [--formats f32,bf16,q8_0,q4_k_m]
 
 OUT (default ~/.cache/aiolm-bench/llama-1.1b-random, or .../llama-tiny-random with
@@ -33,6 +33,10 @@ quantized here by round-to-nearest (llama.cpp searches the scales; these are a l
 exact, the same format). Norms and routers stay F32 as llama.cpp keeps them. Each layer's
 experts are one [experts, rows, cols] tensor per projection in the GGUFs and one tensor
 per expert in the folder, as llama.cpp's converter and save_pretrained write them.
+``--scale moe-twin`` writes the dense Llama a decode step of ``--moe`` is measured against:
+its attention (hidden 1024, 24 layers, 16 heads over 4 KV heads) and an MLP 3072 wide, its 8
+active experts' 384 side by side, so both read about the same parameters per token.
+
 ``--moe --scale tiny`` (hidden 256, 2 layers, 8 experts of width 128, 2 active) keeps
 every structural choice, the fallback types among them.
 
@@ -88,6 +92,9 @@ class Shape:
 SCALES = {
     "full": Shape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4),
     "tiny": Shape(hidden=128, intermediate=352, layers=2, heads=2, kv_heads=1),
+    # --moe's dense twin: its attention, and one MLP as wide as its 8 active experts together
+    # (8 x 384), so a decode step reads the same parameters as the MoE's
+    "moe-twin": Shape(hidden=1024, intermediate=3072, layers=24, heads=16, kv_heads=4),
 }
 
 
