@@ -1,6 +1,6 @@
 // The GGUF block types aiolm's block matmuls read, and the checks of their regrouped
-// arrays (laid out by aiolm/platforms/gguf_blocks.py; see the top of gguf_linear.cpp),
-// shared by aiolm::gguf_linear and aiolm::gguf_int8_linear.
+// arrays (laid out by aiolm/quant/gguf_blocks.py; see the top of gguf_linear.h),
+// shared by aiolm::gguf_linear, aiolm::gguf_int8_linear and aiolm::gguf_moe.
 //
 // The k-quants arrive already unpacked into the 32-weight layouts at load time:
 //   Q4_K: Q4_1 blocks (a 256-weight super-block's 8 sub-blocks), with float32 scales

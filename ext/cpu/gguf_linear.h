@@ -1,0 +1,311 @@
+// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
+// for the small batches of decoding. A decode step with a few rows is bound by
+// reading the weights; these formats are 3.5-7x smaller than float32, and the
+// values they hold are exactly the ones the float32 path uses (it dequantizes
+// the same blocks), so only the order of the sums differs.
+//
+// The blocks are regrouped at load time (aiolm/quant/gguf_blocks.py): output
+// rows in groups of 8 (the last padded with zero blocks), and within a group
+// block b of all 8 rows side by side, so that a tile of rows reads one stream:
+//   qs:    uint8 [N/8, nblocks * 8 * 16] (4-bit: weight j in the low nibble of
+//          byte j, weight j + 16 in its high nibble) or int8 [N/8, nblocks * 8 * 32] (Q8_0)
+//   scale: float16 [N/8, nblocks * 8]   (d, as the file stores it)
+//   min:   float16 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
+// (Q4_K: Q4_1 blocks with float32 scales and mins; Q6_K: Q8_0 blocks with a float32 scale
+// per 16 weights, which multiplies the converted codes into the exact weights; see gguf_blocks.h)
+// so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
+// block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
+// are computed once per call and the m terms of a group's 8 rows are one vector.
+//
+// Each block's accumulation is a loop-carried FMA; several output rows are
+// processed together so that those chains run side by side.
+//
+// The pieces of aiolm::gguf_linear (gguf_linear.cpp) that other kernels reuse: the group
+// kernels over 8 output rows and the block sums (aiolm::gguf_moe, fused_moe.cpp).
+#pragma once
+
+#include "gguf_blocks.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define AIOLM_AVX2 1
+#endif
+#if defined(AIOLM_AVX2) && defined(__AVX512F__)
+#define AIOLM_AVX512 1
+#endif
+
+namespace aiolm_gguf_float {
+
+using namespace aiolm_gguf;  // QK, the type ids, what they are (has_min, Scale, ...), quant_bytes
+
+#ifdef AIOLM_AVX512
+// AVX-512: a block's 32 weights are two vectors of 16 (its low nibbles are weights
+// 0-15, its high nibbles 16-31), half the conversions and FMAs of the AVX2 tile.
+template <int64_t T>
+inline void unpack16(const uint8_t* qs, __m512 f[2]) {
+  if constexpr (int8_codes(T)) {
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(raw, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    if constexpr (T == Q4_0) {
+      const __m128i eight = _mm_set1_epi8(8);
+      f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(lo, eight)));
+      f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(hi, eight)));
+    } else {
+      f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+      f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+    }
+  }
+}
+
+// NR rows of a group (qs and scale pointing at its first) against MR rows of x.
+template <int64_t T, int NR, int MR>
+inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
+                 float out[NR][MR]) {
+  constexpr int64_t QB = quant_bytes(T);
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) acc[i][r] = _mm512_setzero_ps();
+  static_assert(NR == 8, "the AVX-512 tile takes a whole group: its 8 scales convert as one vector");
+  for (int64_t b = 0; b < nblocks; ++b) {
+    alignas(32) float d8[8];
+    if constexpr (T != Q6_K) _mm256_store_ps(d8, load8(scale + b * 8));
+    for (int i = 0; i < NR; ++i) {
+      __m512 f[2];
+      unpack16<T>(qs + (b * 8 + i) * QB, f);
+      __m512 d;
+      if constexpr (T == Q6_K) {  // f[0] and f[1] are the two halves: scaled, they are the weights
+        f[0] = _mm512_mul_ps(f[0], _mm512_set1_ps(scale[(b * 8 + i) * 2]));
+        f[1] = _mm512_mul_ps(f[1], _mm512_set1_ps(scale[(b * 8 + i) * 2 + 1]));
+      } else {
+        d = _mm512_set1_ps(d8[i]);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const float* xb = x + r * K + b * QK;
+        const __m512 t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
+        if constexpr (T == Q6_K)
+          acc[i][r] = _mm512_add_ps(t, acc[i][r]);
+        else
+          acc[i][r] = _mm512_fmadd_ps(d, t, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#elif defined(AIOLM_AVX2)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of one block as four vectors of 8 floats: q (Q4_1, Q8_0) or q - 8 (Q4_0).
+template <int64_t T>
+inline void unpack(const uint8_t* qs, __m256 f[4]) {
+  if constexpr (int8_codes(T)) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(raw, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    if constexpr (T == Q4_0) {
+      const __m128i eight = _mm_set1_epi8(8);
+      lo = _mm_sub_epi8(lo, eight);
+      hi = _mm_sub_epi8(hi, eight);
+      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+    } else {
+      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+    }
+  }
+}
+
+// NR weight rows against MR rows of x: NR * MR independent accumulator chains.
+template <int64_t T, int NR, int MR>
+inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
+                 float out[NR][MR]) {
+  constexpr int64_t QB = quant_bytes(T);
+  __m256 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int i = 0; i < NR; ++i) {
+      __m256 f[4];
+      unpack<T>(qs + (b * 8 + i) * QB, f);
+      const __m256 d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]));
+      if constexpr (T == Q6_K) {  // weights 0-15 and 16-31 scaled apart: the exact weights
+        const __m256 d1 = _mm256_set1_ps(scale[(b * 8 + i) * 2 + 1]);
+        f[0] = _mm256_mul_ps(f[0], d);
+        f[1] = _mm256_mul_ps(f[1], d);
+        f[2] = _mm256_mul_ps(f[2], d1);
+        f[3] = _mm256_mul_ps(f[3], d1);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
+        __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+        t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), t);
+        t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), t);
+        t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), t);
+        if constexpr (T == Q6_K)
+          acc[i][r] = _mm256_add_ps(t, acc[i][r]);
+        else
+          acc[i][r] = _mm256_fmadd_ps(d, t, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) out[i][r] = hsum256(acc[i][r]);
+}
+#endif
+
+// The sum of one block's 32 values of x, in vector lanes (a scalar loop is one chain of
+// dependent adds): Q4_1's m * sum(x) term needs it for every block of every row.
+inline float block_sum(const float* x) {
+#if defined(AIOLM_AVX512)
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
+#elif defined(AIOLM_AVX2)
+  __m256 acc = _mm256_loadu_ps(x);
+  for (int i = 8; i < QK; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+  return hsum256(acc);
+#else
+  float s = 0.f;
+  for (int i = 0; i < QK; ++i) s += x[i];
+  return s;
+#endif
+}
+
+// Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
+template <int64_t T>
+float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int64_t i, const float* x) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    float t = 0.f;
+    if constexpr (T == Q6_K) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
+      const float* s = scale + (b * 8 + i) * 2;
+      for (int j = 0; j < 32; ++j) acc += static_cast<float>(q[j]) * s[j / 16] * x[b * QK + j];
+      continue;  // the scales are in the weights
+    } else if constexpr (int8_codes(T)) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
+      for (int j = 0; j < 32; ++j) t += static_cast<float>(q[j]) * x[b * QK + j];
+    } else {
+      const uint8_t* q = qs + (b * 8 + i) * 16;
+      const float off = T == Q4_0 ? 8.f : 0.f;
+      for (int j = 0; j < 16; ++j) {
+        t += (static_cast<float>(q[j] & 0xf) - off) * x[b * QK + j];
+        t += (static_cast<float>(q[j] >> 4) - off) * x[b * QK + j + 16];
+      }
+    }
+    acc += to_float(scale[b * 8 + i]) * t;
+  }
+  return acc;
+}
+
+// Groups [g0, g1) of 8 output rows against the M rows of x.
+template <int64_t T>
+void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum, int64_t nblocks,
+                const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int64_t QB = quant_bytes(T);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* qg = qs + g * nblocks * 8 * QB;
+    constexpr int64_t SPB = scales_per_block(T);
+    const Scale<T>* sg = scale + g * nblocks * 8 * SPB;
+    const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
+    // sum_b m_b sum(x_b) of the group's 8 rows for one row of x: the mins are stored 8 wide
+    float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    auto mins_for = [&](int64_t r) {
+      if (mins == nullptr) return;
+      const Scale<T>* mg = mins + g * nblocks * 8;
+      const float* xs = xsum + r * nblocks;
+#ifdef AIOLM_AVX2
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8(mg + b * 8), _mm256_set1_ps(xs[b]), a);
+      _mm256_storeu_ps(mterm, a);
+#else
+      for (int i = 0; i < 8; ++i) {
+        mterm[i] = 0.f;
+        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += to_float(mg[b * 8 + i]) * xs[b];
+      }
+#endif
+    };
+    auto put = [&](int64_t i, int64_t r, float v) {
+      if (i < nn) y[r * N + n0 + i] = v + mterm[i];
+    };
+#ifdef AIOLM_AVX2
+    int64_t r0 = 0;
+#ifdef AIOLM_AVX512
+    // Pairs of x rows against all 8 rows of the group (16 accumulators in zmm registers).
+    for (; r0 + 2 <= M; r0 += 2) {
+      float out[8][2];
+      tile<T, 8, 2>(qg, sg, nblocks, x + r0 * K, K, out);
+      for (int r = 0; r < 2; ++r) {
+        mins_for(r0 + r);
+        for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
+      }
+    }
+#else
+    // Eight x rows share each unpacked block; then pairs against 4 weight rows (every
+    // tile keeps <= 8 accumulators in the 16 ymm registers).
+    for (; r0 + 8 <= M; r0 += 8) {
+      float out[8][8];
+      for (int i = 0; i < 8; ++i) {
+        float o[1][8];
+        tile<T, 1, 8>(qg + i * QB, sg + i * SPB, nblocks, x + r0 * K, K, o);
+        for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
+      }
+      for (int r = 0; r < 8; ++r) {
+        mins_for(r0 + r);
+        for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
+      }
+    }
+    for (; r0 + 2 <= M; r0 += 2) {
+      float out[8][2];
+      for (int h = 0; h < 8; h += 4) {
+        float o[4][2];
+        tile<T, 4, 2>(qg + h * QB, sg + h * SPB, nblocks, x + r0 * K, K, o);
+        for (int i = 0; i < 4; ++i)
+          for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
+      }
+      for (int r = 0; r < 2; ++r) {
+        mins_for(r0 + r);
+        for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
+      }
+    }
+#endif
+    if (r0 < M) {  // a last single row against all 8 rows of the group
+      float out[8][1];
+      tile<T, 8, 1>(qg, sg, nblocks, x + r0 * K, K, out);
+      mins_for(r0);
+      for (int i = 0; i < 8; ++i) put(i, r0, out[i][0]);
+    }
+#else
+    for (int64_t r = 0; r < M; ++r) {
+      mins_for(r);
+      for (int64_t i = 0; i < nn; ++i) put(i, r, dot_scalar<T>(qg, sg, nblocks, i, x + r * K));
+    }
+#endif
+  }
+}
+
+}  // namespace aiolm_gguf_float
