@@ -21,12 +21,18 @@ the file when its weights are processed after loading, beside the method it woul
 had otherwise (``inner``: packed panels), which takes the larger steps. A layer whose
 fused tensors differ in block type (a Q4_K_M file's Q4_K q and k beside a Q6_K v) runs
 one block matmul per run of a type (``GGUFParts``) and gets no fused decode step.
+
+A layer of experts keeps its blocks the same way (``GGUFBlocksExpertsMethod``): the file's
+stacked ``ffn_{gate,up,down}_exps`` (or a Mixtral file's one tensor per expert) beside the
+inner method's packed experts, run by ``aiolm::gguf_moe`` (aiolm/kernels/cpu_moe.py
+``GGUFExperts``) for the same small steps, float or int8, each projection in its own type.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +43,17 @@ import torch
 from torch import nn
 
 from aiolm.attention.cpu_backend import CpuPagedAttention
-from aiolm.checkpoint.gguf_convert import gguf_architecture, hf_name, permuted_qk, unpermute_rope_rows
+from aiolm.checkpoint.gguf_convert import (
+    gguf_architecture,
+    hf_expert_names,
+    hf_name,
+    permuted_qk,
+    unpermute_rope_rows,
+)
 from aiolm.kernels import cpu as cpu_kernels
+from aiolm.kernels.cpu_moe import GGUFExperts
 from aiolm.model.gguf_index import read_tensors
+from aiolm.model.layers.fused_moe import EXPERT_PARTS
 from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -64,6 +78,9 @@ INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_VNNI = sys.maxsize if cpu_kernels.has_avx512_vnni() else INT8_LIMIT
 INT8_LIMIT_AMX_BF16 = 32
 
+
+# An expert's projection as hf_name / hf_expert_names name it (Qwen's or Mixtral's names)
+_EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 _LAYOUT = {  # type -> (bytes per block, offset of the quants, has a min)
     "Q4_0": (18, 2, False),
@@ -115,6 +132,11 @@ def _q6k_as_q8(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = b[:, :, 208:210].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
     scale = d * b[:, :, 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
     return codes, scale.reshape(n, 8 * s, 2)
+
+
+def type_int8_rows(qtype: int) -> int:
+    """The most rows a step may have for int8 activations to beat float ones on blocks of ``qtype``."""
+    return INT8_LIMIT if qtype == TYPE_IDS["Q6_K"] else INT8_LIMIT_VNNI
 
 
 @dataclass(frozen=True)
@@ -187,7 +209,7 @@ class GGUFWeight:
     @property
     def int8_rows(self) -> int:
         """The most rows a step may have for linear_int8 to be the faster method (INT8)."""
-        return INT8_LIMIT if self.qtype == TYPE_IDS["Q6_K"] else INT8_LIMIT_VNNI
+        return type_int8_rows(self.qtype)
 
     def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
         """x quantized per block of 32 to int8 and multiplied with integer dot products
@@ -220,13 +242,14 @@ class GGUFParts:
         return y if bias is None else y + bias
 
 
-def int8_rows(blocks: GGUFWeight | GGUFParts, matmul_dtype: torch.dtype) -> int:
+def int8_rows(blocks: GGUFWeight | GGUFParts | GGUFExperts, matmul_dtype: torch.dtype) -> int:
     """The most rows a step may have for int8 activations to beat ``blocks``' alternative,
     the layer's matmuls in ``matmul_dtype``: bfloat16 ones on AMX tiles take all but small
     steps."""
+    rows = min(type_int8_rows(t) for t in blocks.types) if isinstance(blocks, GGUFExperts) else blocks.int8_rows
     if matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx():
-        return min(blocks.int8_rows, INT8_LIMIT_AMX_BF16)
-    return blocks.int8_rows
+        return min(rows, INT8_LIMIT_AMX_BF16)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -344,6 +367,40 @@ class GGUFBlocksMethod(LinearMethod):
         return self.inner.apply(layer, x, bias)
 
 
+class GGUFBlocksExpertsMethod(ExpertsMethod):
+    """``inner``'s experts and their call, plus the file's blocks of this rank's experts in
+    ``layer.gguf_experts`` (None where a projection is missing or in a type the kernels do not
+    take) for the small steps, with their int8 limit in ``layer.gguf_experts_int8_rows``."""
+
+    def __init__(self, config: GGUFBlocksConfig, spec: ExpertsSpec, inner: ExpertsMethod, dtype: torch.dtype) -> None:
+        self.config, self.spec, self.inner, self.dtype = config, spec, inner, dtype
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int) -> None:
+        self.inner.create_weights(layer, num_experts, hidden, intermediate)
+        layer.gguf_experts = None
+        layer.gguf_experts_int8_rows = 0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+        blocks = self.config.expert_blocks(self.spec, layer.local_experts)
+        if blocks is not None and (blocks.hidden, blocks.intermediate) != (layer.hidden, layer.local_intermediate):
+            blocks = None  # intermediate features split over ranks: the blocks are whole experts'
+        layer.gguf_experts = blocks
+        layer.gguf_experts_int8_rows = 0 if blocks is None else int8_rows(blocks, self.dtype)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        g = layer.gguf_experts
+        if g is not None:
+            rows = x.shape[0]
+            if INT8 and rows <= layer.gguf_experts_int8_rows:
+                return g(x, topk_weights, topk_ids, int8=True)
+            if rows <= MAX_ROWS:
+                return g(x, topk_weights, topk_ids)
+        return self.inner.apply(layer, x, topk_weights, topk_ids)
+
+
 class GGUFBlocksConfig(QuantConfig):
     """The blocks of the GGUF file at ``path`` beside ``inner``'s methods (whose decoder
     layers multiply in ``matmul_dtype``, the LM head in float32). ``model_config`` says which
@@ -356,14 +413,16 @@ class GGUFBlocksConfig(QuantConfig):
     ) -> None:
         self.path, self.model_config, self.inner, self.matmul_dtype = Path(path), model_config, inner, matmul_dtype
         self._raw: dict[str, tuple[np.ndarray, str]] | None = None
-        self.layers = self.fused = 0
+        # experts' tensors by (layer, "gate" / "up" / "down") and expert (-1: all of them stacked)
+        self._experts: dict[tuple[int, str], dict[int, tuple[np.ndarray, str]]] = {}
+        self.layers = self.fused = self.expert_layers = 0
 
     def linear_method(self, spec: LinearSpec) -> LinearMethod:
         dtype = torch.float32 if spec.lm_head else self.matmul_dtype  # as the inner method multiplies
         return GGUFBlocksMethod(self, spec, self.inner.linear_method(spec), dtype)
 
     def experts_method(self, spec: ExpertsSpec) -> ExpertsMethod:
-        return self.inner.experts_method(spec)  # the experts run on the converted float32 weights
+        return GGUFBlocksExpertsMethod(self, spec, self.inner.experts_method(spec), self.matmul_dtype)
 
     def fused_decoder_layer(self, layer: Any) -> FusedDecodeLayer | None:
         fused = FusedDecodeLayer.of(layer)
@@ -375,10 +434,47 @@ class GGUFBlocksConfig(QuantConfig):
             self._raw = {}
             arch = gguf_architecture(self.model_config.architecture)
             for t in read_tensors(self.path).values():
+                if t.type_name not in TYPE_IDS:
+                    continue
                 name = hf_name(t.name, arch)
-                if name is not None and t.type_name in TYPE_IDS:
-                    self._raw[name] = (t.data, t.type_name)
+                stacked = hf_expert_names(t.name, arch, 1)  # expert 0's name says the layer and part
+                expert = _EXPERT_NAME.match(name or (stacked[0] if stacked else ""))
+                if expert is None:
+                    if name is not None:
+                        self._raw[name] = (t.data, t.type_name)
+                    continue
+                layer, e, proj = int(expert[1]), int(expert[2]), EXPERT_PARTS[expert[3]]
+                self._experts.setdefault((layer, proj), {})[-1 if stacked else e] = (t.data, t.type_name)
         return self._raw
+
+    def _expert_rows(self, layer: int, part: str, num_experts: int) -> tuple[np.ndarray, str] | None:
+        """A layer's ``part`` projection of all its experts as rows [E * rows, bytes], and their type."""
+        self._tensors()
+        got = self._experts.get((layer, part), {})
+        if -1 in got:  # the stacked tensor
+            data, ttype = got[-1]
+            return np.asarray(data, dtype=np.uint8), ttype
+        # one tensor per expert (older Mixtral files), all of one type
+        if sorted(got) != list(range(num_experts)) or len({ttype for _, ttype in got.values()}) != 1:
+            return None
+        return np.concatenate([np.asarray(got[e][0], dtype=np.uint8) for e in range(num_experts)]), got[0][1]
+
+    def expert_blocks(self, spec: ExpertsSpec, local_experts: int) -> GGUFExperts | None:
+        """The blocks of experts spec.expert_start .. + local_experts of the layer ``spec``
+        names, or None where a projection is missing or in a type the kernels do not take."""
+        m = re.match(r"^model\.layers\.(\d+)\.", spec.prefix)
+        if m is None:
+            return None
+        parts = [self._expert_rows(int(m[1]), part, spec.num_experts) for part in ("gate", "up", "down")]
+        if any(p is None for p in parts):
+            return None
+        rows = []
+        for data, _ in parts:  # type: ignore[misc]
+            per = data.shape[0] // spec.num_experts
+            rows.append(data[spec.expert_start * per : (spec.expert_start + local_experts) * per])
+        types = tuple(ttype for _, ttype in parts)  # type: ignore[misc]
+        self.expert_layers += 1
+        return GGUFExperts.from_blocks(*rows, types, local_experts)  # type: ignore[arg-type]
 
     def _rows(self, name: str) -> tuple[np.ndarray, str] | None:
         got = self._tensors().get(name)
@@ -409,10 +505,12 @@ class GGUFBlocksConfig(QuantConfig):
 
     def release(self) -> None:
         self._raw = None  # the file's mapping: the blocks are copies
+        self._experts = {}
         log.info(
-            "%d layers also keep their GGUF blocks for steps of up to %d rows%s; %d decoder layers run "
-            "such steps as one call",
+            "%d layers and %d layers of experts also keep their GGUF blocks for steps of up to %d rows%s; "
+            "%d decoder layers run such steps as one call",
             self.layers,
+            self.expert_layers,
             MAX_ROWS,
             " (int8 x: AIOLM_GGUF_INT8=1)" if INT8 else "",
             self.fused,

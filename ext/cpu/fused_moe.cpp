@@ -31,6 +31,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -42,6 +43,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_blocks.h"
+#include "gguf_int8.h"
+#include "gguf_linear.h"
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -512,6 +516,223 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// aiolm::gguf_moe: the same sum with the experts kept as a GGUF file's blocks (Q4_0, Q4_1,
+// Q8_0, Q4_K, Q6_K; each of gate, up and down may have its own type), for the steps of few
+// rows that reading the weights bounds. Each expert's projections are regrouped as
+// aiolm::gguf_linear reads a weight (gguf_linear.h: groups of 8 output rows; an expert's rows,
+// the other projection's features, are whole blocks of 32, so whole groups), stacked over the
+// experts: qs [E, G, bytes], scale [E, G, n], mins the same or empty.
+// The routing is fused_moe's (a counting sort of a chunk's pairs by expert); then:
+//   1. x's rows gathered per pair, in expert order, so that each expert's rows are contiguous
+//      (and, for int8, quantized per block of 32 as gguf_int8_linear does);
+//   2. gate/up: items (routed expert, 16 intermediate rows) over the threads, each running the
+//      dense kernels' group routine (gguf_linear.h's or gguf_int8.h's run_groups) over the
+//      expert's rows for its gate and up rows, then act = silu(gate) * up * w in place;
+//   3. down: items (routed expert, 16 output rows), the same routine over act's rows, into a
+//      row per pair;
+//   4. each token's pairs added in expert order (the sort's order), one token per thread.
+// Every item writes its own rows and columns, so there are no races, the sums do not depend
+// on the thread count, and only the routed experts' blocks are read.
+
+// One projection of every expert: expert e's arrays start at e * qstride bytes of qs and
+// e * sstride elements of scale (and mins).
+struct ExpertBlocks {
+  const uint8_t* qs;
+  const void* scale;
+  const void* mins;
+  int64_t qtype, rows, groups, nblocks, qstride, sstride;
+
+  template <int64_t T>
+  const aiolm_gguf::Scale<T>* s(int64_t e) const {
+    return static_cast<const aiolm_gguf::Scale<T>*>(scale) + e * sstride;
+  }
+  template <int64_t T>
+  const aiolm_gguf::Scale<T>* m(int64_t e) const {
+    return aiolm_gguf::has_min(T) ? static_cast<const aiolm_gguf::Scale<T>*>(mins) + e * sstride : nullptr;
+  }
+  const uint8_t* q(int64_t e) const { return qs + e * qstride; }
+};
+
+// Checks one projection's arrays ([E, G, ..] for `rows` output rows of `features` inputs).
+ExpertBlocks expert_blocks(const char* op, const char* what, const at::Tensor& qs, const at::Tensor& scale,
+                           const at::Tensor& mins, int64_t qtype, int64_t E, int64_t rows, int64_t features) {
+  aiolm_gguf::check_type(op, qtype);
+  const bool with_min = aiolm_gguf::has_min(qtype);
+  TORCH_CHECK(qs.dim() == 3 && qs.size(0) == E && qs.is_contiguous() && scale.dim() == 3 && scale.size(0) == E &&
+                  scale.is_contiguous() && (!with_min || (mins.dim() == 3 && mins.is_contiguous())),
+              op, ": ", what, "'s qs, scale (and mins) must be contiguous [E, G, ..] over ", E, " experts");
+  const at::Tensor probe = at::empty({0, features}, qs.options().dtype(at::kFloat));
+  const int64_t nb = aiolm_gguf::check_blocks(op, probe, qs[0], scale[0], with_min ? mins[0] : mins, qtype, rows);
+  return ExpertBlocks{static_cast<const uint8_t*>(qs.data_ptr()), scale.data_ptr(),
+                      with_min ? mins.data_ptr() : nullptr, qtype, rows, qs.size(1), nb,
+                      qs.size(1) * qs.size(2), scale.size(1) * scale.size(2)};
+}
+
+// Rows [r0, r0 + M) of x (contiguous, `features` wide) through groups [g0, g1) of expert e's
+// projection w, into y's rows (stride w.rows): float or int8 arithmetic, as the dense kernels.
+struct Projection {
+  const ExpertBlocks& w;
+  const float* x;         // float: the rows
+  const float* xsum;      // float: their block sums (types with a min)
+  aiolm_gguf_int8::QRows xq;  // int8: their codes
+  bool int8;
+  int64_t isa;
+
+  void run(int64_t e, int64_t r0, int64_t M, int64_t g0, int64_t g1, float* y) const {
+    aiolm_gguf::with_type(w.qtype, [&](auto type) {
+      constexpr int64_t T = decltype(type)::value;
+      const int64_t K = w.nblocks * aiolm_gguf::QK;
+      if (int8)
+        aiolm_gguf_int8::run_groups<T>(w.q(e), w.s<T>(e), w.m<T>(e), xq.from_row(r0), M, y + r0 * w.rows, w.rows,
+                                       isa, g0, g1);
+      else
+        aiolm_gguf_float::run_groups<T>(w.q(e), w.s<T>(e), w.m<T>(e), xsum ? xsum + r0 * w.nblocks : nullptr,
+                                        w.nblocks, x + r0 * K, K, M, y + r0 * w.rows, w.rows, g0, g1);
+    });
+  }
+};
+
+struct GGUFScratch {
+  Routing route;
+  std::vector<float> xe, xsum, gate, up, asum, ye;
+  std::vector<int64_t> tok_off, tok_pairs;
+  aiolm_gguf_int8::Scratch qgate, qup, qdown;
+};
+
+// What a projection reads of its input rows: block sums (float path, types with a min) or
+// int8 codes (int8 path), made once for all the routed experts' rows.
+Projection prepare(const ExpertBlocks& w, const float* x, int64_t rows, std::vector<float>& xsum,
+                   aiolm_gguf_int8::Scratch& q, bool int8, int64_t isa) {
+  Projection p{w, x, nullptr, {}, int8, isa};
+  const int64_t K = w.nblocks * aiolm_gguf::QK;
+  if (int8) {
+    p.xq = q.rows(x, rows, K, isa, w.qtype);
+  } else if (aiolm_gguf::has_min(w.qtype)) {
+    xsum.resize(rows * w.nblocks);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < w.nblocks; ++b)
+        xsum[r * w.nblocks + b] = aiolm_gguf_float::block_sum(x + r * K + b * aiolm_gguf::QK);
+    p.xsum = xsum.data();
+  }
+  return p;
+}
+
+at::Tensor gguf_moe(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes,
+                    const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t intermediate, bool int8,
+                    int64_t isa) {
+  const char* op = "aiolm::gguf_moe";
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, op, ": x must be float32 [T, H]");
+  TORCH_CHECK(blocks.size() == 9 && qtypes.size() == 3, op,
+              ": blocks are (qs, scale, mins) of gate, up and down, and qtypes their 3 types");
+  const int64_t T = x_in.size(0), H = x_in.size(1), I = intermediate, E = blocks[0].dim() == 3 ? blocks[0].size(0) : 0;
+  TORCH_CHECK(I > 0 && I % aiolm_gguf::QK == 0, op, ": the intermediate size ", I, " is not whole blocks of 32");
+  const ExpertBlocks wg = expert_blocks(op, "gate", blocks[0], blocks[1], blocks[2], qtypes[0], E, I, H);
+  const ExpertBlocks wu = expert_blocks(op, "up", blocks[3], blocks[4], blocks[5], qtypes[1], E, I, H);
+  const ExpertBlocks wd = expert_blocks(op, "down", blocks[6], blocks[7], blocks[8], qtypes[2], E, H, I);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  (topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt),
+              op, ": topk_ids must be int32 or int64 [T, k]");
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.sizes() == topk_ids.sizes(), op,
+              ": topk_weights must be float32 [T, k] like topk_ids");
+  const int64_t best = aiolm_gguf_int8::best_isa();
+  TORCH_CHECK(isa >= -1 && isa <= best, op, ": isa ", isa,
+              " is not built here (int8: 0 scalar, 1 AVX2, 2 AVX-512 VNNI; this build has up to ", best, ")");
+  if (isa < 0) isa = best;
+  const int64_t k = topk_ids.size(1);
+  at::Tensor y = at::zeros({T, H}, x_in.options());
+  if (T == 0 || k == 0) return y;
+  const at::Tensor ids = topk_ids.contiguous(), tw = topk_weights.contiguous(), x = x_in.contiguous();
+  {
+    const auto check = [&](auto* p) {
+      for (int64_t i = 0; i < T * k; ++i)
+        TORCH_CHECK(p[i] >= -1 && p[i] < E, op, ": expert id ", static_cast<int64_t>(p[i]), " outside [-1, ", E, ")");
+    };
+    if (ids.scalar_type() == at::kLong) check(ids.data_ptr<int64_t>()); else check(ids.data_ptr<int32_t>());
+  }
+  thread_local GGUFScratch scratch;
+  GGUFScratch& s = scratch;  // the calling thread's, named so that the workers' lambdas reach it too
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t units13 = (wg.groups + 1) / 2, units2 = (wd.groups + 1) / 2;  // items of 2 groups: 16 rows
+  for (int64_t t0 = 0; t0 < T; t0 += CHUNK_TOKENS) {
+    const int64_t t1 = std::min(T, t0 + CHUNK_TOKENS), tc = t1 - t0;
+    Routing& rt = s.route;
+    if (ids.scalar_type() == at::kLong)
+      rt.build(ids.data_ptr<int64_t>(), tw.data_ptr<float>(), t0, t1, k, E);
+    else
+      rt.build(ids.data_ptr<int32_t>(), tw.data_ptr<float>(), t0, t1, k, E);
+    const int64_t pairs = rt.off[E], na = static_cast<int64_t>(rt.active.size());
+    if (pairs == 0) continue;
+    // 1. x's rows in pair order
+    s.xe.resize(pairs * H);
+    at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) std::memcpy(&s.xe[p * H], xp + (t0 + rt.token[p]) * H, H * sizeof(float));
+    });
+    const Projection pg = prepare(wg, s.xe.data(), pairs, s.xsum, s.qgate, int8, isa);
+    // up reads the same rows: its own codes only where its type needs other corrections
+    const Projection pu = qtypes[1] == qtypes[0] ? Projection{wu, pg.x, pg.xsum, pg.xq, int8, isa}
+                                                 : prepare(wu, s.xe.data(), pairs, s.xsum, s.qup, int8, isa);
+    // 2. gate/up and the activation, act in s.gate. (s.xsum is shared when both have a min:
+    // the same rows' sums.)
+    s.gate.resize(pairs * I);
+    s.up.resize(pairs * I);
+    const auto cost13 = [&](int64_t it) {
+      const int64_t e = rt.active[it / units13];
+      return rt.off[e + 1] - rt.off[e] + 4;
+    };
+    parallel_by_cost(na * units13, cost13, [&](int64_t i0, int64_t i1) {
+      for (int64_t it = i0; it < i1; ++it) {
+        const int64_t e = rt.active[it / units13], g0 = 2 * (it % units13), g1 = std::min(g0 + 2, wg.groups);
+        const int64_t r0 = rt.off[e], M = rt.off[e + 1] - r0;
+        pg.run(e, r0, M, g0, g1, s.gate.data());
+        pu.run(e, r0, M, g0, g1, s.up.data());
+        const int64_t c0 = g0 * 8, c1 = std::min(g1 * 8, I);
+        for (int64_t r = r0; r < r0 + M; ++r) {
+          float* g = &s.gate[r * I];
+          const float* u = &s.up[r * I];
+          int64_t c = c0;
+          for (; c + NR <= c1; c += NR) silu_mul(g + c, u + c, rt.weight[r], g + c);
+          for (; c < c1; ++c) g[c] = g[c] / (1.f + std::exp(-g[c])) * u[c] * rt.weight[r];
+        }
+      }
+    });
+    // 3. down, a row of H per pair
+    const Projection pd = prepare(wd, s.gate.data(), pairs, s.asum, s.qdown, int8, isa);
+    s.ye.resize(pairs * H);
+    const auto cost2 = [&](int64_t it) {
+      const int64_t e = rt.active[it / units2];
+      return rt.off[e + 1] - rt.off[e] + 4;
+    };
+    parallel_by_cost(na * units2, cost2, [&](int64_t i0, int64_t i1) {
+      for (int64_t it = i0; it < i1; ++it) {
+        const int64_t e = rt.active[it / units2], g0 = 2 * (it % units2), g1 = std::min(g0 + 2, wd.groups);
+        pd.run(e, rt.off[e], rt.off[e + 1] - rt.off[e], g0, g1, s.ye.data());
+      }
+    });
+    // 4. each token's pairs in pair order (experts ascending), one token per thread
+    s.tok_off.assign(tc + 1, 0);
+    for (int64_t p = 0; p < pairs; ++p) ++s.tok_off[rt.token[p] + 1];
+    for (int64_t t = 0; t < tc; ++t) s.tok_off[t + 1] += s.tok_off[t];
+    s.tok_pairs.resize(pairs);
+    {
+      std::vector<int64_t> next(s.tok_off.begin(), s.tok_off.end() - 1);
+      for (int64_t p = 0; p < pairs; ++p) s.tok_pairs[next[rt.token[p]]++] = p;
+    }
+    at::parallel_for(0, tc, 1, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        float* yr = yp + (t0 + t) * H;
+        for (int64_t j = s.tok_off[t]; j < s.tok_off[t + 1]; ++j) {
+          const float* src = &s.ye[s.tok_pairs[j] * H];
+#pragma omp simd
+          for (int64_t h = 0; h < H; ++h) yr[h] += src[h];
+        }
+      }
+    });
+  }
+  return y;
+}
+
 int64_t fused_moe_best_isa() { return best_isa(); }
 
 }  // namespace
@@ -519,6 +740,12 @@ int64_t fused_moe_best_isa() { return best_isa(); }
 TORCH_LIBRARY_FRAGMENT(aiolm, m) {
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int isa=-1) -> Tensor");
   m.def("fused_moe_best_isa() -> int", &fused_moe_best_isa);
+  m.def(
+      "gguf_moe(Tensor x, Tensor[] blocks, int[] qtypes, Tensor topk_weights, Tensor topk_ids, int intermediate, "
+      "bool int8=False, int isa=-1) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("gguf_moe", &gguf_moe);
+}
