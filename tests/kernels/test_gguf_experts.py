@@ -240,6 +240,7 @@ def test_gguf_moe_model_decodes_from_its_blocks(kind, stacked, tmp_path, monkeyp
     from aiolm.kernels.cpu_moe import CpuExperts
     from aiolm.model.layers.fused_moe import FusedMoE
     from aiolm.model.registry import build_model
+    from aiolm.quant import gguf_blocks
     from aiolm.quant.gguf_blocks import MAX_ROWS
     from gguf_moe_writer import VOCAB, tiny_moe_model, write_moe_gguf
     from paged import PagedHarness, hf_greedy
@@ -277,6 +278,14 @@ def test_gguf_moe_model_decodes_from_its_blocks(kind, stacked, tmp_path, monkeyp
     decode_steps = NEW - 1
     assert rows["blocks"].count(len(prompts)) == decode_steps * len(layers)  # every decode step, every layer
     assert rows["float32"] and min(rows["float32"]) > MAX_ROWS and max(rows["blocks"]) <= MAX_ROWS
+
+    # with AIOLM_GGUF_INT8=1 a decode step takes the blocks' int8 path
+    monkeypatch.setattr(gguf_blocks, "INT8", True)
+    layer = layers[0]
+    x, weights, ids = _x(2, layer.hidden, 0), torch.tensor([[0.6, 0.4], [0.5, 0.5]]), torch.tensor([[0, 3], [1, 0]])
+    got = layer.quant_method.apply(layer, x, weights, ids)
+    assert torch.equal(got, layer.gguf_experts(x, weights, ids, int8=True))
+    assert not torch.equal(got, layer.gguf_experts(x, weights, ids))
 
 
 NEW = 8
