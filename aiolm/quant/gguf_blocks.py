@@ -59,6 +59,10 @@ from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpe
 log = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml's ids, as aiolm::gguf_linear takes them
+# Types regrouped at load into one the kernels take, with the same values: Q5_0's 5-bit codes
+# as Q8_0's int8 ones (34 bytes a block against 22; Q4_K_M files keep some experts' down in it)
+AS_TYPE = {"Q5_0": "Q8_0"}
+BLOCK_TYPES = (*TYPE_IDS, *AS_TYPE)  # what a layer may keep blocks of
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
@@ -115,6 +119,24 @@ def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return qs, scale, mins
 
 
+_Q5_0_BYTES = 22  # f16 d, 4 bytes of high bits, 16 bytes of low nibbles
+
+
+def _q5_0_as_q8_0(b: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [N, nb * 22] as Q8_0 blocks [N, nb * 34]: the same f16 d, and each 5-bit
+    code q (low nibble, plus bit j of qh for weight j, bit j + 16 for weight j + 16) as the
+    int8 q - 16, so d * code is the value gguf dequantizes to."""
+    n = b.shape[0]
+    blocks = np.ascontiguousarray(b).reshape(n, -1, _Q5_0_BYTES)
+    qh = blocks[:, :, 2:6].copy().view("<u4")  # [N, nb, 1]
+    qs = blocks[:, :, 6:22]
+    j = np.arange(16, dtype=np.uint32)
+    low = (qs & 15) | (((qh >> j) & 1) << 4).astype(np.uint8)
+    high = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
+    codes = (np.concatenate([low, high], -1).astype(np.int16) - 16).astype(np.int8)
+    return np.concatenate([blocks[:, :, 0:2], codes.view(np.uint8)], -1).reshape(n, -1)
+
+
 _Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
 
 
@@ -155,6 +177,8 @@ class GGUFWeight:
     @classmethod
     def from_blocks(cls, blocks: np.ndarray, ttype: str) -> GGUFWeight:
         """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
+        if ttype in AS_TYPE:
+            blocks, ttype = _q5_0_as_q8_0(blocks), AS_TYPE[ttype]
         n = blocks.shape[0]
         pad = -n % 8
         groups = (n + pad) // 8
@@ -434,7 +458,7 @@ class GGUFBlocksConfig(QuantConfig):
             self._raw = {}
             arch = gguf_architecture(self.model_config.architecture)
             for t in read_tensors(self.path).values():
-                if t.type_name not in TYPE_IDS:
+                if t.type_name not in BLOCK_TYPES:
                     continue
                 name = hf_name(t.name, arch)
                 stacked = hf_expert_names(t.name, arch, 1)  # expert 0's name says the layer and part

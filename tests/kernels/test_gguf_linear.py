@@ -86,3 +86,16 @@ def test_other_isa_builds_match_the_references(isa, isa_libraries):
         [__file__, f"{here}/test_gguf_kquants.py"],
         "matches_dequantized_matmul or float_kernel_matches or leading_dims",
     )
+
+
+def test_q5_0_blocks_are_kept_as_q8_0_with_the_files_values():
+    """A Q5_0 tensor (Q4_K_M files keep some down projections in it) is regrouped at load into
+    Q8_0 blocks holding exactly the values gguf dequantizes it to, and multiplies as they do."""
+    w = np.random.default_rng(5).standard_normal((24, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q5_0")
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).reshape(24, 96))
+    assert g.qtype == gguf_blocks.TYPE_IDS["Q8_0"]
+    assert torch.equal(g.dequantize(), want)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(g.linear(x), x @ want.T, rtol=1e-5, atol=1e-4)
