@@ -21,6 +21,8 @@ class CpuKernelOps(TorchOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and _f32_cpu(x) and weight.dtype == torch.float32:
             return torch.ops.aiolm.rms_norm(x, weight, eps)
+        if x.dim() > 2 and _f32_cpu(x) and weight.dtype == torch.float32:  # per head: Qwen3's q_norm, k_norm
+            return torch.ops.aiolm.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(

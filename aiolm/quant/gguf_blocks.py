@@ -286,44 +286,51 @@ class GGUFLinear:
 
 @dataclass(frozen=True)
 class FusedDecodeLayer:
-    """A Llama-family layer whose four linears all have blocks, as one C++ call
+    """A Llama-family layer whose linears all have blocks, as one C++ call
     (ext/cpu/decode_layer.cpp) for the steps the blocks take: the same kernels in the same
-    order as the modules, without the interpreter between them."""
+    order as the modules, without the interpreter between them. A layer of experts gets its
+    attention half as the call and runs its experts (``mlp``) after it."""
 
     attn: Any  # the layer's CpuPagedAttention: its cache views
     cos: torch.Tensor
     sin: torch.Tensor
     weights: list[torch.Tensor]
     ints: dict[bool, list[int]]  # by "int8 activations"
-    int8_rows: int  # the four linears' least
+    int8_rows: int  # the linears' least
     floats: list[float]
+    mlp: Any = None  # the feed-forward block run after the call (a layer of experts), or None
 
     @classmethod
     def of(cls, layer: Any) -> FusedDecodeLayer | None:
         """The fused step for ``layer``, a Llama-shaped decoder layer (input norm, attention
-        with qkv/o projections, post-attention norm, SiLU MLP with gate_up/down), or None
-        where its parts are not all what the C++ step computes."""
+        with qkv/o projections and maybe QK-norm, post-attention norm, then a SiLU MLP with
+        gate_up/down or a layer of experts), or None where its parts are not all what the C++
+        step computes."""
         a, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):  # a layer of experts
-            return None
-        linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        dense = hasattr(mlp, "gate_up_proj")
+        linears = [a.qkv_proj, a.o_proj] + ([mlp.gate_up_proj, mlp.down_proj] if dense else [])
         gguf = [getattr(m, "gguf", None) for m in linears]
+        norms = [n for n in (a.q_norm, a.k_norm) if n is not None]
         if (
-            a.q_norm is not None
-            or type(a.attn) is not CpuPagedAttention
+            type(a.attn) is not CpuPagedAttention
             or not all(isinstance(g, GGUFLinear) and isinstance(g.blocks, GGUFWeight) for g in gguf)
             or any(m.bias is not None for m in linears[1:])
             or a.rotary.cos.dtype != torch.float32
-            or layer.input_layernorm.weight.dtype != torch.float32
+            or any(n.weight.dtype != torch.float32 for n in [layer.input_layernorm, *norms])
+            or (norms and norms[0].eps != layer.input_layernorm.eps)
         ):
             return None
         blocks = [g.blocks for g in gguf]
         weights = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
         for b in blocks:
             weights += [b.qs, b.scale, b.mins]
+        none = torch.empty(0)
+        if not dense:
+            weights += [none] * 6
         bias = a.qkv_proj.bias
-        weights.append(bias.data if bias is not None else torch.empty(0))
-        ints = [v for b in blocks for v in (b.qtype, b.n)]
+        weights.append(bias.data if bias is not None else none)
+        weights += [n.weight.data for n in norms] if norms else [none, none]
+        ints = [v for b in blocks for v in (b.qtype, b.n)] + ([] if dense else [0, 0, 0, 0])
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
         return cls(
             a.attn,
@@ -333,6 +340,7 @@ class FusedDecodeLayer:
             {False: ints + [0], True: ints + [1]},
             min(g.int8_rows for g in gguf),
             [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0],
+            None if dense else mlp,
         )
 
     def __call__(
@@ -346,7 +354,7 @@ class FusedDecodeLayer:
             or kv_cache.dtype not in (torch.float32, torch.float16)
         ):
             return None
-        return torch.ops.aiolm.decode_layer(
+        h, residual = torch.ops.aiolm.decode_layer(
             x,
             residual,
             positions,
@@ -362,6 +370,7 @@ class FusedDecodeLayer:
             self.ints[int8],
             self.floats,
         )
+        return (h, residual) if self.mlp is None else (self.mlp(h), residual)
 
 
 class GGUFBlocksMethod(LinearMethod):

@@ -3,11 +3,14 @@
 // (aiolm/model/llama.py) call one by one, so the result is the same bit for bit; what
 // goes is the interpreter between them (module calls, views, a dozen op dispatches from
 // Python), which on a one-row decode step costs about as much as the layer's arithmetic.
-// aiolm/platforms/gguf_blocks.py gives a layer this step when all four of its linears
-// have blocks and its shape is the plain one (no QK norm, no o/MLP bias).
+// aiolm/quant/gguf_blocks.py gives a layer this step when its linears have blocks and its
+// shape is the plain one (no o/MLP bias). A layer of experts (aiolm/model/moe.py) takes the
+// attention half only: the call returns the post-attention norm's output, and the experts
+// run after it.
 //
-// weights: the two norm weights, then (qs, scale, mins) of qkv, o, gate_up and down,
-//          then the QKV bias (an empty tensor when none)
+// weights: the two norm weights, then (qs, scale, mins) of qkv, o, gate_up and down (gate_up
+//          and down empty for the attention half only), then the QKV bias, the q and the k
+//          norm's weights (each an empty tensor when none)
 // ints:    (type, rows) of the four linears, num_heads, num_kv_heads, head_dim, the
 //          sliding window (0: none), and 1 to multiply with int8 activations
 // floats:  the norms' eps, the attention scale, the logit soft-cap (0: none)
@@ -75,8 +78,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
                                                 const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                                                 const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                 at::IntArrayRef ints, at::ArrayRef<double> floats) {
-  TORCH_CHECK(w.size() == 15 && ints.size() == 13 && floats.size() == 3,
-              "aiolm::decode_layer: 15 weights, 13 ints and 3 floats expected");
+  TORCH_CHECK(w.size() == 17 && ints.size() == 13 && floats.size() == 3,
+              "aiolm::decode_layer: 17 weights, 13 ints and 3 floats expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "aiolm::decode_layer: x must be float32 [tokens, hidden]");
   const Ops& o = ops();
   const bool int8 = ints[12] != 0;
@@ -96,12 +99,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
   at::Tensor q = qkv.narrow(1, 0, H * D).view({t, H, D});
   at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
   const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
+  if (w[15].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
+    q = o.rms_norm.call(q.reshape({t * H, D}), w[15], eps).view({t, H, D});
+    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[16], eps).view({t, Hk, D});
+  }
   o.rotary.call(q, k, positions, cos, sin);
   o.write_kv.call(kv_cache, k, v, slot_mapping);
   at::Tensor attn = at::empty({t, H, D}, x.options());
   o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[11], floats[2]);
   at::Tensor a = linear(o, attn.view({t, H * D}), w, ints, 1, int8);
   o.add_rms_norm.call(a, residual, w[1], eps);
+  if (w[8].numel() == 0) return {a, residual};  // the attention half: the experts come next
   const at::Tensor gate_up = linear(o, a, w, ints, 2, int8);
   return {linear(o, o.silu_and_mul.call(gate_up), w, ints, 3, int8), residual};
 }
