@@ -24,8 +24,8 @@ one block matmul per run of a type (``GGUFParts``) and gets no fused decode step
 
 A layer of experts keeps its blocks the same way (``GGUFBlocksExpertsMethod``): the file's
 stacked ``ffn_{gate,up,down}_exps`` (or a Mixtral file's one tensor per expert) beside the
-inner method's packed experts, run by ``aiolm::gguf_moe`` (aiolm/kernels/cpu_moe.py
-``GGUFExperts``) for the same small steps, float or int8, each projection in its own type.
+inner method's packed experts, run by ``aiolm::gguf_moe`` (``GGUFExperts``) for the same
+small steps, float or int8, each projection in its own type.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from aiolm.checkpoint.gguf_convert import (
     unpermute_rope_rows,
 )
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.kernels.cpu_moe import GGUFExperts
 from aiolm.model.gguf_index import read_tensors
 from aiolm.model.layers.fused_moe import EXPERT_PARTS
 from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
@@ -264,6 +263,91 @@ class GGUFParts:
     def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
         y = torch.cat([p.linear_int8(x, isa=isa) for p in self.parts], -1)
         return y if bias is None else y + bias
+
+
+# Expert rows regrouped at a time: bounds the unpacking's temporary arrays (a k-quant's codes
+# unpack to several times the file's bytes) for a large model's thousands of expert rows.
+_REGROUP_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """One projection of every expert in aiolm::gguf_linear's layout (``GGUFWeight``), stacked:
+    expert e's groups of 8 output rows are qs[e], scale[e], mins[e]."""
+
+    qs: torch.Tensor  # uint8 / int8 [E, G, bytes]
+    scale: torch.Tensor  # [E, G, n]
+    mins: torch.Tensor  # [E, G, n], or empty for the types without a min
+    qtype: int
+    rows: int  # output rows an expert
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray, ttype: str, num_experts: int) -> ExpertBlocks:
+        """From a stacked GGUF tensor's raw rows, uint8 [E * rows, bytes per row] (expert e's are
+        rows e * rows .. (e + 1) * rows - 1, as read_tensors gives ``ffn_*_exps``)."""
+        if rows.ndim != 2 or rows.shape[0] % num_experts:
+            raise ValueError(f"{ttype} expert rows {rows.shape} do not split into {num_experts} experts")
+        n = rows.shape[0] // num_experts
+        if n % 8:  # an expert's rows are the other projection's features, whole blocks of 32
+            raise ValueError(f"{n} rows an expert do not make whole groups of 8")
+        per = rows.reshape(num_experts, n, rows.shape[1])
+        step = max(1, _REGROUP_BYTES // max(1, per[0].nbytes))
+        parts = []
+        for e0 in range(0, num_experts, step):
+            chunk = np.asarray(per[e0 : e0 + step], dtype=np.uint8)
+            parts.append(GGUFWeight.from_blocks(chunk.reshape(-1, chunk.shape[2]), ttype))
+        groups = n // 8  # whole groups, so that expert e's are groups e * G .. (e + 1) * G - 1
+
+        def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+            if ts[0].numel() == 0:
+                return ts[0]
+            return torch.cat(ts).view(num_experts, groups, -1)
+
+        return cls(
+            stack([w.qs for w in parts]),
+            stack([w.scale for w in parts]),
+            stack([w.mins for w in parts]),
+            parts[0].qtype,
+            n,
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qs, self.scale, self.mins]
+
+
+class GGUFExperts:
+    """One MoE layer's experts as a GGUF file's blocks, run by torch.ops.aiolm.gguf_moe: gate,
+    up and down each in its own block type (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K)."""
+
+    def __init__(self, gate: ExpertBlocks, up: ExpertBlocks, down: ExpertBlocks, num_experts: int) -> None:
+        if gate.rows != up.rows:
+            raise ValueError(f"gate has {gate.rows} rows an expert, up {up.rows}")
+        self.gate, self.up, self.down = gate, up, down
+        self.num_experts, self.intermediate, self.hidden = num_experts, gate.rows, down.rows
+        self._blocks = gate.tensors() + up.tensors() + down.tensors()
+        self._qtypes = [gate.qtype, up.qtype, down.qtype]
+
+    @classmethod
+    def from_blocks(
+        cls, gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tuple[str, str, str], num_experts: int
+    ) -> GGUFExperts:
+        """From the raw rows of a layer's stacked ``ffn_{gate,up,down}_exps`` tensors (uint8
+        [E * I, bytes] for gate and up, [E * H, bytes] for down) and their GGUF type names."""
+        return cls(*(ExpertBlocks.from_rows(r, t, num_experts) for r, t in zip((gate, up, down), types)), num_experts)
+
+    @property
+    def types(self) -> tuple[int, int, int]:
+        return self.gate.qtype, self.up.qtype, self.down.qtype
+
+    def __call__(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, int8: bool = False, isa: int = -1
+    ) -> torch.Tensor:
+        """float32 [T, H], as CpuExperts gives it: x times the blocks' values in float32 or, with
+        ``int8``, x rounded to int8 per block of 32 and integer dot products (gguf_int8.cpp's
+        arithmetic; ``isa`` picks its compiled path, -1 the best)."""
+        return torch.ops.aiolm.gguf_moe(
+            x.float(), self._blocks, self._qtypes, topk_weights.float(), topk_ids, self.intermediate, int8, isa
+        )
 
 
 def int8_rows(blocks: GGUFWeight | GGUFParts | GGUFExperts, matmul_dtype: torch.dtype) -> int:
@@ -518,6 +602,8 @@ class GGUFBlocksConfig(QuantConfig):
         cfg = self.model_config
         if permuted_qk(cfg.architecture) and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = unpermute_rope_rows(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        if ttype in AS_TYPE:  # regrouped here, so that it joins its neighbours of that type in one run
+            data, ttype = _q5_0_as_q8_0(data), AS_TYPE[ttype]
         return data, ttype
 
     def blocks(self, names: list[str]) -> GGUFWeight | GGUFParts | None:

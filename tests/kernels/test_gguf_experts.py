@@ -18,7 +18,7 @@ import torch
 from test_gguf_int8 import ISAS, _isas  # the int8 paths this build has
 
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.kernels.cpu_moe import GGUFExperts
+from aiolm.quant.gguf_blocks import GGUFExperts
 from kquant_blocks import random_q4_k, random_q6_k
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")

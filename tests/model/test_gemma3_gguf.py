@@ -346,7 +346,7 @@ def test_tokenizer_chat_template_and_turn_end(written):
 
 
 def test_greedy_from_the_gguf_and_the_folder_match_transformers(written, prompts):
-    from aiolm.quant.gguf_blocks import GGUFLinear, GGUFParts, GGUFWeight
+    from aiolm.quant.gguf_blocks import TYPE_IDS, GGUFLinear, GGUFParts, GGUFWeight
 
     path, src, folder, hf = written
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
@@ -358,7 +358,8 @@ def test_greedy_from_the_gguf_and_the_folder_match_transformers(written, prompts
         layers = from_gguf.layers
         assert isinstance(layers[3].self_attn.qkv_proj.gguf.blocks, GGUFWeight)  # Q8_0 q, k, v
         assert isinstance(layers[2].self_attn.qkv_proj.gguf.blocks, GGUFParts)  # Q4_K q, k beside a Q6_K v
-        assert not isinstance(layers[0].self_attn.qkv_proj.gguf, GGUFLinear)  # Q5_0: float32 only
+        q5_0 = layers[0].self_attn.qkv_proj.gguf.blocks  # Q5_0, kept as Q8_0 blocks of the same values
+        assert isinstance(q5_0, GGUFWeight) and q5_0.qtype == TYPE_IDS["Q8_0"]
         assert all(isinstance(layer.mlp.down_proj.gguf, GGUFLinear) for layer in layers)
         assert isinstance(from_gguf.lm_head.gguf, GGUFLinear)  # the tied Q8_0 embedding
         assert all(getattr(layer, "fused", None) is None for layer in layers)  # the Llama-only fused step
