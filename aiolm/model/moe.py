@@ -93,13 +93,14 @@ class MoEForCausalLM(LlamaForCausalLM):
                 got.add((i, e, EXPERT_PARTS[proj]))
 
         super().load_weights(dense())
-        names = _MIXTRAL_NAMES if self.config.architecture == "mixtral" else _QWEN_NAMES
+        mixtral = self.config.architecture == "mixtral"
+        names = _MIXTRAL_NAMES if mixtral else _QWEN_NAMES
         missing = [
             names.format(i=i, e=e, proj=proj)
             for i, layer in enumerate(layers)
             if isinstance(layer.mlp, SparseMoeBlock)
             for e in range(layer.mlp.experts.num_experts)
-            for part, proj in _PROJ[names is _MIXTRAL_NAMES].items()
+            for part, proj in _PROJ[mixtral].items()
             if (i, e, part) not in got
         ]
         if missing:
