@@ -489,9 +489,7 @@ class AsyncEngine:
         ([sparse layer][expert], every rank's experts; empty for a dense model): the input
         an expert-placement balancer needs. Also in /metrics as ``moe_expert_tokens``."""
         executor = self.executor
-        if not self._started or executor is None or not self.expert_tokens:
-            return [list(row) for row in self.expert_tokens]
-        if self._dead is None:
+        if self._started and self._dead is None and executor is not None and self.expert_tokens:
             fresh = (await executor.collective_rpc("take_expert_counts"))[0]
             for row, add in zip(self.expert_tokens, fresh):
                 for e, n in enumerate(add):

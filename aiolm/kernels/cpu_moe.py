@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from aiolm.kernels import cpu as cpu_kernels
+from aiolm.kernels.moe_reference import experts_reference
 
 PANEL = 16  # output columns per panel, as fused_moe.cpp reads them
 
@@ -94,18 +95,4 @@ class CpuExperts:
         weights = topk_weights.float()
         if self.packed:
             return torch.ops.aiolm.fused_moe(x, self.w13, self.w2, weights, topk_ids)
-        return self._torch(x, weights, topk_ids)
-
-    def _torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same sum as a loop over the routed experts, on the dense weights."""
-        out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
-        xw = x.to(self.w13.dtype)
-        for e in ids.unique().tolist():
-            if e < 0:
-                continue
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            gate_up = xw[tok] @ self.w13[e].t()
-            act = torch.nn.functional.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            y = (act @ self.w2[e].t()).float()
-            out.index_add_(0, tok, y * weights[tok, slot, None])
-        return out
+        return experts_reference(x, self.w13, self.w2, weights, topk_ids)

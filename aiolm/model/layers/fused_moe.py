@@ -20,7 +20,7 @@ from aiolm.errors import ModelLoadError
 from aiolm.model.layers.context import BuildContext
 from aiolm.quant.base import ExpertsMethod, ExpertsSpec
 
-# The checkpoint's names for an expert's three projections -> (what it fills, shard)
+# The checkpoint's names for an expert's three projections (Qwen's, Mixtral's) -> the part each fills
 EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
