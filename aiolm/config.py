@@ -53,6 +53,12 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
 @dataclass
 class EngineArgs:
     model: str | None = _f(None, "Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    runner: str = _f(
+        "auto",
+        "auto|generate|pooling: generate text, or pool prompts into embeddings, rerank scores and "
+        "class logits (/v1/embeddings, /score, /rerank, /classify); auto: pooling for encoder-only "
+        "models (BERT) and sequence classifiers, generate otherwise",
+    )
     device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
     gpu_memory_utilization: float = _f(0.9, "on CUDA: fraction of device memory for weights, activations and KV cache")
     dtype: str = _f(
@@ -178,6 +184,8 @@ class EngineArgs:
                     f"supported; supported: mp, ray"
                 )
             self.executor = self.distributed_executor_backend
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner: {self.runner!r} is not supported; supported: auto, generate, pooling")
         if self.executor not in ("mp", "ray", "local"):
             raise ValueError(f"executor: {self.executor!r} is not supported; supported: mp, ray, local")
         if self.data_parallel_size < 1:
@@ -332,6 +340,7 @@ class RunnerConfig:
     structured_outputs: bool = True  # get the grammar compiler ready while the model loads
     async_scheduling: bool = False  # overlap: append sampled tokens here, the engine sends none back
     enable_expert_parallel: bool = False  # layers of experts: whole experts per rank
+    runner: str = "generate"  # or "pooling": prompts are pooled into vectors, nothing is sampled
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

@@ -44,3 +44,28 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked
+
+
+@dataclass
+class PoolingOutput:
+    """One input's pooled result: an embedding, a classifier's logits, or a pair's logits.
+    The names vLLM users read are views of ``data``."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def logits(self) -> list[float]:
+        return self.data
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    prompt: str | None = None

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from aiolm.core.step import LogprobsLists
 from aiolm.params import SamplingParams
+from aiolm.pooling.params import PoolingParams
 from aiolm.spec_decode.stats import AcceptanceWindow
 
 
@@ -90,6 +91,7 @@ class Request:
         "_next_hash_at",
         "_hash_block_size",
         "spec_window",
+        "pooling_params",
     )
 
     def __init__(
@@ -100,8 +102,11 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.req_id = req_id
+        # A pooling request finishes when its prompt is computed, with the pooled vector.
+        self.pooling_params = pooling_params
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         # Prompt followed by outputs, kept as its own list so reads never concatenate.

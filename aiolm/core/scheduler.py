@@ -99,6 +99,9 @@ class SchedulerConfig:
     hash_seed: int | str | bytes | None = None
     speculative: SpecConfig | None = None  # None: no drafts
     async_scheduling: bool = False  # overlap: the engine schedules a step while the previous one runs
+    # False for encoder-only models: attention is bidirectional, so a prompt runs whole in one
+    # step (a prompt over max_num_batched_tokens can never run, and is refused at admission).
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -215,9 +218,10 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. A prompt must leave room for one output token:
-        ``1 <= len(prompt) <= max_model_len - 1``, else ParamError("prompt")."""
+        ``1 <= len(prompt) <= max_model_len - 1``, else ParamError("prompt"); a pooling
+        prompt outputs no token, so it may fill the context."""
         n = request.num_prompt_tokens
-        limit = self.config.max_model_len - 1
+        limit = self.config.max_model_len - (request.pooling_params is None)
         if n == 0:
             raise ParamError("prompt", "the prompt is empty")
         if n > limit:
@@ -440,6 +444,13 @@ class Scheduler:
                 # Prompt logprobs need every prompt position computed, so no cached prefix.
                 hits, num_hit = kv.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - num_hit
+            if not cfg.chunked_prefill:
+                if n > cfg.max_num_batched_tokens:
+                    self.waiting.pop()
+                    self._finish_error(req, f"needs {n} tokens in one step, over max_num_batched_tokens")
+                    continue
+                if n > budget:
+                    break  # whole or not at all: it runs in a later step
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -516,6 +527,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     block_ids=kv.get_block_ids(req.req_id),
                     num_computed_tokens=req.num_computed_tokens,
+                    pooling_params=req.pooling_params,
                 )
             )
             worker_tokens[req.req_id] = req.num_tokens
@@ -606,6 +618,8 @@ class Scheduler:
             req = requests.get(req_id)
             if req is not None and req.prompt_logprobs is not None:
                 _merge_prompt_logprobs(req.prompt_logprobs, plp)
+        if model_runner_output.pooled:
+            any_finished = self._pooled(requests, model_runner_output.pooled, outputs)
         logprobs = model_runner_output.logprobs
         max_model_len = self.config.max_model_len
         for req_id, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
@@ -653,6 +667,22 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _pooled(
+        self, requests: dict[str, Request], pooled: dict[str, list[float]], outputs: list[EngineCoreOutput]
+    ) -> bool:
+        """Pooling requests whose prompt is computed end here, their vector in the output."""
+        done = False
+        for req_id, data in pooled.items():
+            req = requests.get(req_id)
+            if req is None or req.status is not _RUNNING:
+                continue  # aborted (or preempted) while the step ran
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            out = self._output(req, [])
+            out.pooled = data
+            outputs.append(out)
+            done = True
+        return done
 
     def _take_back_rejected(self, draft_tokens: dict[str, list[int]], runner_output: ModelRunnerOutput) -> None:
         """Count accepted drafts and roll ``num_computed_tokens`` back past the rejected ones.
@@ -709,10 +739,12 @@ class Scheduler:
         self._forget_on_workers(req.req_id)
         self.requests.pop(req.req_id, None)
 
-    def _finish_error(self, req: Request) -> None:
+    def _finish_error(self, req: Request, why: str | None = None) -> None:
         kv = self.kv_cache_manager
         req.error = (
-            f"request {req.req_id!r} needs more KV cache than exists: {req.num_tokens} tokens need "
+            f"request {req.req_id!r} {why}"
+            if why is not None
+            else f"request {req.req_id!r} needs more KV cache than exists: {req.num_tokens} tokens need "
             f"{kv.num_blocks_needed(req.num_tokens + 1)} blocks of {kv.block_size} tokens, "
             f"the pool has {kv.num_usable_blocks}; raise num_blocks or lower max_model_len"
         )

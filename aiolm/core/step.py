@@ -20,6 +20,7 @@ import msgspec
 from msgspec import field
 
 from aiolm.params import SamplingParams
+from aiolm.pooling.params import PoolingParams
 from aiolm.structured.spec import StructuredOutputs
 
 
@@ -33,6 +34,8 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV already sits in block_ids (prefix-cache hit)
+    # A pooling request (--runner pooling): pooled once its prompt is computed, never sampled.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -113,6 +116,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     # and those whose grammar failed to compile, with the compiler's message.
     grammars_ready: list[str] = field(default_factory=list)
     grammar_errors: dict[str, str] = field(default_factory=dict)
+    # Pooling requests whose prompt was completed this step: req_id -> the pooled vector
+    # (an embedding, or a classifier's logits); they sample nothing.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):
@@ -127,6 +133,7 @@ class EngineCoreOutput(msgspec.Struct, gc=False):
     error: str | None = None
     # The whole prompt's logprobs (tokens 1..n-1), once, with the request's first token.
     prompt_logprobs: LogprobsLists | None = None
+    pooled: list[float] | None = None  # a pooling request's result, with its finish
 
     @property
     def finished(self) -> bool:

@@ -25,13 +25,21 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+import msgspec
+
 from aiolm.checkpoint.moe import MoEConfig
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.engine.core import EngineCore
 from aiolm.engine.drain import DrainEstimate
-from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError, RequestTimeoutError
+from aiolm.engine.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineRecoveringError,
+    RequestError,
+    RequestTimeoutError,
+)
 from aiolm.engine.input import InputProcessor, PromptType
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output_processor import OutputProcessor, RequestState
@@ -39,8 +47,10 @@ from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.executor.base import Executor
 from aiolm.metrics import EngineMetrics
-from aiolm.outputs import RequestOutput
-from aiolm.params import ParamError, SamplingParams
+from aiolm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.pooling.config import PoolingConfig, read_pooling_config
+from aiolm.pooling.params import PoolingParams
 from aiolm.spec_decode import SpecDecodeStats
 from aiolm.structured.validator import Validator
 
@@ -70,6 +80,25 @@ def check_model_args(args: EngineArgs) -> ModelSource:
     return source
 
 
+def resolve_runner(runner: str, source: ModelSource) -> tuple[str, PoolingConfig | None]:
+    """``--runner`` for this model: ("generate", None) or ("pooling", how it pools).
+    auto pools with encoder-only models, sequence classifiers and sentence-transformers
+    folders (modules.json), and generates with everything else."""
+    mc = source.config
+    archs = source.hf_config.get("architectures") or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if runner == "auto":
+        st_folder = source.origin.is_dir() and (source.path / "modules.json").is_file()
+        runner = "pooling" if mc.encoder_only or classifier or st_folder else "generate"
+    if runner == "generate":
+        if mc.encoder_only or classifier:
+            raise ValueError(
+                f"{source.name}: an encoder or classifier cannot generate text; serve it with --runner pooling"
+            )
+        return runner, None
+    return runner, read_pooling_config(str(source.path), source.hf_config, mc.encoder_only)
+
+
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, *, engine_index: int = 0, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
@@ -96,6 +125,8 @@ class AsyncEngine:
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
         self._stopping: asyncio.Task[None] | None = None
         self.expert_tokens: list[list[int]] = []  # expert_load()'s running totals
+        self.runner = "generate"  # or "pooling" (EngineArgs.runner, resolved for the model at start)
+        self.pooling_config: PoolingConfig | None = None  # how a pooling model pools; None when generating
 
     @property
     def executor(self) -> Executor | None:
@@ -126,6 +157,13 @@ class AsyncEngine:
         self.model_name = a.served_model_name or self.source.name
         if isinstance(mc, MoEConfig):
             self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
+        self.runner, self.pooling_config = resolve_runner(a.runner, self.source)
+        pooling = self.pooling_config is not None
+        # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
+        # decoder can use them (an encoder's every state depends on the whole prompt).
+        prefix_caching = a.enable_prefix_caching and (
+            not pooling or (not mc.encoder_only and self.pooling_config.pooling_type == "last")  # type: ignore[union-attr]
+        )
         runner_cfg = RunnerConfig(
             model=str(self.source.origin),
             dtype=a.dtype,
@@ -143,8 +181,9 @@ class AsyncEngine:
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none",
-            async_scheduling=a.async_scheduling,
+            async_scheduling=a.async_scheduling and not pooling,
             enable_expert_parallel=a.enable_expert_parallel,
+            runner=self.runner,
         )
         # One for the engine's life: a worker set started by recovery keeps the measured rate.
         self.step_watch = a.step_watch()
@@ -164,9 +203,10 @@ class AsyncEngine:
                 block_size=a.block_size,
                 long_prefill_token_threshold=a.long_prefill_token_threshold,
                 policy=cast(Literal["fcfs", "priority"], a.scheduling_policy),
-                enable_prefix_caching=a.enable_prefix_caching,
-                speculative=a.spec_config(),
-                async_scheduling=a.async_scheduling,
+                enable_prefix_caching=prefix_caching,
+                speculative=None if pooling else a.spec_config(),
+                async_scheduling=a.async_scheduling and not pooling,
+                chunked_prefill=not mc.encoder_only,
             )
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
@@ -183,7 +223,7 @@ class AsyncEngine:
             log_steps=a.log_step_costs,
             supervisor=self.supervisor,
             metrics=self.metrics,
-            overlap=a.async_scheduling,
+            overlap=a.async_scheduling and not pooling,
         )
         self.metrics.configure(self.model_name, self.max_model_len)
         self.output.start(self._on_crash)
@@ -348,6 +388,10 @@ class AsyncEngine:
         """
         self._check_alive()
         assert self.output is not None and self.core is not None
+        if self.pooling_config is not None:
+            raise ParamError(
+                "model", f"{self.model_name} is served with --runner pooling: it embeds, scores and classifies only"
+            )
         params = self.inputs.params(params)
         if timeout is not None and not timeout > 0:
             raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
@@ -377,6 +421,109 @@ class AsyncEngine:
             state.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, state, timeout)
         self.core.send(AddRequests(reqs[:1]))
         return state
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt (a string, token ids, ``{"prompt_token_ids": ..., "token_type_ids":
+        ...}``) on a pooling model: yields one PoolingRequestOutput, its embedding (cut to
+        ``dimensions`` and normalised as asked) or its classifier's logits.
+        ``truncate_prompt_tokens``: keep the first N tokens (-1: max_model_len) instead of
+        refusing a longer prompt. Leaving early aborts the request, as in ``generate``."""
+        state, params = await self._add_pooling_request(
+            prompt, pooling_params, request_id, priority, truncate_prompt_tokens, timeout
+        )
+        async with contextlib.aclosing(self.stream(state)) as outputs:
+            async for _ in outputs:
+                pass
+        if state.pooled is None:  # finished without a vector: aborted or failed
+            raise state.error or RequestError(f"request {state.req_id!r} ended without a pooled result")
+        yield PoolingRequestOutput(state.req_id, state.prompt_ids, PoolingOutput(state.pooled), True, state.prompt)
+
+    async def _add_pooling_request(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str | None,
+        priority: int,
+        truncate: int | None,
+        timeout: float | None,
+    ) -> tuple[RequestState, PoolingParams]:
+        self._check_alive()
+        assert self.output is not None and self.core is not None
+        if self.pooling_config is None:
+            raise ParamError(
+                "model",
+                f"{self.model_name} is served for generation; pooling needs a server started with --runner pooling",
+            )
+        params = self._pooling_params(pooling_params if pooling_params is not None else PoolingParams())
+        if timeout is not None and not timeout > 0:
+            raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
+        processed, types = await self.inputs.process_pooling(prompt, truncate, self.max_pooling_tokens)
+        if types is not None:
+            params = msgspec.structs.replace(params, token_type_ids=types)
+        self._check_alive()
+        rid = request_id if request_id is not None else self.inputs.new_request_id()
+        if rid in self.output.requests:
+            raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
+        self._admit(1)
+        cid = f"{rid}@{next(self._submissions)}"
+        sp = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL_ONLY)
+        state = self.output.register(rid, processed.prompt, processed.token_ids, sp, [cid])
+        state.core_request = req = Request(cid, processed.token_ids, sp, priority=priority, pooling_params=params)
+        if timeout is not None:
+            state.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, state, timeout)
+        self.stats["prompt_tokens"] += len(processed.token_ids)
+        self.core.send(AddRequests([req]))
+        return state, params
+
+    def _pooling_params(self, p: PoolingParams) -> PoolingParams:
+        """``p`` checked against the model: its task, and ``dimensions`` (matryoshka models only)."""
+        pc = self.pooling_config
+        assert pc is not None
+        if not isinstance(p, PoolingParams):
+            raise ParamError("pooling_params", f"must be PoolingParams, got {type(p).__name__}")
+        if pc.is_classifier and p.task == "embed":
+            raise ParamError("model", f"{self.model_name} is a classifier: it classifies and scores, not embeds")
+        if not pc.is_classifier and p.task != "embed":
+            raise ParamError(
+                "model", f"{self.model_name} is an embedding model: it cannot {p.task} (no classifier head)"
+            )
+        if p.dimensions is not None:
+            dims = pc.matryoshka_dimensions
+            if dims is None:
+                raise ParamError(
+                    "dimensions", f"{self.model_name} does not support matryoshka representation: leave dimensions out"
+                )
+            if (dims and p.dimensions not in dims) or p.dimensions > self.hidden_size:
+                allowed = ", ".join(map(str, dims)) if dims else f"1 to {self.hidden_size}"
+                raise ParamError("dimensions", f"{p.dimensions} is not a size this model offers ({allowed})")
+        return p
+
+    @property
+    def hidden_size(self) -> int:
+        """The size of the model's embeddings (before any ``dimensions`` cut)."""
+        return self.source.config.hidden_size
+
+    @property
+    def max_pooling_tokens(self) -> int:
+        """The longest prompt a pooling request may have: the context, and for an encoder
+        (whose prompt runs whole in one step) the step's token budget too."""
+        n = self.max_model_len
+        if self.source.config.encoder_only:
+            n = min(n, self.args.max_num_batched_tokens)
+        return n
+
+    def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
+        """A cross-encoder's input for (``text``, ``text_pair``): the pair's token ids and,
+        where the tokenizer has segments, their token type ids."""
+        return self.inputs.encode_pair(text, text_pair, truncate_prompt_tokens, self.max_pooling_tokens)
 
     def _admit(self, n: int) -> None:
         """Refuse ``n`` more sequences when running seats plus the waiting bound are taken.
@@ -519,9 +666,6 @@ class AsyncEngine:
     def prompt_too_long(self, text: str) -> str | None:
         """Why ``text`` cannot fit in the context whatever its tokens (decided without tokenizing), or None."""
         return self.inputs.too_long(text)
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenize(text, add_special_tokens)
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any

@@ -19,8 +19,10 @@ from typing import (
 if TYPE_CHECKING:
     from aiolm.engine.input import PromptType
     from aiolm.engine.output_processor import RequestState
-    from aiolm.outputs import RequestOutput
+    from aiolm.outputs import PoolingRequestOutput, RequestOutput
     from aiolm.params import SamplingParams
+    from aiolm.pooling.config import PoolingConfig
+    from aiolm.pooling.params import PoolingParams
 
 
 class MetricsSource(Protocol):
@@ -88,6 +90,30 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    # -- pooling models (--runner pooling) --------------------------------------------
+    @property
+    def runner(self) -> str:
+        """ "generate" or "pooling"."""
+        ...
+
+    @property
+    def pooling_config(self) -> PoolingConfig | None: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]: ...
+
+    def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]: ...
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting)."""

@@ -43,8 +43,10 @@ from aiolm.engine.input import PromptType
 from aiolm.engine.output_processor import RequestState
 from aiolm.engine.router import PrefixRouter
 from aiolm.metrics import CombinedMetrics
-from aiolm.outputs import RequestOutput
+from aiolm.outputs import PoolingRequestOutput, RequestOutput
 from aiolm.params import ParamError, SamplingParams
+from aiolm.pooling.config import PoolingConfig
+from aiolm.pooling.params import PoolingParams
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +254,42 @@ class DataParallelEngine:
                 log.warning("request %r moved from dead replica %d to replica %d", state.req_id, i, self._owner[new])
                 state = new
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pooled on the least loaded live replica (a pooling request holds no KV after it
+        ends, so there is no prefix to follow)."""
+        loads = self._loads()
+        if all(load is None for load in loads):
+            self._raise_unavailable()
+        i = min((load, i) for i, load in enumerate(loads) if load is not None)[1]
+        async with contextlib.aclosing(
+            self.replicas[i].encode(prompt, pooling_params, request_id, priority, truncate_prompt_tokens, timeout)
+        ) as outputs:
+            async for out in outputs:
+                yield out
+
+    def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
+        return self._model().tokenize_pair(text, text_pair, truncate_prompt_tokens)
+
+    @property
+    def runner(self) -> str:
+        return self._model().runner
+
+    @property
+    def pooling_config(self) -> PoolingConfig | None:
+        return self._model().pooling_config
+
+    @property
+    def hidden_size(self) -> int:
+        return self._model().hidden_size
+
     async def abort(self, request_id: str) -> None:
         for r in self.replicas:
             if r.output is not None and request_id in r.output.requests:
@@ -330,9 +368,6 @@ class DataParallelEngine:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._model().tokenize(text, add_special_tokens)
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenize(text, add_special_tokens)
 
     def prompt_too_long(self, text: str) -> str | None:
         return self._model().prompt_too_long(text)

@@ -135,6 +135,82 @@ class InputProcessor:
             return await asyncio.to_thread(self.encode, text, special)
         return self.encode(text, special)
 
+    async def process_pooling(
+        self, prompt: PromptType, truncate: int | None, max_tokens: int
+    ) -> tuple[ProcessedPrompt, list[int] | None]:
+        """A pooling prompt and its token type ids (a cross-encoder pair's, else None): a string,
+        token ids, or ``{"prompt_token_ids": ..., "token_type_ids": ...}``. The whole prompt
+        is pooled, so it may fill the context (``max_tokens``) but not pass it, unless
+        ``truncate`` (-1: ``max_tokens``) asks to keep only its first tokens."""
+        if truncate is not None:
+            if isinstance(truncate, bool) or not isinstance(truncate, int) or (truncate < 1 and truncate != -1):
+                raise ParamError("truncate_prompt_tokens", f"must be a positive integer or -1, got {truncate!r}")
+            if truncate > max_tokens:
+                raise ParamError(
+                    "truncate_prompt_tokens", f"{truncate} is more than this model takes in one input ({max_tokens})"
+                )
+            truncate = max_tokens if truncate == -1 else truncate
+        types = None
+        text: str | None = None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            types = prompt.get("token_type_ids")
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str):
+            text = prompt
+            if truncate is None:
+                why = self.too_long(text)
+                if why is not None:
+                    raise ParamError("input", why)
+            ids = (
+                await asyncio.to_thread(self._encode_pooled, text, truncate)
+                if len(text) > _LARGE_PROMPT_CHARS
+                else self._encode_pooled(text, truncate)
+            )
+        else:
+            raise ParamError("input", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ParamError("input", "token ids must be a list of integers")
+        if types is not None and (
+            not isinstance(types, (list, tuple)) or len(types) != len(ids) or not all(t in (0, 1) for t in types)
+        ):
+            raise ParamError("token_type_ids", "must be a list of 0s and 1s, one per token")
+        ids = list(ids)
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[:truncate]
+            types = list(types[:truncate]) if types is not None else None
+        if not ids:
+            raise ParamError("input", "the input is empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError("input", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > max_tokens:
+            raise ParamError(
+                "input",
+                f"the input has {len(ids)} tokens; this model takes at most {max_tokens} "
+                "(set truncate_prompt_tokens to cut it)",
+            )
+        return ProcessedPrompt(text, ids), (list(types) if types is not None else None)
+
+    def _encode_pooled(self, text: str, truncate: int | None) -> list[int]:
+        """Truncated by the tokenizer, which keeps the special tokens (a BERT's [SEP]) in."""
+        if truncate is None:
+            return self.encode(text)
+        return list(self.tokenizer(text, truncation=True, max_length=truncate)["input_ids"])
+
+    def encode_pair(self, text: str, pair: str, truncate: int | None, max_tokens: int) -> dict[str, Any]:
+        """The ids (and token type ids, where the tokenizer makes segments) of a text pair."""
+        for name, value in (("text_1", text), ("text_2", pair)):
+            if not isinstance(value, str):
+                raise ParamError(name, f"must be a string, got {type(value).__name__}")
+        limit = max_tokens if truncate == -1 else truncate
+        enc = self.tokenizer(text, pair, truncation=limit is not None, max_length=limit)
+        out: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
+        if "token_type_ids" in enc:
+            out["token_type_ids"] = list(enc["token_type_ids"])
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 

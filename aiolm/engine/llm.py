@@ -22,8 +22,10 @@ from typing import Any, TypeVar
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
 from aiolm.engine.input import PromptType
-from aiolm.outputs import RequestOutput
+from aiolm.outputs import PoolingRequestOutput, RequestOutput
 from aiolm.params import SamplingParams
+from aiolm.pooling.params import PoolingParams
+from aiolm.pooling.scores import cosine, cross_encoder_score, score_pairs
 
 T = TypeVar("T")
 log = logging.getLogger("aiolm.llm")
@@ -141,6 +143,67 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+    # -- pooling models (--runner pooling) ------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (one batch through the scheduler); outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run(self._encode_all(list(prompts), pooling_params or PoolingParams(), truncate_prompt_tokens))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Embeddings (``outputs.embedding``), as the model's folder pools and normalises them."""
+        params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
+        return self.encode(prompts, params, truncate_prompt_tokens)
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None
+    ) -> list[PoolingRequestOutput]:
+        """A sequence classifier's logits per prompt (``outputs.logits``)."""
+        return self.encode(prompts, PoolingParams(task="classify"), truncate_prompt_tokens)
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str], truncate_prompt_tokens: int | None = None
+    ) -> list[float]:
+        """Relevance of each pair: one text against many, or pairwise over two equal lists.
+        A cross-encoder reads each pair at once (the sigmoid of its logit); an embedding
+        model gives the cosine of the two embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        return self._run(self._score_all(pairs, truncate_prompt_tokens))
+
+    async def _encode_all(
+        self, prompts: list[Any], params: PoolingParams, truncate: int | None
+    ) -> list[PoolingRequestOutput]:
+        async def one(p: Any) -> PoolingRequestOutput:
+            async for out in self.engine.encode(p, params, truncate_prompt_tokens=truncate):
+                return out
+            raise RuntimeError("encode yielded nothing")
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def _score_all(self, pairs: list[tuple[str, str]], truncate: int | None) -> list[float]:
+        pc = self.engine.pooling_config
+        if pc is not None and pc.is_classifier:
+            inputs = [self.engine.tokenize_pair(a, b, truncate) for a, b in pairs]
+            outs = await self._encode_all(inputs, PoolingParams(task="score"), None)
+            return [cross_encoder_score(o.outputs.data) for o in outs]
+        texts = sorted({t for pair in pairs for t in pair})
+        embs = await self._encode_all(texts, PoolingParams(task="embed"), truncate)
+        by_text = {t: o.outputs.data for t, o in zip(texts, embs)}
+        return [cosine(by_text[a], by_text[b]) for a, b in pairs]
 
     def close(self) -> None:
         """Stop the engine and its workers now (also done at exit or when collected)."""

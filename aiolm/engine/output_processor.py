@@ -83,6 +83,7 @@ class RequestState:
         self.expiry: asyncio.TimerHandle | None = None  # the request's timeout, if it has one
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.sent_prompt_logprobs = False  # delta mode: delivered once, with the first output
+        self.pooled: list[float] | None = None  # a pooling request's vector, when it finishes
         self._event = asyncio.Event()
 
     @property
@@ -327,6 +328,11 @@ class OutputProcessor(Actor[StepOutputs]):
                 if stop_str is not None and o.finish_reason is None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     stopped.append(seq.child_id)
+            if o.pooled is not None:
+                state.pooled = o.pooled
+                state.first_token_time = state.last_token_time = now
+                state.num_cached_tokens = o.num_cached_tokens
+                prompt_tokens += len(state.prompt_ids)
             if o.finish_reason is not None and seq.finish_reason is None:
                 if o.finish_reason == "error":
                     state.error = RequestError(o.error or "request failed")

@@ -108,6 +108,7 @@ def _to_wire(so: SchedulerOutput) -> SchedulerOutput:
             _params_to_wire(r.sampling_params),
             r.block_ids,
             r.num_computed_tokens,
+            r.pooling_params,
         )
         for r in so.scheduled_new_reqs
     ]
@@ -123,6 +124,7 @@ def _from_wire(wire: SchedulerOutput) -> SchedulerOutput:
             _params_from_wire(r.sampling_params),
             r.block_ids,
             r.num_computed_tokens,
+            r.pooling_params,
         )
         for r in wire.scheduled_new_reqs
     ]

@@ -79,7 +79,8 @@ class KVCacheSizer:
             meta = AttentionMetadata.build([n], [n], [list(range(1, nblk))], bs, device)
             ids = torch.zeros(n, dtype=torch.long, device=device)
             hidden = runner.model(ids, torch.arange(n, device=device), caches, meta)
-            runner.model.compute_logits(hidden[-min(n, cfg.max_num_seqs) :])
+            if runner.pooler is None:  # a pooling model has no logits to take
+                runner.model.compute_logits(hidden[-min(n, cfg.max_num_seqs) :])
             del hidden
             p.synchronize(device)
             prefill_peak = p.peak_allocated_memory(device)
@@ -95,7 +96,8 @@ class KVCacheSizer:
             )
             p.synchronize(device)
             forward_peak = p.peak_allocated_memory(device)  # what a graph captures
-            runner.model.compute_logits(hidden).float().softmax(-1)
+            if runner.pooler is None:
+                runner.model.compute_logits(hidden).float().softmax(-1)
             p.synchronize(device)
             decode_peak = p.peak_allocated_memory(device)
             del caches, hidden

@@ -27,6 +27,8 @@ from aiolm.core.step import (
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
+from aiolm.pooling.config import read_pooling_config
+from aiolm.pooling.poolers import Pooler, PoolingState
 from aiolm.sample import logits_processors
 from aiolm.sample.prompt_logprobs import score_prompt
 from aiolm.sample.rejection import accepted_prefix, row_histories, verify_positions
@@ -63,6 +65,7 @@ class ModelRunner:
                 max_positions=cfg.max_model_len,
                 attention=cfg.attention_backend,
                 expert_parallel=cfg.enable_expert_parallel,
+                pooling=cfg.runner == "pooling",
             )
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
         self.kv_dtype = self.platform.kv_cache_dtype(requested)
@@ -70,6 +73,36 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.grammars = BackgroundCompiles(mc.vocab_size)
         self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        self.pooler: Pooler | None = None
+        self.pooling: dict[str, PoolingState] = {}  # live pooling requests' running states
+        if cfg.runner == "pooling":
+            pc = read_pooling_config(str(self.source.path), self.source.hf_config, mc.encoder_only)
+            self.pooler = Pooler(pc, getattr(self.model, "classify", None))
+        if mc.encoder_only:
+            self._no_kv_cache(cfg)
+        else:
+            self._allocate_kv_cache(cfg)
+        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
+        with self.platform.memory_guard("capturing CUDA graphs", cfg):
+            self.graphs = self._capture_graphs()
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=self.device)
+        self.default_generator.manual_seed(cfg.seed)
+        self._meta_key: tuple[str, ...] | None = None
+        self._meta: SamplingMetadata | None = None
+        self._last_sampled: list[list[int]] = []
+
+    def _no_kv_cache(self, cfg: RunnerConfig) -> None:
+        """An encoder keeps no KV: each prompt runs whole in one step and is done. The
+        scheduler still counts blocks, so it gets enough logical ones for a full step of
+        prompts (each rounded up to a block) and for one prompt of max_model_len."""
+        self.num_kv_heads = 0
+        per_step = -(-cfg.max_num_batched_tokens // cfg.block_size) + cfg.max_num_seqs
+        self.num_blocks = max(per_step, -(-cfg.max_model_len // cfg.block_size)) + 1
+        self.kv_caches: list[torch.Tensor] = []
+
+    def _allocate_kv_cache(self, cfg: RunnerConfig) -> None:
+        mc = self.source.config
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
         sizer = KVCacheSizer(self.platform)
@@ -89,15 +122,6 @@ class ModelRunner:
         shape = kv_cache_shape(self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim)
         with self.platform.memory_guard("allocating the KV cache", cfg):
             self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
-        with self.platform.memory_guard("capturing CUDA graphs", cfg):
-            self.graphs = self._capture_graphs()
-        self.sampler = Sampler()
-        self.default_generator = torch.Generator(device=self.device)
-        self.default_generator.manual_seed(cfg.seed)
-        self._meta_key: tuple[str, ...] | None = None
-        self._meta: SamplingMetadata | None = None
-        self._last_sampled: list[list[int]] = []
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,6 +144,8 @@ class ModelRunner:
             block_size=self.cfg.block_size,
         )
         t1 = time.perf_counter()
+        if self.pooler is not None:
+            return self._execute_pooling(scheduler_output, step, meta, t0, t1)
         plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
         if plan is not None and not plan.eager:
             hidden = self.graphs.run(plan.size, step.input_ids, step.positions, meta)  # type: ignore[union-attr]
@@ -161,6 +187,51 @@ class ModelRunner:
             worker_times=[t1 - t0, t2 - t1, t3 - t2],
             grammars_ready=ready,
             grammar_errors=errors,
+        )
+
+    def _execute_pooling(
+        self, out: SchedulerOutput, step: Any, meta: AttentionMetadata, t0: float, t1: float
+    ) -> ModelRunnerOutput:
+        """A pooling step: the forward pass, then each request's pooling state advanced by its
+        positions, and the vectors of the requests whose prompt this step completed."""
+        assert self.pooler is not None
+        states = self.pooling
+        for rid in out.finished_req_ids:
+            states.pop(rid, None)
+        for new in out.scheduled_new_reqs:  # new, or rebuilt after preemption: start over
+            assert new.pooling_params is not None, (
+                f"request {new.req_id} reached a pooling model without pooling params"
+            )
+            states[new.req_id] = PoolingState(new.pooling_params)
+        starts = [s - q for s, q in zip(step.seq_lens_list, step.query_lens)]
+        kwargs = {}
+        types = [states[rid].params.token_type_ids for rid in step.req_ids]
+        if any(t is not None for t in types):
+            flat: list[int] = []
+            for t, first, q in zip(types, starts, step.query_lens):
+                flat += t[first : first + q] if t is not None else [0] * q
+            kwargs["token_type_ids"] = torch.tensor(flat, dtype=torch.long, device=self.device)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, **kwargs)
+        t2 = time.perf_counter()
+        kind = self.pooler.config.pooling_type
+        done: list[str] = []
+        offset = 0
+        for i, rid in enumerate(step.req_ids):
+            q = step.query_lens[i]
+            states[rid].add(hidden[offset : offset + q], starts[i], kind)
+            offset += q
+            if step.sample_mask[i]:
+                done.append(rid)
+        pooled = dict(zip(done, self.pooler.finish([states.pop(rid) for rid in done]))) if done else {}
+        ready, errors = self.grammars.collect()
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=[[] for _ in step.req_ids],
+            worker_times=[t1 - t0, t2 - t1, t3 - t2],
+            grammars_ready=ready,
+            grammar_errors=errors,
+            pooled=pooled,
         )
 
     def _verify(
@@ -269,7 +340,7 @@ class ModelRunner:
         """On CUDA, decode steps of up to ``max_cudagraph_size`` rows replay captured graphs
         (worker/cuda_graph.py), when the attention backend can be captured."""
         cfg = self.cfg
-        if not self.uses_cuda_graphs():
+        if self.pooler is not None or not self.uses_cuda_graphs():  # graphs replay decode steps only
             return None
         sizes = capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_size)
         graphs = CudaGraphRunner(

@@ -1,0 +1,103 @@
+"""How a model pools: read once from its folder, torch-free (the engine checks requests
+against it; the workers pool by it).
+
+A sentence-transformers folder says it in ``modules.json`` (Transformer, Pooling,
+Normalize) and ``1_Pooling/config.json``; a folder without them gets vLLM's defaults:
+CLS for encoders, the last token for decoders, normalised. A sequence classifier
+(``*ForSequenceClassification``) pools by its own head and classifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiolm.errors import ModelLoadError
+
+PoolingType = Literal["cls", "mean", "last"]
+
+# sentence-transformers' module types aiolm runs; anything else in modules.json is refused.
+_TRANSFORMER = "sentence_transformers.models.Transformer"
+_POOLING = "sentence_transformers.models.Pooling"
+_NORMALIZE = "sentence_transformers.models.Normalize"
+_ST_MODES: dict[str, PoolingType] = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    pooling_type: PoolingType
+    normalize: bool
+    # Embedding sizes a request's ``dimensions`` may ask for: None = no matryoshka support;
+    # an empty tuple = any size up to the hidden size.
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    num_labels: int = 0  # > 0: a sequence classifier (classify/score), its logits per input
+    labels: tuple[str, ...] = ()  # id2label in order, where the config names them
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.num_labels > 0
+
+
+def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool) -> PoolingConfig:
+    """The pooling of the model folder ``path`` (its config.json already read as ``hf_config``).
+    Raises ModelLoadError naming what aiolm cannot run."""
+    archs = hf_config.get("architectures") or []
+    matryoshka = _matryoshka(hf_config)
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        id2label = hf_config.get("id2label") or {}
+        num_labels = int(hf_config.get("num_labels", len(id2label) or 2))
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+        return PoolingConfig("cls" if encoder_only else "last", False, None, num_labels, labels)
+    modules_file = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
+    if not modules_file or not os.path.isfile(modules_file):
+        return PoolingConfig("cls" if encoder_only else "last", True, matryoshka)
+    with open(modules_file) as f:
+        modules = json.load(f)
+    pooling: PoolingType | None = None
+    normalize = False
+    for m in modules:
+        kind = m.get("type", "")
+        if kind == _TRANSFORMER:
+            continue
+        if kind == _POOLING:
+            pooling = _st_pooling(os.path.join(path, m.get("path", ""), "config.json"))
+        elif kind == _NORMALIZE:
+            normalize = True
+        else:
+            raise ModelLoadError(
+                f"{modules_file}: module {m.get('name', '?')!r} of type {kind!r} is not supported "
+                "(aiolm runs Transformer, Pooling and Normalize modules)"
+            )
+    if pooling is None:
+        pooling = "cls" if encoder_only else "last"
+    return PoolingConfig(pooling, normalize, matryoshka)
+
+
+def _st_pooling(config_file: str) -> PoolingType:
+    try:
+        with open(config_file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config_file}: cannot read the pooling config: {e}") from None
+    chosen = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
+    others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
+    if others or len(chosen) != 1:
+        raise ModelLoadError(
+            f"{config_file}: pooling {sorted(others) or chosen or 'none'} is not supported "
+            "(aiolm pools by exactly one of CLS token, mean of tokens, last token)"
+        )
+    return chosen[0]
+
+
+def _matryoshka(hf_config: dict[str, Any]) -> tuple[int, ...] | None:
+    """vLLM's spelling: ``matryoshka_dimensions`` lists the sizes, ``is_matryoshka`` allows any."""
+    dims = hf_config.get("matryoshka_dimensions")
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if hf_config.get("is_matryoshka") else None
