@@ -157,3 +157,32 @@ def test_pooling_engine_refuses_what_it_cannot_do(loop, real_source):
     assert errors["truncated_len"] == 1024
     with pytest.raises(ParamError, match="task"):
         PoolingParams(task="generate")
+
+
+def test_matryoshka_dimensions_cut_then_normalise(tmp_path, loop, real_source, hf_reference):
+    """A config that says ``matryoshka_dimensions`` lets a request keep the first N values of
+    the embedding (normalised after the cut, as vLLM does); other sizes are refused."""
+    for f in real_source.path.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((real_source.path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, matryoshka_dimensions=[64, 128])))
+    ids = _prompts(real_source.config.vocab_size)[2]
+    with torch.inference_mode():
+        full = hf_reference.model(torch.tensor([ids])).last_hidden_state[0, -1].float()
+
+    async def go():
+        async with AsyncEngine(EngineArgs(model=str(tmp_path), runner="pooling", **ENGINE_ARGS)) as engine:
+            cut = (await _embed_all(engine, [ids], dimensions=64))[0]
+            raw = (await _embed_all(engine, [ids], normalize=False))[0]
+            try:
+                await _embed_all(engine, [ids], dimensions=100)
+            except ParamError as e:
+                return cut, raw, str(e)
+            return cut, raw, None
+
+    cut, raw, refused = loop.run(go(), timeout=300)
+    assert len(cut) == 64 and _cos(cut, torch.nn.functional.normalize(full[:64], dim=0)) >= 0.99999
+    assert abs(math.sqrt(sum(x * x for x in cut)) - 1.0) < 1e-5
+    assert len(raw) == full.numel() and max(abs(a - float(b)) for a, b in zip(raw, full)) < 1e-3
+    assert refused is not None and "64, 128" in refused
