@@ -3,6 +3,10 @@
 The kernel reads K/V pages in place for decode rows and prefill chunks in one
 call; the torch reference gathers pages into contiguous tensors first, which on
 a many-request decode step costs more than the attention itself.
+
+An encoder's step (``forward_encoder``) has no pages: each request's queries meet its
+keys in two batched matmuls over the kv heads with a softmax between, which on short
+sequences (a sentence to embed) costs a fraction of SDPA's per-call overhead.
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ class CpuPagedAttention(TorchAttention):
             self.soft_cap or 0.0,
         )
         return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def forward_encoder(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hk, D], requests back to back. Returns [T, H * D]."""
+        self.check_encoder()
+        t, hk, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        out = torch.empty(t, hk, g, d, dtype=q.dtype, device=q.device)
+        s0 = 0
+        for n in meta.query_lens_cpu:
+            if n:
+                # the group's query heads as rows of one matrix per kv head: [Hk, G * n, D]
+                qs = q[s0 : s0 + n].view(n, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * n, d)
+                scores = torch.bmm(qs, k[s0 : s0 + n].permute(1, 2, 0)).mul_(self.scale)  # [Hk, G * n, n]
+                o = torch.bmm(torch.softmax(scores, dim=-1), v[s0 : s0 + n].transpose(0, 1))
+                out[s0 : s0 + n] = o.view(hk, g, n, d).permute(2, 0, 1, 3)
+            s0 += n
+        return out.view(t, self.num_heads * d)
 
     def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache's K and V halves, taken once per cache (two views less per step)."""

@@ -20,6 +20,11 @@ and ``backend.forward(q, k, v, kv_cache, meta)`` writes k/v into the cache by
 ``slot_mapping`` and returns attention over the pages, ``[num_tokens, heads * head_dim]``.
 A query at position p sees the keys at positions j <= p, and with a sliding window
 W only those with j > p - W.
+
+An encoder (BERT) calls ``backend.forward_encoder(q, k, v, meta)`` instead: each request's
+whole sequence is in the step (query_len == seq_len), every token attends to every token
+of its own request in both directions, and no cache is read or written (block_table and
+slot_mapping are not used).
 """
 
 from __future__ import annotations
@@ -67,6 +72,19 @@ class AttentionBackend:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens (written by ``slot_mapping``).
         Returns [T, H * D]."""
         raise NotImplementedError
+
+    def forward_encoder(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Bidirectional attention within each request's tokens (``meta.query_start_loc``):
+        q: [T, H, D]; k, v: [T, Hk, D]. Returns [T, H * D]; no KV cache involved."""
+        raise NotImplementedError
+
+    def check_encoder(self) -> None:
+        """Encoder layers have neither a window nor a soft-cap; a backend refuses them here
+        rather than attend in a way no encoder family asked for."""
+        if self.sliding_window is not None or self.soft_cap is not None:
+            raise ValueError("encoder attention takes no sliding_window or soft_cap")
 
 
 @dataclass

@@ -5,6 +5,9 @@ Decode rows (one query token) are computed together as one batched, masked
 attention; rows with several query tokens (prefill chunks) one request at a time
 with a causal mask offset by the context already in the cache.
 
+An encoder's step (``forward_encoder``) attends within each request's tokens in both
+directions, one request at a time, and touches no cache.
+
 Per layer, a backend may have a sliding window (a query at position p sees keys j
 with p - window < j <= p, Hugging Face's convention) and a tanh soft-cap of the
 scaled scores; both are off (None) by default.
@@ -50,6 +53,27 @@ class TorchAttention(AttentionBackend):
                         q[s0 : s0 + n], kv_cache, meta.block_table[i], slens[i], meta.block_size
                     )
         return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def forward_encoder(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hk, D], requests back to back. Returns [T, H * D]."""
+        self.check_encoder()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        s0 = 0
+        for n in meta.query_lens_cpu:  # the host's copy: no device sync
+            if n:
+                out[s0 : s0 + n] = self._bidirectional(q[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n])
+            s0 += n
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _bidirectional(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One request: [n, H, D] queries over its [n, Hk, D] keys, no mask."""
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if self.group > 1:
+            kh = kh.repeat_interleave(self.group, dim=0)
+            vh = vh.repeat_interleave(self.group, dim=0)
+        return F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale).transpose(0, 1)
 
     def _gather(
         self, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, block_size: int

@@ -3,7 +3,9 @@
 Same call as the other backends (torch_backend.py, cpu_backend.py): write the new
 tokens' K/V by ``slot_mapping``, then attend over the paged cache, for a flat batch
 that mixes prefill chunks, prefix hits and decode rows in one kernel launch. Adds the
-per-layer options some families need: a sliding window and logit soft-capping.
+per-layer options some families need: a sliding window and logit soft-capping. An
+encoder's step (``forward_encoder``) runs the varlen bidirectional kernel
+(kernels/triton/encoder_attention.py) over the step's own K/V, with no cache.
 
 The kernels take int32 metadata; int64 tensors (what ``AttentionMetadata.build`` makes)
 are converted on each call, so a runner that builds int32 metadata pays nothing. The
@@ -21,6 +23,7 @@ import torch
 from aiolm.attention.metadata import AttentionBackend, AttentionMetadata
 from aiolm.kernels.triton.attention import choose_num_splits, paged_attention
 from aiolm.kernels.triton.cache import write_kv
+from aiolm.kernels.triton.encoder_attention import encoder_attention
 
 
 class TritonAttention(AttentionBackend):
@@ -69,6 +72,15 @@ class TritonAttention(AttentionBackend):
             soft_cap=self.soft_cap,
             num_splits=splits,
         )
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def forward_encoder(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hk, D], requests back to back. Returns [T, H * D]."""
+        self.check_encoder()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        encoder_attention(out, q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _programs_to_fill(self, device: torch.device) -> int:

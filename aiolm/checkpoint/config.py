@@ -11,13 +11,17 @@ Nothing here imports torch: the engine process reads configs too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from aiolm.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # Bidirectional attention over each whole prompt in one step, no KV cache, no prefix
+    # caching, no generation (an encoder such as BERT, checkpoint/bert.py); the engine reads it
+    encoder_only: ClassVar[bool] = False
+
     architecture: str  # the registry's name for it: llama, mistral, qwen2, qwen3, gemma3
     vocab_size: int
     hidden_size: int

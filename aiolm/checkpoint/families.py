@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.checkpoint import gemma3, llama, moe
+from aiolm.checkpoint import bert, gemma3, llama, moe
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.errors import ModelLoadError
 
@@ -37,6 +37,15 @@ MODELS: dict[str, ModelFamily] = {
     "Qwen3MoeForCausalLM": ModelFamily("qwen3_moe", "moe", "MoEForCausalLM", "qwen3_moe", moe.config_from_hf),
     "Qwen2MoeForCausalLM": ModelFamily("qwen2_moe", "moe", "MoEForCausalLM", "qwen2_moe", moe.config_from_hf),
     "MixtralForCausalLM": ModelFamily("mixtral", "moe", "MoEForCausalLM", "mixtral", moe.config_from_hf),
+    # encoders (BertConfig.encoder_only): embeddings and sequence classifiers, no generation
+    "BertModel": ModelFamily("bert", "bert", "BertModel", "bert", bert.config_from_hf),
+    "BertForSequenceClassification": ModelFamily(
+        "bert_classifier", "bert", "BertForSequenceClassification", "bert", bert.config_from_hf
+    ),
+    "XLMRobertaModel": ModelFamily("xlm_roberta", "bert", "BertModel", "xlm-roberta", bert.config_from_hf),
+    "XLMRobertaForSequenceClassification": ModelFamily(
+        "xlm_roberta_classifier", "bert", "BertForSequenceClassification", "xlm-roberta", bert.config_from_hf
+    ),
 }
 
 

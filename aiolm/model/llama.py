@@ -163,8 +163,14 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
-        self.lm_head = ParallelLMHead(
-            ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
+        # a model built to pool (an embedder) has no LM head, and its checkpoint (a
+        # sentence-transformers folder: the bare decoder) need not hold one
+        self.lm_head = (
+            None
+            if ctx.pooling
+            else ParallelLMHead(
+                ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
+            )
         )
 
     def make_mlp(self, cfg: ModelConfig, ctx: BuildContext, layer: int, prefix: str) -> nn.Module | None:
@@ -186,6 +192,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError(f"this {self.config.architecture} model was built for pooling: it has no LM head")
         return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -195,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
                 continue
             key = name.removeprefix("model.")
             mod_path, _, pname = key.rpartition(".")
@@ -218,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_complete(self, seen: set[str]) -> None:
         expected = {"embed_tokens.weight#0", "norm.weight#0"}
-        if not self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings and self.lm_head is not None:
             expected.add("lm_head.weight#0")
         for i in range(self.config.num_layers):
             p = f"layers.{i}"

@@ -54,11 +54,13 @@ def build_context(
     checkpoint: Any = None,
     device: torch.device | str | None = None,
     expert_parallel: bool = False,
+    pooling: bool = False,
 ) -> BuildContext:
     """What a model built on ``platform`` in ``dtype`` gets: the platform's ops, the attention
     backend ``attention`` (auto or a name in aiolm/attention/registry.py), the quant method
     it chooses for ``checkpoint`` (a file or folder), and this rank's tensor-parallel group
-    (``expert_parallel``: over which layers of experts place whole experts)."""
+    (``expert_parallel``: over which layers of experts place whole experts); ``pooling``:
+    for a model whose hidden states are pooled, not sampled (no LM head)."""
     tp = get_tp_group()
     return BuildContext(
         ops=platform.ops(),
@@ -69,6 +71,7 @@ def build_context(
         device=torch.device(device) if device is not None else platform.device,
         platform=platform,
         expert_parallel=expert_parallel,
+        pooling=pooling,
     )
 
 
@@ -80,15 +83,18 @@ def build_model(
     attention: str = "auto",
     platform: Platform | None = None,
     expert_parallel: bool = False,
+    pooling: bool = False,
 ) -> CausalLM:
     """The model of ``source`` loaded and laid out for ``platform`` (by default ``device``'s),
     with the attention backend ``attention`` (auto|cpu|torch|triton); ``expert_parallel``:
-    whole experts per tensor-parallel rank."""
+    whole experts per tensor-parallel rank; ``pooling``: built to pool, not to generate (a
+    decoder without its LM head; an encoder-only model is built so either way)."""
     if platform is None:
         platform, where = get_platform(device), torch.device(device)
     else:
         where = platform.device
-    ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel)
+    pooling = pooling or source.config.encoder_only
+    ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel, pooling)
     model = model_class(source.config)(source.config, ctx, max_positions)
     model.load_weights(iter_weights(source, lazy=True))  # a rank reads only its slices
     return finish(model, ctx)

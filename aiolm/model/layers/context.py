@@ -29,6 +29,9 @@ class BuildContext:
     platform: Any = None  # the platform that chose the above, for the record
     # layers of experts place whole experts on ranks (aiolm/model/layers/fused_moe.py)
     expert_parallel: bool = False
+    # built to pool hidden states (embeddings, scores), never to sample: a decoder has no
+    # LM head, and its checkpoint need not hold one
+    pooling: bool = False
 
 
 def process_weights_after_loading(module: nn.Module) -> None:
