@@ -153,12 +153,14 @@ class AsyncEngine:
         self.source = await asyncio.to_thread(check_model_args, a)
         self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         mc = self.source.config
+        self.runner, self.pooling_config = resolve_runner(a.runner, self.source)
+        pooling = self.pooling_config is not None
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
+        if a.max_model_len is None and pooling and self.pooling_config.max_seq_length:  # type: ignore[union-attr]
+            self.max_model_len = min(self.max_model_len, self.pooling_config.max_seq_length)  # type: ignore[union-attr]
         self.model_name = a.served_model_name or self.source.name
         if isinstance(mc, MoEConfig):
             self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
-        self.runner, self.pooling_config = resolve_runner(a.runner, self.source)
-        pooling = self.pooling_config is not None
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
         # decoder can use them (an encoder's every state depends on the whole prompt).
         prefix_caching = a.enable_prefix_caching and (

@@ -18,15 +18,17 @@ from aiolm.errors import ModelLoadError
 
 PoolingType = Literal["cls", "mean", "last"]
 
-# sentence-transformers' module types aiolm runs; anything else in modules.json is refused.
-_TRANSFORMER = "sentence_transformers.models.Transformer"
-_POOLING = "sentence_transformers.models.Pooling"
-_NORMALIZE = "sentence_transformers.models.Normalize"
+# sentence-transformers' module classes aiolm runs, by class name (the module path moved
+# between releases: models.Pooling before 6.0, sentence_transformer.modules.pooling.Pooling
+# after); anything else in modules.json is refused.
+_TRANSFORMER, _POOLING, _NORMALIZE = "Transformer", "Pooling", "Normalize"
+# Pooling's config: one boolean per mode before 6.0, one ``pooling_mode`` string after.
 _ST_MODES: dict[str, PoolingType] = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_lasttoken": "last",
 }
+_ST_MODE_NAMES: dict[str, PoolingType] = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class PoolingConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     num_labels: int = 0  # > 0: a sequence classifier (classify/score), its logits per input
     labels: tuple[str, ...] = ()  # id2label in order, where the config names them
+    # sentence_bert_config.json's max_seq_length: the longest input the folder was made for
+    # (the default context of a pooling engine, as sentence-transformers truncates to it).
+    max_seq_length: int | None = None
 
     @property
     def is_classifier(self) -> bool:
@@ -62,7 +67,7 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
     pooling: PoolingType | None = None
     normalize = False
     for m in modules:
-        kind = m.get("type", "")
+        kind = m.get("type", "").rpartition(".")[2]
         if kind == _TRANSFORMER:
             continue
         if kind == _POOLING:
@@ -71,12 +76,21 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
             normalize = True
         else:
             raise ModelLoadError(
-                f"{modules_file}: module {m.get('name', '?')!r} of type {kind!r} is not supported "
+                f"{modules_file}: module {m.get('name', '?')!r} of type {m.get('type')!r} is not supported "
                 "(aiolm runs Transformer, Pooling and Normalize modules)"
             )
     if pooling is None:
         pooling = "cls" if encoder_only else "last"
-    return PoolingConfig(pooling, normalize, matryoshka)
+    return PoolingConfig(pooling, normalize, matryoshka, max_seq_length=_max_seq_length(path))
+
+
+def _max_seq_length(path: str) -> int | None:
+    try:
+        with open(os.path.join(path, "sentence_bert_config.json")) as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _st_pooling(config_file: str) -> PoolingType:
@@ -85,6 +99,13 @@ def _st_pooling(config_file: str) -> PoolingType:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{config_file}: cannot read the pooling config: {e}") from None
+    if isinstance(cfg.get("pooling_mode"), str):
+        name = cfg["pooling_mode"]
+        if name not in _ST_MODE_NAMES:
+            raise ModelLoadError(
+                f"{config_file}: pooling {name!r} is not supported (aiolm pools by cls, mean or lasttoken)"
+            )
+        return _ST_MODE_NAMES[name]
     chosen = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
     others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
     if others or len(chosen) != 1:

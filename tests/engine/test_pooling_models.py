@@ -1,0 +1,87 @@
+"""Pooling models offline (``LLM.embed``, ``LLM.score``, ``LLM.classify``) against the
+libraries their users compare with: sentence-transformers' ``SentenceTransformer.encode``
+and ``CrossEncoder.predict``, and transformers' classifier logits.
+
+Tiny random models built here and saved as sentence-transformers folders (a BERT pooling
+by CLS or by the mean and normalising, a BERT cross-encoder, a Qwen3 pooling its last
+token) run in real worker processes; a batch of mixed lengths, one step, equals the same
+inputs one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aiolm import LLM
+from pooling_models import bert_cross_encoder, bert_embedder, qwen3_embedder
+
+TEXTS = [
+    "the cat sat on the mat",
+    "a quick brown fox jumps over the lazy dog and runs far away into the green hills",
+    "hello",
+    "rain falls softly on the quiet town while the children sleep",
+    "numbers like one two three",
+]
+LLM_ARGS = dict(max_model_len=128, kv_cache_memory=32 << 20, max_num_seqs=16, num_threads=1)
+
+
+def _cos(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(torch.as_tensor(a).float(), torch.as_tensor(b).float(), dim=0))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda d: bert_embedder(d, pooling="mean"), id="bert-mean"),
+        pytest.param(lambda d: bert_embedder(d, pooling="cls", normalize=False), id="bert-cls"),
+        pytest.param(qwen3_embedder, id="qwen3-last"),
+    ],
+)
+def test_embeddings_equal_sentence_transformers(build, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    path = str(build(tmp_path))
+    ref = SentenceTransformer(path, device="cpu").encode(TEXTS, convert_to_numpy=True)
+    with LLM(path, runner="pooling", **LLM_ARGS) as llm:
+        batch = [o.outputs.embedding for o in llm.embed(TEXTS)]
+        single = [llm.embed(t)[0].outputs.embedding for t in TEXTS[:3]]
+        pc = llm.engine.pooling_config
+    for got, want in zip(batch, ref):
+        assert len(got) == len(want)
+        assert _cos(got, want) >= 0.99999
+        if pc.normalize:
+            assert abs(math.sqrt(sum(x * x for x in got)) - 1.0) < 1e-5
+        else:  # unnormalised: the values themselves agree, not only the direction
+            assert max(abs(x - float(y)) for x, y in zip(got, want)) < 1e-4
+    for a, b in zip(single, batch):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_cross_encoder_scores_and_classifier_logits(tmp_path):
+    """``LLM.score`` equals ``CrossEncoder.predict`` (query against each document, and pair
+    by pair); ``LLM.classify`` equals transformers' logits of a three-label classifier."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    ce_path = str(bert_cross_encoder(tmp_path / "ce"))
+    query = "where does the cat sit"
+    want = CrossEncoder(ce_path, device="cpu").predict([(query, d) for d in TEXTS])
+    with LLM(ce_path, **LLM_ARGS) as llm:  # runner auto: a sequence classifier pools
+        assert llm.engine.runner == "pooling"
+        one_to_n = llm.score(query, TEXTS)
+        pairwise = llm.score([query] * 2, TEXTS[:2])
+    assert max(abs(a - float(b)) for a, b in zip(one_to_n, want)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(pairwise, one_to_n[:2])) < 1e-6
+
+    cls_path = str(bert_cross_encoder(tmp_path / "cls", num_labels=3))
+    tok = AutoTokenizer.from_pretrained(cls_path)
+    hf = AutoModelForSequenceClassification.from_pretrained(cls_path).eval()
+    with torch.inference_mode():
+        logits = hf(**tok(TEXTS, padding=True, return_tensors="pt")).logits
+    with LLM(cls_path, **LLM_ARGS) as llm:
+        got = [o.outputs.logits for o in llm.classify(TEXTS)]
+        assert llm.engine.pooling_config.labels == tuple(hf.config.id2label[i] for i in range(3))
+    assert torch.allclose(torch.tensor(got), logits.float(), atol=1e-5)
