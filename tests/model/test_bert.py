@@ -218,3 +218,106 @@ def test_qwen3_embedder_folder_builds_for_pooling_without_lm_head(tmp_path):
     assert not source.config.tie_word_embeddings
     with pytest.raises(KeyError, match="lm_head"):
         build_model(source, torch.float32)
+
+
+def _xlm_roberta(folder, classifier: bool):
+    """A tiny random XLM-RoBERTa (positions from pad_token_id + 1, one token type) saved as
+    transformers saves it: XLMRobertaModel bare, the classifier under "roberta."."""
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification, XLMRobertaModel
+
+    torch.manual_seed(3)
+    cfg = XLMRobertaConfig(
+        vocab_size=90,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=66,
+        type_vocab_size=1,
+        pad_token_id=1,
+        num_labels=2,
+    )
+    model = (XLMRobertaForSequenceClassification if classifier else XLMRobertaModel)(cfg).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if name.endswith("LayerNorm.weight") else 0.0))
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.mark.parametrize("classifier", [False, True], ids=["model", "classifier"])
+def test_xlm_roberta_matches_transformers(tmp_path, classifier):
+    hf = _xlm_roberta(tmp_path / "xlmr", classifier)
+    source = resolve_model(tmp_path / "xlmr")
+    assert source.config.encoder_only and source.config.position_offset == 2
+    assert source.config.max_position_embeddings == 64  # tokens a sequence may hold
+    g = torch.Generator().manual_seed(5)
+    lens = [5, 1, 64, 9]  # 64: the last row of the position table
+    ids = [[0] + (torch.randint(3, 90, (n - 1,), generator=g)).tolist() for n in lens]
+    types = [[0] * n for n in lens]
+    model = build_model(source, torch.float32)
+    hidden = _aiolm_hidden(model, ids, types)
+    width = max(lens)
+    pad = torch.ones(len(ids), width, dtype=torch.long)
+    mask = torch.zeros_like(pad)
+    for i, x in enumerate(ids):
+        pad[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), 1
+    with torch.no_grad():
+        out = hf(input_ids=pad, attention_mask=mask, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[-1][i, :n] for i, n in enumerate(lens)])
+    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+    if classifier:
+        firsts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
+        torch.testing.assert_close(model.classify(hidden[firsts]), out.logits, atol=1e-5, rtol=1e-5)
+    else:
+        assert not hasattr(model, "classify")
+
+
+def test_tensor_parallel_ranks_together_equal_one_rank(folders):
+    """Two ranks in two threads, each building its half of the encoder (heads, intermediate
+    features and vocabulary split; the all-reduce sums through a barrier), give what one
+    rank gives alone."""
+    import threading
+
+    from aiolm.distributed.parallel_state import TPGroup, get_tp_group, set_tp_group
+
+    source = resolve_model(folders["cross"])
+    ids, types = _batch(source.load_tokenizer(), with_pairs=True)
+    whole = build_model(source, torch.float32)
+    want = _aiolm_hidden(whole, ids, types)
+    barrier, slots = threading.Barrier(2, timeout=30), [None, None]
+
+    def reducer(rank):
+        def all_reduce(x):
+            slots[rank] = x
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()  # both have read before either writes again
+            return total
+
+        return all_reduce
+
+    before = get_tp_group()
+    ranks = []
+    try:
+        for r in range(2):
+            set_tp_group(TPGroup(rank=r, world_size=2, all_reduce_fn=reducer(r), all_gather_fn=None))
+            ranks.append(build_model(source, torch.float32))
+    finally:
+        set_tp_group(before)
+    outs = [None, None]
+
+    def run(r):
+        outs[r] = _aiolm_hidden(ranks[r], ids, types)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert ranks[0].layers[0].attn.num_heads == 2
+    for got in outs:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    firsts = torch.tensor([0, *torch.tensor([len(x) for x in ids]).cumsum(0)[:-1].tolist()])
+    torch.testing.assert_close(ranks[1].classify(outs[1][firsts]), whole.classify(want[firsts]), atol=1e-5, rtol=1e-5)
