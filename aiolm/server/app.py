@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from aiolm.engine.client import EngineClient
-from aiolm.server import chat, completions, misc, responses
+from aiolm.server import chat, completions, misc, pooling, responses
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
 from aiolm.server.middleware import (
@@ -75,10 +75,25 @@ def _routes(settings: ServerSettings) -> list[BaseRoute]:
         ctx: ServingContext = request.app.state.ctx
         return json_response(openapi_schema(ctx.settings.limits, ctx.model_name, ctx.settings.web_ui))
 
+    # Every server has every route; one of the other runner answers a 400 naming the model.
+    generate = {
+        "/v1/chat/completions": chat.create_chat_completion,
+        "/v1/completions": completions.create_completion,
+        "/v1/responses": responses.create_response,
+    }
+    pool = {
+        "/v1/embeddings": pooling.create_embeddings,
+        "/pooling": pooling.create_pooling,
+        "/score": pooling.create_score,
+        "/v1/score": pooling.create_score,
+        "/rerank": pooling.create_rerank,
+        "/v1/rerank": pooling.create_rerank,
+        "/v2/rerank": pooling.create_rerank,
+        "/classify": pooling.create_classification,
+    }
     return [
-        Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
-        Route("/v1/completions", completions.create_completion, methods=["POST"]),
-        Route("/v1/responses", responses.create_response, methods=["POST"]),
+        *(Route(path, pooling.only_for("generate", f), methods=["POST"]) for path, f in generate.items()),
+        *(Route(path, pooling.only_for("pooling", f), methods=["POST"]) for path, f in pool.items()),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", misc.get_model, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),

@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 import aiolm
 from aiolm.server import output_models as out
+from aiolm.server.pooling_protocol import POOLING_POSTS, POOLING_REQUEST_MODELS
 from aiolm.server.protocol import REQUEST_MODELS, Limits, bounded
 
 _REF = "#/components/schemas/{model}"
@@ -35,6 +36,11 @@ _POSTS: list[tuple[str, str, type[BaseModel], str | None]] = [
     ("/tokenize", "Tokenize", out.TokenizeResponse, None),
     ("/detokenize", "Detokenize", out.DetokenizeResponse, None),
 ]
+_GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_GENERATION_ONLY = "Generation servers only; a pooling server (`--runner pooling`) answers 400."
+_POOLING_ONLY = "Pooling servers only (`--runner pooling`); a generation server answers 400."
+# The body model of every POST route, generation's and pooling's.
+ALL_REQUEST_MODELS = {**REQUEST_MODELS, **POOLING_REQUEST_MODELS}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -56,11 +62,14 @@ def _ok(schema: dict[str, Any], stream: str | None = None, media: str = "applica
     return {"200": {"description": "OK", "content": content}}
 
 
-def _post(summary: str, body: type[BaseModel], ok: type[BaseModel], stream: str | None) -> dict[str, Any]:
+def _post(
+    summary: str, body: type[BaseModel], ok: type[BaseModel], stream: str | None, note: str | None = None
+) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
-            "operationId": summary.lower().replace(" ", "_"),
+            **({"description": note} if note else {}),
+            "operationId": summary.lower().replace(" ", "_").replace("(", "").replace(")", ""),
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
             "responses": {**_ok(_ref(ok), stream), **_errors(400, 401, 404, 413, 415, 503)},
         }
@@ -109,10 +118,11 @@ def _open(schema: Any) -> None:
 def component_schemas(limits: Limits) -> dict[str, Any]:
     """Every request and answer model, nested ones lifted out of ``$defs``, by class name
     (cached per limits: the result is shared, never mutated)."""
-    requests = [bounded(m, limits) for m in REQUEST_MODELS.values()]
+    requests = [bounded(m, limits) for m in dict.fromkeys(ALL_REQUEST_MODELS.values())]
     answers: list[type[BaseModel]] = [
         out.ErrorResponse,
         *(ok for _, _, ok, _ in _POSTS),
+        *dict.fromkeys(ok for _, _, _, ok in POOLING_POSTS),
         out.TokenizerInfo,
         out.ModelList,
         out.ServerLoad,
@@ -130,8 +140,10 @@ def component_schemas(limits: Limits) -> dict[str, Any]:
 
 def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dict[str, Any]:
     paths: dict[str, Any] = {
-        path: _post(summary, REQUEST_MODELS[path], ok, stream) for path, summary, ok, stream in _POSTS
+        path: _post(summary, REQUEST_MODELS[path], ok, stream, _GENERATION_ONLY if path in _GENERATION else None)
+        for path, summary, ok, stream in _POSTS
     }
+    paths.update({path: _post(summary, body, ok, None, _POOLING_ONLY) for path, summary, body, ok in POOLING_POSTS})
     paths.update(
         {
             "/tokenizer_info": _get("Tokenizer info", _ref(out.TokenizerInfo), errors=(401,)),
