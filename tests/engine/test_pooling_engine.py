@@ -29,8 +29,15 @@ KV_BLOCK_BYTES = 2 * 16 * 3 * 64 * 30 * 4  # SmolLM2-135M: 30 layers of 3 KV hea
 
 
 def _prompts(vocab: int) -> list[list[int]]:
+    """Random prompts; the longer ones share their first 32 tokens (two full blocks a later
+    request can find in the prefix cache)."""
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(100, vocab - 1, (n,), generator=g).tolist() for n in LENGTHS]
+    shared = torch.randint(100, vocab - 1, (32,), generator=g).tolist()
+    out = []
+    for n in LENGTHS:
+        ids = torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+        out.append(shared + ids[32:] if n > 40 else ids)
+    return out
 
 
 def _reference(hf, prompts: list[list[int]], kind: str) -> list[torch.Tensor]:
@@ -96,11 +103,16 @@ def test_pooled_decoder_equals_transformers_with_chunks_and_preemption(
             assert engine.runner == "pooling" and engine.pooling_config.pooling_type == kind
             got = await _embed_all(engine, prompts)
             one_by_one = [(await _embed_all(engine, [p]))[0] for p in prompts[:2]]
+            # the shared prefix again, now certainly cached (when caching is on)
+            again = (await _embed_all(engine, [prompts[-1]]))[0]
             free = engine.scheduler.num_free_blocks
             total = engine.scheduler.kv_cache_manager.num_usable_blocks
-            return got, one_by_one, free, total
+            return got, one_by_one, again, engine.scheduler.prefix_cache_stats.hits, free, total
 
-    got, one_by_one, free, total = loop.run(go(), timeout=300)
+    got, one_by_one, again, hits, free, total = loop.run(go(), timeout=300)
+    # last-token pooling reuses cached prefix blocks; the mean needs every token's state
+    assert (hits > 0) == (kind == "last")
+    assert max(abs(x - y) for x, y in zip(again, got[-1])) < 1e-5
     for g, r in zip(got, ref):
         assert abs(math.sqrt(sum(x * x for x in g)) - 1.0) < 1e-5  # normalised
         assert _cos(g, r) >= 0.99999
