@@ -40,6 +40,7 @@ DOCS = [
     "Paris is the capital of France and home to a famous iron tower.",
     "The stock market fell sharply today after the announcement.",
 ]
+MATRYOSHKA = [16, 32]
 WRONG = [[[]]]  # no pooling request field takes a list of lists of lists
 
 
@@ -77,7 +78,12 @@ def _pooling_server(tmp: Path, model: Path) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(bert_embedder(tmp_path_factory.mktemp("bert-embedder"), pooling="mean", normalize=True))
+    """Mean pooling, normalised, and matryoshka sizes 16 and 32 (vLLM's config key; the
+    sentence-transformers reference ignores it)."""
+    folder = Path(bert_embedder(tmp_path_factory.mktemp("bert-embedder"), pooling="mean", normalize=True))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": MATRYOSHKA}))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +205,20 @@ def test_base64_equals_float_and_a_mixed_batch_equals_one_by_one(client, model):
         assert max(abs(x - y) for x, y in zip(alone, batched.embedding)) < 1e-5
 
 
+def test_dimensions_cut_then_normalise(client, model, st_embedder):
+    """OpenAI's ``dimensions``: the first N values, normalised after the cut (as
+    sentence-transformers' ``truncate_dim`` then Normalize)."""
+    res = client.embeddings.create(model=model, input=SENTENCES[:2], dimensions=16, encoding_format="float")
+    want = st_embedder.encode(SENTENCES[:2], convert_to_numpy=True, output_value="token_embeddings")
+    for got, tokens in zip(res.data, want):
+        ref = tokens.mean(0)[:16].tolist()
+        assert len(got.embedding) == 16 and _cos(got.embedding, ref) >= 0.99999
+        assert abs(math.sqrt(sum(x * x for x in got.embedding)) - 1) < 1e-5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=model, input="hello", dimensions=20)
+    assert e.value.body["param"] == "dimensions"
+
+
 def test_a_batch_larger_than_the_queue_is_served_whole(embedder, client, model, embedder_dir):
     """200 inputs on a server with 16 running seats and 64 waiting: a request's inputs enter
     the engine in a window, so it is served whole rather than refused as a full engine (429).
@@ -306,6 +326,8 @@ def test_classify_and_pooled_logits_equal_transformers(cross, cross_dir):
     assert r.status_code == 200, r.text
     for d, want in zip(r.json()["data"], logits):
         assert len(d["data"]) == 1 and abs(d["data"][0] - want[0]) < 1e-4
+    # a model without matryoshka sizes refuses `dimensions`
+    _refused(_post(cross, "/pooling", {"input": "x", "dimensions": 4}), "dimensions")
 
 
 # -- what is refused -----------------------------------------------------------------------------
@@ -323,7 +345,7 @@ def test_bad_embedding_inputs_are_400s_naming_the_field(embedder, embedder_dir):
         ({"input": ["x"] * 2049}, "input"),
         ({"input": [[1, 2], [3, vocab]]}, "input[1]"),
         ({"input": ["short", long_text]}, "input[1]"),
-        ({"input": "x", "dimensions": 4}, "dimensions"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"input": "x", "priority": 1}, "priority"),
