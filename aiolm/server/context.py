@@ -19,7 +19,7 @@ class ServingContext:
         self.settings = settings
         self.created = int(time.time())
         self.inflight: set[str] = set()  # engine request ids being served right now
-        self.server_load = 0  # generation HTTP requests being served right now (vLLM's GET /load)
+        self.server_load = 0  # model HTTP requests (generation or pooling) being served right now (vLLM's GET /load)
         self.draining = False
         self.engine_died: str | None = None  # set when the engine died and the server is stopping
 

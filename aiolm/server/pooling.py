@@ -62,8 +62,8 @@ class _Configured(Protocol):
 
 
 def runner_of(ctx: ServingContext) -> str:
-    """'pooling' or 'generate'; an engine that does not say (a test's stand-in) generates."""
-    return str(getattr(ctx.engine, "runner", "generate"))
+    """'pooling' or 'generate'."""
+    return ctx.engine.runner
 
 
 def require_runner(ctx: ServingContext, wanted: str, path: str) -> None:

@@ -196,6 +196,8 @@ class FakeEngine:
 
     model_name = "fake-model"
     max_model_len = 256
+    runner = "generate"  # it generates; the pooling routes refuse it
+    pooling_config = None
 
     def __init__(self, step_delay: float = 0.0) -> None:
         self.step_delay = step_delay

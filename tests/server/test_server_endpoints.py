@@ -71,7 +71,7 @@ def _fields_documented(model: type[BaseModel], schemas: dict, name: str, seen: s
 
 
 def test_openapi_documents_every_route_and_every_accepted_field(fake_engine):
-    from aiolm.server import protocol
+    from aiolm.server.openapi import ALL_REQUEST_MODELS
 
     app = build_app(fake_engine, ServerSettings(web_ui=True))
     with TestClient(app, raise_server_exceptions=False) as c:
@@ -84,11 +84,11 @@ def test_openapi_documents_every_route_and_every_accepted_field(fake_engine):
             assert all("schema" in v for v in ok.values()), (path, method)
             for name in (p["name"] for p in op.get("parameters", [])):
                 assert "{" + name + "}" in path
-    # Which model each route parses its body with (protocol.REQUEST_MODELS, which the handlers use).
-    assert {p for p, m in documented if m == "post"} == set(protocol.REQUEST_MODELS)
+    # Which model each route parses its body with (protocol.py's and pooling_protocol.py's).
+    assert {p for p, m in documented if m == "post"} == set(ALL_REQUEST_MODELS)
     schemas = doc["components"]["schemas"]
     checked, seen = 0, set()
-    for path, model in protocol.REQUEST_MODELS.items():
+    for path, model in ALL_REQUEST_MODELS.items():
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.rsplit("/", 1)[1] == model.__name__
         checked += _fields_documented(model, schemas, model.__name__, seen)
