@@ -57,7 +57,7 @@ class EngineArgs:
         "auto",
         "auto|generate|pooling: generate text, or pool prompts into embeddings, rerank scores and "
         "class logits (/v1/embeddings, /score, /rerank, /classify); auto: pooling for encoder-only "
-        "models (BERT) and sequence classifiers, generate otherwise",
+        "models (BERT), sequence classifiers and sentence-transformers folders, generate otherwise",
     )
     device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
     gpu_memory_utilization: float = _f(0.9, "on CUDA: fraction of device memory for weights, activations and KV cache")
