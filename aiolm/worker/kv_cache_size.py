@@ -53,6 +53,7 @@ class KVCacheSizer:
     def _profile(self, runner: Any) -> int:
         p = self.platform
         cfg, device = runner.cfg, runner.device
+        takes_logits = cfg.runner != "pooling"  # a pooling model has no LM head
         p.empty_cache()
         p.reset_peak_memory(device)
         total = p.total_memory(device)
@@ -79,7 +80,7 @@ class KVCacheSizer:
             meta = AttentionMetadata.build([n], [n], [list(range(1, nblk))], bs, device)
             ids = torch.zeros(n, dtype=torch.long, device=device)
             hidden = runner.model(ids, torch.arange(n, device=device), caches, meta)
-            if runner.pooler is None:  # a pooling model has no logits to take
+            if takes_logits:
                 runner.model.compute_logits(hidden[-min(n, cfg.max_num_seqs) :])
             del hidden
             p.synchronize(device)
@@ -96,7 +97,7 @@ class KVCacheSizer:
             )
             p.synchronize(device)
             forward_peak = p.peak_allocated_memory(device)  # what a graph captures
-            if runner.pooler is None:
+            if takes_logits:
                 runner.model.compute_logits(hidden).float().softmax(-1)
             p.synchronize(device)
             decode_peak = p.peak_allocated_memory(device)

@@ -133,7 +133,7 @@ def test_model_dependent_arguments_fail_in_one_line(command, tmp_path):
     out = _aiolm(command, *prompt, "--model", str(tmp_path), *port, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "unknown architecture ['FooForCausalLM']" in out.stderr, out.stderr
-    assert "supported: Gemma3ForCausalLM" in out.stderr
+    assert "supported: BertForSequenceClassification, BertModel, Gemma3ForCausalLM" in out.stderr
 
 
 @pytest.mark.slow
