@@ -153,19 +153,18 @@ class AsyncEngine:
         self.source = await asyncio.to_thread(check_model_args, a)
         self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         mc = self.source.config
-        self.runner, self.pooling_config = resolve_runner(a.runner, self.source)
-        pooling = self.pooling_config is not None
+        self.runner, pc = resolve_runner(a.runner, self.source)
+        self.pooling_config = pc
+        pooling = pc is not None
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
-        if a.max_model_len is None and pooling and self.pooling_config.max_seq_length:  # type: ignore[union-attr]
-            self.max_model_len = min(self.max_model_len, self.pooling_config.max_seq_length)  # type: ignore[union-attr]
+        if a.max_model_len is None and pc is not None and pc.max_seq_length:
+            self.max_model_len = min(self.max_model_len, pc.max_seq_length)
         self.model_name = a.served_model_name or self.source.name
         if isinstance(mc, MoEConfig):
             self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
         # decoder can use them (an encoder's every state depends on the whole prompt).
-        prefix_caching = a.enable_prefix_caching and (
-            not pooling or (not mc.encoder_only and self.pooling_config.pooling_type == "last")  # type: ignore[union-attr]
-        )
+        prefix_caching = a.enable_prefix_caching and (pc is None or (not mc.encoder_only and pc.pooling_type == "last"))
         runner_cfg = RunnerConfig(
             model=str(self.source.origin),
             dtype=a.dtype,
@@ -438,7 +437,7 @@ class AsyncEngine:
         ``dimensions`` and normalised as asked) or its classifier's logits.
         ``truncate_prompt_tokens``: keep the first N tokens (-1: max_model_len) instead of
         refusing a longer prompt. Leaving early aborts the request, as in ``generate``."""
-        state, params = await self._add_pooling_request(
+        state = await self._add_pooling_request(
             prompt, pooling_params, request_id, priority, truncate_prompt_tokens, timeout
         )
         async with contextlib.aclosing(self.stream(state)) as outputs:
@@ -456,7 +455,7 @@ class AsyncEngine:
         priority: int,
         truncate: int | None,
         timeout: float | None,
-    ) -> tuple[RequestState, PoolingParams]:
+    ) -> RequestState:
         self._check_alive()
         assert self.output is not None and self.core is not None
         if self.pooling_config is None:
@@ -483,7 +482,7 @@ class AsyncEngine:
             state.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, state, timeout)
         self.stats["prompt_tokens"] += len(processed.token_ids)
         self.core.send(AddRequests([req]))
-        return state, params
+        return state
 
     def _pooling_params(self, p: PoolingParams) -> PoolingParams:
         """``p`` checked against the model: its task, and ``dimensions`` (matryoshka models only)."""
