@@ -99,6 +99,11 @@ def resolve_runner(runner: str, source: ModelSource) -> tuple[str, PoolingConfig
     return runner, read_pooling_config(str(source.path), source.hf_config, mc.encoder_only)
 
 
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
+
+
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, *, engine_index: int = 0, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
@@ -394,14 +399,11 @@ class AsyncEngine:
                 "model", f"{self.model_name} is served with --runner pooling: it embeds, scores and classifies only"
             )
         params = self.inputs.params(params)
-        if timeout is not None and not timeout > 0:
-            raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
+        _check_timeout(timeout)
         await self.grammars.check(params.structured_outputs)  # in a compile process, cached by the grammar
         processed = await self.inputs.process(prompt)
         self._check_alive()
-        rid = request_id if request_id is not None else self.inputs.new_request_id()
-        if rid in self.output.requests:
-            raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
+        rid = self._claim_id(request_id)
         n = params.n
         self._admit(n)
         # Internal ids are unique per submission, so a user id reused after an abort can never
@@ -464,15 +466,12 @@ class AsyncEngine:
                 f"{self.model_name} is served for generation; pooling needs a server started with --runner pooling",
             )
         params = self._pooling_params(pooling_params if pooling_params is not None else PoolingParams())
-        if timeout is not None and not timeout > 0:
-            raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
+        _check_timeout(timeout)
         processed, types = await self.inputs.process_pooling(prompt, truncate, self.max_pooling_tokens)
         if types is not None:
             params = msgspec.structs.replace(params, token_type_ids=types)
         self._check_alive()
-        rid = request_id if request_id is not None else self.inputs.new_request_id()
-        if rid in self.output.requests:
-            raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
+        rid = self._claim_id(request_id)
         self._admit(1)
         cid = f"{rid}@{next(self._submissions)}"
         sp = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL_ONLY)
@@ -483,6 +482,14 @@ class AsyncEngine:
         self.stats["prompt_tokens"] += len(processed.token_ids)
         self.core.send(AddRequests([req]))
         return state
+
+    def _claim_id(self, request_id: str | None) -> str:
+        """The request's id: the caller's, unless a live request holds it, else a new one."""
+        assert self.output is not None
+        rid = request_id if request_id is not None else self.inputs.new_request_id()
+        if rid in self.output.requests:
+            raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
+        return rid
 
     def _pooling_params(self, p: PoolingParams) -> PoolingParams:
         """``p`` checked against the model: its task, and ``dimensions`` (matryoshka models only)."""
