@@ -16,6 +16,7 @@ _EXPORTS = {
     "EngineArgs": "aiolm.config",
     "SamplingParams": "aiolm.params",
     "PoolingParams": "aiolm.pooling.params",
+    "LoRARequest": "aiolm.lora.request",
     "OutputKind": "aiolm.params",
     "ParamError": "aiolm.params",
     "RequestOutput": "aiolm.outputs",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
+import json
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,6 +169,17 @@ class EngineArgs:
         "hung and are replaced; steps before the first measured one get 600 "
         "(0 = 30 on CPU, 60 on CUDA)",
     )
+    enable_lora: bool = _f(False, "serve LoRA adapters over the model (aiolm/lora/): each request picks one by name")
+    lora_modules: list[str] | None = _f(
+        None,
+        "with --enable-lora: adapters served from the start, each name=path or a JSON object "
+        '{"name": ..., "path": ...}; clients pick one by passing its name as the model',
+    )
+    max_loras: int = _f(1, "with --enable-lora: most distinct adapters in one batch (the model's adapter slots)")
+    max_lora_rank: int = _f(16, "with --enable-lora: largest adapter rank served (the slots' size)")
+    max_cpu_loras: int | None = _f(
+        None, "with --enable-lora: adapters each worker keeps loaded in host memory (default: --max-loras)"
+    )
     max_waiting_requests: int | None = _f(
         None,
         "sequences that may wait beyond the --max-num-seqs running ones; "
@@ -224,6 +236,17 @@ class EngineArgs:
                 f"got {self.structured_outputs_compile_timeout}"
             )
         self.spec_config()  # raises on a bad combination
+        self.lora_specs()  # raises on a bad --lora-modules entry
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.runner == "pooling":
+            raise ValueError(
+                "--enable-lora serves adapters of generating models; it cannot be used with --runner pooling"
+            )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs --enable-lora")
         from aiolm.metrics import check_prefix
 
         check_prefix(self.metrics_prefix)
@@ -271,6 +294,29 @@ class EngineArgs:
             prompt_lookup_max=self.prompt_lookup_max,
         )
 
+    def lora_specs(self) -> list[tuple[str, str]]:
+        """(name, path) of each ``lora_modules`` entry: ``name=path`` or a JSON object with
+        ``name`` and ``path`` (vLLM's two spellings)."""
+        out = []
+        for spec in self.lora_modules or []:
+            if spec.lstrip().startswith("{"):
+                try:
+                    d = json.loads(spec)
+                    name, path = d["name"], d["path"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"lora_modules: {spec!r} is not a JSON object with 'name' and 'path'") from None
+            else:
+                name, sep, path = spec.partition("=")
+                if not sep:
+                    raise ValueError(f"lora_modules: {spec!r} is not name=path")
+            if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules: {spec!r} needs a non-empty name and path")
+            out.append((name.strip(), path.strip()))
+        names = [n for n, _ in out]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: a name is given twice in {names}")
+        return out
+
     def resolved_device(self) -> str:
         """The device to run on; a clear error when CUDA is asked for and there is none.
         Asked without importing torch (aiolm/cuda_probe.py): the engine process runs no model."""
@@ -305,6 +351,8 @@ class EngineArgs:
             help_text = f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            elif str(f.type) == "list[str] | None":
+                parser.add_argument(flag, nargs="+", default=f.default, help=help_text)
             else:
                 typ = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
                 parser.add_argument(flag, type=typ, default=f.default, help=help_text)
@@ -341,6 +389,11 @@ class RunnerConfig:
     async_scheduling: bool = False  # overlap: append sampled tokens here, the engine sends none back
     enable_expert_parallel: bool = False  # layers of experts: whole experts per rank
     runner: str = "generate"  # or "pooling": prompts are pooled into vectors, nothing is sampled
+    # LoRA (--enable-lora): adapter slots in the model (0: built without LoRA), their largest
+    # rank, and how many loaded adapters a worker keeps in host memory beyond the slots
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

@@ -49,6 +49,19 @@ def root_hash(seed: int | str | bytes | None) -> bytes:
     return hashlib.sha256(b"aiolm-root-hash\0" + pickle.dumps(seed, protocol=4)).digest()
 
 
+def _first_block_keys(request: Request) -> tuple:
+    """What besides its tokens names a request's first block: its cache salt and its LoRA
+    adapter, by id and folder (an adapter unloaded and another loaded under its name gets a
+    new id, so it never finds the old one's blocks)."""
+    keys: tuple = ()
+    if request.cache_salt is not None:
+        keys = (request.cache_salt,)
+    if request.lora_request is not None:
+        lora = request.lora_request
+        keys += (("lora", lora.lora_int_id, lora.lora_path),)
+    return keys
+
+
 class BlockHasher:
     """Extends a request's ``block_hashes`` with its newly full blocks."""
 
@@ -63,8 +76,9 @@ class BlockHasher:
         start = len(hashes) * bs
         parent = hashes[-1] if hashes else self.root
         while start + bs <= len(tokens):
-            # The salt goes into the first block only; chaining carries it onwards.
-            extra = (request.cache_salt,) if start == 0 and request.cache_salt is not None else ()
+            # The salt and the LoRA adapter go into the first block only; chaining carries
+            # them onwards, so two adapters (or salts) never share a block.
+            extra = _first_block_keys(request) if start == 0 else ()
             parent = hash_block_tokens(parent, tokens[start : start + bs], extra)
             hashes.append(parent)
             start += bs

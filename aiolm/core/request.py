@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from aiolm.core.step import LogprobsLists
+from aiolm.lora.request import LoRARequest
 from aiolm.params import SamplingParams
 from aiolm.pooling.params import PoolingParams
 from aiolm.spec_decode.stats import AcceptanceWindow
@@ -92,6 +93,7 @@ class Request:
         "_hash_block_size",
         "spec_window",
         "pooling_params",
+        "lora_request",
     )
 
     def __init__(
@@ -103,8 +105,11 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.req_id = req_id
+        # The LoRA adapter it runs with; part of its block hashes, so no KV is shared across adapters.
+        self.lora_request = lora_request
         # A pooling request finishes when its prompt is computed, with the pooled vector.
         self.pooling_params = pooling_params
         self.prompt_token_ids: list[int] = list(prompt_token_ids)

@@ -102,6 +102,9 @@ class SchedulerConfig:
     # False for encoder-only models: attention is bidirectional, so a prompt runs whole in one
     # step (a prompt over max_num_batched_tokens can never run, and is refused at admission).
     chunked_prefill: bool = True
+    # --max-loras: most distinct LoRA adapters among the running requests (the model's slots);
+    # a request whose adapter would be one more waits, and others go past it. 0: no LoRA.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -430,10 +433,17 @@ class Scheduler:
 
         # 2. admit waiting requests, unless this step had to preempt.
         scheduled_new: list[Request] = []
+        adapters = self._running_adapters() if cfg.max_loras else None
+        skipped: list[Request] = []  # waiting for an adapter slot: back in front afterwards
         while not preempted and budget > 0 and len(self.waiting) and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             if req.num_output_placeholders:
                 break  # preempted while its token is in flight: resumes once that arrives
+            lora = req.lora_request
+            if adapters is not None and lora is not None and lora.lora_int_id not in adapters:
+                if len(adapters) >= cfg.max_loras:
+                    skipped.append(self.waiting.pop())
+                    continue
             if kv.num_blocks_needed(req.num_tokens) > kv.num_usable_blocks:
                 self.waiting.pop()
                 self._finish_error(req)
@@ -474,8 +484,16 @@ class Scheduler:
             scheduled_new.append(req)
             num_scheduled[req.req_id] = n
             budget -= n
+            if adapters is not None and lora is not None:
+                adapters.add(lora.lora_int_id)
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests: the slots the workers hold now."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decoding request, no more than the step's budget, the context and
@@ -528,6 +546,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(req.req_id),
                     num_computed_tokens=req.num_computed_tokens,
                     pooling_params=req.pooling_params,
+                    lora_request=req.lora_request,
                 )
             )
             worker_tokens[req.req_id] = req.num_tokens
@@ -620,6 +639,8 @@ class Scheduler:
                 _merge_prompt_logprobs(req.prompt_logprobs, plp)
         if model_runner_output.pooled:
             any_finished = self._pooled(requests, model_runner_output.pooled, outputs)
+        if model_runner_output.request_errors:
+            any_finished |= self._failed(requests, model_runner_output.request_errors, outputs)
         logprobs = model_runner_output.logprobs
         max_model_len = self.config.max_model_len
         for req_id, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
@@ -681,6 +702,21 @@ class Scheduler:
             out = self._output(req, [])
             out.pooled = data
             outputs.append(out)
+            done = True
+        return done
+
+    def _failed(self, requests: dict[str, Request], errors: dict[str, str], outputs: list[EngineCoreOutput]) -> bool:
+        """Requests the workers could not run end here with the workers' message."""
+        done = False
+        for req_id, message in errors.items():
+            req = requests.get(req_id)
+            if req is None or req.status.is_finished:
+                continue  # aborted while the step ran
+            if req.status is RequestStatus.PREEMPTED:
+                self.waiting.remove(req)
+            req.error = message
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(req, []))
             done = True
         return done
 

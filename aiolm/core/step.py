@@ -19,6 +19,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import field
 
+from aiolm.lora.request import LoRARequest
 from aiolm.params import SamplingParams
 from aiolm.pooling.params import PoolingParams
 from aiolm.structured.spec import StructuredOutputs
@@ -36,6 +37,8 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int  # tokens whose KV already sits in block_ids (prefix-cache hit)
     # A pooling request (--runner pooling): pooled once its prompt is computed, never sampled.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (--enable-lora); each rank loads it on first use.
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -119,6 +122,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     # Pooling requests whose prompt was completed this step: req_id -> the pooled vector
     # (an embedding, or a classifier's logits); they sample nothing.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Requests the workers could not run, with why (their LoRA adapter could not be read):
+    # the scheduler finishes them with the message; their tokens this step are dropped.
+    request_errors: dict[str, str] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

@@ -46,6 +46,9 @@ from aiolm.engine.output_processor import OutputProcessor, RequestState
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.executor.base import Executor
+from aiolm.lora.adapter import read_adapter
+from aiolm.lora.registry import LoRARegistry
+from aiolm.lora.request import LoRARequest
 from aiolm.metrics import EngineMetrics
 from aiolm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from aiolm.params import OutputKind, ParamError, SamplingParams
@@ -77,6 +80,15 @@ def check_model_args(args: EngineArgs) -> ModelSource:
         why = experts_split_error(args.tensor_parallel_size, mc, args.enable_expert_parallel)
     if why is not None:
         raise ValueError(f"{source.name}: {why}")
+    if args.enable_lora:
+        if isinstance(mc, MoEConfig) or mc.encoder_only:
+            kind = "an encoder" if mc.encoder_only else "a mixture of experts"
+            raise ValueError(f"{source.name}: --enable-lora serves adapters of dense decoders; this is {kind}")
+        for name, path in args.lora_specs():
+            try:
+                read_adapter(path, mc, args.max_lora_rank)
+            except ParamError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
     return source
 
 
@@ -132,6 +144,7 @@ class AsyncEngine:
         self.expert_tokens: list[list[int]] = []  # expert_load()'s running totals
         self.runner = "generate"  # or "pooling" (EngineArgs.runner, resolved for the model at start)
         self.pooling_config: PoolingConfig | None = None  # how a pooling model pools; None when generating
+        self.loras: LoRARegistry | None = None  # the adapters served (enable_lora), set at start
 
     @property
     def executor(self) -> Executor | None:
@@ -165,6 +178,10 @@ class AsyncEngine:
         if a.max_model_len is None and pc is not None and pc.max_seq_length:
             self.max_model_len = min(self.max_model_len, pc.max_seq_length)
         self.model_name = a.served_model_name or self.source.name
+        if a.enable_lora:
+            self.loras = LoRARegistry(mc, self.model_name, a.max_lora_rank)
+            for name, path in a.lora_specs():
+                self.loras.add(self.loras.new_request(name, path))
         if isinstance(mc, MoEConfig):
             self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
@@ -190,6 +207,9 @@ class AsyncEngine:
             async_scheduling=a.async_scheduling and not pooling,
             enable_expert_parallel=a.enable_expert_parallel,
             runner=self.runner,
+            max_loras=a.max_loras if a.enable_lora else 0,
+            max_lora_rank=a.max_lora_rank,
+            max_cpu_loras=a.max_cpu_loras or a.max_loras,
         )
         # One for the engine's life: a worker set started by recovery keeps the measured rate.
         self.step_watch = a.step_watch()
@@ -213,6 +233,7 @@ class AsyncEngine:
                 speculative=None if pooling else a.spec_config(),
                 async_scheduling=a.async_scheduling and not pooling,
                 chunked_prefill=not mc.encoder_only,
+                max_loras=a.max_loras if a.enable_lora else 0,
             )
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
@@ -386,11 +407,13 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         """Validate and queue a request; returns its state (read it with ``stream``).
 
         ``timeout``: seconds from now after which the request is aborted (its blocks
-        freed) and its stream raises RequestTimeoutError.
+        freed) and its stream raises RequestTimeoutError. ``lora_request``: the LoRA
+        adapter to run it with (an engine started with ``enable_lora``).
         """
         self._check_alive()
         assert self.output is not None and self.core is not None
@@ -401,6 +424,8 @@ class AsyncEngine:
         params = self.inputs.params(params)
         _check_timeout(timeout)
         await self.grammars.check(params.structured_outputs)  # in a compile process, cached by the grammar
+        if lora_request is not None:
+            await self._check_lora(lora_request)
         processed = await self.inputs.process(prompt)
         self._check_alive()
         rid = self._claim_id(request_id)
@@ -414,7 +439,7 @@ class AsyncEngine:
         reqs = []
         for i, cid in enumerate(child_ids):
             p = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            reqs.append(Request(cid, processed.token_ids, p, priority=priority))
+            reqs.append(Request(cid, processed.token_ids, p, priority=priority, lora_request=lora_request))
         self.stats["prompt_tokens"] += len(processed.token_ids) * n
         # n > 1: the siblings join once the first sequence's prompt is in the KV cache,
         # so they reuse its full blocks through the prefix cache instead of recomputing them.
@@ -573,8 +598,9 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        state = await self.add_request(prompt, params, request_id, priority, timeout)
+        state = await self.add_request(prompt, params, request_id, priority, timeout, lora_request)
         # aclosing: when the caller leaves early, the inner stream (and its abort) is closed
         # right here, not later by the garbage collector's async-generator finaliser.
         async with contextlib.aclosing(self.stream(state)) as outputs:
@@ -604,6 +630,43 @@ class AsyncEngine:
         children = self.output.abort(request_id)
         if children:
             self.core.send(AbortRequests(children))
+
+    # -- LoRA adapters --------------------------------------------------------------------
+
+    def _lora_registry(self, param: str = "lora_request") -> LoRARegistry:
+        if self.loras is None:
+            raise ParamError(param, f"{self.model_name} is served without LoRA adapters (start it with --enable-lora)")
+        return self.loras
+
+    async def _check_lora(self, lora: LoRARequest) -> None:
+        if not isinstance(lora, LoRARequest):
+            raise ParamError("lora_request", f"must be a LoRARequest, got {type(lora).__name__}")
+        await self._lora_registry().check(lora)
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Serve ``lora`` under its name from now on (requests pick it by that name); its
+        folder is checked first (ParamError naming the problem)."""
+        registry = self._lora_registry("lora_name")
+        await self._check_lora(lora)
+        registry.add(lora)
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """``add_lora`` for an adapter given by name and folder, with a fresh id."""
+        lora = self._lora_registry("lora_name").new_request(name, path)
+        await self.add_lora(lora)
+        return lora
+
+    async def remove_lora(self, name: str) -> LoRARequest:
+        """Stop serving adapter ``name``: new requests naming it are refused; those already
+        in finish with it. UnknownAdapterError if none is loaded under that name."""
+        return self._lora_registry("lora_name").remove(name)
+
+    def lora(self, name: str) -> LoRARequest | None:
+        """The served adapter named ``name``, or None."""
+        return self.loras.get(name) if self.loras is not None else None
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.served.values()) if self.loras is not None else []
 
     def _add_siblings(self, reqs: list[Request]) -> None:
         if self.core is not None:

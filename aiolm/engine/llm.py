@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
 from aiolm.engine.input import PromptType
+from aiolm.lora.request import LoRARequest
 from aiolm.outputs import PoolingRequestOutput, RequestOutput
 from aiolm.params import SamplingParams
 from aiolm.pooling.params import PoolingParams
@@ -96,8 +97,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. ``lora_request``:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -107,21 +110,28 @@ class LLM:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        return self._run(self._generate_all(prompts, plist, use_tqdm))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        return self._run(self._generate_all(prompts, plist, use_tqdm, loras))
 
     def chat(
         self,
         conversations: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         convs = list(conversations)
         if convs and isinstance(convs[0], dict):
             convs = [convs]  # type: ignore[list-item]  # one conversation
-        return self.generate(convs, params, use_tqdm)  # type: ignore[arg-type]
+        return self.generate(convs, params, use_tqdm, lora_request)  # type: ignore[arg-type]
 
     async def _generate_all(
-        self, prompts: list[Any], plist: list[SamplingParams], use_tqdm: bool
+        self, prompts: list[Any], plist: list[SamplingParams], use_tqdm: bool, loras: list[LoRARequest | None]
     ) -> list[RequestOutput]:
         bar = None
         if use_tqdm:
@@ -130,7 +140,10 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="Generating", unit="req")
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            states = [await self.engine.add_request(p, sp.clone(output_kind=_final())) for p, sp in zip(prompts, plist)]
+            states = [
+                await self.engine.add_request(p, sp.clone(output_kind=_final()), lora_request=lora)
+                for p, sp, lora in zip(prompts, plist, loras)
+            ]
 
             async def collect(i: int) -> None:
                 async for out in self.engine.stream(states[i]):

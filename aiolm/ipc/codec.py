@@ -109,6 +109,7 @@ def _to_wire(so: SchedulerOutput) -> SchedulerOutput:
             r.block_ids,
             r.num_computed_tokens,
             r.pooling_params,
+            r.lora_request,
         )
         for r in so.scheduled_new_reqs
     ]
@@ -125,6 +126,7 @@ def _from_wire(wire: SchedulerOutput) -> SchedulerOutput:
             r.block_ids,
             r.num_computed_tokens,
             r.pooling_params,
+            r.lora_request,
         )
         for r in wire.scheduled_new_reqs
     ]

@@ -101,6 +101,7 @@ class DecoderLayer(nn.Module):
         """``mlp``: the feed-forward block, when not the dense MLP (a layer of experts)."""
         super().__init__()
         self.quant = ctx.quant
+        self.lora = ctx.lora  # a step with adapter rows runs the modules, which add them
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
         self.self_attn = Attention(cfg, ctx, rotary, window, prefix=f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
@@ -120,7 +121,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output; residual: the stream before it (None at layer 0).
         Returns this layer's output and the stream it is to be added to."""
-        if self.fused is not None:
+        if self.fused is not None and (self.lora is None or not self.lora.active):
             done = self.fused(positions, x, residual, kv_cache, meta)
             if done is not None:
                 return done

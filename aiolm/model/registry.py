@@ -18,6 +18,7 @@ import torch
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.families import family_of
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.lora.layers import LoRAContext
 from aiolm.model.layers.context import BuildContext, process_weights_after_loading
 from aiolm.model.loader import iter_weights
 from aiolm.platforms import Platform, get_platform
@@ -55,13 +56,16 @@ def build_context(
     device: torch.device | str | None = None,
     expert_parallel: bool = False,
     pooling: bool = False,
+    lora: tuple[int, int] | None = None,
 ) -> BuildContext:
     """What a model built on ``platform`` in ``dtype`` gets: the platform's ops, the attention
     backend ``attention`` (auto or a name in aiolm/attention/registry.py), the quant method
     it chooses for ``checkpoint`` (a file or folder), and this rank's tensor-parallel group
     (``expert_parallel``: over which layers of experts place whole experts); ``pooling``:
-    for a model whose hidden states are pooled, not sampled (no LM head)."""
+    for a model whose hidden states are pooled, not sampled (no LM head); ``lora``:
+    (slots, largest rank) of the LoRA adapters it serves, with the platform's kernel."""
     tp = get_tp_group()
+    lora_ctx = LoRAContext(lora[0], lora[1], platform.lora_kernel()) if lora is not None else None
     return BuildContext(
         ops=platform.ops(),
         attention_backend=platform.attention_backend(attention),
@@ -72,6 +76,7 @@ def build_context(
         platform=platform,
         expert_parallel=expert_parallel,
         pooling=pooling,
+        lora=lora_ctx,
     )
 
 
@@ -84,17 +89,19 @@ def build_model(
     platform: Platform | None = None,
     expert_parallel: bool = False,
     pooling: bool = False,
+    lora: tuple[int, int] | None = None,
 ) -> CausalLM:
     """The model of ``source`` loaded and laid out for ``platform`` (by default ``device``'s),
     with the attention backend ``attention`` (auto|cpu|torch|triton); ``expert_parallel``:
     whole experts per tensor-parallel rank; ``pooling``: built to pool, not to generate (a
-    decoder without its LM head; an encoder-only model is built so either way)."""
+    decoder without its LM head; an encoder-only model is built so either way); ``lora``:
+    (slots, largest rank) of the LoRA adapters it is to serve."""
     if platform is None:
         platform, where = get_platform(device), torch.device(device)
     else:
         where = platform.device
     pooling = pooling or source.config.encoder_only
-    ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel, pooling)
+    ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel, pooling, lora)
     model = model_class(source.config)(source.config, ctx, max_positions)
     model.load_weights(iter_weights(source, lazy=True))  # a rank reads only its slices
     return finish(model, ctx)
@@ -104,6 +111,8 @@ def finish(model: Any, ctx: BuildContext) -> Any:
     """A loaded model moved to its device and dtype, each layer's weights laid out by its
     method (children first), and whatever the build only needed let go."""
     model = model.to(dtype=ctx.dtype, device=ctx.device).eval()
+    if ctx.lora is not None:
+        ctx.lora.to(ctx.device)
     process_weights_after_loading(model)
     ctx.quant.release()
     return model

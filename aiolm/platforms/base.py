@@ -12,6 +12,7 @@ torch ops, the torch attention backend and dense weights, on any device.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -95,6 +96,13 @@ class Platform:
         """The linear methods of a model built in ``dtype`` from ``checkpoint`` (its file or
         folder, a Path) on ``tp_size`` ranks: dense weights here."""
         return quant_config("dense")
+
+    def lora_kernel(self) -> Callable[..., None]:
+        """What adds each row's LoRA adapter to a layer's output (aiolm/lora/layers.py): the
+        torch loop over slots here."""
+        from aiolm.kernels.lora_reference import lora_reference
+
+        return lora_reference
 
     def tune_worker_process(self) -> None:
         """Process-wide settings for a process that only runs steps (a worker process or a

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,13 @@ class CpuPlatform(Platform):
                 "gguf_blocks", path=Path(checkpoint), model_config=model_config, inner=packed, matmul_dtype=matmul_dtype
             )
         return packed
+
+    def lora_kernel(self) -> Callable[..., None]:
+        """aiolm::lora_apply_ (ext/cpu/lora.cpp) where the kernels are built; the torch loop
+        for what it does not take."""
+        from aiolm.kernels.cpu_lora import lora_apply
+
+        return lora_apply
 
     def make_tp_group(
         self,

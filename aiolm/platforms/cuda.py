@@ -4,7 +4,7 @@ triton is installed, and the memory questions the worker sizes the KV cache by."
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,6 +59,13 @@ class CudaPlatform(Platform):
         from aiolm.kernels.triton.ops import TritonOps
 
         return TritonOps()
+
+    def lora_kernel(self) -> Callable[..., None]:
+        """The Triton shrink and expand kernels (aiolm/kernels/triton/lora.py): no host
+        synchronisation, so they are captured in the decode CUDA graphs."""
+        from aiolm.kernels.triton.lora import lora_apply
+
+        return lora_apply
 
     def quant_config(
         self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None, tp_size: int = 1

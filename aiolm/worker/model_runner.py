@@ -25,6 +25,8 @@ from aiolm.core.step import (
     SchedulerOutput,
 )
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.lora.manager import LoRAManager
+from aiolm.lora.request import LoRARequest
 from aiolm.model.registry import build_model
 from aiolm.platforms import get_platform
 from aiolm.pooling.config import read_pooling_config
@@ -66,7 +68,14 @@ class ModelRunner:
                 attention=cfg.attention_backend,
                 expert_parallel=cfg.enable_expert_parallel,
                 pooling=cfg.runner == "pooling",
+                lora=(cfg.max_loras, cfg.max_lora_rank) if cfg.max_loras else None,
             )
+        self.lora: LoRAManager | None = None
+        self.lora_of: dict[str, LoRARequest] = {}  # live requests' adapters
+        if cfg.max_loras:
+            self.lora = LoRAManager(self.model, self.source.config, max(cfg.max_cpu_loras, cfg.max_loras))
+            # room for a step's tokens before any CUDA graph takes the slot buffer's address
+            self.lora.ctx.set_rows([-1] * max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
         self.kv_dtype = self.platform.kv_cache_dtype(requested)
         mc = self.source.config
@@ -127,12 +136,15 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self.batch.update(scheduler_output)
+        if self.lora is not None:
+            self._track_lora(scheduler_output)
         if scheduler_output.grammars:
             self.grammars.submit(scheduler_output.grammars)
         if scheduler_output.total_num_scheduled_tokens == 0:
             ready, errors = self.grammars.collect(wait=GRAMMAR_IDLE_WAIT_S)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], grammars_ready=ready, grammar_errors=errors)
         step = self.batch.prepare(scheduler_output, self.device)
+        request_errors = self._map_lora_rows(step) if self.lora is not None else {}
         meta = AttentionMetadata(
             num_tokens=int(step.input_ids.shape[0]),
             query_start_loc=step.query_start_loc,
@@ -187,7 +199,38 @@ class ModelRunner:
             worker_times=[t1 - t0, t2 - t1, t3 - t2],
             grammars_ready=ready,
             grammar_errors=errors,
+            request_errors=request_errors,
         )
+
+    def _track_lora(self, out: SchedulerOutput) -> None:
+        """Which adapter each live request runs with, from the step's diff."""
+        lora_of = self.lora_of
+        for rid in out.finished_req_ids:
+            lora_of.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            if new.lora_request is not None:
+                lora_of[new.req_id] = new.lora_request
+            else:
+                lora_of.pop(new.req_id, None)
+
+    def _map_lora_rows(self, step: Any) -> dict[str, str]:
+        """Each token's adapter slot for this step, the adapters it needs written into slots
+        first; requests whose adapter cannot be read run without it and are named with why
+        (the scheduler fails them and drops their tokens)."""
+        assert self.lora is not None
+        lora_of = self.lora_of
+        used = {lora_of[rid] for rid in step.req_ids if rid in lora_of}
+        slots, failed = self.lora.slots_for(used) if used else ({}, {})
+        errors: dict[str, str] = {}
+        rows: list[int] = []
+        for rid, q in zip(step.req_ids, step.query_lens):
+            req = lora_of.get(rid)
+            lid = req.lora_int_id if req is not None else 0
+            if lid in failed:
+                errors[rid] = failed[lid]
+            rows += [slots.get(lid, -1)] * q
+        self.lora.ctx.set_rows(rows)
+        return errors
 
     def _execute_pooling(
         self, out: SchedulerOutput, step: Any, meta: AttentionMetadata, t0: float, t1: float
@@ -352,7 +395,11 @@ class ModelRunner:
             self.device,
         )
         t0, before = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+        if self.lora is not None:  # the LoRA kernels go into the graphs, reading the slot buffer
+            self.lora.ctx.active = True
         graphs.capture()
+        if self.lora is not None:
+            self.lora.ctx.set_rows([])
         log.info(
             "captured CUDA graphs for %d decode sizes (1..%d) in %.1fs, %.0f MiB",
             len(sizes),

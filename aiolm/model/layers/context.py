@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from aiolm.kernels.ops import TorchOps
+from aiolm.lora.layers import LoRAContext
 from aiolm.quant.base import QuantConfig
 
 
@@ -32,6 +33,9 @@ class BuildContext:
     # built to pool hidden states (embeddings, scores), never to sample: a decoder has no
     # LM head, and its checkpoint need not hold one
     pooling: bool = False
+    # built to serve LoRA adapters (aiolm/lora/layers.py): the projections an adapter may
+    # target get slots, all reading this one context's per-step rows
+    lora: LoRAContext | None = None
 
 
 def process_weights_after_loading(module: nn.Module) -> None:

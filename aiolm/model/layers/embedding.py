@@ -49,7 +49,7 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
             lm_head=True,
             shared_weight=tied_to is not None,
         )
-        self._take_method(ctx, spec, hidden, self.per_rank)
+        self._take_method(ctx, spec, hidden, [self.per_rank])
         if tied_to is not None:
             self.weight = tied_to.weight
         else:

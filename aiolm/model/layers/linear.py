@@ -10,6 +10,12 @@ A layer gets its quant method from the build context when it is constructed (aio
 base.py): the method creates the weight the loader fills, lays it out after loading and
 does the multiply. ``names`` are the checkpoint tensors fused into the layer, which a
 method that reads its own copy of them (a GGUF file's blocks) looks up.
+
+A model built with LoRA (aiolm/lora/layers.py) gives each layer an adapter may target
+LoRA slots too, one slice per fused tensor; ``lora_pair`` cuts an adapter's A and B to
+this rank's share the way ``load_shard`` cuts the weight, and the adapters' output is
+added before a row-parallel layer's all-reduce (the sum of the ranks' partial products
+is the whole product).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 from torch import nn
 
 from aiolm.distributed.sharding import kv_head_for_rank
+from aiolm.lora.adapter import TARGETS
+from aiolm.lora.layers import LoRASlots
 from aiolm.model.layers.context import BuildContext
 from aiolm.quant.base import LinearMethod, LinearSpec
 
@@ -27,13 +35,24 @@ class LinearBase(nn.Module):
 
     weight: nn.Parameter
     quant_method: LinearMethod
+    lora: LoRASlots | None
 
-    def _take_method(self, ctx: BuildContext, spec: LinearSpec, in_features: int, out_features: int) -> None:
+    def _take_method(self, ctx: BuildContext, spec: LinearSpec, in_features: int, slices: list[int]) -> None:
+        """The quant method and its weight [sum(slices), in_features]; LoRA slots with one
+        slice per fused tensor where the model is built with LoRA and an adapter may target
+        every tensor of this layer."""
         self.quant_method = ctx.quant.linear_method(spec)
-        self.quant_method.create_weights(self, in_features, out_features)
+        self.quant_method.create_weights(self, in_features, sum(slices))
+        targetable = bool(spec.names) and all(n.rsplit(".", 1)[-1] in TARGETS for n in spec.names)
+        self.lora = None
+        if ctx.lora is not None and targetable and not spec.lm_head:
+            self.lora = LoRASlots(ctx.lora, in_features, slices, spec.names)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.quant_method.apply(self, x, bias)
+        y = self.quant_method.apply(self, x, bias)
+        if self.lora is not None and self.lora.ctx.active:
+            self.lora.add_to(y, x)
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -59,7 +78,8 @@ class ColumnParallelLinear(LinearBase):
         self.full_sizes = list(shard_sizes)
         self.local_sizes = [s // tp.world_size for s in shard_sizes]
         out = sum(self.local_sizes)
-        self._take_method(ctx, LinearSpec(names, output_to_kernel=self.output_to_kernel), in_features, out)
+        spec = LinearSpec(names, output_to_kernel=self.output_to_kernel)
+        self._take_method(ctx, spec, in_features, self.local_sizes)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,11 +89,20 @@ class ColumnParallelLinear(LinearBase):
         """Copy this rank's part of Hugging Face tensor ``shard`` into its slice."""
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"no {name} in this layer"
+        start = sum(self.local_sizes[:shard])
+        param.data[start : start + self.local_sizes[shard]].copy_(self.local_rows(loaded, shard, name))
+
+    def local_rows(self, loaded: torch.Tensor, shard: int, name: str = "weight") -> torch.Tensor:
+        """This rank's rows of a tensor with Hugging Face tensor ``shard``'s output rows."""
         n = self.local_sizes[shard]
         if loaded.shape[0] != self.full_sizes[shard]:
             raise ValueError(f"{name} shard {shard}: expected {self.full_sizes[shard]} rows, got {loaded.shape[0]}")
-        start = sum(self.local_sizes[:shard])
-        param.data[start : start + n].copy_(loaded[self.tp_rank * n : (self.tp_rank + 1) * n])
+        return loaded[self.tp_rank * n : (self.tp_rank + 1) * n]
+
+    def lora_pair(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of an adapter's (A [r, in], B [out, r]) for tensor ``shard``:
+        the input is whole here, so A whole; B's rows as the weight's."""
+        return a, self.local_rows(b, shard, "lora_B")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -101,17 +130,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+    def local_rows(self, loaded: torch.Tensor, shard: int, name: str = "weight") -> torch.Tensor:
         if shard == 0 or self.kv_replicas == 1:
-            return super().load_shard(name, loaded, shard)
-        param = self.weight if name == "weight" else self.bias
-        assert param is not None, f"no {name} in this layer"
+            return super().local_rows(loaded, shard, name)
         d = self.head_dim
         if loaded.shape[0] != self.num_kv_heads * d:
             raise ValueError(f"{name} shard {shard}: expected {self.num_kv_heads * d} rows, got {loaded.shape[0]}")
         head = kv_head_for_rank(self.tp_rank, self.tp_size, self.num_kv_heads)[0]
-        start = sum(self.local_sizes[:shard])
-        param.data[start : start + d].copy_(loaded[head * d : (head + 1) * d])
+        return loaded[head * d : (head + 1) * d]
 
 
 class RowParallelLinear(LinearBase):
@@ -129,7 +155,7 @@ class RowParallelLinear(LinearBase):
         # with one rank the output goes straight into the fused residual norm; with more,
         # into the all-reduce first
         spec = LinearSpec(names, output_to_kernel=tp.world_size == 1)
-        self._take_method(ctx, spec, self.local_in, out_features)
+        self._take_method(ctx, spec, self.local_in, [out_features])
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,5 +167,13 @@ class RowParallelLinear(LinearBase):
             assert self.bias is not None
             self.bias.data.copy_(loaded[...])
             return
+        self.weight.data.copy_(self._local_columns(loaded))
+
+    def _local_columns(self, loaded: torch.Tensor) -> torch.Tensor:
         r = self.tp.rank
-        self.weight.data.copy_(loaded[:, r * self.local_in : (r + 1) * self.local_in])
+        return loaded[:, r * self.local_in : (r + 1) * self.local_in]
+
+    def lora_pair(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of an adapter's (A [r, in], B [out, r]): A's columns as the
+        weight's (x arrives split); B whole, its partial product summed by the all-reduce."""
+        return self._local_columns(a), b
