@@ -19,6 +19,7 @@ from typing import (
 if TYPE_CHECKING:
     from aiolm.engine.input import PromptType
     from aiolm.engine.output_processor import RequestState
+    from aiolm.lora.request import LoRARequest
     from aiolm.outputs import PoolingRequestOutput, RequestOutput
     from aiolm.params import SamplingParams
     from aiolm.pooling.config import PoolingConfig
@@ -76,6 +77,7 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState: ...
 
     def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]: ...
@@ -87,9 +89,23 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    # -- LoRA adapters (enable_lora) ----------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT folder ``path`` as model ``name`` (ParamError naming a problem)."""
+        ...
+
+    async def remove_lora(self, name: str) -> LoRARequest: ...
+
+    def lora(self, name: str) -> LoRARequest | None:
+        """The served adapter named ``name``, or None."""
+        ...
+
+    def list_loras(self) -> list[LoRARequest]: ...
 
     # -- pooling models (--runner pooling) --------------------------------------------
     @property

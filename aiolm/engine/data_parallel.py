@@ -42,6 +42,7 @@ from aiolm.engine.errors import EngineDeadError, EngineRecoveringError
 from aiolm.engine.input import PromptType
 from aiolm.engine.output_processor import RequestState
 from aiolm.engine.router import PrefixRouter
+from aiolm.lora.request import LoRARequest
 from aiolm.metrics import CombinedMetrics
 from aiolm.outputs import PoolingRequestOutput, RequestOutput
 from aiolm.params import ParamError, SamplingParams
@@ -168,6 +169,7 @@ class DataParallelEngine:
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         front = self._front()
         params = front.inputs.params(params)  # a bad request is refused before it is routed
@@ -176,7 +178,7 @@ class DataParallelEngine:
         if any(r.output is not None and rid in r.output.requests for r in self.replicas):
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
         ids = {"prompt_token_ids": processed.token_ids, "prompt": processed.prompt}
-        return await self._submit(ids, params, rid, priority, timeout, exclude=())
+        return await self._submit(ids, params, rid, priority, timeout, lora_request, exclude=())
 
     async def _submit(
         self,
@@ -185,6 +187,7 @@ class DataParallelEngine:
         rid: str,
         priority: int,
         timeout: float | None,
+        lora: LoRARequest | None,
         exclude: tuple[int, ...],
     ) -> RequestState:
         loads = self._loads()
@@ -193,9 +196,9 @@ class DataParallelEngine:
         if all(load is None for load in loads):
             self._raise_unavailable()
         i = self.router.choose(ids["prompt_token_ids"], loads)
-        state = await self.replicas[i].add_request(ids, params, rid, priority, timeout)
+        state = await self.replicas[i].add_request(ids, params, rid, priority, timeout, lora)
         self._owner[state] = i
-        self._submitted[state] = (ids, params, priority, timeout)
+        self._submitted[state] = (ids, params, priority, timeout, lora)
         return state
 
     def _front(self) -> AsyncEngine:
@@ -221,8 +224,9 @@ class DataParallelEngine:
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        state = await self.add_request(prompt, params, request_id, priority, timeout)
+        state = await self.add_request(prompt, params, request_id, priority, timeout, lora_request)
         async with contextlib.aclosing(self.stream(state)) as outputs:
             async for out in outputs:
                 yield out
@@ -244,9 +248,9 @@ class DataParallelEngine:
                 if produced or self._dead is not None:
                     raise
                 tried.append(i)
-                ids, params, priority, timeout = self._submitted[state]
+                ids, params, priority, timeout, lora = self._submitted[state]
                 try:
-                    new = await self._submit(ids, params, state.req_id, priority, timeout, exclude=tuple(tried))
+                    new = await self._submit(ids, params, state.req_id, priority, timeout, lora, exclude=tuple(tried))
                 except (EngineDeadError, EngineRecoveringError):
                     raise EngineDeadError(
                         f"replica {i} died and no other replica can take request {state.req_id!r}"
@@ -277,6 +281,26 @@ class DataParallelEngine:
 
     def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
         return self._model().tokenize_pair(text, text_pair, truncate_prompt_tokens)
+
+    # -- LoRA adapters: every replica serves the same ones --------------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        lora = await self.replicas[0].load_lora(name, path)
+        for r in self.replicas[1:]:
+            await r.add_lora(lora)
+        return lora
+
+    async def remove_lora(self, name: str) -> LoRARequest:
+        lora = await self.replicas[0].remove_lora(name)
+        for r in self.replicas[1:]:
+            await r.remove_lora(name)
+        return lora
+
+    def lora(self, name: str) -> LoRARequest | None:
+        return self._model().lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._model().list_loras()
 
     @property
     def runner(self) -> str:

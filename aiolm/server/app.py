@@ -96,6 +96,8 @@ def _routes(settings: ServerSettings) -> list[BaseRoute]:
         *(Route(path, pooling.only_for("pooling", f), methods=["POST"]) for path, f in pool.items()),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", misc.get_model, methods=["GET"]),
+        Route("/v1/load_lora_adapter", misc.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", misc.unload_lora_adapter, methods=["POST"]),
         Route("/health", misc.health, methods=["GET"]),
         Route("/ping", misc.health, methods=["GET"]),
         Route("/version", misc.version, methods=["GET"]),

@@ -47,7 +47,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     ctx = context(request)
     body = await read_json(request, ctx.settings.max_request_bytes)
     req = parse(ChatCompletionRequest, body, ctx.settings.limits)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     check_unsupported_chat(req)
     structured, structured_param = structured_spec(req)
     plan = plan_tools(req, ctx.settings.tool_call_parser)
@@ -100,10 +100,12 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         rid,
         req.priority,
         rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param},
+        lora_request=lora,
     )
     await gen.start(request.receive)
     log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req.n, stream=stream, user=req.user)
-    meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
+    model = lora.lora_name if lora is not None else ctx.model_name
+    meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
     if stream:
         opts = req.stream_options or StreamOptions()
         chunk_meta = {**meta, "object": "chat.completion.chunk"}

@@ -69,7 +69,7 @@ async def _prepare(
 async def create_completion(request: Request) -> Response | EventStream:
     ctx = context(request)
     req = parse(CompletionRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     check_unsupported_completion(req)
     structured, structured_param = structured_spec(req)
     stream = req.stream
@@ -92,7 +92,9 @@ async def create_completion(request: Request) -> Response | EventStream:
         if p.text is None and req.echo:
             p.text = tok.decode(p.token_ids)
     rid = ctx.new_id("cmpl")
-    gen = Generation(ctx, prompts, params, rid, req.priority, rename={"structured_outputs": structured_param})
+    gen = Generation(
+        ctx, prompts, params, rid, req.priority, rename={"structured_outputs": structured_param}, lora_request=lora
+    )
     await gen.start(request.receive)
     n = req.n
     log_extra(
@@ -104,7 +106,8 @@ async def create_completion(request: Request) -> Response | EventStream:
         stream=stream,
         user=req.user,
     )
-    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+    model = lora.lora_name if lora is not None else ctx.model_name
+    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     if stream:
         opts = req.stream_options or StreamOptions()
         events = _events(gen, meta, prompts, req, opts.include_usage, tok, request, opts.continuous_usage_stats)

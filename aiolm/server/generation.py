@@ -22,6 +22,7 @@ from aiolm.engine.errors import (
     RequestError,
     RequestTimeoutError,
 )
+from aiolm.lora.request import LoRARequest
 from aiolm.outputs import RequestOutput
 from aiolm.params import ParamError, SamplingParams
 from aiolm.server.context import ServingContext
@@ -120,13 +121,16 @@ class Generation:
         request_id: str,
         priority: int = 0,
         rename: dict[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        """``lora_request``: the LoRA adapter the request's model names (None: the base model)."""
         self.ctx = ctx
         self.prompts = prompts
         self.params = params
         self.request_id = request_id
         self.priority = priority
         self.rename = rename
+        self.lora_request = lora_request
         self.states: list[Any] = []
         self._done: set[str] = set()
         self._loaded = False  # counted in ctx.server_load until the first abort()
@@ -167,9 +171,10 @@ class Generation:
             for i, p in enumerate(self.prompts):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
-                state = await engine.add_request(
-                    prompt, self.params, rid, self.priority, **({"timeout": timeout} if timeout else {})
-                )
+                kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
+                if self.lora_request is not None:
+                    kwargs["lora_request"] = self.lora_request
+                state = await engine.add_request(prompt, self.params, rid, self.priority, **kwargs)
                 self.states.append(state)
                 self.ctx.inflight.add(rid)
         except BaseException as e:

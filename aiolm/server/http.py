@@ -8,6 +8,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from aiolm.lora.request import LoRARequest
 from aiolm.server import client_json
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, bad_request
@@ -101,12 +102,19 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_model(ctx: ServingContext, model: str | None) -> None:
-    """Like OpenAI: naming a model that is not served is a 404; omitting it is fine."""
-    if model is not None and model != ctx.model_name:
-        raise APIError(
-            404,
-            f"The model '{model}' does not exist; this server serves '{ctx.model_name}'.",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(ctx: ServingContext, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter the request's ``model`` names (None: the base model). Like OpenAI:
+    naming a model that is not served is a 404; omitting it is fine."""
+    if model is None or model == ctx.model_name:
+        return None
+    lora = ctx.engine.lora(model)
+    if lora is not None:
+        return lora
+    adapters = [a.lora_name for a in ctx.engine.list_loras()]
+    served = ", ".join(f"'{n}'" for n in [ctx.model_name, *adapters])
+    raise APIError(
+        404,
+        f"The model '{model}' does not exist; this server serves {served}.",
+        param="model",
+        code="model_not_found",
+    )

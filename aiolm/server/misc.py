@@ -3,42 +3,96 @@
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 import aiolm
+from aiolm.lora.request import LoRARequest
 from aiolm.metrics import CONTENT_TYPE
 from aiolm.params import ParamError
 from aiolm.server.errors import APIError, bad_request, json_response
 from aiolm.server.generation import tokenize as encode
 from aiolm.server.http import check_model, context, read_json
-from aiolm.server.protocol import DetokenizeRequest, TokenizeRequest, param_error, parse
+from aiolm.server.protocol import (
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+    param_error,
+    parse,
+)
 from aiolm.server.tools import template_messages
 
 
-def _model_card(request: Request) -> dict:
+def _model_card(request: Request, lora: LoRARequest | None = None) -> dict:
+    """The base model's card, or a LoRA adapter's (``parent``: the base model, as vLLM's)."""
     ctx = context(request)
     engine = ctx.engine
     return {
-        "id": ctx.model_name,
+        "id": ctx.model_name if lora is None else lora.lora_name,
         "object": "model",
         "created": ctx.created,
         "owned_by": "aiolm",
-        "root": ctx.model_name,
-        "parent": None,
+        "root": ctx.model_name if lora is None else lora.lora_path,
+        "parent": None if lora is None else ctx.model_name,
         "max_model_len": engine.max_model_len,
     }
 
 
 async def list_models(request: Request) -> Response:
-    return json_response({"object": "list", "data": [_model_card(request)]})
+    adapters = context(request).engine.list_loras()
+    cards = [_model_card(request), *(_model_card(request, a) for a in adapters)]
+    return json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: Request) -> Response:
     ctx = context(request)
     name = request.path_params["model"]
-    if name != ctx.model_name:
+    lora = ctx.engine.lora(name) if name != ctx.model_name else None
+    if name != ctx.model_name and lora is None:
         raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
-    return json_response(_model_card(request))
+    return json_response(_model_card(request, lora))
+
+
+def _runtime_lora(request: Request) -> None:
+    if not context(request).settings.allow_runtime_lora_updating:
+        raise APIError(
+            403,
+            "loading and unloading LoRA adapters at run time is off on this server "
+            "(start it with --enable-lora --allow-runtime-lora-updating)",
+            code="lora_updating_disabled",
+            type="permission_error",
+        )
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's POST /v1/load_lora_adapter: the folder is checked before the name is served."""
+    ctx = context(request)
+    _runtime_lora(request)
+    req = parse(LoadLoRAAdapterRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    try:
+        await ctx.engine.load_lora(req.lora_name, req.lora_path)
+    except ParamError as e:
+        raise param_error(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's POST /v1/unload_lora_adapter: new requests naming it get a 404; those already
+    in finish with it."""
+    ctx = context(request)
+    _runtime_lora(request)
+    req = parse(UnloadLoRAAdapterRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    lora = ctx.engine.lora(req.lora_name)
+    if lora is None:
+        raise APIError(
+            404, f"no LoRA adapter named '{req.lora_name}' is loaded", param="lora_name", code="lora_not_found"
+        )
+    if req.lora_int_id is not None and req.lora_int_id != lora.lora_int_id:
+        raise bad_request(
+            f"adapter '{req.lora_name}' has id {lora.lora_int_id}, not {req.lora_int_id}", param="lora_int_id"
+        )
+    await ctx.engine.remove_lora(req.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 async def health(request: Request) -> Response:

@@ -36,6 +36,14 @@ _POSTS: list[tuple[str, str, type[BaseModel], str | None]] = [
     ("/tokenize", "Tokenize", out.TokenizeResponse, None),
     ("/detokenize", "Detokenize", out.DetokenizeResponse, None),
 ]
+_LORA_NOTE = (
+    "With `--enable-lora --allow-runtime-lora-updating` (403 otherwise); answers `text/plain` "
+    "as vLLM does: `Success: LoRA adapter '<name>' added successfully.` (or `removed`)."
+)
+_LORA_POSTS = [
+    ("/v1/load_lora_adapter", "Load LoRA adapter"),
+    ("/v1/unload_lora_adapter", "Unload LoRA adapter"),
+]
 _GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _GENERATION_ONLY = "Generation servers only; a pooling server (`--runner pooling`) answers 400."
 _POOLING_ONLY = "Pooling servers only (`--runner pooling`); a generation server answers 400."
@@ -144,6 +152,11 @@ def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dic
         for path, summary, ok, stream in _POSTS
     }
     paths.update({path: _post(summary, body, ok, None, _POOLING_ONLY) for path, summary, body, ok in POOLING_POSTS})
+    for path, summary in _LORA_POSTS:
+        op = _post(summary, REQUEST_MODELS[path], out.Status, None, _LORA_NOTE)
+        op["post"]["responses"]["200"] = {"description": "OK", "content": {"text/plain": {"schema": _STR}}}
+        op["post"]["responses"].update(_errors(403))
+        paths[path] = op
     paths.update(
         {
             "/tokenizer_info": _get("Tokenizer info", _ref(out.TokenizerInfo), errors=(401,)),

@@ -142,8 +142,8 @@ class ModelCard(Out):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: str
-    parent: None
+    root: str = Field(description="the base model's name, or a LoRA adapter's folder")
+    parent: str | None = Field(description="a LoRA adapter's base model; null for the base model")
     max_model_len: int
 
 

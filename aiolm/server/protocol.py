@@ -406,6 +406,20 @@ class DetokenizeRequest(Strict):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(Strict):
+    """vLLM's body: serve the PEFT folder ``lora_path`` as model ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(Strict):
+    """vLLM's body: stop serving adapter ``lora_name`` (``lora_int_id``, if given, must be its id)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 # -- Limits: the operator's bounds on top of the static models ----------------------------
 
 M = TypeVar("M", bound=BaseModel)
@@ -439,6 +453,8 @@ REQUEST_MODELS: dict[str, type[Strict]] = {
     "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 
 

@@ -45,6 +45,7 @@ class ServerSettings:
     exit_on_engine_death: bool = False  # `aiolm serve` turns it on
     lenient_fields: bool = False
     tool_call_parser: str | None = None  # tool_choice 'auto': aiolm/server/tool_parsers
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     max_logprobs: int = EngineArgs.max_logprobs  # the engine's flag, so the API's bounds match it
 
     @property
@@ -127,6 +128,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "hermes: <tool_call> JSON blocks (Qwen, Hermes), llama3_json: a JSON object, "
         "pythonic: [f(a=1), ...]",
     )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --enable-lora: let clients load and unload adapters while the server runs "
+        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter); otherwise those answer 403",
+    )
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
     g.add_argument(
         "--max-seqs-per-request",
@@ -180,6 +188,7 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
         lenient_fields=ns.lenient_fields,
         tool_call_parser=ns.tool_call_parser,
         max_logprobs=ns.max_logprobs,
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
 
 

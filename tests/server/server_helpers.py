@@ -199,6 +199,12 @@ class FakeEngine:
     runner = "generate"  # it generates; the pooling routes refuse it
     pooling_config = None
 
+    def lora(self, name: str) -> None:  # serves no LoRA adapters
+        return None
+
+    def list_loras(self) -> list[Any]:
+        return []
+
     def __init__(self, step_delay: float = 0.0) -> None:
         self.step_delay = step_delay
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
