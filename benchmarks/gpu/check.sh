@@ -7,7 +7,8 @@
 # Parts: the Triton kernel tests compiled for the GPU (no interpreter), greedy parity with
 # transformers on the same GPU (float32 and bfloat16), the engine's greedy tokens with CUDA
 # graphs against --enforce-eager, decode step time eager vs graphs, the whole engine on the
-# GPU (offline-64 and single stream through `aiolm bench`, Triton attention), and the
+# GPU (offline-64 and single stream through `aiolm bench`, Triton attention), LoRA adapters
+# in one batch against transformers + PEFT (graphs and eager), and the
 # all-reduce between GPUs where there are two or more. Each part has a hard timeout
 # (PART_TIMEOUT seconds, sized so the parts fit in 8 minutes on an H200; the setup has its
 # own, INSTALL_TIMEOUT); a summary table ends the run.
@@ -72,6 +73,7 @@ run_part parity "$PY" benchmarks/gpu/check.py parity
 run_part graphs "$PY" benchmarks/gpu/check.py graphs
 run_part decode-speed "$PY" benchmarks/gpu/check.py decode-speed
 run_part engine "$PY" benchmarks/gpu/check.py engine
+run_part lora "$PY" benchmarks/gpu/check.py lora
 # 2+ GPUs: torch symmetric-memory all-reduce against NCCL (correctness, decode-size latency);
 # on one GPU it prints why it was skipped.
 run_part allreduce "$PY" benchmarks/gpu/allreduce_check.py
