@@ -65,7 +65,7 @@ def peft_adapter(
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, **extra)
     lora = peft.get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
@@ -82,7 +82,7 @@ def hf_lora_greedy(base: Path, adapter: Path | None, prompts: Sequence[Sequence[
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
     out = []

@@ -147,6 +147,8 @@ class RequestState:
             outs,
             self.finished,
             self.num_cached_tokens,
+            # why a sequence ended with finish_reason "error" (the scheduler's or a worker's message)
+            error=str(self.error) if self.error is not None else None,
             metrics=metrics,
             prompt_logprobs=plp,
         )

@@ -243,12 +243,6 @@ def test_an_adapter_whose_folder_went_away_fails_its_request_only(llama, one_slo
     generate(one_slot, llama, ["all8", "attn16", None], PROMPTS[:2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a request the scheduler ends with FINISHED_ERROR reaches the caller as "
-    "finish_reason 'error' without its message (RequestOutput.error stays None and the stream "
-    "does not raise the RequestError the output processor stores)",
-)
 def test_the_failed_request_carries_the_workers_message(llama, one_slot, tmp_path):
     failed, _ = fail_a_removed_adapter(llama, one_slot, tmp_path / "gone", 98)
     message = str(failed) if isinstance(failed, RequestError) else (failed.error or "")
