@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -89,7 +90,42 @@ def main(argv: list[str] | None = None) -> int:
         responses.close()
 
 
+def _watch_parent_while(parent_pid: int, busy: threading.Event) -> None:
+    """While ``busy`` (the model loads, the kernels may compile for minutes) nothing reads the
+    ring, whose timeouts are where the worker otherwise notices its engine is gone: poll here,
+    and end this process as a SIGTERM does (its ``finally`` unlinks the rings) if it dies."""
+    while busy.is_set():
+        if not parent_alive(parent_pid):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)
+            _kill_children()  # a kernel build's compilers, which the exit would wait for
+            return
+        time.sleep(0.5)
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's child processes (Linux: /proc/self/task/*/children)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat: Heartbeat | None) -> int:
+    loading = threading.Event()
+    loading.set()
+    threading.Thread(target=_watch_parent_while, args=(args.parent_pid, loading), daemon=True).start()
     try:
         runner, info = build_runner(
             RunnerConfig.decode(args.config),
@@ -101,8 +137,10 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat
             cpu_bind=args.cpu_bind,
         )
     except BaseException as e:
+        loading.clear()
         responses.write(codec.encode(("error", f"{type(e).__name__}: {e}", traceback.format_exc())))
         return 1
+    loading.clear()
     responses.write(codec.encode(("ready", info)))
     return serve_ring(
         runner,
