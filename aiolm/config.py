@@ -72,6 +72,12 @@ class EngineArgs:
     max_num_seqs: int = _f(128, "most requests in one batch")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill splits longer prompts)")
     long_prefill_token_threshold: int = _f(0, "cap on one request's tokens per step (0 = off)")
+    max_step_ms: float = _f(
+        500.0,
+        "keep each step within about this many ms by capping its prompt tokens at what the measured "
+        "step cost allows, so a long prompt does not pause every stream (0 = off; offline LLM: off "
+        "unless given)",
+    )
     kv_cache_memory: int = _f(1 << 30, "bytes of KV cache per worker on CPU")
     block_size: int = _f(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
@@ -274,6 +280,7 @@ class EngineArgs:
             ("kv_cache_memory", 1),
             ("block_size", 1),
             ("long_prefill_token_threshold", 0),
+            ("max_step_ms", 0),
             ("num_threads", 0),
             ("max_logprobs", 0),
             ("seed", 0),

@@ -80,13 +80,13 @@ async def _one(client: Any, url: str, model: str, item: Item, timeout: float) ->
 
 def _pcts(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     v = sorted(values)
 
     def q(p: float) -> float:
         return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
 
-    return {"mean": statistics.fmean(v), "p50": q(50), "p90": q(90), "p99": q(99)}
+    return {"mean": statistics.fmean(v), "p50": q(50), "p90": q(90), "p99": q(99), "max": v[-1]}
 
 
 async def run_load(

@@ -77,11 +77,14 @@ from aiolm.core.step import (
     PromptLogprobs,
     SchedulerOutput,
 )
+from aiolm.core.step_cost import StepCost
 from aiolm.params import ParamError
 from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 from aiolm.structured.spec import StructuredOutputs
 
 _RUNNING = RequestStatus.RUNNING
+PREFILL_FLOOR_BLOCKS = 4  # under --max-step-ms, prompts still get this many blocks' worth a step
+_WARMUP_STEPS = 2  # a process's first steps, not measured for --max-step-ms
 
 
 @dataclass(kw_only=True)
@@ -105,6 +108,11 @@ class SchedulerConfig:
     # --max-loras: most distinct LoRA adapters among the running requests (the model's slots);
     # a request whose adapter would be one more waits, and others go past it. 0: no LoRA.
     max_loras: int = 0
+    # --max-step-ms: prompt tokens per step are capped so that a step's measured cost
+    # (core/step_cost.py) stays within this many milliseconds, every running request still
+    # getting its token and waiting prompts at least PREFILL_FLOOR_BLOCKS blocks' worth.
+    # 0: no cap (max_num_batched_tokens alone). Not for unchunked (encoder) prompts.
+    max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -114,6 +122,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not self.max_step_ms >= 0:
+            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
@@ -216,6 +226,8 @@ class Scheduler:
         # The Request objects of each step not yet updated (step -> req_id -> request): a
         # result belongs to the request that was scheduled, never to a later one reusing its id.
         self._step_reqs: dict[int, dict[str, Request]] = {}
+        self.step_cost = StepCost() if config.max_step_ms > 0 and config.chunked_prefill else None
+        self._unmeasured_steps = _WARMUP_STEPS  # one-time costs (kernel builds, first touches) are no rate
 
     # -- intake ------------------------------------------------------------------
 
@@ -283,6 +295,7 @@ class Scheduler:
         The new workers hold no compiled grammar: requests with one wait for it again."""
         cfg = self.config
         cfg.num_blocks = num_blocks
+        self._unmeasured_steps = _WARMUP_STEPS  # new processes: their first steps pay one-time costs again
         stats = self.kv_cache_manager.stats  # counted over the engine's life, not the pool's
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.hash_seed)
         self.kv_cache_manager.stats = stats
@@ -347,6 +360,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         threshold = cfg.long_prefill_token_threshold
         budget = cfg.max_num_batched_tokens
+        prefill_left = self._prefill_cap()  # None: no cap beyond the budget
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
         scheduled_running: list[Request] = []
@@ -379,6 +393,9 @@ class Scheduler:
                 n = threshold
             if n > budget:
                 n = budget
+            prefill = n > 1 and drafts is None
+            if prefill and prefill_left is not None and n > prefill_left:
+                n = prefill_left
             if n <= 0:
                 i += 1
                 continue
@@ -429,13 +446,21 @@ class Scheduler:
             if drafts:
                 draft_tokens[req.req_id] = drafts
             budget -= n
+            if prefill and prefill_left is not None:
+                prefill_left -= n
             i += 1
 
         # 2. admit waiting requests, unless this step had to preempt.
         scheduled_new: list[Request] = []
         adapters = self._running_adapters() if cfg.max_loras else None
         skipped: list[Request] = []  # waiting for an adapter slot: back in front afterwards
-        while not preempted and budget > 0 and len(self.waiting) and len(self.running) < cfg.max_num_seqs:
+        while (
+            not preempted
+            and budget > 0
+            and (prefill_left is None or prefill_left > 0)
+            and len(self.waiting)
+            and len(self.running) < cfg.max_num_seqs
+        ):
             req = self.waiting.peek()
             if req.num_output_placeholders:
                 break  # preempted while its token is in flight: resumes once that arrives
@@ -465,6 +490,8 @@ class Scheduler:
                 n = threshold
             if n > budget:
                 n = budget
+            if prefill_left is not None and n > prefill_left:
+                n = prefill_left
             new_blocks = kv.allocate_slots(req, n, num_hit, hits)
             if new_blocks is None:
                 if not self.running:
@@ -484,12 +511,35 @@ class Scheduler:
             scheduled_new.append(req)
             num_scheduled[req.req_id] = n
             budget -= n
+            if prefill_left is not None:
+                prefill_left -= n
             if adapters is not None and lora is not None:
                 adapters.add(lora.lora_int_id)
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
+
+    def _prefill_cap(self) -> int | None:
+        """Prompt tokens this step may carry under ``max_step_ms``: what the measured step
+        cost leaves after a token for every running request, and never under the floor; None
+        when there is no cap or nothing measured yet."""
+        if self.step_cost is None:
+            return None
+        fits = self.step_cost.max_tokens(self.config.max_step_ms / 1e3)
+        if fits is None:
+            return None
+        return max(fits - len(self.running), PREFILL_FLOOR_BLOCKS * self.config.block_size)
+
+    def _measure(self, tokens: int, worker_times: list[float]) -> None:
+        """Teach the step cost what a step of ``tokens`` took rank 0 (preparing, running and
+        sampling it), once past the process's first steps."""
+        if not worker_times or self.step_cost is None:
+            return
+        if self._unmeasured_steps > 0:
+            self._unmeasured_steps -= 1
+            return
+        self.step_cost.observe(tokens, sum(worker_times))
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapters of the running requests: the slots the workers hold now."""
@@ -625,6 +675,8 @@ class Scheduler:
         step_reqs = self._step_reqs.pop(scheduler_output.step, None)
         if model_runner_output is None:
             return outputs
+        if self.step_cost is not None and scheduler_output.total_num_scheduled_tokens:
+            self._measure(scheduler_output.total_num_scheduled_tokens, model_runner_output.worker_times)
         if scheduler_output.scheduled_spec_decode_tokens:
             self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens, model_runner_output)
         if model_runner_output.grammars_ready or model_runner_output.grammar_errors:

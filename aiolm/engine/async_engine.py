@@ -228,6 +228,7 @@ class AsyncEngine:
                 max_model_len=self.max_model_len,
                 block_size=a.block_size,
                 long_prefill_token_threshold=a.long_prefill_token_threshold,
+                max_step_ms=a.max_step_ms,
                 policy=cast(Literal["fcfs", "priority"], a.scheduling_policy),
                 enable_prefix_caching=prefix_caching,
                 speculative=None if pooling else a.spec_config(),

@@ -77,6 +77,8 @@ def _shutdown(runner: _LoopThread, engine: AsyncEngine) -> None:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        # Offline, nobody streams: no cap on a step's time unless asked (--max-step-ms).
+        engine_args.setdefault("max_step_ms", 0.0)
         args = EngineArgs(model=model, **engine_args)  # a bad argument fails before any thread starts
         self._runner = _LoopThread()
         self.engine = AsyncEngine(args)

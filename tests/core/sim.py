@@ -11,6 +11,7 @@ arrive before its grammar is compiled on this worker.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiolm.core.request import Request, RequestStatus
@@ -200,6 +201,8 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
                     or len(r.output_token_ids) + ph >= r.max_tokens
                     or r.num_tokens + ph >= cfg.max_model_len
                     or (ph and len(sched.running) == 1)
+                    # --max-step-ms: this step's prompt tokens reached their cap
+                    or (sched.step_cost is not None and r.num_tokens + ph - r.num_computed_tokens > 1)
                 ), (  # alone, out of blocks: awaits its token
                     f"{r.req_id} skipped although budget was left"
                 )
@@ -218,6 +221,8 @@ class Driver:
         self.outputs: dict[str, list] = {}
         self.finished: dict[str, object] = {}
         self.history: list[SchedulerOutput] = []
+        # The seconds a simulated worker takes for a step (its forward time), when set.
+        self.step_seconds: Callable[[SchedulerOutput], float] | None = None
 
     def step(self, token: int | None = None):
         so = self.sched.schedule()
@@ -231,6 +236,8 @@ class Driver:
             if rid in draft_tokens:
                 self.worker.reject(rid, len(draft_tokens[rid]) + 1 - len(toks))
         runner_output.grammars_ready, runner_output.grammar_errors = self.worker.finish_compiles(self.rng)
+        if self.step_seconds is not None:
+            runner_output.worker_times = [0.0, self.step_seconds(so), 0.0]
         outs = self.sched.update_from_output(so, runner_output)
         self.record(outs)
         check_scheduler(self.sched)

@@ -1,0 +1,117 @@
+"""What --max-step-ms does to serving: the same load against `aiolm serve` with each cap.
+
+    python benchmarks/bench_step_time.py [--caps 0,500] [--rounds 3] [--num-requests 64]
+        [--concurrency 64] [--json-out FILE]
+
+Each round starts one server per cap in turn (127.0.0.1, float32, the embedded model,
+--max-model-len 2048), sends one warm-up load (dropped) and one measured load with
+`aiolm bench serve` (random token-id prompts of 64-256 tokens, outputs of 32-128, streamed,
+ignore_eos; a fresh seed each round, the same seeds for every cap, so no run is served from
+a prefix cache an earlier one filled), and stops it: the caps alternate, so the machine's
+slow spells fall on all. Every figure is the median over the rounds: output tokens/s, TPOT
+p50, TTFT p99 and the inter-token latency p99 (the longest pauses a stream sees, which a
+step carrying a long prompt chunk causes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+AIOLM = str(Path(sys.executable).parent / "aiolm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server did not answer /health within {timeout:.0f} s")
+
+
+def _load(url: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
+    cmd = [AIOLM, "bench", "serve", "--base-url", url, "--num-requests", str(a.num_requests)]
+    cmd += ["--max-concurrency", str(a.concurrency), "--seed", str(seed), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    if result["failed"]:
+        raise SystemExit(f"failed requests: {result['errors']}")
+    return result
+
+
+def run_cap(cap: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [AIOLM, "serve", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
+    cmd += ["--max-step-ms", cap]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(url, proc, 600)
+        _load(url, a, 1000 + seed)  # warm-up, dropped
+        return _load(url, a, seed)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--caps", default="0,500", help="--max-step-ms values (0: no cap)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    caps = a.caps.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in caps}
+    for rnd in range(a.rounds):
+        for cap in caps:
+            r = run_cap(cap, a, rnd)
+            runs[cap].append(r)
+            print(
+                f"round {rnd + 1} cap {cap}: {r['output_tok_s']:.1f} tok/s, TPOT p50 "
+                f"{1e3 * r['tpot_s']['p50']:.0f} ms, TTFT p99 {r['ttft_s']['p99']:.2f} s, "
+                f"ITL p99 {1e3 * r['itl_s']['p99']:.0f} ms",
+                flush=True,
+            )
+    print("\n| --max-step-ms | output tok/s | TPOT p50 (ms) | TTFT p99 (s) | ITL p99 (ms) | ITL max (ms) |")
+    print("|---|---|---|---|---|---|")
+    for cap in caps:
+        rs = runs[cap]
+
+        def med(f: Any, rs: list[dict[str, Any]] = rs) -> float:
+            return statistics.median(f(r) for r in rs)
+
+        print(
+            f"| {cap} | {med(lambda r: r['output_tok_s']):.1f} | {med(lambda r: 1e3 * r['tpot_s']['p50']):.0f} "
+            f"| {med(lambda r: r['ttft_s']['p99']):.2f} | {med(lambda r: 1e3 * r['itl_s']['p99']):.0f} "
+            f"| {med(lambda r: 1e3 * r['itl_s']['max']):.0f} |"
+        )
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
