@@ -604,10 +604,7 @@ def main() -> None:
                 f"max {off.max():.3f}",
                 flush=True,
             )
-    head = (
-        f"Measured {started} on {cpu_model()} (load average {load:.1f} at the start), "
-        f"`python benchmarks/bench_embed.py --repeats {a.repeats} --engines {a.engines}`."
-    )
+    head = f"Measured {started} on {cpu_model()} (load average {load:.1f} at the start), `python {' '.join(sys.argv)}`."
     text = head + "\n\n" + table(rows, len(texts), tokens, a.repeats) + "\n"
     print("\n" + text, flush=True)
     bad = [r for r in rows if r["cosine"] is not None and r["cosine"] < MIN_COSINE]
