@@ -3,8 +3,8 @@
     python benchmarks/bench_step_time.py [--caps 0,500] [--rounds 3] [--num-requests 64]
         [--concurrency 64] [--json-out FILE]
 
-Each round starts one server per cap in turn (127.0.0.1, float32, the embedded model,
---max-model-len 2048), sends one warm-up load (dropped) and one measured load with
+Each round starts one server per cap in turn (127.0.0.1, the embedded model's Hugging Face
+folder in float32 unless --model, --max-model-len 2048), sends one warm-up load (dropped) and one measured load with
 `aiolm bench serve` (random token-id prompts of 64-256 tokens, outputs of 32-128, streamed,
 ignore_eos; a fresh seed each round, the same seeds for every cap, so no run is served from
 a prefix cache an earlier one filled), and stops it: the caps alternate, so the machine's
@@ -52,7 +52,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def _load(url: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
-    cmd = [AIOLM, "bench", "serve", "--base-url", url, "--num-requests", str(a.num_requests)]
+    cmd = [AIOLM, "bench", "serve", "--base-url", url, "--model", "bench", "--num-requests", str(a.num_requests)]
     cmd += ["--max-concurrency", str(a.concurrency), "--seed", str(seed), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
     result = json.loads(out.strip().splitlines()[-1])
@@ -65,7 +65,7 @@ def run_cap(cap: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [AIOLM, "serve", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
-    cmd += ["--max-step-ms", cap]
+    cmd += ["--model", a.model, "--dtype", "float32", "--served-model-name", "bench", "--max-step-ms", cap]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(url, proc, 600)
@@ -83,7 +83,13 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--json-out")
+    ap.add_argument("--model", help="default: the embedded model's Hugging Face folder (float32 weights)")
     a = ap.parse_args()
+    if a.model is None:
+        sys.path.insert(0, str(ROOT))
+        from aiolm.checkpoint.source import resolve_model
+
+        a.model = str(resolve_model(None).path)
     caps = a.caps.split(",")
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in caps}
     for rnd in range(a.rounds):

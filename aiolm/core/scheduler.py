@@ -522,14 +522,18 @@ class Scheduler:
 
     def _prefill_cap(self) -> int | None:
         """Prompt tokens this step may carry under ``max_step_ms``: what the measured step
-        cost leaves after a token for every running request, and never under the floor; None
-        when there is no cap or nothing measured yet."""
+        cost leaves after a token for every decoding request, and never under the floor;
+        None when there is no cap, nothing measured yet, or no stream to keep fluid (every
+        running request is still in its prompt: capping would only delay them all)."""
         if self.step_cost is None:
+            return None
+        decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        if not decoding:
             return None
         fits = self.step_cost.max_tokens(self.config.max_step_ms / 1e3)
         if fits is None:
             return None
-        return max(fits - len(self.running), PREFILL_FLOOR_BLOCKS * self.config.block_size)
+        return max(fits - decoding, PREFILL_FLOOR_BLOCKS * self.config.block_size)
 
     def _measure(self, tokens: int, worker_times: list[float]) -> None:
         """Teach the step cost what a step of ``tokens`` took rank 0 (preparing, running and
