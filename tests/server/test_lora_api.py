@@ -404,6 +404,14 @@ def test_startup_errors(lab: Lab):
         "missing folder": (("--enable-lora", "--lora-modules", "bad=/nonexistent/adapter"), ("/nonexistent/adapter",)),
         "no --enable-lora": (("--lora-modules", f"x={a1}"), ("--enable-lora",)),
         "rank": (("--enable-lora", "--lora-modules", f"r={lab.bad['rank32']}"), ("rank 32", "--max-lora-rank 16")),
+        "a layer the model lacks": (
+            ("--enable-lora", "--lora-modules", f"t={lab.bad['three_layers']}"),
+            ("model.layers.2.", "not a layer of this model"),
+        ),
+        "another base's shapes": (
+            ("--enable-lora", "--lora-modules", f"w={lab.bad['wide']}"),
+            ("96", "another base model"),
+        ),
         "same name twice": (("--enable-lora", "--lora-modules", f"a={a1}", f"a={a1}"), ("twice",)),
         "not name=path": (("--enable-lora", "--lora-modules", a1), ("name=path",)),
     }
