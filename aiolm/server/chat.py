@@ -150,7 +150,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         {
             **meta,
             "choices": choices,
-            "usage": usage(len(ids), completion_tokens),
+            "usage": usage(len(ids), completion_tokens, final.num_cached_tokens),
             "system_fingerprint": None,
             "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids, req.prompt_logprobs or 0),
             "prompt_token_ids": ids if req.return_token_ids else None,
@@ -175,12 +175,12 @@ async def _chat_events(
     delta then carries its new ``token_ids``. With tools, content is shown until calls may
     begin; the calls follow once the choice finishes (aiolm/server/tools.py)."""
     want_logprobs = gen.params.logprobs is not None
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
         if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
-            out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
+            out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens) if continuous else None
         return out
 
     tool_states = {i: StreamState(plan) for i in range(n)} if plan is not None and plan.active else None
@@ -193,6 +193,7 @@ async def _chat_events(
         yield first
     try:
         async for _, out in gen.stream():
+            cached_tokens = out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -239,4 +240,5 @@ async def _chat_events(
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        yield {**meta, "choices": [], "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}
+        final_usage = usage(prompt_tokens, completion_tokens, cached_tokens)
+        yield {**meta, "choices": [], "system_fingerprint": None, "usage": final_usage}

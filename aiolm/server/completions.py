@@ -143,8 +143,14 @@ async def create_completion(request: Request) -> Response | EventStream:
             )
     log_extra(request, completion_tokens=completion_tokens)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    cached_tokens = sum(f.num_cached_tokens for f in finals)
     return json_response(
-        {**meta, "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+        {
+            **meta,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+            "system_fingerprint": None,
+        }
     )
 
 
@@ -172,11 +178,12 @@ async def _events(
 
     completion_tokens = 0
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    cached_of: dict[int, int] = {}  # prompt index -> its cached tokens, once known
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
         if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
-            out["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
+            out["usage"] = usage(prompt_tokens, completion_tokens, sum(cached_of.values())) if continuous else None
         return out
 
     builders: dict[int, CompletionLogprobs] = {}
@@ -208,6 +215,7 @@ async def _events(
 
     try:
         async for pi, out in gen.stream():
+            cached_of[pi] = out.num_cached_tokens
             if pi in echo_pending:
                 for echoed in echo(pi, out.prompt_logprobs):
                     yield echoed
@@ -231,4 +239,5 @@ async def _events(
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        yield {**meta, "choices": [], "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}
+        final_usage = usage(prompt_tokens, completion_tokens, sum(cached_of.values()))
+        yield {**meta, "choices": [], "system_fingerprint": None, "usage": final_usage}

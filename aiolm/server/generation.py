@@ -39,12 +39,14 @@ class Prompt:
     token_ids: list[int]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The OpenAI ``usage`` object of a chat or text completion."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI ``usage`` object of a chat or text completion; ``cached_tokens``: prompt
+    tokens whose KV came from the prefix cache, as OpenAI reports them."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -30,10 +30,15 @@ class ErrorResponse(Out):
     error: ErrorDetail
 
 
+class PromptTokensDetails(Out):
+    cached_tokens: int
+
+
 class Usage(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Choice(Out):

@@ -881,3 +881,35 @@ def test_sigterm_lets_in_flight_requests_finish(server, model):
     assert codes == [0], server.log()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.base_url + "/health", timeout=5)
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client, model):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none on a new prompt; on the same
+    prompt again its whole blocks but the last token's (recomputed to sample from)."""
+    nonce = f"{time.time_ns()}"  # no earlier request shares this prompt's first block
+    text = f"Note {nonce}: " + " ".join(f"word{i}" for i in range(60))
+    first = client.completions.create(model=model, prompt=text, max_tokens=2, temperature=0)
+    again = client.completions.create(model=model, prompt=text, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    streamed = client.completions.create(
+        model=model, prompt=text, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [c.usage for c in streamed if c.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+
+    messages = [{"role": "user", "content": text + " Chat."}]
+    client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // 16 * 16
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    last = [c.usage for c in stream if c.usage is not None][-1]
+    assert last.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens_details.cached_tokens

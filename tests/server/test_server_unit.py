@@ -20,6 +20,13 @@ from starlette.testclient import TestClient
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, build_parser, from_environment, parse_serve_args
 
+USAGE_4_12 = {  # the fake engine reports no prefix-cache hits
+    "prompt_tokens": 4,
+    "completion_tokens": 12,
+    "total_tokens": 16,
+    "prompt_tokens_details": {"cached_tokens": 0},
+}
+
 
 def _client(engine: FakeEngine, **settings) -> TestClient:
     return TestClient(build_app(engine, ServerSettings(**settings)), raise_server_exceptions=False)
@@ -285,7 +292,12 @@ def test_chat_response_shape_and_usage(fake_engine):
         assert [e["token"] for e in lp] == list("abcd")
         assert len(lp[0]["top_logprobs"]) == 2 and lp[0]["bytes"] == [97]
         prompt_len = len("<user>hi<assistant>")
-        assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 8, "total_tokens": prompt_len + 8}
+        assert body["usage"] == {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": 8,
+            "total_tokens": prompt_len + 8,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
 
 
 def _events(r: httpx.Response) -> list:
@@ -330,7 +342,7 @@ def test_completions_many_prompts_echo_logprobs(fake_engine):
         assert lp["tokens"] == ["h", "i", "a", "b", "c"]
         assert lp["token_logprobs"][:2] == [None, None] and lp["token_logprobs"][2] == -0.5
         assert lp["text_offset"] == [0, 1, 2, 3, 4]
-        assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+        assert out["usage"] == USAGE_4_12
 
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -342,7 +354,7 @@ def test_completions_many_prompts_echo_logprobs(fake_engine):
             for ch in e["choices"]:
                 texts[ch["index"]] += ch["text"]
         assert texts == ["hiabc", "hibcd", "hoabc", "hobcd"]
-        assert events[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+        assert events[-1]["usage"] == USAGE_4_12
 
 
 def test_health_and_dead_engine(fake_engine):
