@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from aiolm.engine.client import EngineClient
-from aiolm.server import chat, completions, misc, pooling, responses
+from aiolm.server import chat, completions, invocations, misc, pooling, responses
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
 from aiolm.server.middleware import (
@@ -91,15 +91,19 @@ def _routes(settings: ServerSettings) -> list[BaseRoute]:
         "/v2/rerank": pooling.create_rerank,
         "/classify": pooling.create_classification,
     }
+    handlers = {
+        **{path: pooling.only_for("generate", f) for path, f in generate.items()},
+        **{path: pooling.only_for("pooling", f) for path, f in pool.items()},
+    }
     return [
-        *(Route(path, pooling.only_for("generate", f), methods=["POST"]) for path, f in generate.items()),
-        *(Route(path, pooling.only_for("pooling", f), methods=["POST"]) for path, f in pool.items()),
+        *(Route(path, f, methods=["POST"]) for path, f in handlers.items()),
+        Route("/invocations", invocations.endpoint(handlers), methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", misc.get_model, methods=["GET"]),
         Route("/v1/load_lora_adapter", misc.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", misc.unload_lora_adapter, methods=["POST"]),
         Route("/health", misc.health, methods=["GET"]),
-        Route("/ping", misc.health, methods=["GET"]),
+        Route("/ping", misc.health, methods=["GET", "POST"]),  # SageMaker's health check is a POST
         Route("/version", misc.version, methods=["GET"]),
         Route("/tokenize", misc.tokenize, methods=["POST"]),
         Route("/detokenize", misc.detokenize, methods=["POST"]),

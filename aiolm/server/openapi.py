@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 import aiolm
 from aiolm.server import output_models as out
+from aiolm.server.invocations import TASKS
 from aiolm.server.pooling_protocol import POOLING_POSTS, POOLING_REQUEST_MODELS
 from aiolm.server.protocol import REQUEST_MODELS, Limits, bounded
 
@@ -44,6 +45,7 @@ _LORA_POSTS = [
     ("/v1/load_lora_adapter", "Load LoRA adapter"),
     ("/v1/unload_lora_adapter", "Unload LoRA adapter"),
 ]
+_TASK_PATHS = frozenset(path for _, path in TASKS)
 _GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _GENERATION_ONLY = "Generation servers only; a pooling server (`--runner pooling`) answers 400."
 _POOLING_ONLY = "Pooling servers only (`--runner pooling`); a generation server answers 400."
@@ -80,6 +82,29 @@ def _post(
             "operationId": summary.lower().replace(" ", "_").replace("(", "").replace(")", ""),
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
             "responses": {**_ok(_ref(ok), stream), **_errors(400, 401, 404, 413, 415, 503)},
+        }
+    }
+
+
+def _invocations() -> dict[str, Any]:
+    """SageMaker's one route (server/invocations.py): the body of one of the routes below, the
+    first whose fields it has, answered as that route answers."""
+    bodies = [ALL_REQUEST_MODELS[path] for _, path in TASKS]
+    answers = [out.ChatCompletion, out.Completion, *(ok for path, _, _, ok in POOLING_POSTS if path in _TASK_PATHS)]
+    tasks = "; ".join(" + ".join(f"`{f}`" for f in fields) + f": {path}" for fields, path in TASKS)
+    return {
+        "post": {
+            "summary": "Invocations (SageMaker)",
+            "description": f"The task is the first whose fields the body has: {tasks}. Else 400.",
+            "operationId": "invocations",
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"anyOf": [_ref(m) for m in bodies]}}},
+            },
+            "responses": {
+                **_ok({"anyOf": [_ref(m) for m in dict.fromkeys(answers)]}, _CHUNKS),
+                **_errors(400, 401, 404, 413, 415, 503),
+            },
         }
     }
 
@@ -157,6 +182,7 @@ def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dic
         op["post"]["responses"]["200"] = {"description": "OK", "content": {"text/plain": {"schema": _STR}}}
         op["post"]["responses"].update(_errors(403))
         paths[path] = op
+    paths["/invocations"] = _invocations()
     paths.update(
         {
             "/tokenizer_info": _get("Tokenizer info", _ref(out.TokenizerInfo), errors=(401,)),
@@ -164,7 +190,10 @@ def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dic
             "/v1/models": _get("List models", _ref(out.ModelList), errors=(401,)),
             "/v1/models/{model}": _get("Retrieve model", _ref(out.ModelCard), errors=(401, 404), params=("model",)),
             "/health": _get("Health", _ref(out.Status), errors=(503,)),
-            "/ping": _get("Ping", _ref(out.Status), errors=(503,)),
+            "/ping": {
+                **_get("Ping", _ref(out.Status), errors=(503,)),
+                "post": _get("Ping (POST)", _ref(out.Status), errors=(503,))["get"],
+            },
             "/version": _get("Version", _ref(out.Version)),
             "/metrics": _get("Prometheus metrics", {"type": "string"}, media="text/plain"),
             "/openapi.json": _get("OpenAPI document", {"type": "object"}),

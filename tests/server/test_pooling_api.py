@@ -271,6 +271,23 @@ def test_bi_encoder_score_and_rerank_are_cosines(embedder, st_embedder):
     assert [x["index"] for x in r.json()["results"]] == best
 
 
+def test_invocations_routes_embedding_score_and_rerank_bodies(embedder):
+    """SageMaker's /invocations on a pooling server: each body gets its own route's answer."""
+    for body, path in (
+        ({"input": [SENTENCES[0], SENTENCES[1]]}, "/v1/embeddings"),
+        ({"text_1": QUERY, "text_2": DOCS}, "/score"),
+        ({"query": QUERY, "documents": DOCS, "top_n": 2}, "/rerank"),
+    ):
+        via, direct = _post(embedder, "/invocations", body), _post(embedder, path, body)
+        assert via.status_code == direct.status_code == 200, via.text
+        a, b = via.json(), direct.json()
+        for key in ("id", "created"):
+            a.pop(key, None), b.pop(key, None)
+        assert a == b, path
+    r = _post(embedder, "/invocations", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "generate" in r.json()["error"]["message"], r.text
+
+
 # -- the cross-encoder: /score, /rerank, /classify ---------------------------------------------
 
 

@@ -913,3 +913,41 @@ def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client, mod
     )
     last = [c.usage for c in stream if c.usage is not None][-1]
     assert last.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens_details.cached_tokens
+
+
+def test_invocations_serves_the_route_the_body_names(server, client, model):
+    """SageMaker's /invocations (vLLM's routing): the body's fields pick the route, whose
+    answer it gets unchanged; a body of no known task is a 400 listing them; POST /ping is
+    the health check."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.base_url + "/invocations"
+    chat_body = {"model": model, "messages": PARIS_Q, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(url, json=chat_body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    direct = client.chat.completions.create(**chat_body)
+    assert r.json()["object"] == "chat.completion"
+    assert r.json()["choices"][0]["message"]["content"] == direct.choices[0].message.content
+
+    text_body = {"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    r = httpx.post(url, json=text_body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    assert r.json()["choices"][0]["text"] == client.completions.create(**text_body).choices[0].text
+
+    with httpx.stream("POST", url, json={**chat_body, "stream": True}, headers=headers, timeout=TIMEOUT) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert streamed == direct.choices[0].message.content
+
+    for body, words in (
+        ({"model": model, "foo": 1}, ("'messages'", "'prompt'", "'input'")),
+        ([1, 2], ("'messages'",)),
+        ({"model": model, "input": "hi"}, ("--runner pooling",)),  # an embedding body, on a generation server
+        ({"model": model, "messages": "not a list"}, ("messages",)),  # chat's own validation
+    ):
+        r = httpx.post(url, json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 400, (body, r.text)
+        assert all(w in r.json()["error"]["message"] for w in words), (body, r.text)
+    r = httpx.post(server.base_url + "/ping", headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
