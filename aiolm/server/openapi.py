@@ -90,7 +90,8 @@ def _invocations() -> dict[str, Any]:
     """SageMaker's one route (server/invocations.py): the body of one of the routes below, the
     first whose fields it has, answered as that route answers."""
     bodies = [ALL_REQUEST_MODELS[path] for _, path in TASKS]
-    answers = [out.ChatCompletion, out.Completion, *(ok for path, _, _, ok in POOLING_POSTS if path in _TASK_PATHS)]
+    answers: list[type[BaseModel]] = [out.ChatCompletion, out.Completion]
+    answers += [ok for path, _, _, ok in POOLING_POSTS if path in _TASK_PATHS]
     tasks = "; ".join(" + ".join(f"`{f}`" for f in fields) + f": {path}" for fields, path in TASKS)
     return {
         "post": {
