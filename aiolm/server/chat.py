@@ -121,6 +121,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             ids if req.return_token_ids else None,
             opts.continuous_usage_stats,
             plan,
+            req.return_tokens_as_token_ids,
         )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     (final,) = await until_disconnect(request.receive, gen.collect())
@@ -139,7 +140,11 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             {
                 "index": c.index,
                 "message": message,
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_n, engine) if req.logprobs else None,
+                "logprobs": (
+                    chat_logprobs(c.token_ids, c.logprobs, top_n, engine, req.return_tokens_as_token_ids)
+                    if req.logprobs
+                    else None
+                ),
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
                 "token_ids": list(c.token_ids) if req.return_token_ids else None,
@@ -170,10 +175,12 @@ async def _chat_events(
     prompt_ids: list[int] | None = None,
     continuous: bool = False,
     plan: ToolPlan | None = None,
+    as_ids: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
-    delta then carries its new ``token_ids``. With tools, content is shown until calls may
-    begin; the calls follow once the choice finishes (aiolm/server/tools.py)."""
+    delta then carries its new ``token_ids``. ``as_ids``: logprob tokens spelt ``token_id:<id>``.
+    With tools, content is shown until calls may begin; the calls follow once the choice
+    finishes (aiolm/server/tools.py)."""
     want_logprobs = gen.params.logprobs is not None
     completion_tokens = cached_tokens = 0
 
@@ -197,7 +204,11 @@ async def _chat_events(
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                lp = chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer) if want_logprobs and c.token_ids else None
+                lp = (
+                    chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer, as_ids)
+                    if want_logprobs and c.token_ids
+                    else None
+                )
                 text, finish_reason = c.text, c.finish_reason
                 tool_deltas: list[dict[str, Any]] = []
                 if tool_states is not None:

@@ -121,7 +121,7 @@ async def create_completion(request: Request) -> Response | EventStream:
             echo = (prompt.text or "") if req.echo else ""
             lp = None
             if req.logprobs is not None:
-                b = CompletionLogprobs(req.logprobs, tok)
+                b = CompletionLogprobs(req.logprobs, tok, as_ids=req.return_tokens_as_token_ids)
                 echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req.echo else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
             ids = req.return_token_ids
@@ -188,7 +188,10 @@ async def _events(
 
     builders: dict[int, CompletionLogprobs] = {}
     if top_n is not None:
-        builders = {pi * n + i: CompletionLogprobs(top_n, tok) for pi in range(len(prompts)) for i in range(n)}
+        as_ids = req.return_tokens_as_token_ids
+        builders = {
+            pi * n + i: CompletionLogprobs(top_n, tok, as_ids=as_ids) for pi in range(len(prompts)) for i in range(n)
+        }
     echo_pending = set(range(len(prompts))) if req.echo else set()
 
     def echo(pi: int, plp: Any) -> list[dict[str, Any]]:

@@ -14,12 +14,23 @@ def clamp(v: float) -> float:
     return v if math.isfinite(v) and v > _FLOOR else _FLOOR
 
 
-def _token(tid: int, entry: dict[int, Logprob], tokenizer: Any) -> tuple[str, float]:
+def _token(tid: int, entry: dict[int, Logprob], tokenizer: Any, as_ids: bool = False) -> tuple[str, float]:
+    """A token's text (``as_ids``: ``token_id:<id>``, vLLM's spelling) and its logprob."""
     lp = entry.get(tid)
+    if as_ids:
+        return _as_id(tid), clamp(lp.logprob) if lp is not None else _FLOOR
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token, clamp(lp.logprob)
     text = tokenizer.decode([tid]) if tokenizer is not None else ""
     return text, clamp(lp.logprob) if lp is not None else _FLOOR
+
+
+def _as_id(tid: int) -> str:
+    return f"token_id:{tid}"
+
+
+def _text(tid: int, lp: Logprob, as_ids: bool) -> str:
+    return _as_id(tid) if as_ids else lp.decoded_token or ""
 
 
 def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
@@ -51,20 +62,21 @@ def prompt_logprobs_json(
 
 
 def chat_logprobs(
-    token_ids: list[int], lps: list[dict[int, Logprob]] | None, top_n: int, tokenizer: Any
+    token_ids: list[int], lps: list[dict[int, Logprob]] | None, top_n: int, tokenizer: Any, as_ids: bool = False
 ) -> dict[str, Any] | None:
+    """``as_ids``: tokens spelt ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)."""
     if lps is None:
         return None
     content = []
     for tid, entry in zip(token_ids, lps):
-        text, value = _token(tid, entry, tokenizer)
+        text, value = _token(tid, entry, tokenizer, as_ids)
         top = [
             {
-                "token": lp.decoded_token or "",
+                "token": _text(t, lp, as_ids),
                 "logprob": clamp(lp.logprob),
-                "bytes": list((lp.decoded_token or "").encode()),
+                "bytes": list(_text(t, lp, as_ids).encode()),
             }
-            for _, lp in _top(entry, top_n)
+            for t, lp in _top(entry, top_n)
         ]
         content.append({"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": top})
     return {"content": content, "refusal": None}
@@ -73,22 +85,26 @@ def chat_logprobs(
 class CompletionLogprobs:
     """Builds completions' column-shaped logprobs, keeping the text offset across chunks."""
 
-    def __init__(self, top_n: int, tokenizer: Any, offset: int = 0) -> None:
+    def __init__(self, top_n: int, tokenizer: Any, offset: int = 0, as_ids: bool = False) -> None:
+        """``as_ids``: tokens spelt ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``);
+        the text offsets still count the text."""
         self.top_n = top_n
         self.tokenizer = tokenizer
         self.offset = offset
+        self.as_ids = as_ids
 
     def prompt(self, token_ids: list[int], plp: list[dict[int, Logprob] | None] | None) -> dict[str, Any]:
         """Echoed prompt tokens with their prompt logprobs (the first token has none: null)."""
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for i, tid in enumerate(token_ids):
             entry = plp[i] if plp is not None and i < len(plp) else None
+            text = self.tokenizer.decode([tid])
             if entry is None:
-                text, value, top = self.tokenizer.decode([tid]), None, None
+                value, top = None, None
             else:
-                text, value = _token(tid, entry, self.tokenizer)
-                top = {lp.decoded_token or "": clamp(lp.logprob) for _, lp in _top(entry, self.top_n)}
-            out["tokens"].append(text)
+                value = _token(tid, entry, self.tokenizer)[1]
+                top = {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in _top(entry, self.top_n)}
+            out["tokens"].append(_as_id(tid) if self.as_ids else text)
             out["token_logprobs"].append(value)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
@@ -99,9 +115,11 @@ class CompletionLogprobs:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry in zip(token_ids, lps):
             text, value = _token(tid, entry, self.tokenizer)
-            out["tokens"].append(text)
+            out["tokens"].append(_as_id(tid) if self.as_ids else text)
             out["token_logprobs"].append(value)
-            out["top_logprobs"].append({lp.decoded_token or "": clamp(lp.logprob) for _, lp in _top(entry, self.top_n)})
+            out["top_logprobs"].append(
+                {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in _top(entry, self.top_n)}
+            )
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

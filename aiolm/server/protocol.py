@@ -281,6 +281,11 @@ class SamplingRequest(NoopFields):
         description="vLLM's: the prompt's token ids ('prompt_token_ids') "
         "and each choice's ('token_ids') next to the text",
     )
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description="vLLM's: each token in logprobs spelt 'token_id:<id>' instead of its text "
+        "(a token that is not whole UTF-8 on its own stays identifiable)",
+    )
     response_format: ResponseFormat | None = Field(
         None, description="OpenAI's: json_object (any JSON object) or json_schema"
     )

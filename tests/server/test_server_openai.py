@@ -951,3 +951,45 @@ def test_invocations_serves_the_route_the_body_names(server, client, model):
         assert all(w in r.json()["error"]["message"] for w in words), (body, r.text)
     r = httpx.post(server.base_url + "/ping", headers=headers, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(client, model):
+    """vLLM's return_tokens_as_token_ids: every logprob token reads 'token_id:<id>', the ids
+    being the ones generated, with the same logprobs as the tokens' text would carry."""
+    kw = dict(model=model, messages=PARIS_Q, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**kw)
+    by_id = client.chat.completions.create(
+        **kw, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}
+    )
+    ids = by_id.choices[0].token_ids
+    content = by_id.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{i}" for i in ids]
+    # the same values (to a prefix-cache hit's rounding: the second run reuses the first's KV)
+    assert [c.logprob for c in content] == pytest.approx(
+        [c.logprob for c in plain.choices[0].logprobs.content], abs=1e-3
+    )
+    for c, p in zip(content, plain.choices[0].logprobs.content):
+        assert bytes(c.bytes).decode() == c.token
+        assert all(re.fullmatch(r"token_id:\d+", t.token) for t in c.top_logprobs)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([t.logprob for t in p.top_logprobs], abs=1e-3)
+    stream = client.chat.completions.create(**kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
+    streamed = [
+        c.token
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
+    assert streamed == [c.token for c in content]
+
+    text = client.completions.create(
+        model=model,
+        prompt="The capital of France is",
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
+    lp = text.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{i}" for i in text.choices[0].token_ids]
+    assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] < len(text.choices[0].text)  # offsets count the text
