@@ -993,3 +993,15 @@ def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(client, model):
     assert lp.tokens == [f"token_id:{i}" for i in text.choices[0].token_ids]
     assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset[-1] < len(text.choices[0].text)  # offsets count the text
+    echoed = client.completions.create(
+        model=model,
+        prompt="The capital of France is",
+        max_tokens=2,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
+    choice = echoed.choices[0]
+    spelt = [f"token_id:{i}" for i in [*choice.prompt_token_ids, *choice.token_ids]]
+    assert choice.logprobs.tokens == spelt and choice.text.startswith("The capital of France is")
