@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -20,7 +22,7 @@ from aiolm.server.protocol import (
     param_error,
     parse,
 )
-from aiolm.server.tools import template_messages
+from aiolm.server.tools import checked_tools, template_messages
 
 
 def _model_card(request: Request, lora: LoRARequest | None = None) -> dict:
@@ -142,12 +144,26 @@ async def tokenize(request: Request) -> Response:
         if req.prompt is not None:
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         msgs = template_messages(req.messages)
+        cont = req.continue_final_message
+        if cont and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise bad_request(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                param="continue_final_message",
+            )
+        kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
+        if req.tools:
+            kwargs["tools"] = checked_tools(req.tools)[1]
         try:
-            text = await engine.render_chat_async(msgs, add_generation_prompt=req.add_generation_prompt)
+            text = await engine.render_chat_async(
+                msgs, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
+            )
         except ParamError as e:
             raise param_error(e) from None
         ids = await encode(engine, text, False)
     elif req.prompt is not None:
+        for name in ("tools", "continue_final_message"):
+            if getattr(req, name):
+                raise bad_request(f"'{name}' applies to 'messages', not to 'prompt'", param=name)
         ids = await encode(engine, req.prompt, req.add_special_tokens)
     else:
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")

@@ -403,6 +403,10 @@ class TokenizeRequest(Strict):
     messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="with messages: rendered by the chat template as a chat request's tools are"
+    )
     return_token_strs: bool = False
 
 

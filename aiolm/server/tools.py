@@ -48,22 +48,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         if choice not in (None, "none", "auto"):
             raise bad_request(f"'tool_choice' {_choice_text(choice)} needs 'tools'", param="tool_choice")
         return ToolPlan()
-    names: dict[str, dict[str, Any]] = {}
-    for i, t in enumerate(tools):
-        fn = t.function
-        if not _NAME.match(fn.name):
-            raise bad_request(
-                f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', got {fn.name!r}",
-                param=f"tools[{i}].function.name",
-            )
-        if fn.name in names:
-            raise bad_request(
-                f"'tools[{i}].function.name' {fn.name!r} is given twice", param=f"tools[{i}].function.name"
-            )
-        params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
-        _check_schema(params, f"tools[{i}].function.parameters", top=True)
-        names[fn.name] = params
-    template_tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+    names, template_tools = checked_tools(tools)
     parallel = req.parallel_tool_calls is not False
     choice = "auto" if choice is None else choice
     if choice == "none":
@@ -89,6 +74,27 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
     one = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
     return ToolPlan(template_tools, StructuredOutputs("json", json.dumps(schema)), parallel=parallel)
+
+
+def checked_tools(tools: list[Any]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``tools`` checked beyond their shapes (400s name the field): each function's parameter
+    schema by name, and the tools as the chat template takes them."""
+    names: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        fn = t.function
+        if not _NAME.match(fn.name):
+            raise bad_request(
+                f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', got {fn.name!r}",
+                param=f"tools[{i}].function.name",
+            )
+        if fn.name in names:
+            raise bad_request(
+                f"'tools[{i}].function.name' {fn.name!r} is given twice", param=f"tools[{i}].function.name"
+            )
+        params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+        _check_schema(params, f"tools[{i}].function.parameters", top=True)
+        names[fn.name] = params
+    return names, [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
 
 
 def _choice_text(choice: Any) -> str:

@@ -1,0 +1,105 @@
+"""/tokenize with messages renders them exactly as a chat request does: with its tools, and
+continuing the final assistant message. A real server on the embedded model's weights,
+behind a chat template that writes the tools into the prompt (the model's own ignores them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerProcess, free_port, serve_cmd
+
+TIMEOUT = 120.0
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    " ({{ t.function.description }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARTIAL = [*QUESTION, {"role": "assistant", "content": "Let me look that up"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    from aiolm.checkpoint.source import resolve_model
+
+    src = Path(resolve_model(None).path)
+    folder = tmp_path_factory.mktemp("tool-template")
+    for f in src.iterdir():
+        if f.name != "chat_template.jinja":
+            os.symlink(f, folder / f.name)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    port = free_port()
+    proc = ServerProcess(serve_cmd(port, "--model", str(folder)), port, folder.parent / "server.log")
+    with proc.serving("tool-template server"):
+        yield proc
+
+
+def _tokenize(server: ServerProcess, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + "/tokenize", json=body, timeout=TIMEOUT)
+
+
+def _chat_prompt_ids(server: ServerProcess, extra: dict | None = None, **kw) -> list[int]:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    model = client.models.list().data[0].id
+    body = {"return_token_ids": True, **(extra or {})}
+    return client.chat.completions.create(model=model, max_tokens=1, extra_body=body, **kw).prompt_token_ids
+
+
+def test_tools_are_rendered_as_a_chat_request_renders_them(server):
+    plain = _tokenize(server, {"messages": QUESTION}).json()["tokens"]
+    r = _tokenize(server, {"messages": QUESTION, "tools": TOOLS, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    with_tools = r.json()["tokens"]
+    assert len(with_tools) > len(plain)
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": with_tools}, timeout=TIMEOUT).json()["prompt"]
+    assert "Tools: get_weather (The weather in a city)" in text
+    assert with_tools == _chat_prompt_ids(server, messages=QUESTION, tools=TOOLS, tool_choice="none")
+
+
+def test_the_final_assistant_message_is_continued_as_chat_continues_it(server):
+    body = {"messages": PARTIAL, "continue_final_message": True, "add_generation_prompt": False}
+    r = _tokenize(server, body)
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids == _chat_prompt_ids(
+        server, {"continue_final_message": True, "add_generation_prompt": False}, messages=PARTIAL
+    )
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()["prompt"]
+    assert text.endswith("Let me look that up")  # no end of turn, no new assistant turn
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "tools": TOOLS}, "tools"),
+        ({"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
+        (
+            {"messages": PARTIAL, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),
+        (
+            {"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools[0].function.name",
+        ),
+        ({"messages": QUESTION, "tools": "get_weather"}, "tools"),
+    ],
+)
+def test_bad_tokenize_bodies_are_400s_naming_the_field(server, body, param):
+    r = _tokenize(server, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
