@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
-from aiolm.params import OutputKind, ParamError
+from aiolm.params import OutputKind
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
     Generation,
@@ -26,7 +26,6 @@ from aiolm.server.protocol import (
     ChatCompletionRequest,
     StreamOptions,
     check_unsupported_chat,
-    param_error,
     parse,
     sampling_params,
     structured_spec,
@@ -36,9 +35,10 @@ from aiolm.server.tools import (
     StreamState,
     ToolPlan,
     call_deltas,
+    check_continuation,
     plan_tools,
     read_output,
-    template_messages,
+    render_chat_prompt,
     tool_calls_json,
 )
 
@@ -57,11 +57,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
                 f"'{structured_param}' and 'tool_choice' both constrain the output; give one", param=structured_param
             )
         structured, structured_param = plan.enforced, "tools"
-    cont = req.continue_final_message
-    if cont and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-        raise bad_request(
-            "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message"
-        )
+    check_continuation(req)
     engine = ctx.engine
     max_tokens: int | None
     if req.max_completion_tokens is not None:
@@ -80,16 +76,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         engine,
         rename={"max_tokens": mt_param},
     )
-    messages = template_messages(req.messages)
-    try:
-        kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
-        if plan.tools:
-            kwargs["tools"] = plan.tools
-        text = await engine.render_chat_async(
-            messages, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
-        )
-    except ParamError as e:
-        raise param_error(e) from None
+    text = await render_chat_prompt(engine, req, plan.tools)
     ids = await tokenize(engine, text, add_special_tokens=False, param="messages")
     check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req.min_tokens)
     rid = ctx.new_id("chatcmpl")

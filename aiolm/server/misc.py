@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -22,7 +20,7 @@ from aiolm.server.protocol import (
     param_error,
     parse,
 )
-from aiolm.server.tools import checked_tools, template_messages
+from aiolm.server.tools import check_continuation, checked_tools, render_chat_prompt
 
 
 def _model_card(request: Request, lora: LoRARequest | None = None) -> dict:
@@ -143,22 +141,8 @@ async def tokenize(request: Request) -> Response:
     if req.messages is not None:
         if req.prompt is not None:
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
-        msgs = template_messages(req.messages)
-        cont = req.continue_final_message
-        if cont and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-            raise bad_request(
-                "'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                param="continue_final_message",
-            )
-        kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
-        if req.tools:
-            kwargs["tools"] = checked_tools(req.tools)[1]
-        try:
-            text = await engine.render_chat_async(
-                msgs, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
-            )
-        except ParamError as e:
-            raise param_error(e) from None
+        check_continuation(req)
+        text = await render_chat_prompt(engine, req, checked_tools(req.tools)[1] if req.tools else None)
         ids = await encode(engine, text, False)
     elif req.prompt is not None:
         for name in ("tools", "continue_final_message"):

@@ -15,9 +15,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiolm.engine.client import EngineClient
+from aiolm.params import ParamError
 from aiolm.server import client_json
 from aiolm.server.errors import bad_request
-from aiolm.server.protocol import ChatCompletionRequest, ChatMessage
+from aiolm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, param_error
 from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
 from aiolm.structured.spec import StructuredOutputs
 
@@ -146,6 +148,33 @@ def _check_schema(s: Any, path: str, top: bool = False) -> None:
                 raise bad_request(f"'{path}.{key}' must be a non-empty list of schemas", param=f"{path}.{key}")
             for j, sub in enumerate(s[key]):
                 _check_schema(sub, f"{path}.{key}[{j}]")
+
+
+def check_continuation(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """Continuing the final assistant message and opening a new turn exclude each other."""
+    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message"
+        )
+
+
+async def render_chat_prompt(
+    engine: EngineClient, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None
+) -> str:
+    """``req.messages`` through the model's chat template, as chat and /tokenize both render
+    them: with the template's ``tools``, continuing the final message when asked."""
+    assert req.messages is not None
+    cont = req.continue_final_message
+    kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
+    if tools:
+        kwargs["tools"] = tools
+    messages = template_messages(req.messages)
+    try:
+        return await engine.render_chat_async(
+            messages, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
+        )
+    except ParamError as e:
+        raise param_error(e) from None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
