@@ -17,38 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from compare import _free_port as free_port  # noqa: E402  (the same server start-up as compare.py's)
+from compare import _wait_ready as wait_ready  # noqa: E402
+
 AIOLM = str(Path(sys.executable).parent / "aiolm")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not answer /health within {timeout:.0f} s")
 
 
 def _load(url: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -62,13 +42,14 @@ def _load(url: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 
 def run_cap(cap: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [AIOLM, "serve", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
     cmd += ["--model", a.model, "--dtype", "float32", "--served-model-name", "bench", "--max-step-ms", cap]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(url, proc, 600)
+        if wait_ready(url, proc, 600) is None:
+            raise SystemExit(f"the server with --max-step-ms {cap} did not start")
         _load(url, a, 1000 + seed)  # warm-up, dropped
         return _load(url, a, seed)
     finally:
