@@ -27,7 +27,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from aiolm.engine.client import EngineClient
-from aiolm.server import chat, completions, invocations, misc, pooling, responses
+from aiolm.server import anthropic_messages, chat, completions, invocations, misc, pooling, responses
+from aiolm.server.anthropic_errors import error_response
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, json_response
 from aiolm.server.middleware import (
@@ -46,7 +47,7 @@ log = logging.getLogger("aiolm.server")
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return error_response(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -57,7 +58,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     }
     msg = messages.get(exc.status_code, str(exc.detail))
     codes = {404: "not_found", 405: "method_not_allowed"}
-    return APIError(exc.status_code, msg, code=codes.get(exc.status_code), headers=dict(exc.headers or {})).response()
+    err = APIError(exc.status_code, msg, code=codes.get(exc.status_code), headers=dict(exc.headers or {}))
+    return error_response(request.url.path, err)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -67,7 +69,8 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
+    err = APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+    return error_response(request.url.path, err)
 
 
 def _routes(settings: ServerSettings) -> list[BaseRoute]:
@@ -80,6 +83,8 @@ def _routes(settings: ServerSettings) -> list[BaseRoute]:
         "/v1/chat/completions": chat.create_chat_completion,
         "/v1/completions": completions.create_completion,
         "/v1/responses": responses.create_response,
+        "/v1/messages": anthropic_messages.create_message,  # Anthropic's Messages API
+        "/v1/messages/count_tokens": anthropic_messages.count_tokens,
     }
     pool = {
         "/v1/embeddings": pooling.create_embeddings,

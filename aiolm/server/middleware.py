@@ -1,6 +1,8 @@
 """Pure-ASGI middleware: request ids and access logs, body-size limit, body-read
 timeout, API-key auth.
 
+The errors they answer have the shape of the route asked (anthropic_errors.py).
+
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through
 untouched and the disconnect watcher sees the real ``receive`` channel.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aiolm.server.anthropic_errors import error_response
 from aiolm.server.errors import APIError
 
 access_log = logging.getLogger("aiolm.access")
@@ -101,7 +104,8 @@ class BodyLimitMiddleware:
                 try:
                     n = int(length)
                 except ValueError:
-                    await APIError(400, "invalid Content-Length header").response()(scope, receive, send)
+                    err = APIError(400, "invalid Content-Length header")
+                    await error_response(scope.get("path", ""), err)(scope, receive, send)
                     return
                 if n > self.max_bytes:
                     err = APIError(
@@ -110,7 +114,7 @@ class BodyLimitMiddleware:
                         code="request_too_large",
                         headers={"connection": "close"},
                     )
-                    await err.response()(scope, receive, send)
+                    await error_response(scope.get("path", ""), err)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
@@ -168,7 +172,8 @@ def _is_open(path: str) -> bool:
 
 
 class AuthMiddleware:
-    """``Authorization: Bearer <key>`` on everything but the probes, the schema and the chat page."""
+    """``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's)
+    on everything but the probes, the schema and the chat page."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -176,16 +181,22 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" and not _is_open(scope.get("path", "")):
-            # RFC 7235: the scheme is case-insensitive and one or more spaces end it.
-            scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
-            ok = hmac.compare_digest(token.strip(" ").encode("latin-1"), self.expected)
-            if scheme.lower() != "bearer" or not ok:
+            if not (self._bearer_ok(scope) or self._x_api_key_ok(scope)):
                 err = APIError(
                     401,
-                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                     code="invalid_api_key",
                     headers={"www-authenticate": "Bearer"},
                 )
-                await err.response()(scope, receive, send)
+                await error_response(scope.get("path", ""), err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _bearer_ok(self, scope: Scope) -> bool:
+        # RFC 7235: the scheme is case-insensitive and one or more spaces end it.
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(" ").encode("latin-1"), self.expected)
+
+    def _x_api_key_ok(self, scope: Scope) -> bool:
+        key = _header(scope, b"x-api-key")
+        return key is not None and hmac.compare_digest(key.strip(" ").encode("latin-1"), self.expected)
