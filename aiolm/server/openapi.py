@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 import aiolm
 from aiolm.server import output_models as out
+from aiolm.server.anthropic_protocol import ANTHROPIC_POSTS, ANTHROPIC_REQUEST_MODELS, AnthropicErrorResponse
 from aiolm.server.invocations import TASKS
 from aiolm.server.pooling_protocol import POOLING_POSTS, POOLING_REQUEST_MODELS
 from aiolm.server.protocol import REQUEST_MODELS, Limits, bounded
@@ -47,21 +48,22 @@ _LORA_POSTS = [
 ]
 _TASK_PATHS = frozenset(path for _, path in TASKS)
 _GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_ANTHROPIC_NOTE = (
+    " Anthropic's Messages API: the `anthropic` client works unchanged (`x-api-key` or a bearer token), "
+    "and errors have Anthropic's shape."
+)
 _GENERATION_ONLY = "Generation servers only; a pooling server (`--runner pooling`) answers 400."
 _POOLING_ONLY = "Pooling servers only (`--runner pooling`); a generation server answers 400."
 # The body model of every POST route, generation's and pooling's.
-ALL_REQUEST_MODELS = {**REQUEST_MODELS, **POOLING_REQUEST_MODELS}
+ALL_REQUEST_MODELS = {**REQUEST_MODELS, **POOLING_REQUEST_MODELS, **ANTHROPIC_REQUEST_MODELS}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {
-        str(c): {"description": "error", "content": {"application/json": {"schema": _ref(out.ErrorResponse)}}}
-        for c in codes
-    }
+def _errors(*codes: int, shape: type[BaseModel] = out.ErrorResponse) -> dict[str, Any]:
+    return {str(c): {"description": "error", "content": {"application/json": {"schema": _ref(shape)}}} for c in codes}
 
 
 def _ok(schema: dict[str, Any], stream: str | None = None, media: str = "application/json") -> dict[str, Any]:
@@ -155,7 +157,9 @@ def component_schemas(limits: Limits) -> dict[str, Any]:
     requests = [bounded(m, limits) for m in dict.fromkeys(ALL_REQUEST_MODELS.values())]
     answers: list[type[BaseModel]] = [
         out.ErrorResponse,
+        AnthropicErrorResponse,
         *(ok for _, _, ok, _ in _POSTS),
+        *(ok for _, _, _, ok, _ in ANTHROPIC_POSTS),
         *dict.fromkeys(ok for _, _, _, ok in POOLING_POSTS),
         out.TokenizerInfo,
         out.ModelList,
@@ -182,6 +186,10 @@ def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dic
         op = _post(summary, REQUEST_MODELS[path], out.Status, None, _LORA_NOTE)
         op["post"]["responses"]["200"] = {"description": "OK", "content": {"text/plain": {"schema": _STR}}}
         op["post"]["responses"].update(_errors(403))
+        paths[path] = op
+    for path, summary, body, ok, stream in ANTHROPIC_POSTS:
+        op = _post(summary, body, ok, stream, _GENERATION_ONLY + _ANTHROPIC_NOTE)
+        op["post"]["responses"].update(_errors(400, 401, 404, 413, 415, 503, shape=AnthropicErrorResponse))
         paths[path] = op
     paths["/invocations"] = _invocations()
     paths.update(
@@ -211,7 +219,10 @@ def openapi_schema(limits: Limits, model_name: str, web_ui: bool = False) -> dic
         "paths": paths,
         "components": {
             "schemas": component_schemas(limits),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
-        "security": [{"bearer": []}],
+        "security": [{"bearer": []}, {"x-api-key": []}],
     }
