@@ -372,3 +372,35 @@ def test_a_dead_engine_is_overloaded_and_a_missing_route_not_found(fake_engine):
         }
         r = c.get("/v1/messages")
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_bodies_from_the_schema_never_get_a_5xx(fake_engine):
+    """Bodies drawn from /openapi.json's schemas of both routes, some with a field of any value
+    added: an answer or a 4xx in Anthropic's shape, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from server_helpers import from_schema, json_values
+
+    with TestClient(build_app(fake_engine, ServerSettings()), raise_server_exceptions=False) as c:
+        schemas = c.get("/openapi.json").json()["components"]["schemas"]
+        routes = {"/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest"}
+        cases = st.one_of(
+            st.tuples(st.just(path), from_schema(schemas[name], defs=schemas), st.text(max_size=8), json_values())
+            for path, name in routes.items()
+        )
+
+        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(cases, st.booleans())
+        def check(case, extra):
+            path, body, key, value = case
+            body = {**body, key: value} if extra else body
+            if isinstance(body.get("max_tokens"), int):
+                body["max_tokens"] = min(body["max_tokens"], 4)
+            body.pop("model", None)
+            r = c.post(path, json=body)
+            assert r.status_code < 500, (body, r.text)
+            if r.status_code >= 400:
+                assert r.json()["type"] == "error" and r.json()["error"]["message"], r.text
+
+        check()
+    assert not fake_engine.live
