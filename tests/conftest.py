@@ -73,3 +73,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     last = [item for item in items if item.get_closest_marker("stops_shared_server")]
     if last:
         items[:] = [item for item in items if item not in last] + last
+
+
+@pytest.fixture(scope="session")
+def reasoning_servers(tmp_path_factory: pytest.TempPathFactory):
+    """A real server on the scripted thinking model (tests/scripted_model.py) with Qwen3's
+    reasoning parser and the hermes tool parser: the reasoning tests' and the chat page's."""
+    from scripted_model import scripted_model
+
+    folder = scripted_model(tmp_path_factory.mktemp("scripted-model"))
+    shared = SharedServer(
+        "reasoning-server", tmp_path_factory, str(folder), "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"
+    )
+    yield shared
+    shared.close()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -30,7 +32,9 @@ from aiolm.server.protocol import (
     sampling_params,
     structured_spec,
 )
+from aiolm.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from aiolm.server.sse import EventStream, until_disconnect
+from aiolm.server.tool_parsers import ParsedCall
 from aiolm.server.tools import (
     StreamState,
     ToolPlan,
@@ -78,6 +82,11 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     )
     text = await render_chat_prompt(engine, req, plan.tools)
     ids = await tokenize(engine, text, add_special_tokens=False, param="messages")
+    thinking = reasoning_format(ctx.settings.reasoning_parser)
+    if thinking is not None and structured is not None and ReasoningSplitter(thinking, text).thinking:
+        # the grammar waits for the end of the thinking (aiolm/structured/spec.py)
+        end = tuple(engine.tokenize(thinking.ends[0], False))
+        params = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
     check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req.min_tokens)
     rid = ctx.new_id("chatcmpl")
     gen = Generation(
@@ -107,22 +116,20 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             request,
             ids if req.return_token_ids else None,
             opts.continuous_usage_stats,
-            plan,
             req.return_tokens_as_token_ids,
+            _Reading(plan, thinking, text, req.include_reasoning),
         )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0
+    reading = _Reading(plan, thinking, text, req.include_reasoning)
     for c in final.outputs:
         completion_tokens += len(c.token_ids)
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
-        if plan.active:
-            content, calls = read_output(plan, c.text)
-            message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
-            if calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+        message, calls = reading.message(c.text)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
         choices.append(
             {
                 "index": c.index,
@@ -161,13 +168,14 @@ async def _chat_events(
     request: Request,
     prompt_ids: list[int] | None = None,
     continuous: bool = False,
-    plan: ToolPlan | None = None,
     as_ids: bool = False,
+    reading: _Reading | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
     delta then carries its new ``token_ids``. ``as_ids``: logprob tokens spelt ``token_id:<id>``.
-    With tools, content is shown until calls may begin; the calls follow once the choice
-    finishes (aiolm/server/tools.py)."""
+    ``reading``: thinking and tool calls (``_Reading``); with tools, content is shown until
+    calls may begin, and the calls follow once the choice finishes (aiolm/server/tools.py)."""
+    reading = reading or _Reading(ToolPlan(), None, "", True)
     want_logprobs = gen.params.logprobs is not None
     completion_tokens = cached_tokens = 0
 
@@ -177,7 +185,7 @@ async def _chat_events(
             out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens) if continuous else None
         return out
 
-    tool_states = {i: StreamState(plan) for i in range(n)} if plan is not None and plan.active else None
+    streams = {i: reading.stream() for i in range(n)}
     for i in range(n):
         first = chunk(
             [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
@@ -196,31 +204,19 @@ async def _chat_events(
                     if want_logprobs and c.token_ids
                     else None
                 )
-                text, finish_reason = c.text, c.finish_reason
-                tool_deltas: list[dict[str, Any]] = []
-                if tool_states is not None:
-                    state = tool_states[c.index]
-                    text = state.feed(c.text)
-                    if c.finished:
-                        rest, calls = state.finish()
-                        text += rest
-                        tool_deltas = call_deltas(calls)
-                        if calls and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                if tool_deltas:
-                    if text:
-                        yield chunk(
-                            [{"index": c.index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
-                        )
-                        text = ""
-                    for d in tool_deltas[:-1]:
-                        yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
-                if not text and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
+                finish_reason = c.finish_reason
+                reasoning, text, calls = streams[c.index].feed(c.text, c.finished)
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+                head = {**(_reasoning_fields(reasoning) if reasoning else {}), **({"content": text} if text else {})}
+                deltas = ([head] if head else []) + call_deltas(calls)
+                for d in deltas[:-1]:
+                    yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                if not deltas and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
                     continue
-                delta = tool_deltas[-1] if tool_deltas else ({"content": text} if text else {})
                 choice: dict[str, Any] = {
                     "index": c.index,
-                    "delta": delta,
+                    "delta": deltas[-1] if deltas else {},
                     "logprobs": lp,
                     "finish_reason": finish_reason,
                 }
@@ -240,3 +236,61 @@ async def _chat_events(
     if include_usage:
         final_usage = usage(prompt_tokens, completion_tokens, cached_tokens)
         yield {**meta, "choices": [], "system_fingerprint": None, "usage": final_usage}
+
+
+def _reasoning_fields(text: str | None) -> dict[str, Any]:
+    """vLLM's two spellings of the thinking, on messages and deltas alike."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
+@dataclass
+class _Reading:
+    """How a choice's text becomes the assistant's message: the thinking split off first
+    (aiolm/server/reasoning.py), then tool calls read from the rest (aiolm/server/tools.py)."""
+
+    plan: ToolPlan
+    thinking: ReasoningFormat | None
+    prompt: str
+    include_reasoning: bool
+
+    def message(self, text: str) -> tuple[dict[str, Any], list[ParsedCall]]:
+        reasoning: str | None = None
+        content: str | None = text
+        if self.thinking is not None:
+            reasoning, content = split_reasoning(self.thinking, self.prompt, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        calls: list[ParsedCall] = []
+        if self.plan.active:
+            message["content"], calls = read_output(self.plan, content or "")
+            message["tool_calls"] = tool_calls_json(calls)
+        if self.thinking is not None:
+            message.update(_reasoning_fields(reasoning if self.include_reasoning else None))
+        return message, calls
+
+    def stream(self) -> _ChoiceStream:
+        return _ChoiceStream(self)
+
+
+class _ChoiceStream:
+    """One streamed choice through ``_Reading``'s steps, delta by delta."""
+
+    def __init__(self, reading: _Reading) -> None:
+        self.show_reasoning = reading.include_reasoning
+        self.split = ReasoningSplitter(reading.thinking, reading.prompt) if reading.thinking else None
+        self.tools = StreamState(reading.plan) if reading.plan.active else None
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, str, list[ParsedCall]]:
+        """(reasoning, content, tool calls) to send now; calls only once the choice finished."""
+        reasoning, content = "", delta
+        if self.split is not None:
+            reasoning, content = self.split.feed(delta)
+            if finished:
+                more, rest = self.split.finish()
+                reasoning, content = reasoning + more, content + rest
+        calls: list[ParsedCall] = []
+        if self.tools is not None:
+            content = self.tools.feed(content)
+            if finished:
+                rest, calls = self.tools.finish()
+                content += rest
+        return (reasoning if self.show_reasoning else ""), content, calls

@@ -116,6 +116,8 @@ def _one_of(what: str, **alternatives: Any) -> Any:
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 JsonSchema = dict[str, Any]
+# chat_template_kwargs: variables the template reads; the ones the server sets itself are not the client's
+TemplateKwargs = Annotated[dict[str, Any], Field(max_length=64)]
 SchemaValue = _one_of("a JSON schema (an object or its JSON text)", object=JsonSchema, text=NonEmptyStr)
 Stop = _one_of("a non-empty string or a list of non-empty strings", text=NonEmptyStr, list=list[NonEmptyStr])
 Choices = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_CHOICES)]
@@ -315,6 +317,12 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = Field(None, description="only ['text']")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    include_reasoning: bool = Field(
+        True, description="vLLM's: with --reasoning-parser, false leaves the thinking out of the answer"
+    )
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking)"
+    )
 
 
 def _prompt_type(max_prompts: int) -> Any:
@@ -406,6 +414,9 @@ class TokenizeRequest(Strict):
     continue_final_message: bool = False
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="with messages: rendered by the chat template as a chat request's tools are"
+    )
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        None, description="with messages: extra variables for the chat template, as on chat"
     )
     return_token_strs: bool = False
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiolm.config import SERVE_MAX_WAITING, CliParser, EngineArgs, int_in
 from aiolm.server.protocol import Limits
+from aiolm.server.reasoning import FORMATS as REASONING_FORMATS
 from aiolm.server.tool_parsers import PARSERS
 
 
@@ -45,6 +46,7 @@ class ServerSettings:
     exit_on_engine_death: bool = False  # `aiolm serve` turns it on
     lenient_fields: bool = False
     tool_call_parser: str | None = None  # tool_choice 'auto': aiolm/server/tool_parsers
+    reasoning_parser: str | None = None  # thinking split from content: aiolm/server/reasoning.py
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     max_logprobs: int = EngineArgs.max_logprobs  # the engine's flag, so the API's bounds match it
 
@@ -129,6 +131,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "pythonic: [f(a=1), ...]",
     )
     g.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        default=None,
+        help="split a reasoning model's thinking from its answer (chat 'reasoning_content'); "
+        "deepseek_r1 and qwen3: <think>...</think>, granite: Granite 3.2's thought and response markers",
+    )
+    g.add_argument(
         "--allow-runtime-lora-updating",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -187,6 +196,7 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
         exit_on_engine_death=ns.exit_on_engine_death,
         lenient_fields=ns.lenient_fields,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
         max_logprobs=ns.max_logprobs,
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )

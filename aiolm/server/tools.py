@@ -25,6 +25,16 @@ from aiolm.structured.spec import StructuredOutputs
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+# What chat_template_kwargs may not set: the variables the server passes the template
+# itself, the template's functions, and transformers' apply_chat_template's own arguments
+# (tokenize or return_dict would change what rendering returns).
+_SERVER_TEMPLATE_VARS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+        "raise_exception", "strftime_now", "chat_template", "tokenize", "padding", "truncation", "max_length",
+        "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+    }
+)  # fmt: skip
 
 
 @dataclass
@@ -162,10 +172,19 @@ async def render_chat_prompt(
     engine: EngineClient, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None
 ) -> str:
     """``req.messages`` through the model's chat template, as chat and /tokenize both render
-    them: with the template's ``tools``, continuing the final message when asked."""
+    them: with the template's ``tools`` and the client's ``chat_template_kwargs``, continuing
+    the final message when asked."""
     assert req.messages is not None
     cont = req.continue_final_message
-    kwargs: dict[str, Any] = {"continue_final_message": True} if cont else {}
+    kwargs = dict(req.chat_template_kwargs or {})
+    taken = sorted(_SERVER_TEMPLATE_VARS.intersection(kwargs))
+    if taken:
+        raise bad_request(
+            f"'chat_template_kwargs' cannot set {', '.join(map(repr, taken))}: the request's own fields do",
+            param="chat_template_kwargs",
+        )
+    if cont:
+        kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
     messages = template_messages(req.messages)

@@ -21,11 +21,14 @@ KINDS = ("json", "json_object", "regex", "grammar")
 class StructuredOutputs:
     """``kind``: json (``text`` is a JSON schema), json_object (any JSON object; ``text`` is
     empty), regex, or grammar (EBNF/GBNF whose start rule is ``root``). ``strict``: with
-    json, properties the schema does not list are not generated."""
+    json, properties the schema does not list are not generated. ``after``: the output
+    is free until it contains these tokens (a reasoning model's end-of-thinking marker),
+    and the grammar constrains what follows them; empty, it constrains from the start."""
 
     kind: str
     text: str = ""
     strict: bool = True
+    after: tuple[int, ...] = ()
 
     def key(self) -> tuple[str, str, bool]:
         return (self.kind, self.text, self.strict)

@@ -174,3 +174,36 @@ def test_tokenizer_info_is_cached_by_the_tokenizer_files(tmp_path, monkeypatch, 
     (folder / "tokenizer.json").touch()  # the tokenizer changed: another entry
     tokenizer_info(loader, VOCAB, folder)
     assert len(loads) == 3 and len(list(entries[0].parent.glob("*.json"))) == 2
+
+
+def test_a_grammar_with_after_leaves_the_row_free_until_the_marker_then_constrains_it(tokenizer):
+    marker = tokenizer.encode("</think>", add_special_tokens=False)
+    spec = StructuredOutputs("regex", "[0-9]{2}", after=tuple(marker))
+    params = [_params(spec)]
+    outputs: list[list[int]] = [[]]
+    proc = Grammar.build(_rows(params, outputs))
+    words = tokenizer.encode(" let me think", add_special_tokens=False)
+    for t in words + marker[:-1]:  # thinking, and the marker but its last token: free
+        logits = torch.zeros(1, VOCAB)
+        logits[0, t] = 5.0
+        assert _greedy(proc, logits) == [t]
+        outputs[0].append(t)
+        proc.advance([[t]])
+    logits = torch.zeros(1, VOCAB)
+    logits[0, marker[-1]] = 5.0
+    assert _greedy(proc, logits) == [marker[-1]]
+    outputs[0].append(marker[-1])
+    proc.advance([[marker[-1]]])
+    for _ in range(3):  # past the marker only the grammar's tokens (then the stop token) remain
+        logits = torch.randn(1, VOCAB)
+        (t,) = _greedy(proc, logits)
+        outputs[0].append(t)
+        proc.advance([[t]])
+    answer = outputs[0][len(words) + len(marker) :]
+    assert answer[-1] == EOS and tokenizer.decode(answer[:-1]).isdigit() and len(tokenizer.decode(answer[:-1])) == 2
+    # a rebuild (the row moved or the batch changed) replays the output through the marker
+    assert len(marker) > 1
+    fresh = Grammar.build(_rows([_params(spec)], [outputs[0][: len(words) + len(marker) - 1]]))
+    assert fresh is not None and not fresh.matchers[0].started
+    fresh = Grammar.build(_rows([_params(spec)], [outputs[0][: len(words) + len(marker)]]))
+    assert fresh is not None and fresh.matchers[0].started

@@ -28,7 +28,7 @@ UNKNOWN = [
     ("/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, "reasoning_effort"),
     ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
     ("/v1/chat/completions", {**CHAT, "use_beam_search": True}, "use_beam_search"),
-    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {**CHAT, "documents": [{"text": "x"}]}, "documents"),
     ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": None}, "frobnicate"),
     (

@@ -266,3 +266,28 @@ def test_markdown_renderer_builds_only_its_own_tags(chat: Chat):
     assert "<blockquote>quoted</blockquote>" in html
     assert '<pre><code class="language-html">&lt;b onclick="x"&gt;"&amp;"&lt;/b&gt;</code></pre>' in html
     assert '<pre><code class="language-js">unclosed while streaming</code></pre>' in html
+
+
+def test_a_reasoning_models_thinking_is_shown_folded_above_the_answer(browser, reasoning_servers, artifacts: Path):
+    """The scripted thinking model (tests/scripted_model.py) behind --reasoning-parser qwen3."""
+    context = browser.new_context(viewport={"width": 1100, "height": 720}, color_scheme="light")
+    c = Chat(context.new_page(), reasoning_servers.get())
+    try:
+        page = c.open()
+        c.controls(temperature="0", max_tokens="64")
+        el = c.answer("What is the capital of France?")
+        expect(el.locator(".body")).to_have_text("Paris it is!")
+        thoughts = el.locator("details.reasoning")
+        expect(thoughts).to_be_visible()
+        assert thoughts.get_attribute("open") is None, "folded until opened"
+        expect(thoughts.locator(".thoughts")).to_be_hidden()
+        expect(thoughts.locator("summary")).to_have_text("Thought")
+        thoughts.locator("summary").click()
+        expect(thoughts.locator(".thoughts")).to_have_text("I reckon so.")
+        page.screenshot(path=str(artifacts / "chat-reasoning.png"))
+        c.answer("And of Italy?")  # the thinking is not sent back with the history
+        assert c.requests[1]["messages"][1] == {"role": "assistant", "content": "Paris it is!"}
+        expect(c.page.locator("article.assistant").nth(1).locator(".body")).to_have_text("Paris it is!")
+    finally:
+        context.close()
+    assert not c.page_errors, c.page_errors

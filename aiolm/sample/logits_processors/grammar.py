@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 
 
 class _RowMatcher:
-    """A matcher and how many output tokens it has accepted."""
+    """A matcher and how many output tokens it has seen. With ``after`` (a reasoning
+    model's end-of-thinking tokens) the grammar starts once the output holds them: until
+    then tokens pass it by and the row is not masked."""
 
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
         spec = params.structured_outputs
@@ -46,6 +48,9 @@ class _RowMatcher:
         self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stops)
         self.stop_tokens = list(self.matcher.stop_token_ids)
         self.accepted = 0
+        self.after = list(spec.after)
+        self.started = not self.after
+        self.recent: list[int] = []  # the last len(after) tokens while not started
 
     def fill_stop_only(self, bitmask: torch.Tensor, row: int) -> None:
         """Past its stop token (a row that ignores EOS keeps going) the grammar has nothing
@@ -60,11 +65,15 @@ class _RowMatcher:
             self.accept(t)
 
     def accept(self, token: int) -> None:
+        self.accepted += 1
+        if not self.started:
+            self.recent = [*self.recent, int(token)][-len(self.after) :]
+            self.started = self.recent == self.after
+            return
         # A refused token (one after the stop token, or a forced pick when min_tokens banned
         # every allowed one) leaves the matcher where it was; the row is ending either way.
         if not self.matcher.is_terminated():
             self.matcher.accept_token(int(token))
-        self.accepted += 1
 
 
 _matchers: dict[int, tuple[weakref.ref, _RowMatcher]] = {}
@@ -136,7 +145,9 @@ class Grammar(LogitsProcessor):
         live_rows: list[int] = []
         live: list[Any] = []
         for i, m in zip(self.rows, self.matchers):
-            if m.matcher.is_terminated():
+            if not m.started:
+                self.bitmask[i] = -1  # every bit set: the row is free while the model thinks
+            elif m.matcher.is_terminated():
                 m.fill_stop_only(self.bitmask, i)
             else:
                 live_rows.append(i)

@@ -43,6 +43,17 @@ function addMessage(role, text) {
   const meta = document.createElement("div");
   meta.className = "meta";
   el.append(who, body, meta);
+  if (role === "assistant") { // a reasoning model's thinking, shown folded above the answer
+    const thoughts = document.createElement("details");
+    thoughts.className = "reasoning";
+    thoughts.hidden = true;
+    const summary = document.createElement("summary");
+    summary.textContent = "Thinking…";
+    const text = document.createElement("div");
+    text.className = "thoughts";
+    thoughts.append(summary, text);
+    body.before(thoughts);
+  }
   if (role === "user") body.textContent = text;
   ui.messages.append(el);
   scrollDown(true);
@@ -59,6 +70,14 @@ function renderAnswer(el, text) {
     copy.textContent = "Copy";
     pre.append(copy);
   }
+}
+
+function renderReasoning(el, text, done) {
+  const thoughts = el.querySelector(".reasoning");
+  if (!text) return;
+  thoughts.hidden = false;
+  thoughts.querySelector(".thoughts").textContent = text;
+  thoughts.querySelector("summary").textContent = done ? "Thought" : "Thinking…";
 }
 
 function scrollDown(force = false) {
@@ -110,6 +129,7 @@ async function send(text) {
   state.controller = new AbortController();
   setBusy(true);
   let answer = "";
+  let reasoning = "";
   let usage = null;
   let frame = 0;
   const t0 = performance.now();
@@ -117,15 +137,22 @@ async function send(text) {
   try {
     for await (const chunk of streamChat(state.key, request, state.controller.signal)) {
       if (chunk.usage) usage = chunk.usage;
-      const delta = chunk.choices?.[0]?.delta?.content;
-      if (!delta) continue;
+      const delta = chunk.choices?.[0]?.delta ?? {};
+      const thought = delta.reasoning_content ?? delta.reasoning; // --reasoning-parser servers
+      if (!delta.content && !thought) continue;
       tFirst ||= performance.now();
-      answer += delta;
-      frame ||= requestAnimationFrame(() => { frame = 0; renderAnswer(el, answer); scrollDown(); });
+      answer += delta.content ?? "";
+      reasoning += thought ?? "";
+      frame ||= requestAnimationFrame(() => {
+        frame = 0;
+        renderReasoning(el, reasoning, answer !== "");
+        renderAnswer(el, answer);
+        scrollDown();
+      });
     }
     el.dataset.state = "done";
   } catch (e) {
-    if (!answer) { // stopped or refused before any text: give the prompt back to edit and resend
+    if (!answer && !reasoning) { // stopped or refused before any text: give the prompt back to edit and resend
       userEl.remove();
       el.remove();
       if (!ui.prompt.value) ui.prompt.value = text;
@@ -144,8 +171,9 @@ async function send(text) {
     setBusy(false);
   }
   if (!el.isConnected) return;
+  renderReasoning(el, reasoning, true);
   renderAnswer(el, answer);
-  state.history.push(userTurn, { role: "assistant", content: answer });
+  state.history.push(userTurn, { role: "assistant", content: answer }); // the thinking is not sent back
   const meta = el.querySelector(".meta");
   if (el.dataset.state === "stopped") meta.textContent = "stopped";
   else if (usage) meta.textContent = formatStats(usage, t0, tFirst, performance.now());

@@ -1,0 +1,201 @@
+"""Reasoning models through a real server and the openai client: the thinking split into
+``reasoning_content`` / ``reasoning`` (non-streamed and streamed), ``include_reasoning``,
+tool calls and structured outputs applying to what follows the thinking, and each
+``--reasoning-parser``'s notion of where thinking starts. The model is the scripted
+Llama of tests/scripted_model.py, so every expected text is exact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+from server_helpers import ServerProcess, free_port, serve_cmd
+
+from scripted_model import TOOL_CALL, scripted_model
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_capital",
+            "description": "The capital city of a country.",
+            "parameters": {"type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]},
+        },
+    }
+]
+
+
+def _client(srv: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(reasoning_servers) -> OpenAI:
+    return _client(reasoning_servers.get())
+
+
+def _chat(client: OpenAI, kwargs: dict | None = None, body: dict | None = None, **kw):
+    """``kwargs``: the chat template's; ``body``: fields the openai client does not know."""
+    extra = {**(body or {}), **({"chat_template_kwargs": kwargs} if kwargs else {})}
+    kw = {"messages": QUESTION, "max_tokens": 40, "temperature": 0, **kw}
+    return client.chat.completions.create(model=client.models.list().data[0].id, extra_body=extra, **kw)
+
+
+def _reasoning(message) -> tuple[str | None, str | None]:
+    extra = message.model_extra or {}
+    assert extra.get("reasoning_content") == extra.get("reasoning"), "both of vLLM's spellings, equal"
+    return extra.get("reasoning_content"), message.content
+
+
+def _stream(
+    client: OpenAI, kwargs: dict | None = None, body: dict | None = None, **kw
+) -> tuple[list[str], str, list, str | None]:
+    """(the reasoning deltas, the content, the tool-call deltas, finish_reason); checks no
+    content arrives before the thinking has ended."""
+    thoughts: list[str] = []
+    content, calls, finish = "", [], None
+    for chunk in _chat(client, kwargs, body, stream=True, **kw):
+        for choice in chunk.choices:
+            d = choice.delta
+            extra = d.model_extra or {}
+            if extra.get("reasoning_content"):
+                assert extra["reasoning"] == extra["reasoning_content"]
+                assert not content, "thinking after the answer began"
+                thoughts.append(extra["reasoning_content"])
+            content += d.content or ""
+            calls += d.tool_calls or []
+            finish = choice.finish_reason or finish
+    return thoughts, content, calls, finish
+
+
+def test_the_thinking_is_split_from_the_answer(client: OpenAI) -> None:
+    r = _chat(client)
+    assert _reasoning(r.choices[0].message) == ("I reckon so.", "Paris it is!")
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_prompt_that_opened_or_closed_the_thinking(client: OpenAI) -> None:
+    opened = _chat(client, {"think_in_prompt": True})  # Qwen3-Thinking templates end with <think>
+    assert _reasoning(opened.choices[0].message) == ("I reckon so.", "Paris it is!")
+    closed = _chat(client, {"enable_thinking": False})  # <think></think> in the prompt
+    assert _reasoning(closed.choices[0].message) == (None, "Paris it is!")
+
+
+def test_streamed_deltas_join_to_the_message(client: OpenAI) -> None:
+    thoughts, content, calls, finish = _stream(client)
+    assert len(thoughts) >= 2, "the thinking streams as it is generated"
+    assert ("".join(thoughts), content, calls, finish) == ("I reckon so.", "Paris it is!", [], "stop")
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(client: OpenAI) -> None:
+    r = _chat(client, body={"include_reasoning": False})
+    assert _reasoning(r.choices[0].message) == (None, "Paris it is!")
+    thoughts, content, _, _ = _stream(client, body={"include_reasoning": False})
+    assert (thoughts, content) == ([], "Paris it is!")
+
+
+def test_a_length_cut_inside_the_thinking(client: OpenAI) -> None:
+    r = _chat(client, max_tokens=3)  # <think> I ▁reckon
+    assert _reasoning(r.choices[0].message) == ("I reckon", None)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_tool_calls_are_read_after_the_thinking(client: OpenAI) -> None:
+    r = _chat(client, tools=TOOLS)
+    msg = r.choices[0].message
+    assert _reasoning(msg)[0] == "Need a tool" and not msg.content
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_capital" and json.loads(call.function.arguments) == {"country": "France"}
+    assert r.choices[0].finish_reason == "tool_calls"
+    thoughts, content, calls, finish = _stream(client, tools=TOOLS)
+    assert ("".join(thoughts), content, finish) == ("Need a tool", "", "tool_calls")
+    args = "".join(c.function.arguments or "" for c in calls)
+    assert [c.function.name for c in calls if c.function.name] == ["get_capital"]
+    assert json.loads(args) == {"country": "France"}
+
+
+def test_structured_outputs_constrain_only_what_follows_the_thinking(client: OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
+    r = _chat(client, response_format=fmt)
+    # free while thinking (the grammar would have forbidden "I"), then JSON instead of "Paris"
+    reasoning, content = _reasoning(r.choices[0].message)
+    assert reasoning == "I reckon so." and json.loads(content) == json.loads(TOOL_CALL)
+    closed = _chat(client, {"enable_thinking": False}, response_format=fmt)  # the prompt ended the thinking
+    assert _reasoning(closed.choices[0].message)[0] is None
+    assert json.loads(closed.choices[0].message.content) == json.loads(TOOL_CALL)
+
+
+def test_include_reasoning_must_be_a_boolean(reasoning_servers) -> None:
+    srv = reasoning_servers.get()
+    r = httpx.post(
+        srv.base_url + "/v1/chat/completions",
+        json={"model": "x", "messages": QUESTION, "include_reasoning": "sometimes"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "include_reasoning" in r.text
+
+
+# -- the other parsers: one server each ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    folder = scripted_model(tmp_path_factory.mktemp("scripted"))
+    servers = {}
+    for name in ("deepseek_r1", "granite"):  # started together, waited for in turn
+        port = free_port()
+        log = tmp_path_factory.mktemp(name) / "server.log"
+        servers[name] = ServerProcess(serve_cmd(port, str(folder), "--reasoning-parser", name), port, log)
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+        yield servers
+    finally:
+        for name, srv in servers.items():
+            code = srv.stop()
+            assert code == 0, f"{name} exited with {code}:\n{srv.log()}"
+
+
+def test_deepseek_r1_thinks_from_the_first_token(other_servers) -> None:
+    c = _client(other_servers["deepseek_r1"])
+    for kwargs in ({"think_in_prompt": True}, None):  # with or without <think> written by the model
+        assert _reasoning(_chat(c, kwargs).choices[0].message) == ("I reckon so.", "Paris it is!")
+    assert _reasoning(_chat(c, {"enable_thinking": False}).choices[0].message) == (None, "Paris it is!")
+    thoughts, content, _, _ = _stream(c, {"think_in_prompt": True})
+    assert ("".join(thoughts), content) == ("I reckon so.", "Paris it is!")
+
+
+def test_granite_reads_its_thought_and_response_markers(other_servers) -> None:
+    c = _client(other_servers["granite"])
+    r = _chat(c, {"thinking": True})
+    assert _reasoning(r.choices[0].message) == (" Hmm, rivers. ", " Rome.")
+    thoughts, content, _, _ = _stream(c, {"thinking": True})
+    assert ("".join(thoughts), content) == (" Hmm, rivers. ", " Rome.")
+    plain = _chat(c).choices[0].message  # no thought marker: all of it is the answer
+    assert _reasoning(plain) == (None, "<think>I reckon so.</think>Paris it is!")
+
+
+def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize(reasoning_servers, client: OpenAI) -> None:
+    srv = reasoning_servers.get()
+    closed = _chat(client, {"enable_thinking": False})
+    body = {"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}, "return_token_strs": True}
+    tok = httpx.post(srv.base_url + "/tokenize", json=body, timeout=30).json()
+    assert tok["token_strs"][-2:] == ["<think>", "</think>"] and tok["count"] == closed.usage.prompt_tokens
+    model = client.models.list().data[0].id
+    for name in ("tokenize", "add_generation_prompt", "messages"):  # the server's own: a 400 naming it
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(
+                srv.base_url + path,
+                json={"model": model, "messages": QUESTION, "chat_template_kwargs": {name: True}},
+                timeout=30,
+            )
+            assert r.status_code == 400 and name in r.json()["error"]["message"], (path, r.text)
