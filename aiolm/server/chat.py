@@ -36,9 +36,9 @@ from aiolm.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning
 from aiolm.server.sse import EventStream, until_disconnect
 from aiolm.server.tool_parsers import ParsedCall
 from aiolm.server.tools import (
+    CallDeltas,
     StreamState,
     ToolPlan,
-    call_deltas,
     check_continuation,
     plan_tools,
     read_output,
@@ -205,11 +205,11 @@ async def _chat_events(
                     else None
                 )
                 finish_reason = c.finish_reason
-                reasoning, text, calls = streams[c.index].feed(c.text, c.finished)
-                if calls and finish_reason == "stop":
+                reasoning, text, call_deltas = streams[c.index].feed(c.text, c.finished)
+                if streams[c.index].called and finish_reason == "stop":
                     finish_reason = "tool_calls"
                 head = {**(_reasoning_fields(reasoning) if reasoning else {}), **({"content": text} if text else {})}
-                deltas = ([head] if head else []) + call_deltas(calls)
+                deltas = ([head] if head else []) + call_deltas
                 for d in deltas[:-1]:
                     yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
                 if not deltas and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
@@ -278,19 +278,25 @@ class _ChoiceStream:
         self.show_reasoning = reading.include_reasoning
         self.split = ReasoningSplitter(reading.thinking, reading.prompt) if reading.thinking else None
         self.tools = StreamState(reading.plan) if reading.plan.active else None
+        self.calls = CallDeltas()
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, str, list[ParsedCall]]:
-        """(reasoning, content, tool calls) to send now; calls only once the choice finished."""
+        self.called = False  # the finished choice holds calls (finish_reason "tool_calls")
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """(reasoning, content, tool-call deltas) to send now; the calls as they are written."""
         reasoning, content = "", delta
         if self.split is not None:
             reasoning, content = self.split.feed(delta)
             if finished:
                 more, rest = self.split.finish()
                 reasoning, content = reasoning + more, content + rest
-        calls: list[ParsedCall] = []
+        deltas: list[dict[str, Any]] = []
         if self.tools is not None:
             content = self.tools.feed(content)
+            deltas = self.calls.update(self.tools.progress())
             if finished:
                 rest, calls = self.tools.finish()
                 content += rest
-        return (reasoning if self.show_reasoning else ""), content, calls
+                deltas += self.calls.update(calls)
+                self.called = bool(calls)
+        return (reasoning if self.show_reasoning else ""), content, deltas

@@ -10,8 +10,10 @@ cannot read stays content. ``none`` generates text.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +23,11 @@ from aiolm.server import client_json
 from aiolm.server.errors import bad_request
 from aiolm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, param_error
 from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
+from aiolm.server.tool_parsers.base import CallsReader
+from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall
 from aiolm.structured.spec import StructuredOutputs
 
+log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 # What chat_template_kwargs may not set: the variables the server passes the template
@@ -282,40 +287,65 @@ def tool_calls_json(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
-def call_deltas(calls: list[ParsedCall]) -> list[dict[str, Any]]:
-    """OpenAI's streamed shape: per call, a header delta (index, id, type, name, empty
-    arguments), then its arguments text."""
-    out = []
-    for i, c in enumerate(calls):
-        out.append(
-            {
-                "tool_calls": [
-                    {"index": i, "id": call_id(), "type": "function", "function": {"name": c.name, "arguments": ""}}
-                ]
-            }
-        )
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
-    return out
+class CallDeltas:
+    """OpenAI's streamed tool calls: per call, a header delta (index, id, type, name, empty
+    arguments) once its name is known, then its arguments text as it grows."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []  # per call headed: the arguments text sent so far
+
+    def update(self, calls: Sequence[PartialCall | ParsedCall]) -> list[dict[str, Any]]:
+        """Deltas for what ``calls`` (read so far, or finished) add to what was sent."""
+        out: list[dict[str, Any]] = []
+        for i, c in enumerate(calls):
+            if c.name is None:
+                break  # a later call's deltas wait for this one's name, keeping the indexes in order
+            if i == len(self.sent):
+                head = {"index": i, "id": call_id(), "type": "function", "function": {"name": c.name, "arguments": ""}}
+                out.append({"tool_calls": [head]})
+                self.sent.append("")
+            sent = self.sent[i]
+            if not c.arguments.startswith(sent):  # the finished text disagrees with the stream: cannot unsend
+                log.warning("tool call %d: finished arguments differ from those streamed", i)
+                continue
+            if len(c.arguments) > len(sent):
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments[len(sent) :]}}]})
+                self.sent[i] = c.arguments
+        return out
 
 
 class StreamState:
-    """One streamed choice: content is shown until tool calls may begin, then held and
-    read once the choice finishes (so streaming and non-streaming agree exactly)."""
+    """One streamed choice: content is shown until tool calls may begin; from there the
+    calls are read as they are written (``progress``), and the finished text is read
+    again by ``finish`` as a non-streamed choice is, which has the last word."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.shown = 0
+        self.reader: CallsReader = plan.parser.stream_reader() if plan.parser is not None else JsonCallsReader()
+        self.fed: int | None = 0 if plan.enforced is not None else None  # text given to the reader
 
     def feed(self, delta: str) -> str:
         """The content that can be shown now."""
         self.text += delta
-        if self.plan.enforced is not None:
-            return ""
-        assert self.plan.parser is not None
-        upto = max(self.shown, self.plan.parser.safe_prefix(self.text))
-        out, self.shown = self.text[self.shown : upto], upto
+        if self.fed is None:
+            assert self.plan.parser is not None
+            upto = max(self.shown, self.plan.parser.safe_prefix(self.text))
+            out, self.shown = self.text[self.shown : upto], upto
+            self.fed = self.plan.parser.calls_start(self.text)
+        else:
+            out = ""
+        if self.fed is not None:
+            self.reader.feed(self.text[self.fed :])
+            self.fed = len(self.text)
         return out
+
+    def progress(self) -> list[PartialCall]:
+        """The calls read so far (the first only without parallel tool calls)."""
+        if self.reader.failed:
+            return []  # not calls after all, or not ones the stream can follow: finish decides
+        return self.reader.calls if self.plan.parallel else self.reader.calls[:1]
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content still to show, calls)."""

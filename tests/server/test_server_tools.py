@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from aiolm.server import build_app
 from aiolm.server.settings import ServerSettings, build_parser, settings_from_namespace
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
-from aiolm.server.tools import StreamState, ToolPlan
+from aiolm.server.tools import CallDeltas, StreamState, ToolPlan
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -135,14 +135,62 @@ def test_malformed_calls_fall_back_to_plain_content(name, text):
 def test_streamed_pieces_reassemble_to_the_parsed_result(name, text, content, calls, step):
     """Fed in pieces, the content shown plus the calls at the end equal one-shot parsing,
     and no call text ever leaks into the content."""
-    state = StreamState(ToolPlan(parser=PARSERS[name]()))
-    shown = "".join(state.feed(text[i : i + step]) for i in range(0, len(text), step))
-    rest, got = state.finish()
+    shown, rest, got, deltas = _stream_pieces(name, text, step)
     assert got == calls
     if calls:
         assert (shown + rest).strip() == (content or "").strip()
-    else:
+        assert _joined(deltas) == [(c.name, c.arguments) for c in calls]
+    else:  # what was streamed as a call stays sent; the finished choice's content is the whole text
         assert shown + rest == text
+
+
+def _stream_pieces(name: str, text: str, step: int) -> tuple[str, str, list, list[list[dict]]]:
+    """(content shown, content at the end, finished calls, the call deltas of each piece)."""
+    state, sender = StreamState(ToolPlan(parser=PARSERS[name]())), CallDeltas()
+    shown, deltas = "", []
+    for i in range(0, len(text), step):
+        shown += state.feed(text[i : i + step])
+        deltas.append(sender.update(state.progress()))
+    rest, got = state.finish()
+    deltas.append(sender.update(got))
+    return shown, rest, got, deltas
+
+
+def _joined(deltas: list[list[dict]]) -> list[tuple[str, str]]:
+    """(name, arguments) per call from OpenAI's deltas: a header first, then arguments text."""
+    calls: dict[int, list[str]] = {}
+    for d in (d for piece in deltas for d in piece):
+        (tc,) = d["tool_calls"]
+        if "id" in tc:
+            assert tc["index"] == len(calls) and tc["function"]["arguments"] == ""
+            calls[tc["index"]] = [tc["function"]["name"], ""]
+        else:
+            calls[tc["index"]][1] += tc["function"]["arguments"]
+    return [(n, a) for n, a in calls.values()]
+
+
+@pytest.mark.parametrize(
+    "name,text,piecemeal",
+    [
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>', True),
+        ("hermes", '<tool_call>{"arguments": {"city": "Paris"}, "name": "f"}</tool_call>', False),  # name last
+        (
+            "llama3_json",
+            '{"name": "f", "parameters": {"city": "Paris"}}; {"name": "g", "parameters": {"q": "x y"}}',
+            True,
+        ),
+        ("pythonic", '[f(city="Paris", days=[1, 2]), g(q="x y")]', False),  # a call at a time
+    ],
+)
+def test_call_arguments_stream_while_they_are_written(name, text, piecemeal):
+    """A call's header goes out once its name is read and its arguments as they grow (JSON:
+    characters; pythonic: each call once its parenthesis closes), before the output ends."""
+    _, _, calls, deltas = _stream_pieces(name, text, 1)
+    assert _joined(deltas) == [(c.name, c.arguments) for c in calls] and calls
+    before_end = _joined(deltas[:-1])
+    assert before_end == [(c.name, c.arguments) for c in calls], "everything was streamed before the end"
+    pieces = [d for piece in deltas for d in piece if "id" not in d["tool_calls"][0]]
+    assert (len(pieces) > len(calls) * 3) == piecemeal
 
 
 # -- the request edge, on the fake engine ------------------------------------------------------
@@ -369,6 +417,26 @@ def test_enforced_calls_always_parse_and_match_the_schema(client, model, prompt,
     assert _streamed(client, model, **kw) == ("", calls, "tool_calls")
 
 
+def test_enforced_call_arguments_arrive_as_they_are_generated(client, model):
+    """The real model writing a named call: its arguments come in many deltas, each in a
+    chunk before the one that finishes the choice, and join to the non-streamed arguments."""
+    kw = dict(
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    plain = client.chat.completions.create(model=model, **kw).choices[0].message.tool_calls[0].function.arguments
+    pieces, finished_at = [], None
+    for i, chunk in enumerate(client.chat.completions.create(model=model, stream=True, **kw)):
+        for ch in chunk.choices:
+            pieces += [(i, d.function.arguments) for d in ch.delta.tool_calls or [] if d.function.arguments]
+            finished_at = i if ch.finish_reason else finished_at
+    assert "".join(a for _, a in pieces) == plain
+    assert len(pieces) >= 3 and sum(i < finished_at for i, _ in pieces) >= len(pieces) - 1
+
+
 HERMES = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
 
 
@@ -476,8 +544,8 @@ def test_parsers_never_raise_and_streaming_agrees(name, pieces, step):
     assert calls or content == text
     for c in calls:
         assert isinstance(json.loads(c.arguments), dict)
-    state = StreamState(ToolPlan(parser=PARSERS[name]()))
-    shown = "".join(state.feed(text[i : i + step]) for i in range(0, len(text), step))
-    rest, got = state.finish()
+    shown, rest, got, deltas = _stream_pieces(name, text, step)
     assert got == calls
     assert shown + rest == text if not calls else (shown + rest).strip() == (content or "").strip()
+    if calls:
+        assert _joined(deltas) == [(c.name, c.arguments) for c in calls]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall
 
 
 @dataclass(frozen=True)
@@ -13,13 +15,29 @@ class ParsedCall:
     arguments: str  # JSON text of an object, as OpenAI returns it
 
 
+class CallsReader(Protocol):
+    """Calls read from text as it streams in (``feed`` gets the text from the first marker
+    on): each call's name once known, and a prefix of its finished arguments."""
+
+    calls: list[PartialCall]
+    failed: bool
+
+    def feed(self, text: str) -> None: ...
+
+
 class ToolParser:
     """``markers``: texts that open the calls. With ``at_start`` they count only at the
     start of the output (after whitespace); otherwise anywhere. Streaming shows text as
-    content until a marker may begin, then holds the rest for ``extract``."""
+    content until a marker may begin; from there ``stream_reader`` reads the calls as they
+    are written, and ``extract`` reads the finished text."""
 
     markers: tuple[str, ...] = ()
     at_start: bool = False
+    args_keys: tuple[str, ...] = ("arguments",)
+
+    def stream_reader(self) -> CallsReader:
+        """JSON call objects, the common case; a parser with another syntax has its own."""
+        return JsonCallsReader(self.args_keys)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls); no calls means the whole text is content."""

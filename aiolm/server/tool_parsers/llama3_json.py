@@ -13,6 +13,7 @@ _TAG = "<|python_tag|>"
 class Llama3JsonParser(ToolParser):
     markers = (_TAG, "{")
     at_start = True
+    args_keys = ("parameters", "arguments")
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
@@ -28,7 +29,7 @@ class Llama3JsonParser(ToolParser):
                 obj, end = decoder.raw_decode(body, pos)
             except ValueError:
                 return text, []
-            call = call_from_object(obj, ("parameters", "arguments"))
+            call = call_from_object(obj, self.args_keys)
             if call is None:
                 return text, []
             calls.append(call)
