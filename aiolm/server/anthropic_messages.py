@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,6 +46,7 @@ from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.protocol import ChatCompletionRequest, parse, sampling_params
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
+from aiolm.server.tool_parsers.json_stream import PartialCall
 from aiolm.server.tools import (
     StreamState,
     ToolPlan,
@@ -220,8 +221,12 @@ def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[s
     }
 
 
+def _tool_use_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
 def _tool_use(call: ParsedCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name}
+    return {"type": "tool_use", "id": _tool_use_id(), "name": call.name}
 
 
 def _stop(c: CompletionOutput, out: RequestOutput, calls: list[ParsedCall]) -> tuple[str, str | None]:
@@ -315,15 +320,19 @@ def _event(kind: str, **fields: Any) -> NamedEvent:
 
 class _Blocks:
     """The content blocks of a streamed message: a text block opened by its first text,
-    closed before the tool_use blocks that follow it, each numbered by ``index``."""
+    closed before the tool_use blocks that follow it, each numbered by ``index``; a
+    tool_use block opens once its name is read and takes its input as it is written."""
 
     def __init__(self) -> None:
         self.count = 0
         self.text_open = False
+        self.inputs: list[str] = []  # per tool_use block opened: the input JSON sent so far
+        self.tool_open = False
 
     def text(self, delta: str) -> Iterator[NamedEvent]:
         if not delta:
             return
+        yield from self.close_tool_use()
         if not self.text_open:
             self.text_open = True
             yield _event("content_block_start", index=self.count, content_block={"type": "text", "text": ""})
@@ -335,13 +344,31 @@ class _Blocks:
             yield _event("content_block_stop", index=self.count)
             self.count += 1
 
-    def tool_use(self, call: ParsedCall) -> Iterator[NamedEvent]:
-        yield from self.close_text()
-        i = self.count
-        yield _event("content_block_start", index=i, content_block={**_tool_use(call), "input": {}})
-        yield _event("content_block_delta", index=i, delta={"type": "input_json_delta", "partial_json": call.arguments})
-        yield _event("content_block_stop", index=i)
-        self.count += 1
+    def tool_uses(self, calls: Sequence[PartialCall | ParsedCall]) -> Iterator[NamedEvent]:
+        """What ``calls`` (read so far, or finished) add: new blocks and input deltas."""
+        for i, call in enumerate(calls):
+            if call.name is None:
+                return  # its block, and the ones after it, wait for its name
+            if i == len(self.inputs):
+                yield from self.close_tool_use()
+                yield from self.close_text()
+                block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
+                yield _event("content_block_start", index=self.count, content_block=block)
+                self.inputs.append("")
+                self.tool_open = True
+            sent = self.inputs[i]
+            if self.tool_open and i == len(self.inputs) - 1 and call.arguments.startswith(sent):
+                new = call.arguments[len(sent) :]
+                if new:
+                    delta = {"type": "input_json_delta", "partial_json": new}
+                    yield _event("content_block_delta", index=self.count, delta=delta)
+                    self.inputs[i] = call.arguments
+
+    def close_tool_use(self) -> Iterator[NamedEvent]:
+        if self.tool_open:
+            self.tool_open = False
+            yield _event("content_block_stop", index=self.count)
+            self.count += 1
 
 
 async def _events(
@@ -364,24 +391,25 @@ async def _events(
                 yield _event("ping")
             output_tokens += len(c.token_ids)
             text = c.text if state is None else state.feed(c.text)
-            calls: list[ParsedCall] = []
-            if c.finished and state is not None:
-                rest, calls = state.finish()
-                text += rest
             for ev in blocks.text(text):
                 yield ev
+            if state is not None:
+                for ev in blocks.tool_uses(state.progress()):  # tool input as it is written
+                    yield ev
             if c.finished:
-                stop = _stop(c, out, calls)
-                for call in calls:
-                    for ev in blocks.tool_use(call):
+                calls: list[ParsedCall] = []
+                if state is not None:
+                    rest, calls = state.finish()
+                    for ev in (*blocks.text(rest), *blocks.tool_uses(calls)):
                         yield ev
+                stop = _stop(c, out, calls)
     except Exception as e:  # the stream has started: report in-band, as Anthropic does
         yield NamedEvent("error", anthropic_body(engine_error(e, _RENAME)))
         return
     finally:  # also when the client has gone: free the engine request now
         await gen.abort()
     log_extra(request, completion_tokens=output_tokens)
-    for ev in blocks.close_text():
+    for ev in (*blocks.close_text(), *blocks.close_tool_use()):
         yield ev
     usage = _usage(prompt_tokens, cached, output_tokens)
     yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage)

@@ -204,7 +204,11 @@ def test_tool_use_round_trip(client, model):
     calls = _tool_uses(m)
     assert [name for name, _ in calls] == ["get_weather"] and [b.type for b in m.content] == ["tool_use"]
     with client.messages.stream(model=model, extra_body=GREEDY, max_tokens=80, **kw) as stream:
+        events = list(stream)
         assert _comparable(stream.get_final_message()) == _comparable(m)
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(pieces) >= 3, "the input streams as it is generated"
+    assert json.loads("".join(pieces)) == m.content[0].input
 
     use = m.content[0]
     result = {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "sunny, 21 C"}]}
