@@ -168,7 +168,15 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """OpenAI's roles, or any other the chat template knows (``ipython``, ``document``, ...);
+    fields beyond OpenAI's (``reasoning_content`` of an earlier turn, say) go to the
+    template with the message, as vLLM passes them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Annotated[str, Field(min_length=1, max_length=64)] = Field(
+        description="system, developer, user, assistant, tool, or a role the chat template knows"
+    )
     content: Content | None = None  # type: ignore[valid-type]
     name: str | None = None
     refusal: str | None = Field(

@@ -213,7 +213,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"content is allowed only on an assistant message with tool_calls)",
                 param=f"messages[{i}].content",
             )
-        msg: dict[str, Any] = {"role": m.role, "content": message_text(m.content) or ""}
+        # fields beyond OpenAI's first, so they cannot override the ones read here
+        msg: dict[str, Any] = {**(m.model_extra or {}), "role": m.role, "content": message_text(m.content) or ""}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:

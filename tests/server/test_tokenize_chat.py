@@ -16,7 +16,9 @@ TIMEOUT = 120.0
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
     " ({{ t.function.description }}){% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m.mood is defined %} (mood: {{ m.mood }}){% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOOLS = [
@@ -103,3 +105,19 @@ def test_bad_tokenize_bodies_are_400s_naming_the_field(server, body, param):
     r = _tokenize(server, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_custom_roles_extra_message_fields_and_template_kwargs_reach_the_template(server):
+    """As vLLM does: a role the template knows, a message's own extra fields, and
+    chat_template_kwargs all go to the template, on chat and /tokenize alike."""
+    messages = [
+        {"role": "observation", "content": "It rains.", "mood": "gloomy"},
+        {"role": "user", "content": "Should I take an umbrella?"},
+    ]
+    kwargs = {"greeting": "Hello from the kwargs"}
+    r = _tokenize(server, {"messages": messages, "chat_template_kwargs": kwargs})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()["prompt"]
+    assert text.startswith("Hello from the kwargs\n<|im_start|>observation\nIt rains. (mood: gloomy)<|im_end|>")
+    assert _chat_prompt_ids(server, {"chat_template_kwargs": kwargs}, messages=messages) == ids
