@@ -40,6 +40,7 @@ from aiolm.server.tools import (
     StreamState,
     ToolPlan,
     check_continuation,
+    message_text,
     plan_tools,
     read_output,
     render_chat_prompt,
@@ -118,8 +119,10 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             opts.continuous_usage_stats,
             req.return_tokens_as_token_ids,
             _Reading(plan, thinking, text, req.include_reasoning),
+            _echoed(req),
         )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
+    echo = _echoed(req)
     (final,) = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0
@@ -128,6 +131,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         completion_tokens += len(c.token_ids)
         finish_reason = c.finish_reason
         message, calls = reading.message(c.text)
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         choices.append(
@@ -170,6 +175,7 @@ async def _chat_events(
     continuous: bool = False,
     as_ids: bool = False,
     reading: _Reading | None = None,
+    echo: str = "",
 ) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
     delta then carries its new ``token_ids``. ``as_ids``: logprob tokens spelt ``token_id:<id>``.
@@ -193,6 +199,8 @@ async def _chat_events(
         if prompt_ids is not None and i == 0:
             first["prompt_token_ids"] = prompt_ids
         yield first
+        if echo:
+            yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
     try:
         async for _, out in gen.stream():
             cached_tokens = out.num_cached_tokens
@@ -236,6 +244,13 @@ async def _chat_events(
     if include_usage:
         final_usage = usage(prompt_tokens, completion_tokens, cached_tokens)
         yield {**meta, "choices": [], "system_fingerprint": None, "usage": final_usage}
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the content of a final assistant message the answer continues."""
+    last = req.messages[-1]
+    continued = req.continue_final_message or not req.add_generation_prompt
+    return (message_text(last.content) or "") if req.echo and continued and last.role == "assistant" else ""
 
 
 def _reasoning_fields(text: str | None) -> dict[str, Any]:

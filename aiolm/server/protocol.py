@@ -328,6 +328,11 @@ class ChatCompletionRequest(SamplingRequest):
     include_reasoning: bool = Field(
         True, description="vLLM's: with --reasoning-parser, false leaves the thinking out of the answer"
     )
+    echo: bool = Field(
+        False,
+        description="vLLM's: the answer starts with the final message's content when that is an "
+        "assistant message being continued (continue_final_message, or add_generation_prompt false)",
+    )
     chat_template_kwargs: TemplateKwargs | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking)"
     )

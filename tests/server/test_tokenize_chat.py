@@ -121,3 +121,22 @@ def test_custom_roles_extra_message_fields_and_template_kwargs_reach_the_templat
     text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()["prompt"]
     assert text.startswith("Hello from the kwargs\n<|im_start|>observation\nIt rains. (mood: gloomy)<|im_end|>")
     assert _chat_prompt_ids(server, {"chat_template_kwargs": kwargs}, messages=messages) == ids
+
+
+def test_chat_echo_prepends_the_continued_assistant_message(server):
+    """vLLM's chat echo: with continue_final_message (or add_generation_prompt false) the
+    answer starts with the final assistant message's content, streamed or not."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=PARTIAL, max_tokens=6, temperature=0)
+    for flags in ({"continue_final_message": True}, {"add_generation_prompt": False}):
+        plain = client.chat.completions.create(**kw, extra_body=flags).choices[0].message.content
+        echoed = client.chat.completions.create(**kw, extra_body={**flags, "echo": True}).choices[0].message.content
+        assert echoed == "Let me look that up" + plain and plain
+        chunks = client.chat.completions.create(**kw, stream=True, extra_body={**flags, "echo": True})
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    asked = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=4, temperature=0, extra_body={"echo": True}
+    )
+    assert again.choices[0].message.content == asked.choices[0].message.content  # a new turn echoes nothing
