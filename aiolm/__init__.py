@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLM": "aiolm.engine.llm",
     "EngineArgs": "aiolm.config",
     "SamplingParams": "aiolm.params",
+    "BeamSearchParams": "aiolm.params",
     "PoolingParams": "aiolm.pooling.params",
     "LoRARequest": "aiolm.lora.request",
     "OutputKind": "aiolm.params",

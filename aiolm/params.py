@@ -241,3 +241,42 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (aiolm/engine/beam_search.py runs the search).
+
+    ``temperature`` only picks each step's sampled token, which joins the top
+    ``2 * beam_width`` candidates of its beam (scores are raw logprobs, so at 0 the
+    search is exact and deterministic). ``length_penalty`` divides a finished beam's
+    cumulative logprob by ``length ** length_penalty`` when beams are ranked.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    # aiolm's: token ids that end a beam besides the model's EOS (the server's stop_token_ids)
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True  # for each beam's text
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not (is_int(self.beam_width) and self.beam_width >= 1):
+            raise ParamError("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ParamError("length_penalty", f"must be a finite number, got {lp!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not (isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            raise ParamError("stop_token_ids", "must be a list of non-negative integers")
+        # temperature: checked by the SamplingParams of each step
+        SamplingParams(temperature=self.temperature, max_tokens=1)

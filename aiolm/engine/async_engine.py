@@ -728,6 +728,10 @@ class AsyncEngine:
         return self.inputs.vocab_size
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.inputs.eos_token_ids
+
+    @property
     def generation_config(self) -> dict[str, Any]:
         """The model's generation_config.json (sampling defaults), empty when it has none."""
         return dict(self.source.generation_config)
@@ -753,8 +757,8 @@ class AsyncEngine:
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The tokenizer's own string for each id (byte-level pieces, not decoded text)."""

@@ -387,6 +387,10 @@ class DataParallelEngine:
         return self._model().vocab_size
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._model().eos_token_ids
+
+    @property
     def generation_config(self) -> dict[str, Any]:
         return self._model().generation_config
 
@@ -406,8 +410,8 @@ class DataParallelEngine:
     ) -> str:
         return await self._model().render_chat_async(messages, add_generation_prompt, **template_kwargs)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._model().decode(token_ids)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._model().decode(token_ids, skip_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return self._model().token_strings(token_ids)

@@ -21,10 +21,11 @@ from typing import Any, TypeVar
 
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
+from aiolm.engine.beam_search import BeamSearchOutput, beam_search
 from aiolm.engine.input import PromptType
 from aiolm.lora.request import LoRARequest
 from aiolm.outputs import PoolingRequestOutput, RequestOutput
-from aiolm.params import SamplingParams
+from aiolm.params import BeamSearchParams, SamplingParams
 from aiolm.pooling.params import PoolingParams
 from aiolm.pooling.scores import cosine, cross_encoder_score, score_pairs
 
@@ -131,6 +132,55 @@ class LLM:
         if convs and isinstance(convs[0], dict):
             convs = [convs]  # type: ignore[list-item]  # one conversation
         return self.generate(convs, params, use_tqdm, lora_request)  # type: ignore[arg-type]
+
+    def beam_search(
+        self,
+        prompts: PromptType | list[int] | Sequence[PromptType | list[int]],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt (a string, token ids, or a ``{"prompt": ...}``
+        / ``{"prompt_token_ids": ...}`` dict), ``params.beam_width`` sequences best first.
+        The prompts' searches run together, so their steps share batches
+        (aiolm/engine/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        plist = [{"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else p for p in prompts]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(plist)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(plist):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(plist)} prompts")
+        return self._run(self._beam_search_all(plist, params, loras, use_tqdm))
+
+    async def _beam_search_all(
+        self, prompts: list[Any], params: BeamSearchParams, loras: list[LoRARequest | None], use_tqdm: bool
+    ) -> list[BeamSearchOutput]:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="Beam search", unit="req")
+
+        async def one(p: Any, lora: LoRARequest | None) -> BeamSearchOutput:
+            out = await beam_search(self.engine, p, params, lora_request=lora)
+            if bar is not None:
+                bar.update(1)
+            return out
+
+        tasks = [asyncio.ensure_future(one(p, lora)) for p, lora in zip(prompts, loras)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed: stop the others (each aborts its running step)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if bar is not None:
+                bar.close()
 
     async def _generate_all(
         self, prompts: list[Any], plist: list[SamplingParams], use_tqdm: bool, loras: list[LoRARequest | None]
