@@ -26,6 +26,7 @@ from aiolm.server.http import check_model, context, log_extra, read_json
 from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
 from aiolm.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     StreamOptions,
     check_unsupported_chat,
     parse,
@@ -81,18 +82,26 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         engine,
         rename={"max_tokens": mt_param},
     )
-    text = await render_chat_prompt(engine, req, plan.tools)
-    ids = await tokenize(engine, text, add_special_tokens=False, param="messages")
+    if req.batched and req.prompt_logprobs is not None:
+        raise bad_request("'prompt_logprobs' is not available with a batch of conversations", param="prompt_logprobs")
     thinking = reasoning_format(ctx.settings.reasoning_parser)
-    if thinking is not None and structured is not None and ReasoningSplitter(thinking, text).thinking:
-        # the grammar waits for the end of the thinking (aiolm/structured/spec.py)
-        end = tuple(engine.tokenize(thinking.ends[0], False))
-        params = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
-    check_lengths(ctx, len(ids), max_tokens, "messages", mt_param, req.min_tokens)
+    turns = []
+    for k, conv in enumerate(req.conversations):
+        where = f"messages[{k}]" if req.batched else "messages"
+        text = await render_chat_prompt(engine, req, plan.tools, conv, where)
+        ids = await tokenize(engine, text, add_special_tokens=False, param=where)
+        check_lengths(ctx, len(ids), max_tokens, where, mt_param, req.min_tokens)
+        own = None
+        if thinking is not None and structured is not None and ReasoningSplitter(thinking, text).thinking:
+            # the grammar waits for the end of the thinking (aiolm/structured/spec.py)
+            end = tuple(engine.tokenize(thinking.ends[0], False))
+            own = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
+        reading = _Reading(plan, thinking, text, req.include_reasoning)
+        turns.append(_Turn(Prompt(text, ids, own), reading, _echoed(req, conv)))
     rid = ctx.new_id("chatcmpl")
     gen = Generation(
         ctx,
-        [Prompt(text, ids)],
+        [t.prompt for t in turns],
         params,
         rid,
         req.priority,
@@ -100,9 +109,12 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         lora_request=lora,
     )
     await gen.start(request.receive)
-    log_extra(request, engine_request_id=rid, prompt_tokens=len(ids), n=req.n, stream=stream, user=req.user)
+    prompt_ids = [t.prompt.token_ids for t in turns]
+    prompt_tokens = sum(map(len, prompt_ids))
+    log_extra(request, engine_request_id=rid, prompt_tokens=prompt_tokens, n=req.n, stream=stream, user=req.user)
     model = lora.lora_name if lora is not None else ctx.model_name
     meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+    returned_ids = (prompt_ids if req.batched else prompt_ids[0]) if req.return_token_ids else None
     if stream:
         opts = req.stream_options or StreamOptions()
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
@@ -110,54 +122,53 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             gen,
             chunk_meta,
             req.n,
-            len(ids),
+            prompt_tokens,
             opts.include_usage,
             top_n,
             engine,
             request,
-            ids if req.return_token_ids else None,
+            returned_ids,
             opts.continuous_usage_stats,
             req.return_tokens_as_token_ids,
-            _Reading(plan, thinking, text, req.include_reasoning),
-            _echoed(req),
+            turns,
         )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
-    echo = _echoed(req)
-    (final,) = await until_disconnect(request.receive, gen.collect())
+    finals = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0
-    reading = _Reading(plan, thinking, text, req.include_reasoning)
-    for c in final.outputs:
-        completion_tokens += len(c.token_ids)
-        finish_reason = c.finish_reason
-        message, calls = reading.message(c.text)
-        if echo:
-            message["content"] = echo + (message["content"] or "")
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        choices.append(
-            {
-                "index": c.index,
-                "message": message,
-                "logprobs": (
-                    chat_logprobs(c.token_ids, c.logprobs, top_n, engine, req.return_tokens_as_token_ids)
-                    if req.logprobs
-                    else None
-                ),
-                "finish_reason": finish_reason,
-                "stop_reason": c.stop_reason,
-                "token_ids": list(c.token_ids) if req.return_token_ids else None,
-            }
-        )
+    for k, (turn, final) in enumerate(zip(turns, finals)):
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            finish_reason = c.finish_reason
+            message, calls = turn.reading.message(c.text)
+            if turn.echo:
+                message["content"] = turn.echo + (message["content"] or "")
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            choices.append(
+                {
+                    "index": k * req.n + c.index,
+                    "message": message,
+                    "logprobs": (
+                        chat_logprobs(c.token_ids, c.logprobs, top_n, engine, req.return_tokens_as_token_ids)
+                        if req.logprobs
+                        else None
+                    ),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "token_ids": list(c.token_ids) if req.return_token_ids else None,
+                }
+            )
     log_extra(request, completion_tokens=completion_tokens)
+    cached = sum(f.num_cached_tokens for f in finals)
     return json_response(
         {
             **meta,
             "choices": choices,
-            "usage": usage(len(ids), completion_tokens, final.num_cached_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached),
             "system_fingerprint": None,
-            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, ids, req.prompt_logprobs or 0),
-            "prompt_token_ids": ids if req.return_token_ids else None,
+            "prompt_logprobs": prompt_logprobs_json(finals[0].prompt_logprobs, prompt_ids[0], req.prompt_logprobs or 0),
+            "prompt_token_ids": returned_ids,
         }
     )
 
@@ -171,41 +182,45 @@ async def _chat_events(
     top_n: int,
     tokenizer: EngineClient,
     request: Request,
-    prompt_ids: list[int] | None = None,
+    prompt_ids: list[int] | list[list[int]] | None = None,
     continuous: bool = False,
     as_ids: bool = False,
-    reading: _Reading | None = None,
-    echo: str = "",
+    turns: list[_Turn] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """``prompt_ids`` (return_token_ids): in the first chunk, as vLLM sends them; each choice
     delta then carries its new ``token_ids``. ``as_ids``: logprob tokens spelt ``token_id:<id>``.
-    ``reading``: thinking and tool calls (``_Reading``); with tools, content is shown until
-    calls may begin, and the calls follow once the choice finishes (aiolm/server/tools.py)."""
-    reading = reading or _Reading(ToolPlan(), None, "", True)
+    ``turns``: per conversation, how its choices are read (thinking and tool calls:
+    ``_Reading``; with tools, calls stream as they are written, aiolm/server/tools.py) and
+    what they echo; conversation k's choices are numbered from k * n."""
+    turns = turns or [_Turn(Prompt(None, []), _Reading(ToolPlan(), None, "", True), "")]
     want_logprobs = gen.params.logprobs is not None
-    completion_tokens = cached_tokens = 0
+    completion_tokens = 0
+    cached: dict[int, int] = {}
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
         if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
-            out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens) if continuous else None
+            counts = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+            out["usage"] = counts if continuous else None
         return out
 
-    streams = {i: reading.stream() for i in range(n)}
-    for i in range(n):
+    streams = {k * n + i: t.reading.stream() for k, t in enumerate(turns) for i in range(n)}
+    for idx in streams:
         first = chunk(
-            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            [{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
-        if prompt_ids is not None and i == 0:
+        if prompt_ids is not None and idx == 0:
             first["prompt_token_ids"] = prompt_ids
         yield first
+        echo = turns[idx // n].echo
         if echo:
-            yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": idx, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
     try:
-        async for _, out in gen.stream():
-            cached_tokens = out.num_cached_tokens
+        async for pi, out in gen.stream():
+            cached[pi] = out.num_cached_tokens
             choices = []
             for c in out.outputs:
+                idx = pi * n + c.index
                 completion_tokens += len(c.token_ids)
                 lp = (
                     chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer, as_ids)
@@ -213,17 +228,17 @@ async def _chat_events(
                     else None
                 )
                 finish_reason = c.finish_reason
-                reasoning, text, call_deltas = streams[c.index].feed(c.text, c.finished)
-                if streams[c.index].called and finish_reason == "stop":
+                reasoning, text, call_deltas = streams[idx].feed(c.text, c.finished)
+                if streams[idx].called and finish_reason == "stop":
                     finish_reason = "tool_calls"
                 head = {**(_reasoning_fields(reasoning) if reasoning else {}), **({"content": text} if text else {})}
                 deltas = ([head] if head else []) + call_deltas
                 for d in deltas[:-1]:
-                    yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                    yield chunk([{"index": idx, "delta": d, "logprobs": None, "finish_reason": None}])
                 if not deltas and not c.finished and lp is None and not (prompt_ids is not None and c.token_ids):
                     continue
                 choice: dict[str, Any] = {
-                    "index": c.index,
+                    "index": idx,
                     "delta": deltas[-1] if deltas else {},
                     "logprobs": lp,
                     "finish_reason": finish_reason,
@@ -242,13 +257,22 @@ async def _chat_events(
         await gen.abort()
     log_extra(request, completion_tokens=completion_tokens)
     if include_usage:
-        final_usage = usage(prompt_tokens, completion_tokens, cached_tokens)
+        final_usage = usage(prompt_tokens, completion_tokens, sum(cached.values()))
         yield {**meta, "choices": [], "system_fingerprint": None, "usage": final_usage}
 
 
-def _echoed(req: ChatCompletionRequest) -> str:
+@dataclass
+class _Turn:
+    """One conversation of the request: its prompt, how its choices are read, what they echo."""
+
+    prompt: Prompt
+    reading: _Reading
+    echo: str
+
+
+def _echoed(req: ChatCompletionRequest, conversation: list[ChatMessage]) -> str:
     """vLLM's chat ``echo``: the content of a final assistant message the answer continues."""
-    last = req.messages[-1]
+    last = conversation[-1]
     continued = req.continue_final_message or not req.add_generation_prompt
     return (message_text(last.content) or "") if req.echo and continued and last.role == "assistant" else ""
 

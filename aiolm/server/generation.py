@@ -37,6 +37,7 @@ _OFFLOAD_CHARS = 8192  # tokenize off the event loop above this
 class Prompt:
     text: str | None
     token_ids: list[int]
+    params: SamplingParams | None = None  # this prompt's own, else the Generation's
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -176,7 +177,8 @@ class Generation:
                 kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
                 if self.lora_request is not None:
                     kwargs["lora_request"] = self.lora_request
-                state = await engine.add_request(prompt, self.params, rid, self.priority, **kwargs)
+                params = self.params if p.params is None else p.params
+                state = await engine.add_request(prompt, params, rid, self.priority, **kwargs)
                 self.states.append(state)
                 self.ctx.inflight.add(rid)
         except BaseException as e:

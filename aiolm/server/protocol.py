@@ -308,8 +308,17 @@ class SamplingRequest(NoopFields):
     guided_grammar: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.grammar")
 
 
+# vLLM's batched chat: several conversations in one request, each a prompt (as a
+# completions batch is), its choices numbered after the ones before it.
+ChatMessages = _one_of(
+    "a list of messages, or a list of conversations (each a list of messages)",
+    list=Messages,
+    batch=Annotated[list[Messages], Field(min_length=1, max_length=Limits.max_prompts)],
+)
+
+
 class ChatCompletionRequest(SamplingRequest):
-    messages: Messages
+    messages: ChatMessages  # type: ignore[valid-type]
     max_completion_tokens: int | None = Field(None, description="most tokens to generate (wins over max_tokens)")
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=Limits.max_logprobs)] | None = None
@@ -333,6 +342,18 @@ class ChatCompletionRequest(SamplingRequest):
         description="vLLM's: the answer starts with the final message's content when that is an "
         "assistant message being continued (continue_final_message, or add_generation_prompt false)",
     )
+
+    @property
+    def conversations(self) -> list[list[ChatMessage]]:
+        """The request's conversations: one, or a batch's."""
+        msgs: Any = self.messages
+        return msgs if self.batched else [msgs]
+
+    @property
+    def batched(self) -> bool:
+        msgs: Any = self.messages
+        return isinstance(msgs[0], list)
+
     chat_template_kwargs: TemplateKwargs | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking)"
     )

@@ -174,12 +174,17 @@ def check_continuation(req: ChatCompletionRequest | TokenizeRequest) -> None:
 
 
 async def render_chat_prompt(
-    engine: EngineClient, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None
+    engine: EngineClient,
+    req: ChatCompletionRequest | TokenizeRequest,
+    tools: list[dict[str, Any]] | None,
+    messages: list[ChatMessage] | None = None,
+    where: str = "messages",
 ) -> str:
     """``req.messages`` through the model's chat template, as chat and /tokenize both render
     them: with the template's ``tools`` and the client's ``chat_template_kwargs``, continuing
-    the final message when asked."""
-    assert req.messages is not None
+    the final message when asked. ``messages``: one conversation of a batched chat request."""
+    messages = messages if messages is not None else req.messages
+    assert messages is not None and not isinstance(messages[0], list)
     cont = req.continue_final_message
     kwargs = dict(req.chat_template_kwargs or {})
     taken = sorted(_SERVER_TEMPLATE_VARS.intersection(kwargs))
@@ -192,26 +197,26 @@ async def render_chat_prompt(
         kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
-    messages = template_messages(req.messages)
     try:
         return await engine.render_chat_async(
-            messages, add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
+            template_messages(messages, where), add_generation_prompt=req.add_generation_prompt and not cont, **kwargs
         )
     except ParamError as e:
         raise param_error(e) from None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], where: str = "messages") -> list[dict[str, Any]]:
     """Parsed messages as chat templates want them: a call's arguments as an object
-    (templates serialize it themselves), the tool result under ``tool_call_id``."""
+    (templates serialize it themselves), the tool result under ``tool_call_id``. ``where``:
+    the conversation's name in the request, for 400s."""
     out = []
     for i, m in enumerate(messages):
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
             # As at OpenAI: only an assistant turn that made tool calls may leave its content out.
             raise bad_request(
-                f"'messages[{i}].content' is required for a {m.role} message (null or missing "
+                f"'{where}[{i}].content' is required for a {m.role} message (null or missing "
                 f"content is allowed only on an assistant message with tool_calls)",
-                param=f"messages[{i}].content",
+                param=f"{where}[{i}].content",
             )
         # fields beyond OpenAI's first, so they cannot override the ones read here
         msg: dict[str, Any] = {**(m.model_extra or {}), "role": m.role, "content": message_text(m.content) or ""}
@@ -220,11 +225,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             if m.role != "assistant":
                 raise bad_request(
-                    f"'messages[{i}].tool_calls' is only for assistant messages", param=f"messages[{i}].tool_calls"
+                    f"'{where}[{i}].tool_calls' is only for assistant messages", param=f"{where}[{i}].tool_calls"
                 )
             calls = []
             for j, c in enumerate(m.tool_calls):
-                path = f"messages[{i}].tool_calls[{j}].function.arguments"
+                path = f"{where}[{i}].tool_calls[{j}].function.arguments"
                 text = c.function.arguments
                 try:
                     args = client_json.loads(text) if text.strip() else {}
@@ -237,7 +242,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_call_id:
             if m.role != "tool":
                 raise bad_request(
-                    f"'messages[{i}].tool_call_id' is only for tool messages", param=f"messages[{i}].tool_call_id"
+                    f"'{where}[{i}].tool_call_id' is only for tool messages", param=f"{where}[{i}].tool_call_id"
                 )
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)

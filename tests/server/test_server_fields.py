@@ -163,7 +163,8 @@ def test_openapi_says_unknown_fields_are_refused(fake_engine):
         schemas = c.get("/openapi.json").json()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
         assert schemas[name]["additionalProperties"] is False, name
-    ref = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["$ref"]
+    one_conversation = schemas["ChatCompletionRequest"]["properties"]["messages"]["oneOf"][0]  # or a batch of them
+    ref = one_conversation["items"]["$ref"]
     msg = schemas[ref.rsplit("/", 1)[1]]  # nested objects are components of their own
     # a message's own fields beyond OpenAI's go to the chat template, as vLLM passes them
     assert msg["additionalProperties"] is True and "refusal" in msg["properties"]
