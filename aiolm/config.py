@@ -125,7 +125,9 @@ class EngineArgs:
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
-    max_logprobs: int = _f(20, "largest top-logprobs count a request may ask for")
+    max_logprobs: int = _f(
+        20, "largest top-logprobs count a request may ask for; -1: no bound, and -1 asks for the whole vocabulary"
+    )
     structured_outputs_backend: str = _f(
         "xgrammar",
         "xgrammar (JSON schema, regex, choice and EBNF outputs) or none (requests asking for them are refused)",
@@ -282,7 +284,7 @@ class EngineArgs:
             ("long_prefill_token_threshold", 0),
             ("max_step_ms", 0),
             ("num_threads", 0),
-            ("max_logprobs", 0),
+            ("max_logprobs", -1),
             ("seed", 0),
         ):
             if getattr(self, name) < low:

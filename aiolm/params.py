@@ -40,6 +40,7 @@ _INT32_MAX = 2**31 - 1  # counts stay in a fixed-width integer wherever they tra
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 4096
+MAX_LOGPROB_TOKEN_IDS = 1024  # logprob_token_ids per request: each costs a gather per generated token
 
 
 @dataclass
@@ -67,6 +68,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled one
+    # vLLM's: these tokens' logprobs at every generated position, after the top ones (the
+    # engine asks for the sampled token's alone when ``logprobs`` is None).
+    logprob_token_ids: list[int] | None = None
     # Logprobs of each prompt token given the ones before it (the first has none), with
     # this many top alternatives; such a request does not reuse cached prefix blocks.
     prompt_logprobs: int | None = None
@@ -204,15 +208,26 @@ class SamplingParams:
         )
         # The upper bound is the engine's --max-logprobs, checked where the engine is known
         # (engine/input.py), so one flag sets it for the server and the library alike.
+        # -1 (vLLM's): every token of the vocabulary, resolved by the engine, which knows it.
         check(
-            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= -1),
             "logprobs",
-            f"must be an integer >= 0, got {self.logprobs!r}",
+            f"must be an integer >= 0, or -1 for the whole vocabulary, got {self.logprobs!r}",
         )
         check(
-            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= -1),
             "prompt_logprobs",
-            f"must be an integer >= 0, got {self.prompt_logprobs!r}",
+            f"must be an integer >= 0, or -1 for the whole vocabulary, got {self.prompt_logprobs!r}",
+        )
+        check(
+            self.logprob_token_ids is None
+            or (
+                isinstance(self.logprob_token_ids, list)
+                and 0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS
+                and all(is_int(t) and t >= 0 for t in self.logprob_token_ids)
+            ),
+            "logprob_token_ids",
+            f"must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} non-negative token ids",
         )
         if self.structured_outputs is not None:
             so = self.structured_outputs

@@ -85,10 +85,14 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]  # rank of the sampled token in the distribution (1 = argmax)
+    # Every entry's rank, when some row asked for named tokens (logprob_token_ids), whose
+    # ranks are not their places in the list; None otherwise: the top-N rank 1..N.
+    entry_ranks: list[list[int]] | None = None
 
     def slice(self, start: int, stop: int) -> LogprobsLists:
         """Tokens ``start .. stop - 1`` (a step's tokens cut at a stop, or one request's rows)."""
-        return LogprobsLists(self.token_ids[start:stop], self.logprobs[start:stop], self.ranks[start:stop])
+        er = None if self.entry_ranks is None else self.entry_ranks[start:stop]
+        return LogprobsLists(self.token_ids[start:stop], self.logprobs[start:stop], self.ranks[start:stop], er)
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):

@@ -234,10 +234,31 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ParamError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        unbounded = self.max_logprobs == -1
+        whole: dict[str, int] = {}
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
+            if value == -1:  # the whole vocabulary, only where the operator allows any count
+                if not unbounded:
+                    raise ParamError(
+                        name,
+                        f"-1 (the whole vocabulary) needs the engine started with --max-logprobs -1; "
+                        f"this one allows at most {self.max_logprobs}",
+                    )
+                whole[name] = self.vocab_size
+            elif value is not None and not unbounded and value > self.max_logprobs:
                 raise ParamError(name, f"at most {self.max_logprobs} top logprobs, got {value}")
+            elif value is not None and value > self.vocab_size:
+                raise ParamError(name, f"at most the vocabulary's {self.vocab_size} tokens, got {value}")
+        for tok in params.logprob_token_ids or ():
+            if tok >= self.vocab_size:
+                raise ParamError(
+                    "logprob_token_ids", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if params.logprob_token_ids and params.logprobs is None:
+            whole["logprobs"] = 0  # the sampled token's, then the named ones
+        if whole:
+            params = params.clone(**whole)
         for tok in params.logit_bias or {}:
             if not 0 <= tok < self.vocab_size:
                 raise ParamError("logit_bias", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")

@@ -388,11 +388,13 @@ class OutputProcessor(Actor[StepOutputs]):
         the token texts decoded in one batch, each distinct id once."""
         pieces = self.token_texts.lookup([t for ids in lp.token_ids for t in ids])
         out = []
-        for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+        for i, (ids, vals, rank) in enumerate(zip(lp.token_ids, lp.logprobs, lp.ranks)):
+            ranks = lp.entry_ranks[i] if lp.entry_ranks is not None else None
             entry: dict[int, Logprob] = {}
             for j, (tid, val) in enumerate(zip(ids, vals)):
                 if tid not in entry:
-                    entry[tid] = Logprob(val, rank if j == 0 else j, pieces[tid])
+                    r = ranks[j] if ranks is not None else (rank if j == 0 else j)
+                    entry[tid] = Logprob(val, r, pieces[tid])
             out.append(entry)
         return out
 

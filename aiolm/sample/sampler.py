@@ -173,6 +173,7 @@ class SamplingMetadata:
     logprob_rows: torch.Tensor | None  # rows that asked (None: all rows, when any asked)
     logprob_row_list: list[int]
     max_num_logprobs: int
+    named_logprob_ids: list[list[int] | None] | None  # per row (logprob_token_ids); None: no row has any
 
     @classmethod
     def build(
@@ -206,6 +207,7 @@ class SamplingMetadata:
         greedy = [p.greedy or p.top_k == 1 for p in params]
         random_list = [i for i in range(n) if not greedy[i]]
         num_logprobs = [p.logprobs for p in params]
+        named = [p.logprob_token_ids for p in params]
         lp_rows = [i for i in range(n) if num_logprobs[i] is not None]
         if registry is None:
             registry = logits_processors.REGISTRY
@@ -225,6 +227,7 @@ class SamplingMetadata:
             logprob_rows=long_tensor(lp_rows, dev) if lp_rows and len(lp_rows) < n else None,
             logprob_row_list=lp_rows,
             max_num_logprobs=max((num_logprobs[i] or 0 for i in lp_rows), default=0),
+            named_logprob_ids=named if any(named) else None,
         )
 
     def advance(self, new_token_ids: Sequence[Sequence[int]]) -> None:
@@ -266,7 +269,7 @@ class SamplerOutput:
         lp = self.logprobs
         if lp is None or not lp.token_ids[row]:
             return None
-        return LogprobsLists([lp.token_ids[row]], [lp.logprobs[row]], [lp.ranks[row]])
+        return lp.slice(row, row + 1)
 
 
 class Sampler:
@@ -505,4 +508,16 @@ def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, m: SamplingMetada
         token_ids[row] = [tok_list[j]] + (top_ids_l[j][:k] if k else [])
         logprobs[row] = [tok_lp_list[j]] + (top_lp_l[j][:k] if k else [])
         out_ranks[row] = ranks[j]
-    return LogprobsLists(token_ids=token_ids, logprobs=logprobs, ranks=out_ranks)
+    if m.named_logprob_ids is None:
+        return LogprobsLists(token_ids=token_ids, logprobs=logprobs, ranks=out_ranks)
+    entry_ranks: list[list[int]] = [[] for _ in range(m.num_reqs)]
+    for j, row in enumerate(m.logprob_row_list):
+        entry_ranks[row] = [out_ranks[row], *range(1, len(token_ids[row]))]
+        named = m.named_logprob_ids[row]
+        if named:  # the named tokens' logprobs and ranks, from this row's distribution
+            vals = raw[j, torch.tensor(named, dtype=torch.long, device=raw.device)]
+            named_ranks = ((raw[j].unsqueeze(0) > vals.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+            token_ids[row] += named
+            logprobs[row] += vals.tolist()
+            entry_ranks[row] += named_ranks
+    return LogprobsLists(token_ids=token_ids, logprobs=logprobs, ranks=out_ranks, entry_ranks=entry_ranks)

@@ -33,8 +33,12 @@ def _text(tid: int, lp: Logprob, as_ids: bool) -> str:
     return _as_id(tid) if as_ids else lp.decoded_token or ""
 
 
-def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:n]
+def _top(entry: dict[int, Logprob], n: int, named: list[int] | None = None) -> list[tuple[int, Logprob]]:
+    """The ``n`` most likely of ``entry`` (-1, vLLM's "the whole vocabulary": all of them), or
+    with ``named`` (vLLM's ``logprob_token_ids``) those tokens, in the order asked."""
+    if named is not None:
+        return [(t, entry[t]) for t in named if t in entry]
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: n if n >= 0 else None]
 
 
 def prompt_logprobs_json(
@@ -62,9 +66,15 @@ def prompt_logprobs_json(
 
 
 def chat_logprobs(
-    token_ids: list[int], lps: list[dict[int, Logprob]] | None, top_n: int, tokenizer: Any, as_ids: bool = False
+    token_ids: list[int],
+    lps: list[dict[int, Logprob]] | None,
+    top_n: int,
+    tokenizer: Any,
+    as_ids: bool = False,
+    named: list[int] | None = None,
 ) -> dict[str, Any] | None:
-    """``as_ids``: tokens spelt ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)."""
+    """``as_ids``: tokens spelt ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``);
+    ``named``: these tokens as the top logprobs (vLLM's ``logprob_token_ids``)."""
     if lps is None:
         return None
     content = []
@@ -76,7 +86,7 @@ def chat_logprobs(
                 "logprob": clamp(lp.logprob),
                 "bytes": list(_text(t, lp, as_ids).encode()),
             }
-            for t, lp in _top(entry, top_n)
+            for t, lp in _top(entry, top_n, named)
         ]
         content.append({"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": top})
     return {"content": content, "refusal": None}
@@ -85,10 +95,14 @@ def chat_logprobs(
 class CompletionLogprobs:
     """Builds completions' column-shaped logprobs, keeping the text offset across chunks."""
 
-    def __init__(self, top_n: int, tokenizer: Any, offset: int = 0, as_ids: bool = False) -> None:
+    def __init__(
+        self, top_n: int, tokenizer: Any, offset: int = 0, as_ids: bool = False, named: list[int] | None = None
+    ) -> None:
         """``as_ids``: tokens spelt ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``);
-        the text offsets still count the text."""
+        the text offsets still count the text. ``named``: these tokens as the generated
+        tokens' top logprobs (vLLM's ``logprob_token_ids``)."""
         self.top_n = top_n
+        self.named = named
         self.tokenizer = tokenizer
         self.offset = offset
         self.as_ids = as_ids
@@ -118,7 +132,7 @@ class CompletionLogprobs:
             out["tokens"].append(_as_id(tid) if self.as_ids else text)
             out["token_logprobs"].append(value)
             out["top_logprobs"].append(
-                {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in _top(entry, self.top_n)}
+                {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in _top(entry, self.top_n, self.named)}
             )
             out["text_offset"].append(self.offset)
             self.offset += len(text)

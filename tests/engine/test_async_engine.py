@@ -494,8 +494,8 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
         (dict(n=0), "n"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"),
         (dict(stop=[""]), "stop"),
-        (dict(logprobs=-1), "logprobs"),  # the upper bound is the engine's --max-logprobs (below)
-        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(logprobs=-2), "logprobs"),  # the upper bound is the engine's --max-logprobs (below)
+        (dict(prompt_logprobs=-2), "prompt_logprobs"),
         (dict(seed="x"), "seed"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
     ],

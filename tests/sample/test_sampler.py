@@ -439,6 +439,30 @@ def test_logprobs_are_raw_with_sampled_first_and_correct_ranks():
     assert lp.ranks[0] == 1  # greedy without processors takes the raw argmax
 
 
+def test_named_token_logprobs_follow_the_top_ones_with_their_true_ranks():
+    """logprob_token_ids: each named token's raw logprob and its rank in the row's own
+    distribution, after the sampled token and the top-N; rows without names are unchanged."""
+    torch.manual_seed(23)
+    n, vocab = 3, 40
+    logits = torch.randn(n, vocab) * 2
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2, logprob_token_ids=[5, 30, 5]),
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=1.0, logprobs=0, logprob_token_ids=[0]),
+    ]
+    out = sampler(logits, meta(params, outputs=[[1]] * n, prompts=[[2]] * n, vocab=vocab))
+    lp, raw = out.logprobs, torch.log_softmax(logits, -1)
+    assert lp is not None and lp.entry_ranks is not None
+    for row, p in enumerate(params):
+        named = p.logprob_token_ids or []
+        k = p.logprobs or 0
+        assert lp.token_ids[row][1 + k :] == named
+        for tid, val, rank in zip(lp.token_ids[row], lp.logprobs[row], lp.entry_ranks[row]):
+            assert val == pytest.approx(raw[row, tid].item(), abs=1e-6)
+            assert rank == int((raw[row] > raw[row, tid]).sum()) + 1
+        assert out.row_logprobs(row).entry_ranks == [lp.entry_ranks[row]]
+
+
 def test_no_logprobs_requested_returns_none():
     out = sampler(torch.randn(3, 10), meta([SamplingParams()] * 3, vocab=10))
     assert out.logprobs is None
