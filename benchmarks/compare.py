@@ -264,20 +264,42 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def offline_table(rows: list[dict[str, Any]], title: str, repeats: int) -> str:
+def offline_table(
+    rows: list[dict[str, Any]], title: str, repeats: int, bound: Callable[[dict[str, Any]], float] | None = None
+) -> str:
+    """``bound(row)``: the output tok/s this machine's bound allows the row (machine_bounds.py)."""
     bases = [(r["dtype"], r["output_tok_s"]) for r in rows if r["peer"] == "aiolm"]
     lines = [
         f"**{title}**",
         "",
-        f"| engine | dtype | output tok/s (median of {repeats}) | runs (s) |"
+        f"| engine | dtype | output tok/s (median of {repeats}) |"
+        + (" of bound |" if bound else "")
+        + " runs (s) |"
         + "".join(f" aiolm {dt} / engine |" for dt, _ in bases),
-        "|---|---|---|---|" + "---|" * len(bases),
+        "|---|---|---|" + ("---|" if bound else "") + "---|" + "---|" * len(bases),
     ]
     for r in rows:
         ratios = "".join(f" {b / r['output_tok_s']:.2f}x |" if r["peer"] != "aiolm" else " |" for _, b in bases)
         runs = ", ".join(f"{t:.1f}" for t in sorted(r.get("times_s", [])))
-        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {runs} |{ratios}")
+        share = f" {r['output_tok_s'] / bound(r):.0%} |" if bound else ""
+        lines.append(f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} |{share} {runs} |{ratios}")
     return "\n".join(lines)
+
+
+def _bounds(m: Models) -> tuple[Any, Any, str]:
+    """This machine's bounds, the model's cost, and a sentence saying what they are."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine_bounds import measure, model_cost
+
+    bounds, cost = measure(), model_cost(m.hf_dir)
+    text = (
+        f"Bounds on this machine (benchmarks/machine_bounds.py, torch on {bounds.threads} threads): "
+        f"memory read {bounds.read_gb_s:.1f} GB/s, float32 SGEMM {bounds.sgemm_gflop_s:.0f} GFLOP/s; the model "
+        f'has {cost.matmul_params / 1e6:.1f}M matmul weights. Offline "of bound" is the tokens processed '
+        f"(prompt and output) over SGEMM / 2 FLOPs per weight; single stream's is decode tok/s over read "
+        f"bandwidth / the row's weight bytes."
+    )
+    return bounds, cost, text
 
 
 # ------------------------------------------------------------------ serving
@@ -590,17 +612,34 @@ def main() -> None:
     m.aiolm_model = {r: m.aiolm_model[_row_parts(r)[0]] for r in rows_wanted}
     tables, raw = [], {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    bounds, cost, bounds_text = _bounds(m)  # measured first, on a quiet machine
+    print(bounds_text, flush=True)
+
+    def batch_bound(r: dict[str, Any]) -> float:
+        # every engine runs the same seeded workload: aiolm's row says its prompt and output tokens
+        ours = next((x for x in rows if x["peer"] == "aiolm" and "prompt_tokens" in x), None)
+        share = ours["output_tokens"] / (ours["output_tokens"] + ours["prompt_tokens"]) if ours else 1.0
+        return cost.batch_bound(bounds) * share
+
+    def decode_bound(r: dict[str, Any]) -> float:
+        return cost.decode_bound(bounds, cost.bytes_for(str(r["dtype"]), m.ggufs))
+
     for w in a.workloads.split(","):
         if w == "offline":
             rows = offline_rows(a, False, m)
             tables.append(
-                offline_table(rows, f"Offline: {a.num_requests} requests, prompts 64-256, outputs 32-128", a.repeats)
+                offline_table(
+                    rows, f"Offline: {a.num_requests} requests, prompts 64-256, outputs 32-128", a.repeats, batch_bound
+                )
             )
         elif w == "single":
             rows = offline_rows(a, True, m)
             tables.append(
                 offline_table(
-                    rows, "Single stream: 128-token prompt, 128 output tokens (end to end, prefill included)", a.repeats
+                    rows,
+                    "Single stream: 128-token prompt, 128 output tokens (end to end, prefill included)",
+                    a.repeats,
+                    decode_bound,
                 )
             )
         elif w == "serve":
@@ -617,7 +656,7 @@ def main() -> None:
         + (f" --model {m.arg}" if m.arg else "")
         + "`."
     )
-    text = head + "\n\n" + "\n\n".join(tables) + "\n"
+    text = head + " " + bounds_text + "\n\n" + "\n\n".join(tables) + "\n"
     print(text)
     if a.markdown:
         Path(a.markdown).write_text(text)
