@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind
+from aiolm.server import beam
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
     Generation,
@@ -98,6 +99,14 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             own = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
         reading = _Reading(plan, thinking, text, req.include_reasoning)
         turns.append(_Turn(Prompt(text, ids, own), reading, _echoed(req, conv)))
+    if req.use_beam_search:  # the n best beams as the choices (aiolm/server/beam.py)
+        ids_of = [t.prompt.token_ids for t in turns]
+        returned = (ids_of if req.batched else ids_of[0]) if req.return_token_ids else None
+        beams = [(t.prompt, t.reading.message, t.echo) for t in turns]
+        structured_field = structured_param if structured else None
+        return await beam.chat_completion(
+            request, ctx, req, beams, max_tokens, mt_param, lora, structured_field, returned
+        )
     rid = ctx.new_id("chatcmpl")
     gen = Generation(
         ctx,
@@ -105,7 +114,12 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         params,
         rid,
         req.priority,
-        rename={"prompt": "messages", "max_tokens": mt_param, "structured_outputs": structured_param},
+        rename={
+            "prompt": "messages",
+            "max_tokens": mt_param,
+            "structured_outputs": structured_param,
+            "logprobs": "top_logprobs",
+        },
         lora_request=lora,
     )
     await gen.start(request.receive)
@@ -133,6 +147,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             turns,
         )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
+    as_ids = req.return_tokens_as_token_ids
     finals = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0
@@ -150,7 +165,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
                     "index": k * req.n + c.index,
                     "message": message,
                     "logprobs": (
-                        chat_logprobs(c.token_ids, c.logprobs, top_n, engine, req.return_tokens_as_token_ids)
+                        chat_logprobs(c.token_ids, c.logprobs, top_n, engine, as_ids, req.logprob_token_ids)
                         if req.logprobs
                         else None
                     ),
@@ -223,7 +238,7 @@ async def _chat_events(
                 idx = pi * n + c.index
                 completion_tokens += len(c.token_ids)
                 lp = (
-                    chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer, as_ids)
+                    chat_logprobs(c.token_ids, c.logprobs, top_n, tokenizer, as_ids, gen.params.logprob_token_ids)
                     if want_logprobs and c.token_ids
                     else None
                 )

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
 from aiolm.params import OutputKind
+from aiolm.server import beam
 from aiolm.server.context import ServingContext
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
@@ -71,6 +72,8 @@ async def create_completion(request: Request) -> Response | EventStream:
     req = parse(CompletionRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
     lora = check_model(ctx, req.model)
     check_unsupported_completion(req)
+    if req.logprob_token_ids is not None and req.logprobs is None:  # the named tokens' columns, as logprobs: 0
+        req = req.model_copy(update={"logprobs": 0})
     structured, structured_param = structured_spec(req)
     stream = req.stream
     # Echoed prompt tokens get real logprobs: the engine scores the prompt too (as vLLM does).
@@ -91,6 +94,8 @@ async def create_completion(request: Request) -> Response | EventStream:
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req.echo:
             p.text = tok.decode(p.token_ids)
+    if req.use_beam_search:  # the n best beams as the choices (aiolm/server/beam.py)
+        return await beam.completion(request, ctx, req, prompts, lora, structured_param if structured else None)
     rid = ctx.new_id("cmpl")
     gen = Generation(
         ctx, prompts, params, rid, req.priority, rename={"structured_outputs": structured_param}, lora_request=lora
@@ -121,7 +126,9 @@ async def create_completion(request: Request) -> Response | EventStream:
             echo = (prompt.text or "") if req.echo else ""
             lp = None
             if req.logprobs is not None:
-                b = CompletionLogprobs(req.logprobs, tok, as_ids=req.return_tokens_as_token_ids)
+                b = CompletionLogprobs(
+                    req.logprobs, tok, as_ids=req.return_tokens_as_token_ids, named=req.logprob_token_ids
+                )
                 echoed = b.prompt(prompt.token_ids, final.prompt_logprobs) if req.echo else None
                 lp = merge(echoed, b.generated(c.token_ids, c.logprobs or []))
             ids = req.return_token_ids
@@ -190,7 +197,9 @@ async def _events(
     if top_n is not None:
         as_ids = req.return_tokens_as_token_ids
         builders = {
-            pi * n + i: CompletionLogprobs(top_n, tok, as_ids=as_ids) for pi in range(len(prompts)) for i in range(n)
+            pi * n + i: CompletionLogprobs(top_n, tok, as_ids=as_ids, named=req.logprob_token_ids)
+            for pi in range(len(prompts))
+            for i in range(n)
         }
     echo_pending = set(range(len(prompts))) if req.echo else set()
 

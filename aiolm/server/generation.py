@@ -113,6 +113,26 @@ def check_lengths(
         raise bad_request(f"'min_tokens' ({min_tokens}) is more than can be generated ({room})", param="min_tokens")
 
 
+def check_admission(ctx: ServingContext, num_prompts: int, n: int, priority: int) -> None:
+    """What a generation (or a beam search) must pass before it reaches the engine: a server
+    not shutting down, ``priority`` only where enabled, at most --max-seqs-per-request sequences."""
+    settings = ctx.settings
+    if ctx.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+    if priority and not settings.allow_request_priority:
+        raise bad_request(
+            "'priority' is not enabled on this server (start it with --allow-request-priority)", param="priority"
+        )
+    seqs = num_prompts * n
+    if seqs > settings.max_seqs_per_request:
+        raise bad_request(
+            f"this request asks for {seqs} sequences ({num_prompts} prompt(s) x n="
+            f"{n}); the limit is {settings.max_seqs_per_request} "
+            f"(--max-seqs-per-request)",
+            param="n",
+        )
+
+
 class Generation:
     """The engine requests behind one HTTP request (one per prompt, each with ``n`` choices)."""
 
@@ -153,20 +173,7 @@ class Generation:
     async def _start(self) -> None:
         engine = self.ctx.engine
         settings = self.ctx.settings
-        if self.ctx.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
-        if self.priority and not settings.allow_request_priority:
-            raise bad_request(
-                "'priority' is not enabled on this server (start it with --allow-request-priority)", param="priority"
-            )
-        seqs = len(self.prompts) * self.params.n
-        if seqs > settings.max_seqs_per_request:
-            raise bad_request(
-                f"this request asks for {seqs} sequences ({len(self.prompts)} prompt(s) x n="
-                f"{self.params.n}); the limit is {settings.max_seqs_per_request} "
-                f"(--max-seqs-per-request)",
-                param="n",
-            )
+        check_admission(self.ctx, len(self.prompts), self.params.n, self.priority)
         timeout = settings.request_timeout or None
         self.ctx.server_load += 1
         self._loaded = True

@@ -37,7 +37,7 @@ from pydantic.functional_validators import AfterValidator
 
 from aiolm.config import EngineArgs
 from aiolm.engine.client import EngineClient
-from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.params import MAX_LOGPROB_TOKEN_IDS, OutputKind, ParamError, SamplingParams
 from aiolm.server import client_json
 from aiolm.server.errors import APIError, bad_request
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
@@ -275,13 +275,25 @@ class SamplingRequest(NoopFields):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    # -- vLLM's beam search (aiolm/server/beam.py) --
+    use_beam_search: bool = Field(
+        False, description="vLLM's: the choices are the n best beams of a beam search of width n, best first"
+    )
+    length_penalty: float = Field(
+        1.0, description="vLLM's, with use_beam_search: beams rank by cumulative logprob / length ** length_penalty"
+    )
+    early_stopping: Literal[True, False, "never"] = Field(
+        False,
+        description="vLLM's, with use_beam_search; as in vLLM v1 it has no effect (the search runs max_tokens steps)",
+    )
+    # -- end of beam search --
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)] | None = Field(
         None, description="vLLM's: only these tokens may be generated"
     )
     bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description="vLLM's: words never generated (each as tokenized with and without a leading space)"
     )
-    prompt_logprobs: Annotated[int, Field(le=Limits.max_logprobs)] | None = Field(
+    prompt_logprobs: Annotated[int, Field(ge=-1, le=Limits.max_logprobs)] | None = Field(
         None,
         description="vLLM's: each prompt token's logprob and this many alternatives "
         "('prompt_logprobs' in the response; not with stream)",
@@ -290,6 +302,11 @@ class SamplingRequest(NoopFields):
         False,
         description="vLLM's: the prompt's token ids ('prompt_token_ids') "
         "and each choice's ('token_ids') next to the text",
+    )
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None = Field(
+        None,
+        description="vLLM's: these tokens' logprobs at every generated position, shown in place of "
+        "the top logprobs (chat: with logprobs true)",
     )
     return_tokens_as_token_ids: bool = Field(
         False,
@@ -321,7 +338,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: ChatMessages  # type: ignore[valid-type]
     max_completion_tokens: int | None = Field(None, description="most tokens to generate (wins over max_tokens)")
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=Limits.max_logprobs)] | None = None
+    top_logprobs: Annotated[int, Field(ge=-1, le=Limits.max_logprobs)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="function tools the model may call"
     )
@@ -377,7 +394,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt  # type: ignore[valid-type]
     max_tokens: int | None = Field(16, description="most tokens to generate")
     echo: bool = False
-    logprobs: Annotated[int, Field(le=Limits.max_logprobs)] | None = None
+    logprobs: Annotated[int, Field(ge=-1, le=Limits.max_logprobs)] | None = None
     best_of: Annotated[int, Field(ge=1, le=Limits.max_n)] | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -482,11 +499,13 @@ M = TypeVar("M", bound=BaseModel)
 @functools.cache
 def bounded(model: type[M], limits: Limits) -> type[M]:
     """``model`` with ``limits``' bounds on the fields they apply to (cached: one class per pair)."""
-    logprobs = Annotated[int, Field(le=limits.max_logprobs)] | None
+    # -1 asks for the whole vocabulary; the engine refuses it unless --max-logprobs is -1 (no bound)
+    most = None if limits.max_logprobs == -1 else limits.max_logprobs
+    logprobs = Annotated[int, Field(ge=-1, le=most)] | None
     types: dict[str, Any] = {
         "n": Annotated[int, Field(le=limits.max_n)],
         "prompt_logprobs": logprobs,
-        "top_logprobs": Annotated[int, Field(ge=0, le=limits.max_logprobs)] | None,
+        "top_logprobs": logprobs,
         "best_of": Annotated[int, Field(ge=1, le=limits.max_n)] | None,
     }
     if issubclass(model, CompletionRequest):  # chat's logprobs is a boolean; /tokenize's prompt one string
@@ -638,6 +657,7 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            logprob_token_ids=req.logprob_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=kind,
@@ -690,8 +710,20 @@ def check_stream_options(req: SamplingRequest) -> None:
 
 def check_unsupported_chat(req: ChatCompletionRequest) -> None:
     check_stream_options(req)
-    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    if req.logprob_token_ids is not None and not req.logprobs:
+        raise bad_request("'logprob_token_ids' needs 'logprobs' set to true", param="logprob_token_ids")
+    _check_named_logprobs(req, req.top_logprobs)
+
+
+def _check_named_logprobs(req: SamplingRequest, top: int | None) -> None:
+    """The named tokens are shown in place of the top ones: asking for both is ambiguous."""
+    if req.logprob_token_ids is not None and top:
+        raise bad_request(
+            "'logprob_token_ids' shows those tokens in place of the top logprobs; ask for one or the other",
+            param="logprob_token_ids",
+        )
 
 
 def check_unsupported_completion(req: CompletionRequest) -> None:
@@ -700,6 +732,7 @@ def check_unsupported_completion(req: CompletionRequest) -> None:
         raise bad_request("'suffix' is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
+    _check_named_logprobs(req, req.logprobs)
 
 
 # -- output constraints -------------------------------------------------------------------
