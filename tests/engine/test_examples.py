@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 600
-SERVER_URL = "http://127.0.0.1:8000/v1"  # what README snippets that need `aiolm serve` connect to
+SERVER_URL = "http://127.0.0.1:8000"  # what README snippets that need `aiolm serve` connect to (/v1 or not)
 
 
 def test_examples_run_standalone():
@@ -99,7 +99,7 @@ def test_readme_client_snippets_run_against_a_server(open_servers):
     assert blocks, "the README's structured outputs example"
     port = open_servers.get().port
     for code in blocks:
-        code = code.replace(SERVER_URL, f"http://127.0.0.1:{port}/v1")
+        code = code.replace(SERVER_URL, f"http://127.0.0.1:{port}")
         p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=TIMEOUT)
         assert p.returncode == 0, f"{code}\n{p.stdout}\n{p.stderr[-3000:]}"
         lines = p.stdout.strip().splitlines()
