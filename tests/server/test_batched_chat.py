@@ -36,31 +36,23 @@ def test_each_conversation_answers_as_it_would_alone(server, client):
         client.chat.completions.create(model=model, messages=conv, max_tokens=8, temperature=0, n=2)
         for conv in CONVERSATIONS
     ]
-    body = {"model": model, "messages": CONVERSATIONS, "max_tokens": 8, "temperature": 0, "n": 2}
-    r = _post(server, {**body, "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    batch = r.json()
-    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    kw = dict(model=model, messages=CONVERSATIONS, max_tokens=8, temperature=0, n=2)
+    batch = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    assert [c.index for c in batch.choices] == list(range(6))
     for k, single in enumerate(alone):
         for i, choice in enumerate(single.choices):
-            got = batch["choices"][k * 2 + i]
-            assert got["message"]["content"] == choice.message.content
-            assert got["finish_reason"] == choice.finish_reason
-    assert batch["usage"]["prompt_tokens"] == sum(a.usage.prompt_tokens for a in alone)
-    assert batch["usage"]["completion_tokens"] == sum(a.usage.completion_tokens for a in alone)
-    assert [len(ids) for ids in batch["prompt_token_ids"]] == [a.usage.prompt_tokens for a in alone]
+            got = batch.choices[k * 2 + i]
+            assert got.message.content == choice.message.content
+            assert got.finish_reason == choice.finish_reason
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert [len(ids) for ids in batch.model_extra["prompt_token_ids"]] == [a.usage.prompt_tokens for a in alone]
 
     streamed: dict[int, str] = {}
-    with httpx.stream(
-        "POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
-    ) as s:
-        import json
-
-        for line in s.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for ch in json.loads(line[6:])["choices"]:
-                    streamed[ch["index"]] = streamed.get(ch["index"], "") + (ch["delta"].get("content") or "")
-    assert streamed == {c["index"]: c["message"]["content"] for c in batch["choices"]}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in batch.choices}
 
 
 @pytest.mark.parametrize(
