@@ -294,10 +294,10 @@ def _bounds(m: Models) -> tuple[Any, Any, str]:
     bounds, cost = measure(), model_cost(m.hf_dir)
     text = (
         f"Bounds on this machine (benchmarks/machine_bounds.py, torch on {bounds.threads} threads): "
-        f"memory read {bounds.read_gb_s:.1f} GB/s, float32 SGEMM {bounds.sgemm_gflop_s:.0f} GFLOP/s; the model "
-        f'has {cost.matmul_params / 1e6:.1f}M matmul weights. Offline "of bound" is the tokens processed '
-        f"(prompt and output) over SGEMM / 2 FLOPs per weight; single stream's is decode tok/s over read "
-        f"bandwidth / the row's weight bytes."
+        f"memory read {bounds.read_gb_s:.1f} GB/s, float32 SGEMM {bounds.sgemm_gflop_s:.0f} GFLOP/s, bfloat16 "
+        f"GEMM {bounds.bf16_gflop_s:.0f} GFLOP/s; the model has {cost.matmul_params / 1e6:.1f}M matmul weights. "
+        f'Offline "of bound" is the tokens processed (prompt and output) over the row\'s GEMM rate / 2 FLOPs '
+        f"per weight; single stream's is decode tok/s over read bandwidth / the row's weight bytes."
     )
     return bounds, cost, text
 
@@ -619,9 +619,14 @@ def main() -> None:
         # every engine runs the same seeded workload: aiolm's row says its prompt and output tokens
         ours = next((x for x in rows if x["peer"] == "aiolm" and "prompt_tokens" in x), None)
         share = ours["output_tokens"] / (ours["output_tokens"] + ours["prompt_tokens"]) if ours else 1.0
-        return cost.batch_bound(bounds) * share
+        return cost.batch_bound(bounds, "16" in str(r["dtype"])) * share
 
     def decode_bound(r: dict[str, Any]) -> float:
+        # aiolm's rows on a GGUF (the embedded model's included) decode from the file's blocks
+        model = m.aiolm_model.get(r["dtype"], "") if r["peer"] == "aiolm" else ""
+        gguf = m.transformers_input if model is None else model
+        if gguf.endswith(".gguf"):
+            return cost.decode_bound(bounds, Path(gguf).stat().st_size)
         return cost.decode_bound(bounds, cost.bytes_for(str(r["dtype"]), m.ggufs))
 
     for w in a.workloads.split(","):
@@ -661,7 +666,7 @@ def main() -> None:
     if a.markdown:
         Path(a.markdown).write_text(text)
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps(raw, indent=1))
+        Path(a.json_out).write_text(json.dumps({**raw, "bounds": vars(bounds)}, indent=1))
     if a.plot:
         plot(raw, a.plot, a.num_requests)
 

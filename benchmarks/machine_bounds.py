@@ -29,6 +29,7 @@ class Bounds:
     read_gb_s: float  # memory read bandwidth, GB/s (1e9 bytes)
     sgemm_gflop_s: float  # float32 large-matmul rate, GFLOP/s
     threads: int
+    bf16_gflop_s: float = 0.0  # bfloat16 large-matmul rate (torch), GFLOP/s
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -55,10 +56,14 @@ def measure(repeats: int = 7) -> Bounds:
     a = torch.randn(SGEMM_SIZE, SGEMM_SIZE)
     b = torch.randn(SGEMM_SIZE, SGEMM_SIZE)
     mm_s = _median_time(lambda: torch.mm(a, b), repeats)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    mm16_s = _median_time(lambda: torch.mm(a16, b16), repeats)
+    flops = 2 * SGEMM_SIZE**3
     return Bounds(
         read_gb_s=READ_BUFFER_BYTES / read_s / 1e9,
-        sgemm_gflop_s=2 * SGEMM_SIZE**3 / mm_s / 1e9,
+        sgemm_gflop_s=flops / mm_s / 1e9,
         threads=torch.get_num_threads(),
+        bf16_gflop_s=flops / mm16_s / 1e9,
     )
 
 
@@ -72,9 +77,11 @@ class ModelCost:
         """Single-stream tokens/s if reading the weights were all a step did."""
         return bounds.read_gb_s * 1e9 / weight_bytes
 
-    def batch_bound(self, bounds: Bounds) -> float:
-        """Tokens processed per second (prompt and output) if every FLOP ran at the SGEMM rate."""
-        return bounds.sgemm_gflop_s * 1e9 / (2 * self.matmul_params)
+    def batch_bound(self, bounds: Bounds, bf16: bool = False) -> float:
+        """Tokens processed per second (prompt and output) if every FLOP ran at the matmul rate
+        (``bf16``: the bfloat16 one, where a row multiplies in bfloat16)."""
+        rate = bounds.bf16_gflop_s if bf16 and bounds.bf16_gflop_s else bounds.sgemm_gflop_s
+        return rate * 1e9 / (2 * self.matmul_params)
 
     def bytes_for(self, dtype: str, ggufs: dict[str, str]) -> float:
         """Bytes of weights a decode step reads in a row's dtype (a GGUF row: its file)."""
