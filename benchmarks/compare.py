@@ -297,7 +297,8 @@ def _bounds(m: Models) -> tuple[Any, Any, str]:
         f"memory read {bounds.read_gb_s:.1f} GB/s, float32 SGEMM {bounds.sgemm_gflop_s:.0f} GFLOP/s, bfloat16 "
         f"GEMM {bounds.bf16_gflop_s:.0f} GFLOP/s; the model has {cost.matmul_params / 1e6:.1f}M matmul weights. "
         f'Offline "of bound" is the tokens processed (prompt and output) over the row\'s GEMM rate / 2 FLOPs '
-        f"per weight; single stream's is decode tok/s over read bandwidth / the row's weight bytes."
+        f"per weight; single stream's is decode tok/s over read bandwidth / the row's weight bytes; "
+        f"serving's is offline's on the tokens it served."
     )
     return bounds, cost, text
 
@@ -471,6 +472,9 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
                         "dtype": dtype,
                         "runs": runs,
                         "output_tok_s": statistics.median(r["output_tok_s"] for r in runs),
+                        # every server gets the same seeded prompts: the share of output in what it processed
+                        "output_share": sum(r["output_tokens"] for r in runs)
+                        / max(1, sum(r["output_tokens"] + r["prompt_tokens"] for r in runs)),
                         "tpot_p50": statistics.median(r["tpot_s"]["p50"] for r in runs),
                         "ttft_p50": statistics.median(r["ttft_s"]["p50"] for r in runs),
                         "ttft_p99": statistics.median(r["ttft_s"]["p99"] for r in runs),
@@ -484,15 +488,20 @@ def serve_rows(a: argparse.Namespace, m: Models) -> list[dict[str, Any]]:
     return rows
 
 
-def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
+def serve_table(
+    rows: list[dict[str, Any]], a: argparse.Namespace, bound: Callable[[dict[str, Any]], float] | None = None
+) -> str:
+    """``bound(row)``: the output tok/s this machine's GEMM rate allows the row (machine_bounds.py)."""
     base = next((r for r in rows if r["peer"] == "aiolm"), None)
     lines = [
         f"**Serving: {a.serve_requests} requests, {a.concurrency} concurrent clients, medians of "
         f"{a.repeats} runs** (latency ratios are engine / aiolm: above 1 means aiolm is faster)",
         "",
-        "| engine | dtype | output tok/s | TPOT p50 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
+        "| engine | dtype | output tok/s |"
+        + (" of bound |" if bound else "")
+        + " TPOT p50 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
         "| tok/s aiolm/engine | TPOT engine/aiolm | TTFT p99 engine/aiolm |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|" + ("---|" if bound else "") + "---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratios = ["", "", ""]
@@ -502,8 +511,9 @@ def serve_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
                 f"{r['tpot_p50'] / base['tpot_p50']:.2f}x",
                 f"{r['ttft_p99'] / base['ttft_p99']:.2f}x",
             ]
+        share = f" {r['output_tok_s'] / bound(r):.0%} |" if bound else ""
         lines.append(
-            f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} | {1e3 * r['tpot_p50']:.1f} | "
+            f"| {r['peer']} | {r['dtype']} | {r['output_tok_s']:.1f} |{share} {1e3 * r['tpot_p50']:.1f} | "
             f"{1e3 * r['ttft_p50']:.0f} | {1e3 * r['ttft_p99']:.0f} | {1e3 * r['itl_p99']:.1f} | "
             + " | ".join(ratios)
             + " |"
@@ -621,6 +631,9 @@ def main() -> None:
         share = ours["output_tokens"] / (ours["output_tokens"] + ours["prompt_tokens"]) if ours else 1.0
         return cost.batch_bound(bounds, "16" in str(r["dtype"])) * share
 
+    def serve_bound(r: dict[str, Any]) -> float:
+        return cost.batch_bound(bounds, "16" in str(r["dtype"])) * r["output_share"]
+
     def decode_bound(r: dict[str, Any]) -> float:
         # aiolm's rows on a GGUF (the embedded model's included) decode from the file's blocks
         model = m.aiolm_model.get(r["dtype"], "") if r["peer"] == "aiolm" else ""
@@ -649,7 +662,7 @@ def main() -> None:
             )
         elif w == "serve":
             rows = serve_rows(a, m)
-            tables.append(serve_table(rows, a))
+            tables.append(serve_table(rows, a, serve_bound))
         else:
             raise SystemExit(f"unknown workload {w!r}: offline, single, serve")
         raw[w] = rows

@@ -128,6 +128,7 @@ async def run_load(
         dur = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(len(it.prompt_token_ids) for it, r in zip(items, results) if r.ok)
     good = [r for r in ok if (slo_ttft is None or r.ttft <= slo_ttft) and (slo_tpot is None or r.tpot <= slo_tpot)]
     return {
         "rate": rate,
@@ -137,6 +138,8 @@ async def run_load(
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": dur,
         "output_tok_s": out_tokens / dur,
+        "prompt_tokens": in_tokens,  # of the completed requests, as output_tokens
+        "output_tokens": out_tokens,
         "requests_s": len(ok) / dur,
         "goodput_req_s": len(good) / dur,
         "ttft_s": _pcts([r.ttft for r in ok]),
