@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiolm.server.reasoning import FORMATS, ReasoningSplitter, split_reasoning
 
@@ -76,3 +78,45 @@ def test_a_marker_split_one_character_at_a_time() -> None:
     out = [s.feed(ch) for ch in text]
     assert "".join(r for r, _ in out) == " x "
     assert "".join(c for _, c in out) == " y"
+
+
+_PIECES = st.sampled_from(
+    [
+        "<think>",
+        "</think>",
+        "<th",
+        "ink>",
+        "</",
+        "Here is my thought process:",
+        "Here is my response:",
+        "Here",
+        "a",
+        " ",
+        "\n",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FORMATS)),
+    prompt=st.sampled_from(["", "<|assistant|>", "<think>\n", "<think></think>\n"]),
+    pieces=st.lists(_PIECES | st.text(max_size=3), max_size=30),
+    cuts=st.lists(st.integers(1, 7), max_size=40),
+)
+def test_any_text_streamed_in_any_pieces_joins_to_the_whole_split(name, prompt, pieces, cuts):
+    fmt, text = FORMATS[name], "".join(pieces)
+    reasoning, content = split_reasoning(fmt, prompt, text)
+    assert (reasoning or "") + (content or "") in (text, text.lstrip()) or any(
+        t in text for t in fmt.starts + fmt.ends
+    ), "only markers (and whitespace before a start marker) are dropped"
+    s = ReasoningSplitter(fmt, prompt)
+    r = c = ""
+    pos = 0
+    for n in [*cuts, len(text)]:
+        dr, dc = s.feed(text[pos : pos + n])
+        r, c, pos = r + dr, c + dc, pos + n
+        if pos >= len(text):
+            break
+    dr, dc = s.finish()
+    assert (r + dr, c + dc) == (reasoning or "", content or "")
