@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
+from aiolm.checkpoint.quantization import WeightQuant
 from aiolm.errors import ModelLoadError
 
 
@@ -42,6 +43,8 @@ class ModelConfig:
     # per layer: how many keys back a query sees (itself included), None for all of them;
     # empty when no layer has a window
     sliding_windows: tuple[int | None, ...] = ()
+    # how the checkpoint stores its linear weights (GPTQ, AWQ, ...); None: dense
+    quantization: WeightQuant | None = None
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, None if it attends to the whole sequence."""

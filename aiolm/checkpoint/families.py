@@ -9,12 +9,14 @@ read the config.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiolm.checkpoint import bert, gemma3, llama, moe
 from aiolm.checkpoint.config import ModelConfig
+from aiolm.checkpoint.quantization import read_quantization
 from aiolm.errors import ModelLoadError
 
 
@@ -69,5 +71,10 @@ def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig
         )
     family = MODELS[arch]
     if family.config_from_hf is None:
-        return ModelConfig.from_hf(cfg, source, architecture=family.name)
-    return family.config_from_hf(cfg, family.name, source)
+        config = ModelConfig.from_hf(cfg, source, architecture=family.name)
+    else:
+        config = family.config_from_hf(cfg, family.name, source)
+    quant = read_quantization(cfg, source)
+    if quant is not None and config.encoder_only:
+        raise ModelLoadError(f"{source}: quantized encoder-only models are not supported")
+    return dataclasses.replace(config, quantization=quant) if quant is not None else config

@@ -20,6 +20,16 @@ def iter_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str,
     with, so a tensor-parallel rank copies only its own slice of each tensor. It is
     valid until the next item is taken.
     """
+    quant = source.config.quantization
+    if quant is not None:
+        from aiolm.quant.checkpoint_formats import dequantized_weights
+
+        yield from dequantized_weights(_iter_files(source, lazy), quant)
+    else:
+        yield from _iter_files(source, lazy)
+
+
+def _iter_files(source: ModelSource, lazy: bool) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     for f in source.safetensors_files():
@@ -29,14 +39,16 @@ def iter_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str,
 
 
 class LazyWeight:
-    """A tensor still in its safetensors file: ``shape``, and ``w[index]`` reads only that
-    part (``w[...]`` all of it). ``bytes_read`` counts what indexing has read so far."""
+    """A tensor still in its safetensors file: ``shape``, ``dtype`` (safetensors' name of it:
+    F32, BF16, F8_E4M3, ...), and ``w[index]`` reads only that part (``w[...]`` all of it).
+    ``bytes_read`` counts what indexing has read so far."""
 
     def __init__(self, part: Any) -> None:
         import torch
 
         self._part = part
         self.shape = torch.Size(part.get_shape())
+        self.dtype: str = part.get_dtype()
         self.bytes_read = 0
 
     def __getitem__(self, index: Any) -> Any:

@@ -99,8 +99,9 @@ class CpuPlatform(Platform):
         self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None, tp_size: int = 1
     ) -> QuantConfig:
         """Packed float32 or bfloat16 weights (aiolm/quant/cpu_packed.py) for a model in float32
-        or bfloat16, with a GGUF file's own blocks beside them where the C++ kernels run on
-        one rank (aiolm/quant/gguf_blocks.py); dense weights in any other dtype."""
+        or bfloat16, with a GGUF file's own blocks (aiolm/quant/gguf_blocks.py) or a 4-bit
+        checkpoint's codes (aiolm/quant/int4_blocks.py) beside them where the C++ kernels run
+        on one rank; dense weights in any other dtype."""
         matmul_dtype = _matmul_dtype(dtype)
         if self.activation_dtype(matmul_dtype) != torch.float32:
             return quant_config("dense")
@@ -111,6 +112,16 @@ class CpuPlatform(Platform):
         if kernels and tp_size == 1 and checkpoint is not None and Path(checkpoint).suffix == ".gguf":
             return quant_config(
                 "gguf_blocks", path=Path(checkpoint), model_config=model_config, inner=packed, matmul_dtype=matmul_dtype
+            )
+        quant = getattr(model_config, "quantization", None)
+        if kernels and tp_size == 1 and checkpoint is not None and quant is not None and quant.int4:
+            return quant_config(
+                "int4_blocks",
+                path=Path(checkpoint),
+                model_config=model_config,
+                inner=packed,
+                quant=quant,
+                matmul_dtype=matmul_dtype,
             )
         return packed
 

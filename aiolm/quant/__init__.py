@@ -16,6 +16,7 @@ QUANT_CONFIGS = {
     "dense": "aiolm.quant.dense:DenseConfig",
     "cpu_packed": "aiolm.quant.cpu_packed:CpuPackedConfig",
     "gguf_blocks": "aiolm.quant.gguf_blocks:GGUFBlocksConfig",
+    "int4_blocks": "aiolm.quant.int4_blocks:Int4BlocksConfig",
 }
 
 

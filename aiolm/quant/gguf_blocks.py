@@ -160,6 +160,17 @@ def type_int8_rows(qtype: int) -> int:
     return INT8_LIMIT if qtype == TYPE_IDS["Q6_K"] else INT8_LIMIT_VNNI
 
 
+def grouped(a: np.ndarray) -> np.ndarray:
+    """A weight's per-row blocks [N, nblocks, k] as kernel groups [N/8, nblocks * 8 * k]: rows in
+    groups of 8 (the last padded with zeros), a group's block b of all 8 rows side by side."""
+    pad = -a.shape[0] % 8
+    if pad:
+        a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+    groups = a.shape[0] // 8
+    a = a.reshape(groups, 8, a.shape[1], -1).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(a).reshape(groups, -1)
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """A weight's blocks regrouped into the arrays aiolm::gguf_linear reads: output rows
@@ -179,15 +190,6 @@ class GGUFWeight:
         if ttype in AS_TYPE:
             blocks, ttype = _q5_0_as_q8_0(blocks), AS_TYPE[ttype]
         n = blocks.shape[0]
-        pad = -n % 8
-        groups = (n + pad) // 8
-
-        def grouped(a: np.ndarray) -> np.ndarray:  # [N, nblocks, k] -> [N/8, nblocks * 8 * k]
-            if pad:
-                a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
-            a = a.reshape(groups, 8, a.shape[1], -1).transpose(0, 2, 1, 3)
-            return np.ascontiguousarray(a).reshape(groups, -1)
-
         if ttype == "Q4_K":
             qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
             return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
@@ -208,6 +210,17 @@ class GGUFWeight:
         scale = grouped(b[:, :, 0:2].copy().view(np.float16))
         mins = grouped(b[:, :, 2:4].copy().view(np.float16)) if has_min else np.zeros((0,), np.float16)
         return cls(torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(mins), TYPE_IDS[ttype], n)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> GGUFWeight:
+        """4-bit codes (uint8 [N, K], 0-15) with a float32 scale and min per block of 32
+        ([N, K/32]): w = d * q + m, in the layout of the Q4_K type (Q4_1 blocks with float32
+        scales and mins), which keeps a checkpoint's scales and zero points exact."""
+        n, k = codes.shape
+        c = codes.reshape(n, k // 32, 32).numpy()
+        qs = (c[:, :, :16] | (c[:, :, 16:] << 4)).astype(np.uint8)  # weight j low, j + 16 high
+        scales = (d.float().reshape(n, -1, 1).numpy(), m.float().reshape(n, -1, 1).numpy())
+        return cls(torch.from_numpy(grouped(qs)), *(torch.from_numpy(grouped(a)) for a in scales), TYPE_IDS["Q4_K"], n)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
