@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 
 SERVE_MAX_WAITING = 1024  # `aiolm serve`'s --max-waiting-requests: a server bounds its queue
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3, as in vLLM
 
 
 def _f(default: Any, help: str) -> Any:
@@ -92,6 +93,11 @@ class EngineArgs:
     attention_backend: str = _f(
         "auto",
         "auto|cpu|torch|triton (auto: the platform's best: cpu kernels on CPU, triton on CUDA; torch is the reference)",
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "auto|fp8|fp8_e4m3: what the KV cache holds (auto: the platform's choice for --dtype; fp8: float8 e4m3, "
+        "with the checkpoint's per-layer k_scale/v_scale or 1.0; half the bytes of float16)",
     )
     enforce_eager: bool = _f(False, "on CUDA: never replay CUDA graphs (every step runs eagerly)")
     max_cudagraph_size: int = _f(256, "on CUDA: largest decode batch captured as a CUDA graph")
@@ -260,6 +266,10 @@ class EngineArgs:
         check_prefix(self.metrics_prefix)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(
                 f"attention_backend: {self.attention_backend!r} is not supported; supported: auto, cpu, torch, triton"
@@ -384,6 +394,7 @@ class RunnerConfig:
     # data-parallel replicas (each tensor_parallel_size ranks) land on disjoint GPUs of the node.
     device_offset: int = 0
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # or fp8 / fp8_e4m3: float8 e4m3 with per-layer scales
     enforce_eager: bool = False  # on CUDA: no graph capture
     max_cudagraph_size: int = 256
     max_num_seqs: int = 256

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from aiolm.attention.metadata import AttentionMetadata
-from aiolm.attention.torch_backend import TorchAttention
+from aiolm.attention.torch_backend import FP8, TorchAttention, write_kv
 from aiolm.kernels import cpu as cpu_kernels
 
 
 class CpuPagedAttention(TorchAttention):
-    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors over a float32 or
-    float16 cache, else the torch path.
+    """Uses ``torch.ops.aiolm.paged_attention`` for float32 CPU tensors over a float32,
+    float16 or fp8 cache, else the torch path.
 
     The kernels are built on the first float32 CPU call, never for a model on another device."""
 
@@ -30,9 +30,13 @@ class CpuPagedAttention(TorchAttention):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if not (cpu_kernels.ready(q) and kv_cache.dtype in (torch.float32, torch.float16)):
+        if not (cpu_kernels.ready(q) and kv_cache.dtype in (torch.float32, torch.float16, FP8)):
             return super().forward(q, k, v, kv_cache, meta)
-        torch.ops.aiolm.write_kv_(kv_cache, k, v, meta.slot_mapping)
+        fp8 = kv_cache.dtype == FP8
+        if fp8:  # rounded by torch; the kernel reads the bytes (k / k_scale) and scales the scores
+            write_kv(kv_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
+        else:
+            torch.ops.aiolm.write_kv_(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # dense, whatever q's strides (a view of qkv)
         torch.ops.aiolm.paged_attention(
             out,
@@ -41,10 +45,12 @@ class CpuPagedAttention(TorchAttention):
             meta.block_table,
             meta.query_start_loc,
             meta.seq_lens,
-            self.scale,
+            self.scale * self.k_scale if fp8 else self.scale,
             self.sliding_window or 0,
             self.soft_cap or 0.0,
         )
+        if fp8 and self.v_scale != 1.0:
+            out.mul_(self.v_scale)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def forward_encoder(

@@ -42,6 +42,10 @@ class AttentionBackend:
     ``forward`` is the per-step work."""
 
     cuda_graph_safe = False  # True where a CUDA graph can capture forward (no host syncs)
+    # An fp8 cache holds k / k_scale and v / v_scale (the checkpoint's per-layer scales, set
+    # after loading; 1.0 without them); other caches hold k and v as they are.
+    k_scale = 1.0
+    v_scale = 1.0
 
     def __init__(
         self,

@@ -25,10 +25,38 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: larger ones saturate (a plain cast would make NaN)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """New K or V in the cache's element type: fp8 holds x / scale, rounded to nearest."""
+    if dtype != FP8:
+        return x.to(dtype)
+    x = x.float() if scale == 1.0 else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def write_kv(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     _, nb, bs, hk, d = kv_cache.shape
-    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = to_cache(k, kv_cache.dtype, k_scale), to_cache(v, kv_cache.dtype, v_scale)
+    if kv_cache.dtype == FP8:  # torch copies float8 by index only as bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached K or V as ``dtype`` values: an fp8 cache's times its scale."""
+    y = x.to(dtype)
+    return y * scale if x.dtype == FP8 and scale != 1.0 else y
 
 
 class TorchAttention(AttentionBackend):
@@ -38,7 +66,7 @@ class TorchAttention(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens. Returns [T, H * D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty_like(q)
         qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
         decode_rows = [i for i, n in enumerate(qlens) if n == 1]
@@ -89,7 +117,7 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         n = q.shape[0]
         k, v = self._gather(kv_cache, blocks, seq_len, block_size)
-        k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = from_cache(k, q.dtype, self.k_scale), from_cache(v, q.dtype, self.v_scale)
         qh = q.transpose(0, 1)  # [H, n, D]
         kh = k.transpose(0, 1)
         vh = v.transpose(0, 1)
@@ -142,8 +170,10 @@ class TorchAttention(AttentionBackend):
         b = len(rows)
         hk, d = self.num_kv_heads, self.head_dim
         flat = table.reshape(-1)  # index_select copies pages far faster than advanced indexing
-        k = kv_cache[0].index_select(0, flat).to(q.dtype).view(b, nblk * bs, hk, d).transpose(1, 2)  # [B, Hk, L, D]
-        v = kv_cache[1].index_select(0, flat).to(q.dtype).view(b, nblk * bs, hk, d).transpose(1, 2)
+        k = from_cache(kv_cache[0].index_select(0, flat), q.dtype, self.k_scale)
+        v = from_cache(kv_cache[1].index_select(0, flat), q.dtype, self.v_scale)
+        k = k.view(b, nblk * bs, hk, d).transpose(1, 2)  # [B, Hk, L, D]
+        v = v.view(b, nblk * bs, hk, d).transpose(1, 2)
         pos = torch.tensor(slens, device=q.device).view(b, 1) - 1  # each row's query position
         mask = self._visible(pos, torch.arange(nblk * bs, device=q.device).view(1, -1)).view(b, 1, 1, -1)
         qb = q.index_select(0, tok).view(b, self.num_heads, 1, d)

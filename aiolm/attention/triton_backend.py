@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from aiolm.attention.metadata import AttentionBackend, AttentionMetadata
+from aiolm.attention.torch_backend import FP8
 from aiolm.kernels.triton.attention import choose_num_splits, paged_attention
 from aiolm.kernels.triton.cache import write_kv
 from aiolm.kernels.triton.encoder_attention import encoder_attention
@@ -48,7 +49,8 @@ class TritonAttention(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D] for the new tokens. Returns [T, H * D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        fp8 = kv_cache.dtype == FP8  # the cache holds k / k_scale, v / v_scale
+        write_kv(kv_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         splits = choose_num_splits(
             meta.num_reqs,
@@ -67,11 +69,13 @@ class TritonAttention(AttentionBackend):
             meta.cu_seqlens_q,
             meta.seq_lens_i32,
             meta.max_seqlen_q,
-            self.scale,
+            self.scale * self.k_scale if fp8 else self.scale,
             window=self.sliding_window,
             soft_cap=self.soft_cap,
             num_splits=splits,
         )
+        if fp8 and self.v_scale != 1.0:
+            out.mul_(self.v_scale)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def forward_encoder(

@@ -191,6 +191,7 @@ class AsyncEngine:
             model=str(self.source.origin),
             dtype=a.dtype,
             attention_backend=a.attention_backend,
+            kv_cache_dtype=a.kv_cache_dtype,
             enforce_eager=a.enforce_eager,
             max_cudagraph_size=a.max_cudagraph_size,
             max_num_seqs=a.max_num_seqs,

@@ -11,6 +11,8 @@ dtype and each layer's weights laid out by its quant method.
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -103,8 +105,31 @@ def build_model(
     pooling = pooling or source.config.encoder_only
     ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel, pooling, lora)
     model = model_class(source.config)(source.config, ctx, max_positions)
-    model.load_weights(iter_weights(source, lazy=True))  # a rank reads only its slices
+    kv_scales: dict[tuple[int, str], float] = {}
+    model.load_weights(_without_kv_scales(iter_weights(source, lazy=True), kv_scales))  # a rank reads its slices
+    for (layer, which), value in kv_scales.items():
+        attn = getattr(getattr(model.layers[layer], "self_attn", None), "attn", None)
+        if attn is not None:
+            setattr(attn, f"{which}_scale", value)
     return finish(model, ctx)
+
+
+# A layer's scale of its fp8 KV cache, as vLLM's quantization tools write it (kv_scale: both)
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
+
+
+def _without_kv_scales(
+    weights: Iterator[tuple[str, Any]], out: dict[tuple[int, str], float]
+) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors less the KV-cache scales, which go to ``out`` by (layer, k|v)."""
+    for name, w in weights:
+        m = _KV_SCALE.match(name)
+        if m is None:
+            yield name, w
+            continue
+        value = float(w[...].float().max())
+        for which in ("k", "v") if m[2] == "kv" else (m[2],):
+            out[(int(m[1]), which)] = value
 
 
 def finish(model: Any, ctx: BuildContext) -> Any:

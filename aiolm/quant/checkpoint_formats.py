@@ -27,9 +27,9 @@ _PARTS = {
     "ct4": (("weight_packed", "weight_scale", "weight_shape"), ("weight_zero_point", "weight_g_idx")),
     "fp8": (("weight",), ("weight_scale", "weight_scale_inv")),
 }
-# Scales of a format's activations and KV cache: the CPU keeps activations in float32 (so no
-# input scale applies) and its KV cache in float32/float16 (so no KV scale does).
-_UNUSED = ("input_scale", "output_scale", "k_scale", "v_scale")
+# Scales of a format's activations: activations stay in the model's dtype, unquantized. (The
+# KV cache's scales, self_attn.k_scale and v_scale, are read by the builder: model/registry.py.)
+_UNUSED = ("input_scale", "output_scale")
 # AWQ packs output column j of a group of 8 into nibble _AWQ_NIBBLE[j] of its int32
 _AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 

@@ -77,7 +77,8 @@ class ModelRunner:
             # room for a step's tokens before any CUDA graph takes the slot buffer's address
             self.lora.ctx.set_rows([-1] * max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
         self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
-        self.kv_dtype = self.platform.kv_cache_dtype(requested)
+        fp8 = cfg.kv_cache_dtype in ("fp8", "fp8_e4m3")
+        self.kv_dtype = torch.float8_e4m3fn if fp8 else self.platform.kv_cache_dtype(requested)
         mc = self.source.config
         self.vocab_size = mc.vocab_size
         self.grammars = BackgroundCompiles(mc.vocab_size)

@@ -12,8 +12,9 @@
 // transposed so that their scores are plain FMAs (~1.4x the row-by-row speed on
 // a 2048-token prefill: benchmarks/bench_attention.py).
 //
-// Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], float32
-// or float16; q [num_tokens, num_heads, head_dim] float32; out the same shape as q.
+// Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], float32,
+// float16 or float8 e4m3 (the values as they are: a cache's scales are the caller's);
+// q [num_tokens, num_heads, head_dim] float32; out the same shape as q.
 //
 // Two optional arguments, both 0 when unused: `window`, a sliding window (a query at
 // position p sees keys j with p - window < j <= p, as Hugging Face masks them; the pages
@@ -72,10 +73,47 @@ inline v8f load8(const half* p) {
 #endif
 }
 
+// An fp8 cache (float8 e4m3, --kv-cache-dtype fp8) holds each value's byte. Its bits moved
+// into a float16's, sign to sign and exponent and mantissa to the low ones, are a float16
+// worth the e4m3 value / 256 exactly (the exponent biases differ by 8, subnormals included),
+// so a byte converts with two shifts and the F16C conversion, then one multiply.
+struct fp8 {
+  uint8_t bits;
+};
+
+inline uint16_t fp8_as_half_bits(uint8_t b) { return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
+inline float to_float(fp8 x) {
+  return static_cast<float>(c10::Half(fp8_as_half_bits(x.bits), c10::Half::from_bits())) * 256.f;
+}
+
+#if defined(__F16C__)
+inline __m128i fp8_half_bits8(__m128i w) {  // 8 bytes widened to 16-bit lanes
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+}
+#endif
+
+inline v8f load8(const fp8* p) {
+#if defined(__F16C__)
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return v8f(_mm256_mul_ps(_mm256_cvtph_ps(fp8_half_bits8(w)), _mm256_set1_ps(256.f)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+  return v;
+#endif
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const fp8* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 #endif
 
@@ -747,9 +785,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "aiolm::paged_attention: float32 q and out expected");
-  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf ||
+               k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "aiolm::paged_attention: float32 or float16 caches expected, both alike");
+              "aiolm::paged_attention: float32, float16 or float8 e4m3 caches expected, both alike");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong,
               "aiolm::paged_attention: int64 block_table, query_start_loc and seq_lens expected");
@@ -807,6 +846,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   if (k_cache.scalar_type() == at::kHalf) {
     run_items(s, item_req, item_row0, qsl, slen, table, qp, op, reinterpret_cast<const half*>(k_cache.data_ptr()),
               reinterpret_cast<const half*>(v_cache.data_ptr()), fscale);
+  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    run_items(s, item_req, item_row0, qsl, slen, table, qp, op, reinterpret_cast<const fp8*>(k_cache.data_ptr()),
+              reinterpret_cast<const fp8*>(v_cache.data_ptr()), fscale);
   } else {
     run_items(s, item_req, item_row0, qsl, slen, table, qp, op, k_cache.data_ptr<float>(),
               v_cache.data_ptr<float>(), fscale);

@@ -39,9 +39,10 @@ def _batch(rng: random.Random, shapes: list[tuple[int, int]], block_size: int, n
         (6, 2, 12, 16),  # head_dim not a multiple of 8 takes the scalar path
     ],
 )
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
 def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, block_size, cache_dtype):
-    """float16: the cache of CPU bfloat16 matmuls; both read the same rounded values."""
+    """float16: the cache of CPU bfloat16 matmuls; float8 e4m3: --kv-cache-dtype fp8; both
+    read the same rounded values."""
     rng = random.Random(heads * 100 + head_dim)
     torch.manual_seed(heads)
     # decode rows, a whole prompt, a chunk after cached context, a 1-token prompt, a long decode
@@ -58,7 +59,7 @@ def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, blo
     want = ref.forward(q, k, v, cache, meta)
     # the kernel reads the cache after the new tokens are written, as the backend does
     write_kv(cache2, k, v, meta.slot_mapping)
-    assert torch.equal(cache, cache2)
+    assert torch.equal(cache.view(torch.uint8), cache2.view(torch.uint8))
     out = torch.empty_like(q)
     torch.ops.aiolm.paged_attention(
         out, q, cache2[0], cache2[1], meta.block_table, meta.query_start_loc, meta.seq_lens, head_dim**-0.5

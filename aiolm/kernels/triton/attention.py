@@ -25,8 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+from aiolm.attention.torch_backend import FP8
 from aiolm.kernels.triton import interpreting
 from aiolm.kernels.triton.jit_math import tanh
+
+
+@triton.jit
+def _fp8_values(b, EXACT: tl.constexpr):
+    """float8 e4m3 bytes as values: float32 (EXACT), else float16 holding value / 256 (exact
+    too: the byte's bits moved into a float16's, whose exponent bias is 8 more)."""
+    w = b.to(tl.uint16)
+    h = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    if EXACT:
+        return h.to(tl.float32) * 256.0
+    return h
 
 
 @triton.jit
@@ -61,6 +73,7 @@ def _attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     qb = tl.program_id(1)
@@ -90,6 +103,9 @@ def _attention_kernel(
     )
     if FP32_DOT:
         q = q.to(tl.float32)
+    elif FP8:  # pages as float16 values / 256: the scores and the output scaled back below
+        q = q.to(tl.float16)
+        scale = scale * 256.0
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
@@ -112,7 +128,9 @@ def _attention_kernel(
     for page in range(first, last):
         phys = tl.load(block_table_ptr + seq * sbt0 + page).to(tl.int64)
         base = phys * sk0 + kvh * sk2
-        k = tl.load(k_cache_ptr + base + offs[None, :] * sk1 + d[:, None], mask=d_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + base + offs[None, :] * sk1 + d[:, None], mask=d_ok[:, None], other=0)
+        if FP8:
+            k = _fp8_values(k, FP32_DOT)
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -130,9 +148,13 @@ def _attention_kernel(
         p = tl.exp(s - m_use[:, None])
         alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base + offs[:, None] * sk1 + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + base + offs[:, None] * sk1 + d[None, :], mask=d_ok[None, :], other=0)
+        if FP8:
+            v = _fp8_values(v, FP32_DOT)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif FP8:
+            pv = tl.dot(p.to(tl.float16), v) * 256.0
         else:
             pv = tl.dot(p.to(v_cache_ptr.dtype.element_ty), v)
         acc = acc * alpha[:, None] + pv
@@ -215,7 +237,8 @@ def paged_attention(
     num_splits: int = 1,
     block_m: int | None = None,
 ) -> torch.Tensor:
-    """out, q: [T, H, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hk, D];
+    """out, q: [T, H, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hk, D]
+    (float32, float16, bfloat16 or float8 e4m3: its values as they are, the caller scales);
     block_table [num_seqs, max_blocks], cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs]: int32.
 
     ``max_query_len`` comes from the host (the grid is sized by it); ``block_m`` overrides
@@ -241,6 +264,9 @@ def paged_attention(
     fp32_dot = torch.float32 in (q.dtype, k_cache.dtype) or (
         interpreting() and torch.bfloat16 in (q.dtype, k_cache.dtype)
     )  # the interpreter's bf16 dot is wrong
+    fp8 = k_cache.dtype == FP8
+    if fp8:  # read as bytes, converted in the kernel (_fp8_values)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     splits = max(1, int(num_splits))
     if splits > 1:
         acc_part = torch.empty(t, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
@@ -279,6 +305,7 @@ def paged_attention(
         USE_SOFTCAP=bool(soft_cap),
         USE_WINDOW=bool(window),
         FP32_DOT=fp32_dot,
+        FP8=fp8,
     )
     if splits > 1:
         _reduce_kernel[(t, num_heads)](

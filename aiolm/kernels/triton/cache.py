@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aiolm.attention.torch_backend import FP8, to_cache
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -51,12 +53,24 @@ def _write_kv_kernel(
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hk, D] (any strides, e.g. views of a fused qkv); slot_mapping: [T] int32/int64."""
+def write_kv(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """k, v: [T, Hk, D] (any strides, e.g. views of a fused qkv); slot_mapping: [T] int32/int64.
+    An fp8 cache gets k / k_scale and v / v_scale rounded by torch (saturating, as
+    attention/torch_backend.py's to_cache does), copied as bytes."""
     _, _, block_size, hk, d = kv_cache.shape
     t = k.shape[0]
     if t == 0:
         return
+    if kv_cache.dtype == FP8:
+        kv_cache = kv_cache.view(torch.uint8)
+        k, v = to_cache(k, FP8, k_scale).view(torch.uint8), to_cache(v, FP8, v_scale).view(torch.uint8)
     kc, vc = kv_cache[0], kv_cache[1]  # same strides: views of one tensor
     _write_kv_kernel[(t,)](
         k,

@@ -7,6 +7,8 @@ just after page boundaries; pages are scattered through a cache full of random v
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from triton_cases import TOLERANCE, make_batch, reference_attention
@@ -39,6 +41,27 @@ def _check(specs, heads, kv_heads, head_dim, block_size, dtype, device, window=N
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA 1, 3, 8
 def test_mixed_batch_dtypes_and_gqa(dtype, heads, kv_heads, device):
     _check(MIXED, heads, kv_heads, 64, 16, dtype, device)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_fp8_cache(q_dtype, heads, kv_heads, device):
+    """A float8 e4m3 cache (--kv-cache-dtype fp8) read as its exact values: float32 queries
+    take them as float32, 16-bit ones as float16 of value / 256 (scaled back in the kernel)."""
+    b = make_batch(MIXED, heads, kv_heads, 64, 16, q_dtype, device, seed=heads + 7)
+    b = dataclasses.replace(b, kv_cache=(b.kv_cache.float() * 40).to(torch.float8_e4m3fn))  # past 2^-6 and 256
+    scale = 64**-0.5 / 40
+    got = _run(b, scale).float().cpu()
+    want = reference_attention(b, scale)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[q_dtype] * 40, rtol=TOLERANCE[q_dtype])
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_fp8_cache_split_kv(splits, device):
+    b = make_batch(DECODE_LONG, 6, 2, 64, 16, torch.float16, device, seed=splits)
+    b = dataclasses.replace(b, kv_cache=b.kv_cache.to(torch.float8_e4m3fn))
+    got = _run(b, 0.125, num_splits=splits).float().cpu()
+    torch.testing.assert_close(got, reference_attention(b, 0.125), atol=4e-3, rtol=4e-3)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

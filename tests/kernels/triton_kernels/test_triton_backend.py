@@ -30,14 +30,20 @@ def _case(cache_dtype, block_size=16, seed=0):
     return q, k, v, cache, meta, (heads, kv_heads, d)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_backend_matches_torch_backend(cache_dtype, block_size, device):
+    """float8 e4m3 (--kv-cache-dtype fp8) with per-layer scales other than 1: both backends
+    write the same bytes and read them back scaled."""
     from aiolm.attention.triton_backend import TritonAttention
 
     q, k, v, cache, meta, (h, hk, d) = _case(cache_dtype, block_size)
     want_cache = cache.clone()
-    want = TorchAttention(h, hk, d, d**-0.5).forward(q, k, v, want_cache, meta)
+    ref, ours = TorchAttention(h, hk, d, d**-0.5), TritonAttention(h, hk, d, d**-0.5)
+    if cache_dtype == torch.float8_e4m3fn:
+        for backend in (ref, ours):
+            backend.k_scale, backend.v_scale = 0.5, 2.0
+    want = ref.forward(q, k, v, want_cache, meta)
 
     dev_meta = AttentionMetadata(
         meta.num_tokens,
@@ -50,9 +56,10 @@ def test_backend_matches_torch_backend(cache_dtype, block_size, device):
         meta.block_size,
     )
     got_cache = cache.to(device)
-    got = TritonAttention(h, hk, d, d**-0.5).forward(q.to(device), k.to(device), v.to(device), got_cache, dev_meta)
+    got = ours.forward(q.to(device), k.to(device), v.to(device), got_cache, dev_meta)
     assert got.shape == want.shape == (meta.num_tokens, h * d)
-    assert torch.equal(got_cache.cpu(), want_cache)  # the same K/V in the same slots
+    # the same K/V in the same slots
+    assert torch.equal(got_cache.cpu().view(torch.uint8), want_cache.view(torch.uint8))
     tol = 2e-5 if cache_dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
 

@@ -56,3 +56,24 @@ def test_kernels_were_built_for_the_device(device):
 
     for kernel in (cache._write_kv_kernel, attention._attention_kernel, attention._reduce_kernel):
         assert isinstance(kernel, InterpretedFunction) == (device == "cpu")
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_fp8_write_rounds_saturates_and_scales_as_torch(scale, device):
+    """An fp8 cache gets k / scale rounded to nearest e4m3, values past 448 saturated (a plain
+    cast would store NaN), the same bytes as the torch backend writes; -1 slots skipped."""
+    from aiolm.attention.torch_backend import write_kv as torch_write_kv
+    from aiolm.kernels.triton.cache import write_kv
+
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([0, 17, -1, 40])
+    k = torch.randn(4, 2, 64, generator=g) * 300  # some past 448 * scale
+    v = torch.randn(4, 2, 64, generator=g)
+    want = torch.zeros(2, 4, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    real = slots >= 0
+    torch_write_kv(want, k[real], v[real], slots[real], scale, scale)
+    got = torch.zeros_like(want).to(device)
+    write_kv(got, k.to(device), v.to(device), slots.to(device=device, dtype=torch.int32), scale, scale)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    assert not want.float().isnan().any()
+    assert want.float().abs().max() == 448
