@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,10 +71,16 @@ class CudaPlatform(Platform):
     def quant_config(
         self, dtype: torch.dtype, model_config: Any = None, checkpoint: Any = None, tp_size: int = 1
     ) -> QuantConfig:
-        """Dense weights; layers of experts run by the fused Triton kernel where triton is installed."""
+        """Dense weights; layers of experts run by the fused Triton kernel where triton is
+        installed; a quantized checkpoint's layers kept packed for the Triton GEMMs on one
+        rank (aiolm/quant/triton_quant.py)."""
         from aiolm.kernels import triton as triton_kernels
 
-        return quant_config("dense", experts="triton" if triton_kernels.available() else "torch")
+        experts = "triton" if triton_kernels.available() else "torch"
+        quant = getattr(model_config, "quantization", None)
+        if quant is not None and checkpoint is not None and tp_size == 1 and triton_kernels.available():
+            return quant_config("triton_quant", path=Path(checkpoint), quant=quant, experts=experts)
+        return quant_config("dense", experts=experts)
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         t = super().resolve_dtype(dtype)

@@ -17,6 +17,7 @@ QUANT_CONFIGS = {
     "cpu_packed": "aiolm.quant.cpu_packed:CpuPackedConfig",
     "gguf_blocks": "aiolm.quant.gguf_blocks:GGUFBlocksConfig",
     "int4_blocks": "aiolm.quant.int4_blocks:Int4BlocksConfig",
+    "triton_quant": "aiolm.quant.triton_quant:TritonQuantConfig",
 }
 
 

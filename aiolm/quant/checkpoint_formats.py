@@ -171,3 +171,58 @@ def dequantized_weights(weights: Iterable[tuple[str, Any]], quant: WeightQuant) 
 def _is_fp8(w: Any) -> bool:
     """Whether a tensor (or the loader's LazyWeight) holds float8 e4m3 values, without reading it."""
     return w.dtype in (torch.float8_e4m3fn, "F8_E4M3")
+
+
+class CheckpointReader:
+    """A quantized checkpoint's layers read again after loading, by the methods that keep them
+    packed (the CPU's blocks, the GPU's quantized GEMMs): each layer's tensors by leaf name."""
+
+    def __init__(self, path: Any, quant: WeightQuant) -> None:
+        self.path, self.quant = path, quant
+        self._files: dict[str, Any] | None = None  # tensor name -> its open safetensors file
+
+    def _index(self) -> dict[str, Any]:
+        if self._files is None:
+            from safetensors import safe_open
+
+            from aiolm.checkpoint.source import resolve_model
+
+            self._files = {}
+            for f in resolve_model(self.path).safetensors_files():
+                handle = safe_open(str(f), framework="pt")
+                self._files.update(dict.fromkeys(handle.keys(), handle))
+        return self._files
+
+    def parts(self, layer: str) -> dict[str, torch.Tensor]:
+        files = self._index()
+        prefix = layer + "."
+        leaves = [n[len(prefix) :] for n in files if n.startswith(prefix)]
+        return {leaf: files[prefix + leaf].get_tensor(prefix + leaf) for leaf in leaves if "." not in leaf}
+
+    def int4(self, layer: str) -> Int4Codes | None:
+        """The layer's 4-bit codes; None where the checkpoint keeps it dense (its ignore list)."""
+        parts = self.parts(layer)
+        if "weight" in parts or not parts:
+            return None
+        return int4_codes(self.quant, parts, layer)
+
+    def fp8(self, layer: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The layer's fp8 bytes [N, K] (uint8), its scales as one row per ``scale_k`` inputs and
+        one column per output [ceil(K / scale_k), N], and scale_k; None for a dense layer."""
+        parts = self.parts(layer)
+        w = parts.get("weight")
+        if w is None or w.dtype != torch.float8_e4m3fn:
+            return None
+        n, k = w.shape
+        if self.quant.block_size is not None:
+            bn, bk = self.quant.block_size
+            s = parts["weight_scale_inv"].float()  # [N / bn, K / bk]
+            return w.view(torch.uint8), s.repeat_interleave(bn, 0)[:n].t().contiguous(), bk
+        s = parts.get("weight_scale", parts.get("weight_scale_inv"))
+        if s is None:
+            raise ModelLoadError(f"{layer}.weight_scale: missing")
+        row = s.float().reshape(-1).expand(n) if s.numel() == 1 else s.float().reshape(-1)
+        return w.view(torch.uint8), row.reshape(1, n).contiguous(), -(-k // 32) * 32
+
+    def release(self) -> None:
+        self._files = None

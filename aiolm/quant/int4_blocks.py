@@ -26,7 +26,7 @@ import torch
 
 from aiolm.checkpoint.quantization import WeightQuant
 from aiolm.quant.base import ExpertsSpec, QuantConfig
-from aiolm.quant.checkpoint_formats import Int4Codes, int4_codes
+from aiolm.quant.checkpoint_formats import CheckpointReader, Int4Codes
 from aiolm.quant.gguf_blocks import MAX_ROWS, GGUFBlocksConfig, GGUFExperts, GGUFWeight
 
 log = logging.getLogger(__name__)
@@ -89,33 +89,10 @@ class Int4BlocksConfig(GGUFBlocksConfig):
         matmul_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(path, model_config, inner, matmul_dtype)
-        self.quant = quant
-        self._files: dict[str, Any] | None = None  # tensor name -> its open safetensors file
-
-    def _index(self) -> dict[str, Any]:
-        if self._files is None:
-            from safetensors import safe_open
-
-            from aiolm.checkpoint.source import resolve_model
-
-            self._files = {}
-            for f in resolve_model(self.path).safetensors_files():
-                handle = safe_open(str(f), framework="pt")
-                self._files.update(dict.fromkeys(handle.keys(), handle))
-        return self._files
-
-    def _codes(self, layer: str) -> Int4Codes | None:
-        files = self._index()
-        leaves = [
-            n.removeprefix(layer + ".") for n in files if n.startswith(layer + ".") and "." not in n[len(layer) + 1 :]
-        ]
-        parts = {leaf: files[f"{layer}.{leaf}"].get_tensor(f"{layer}.{leaf}") for leaf in leaves}
-        if "weight" in parts:  # a layer the checkpoint keeps dense (its ignore list)
-            return None
-        return int4_codes(self.quant, parts, layer)
+        self.reader = CheckpointReader(path, quant)
 
     def blocks(self, names: list[str]) -> GGUFWeight | PermutedBlocks | None:  # type: ignore[override]
-        parts = [self._codes(n.removesuffix(".weight")) for n in names]
+        parts = [self.reader.int4(n.removesuffix(".weight")) for n in names]
         if any(p is None for p in parts):
             return None
         got = codes_as_blocks(parts)  # type: ignore[arg-type]
@@ -126,7 +103,7 @@ class Int4BlocksConfig(GGUFBlocksConfig):
         return None  # a quantized checkpoint's experts run dequantized
 
     def release(self) -> None:
-        self._files = None
+        self.reader.release()
         log.info(
             "%d layers also keep the checkpoint's 4-bit codes for steps of up to %d rows; "
             "%d decoder layers run such steps as one call",

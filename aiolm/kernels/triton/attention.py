@@ -27,18 +27,7 @@ import triton.language as tl
 
 from aiolm.attention.torch_backend import FP8
 from aiolm.kernels.triton import interpreting
-from aiolm.kernels.triton.jit_math import tanh
-
-
-@triton.jit
-def _fp8_values(b, EXACT: tl.constexpr):
-    """float8 e4m3 bytes as values: float32 (EXACT), else float16 holding value / 256 (exact
-    too: the byte's bits moved into a float16's, whose exponent bias is 8 more)."""
-    w = b.to(tl.uint16)
-    h = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    if EXACT:
-        return h.to(tl.float32) * 256.0
-    return h
+from aiolm.kernels.triton.jit_math import fp8_e4m3_values, tanh
 
 
 @triton.jit
@@ -130,7 +119,7 @@ def _attention_kernel(
         base = phys * sk0 + kvh * sk2
         k = tl.load(k_cache_ptr + base + offs[None, :] * sk1 + d[:, None], mask=d_ok[:, None], other=0)
         if FP8:
-            k = _fp8_values(k, FP32_DOT)
+            k = fp8_e4m3_values(k, FP32_DOT)
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -150,7 +139,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + base + offs[:, None] * sk1 + d[None, :], mask=d_ok[None, :], other=0)
         if FP8:
-            v = _fp8_values(v, FP32_DOT)
+            v = fp8_e4m3_values(v, FP32_DOT)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         elif FP8:
@@ -265,7 +254,7 @@ def paged_attention(
         interpreting() and torch.bfloat16 in (q.dtype, k_cache.dtype)
     )  # the interpreter's bf16 dot is wrong
     fp8 = k_cache.dtype == FP8
-    if fp8:  # read as bytes, converted in the kernel (_fp8_values)
+    if fp8:  # read as bytes, converted in the kernel (fp8_e4m3_values)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     splits = max(1, int(num_splits))
     if splits > 1:

@@ -12,3 +12,14 @@ def tanh(x):
     float32. Clamped: tanh is 1 to float32 precision past |x| = 10, and exp stays finite."""
     x = tl.minimum(tl.maximum(x, -10.0), 10.0)
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def fp8_e4m3_values(b, EXACT: tl.constexpr):
+    """float8 e4m3 bytes (uint8) as values: float32 (EXACT), else float16 holding value / 256
+    (exact too: the byte's bits moved into a float16's, whose exponent bias is 8 more)."""
+    w = b.to(tl.uint16)
+    h = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    if EXACT:
+        return h.to(tl.float32) * 256.0
+    return h
