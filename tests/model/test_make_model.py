@@ -34,7 +34,7 @@ TEXT = "The capital of France is Paris, and the capital of Italy is"
 def made(tmp_path_factory):
     out = tmp_path_factory.mktemp("made")
     # the embedded tokenizer comes from the user's cache, converted once for the whole suite
-    manifest = make_model(out / "tiny", "tiny", formats=("f32", "bf16", "q4_0"))
+    manifest = make_model(out / "tiny", "tiny", formats=("f32", "bf16", "q4_0", "gptq"))
     # The tiny GGUF's conversion goes to a private cache; the compiled CPU kernels are the
     # suite's own (built once per machine), linked in rather than built again for one test.
     private = out / "aiolm-cache"
@@ -65,7 +65,12 @@ def aiolm_greedy(path: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor
 def test_manifest_and_shape(made):
     out, manifest = made
     assert read_manifest(out) == manifest
-    assert manifest["files"] == {"f32": "hf-float32", "bf16": "hf-bfloat16", "q4_0": "model-Q4_0.gguf"}
+    assert manifest["files"] == {
+        "f32": "hf-float32",
+        "bf16": "hf-bfloat16",
+        "q4_0": "model-Q4_0.gguf",
+        "gptq": "hf-gptq",
+    }
     src = resolve_model(out / "hf-float32")
     tiny = SCALES["tiny"]
     assert (
@@ -126,6 +131,32 @@ def test_gguf_holds_the_same_weights_and_matches_transformers(made, prompt):
     # the GGUF's tokenizer metadata is the embedded SmolLM2's: same ids for the same text
     tok = resolve_model(gguf_path).load_tokenizer()
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == prompt
+
+
+def test_gptq_folder_holds_the_float32_weights_rounded_to_4_bits(made, prompt):
+    """The benchmark's GPTQ folder (symmetric, no activation order, groups of 32 at this size):
+    each decoder linear within half a step of the float32 weight, the rest unchanged; aiolm
+    runs it as it reads it (transformers on those values is the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    f32, q = weights(made[0] / "hf-float32"), weights(made[0] / "hf-gptq")
+    assert f32.keys() == q.keys()
+    for name, t in q.items():
+        if name.endswith("proj.weight"):
+            step = f32[name].abs().reshape(-1, 32).amax(1, keepdim=True) / 7
+            assert ((t - f32[name]).reshape(-1, 32).abs() <= step * 0.5001 + 1e-6).all(), name
+            assert not torch.equal(t, f32[name])
+        else:
+            assert torch.equal(t, f32[name]), name
+    ref = AutoModelForCausalLM.from_pretrained(made[0] / "hf-float32", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(q[name])
+    tokens, logits = aiolm_greedy(made[0] / "hf-gptq", prompt)
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)
 
 
 def test_engine_generates_from_the_gguf(made, prompt):
