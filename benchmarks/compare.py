@@ -201,7 +201,7 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
                 *n,
                 *flag,
             ],
-            a.vllm_dtypes.split(","),
+            [d for d in a.vllm_dtypes.split(",") if d],  # empty: only its quantized-folder rows
         ),
         ("transformers", "transformers", lambda dt: [*tf, "--dtype", dt, *one, *n, *flag], [tf_dtype]),
         # transformers' own continuous batching (generate_batch's manager), offline only

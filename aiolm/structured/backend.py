@@ -125,8 +125,12 @@ class Compiler:
 
     @classmethod
     def preload(cls, vocab_size: int) -> None:
-        """Build the compiler in a daemon thread now, so the first grammar does not wait
-        for the tokenizer (seconds) inside a step; a build() meanwhile waits on the lock."""
+        """Build the compiler in a thread now, so the first grammar does not wait for the
+        tokenizer (seconds) inside a step; a build() meanwhile waits on the lock. Not a
+        daemon (said outright: a thread started from a daemon thread, as the local executor's
+        is, would inherit it): a daemon thread still inside xgrammar's native code when the
+        interpreter exits is killed there and aborts the process (std::terminate); exit waits
+        for the bounded build instead."""
 
         def run() -> None:
             try:
@@ -134,7 +138,7 @@ class Compiler:
             except Exception:  # xgrammar missing or the tokenizer unloadable: the first grammar says so
                 log.warning("structured outputs: could not prepare the grammar compiler", exc_info=True)
 
-        threading.Thread(target=run, name="aiolm-grammar-preload", daemon=True).start()
+        threading.Thread(target=run, name="aiolm-grammar-preload", daemon=False).start()
 
     @classmethod
     def compile(cls, spec: StructuredOutputs, vocab_size: int) -> Any:
