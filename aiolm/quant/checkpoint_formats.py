@@ -112,29 +112,52 @@ def _int4(kind: str, quant: WeightQuant, p: dict[str, torch.Tensor], where: str)
     return Int4Codes(codes.contiguous(), scale.contiguous(), zero.contiguous(), group)
 
 
-def _fp8(quant: WeightQuant, p: dict[str, torch.Tensor], where: str) -> torch.Tensor:
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One layer's fp8 weight: w[n, k] = values[n, k] * scale[k // scale_k, n]. Block scales
+    (weight_block_size) give one row per block of inputs; per-tensor and per-channel ones a
+    single row (scale_k covers every input, rounded up to the GEMM's step of 32)."""
+
+    values: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [ceil(K / scale_k), N]
+    scale_k: int
+
+    def dense(self) -> torch.Tensor:
+        k = self.values.shape[1]
+        return self.values.float() * self.scale.t().repeat_interleave(self.scale_k, 1)[:, :k]
+
+
+def fp8_weight(quant: WeightQuant, p: dict[str, torch.Tensor], where: str) -> Fp8Weight:
+    """A fp8 layer's weight and scales from its checkpoint tensors (by leaf name)."""
     w = p["weight"]
     if w.dtype != torch.float8_e4m3fn:
         raise ModelLoadError(f"{where}.weight: {w.dtype} in an fp8 checkpoint; float8_e4m3fn expected")
-    dense = w.float()
+    n, k = w.shape
     if quant.block_size is not None:
         if "weight_scale_inv" not in p:
             raise ModelLoadError(f"{where}.weight_scale_inv: missing (weight_block_size is set)")
         bn, bk = quant.block_size
         s = p["weight_scale_inv"].float()
-        n, k = dense.shape
         if s.shape != (-(-n // bn), -(-k // bk)):
             raise ModelLoadError(f"{where}.weight_scale_inv: shape {tuple(s.shape)} for a [{n}, {k}] weight")
-        return dense * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return Fp8Weight(w, s.repeat_interleave(bn, 0)[:n].t().contiguous(), bk)
     scale = p.get("weight_scale", p.get("weight_scale_inv"))
     if scale is None:
         raise ModelLoadError(f"{where}.weight_scale: missing")
-    s = scale.float()
-    if s.numel() == 1:
-        return dense * s.reshape(())
-    if s.numel() == dense.shape[0]:  # per output channel
-        return dense * s.reshape(-1, 1)
-    raise ModelLoadError(f"{where}.weight_scale: {s.numel()} scales for {dense.shape[0]} output channels")
+    s = scale.float().reshape(-1)
+    if s.numel() not in (1, n):  # per tensor, or per output channel
+        raise ModelLoadError(f"{where}.weight_scale: {s.numel()} scales for {n} output channels")
+    return Fp8Weight(w, s.expand(n).reshape(1, n).contiguous(), -(-k // 32) * 32)
+
+
+def input_order(parts: list[Int4Codes]) -> torch.Tensor | None:
+    """The order that sorts the inputs of the layer stacking ``parts`` by group, the layout the
+    packed kernels read; None where the parts disagree on an input's group (activation orders
+    of their own) or the inputs are not whole blocks of 32."""
+    first = parts[0]
+    if first.codes.shape[1] % 32 or any(not torch.equal(p.group, first.group) for p in parts[1:]):
+        return None
+    return torch.argsort(first.group, stable=True)
 
 
 def int4_codes(quant: WeightQuant, parts: dict[str, torch.Tensor], where: str) -> Int4Codes:
@@ -163,7 +186,7 @@ def dequantized_weights(weights: Iterable[tuple[str, Any]], quant: WeightQuant) 
         if missing:
             raise ModelLoadError(f"{layer}.{missing[0]}: missing from the {quant.method} checkpoint")
         if kind == "fp8":
-            yield f"{layer}.weight", _fp8(quant, parts, layer)
+            yield f"{layer}.weight", fp8_weight(quant, parts, layer).dense()
         else:
             yield f"{layer}.weight", int4_codes(quant, parts, layer).dense()
 
@@ -179,25 +202,22 @@ class CheckpointReader:
 
     def __init__(self, path: Any, quant: WeightQuant) -> None:
         self.path, self.quant = path, quant
-        self._files: dict[str, Any] | None = None  # tensor name -> its open safetensors file
+        self._layers: dict[str, dict[str, Any]] | None = None  # layer -> leaf name -> its open file
 
-    def _index(self) -> dict[str, Any]:
-        if self._files is None:
+    def parts(self, layer: str) -> dict[str, torch.Tensor]:
+        if self._layers is None:
             from safetensors import safe_open
 
             from aiolm.checkpoint.source import resolve_model
 
-            self._files = {}
+            self._layers = {}
             for f in resolve_model(self.path).safetensors_files():
                 handle = safe_open(str(f), framework="pt")
-                self._files.update(dict.fromkeys(handle.keys(), handle))
-        return self._files
-
-    def parts(self, layer: str) -> dict[str, torch.Tensor]:
-        files = self._index()
-        prefix = layer + "."
-        leaves = [n[len(prefix) :] for n in files if n.startswith(prefix)]
-        return {leaf: files[prefix + leaf].get_tensor(prefix + leaf) for leaf in leaves if "." not in leaf}
+                for name in handle.keys():  # noqa: SIM118 (a safetensors file handle, not a dict)
+                    owner, _, leaf = name.rpartition(".")
+                    self._layers.setdefault(owner, {})[leaf] = handle
+        files = self._layers.get(layer, {})
+        return {leaf: handle.get_tensor(f"{layer}.{leaf}") for leaf, handle in files.items()}
 
     def int4(self, layer: str) -> Int4Codes | None:
         """The layer's 4-bit codes; None where the checkpoint keeps it dense (its ignore list)."""
@@ -206,23 +226,13 @@ class CheckpointReader:
             return None
         return int4_codes(self.quant, parts, layer)
 
-    def fp8(self, layer: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """The layer's fp8 bytes [N, K] (uint8), its scales as one row per ``scale_k`` inputs and
-        one column per output [ceil(K / scale_k), N], and scale_k; None for a dense layer."""
+    def fp8(self, layer: str) -> Fp8Weight | None:
+        """The layer's fp8 weight; None for a dense layer."""
         parts = self.parts(layer)
         w = parts.get("weight")
         if w is None or w.dtype != torch.float8_e4m3fn:
             return None
-        n, k = w.shape
-        if self.quant.block_size is not None:
-            bn, bk = self.quant.block_size
-            s = parts["weight_scale_inv"].float()  # [N / bn, K / bk]
-            return w.view(torch.uint8), s.repeat_interleave(bn, 0)[:n].t().contiguous(), bk
-        s = parts.get("weight_scale", parts.get("weight_scale_inv"))
-        if s is None:
-            raise ModelLoadError(f"{layer}.weight_scale: missing")
-        row = s.float().reshape(-1).expand(n) if s.numel() == 1 else s.float().reshape(-1)
-        return w.view(torch.uint8), row.reshape(1, n).contiguous(), -(-k // 32) * 32
+        return fp8_weight(self.quant, parts, layer)
 
     def release(self) -> None:
-        self._files = None
+        self._layers = None

@@ -26,7 +26,7 @@ import torch
 
 from aiolm.checkpoint.quantization import WeightQuant
 from aiolm.quant.base import ExpertsSpec, QuantConfig
-from aiolm.quant.checkpoint_formats import CheckpointReader, Int4Codes
+from aiolm.quant.checkpoint_formats import CheckpointReader, Int4Codes, input_order
 from aiolm.quant.gguf_blocks import MAX_ROWS, GGUFBlocksConfig, GGUFExperts, GGUFWeight
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,11 @@ class PermutedBlocks:
 def codes_as_blocks(parts: list[Int4Codes]) -> GGUFWeight | PermutedBlocks | None:
     """The fused layer whose tensors are ``parts`` (stacked along the outputs) as blocks; None
     where its groups do not fall on whole blocks of 32 or its tensors order their inputs apart."""
-    first = parts[0]
-    k = first.codes.shape[1]
-    if k % 32 or any(not torch.equal(p.group, first.group) for p in parts[1:]):
+    perm = input_order(parts)
+    if perm is None:
         return None
-    perm = torch.argsort(first.group, stable=True)
-    block_group = first.group[perm].view(-1, 32)
+    k = perm.numel()
+    block_group = parts[0].group[perm].view(-1, 32)
     if not bool((block_group == block_group[:, :1]).all()):
         return None  # a block of 32 would span two groups
     g = block_group[:, 0]

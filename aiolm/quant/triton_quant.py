@@ -22,7 +22,7 @@ from torch import nn
 
 from aiolm.checkpoint.quantization import WeightQuant
 from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
-from aiolm.quant.checkpoint_formats import CheckpointReader, Int4Codes
+from aiolm.quant.checkpoint_formats import CheckpointReader, Int4Codes, input_order
 from aiolm.quant.dense import DenseConfig
 
 log = logging.getLogger(__name__)
@@ -32,12 +32,11 @@ def pack_int4(parts: list[Int4Codes]) -> dict[str, Any] | None:
     """The w4a16_gemm operands of the layer stacking ``parts``: qweight [K/8, N] int32 over the
     inputs sorted by group, scale and mins [G, N] float32, group size, and perm (None: in
     order); None where the parts' groups differ or are uneven."""
-    first = parts[0]
-    k = first.codes.shape[1]
-    if k % 32 or any(not torch.equal(p.group, first.group) for p in parts[1:]):
+    perm = input_order(parts)
+    if perm is None:
         return None
-    perm = torch.argsort(first.group, stable=True)
-    groups = first.group[perm]
+    k = perm.numel()
+    groups = parts[0].group[perm]
     num_groups = int(groups[-1]) + 1
     size = k // num_groups
     if size % 32 or not torch.equal(groups, torch.arange(k) // size):
@@ -73,10 +72,10 @@ class TritonQuantMethod(LinearMethod):
                 layer.packed = ("int4", {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.items()})
         else:
             got = [reader.fp8(n) for n in self.names]
-            if all(g is not None for g in got) and len({g[2] for g in got}) == 1:  # type: ignore[index]
-                weight = torch.cat([g[0] for g in got]).to(device)  # type: ignore[index]
-                scale = torch.cat([g[1] for g in got], 1).to(device)  # type: ignore[index]
-                layer.packed = ("fp8", {"weight": weight, "scale": scale, "scale_k": got[0][2]})  # type: ignore[index]
+            if all(g is not None for g in got) and len({g.scale_k for g in got}) == 1:  # type: ignore[union-attr]
+                weight = torch.cat([g.values.view(torch.uint8) for g in got]).to(device)  # type: ignore[union-attr]
+                scale = torch.cat([g.scale for g in got], 1).to(device)  # type: ignore[union-attr]
+                layer.packed = ("fp8", {"weight": weight, "scale": scale, "scale_k": got[0].scale_k})  # type: ignore[union-attr]
         if layer.packed is not None:
             layer.out_dtype = layer.weight.dtype
             layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype, device=device), requires_grad=False)
