@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from aiolm.executor.step_watch import StepWatch
+    from aiolm.kv_transfer.config import KVTransferConfig
     from aiolm.spec_decode import SpecConfig
 
 
@@ -194,6 +195,13 @@ class EngineArgs:
     max_cpu_loras: int | None = _f(
         None, "with --enable-lora: adapters each worker keeps loaded in host memory (default: --max-loras)"
     )
+    kv_transfer_config: str | None = _f(
+        None,
+        "a KV connector, as a JSON object spelled as vLLM spells it: "
+        '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        '{"cpu_bytes": N, "disk_path": DIR, "disk_bytes": N}} keeps prefix blocks the cache evicts in '
+        "host memory and a size-capped directory, and loads them back on a later prefix hit (README)",
+    )
     max_waiting_requests: int | None = _f(
         None,
         "sequences that may wait beyond the --max-num-seqs running ones; "
@@ -250,6 +258,11 @@ class EngineArgs:
                 f"got {self.structured_outputs_compile_timeout}"
             )
         self.spec_config()  # raises on a bad combination
+        if self.kv_transfer() is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_transfer_config: the OffloadingConnector needs prefix caching on")
+            if self.runner == "pooling":
+                raise ValueError("kv_transfer_config: pooling models keep no KV cache to offload")
         self.lora_specs()  # raises on a bad --lora-modules entry
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
@@ -312,6 +325,12 @@ class EngineArgs:
             prompt_lookup_min=self.prompt_lookup_min,
             prompt_lookup_max=self.prompt_lookup_max,
         )
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The parsed ``kv_transfer_config`` (raises ValueError naming a bad key)."""
+        from aiolm.kv_transfer.config import parse_kv_transfer_config
+
+        return parse_kv_transfer_config(self.kv_transfer_config)
 
     def lora_specs(self) -> list[tuple[str, str]]:
         """(name, path) of each ``lora_modules`` entry: ``name=path`` or a JSON object with
@@ -414,6 +433,10 @@ class RunnerConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
+    # The KV connector (--kv-transfer-config) and the fingerprint of this engine's KV layout
+    # (aiolm/kv_transfer/block_files.py), which names its disk tier.
+    kv_transfer: KVTransferConfig | None = None
+    kv_fingerprint: str = ""
 
     def encode(self) -> str:
         """The config as one command-line-safe string (base64 of a pickle)."""

@@ -361,6 +361,23 @@ class _Collector:
         yield counter(
             "num_preemptions", "Cumulative number of preemption from the engine.", getattr(sched, "num_preemptions", 0)
         )
+        connector = getattr(sched, "connector", None)
+        if connector is not None:  # a KV connector (--kv-transfer-config), only when it is on
+            st, bs = connector.stats, sched.config.block_size  # type: ignore[union-attr]
+            asked = st.loaded_blocks + st.failed_blocks
+            yield counter(
+                "external_prefix_cache_queries",
+                "Tokens asked of the KV connector beyond the local prefix cache.",
+                asked * bs,
+            )
+            yield counter("external_prefix_cache_hits", "Tokens the KV connector brought back.", st.loaded_blocks * bs)
+            yield counter("kv_offload_saved_blocks", "Evicted KV blocks the offload tiers took.", st.saved_blocks)
+            yield counter(
+                "kv_offload_dropped_blocks", "KV blocks pushed out of the last tier by its cap.", st.dropped_blocks
+            )
+            yield counter(
+                "kv_offload_failed_loads", "KV loads cut short by a missing or corrupt block.", st.failed_loads
+            )
         spec = getattr(sched, "spec_decode_stats", None)
         if spec is not None:  # vLLM's speculative decoding series, only when it is on
             yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)

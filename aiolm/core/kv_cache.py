@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aiolm.core.request import Request
@@ -176,6 +176,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # Told (block id, hash) when a block that caches a prefix is reused: a KV connector
+        # keeps such blocks elsewhere (aiolm/kv_transfer/). None: they are simply forgotten.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -198,6 +201,8 @@ class BlockPool:
         h = block.block_hash
         if h is not None and self.cached.get(h) is block:
             del self.cached[h]
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, h)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -269,6 +274,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_hasher = BlockHasher(block_size, hash_seed) if enable_prefix_caching else None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Blocks no request owns any more that a worker may still write (a KV load of an
+        # aborted request): held until the load is reported, then freed (``release``).
+        self.leases: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -381,6 +389,20 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def lease(self, request: Request, key: str) -> None:
+        """Take the request's blocks from it without freeing them, held under ``key``
+        (see ``leases``)."""
+        blocks = self.req_to_blocks.pop(request.req_id, None)
+        self._num_cached_blocks.pop(request.req_id, None)
+        if blocks:
+            self.leases[key] = blocks
+
+    def release(self, key: str) -> None:
+        """Free the blocks leased under ``key``, last block first."""
+        blocks = self.leases.pop(key, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
     def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(req_id, [])
 
@@ -394,7 +416,7 @@ class KVCacheManager:
         errors: list[str] = []
         pool = self.pool
         owners = [0] * pool.num_blocks
-        for req_id, blocks in self.req_to_blocks.items():
+        for req_id, blocks in [*self.req_to_blocks.items(), *self.leases.items()]:
             ids = [b.block_id for b in blocks]
             if len(set(ids)) != len(ids):
                 errors.append(f"{req_id} owns a block twice: {ids}")

@@ -21,21 +21,25 @@ from aiolm.spec_decode.stats import AcceptanceWindow
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: [WAITING_FOR_GRAMMAR ->] WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> one FINISHED_*.
+    """Lifecycle: [WAITING_FOR_GRAMMAR ->] WAITING [-> WAITING_FOR_REMOTE_KVS -> WAITING]
+    -> RUNNING (-> PREEMPTED [-> WAITING_FOR_REMOTE_KVS -> PREEMPTED] -> RUNNING)* -> one FINISHED_*.
 
     WAITING_FOR_GRAMMAR: a structured-output request whose grammar the workers are still
     compiling; it holds no blocks and is not scheduled until they report it ready.
+    WAITING_FOR_REMOTE_KVS: a KV connector is loading part of its prompt into blocks it
+    holds (aiolm/kv_transfer/); it is not scheduled until the workers report the load.
     """
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
     WAITING_FOR_GRAMMAR = 3
+    WAITING_FOR_REMOTE_KVS = 4
     # Everything from here on is final; ``is_finished`` relies on the ordering.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:

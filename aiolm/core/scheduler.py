@@ -49,6 +49,17 @@ the waiting queue like any new request; ``grammar_errors`` finishes it with the
 compiler's message. A step with nothing else to run still goes to the workers
 (empty), so their answer arrives.
 
+KV connector (``--kv-transfer-config``, aiolm/kv_transfer/): at admission, past the
+pool's cached prefix, the connector may hold more of the prompt (blocks the pool evicted,
+kept in its tiers). The request then gets blocks for that part and waits for it as
+WAITING_FOR_REMOTE_KVS, outside the waiting queue and the batch; the load goes to the
+workers in ``SchedulerOutput.kv_ops`` and comes back in ``ModelRunnerOutput.kv_loaded``
+with how many blocks arrived intact, which count as computed (the rest is computed). The
+request returns to the front of the queue holding its blocks; if a running or earlier
+request needs blocks before it is admitted, it gives them back first (what it loaded stays
+cached). An aborted request's blocks stay leased until its load is reported, since the
+workers may still write them.
+
 The SchedulerOutput is a diff against what the workers already hold (see
 aiolm/core/step.py). The engine must call ``update_from_output`` after every
 ``schedule()``, with an empty ModelRunnerOutput (or None) when nothing ran:
@@ -78,6 +89,7 @@ from aiolm.core.step import (
     SchedulerOutput,
 )
 from aiolm.core.step_cost import StepCost
+from aiolm.kv_transfer.base import ConnectorScheduler
 from aiolm.params import ParamError
 from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 from aiolm.structured.spec import StructuredOutputs
@@ -126,6 +138,16 @@ class SchedulerConfig:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class _Load:
+    """A KV connector load in progress: the request's blocks ``start .. start + asked - 1``."""
+
+    request: Request
+    start: int
+    asked: int
+    resumed: bool  # the request had run before (preempted): it goes back as PREEMPTED
 
 
 # -- waiting queues -------------------------------------------------------------
@@ -194,11 +216,19 @@ class PriorityQueue:
 class Scheduler:
     """Decides who runs each step and keeps request and block state consistent."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, connector: ConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed
         )
+        # KV connector (--kv-transfer-config): evicted prefixes kept elsewhere, loaded back.
+        self.connector = connector
+        if connector is not None:
+            self.kv_cache_manager.pool.on_evict = connector.on_evict
+        self.loading: dict[int, _Load] = {}  # load id -> load; its request is WAITING_FOR_REMOTE_KVS
+        self._load_of: dict[str, int] = {}  # req_id -> its load id, while it waits for it
+        self._load_ids = itertools.count(1)
+        self.loaded_waiting: set[Request] = set()  # back from a load, in the queue, holding blocks
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if config.policy == "priority" else FCFSQueue()
         self.running: list[Request] = []
@@ -281,6 +311,9 @@ class Scheduler:
                 # A compile already sent finishes on the worker and is reported, then ignored.
                 del self.awaiting_grammar[req_id]
                 self._grammars_to_send.pop(req_id, None)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Workers may still write its blocks: they stay leased until the load is reported.
+                self.kv_cache_manager.lease(req, f"load-{self._load_of.pop(req_id)}")
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -299,7 +332,14 @@ class Scheduler:
         stats = self.kv_cache_manager.stats  # counted over the engine's life, not the pool's
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.hash_seed)
         self.kv_cache_manager.stats = stats
-        queued = [*self.running, *self.waiting, *self.awaiting_grammar.values()]
+        if self.connector is not None:
+            self.connector.reset()
+            self.kv_cache_manager.pool.on_evict = self.connector.on_evict
+        loading = [load.request for load in self.loading.values() if not load.request.is_finished]
+        self.loading.clear()
+        self._load_of.clear()
+        self.loaded_waiting.clear()
+        queued = [*self.running, *loading, *self.waiting, *self.awaiting_grammar.values()]
         self.running = []
         self.waiting = PriorityQueue() if cfg.policy == "priority" else FCFSQueue()
         self.awaiting_grammar = {}
@@ -309,7 +349,7 @@ class Scheduler:
             req.num_output_placeholders = 0  # the steps that would have sampled them are lost
             req.block_hashes = []  # the new pool's hasher may have another root (a random one)
             self.kv_cache_manager.attach(req)
-            started = req.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+            started = req.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED) or req.num_output_tokens > 0
             self._queue(req)
             if started and req.status == RequestStatus.WAITING:
                 req.status = RequestStatus.PREEMPTED
@@ -320,8 +360,9 @@ class Scheduler:
     # -- counts and stats ------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        """True while requests live or finished ones still await reporting."""
-        return bool(self.requests) or bool(self._pending_outputs)
+        """True while requests live, finished ones still await reporting, or a KV load is
+        still out (an aborted request's blocks are freed when it is reported)."""
+        return bool(self.requests) or bool(self._pending_outputs) or bool(self.loading)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -332,7 +373,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.awaiting_grammar)
+        return len(self.waiting) + len(self.awaiting_grammar) + len(self._load_of)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -415,6 +456,8 @@ class Scheduler:
                     n -= len(drafts)
                     drafts = None
                     continue
+                if self._drop_loaded_blocks():
+                    continue  # loaded prompts waiting for a seat give their blocks back first
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
                     if req.num_output_placeholders:
@@ -478,6 +521,8 @@ class Scheduler:
             if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
                 # Prompt logprobs need every prompt position computed, so no cached prefix.
                 hits, num_hit = kv.get_computed_blocks(req)
+                if self.connector is not None and self._load_external(req, hits, num_hit):
+                    continue
             n = req.num_tokens - req.num_computed_tokens - num_hit
             if not cfg.chunked_prefill:
                 if n > cfg.max_num_batched_tokens:
@@ -493,6 +538,8 @@ class Scheduler:
             if prefill_left is not None and n > prefill_left:
                 n = prefill_left
             new_blocks = kv.allocate_slots(req, n, num_hit, hits)
+            if new_blocks is None and self._drop_loaded_blocks(keep=req):
+                new_blocks = kv.allocate_slots(req, n, num_hit, hits)
             if new_blocks is None:
                 if not self.running:
                     # Every block is free or evictable and it still does not fit.
@@ -501,6 +548,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop()
+            self.loaded_waiting.discard(req)
             req.num_computed_tokens += num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -519,6 +567,74 @@ class Scheduler:
             self.waiting.prepend(req)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
+
+    def _load_external(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
+        """Past the pool's cached prefix, the connector may hold more of the prompt: give
+        the request blocks for it and wait for the load (WAITING_FOR_REMOTE_KVS). True when
+        the request left the waiting queue for that; False to schedule it as it is."""
+        assert self.connector is not None
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        start = len(hits)
+        ext = self.connector.num_external_blocks(req, start, (req.num_tokens - 1) // bs)
+        if ext == 0:
+            return False
+        new_blocks = kv.allocate_slots(req, ext * bs, num_hit, hits)
+        if new_blocks is None:
+            return False  # no room for the load: the request computes (or waits) as usual
+        self.waiting.pop()
+        load_id = next(self._load_ids)
+        resumed = req.status is RequestStatus.PREEMPTED or req.num_output_tokens > 0
+        self.loading[load_id] = _Load(req, start, ext, resumed)
+        self._load_of[req.req_id] = load_id
+        req.num_computed_tokens += num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.connector.start_load(load_id, req, start, [b.block_id for b in new_blocks])
+        return True
+
+    def _loads_done(self, kv_loaded: dict[int, int]) -> None:
+        """Loads the workers report: their intact blocks count as computed (and are cached
+        again), and the request goes back to the front of the queue; an aborted request's
+        leased blocks are freed now."""
+        assert self.connector is not None
+        kv = self.kv_cache_manager
+        for load_id, intact in kv_loaded.items():
+            load = self.loading.pop(load_id, None)
+            if load is None:
+                continue  # a load the workers of before a restart started
+            req = load.request
+            self.connector.loaded(req, load.start, load.asked, intact)
+            if req.is_finished:
+                kv.release(f"load-{load_id}")
+                continue
+            del self._load_of[req.req_id]
+            req.num_computed_tokens += intact * kv.block_size
+            if req.num_computed_tokens == 0:
+                kv.free(req)  # nothing arrived: it starts clean, with a fresh prefix lookup
+            kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.PREEMPTED if load.resumed else RequestStatus.WAITING
+            self.waiting.prepend(req)
+            if req.num_computed_tokens:
+                self.loaded_waiting.add(req)
+
+    def _drop_loaded_blocks(self, keep: Request | None = None) -> bool:
+        """Free the blocks of waiting requests that hold some (a KV load brought them back,
+        and no seat or budget took them yet): running requests and the queue's head come
+        before them. What they loaded stays cached, so a later lookup finds it again.
+        True when some were freed."""
+        if not self.loaded_waiting:
+            return False
+        freed = False
+        for req in list(self.loaded_waiting):
+            if req is keep:
+                continue
+            self.loaded_waiting.discard(req)
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
+            freed = True
+        return freed
 
     def _prefill_cap(self) -> int | None:
         """Prompt tokens this step may carry under ``max_step_ms``: what the measured step
@@ -640,6 +756,7 @@ class Scheduler:
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=draft_tokens,
             grammars=grammars,
+            kv_ops=self.connector.take_ops() if self.connector is not None else None,
         )
 
     def _advance(
@@ -685,6 +802,8 @@ class Scheduler:
             self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens, model_runner_output)
         if model_runner_output.grammars_ready or model_runner_output.grammar_errors:
             self._grammars_done(model_runner_output, outputs)
+        if model_runner_output.kv_loaded:
+            self._loads_done(model_runner_output.kv_loaded)
         requests = step_reqs if step_reqs is not None else self.requests
         overlap = self.config.async_scheduling
         worker_tokens = self._worker_num_tokens
@@ -828,6 +947,7 @@ class Scheduler:
         """Final state: blocks back to the pool (cached ones stay findable), workers told."""
         req.status = status
         self.kv_cache_manager.free(req)
+        self.loaded_waiting.discard(req)
         self._forget_on_workers(req.req_id)
         self.requests.pop(req.req_id, None)
 

@@ -54,6 +54,34 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
         return len(self.req_ids)
 
 
+class KVTransferOps(msgspec.Struct, array_like=True, gc=False):
+    """What the KV connector's worker side does at the start of a step, before anything
+    of the step writes the KV cache (aiolm/kv_transfer/).
+
+    Saves come first: they are blocks the prefix cache evicted while this step was
+    scheduled, still holding the cached prefix their hash names, which this step's
+    tokens or loads may overwrite. Loads are read in the background into staging
+    memory and copied into their blocks at the start of a later step (the first that
+    finds them read, or the first that schedules their request, which waits for them);
+    rank 0 reports each in ModelRunnerOutput.kv_loaded once copied.
+    """
+
+    save_block_ids: list[int] = field(default_factory=list)
+    save_hashes: list[bytes] = field(default_factory=list)
+    # Per load: its id (unique in the engine's life), its request, the block hashes to
+    # read, in prompt order, and the blocks they go to.
+    load_ids: list[int] = field(default_factory=list)
+    load_req_ids: list[str] = field(default_factory=list)
+    load_hashes: list[list[bytes]] = field(default_factory=list)
+    load_block_ids: list[list[int]] = field(default_factory=list)
+    # Blocks the tiers no longer keep (their caps, least recently used first).
+    drop_host: list[bytes] = field(default_factory=list)
+    drop_disk: list[bytes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.save_block_ids or self.load_req_ids or self.drop_host or self.drop_disk)
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     """One step's decisions: who runs, how many tokens each, which blocks."""
 
@@ -73,6 +101,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     # compile them in the background and name each one in ModelRunnerOutput.grammars_ready
     # (or grammar_errors) when done. Only then is the request scheduled.
     grammars: dict[str, StructuredOutputs] = field(default_factory=dict)
+    # The KV connector's work for this step (--kv-transfer-config), or None.
+    kv_ops: KVTransferOps | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -129,6 +159,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     # Requests the workers could not run, with why (their LoRA adapter could not be read):
     # the scheduler finishes them with the message; their tokens this step are dropped.
     request_errors: dict[str, str] = field(default_factory=dict)
+    # KV connector loads copied into their blocks since the last reply: load id -> how many
+    # of its blocks, from the first, arrived intact (fewer than asked: the rest is missing
+    # or corrupt, and the request computes it).
+    kv_loaded: dict[int, int] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

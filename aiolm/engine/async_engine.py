@@ -46,6 +46,9 @@ from aiolm.engine.output_processor import OutputProcessor, RequestState
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.executor.base import Executor
+from aiolm.kv_transfer.block_files import HEADER_BYTES, existing_blocks, fingerprint, model_signature
+from aiolm.kv_transfer.config import KVTransferConfig
+from aiolm.kv_transfer.offload_scheduler import OffloadScheduler
 from aiolm.lora.adapter import read_adapter
 from aiolm.lora.registry import LoRARegistry
 from aiolm.lora.request import LoRARequest
@@ -187,6 +190,10 @@ class AsyncEngine:
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
         # decoder can use them (an encoder's every state depends on the whole prompt).
         prefix_caching = a.enable_prefix_caching and (pc is None or (not mc.encoder_only and pc.pooling_type == "last"))
+        kv_transfer = a.kv_transfer()
+        if kv_transfer is not None and (pooling or not prefix_caching):
+            raise ValueError("kv_transfer_config: the model keeps no prefix-cache blocks to offload (a pooling model)")
+        kv_fingerprint = self._kv_fingerprint() if kv_transfer is not None else ""
         runner_cfg = RunnerConfig(
             model=str(self.source.origin),
             dtype=a.dtype,
@@ -211,6 +218,8 @@ class AsyncEngine:
             max_loras=a.max_loras if a.enable_lora else 0,
             max_lora_rank=a.max_lora_rank,
             max_cpu_loras=a.max_cpu_loras or a.max_loras,
+            kv_transfer=kv_transfer,
+            kv_fingerprint=kv_fingerprint,
         )
         # One for the engine's life: a worker set started by recovery keeps the measured rate.
         self.step_watch = a.step_watch()
@@ -236,7 +245,10 @@ class AsyncEngine:
                 async_scheduling=a.async_scheduling and not pooling,
                 chunked_prefill=not mc.encoder_only,
                 max_loras=a.max_loras if a.enable_lora else 0,
-            )
+                # A disk tier outlives the engine: its blocks keep their names across restarts.
+                hash_seed=kv_fingerprint if kv_transfer is not None and kv_transfer.disk_path else None,
+            ),
+            connector=self._kv_connector(kv_transfer, kv_fingerprint, executor) if kv_transfer is not None else None,
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
         self.inputs = InputProcessor(
@@ -263,6 +275,32 @@ class AsyncEngine:
         # of it on the event loop (a pause that grows with the heap). Freeze it instead.
         gc.collect()
         gc.freeze()
+
+    def _kv_fingerprint(self) -> str:
+        """What decides the meaning of a KV block's bytes here (block_files.fingerprint)."""
+        a = self.args
+        assert self.source is not None
+        return fingerprint(
+            {
+                "format": 1,
+                "model": str(self.source.origin),
+                "files": model_signature(str(self.source.origin)),
+                "dtype": a.dtype,
+                "kv_cache_dtype": a.kv_cache_dtype,
+                "device": a.resolved_device().split(":")[0],
+                "block_size": a.block_size,
+                "tensor_parallel_size": a.tensor_parallel_size,
+                "replica": self.engine_index,
+            }
+        )
+
+    @staticmethod
+    def _kv_connector(cfg: KVTransferConfig, fp: str, executor: Executor) -> OffloadScheduler:
+        """The offloading connector's scheduler side, sized from the workers' block bytes."""
+        file_bytes = executor.block_bytes + HEADER_BYTES
+        disk_blocks = cfg.disk_bytes // file_bytes if cfg.disk_path else 0
+        on_disk = existing_blocks(cfg.disk_path, fp) if cfg.disk_path else []
+        return OffloadScheduler(cfg.cpu_blocks(executor.block_bytes), disk_blocks, on_disk)
 
     async def _make_executor(self, runner_cfg: RunnerConfig, incarnation: int) -> Executor:
         """A started executor; ``incarnation`` counts the worker sets before it."""

@@ -187,8 +187,14 @@ class EngineCore(Actor[CoreMessage]):
                 t1 = time.perf_counter()
                 # A step with nothing to run still goes out when the pipeline is empty (its
                 # outputs are the requests schedule() finished by itself) or when it carries
-                # finished requests or grammars (the workers drop or compile them).
-                if not inflight or step.total_num_scheduled_tokens or step.finished_req_ids or step.grammars:
+                # finished requests, grammars or KV transfers (the workers drop, compile or move them).
+                if (
+                    not inflight
+                    or step.total_num_scheduled_tokens
+                    or step.finished_req_ids
+                    or step.grammars
+                    or step.kv_ops is not None
+                ):
                     try:
                         handle = await self.executor.submit(step)
                     except ExecutorError as e:

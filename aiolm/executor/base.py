@@ -24,6 +24,7 @@ class ExecutorError(RuntimeError):
 class Executor(abc.ABC):
     num_blocks: int
     block_size: int
+    block_bytes: int = 0  # one KV block's bytes on a rank, all layers (the largest rank's)
 
     @abc.abstractmethod
     async def start(self) -> None:

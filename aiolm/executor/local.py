@@ -29,6 +29,7 @@ class LocalExecutor(Executor):
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self._pool, ModelRunner, self.cfg)
         self.num_blocks = self.runner.num_blocks
+        self.block_bytes = self.runner.kv_cache_info()["block_bytes"]
 
     async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "executor not started"
@@ -45,5 +46,7 @@ class LocalExecutor(Executor):
         return [await asyncio.get_running_loop().run_in_executor(self._pool, call)]
 
     async def shutdown(self) -> None:
+        if self.runner is not None:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.close)
         self._pool.shutdown(wait=False)
         self.runner = None

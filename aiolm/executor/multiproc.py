@@ -148,6 +148,7 @@ class MultiprocExecutor(Executor):
             await self._stop(grace=0.5)
             raise
         self.num_blocks = min(i["num_blocks"] for i in infos)
+        self.block_bytes = max(int(i.get("block_bytes", 0)) for i in infos)
         self.all_reduce = str(infos[0].get("all_reduce"))
         if self.world_size > 1:
             log.info("%d tensor-parallel ranks, all-reduce: %s", self.world_size, self.all_reduce)

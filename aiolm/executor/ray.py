@@ -143,6 +143,7 @@ class RayExecutor(MultiprocExecutor):
                 f"starting the Ray workers failed: {type(e).__name__}: {e}", getattr(e, "traceback_str", None)
             ) from e
         self.num_blocks = min(i["num_blocks"] for i in self._infos)
+        self.block_bytes = max(int(i.get("block_bytes", 0)) for i in self._infos)
         self.all_reduce = str(self._infos[0].get("all_reduce"))
         log.info(
             "%d Ray rank(s), %d on this node (shm rings), %d through Ray calls; all-reduce: %s",

@@ -25,6 +25,8 @@ from aiolm.core.step import (
     SchedulerOutput,
 )
 from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.kv_transfer.base import ConnectorWorker
+from aiolm.kv_transfer.offload_worker import OffloadWorker
 from aiolm.lora.manager import LoRAManager
 from aiolm.lora.request import LoRARequest
 from aiolm.model.registry import build_model
@@ -92,6 +94,9 @@ class ModelRunner:
             self._no_kv_cache(cfg)
         else:
             self._allocate_kv_cache(cfg)
+        self.kv_connector: ConnectorWorker | None = None
+        if cfg.kv_transfer is not None:
+            self.kv_connector = OffloadWorker(cfg.kv_transfer, cfg.kv_fingerprint, get_tp_group().rank, self.kv_caches)
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
         with self.platform.memory_guard("capturing CUDA graphs", cfg):
             self.graphs = self._capture_graphs()
@@ -136,6 +141,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        if self.kv_connector is not None:
+            self.kv_connector.begin_step(scheduler_output)
         self.batch.update(scheduler_output)
         if self.lora is not None:
             self._track_lora(scheduler_output)
@@ -143,7 +150,8 @@ class ModelRunner:
             self.grammars.submit(scheduler_output.grammars)
         if scheduler_output.total_num_scheduled_tokens == 0:
             ready, errors = self.grammars.collect(wait=GRAMMAR_IDLE_WAIT_S)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], grammars_ready=ready, grammar_errors=errors)
+            loaded = self._kv_loaded()
+            return ModelRunnerOutput([], [], grammars_ready=ready, grammar_errors=errors, kv_loaded=loaded)
         step = self.batch.prepare(scheduler_output, self.device)
         request_errors = self._map_lora_rows(step) if self.lora is not None else {}
         meta = AttentionMetadata(
@@ -201,7 +209,11 @@ class ModelRunner:
             grammars_ready=ready,
             grammar_errors=errors,
             request_errors=request_errors,
+            kv_loaded=self._kv_loaded(),
         )
+
+    def _kv_loaded(self) -> dict[int, int]:
+        return self.kv_connector.finished_loads() if self.kv_connector is not None else {}
 
     def _track_lora(self, out: SchedulerOutput) -> None:
         """Which adapter each live request runs with, from the step's diff."""
@@ -411,7 +423,14 @@ class ModelRunner:
         return graphs
 
     def kv_cache_info(self) -> dict[str, int]:
-        return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size}
+        """The pool's size, and one block's bytes on this rank (every layer's K and V)."""
+        block_bytes = sum(kv[:, 0].numel() * kv.element_size() for kv in self.kv_caches)
+        return {"num_blocks": self.num_blocks, "block_size": self.cfg.block_size, "block_bytes": block_bytes}
+
+    def close(self) -> None:
+        """Let the KV connector finish its writes (a worker exiting normally)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def take_expert_counts(self) -> list[list[int]]:
         """Tokens routed to each expert of each layer of experts since the last call

@@ -191,20 +191,25 @@ def serve_ring(
     """Execute whatever arrives on the request ring until the engine closes it or dies;
     the exit status. ``step_done`` is called after each step this rank finished."""
     handler = StepHandler(runner, rank, step_done)
-    while True:
-        try:
-            buf = requests.read(timeout=1.0)
-        except TimeoutError:
-            if not engine_alive():
+    try:
+        while True:
+            try:
+                buf = requests.read(timeout=1.0)
+            except TimeoutError:
+                if not engine_alive():
+                    return 0
+                continue
+            except (RingClosed, PeerDied):  # closed by the engine, or the engine is gone
                 return 0
-            continue
-        except (RingClosed, PeerDied):  # closed by the engine, or the engine is gone
-            return 0
-        reply, code = handler.handle(buf)
-        if reply is not None:
-            responses.write(reply)
-        if code is not None:
-            return code
+            reply, code = handler.handle(buf)
+            if reply is not None:
+                responses.write(reply)
+            if code is not None:
+                return code
+    finally:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
 
 
 class StepHandler:

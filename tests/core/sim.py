@@ -6,6 +6,14 @@ every step that it equals the scheduler's truth. That proves the diff protocol.
 It also compiles grammars the way a worker does: announced in one step, done
 some steps later (a regex "(" fails), and a request with a grammar must not
 arrive before its grammar is compiled on this worker.
+
+It models what the KV cache *holds*: each block's slots get the tokens a step
+computes into them, and a request that arrives with computed tokens (a prefix-cache
+hit, a KV connector load) must find its own tokens there. A KV connector's tiers
+(``kv_ops``) are copies of block contents under their hashes: saved before the step
+writes anything, loaded at the start of the next step (as aiolm/kv_transfer/
+offload_worker.py does), and reported then; ``corrupt`` is the chance that a load
+finds a block bad, which must cost only recomputation.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass, field
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.scheduler import Scheduler, SchedulerConfig
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
+from aiolm.kv_transfer.base import ConnectorScheduler
 from aiolm.params import SamplingParams
 from aiolm.structured.spec import StructuredOutputs
 
@@ -40,11 +49,11 @@ def make_request(
     return Request(req_id, tokens, sp, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
 
 
-def make_scheduler(**kwargs) -> Scheduler:
+def make_scheduler(connector: ConnectorScheduler | None = None, **kwargs) -> Scheduler:
     kwargs.setdefault("num_blocks", 64)
     kwargs.setdefault("block_size", 4)
     kwargs.setdefault("hash_seed", 0)
-    return Scheduler(SchedulerConfig(**kwargs))
+    return Scheduler(SchedulerConfig(**kwargs), connector)
 
 
 @dataclass
@@ -63,9 +72,52 @@ class WorkerSim:
     block_size: int = 4
     compiling: dict[str, StructuredOutputs] = field(default_factory=dict)  # req_id -> grammar
     compiled: set[str] = field(default_factory=set)  # requests whose grammar this worker holds
+    content: dict[int, list[int | None]] = field(default_factory=dict)  # block id -> its slots' tokens
+    host: dict[bytes, list[int | None]] = field(default_factory=dict)  # the connector's tiers
+    disk: dict[bytes, list[int | None]] = field(default_factory=dict)
+    loads: list[tuple[int, list[int], list[list[int | None]]]] = field(default_factory=list)
+    loaded: dict[int, int] = field(default_factory=dict)
+    corrupt: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def _slots(self, block_id: int) -> list[int | None]:
+        return self.content.setdefault(block_id, [None] * self.block_size)
+
+    def _transfer(self, so: SchedulerOutput) -> None:
+        """The connector's part of a step: last step's loads land, then this step's ops."""
+        for load_id, block_ids, blocks in self.loads:
+            intact = len(blocks)
+            if intact and self.rng.random() < self.corrupt:
+                intact = self.rng.randrange(intact)
+            for b, data in zip(block_ids, blocks[:intact]):
+                self.content[b] = list(data)
+            self.loaded[load_id] = intact
+        self.loads = []
+        ops = so.kv_ops
+        if ops is None:
+            return
+        for b, h in zip(ops.save_block_ids, ops.save_hashes):
+            self.host[h] = self.disk[h] = list(self._slots(b))
+        for h in ops.drop_host:
+            self.host.pop(h, None)
+        for h in ops.drop_disk:
+            self.disk.pop(h, None)
+        for load_id, hashes, block_ids in zip(ops.load_ids, ops.load_hashes, ops.load_block_ids):
+            blocks = []
+            for h in hashes:
+                data = self.host.get(h, self.disk.get(h))
+                if data is None:
+                    break
+                blocks.append(data)
+            self.loads.append((load_id, block_ids, blocks))
+
+    def finished_loads(self) -> dict[int, int]:
+        loaded, self.loaded = self.loaded, {}
+        return loaded
 
     def apply(self, so: SchedulerOutput) -> list[str]:
         """Apply one step's diff; return the ids whose prefill is complete (they sample)."""
+        self._transfer(so)
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
         new_ids = [nr.req_id for nr in so.scheduled_new_reqs]
@@ -84,6 +136,10 @@ class WorkerSim:
                 list(nr.prompt_token_ids) + list(nr.output_token_ids), list(nr.block_ids), nr.num_computed_tokens
             )
             self.seen_new.append(nr.req_id)
+            held = self.reqs[nr.req_id]
+            for pos in range(nr.num_computed_tokens):  # a cached or loaded prefix holds its tokens
+                slots = self._slots(held.block_ids[pos // self.block_size])
+                assert slots[pos % self.block_size] == held.tokens[pos], f"{nr.req_id}: cached token {pos} is wrong"
         c = so.scheduled_cached_reqs
         for rid, toks, blks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
             st = self.reqs[rid]
@@ -99,6 +155,9 @@ class WorkerSim:
             assert not drafts or st.num_computed == len(st.tokens) - 1, f"{rid} drafts outside decode"
             assert st.num_computed + n <= len(st.tokens) + len(drafts), f"{rid} scheduled past its tokens"
             assert len(st.block_ids) * self.block_size >= st.num_computed + n, f"{rid} lookahead not reserved"
+            known = st.tokens + drafts
+            for pos in range(st.num_computed, st.num_computed + n):
+                self._slots(st.block_ids[pos // self.block_size])[pos % self.block_size] = known[pos]
             st.num_computed += n
             if st.num_computed >= len(st.tokens):
                 sampling.append(rid)
@@ -165,16 +224,25 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
     running_ids = [r.req_id for r in sched.running]
     waiting_ids = [r.req_id for r in sched.waiting]
     awaiting_ids = set(sched.awaiting_grammar)
+    loading_ids = set(sched._load_of)
     assert len(set(running_ids)) == len(running_ids)
     assert not set(running_ids) & set(waiting_ids)
     assert not (set(running_ids) | set(waiting_ids)) & awaiting_ids
-    assert set(running_ids) | set(waiting_ids) | awaiting_ids == set(sched.requests)
-    assert sched.num_waiting == len(waiting_ids) + len(awaiting_ids)
+    assert not (set(running_ids) | set(waiting_ids) | awaiting_ids) & loading_ids
+    assert set(running_ids) | set(waiting_ids) | awaiting_ids | loading_ids == set(sched.requests)
+    assert sched.num_waiting == len(waiting_ids) + len(awaiting_ids) + len(loading_ids)
+    for load_id in sched._load_of.values():
+        load = sched.loading[load_id]
+        assert load.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert len(kv.get_blocks(load.request.req_id)) == load.start + load.asked
+    assert set(kv.leases) == {f"load-{i}" for i, load in sched.loading.items() if load.request.is_finished}
     for r in sched.awaiting_grammar.values():
         assert r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.sampling_params.structured_outputs is not None
         assert r.req_id not in kv.req_to_blocks and r.num_computed_tokens == 0
     assert len(running_ids) <= cfg.max_num_seqs
-    assert set(kv.req_to_blocks) <= set(running_ids)
+    holding = {r.req_id for r in sched.loaded_waiting}
+    assert holding <= set(waiting_ids)
+    assert set(kv.req_to_blocks) <= set(running_ids) | loading_ids | holding
     draft_tokens = so.scheduled_spec_decode_tokens if so is not None else {}
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
@@ -185,7 +253,9 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
         assert r.num_output_placeholders <= 2
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert r.num_computed_tokens == 0
+        # Back from a KV load: it holds blocks for what arrived, and computes the rest.
+        assert r.num_computed_tokens == 0 or (r in sched.loaded_waiting and r.num_computed_tokens < r.num_tokens)
+        assert len(kv.get_blocks(r.req_id)) * kv.block_size >= r.num_computed_tokens
     assert kv.num_free_blocks + sum(1 for b in kv.pool.blocks[1:] if b.ref_cnt) == kv.num_usable_blocks
     if so is not None:
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
@@ -236,6 +306,7 @@ class Driver:
             if rid in draft_tokens:
                 self.worker.reject(rid, len(draft_tokens[rid]) + 1 - len(toks))
         runner_output.grammars_ready, runner_output.grammar_errors = self.worker.finish_compiles(self.rng)
+        runner_output.kv_loaded = self.worker.finished_loads()
         if self.step_seconds is not None:
             runner_output.worker_times = [0.0, self.step_seconds(so), 0.0]
         outs = self.sched.update_from_output(so, runner_output)

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from aiolm.core.kv_cache import BlockHasher
 from aiolm.core.request import Request
+from aiolm.kv_transfer.offload_scheduler import OffloadScheduler
 from aiolm.spec_decode import SpecConfig
 from aiolm.structured.spec import StructuredOutputs
 
@@ -33,8 +34,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         seed=st.integers(0, 2**16),
         num_spec=st.sampled_from([0, 0, 1, 3]),
+        offload=st.sampled_from([None, (0, 6), (4, 0), (3, 10)]),
     )
-    def setup(self, num_blocks, budget, max_num_seqs, threshold, policy, caching, seed, num_spec):
+    def setup(self, num_blocks, budget, max_num_seqs, threshold, policy, caching, seed, num_spec, offload):
         # Speculation with short n-grams over a small vocabulary: drafts, partial acceptance,
         # adaptive pauses and lookahead pressure on the small pool all happen.
         speculative = (
@@ -60,8 +62,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching,
             max_model_len=48,
             speculative=speculative,
+            # A KV connector's host and disk tiers (in blocks) keep evicted prefixes; a fifth
+            # of its loads find a block corrupt.
+            connector=OffloadScheduler(*offload) if offload and caching else None,
         )
         self.driver = Driver(self.sched, seed=seed, eos_prob=0.15)
+        self.driver.worker.corrupt = 0.2
         self.next_id = 0
         self.added: set[str] = set()
         self.bad_grammar: set[str] = set()
@@ -111,7 +117,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         lost = self.sched.schedule() if mid_step else None  # its results never come back
         num_blocks = max(4, self.sched.config.num_blocks + extra_blocks)
         self.sched.reset_workers(num_blocks)
-        self.driver.worker = WorkerSim(block_size=self.sched.config.block_size)
+        old = self.driver.worker  # a connector's disk tier outlives the workers
+        self.driver.worker = WorkerSim(block_size=self.sched.config.block_size, disk=old.disk, corrupt=old.corrupt)
         assert self.sched.num_running == 0 and self.sched.kv_cache_manager.usage == 0.0
         for rid, req in self.sched.requests.items():
             assert req.num_computed_tokens == 0
@@ -145,6 +152,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert stats.num_accepted_tokens <= stats.num_draft_tokens
             assert sum(stats.drafted_per_position) == stats.num_draft_tokens
         assert set(self.driver.finished) == self.added
+        if self.sched.connector is not None:
+            assert not self.sched.loading and not self.sched.kv_cache_manager.leases
         for rid, out in self.driver.finished.items():
             assert out.finish_reason in ("stop", "length", "abort", "error")
             failed = out.finish_reason == "error" and "grammar" in (out.error or "")

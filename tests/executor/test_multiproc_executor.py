@@ -217,7 +217,7 @@ def test_cancelled_call_then_worker_killed_mid_step(tiny):
         await ex.start()
         try:
             infos = await ex.collective_rpc("kv_cache_info")
-            assert infos == [{"num_blocks": ex.num_blocks, "block_size": BLOCK}]
+            assert infos == [{"num_blocks": ex.num_blocks, "block_size": BLOCK, "block_bytes": ex.block_bytes}]
             # 1. A caller gives up on a slow step; the worker still answers it later.
             assert await ex.collective_rpc(set_delay, (1.0,)) == [1.0]
             with pytest.raises(asyncio.TimeoutError):

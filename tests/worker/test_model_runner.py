@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 MAX_NEW = 24
 BLOCK = 16
 MAX_MODEL_LEN = 128
+BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4  # every layer's K and V: 30 layers, 3 KV heads of 64, float32
 KV_BLOCKS = 11  # 10 usable (+ the null block): four ~70-token requests cannot all fit
 # One intra-op thread: on this shared 2-core box two OpenMP threads that wait on
 # each other make every step several times slower (measured: 2-5 s vs 0.2 s).
@@ -160,8 +161,8 @@ def mp_executor(loop, real_source):
 
 def test_multiproc_executor_reports_kv_capacity(loop, mp_executor):
     infos = loop.run_until_complete(mp_executor.collective_rpc("kv_cache_info"))
-    assert infos == [{"num_blocks": KV_BLOCKS, "block_size": BLOCK}]
-    assert mp_executor.num_blocks == KV_BLOCKS
+    assert infos == [{"num_blocks": KV_BLOCKS, "block_size": BLOCK, "block_bytes": BLOCK_BYTES}]
+    assert mp_executor.num_blocks == KV_BLOCKS and mp_executor.block_bytes == infos[0]["block_bytes"]
 
 
 def test_multiproc_greedy_matches_transformers_with_chunking_prefix_hits_and_preemption(
@@ -183,7 +184,9 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
         await ex.start()
         try:
             assert ex.num_blocks == KV_BLOCKS
-            assert await ex.collective_rpc("kv_cache_info") == [{"num_blocks": KV_BLOCKS, "block_size": BLOCK}]
+            assert await ex.collective_rpc("kv_cache_info") == [
+                {"num_blocks": KV_BLOCKS, "block_size": BLOCK, "block_bytes": BLOCK_BYTES}
+            ]
             return await drive(ex, prompts)
         finally:
             await ex.shutdown()

@@ -1,0 +1,85 @@
+"""The two halves of a KV connector and what the scheduler and model runner call.
+
+Scheduler side (engine process, pure Python), called by aiolm/core/scheduler.py:
+
+* ``num_external_blocks``: at admission, after the local prefix-cache hit, how many
+  further full blocks of the request can be loaded from outside.
+* ``start_load``: the request got blocks for them; the connector asks its workers to
+  fill them. The request then waits (WAITING_FOR_REMOTE_KVS), holding its blocks but
+  outside the running batch, until ModelRunnerOutput.kv_loaded reports the load; other
+  requests step meanwhile. Its blocks are never freed before that report, even when it
+  is aborted (the scheduler keeps them on a lease), because a worker may still write them.
+* ``on_evict``: the block pool is about to reuse a block that caches a prefix.
+* ``loaded``: how a load ended (blocks past the first bad one are recomputed).
+* ``take_ops``: the step's KVTransferOps for the workers.
+* ``reset``: the workers were replaced; nothing they held survives.
+
+Worker side (one per rank, holds tensors), called by aiolm/worker/model_runner.py:
+``begin_step`` before the step's forward pass (saves, drops, starting loads, and
+copying loads into their blocks), ``finished_loads`` for the reply, and ``close``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiolm.core.request import Request
+from aiolm.core.step import KVTransferOps, SchedulerOutput
+
+
+@dataclass
+class ConnectorStats:
+    """Counted in blocks over the engine's life (tokens = blocks x block size)."""
+
+    saved_blocks: int = 0  # evicted blocks a tier took
+    loaded_blocks: int = 0  # blocks that came back intact
+    failed_loads: int = 0  # loads cut short by a block missing or corrupt on some rank
+    failed_blocks: int = 0  # blocks such loads did not bring (that block and those after it): recomputed
+    dropped_blocks: int = 0  # pushed out of the last tier by its cap
+
+
+class ConnectorScheduler(abc.ABC):
+    stats: ConnectorStats
+
+    @abc.abstractmethod
+    def num_external_blocks(self, request: Request, start: int, limit: int) -> int:
+        """How many of ``request.block_hashes[start:limit]``, from the first, can be loaded."""
+
+    @abc.abstractmethod
+    def start_load(self, load_id: int, request: Request, start: int, block_ids: Sequence[int]) -> None:
+        """Fill ``block_ids`` with the request's blocks ``start, start + 1, ...``; the
+        workers report it under ``load_id``."""
+
+    @abc.abstractmethod
+    def loaded(self, request: Request, start: int, asked: int, intact: int) -> None:
+        """A load of ``asked`` blocks from ``start`` ended with ``intact`` good ones."""
+
+    @abc.abstractmethod
+    def on_evict(self, block_id: int, block_hash: bytes) -> None:
+        """The pool reuses ``block_id``, which caches ``block_hash``, in the step being scheduled."""
+
+    @abc.abstractmethod
+    def take_ops(self) -> KVTransferOps | None:
+        """What the workers do at the start of the step being built (None: nothing)."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """The workers were replaced: forget what only they held."""
+
+
+class ConnectorWorker(abc.ABC):
+    @abc.abstractmethod
+    def begin_step(self, step: SchedulerOutput) -> None:
+        """Before the step's forward: carry out ``step.kv_ops`` and put loads into their
+        blocks (a load is reported only once it is there)."""
+
+    @abc.abstractmethod
+    def finished_loads(self) -> dict[int, int]:
+        """Loads copied into their blocks since the last call: load id -> intact blocks
+        from the first."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish pending writes and stop background threads."""

@@ -1,0 +1,109 @@
+"""``--kv-transfer-config``: which connector, in which role, with what room.
+
+Spelled as vLLM spells it, one JSON object::
+
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"cpu_bytes": 1073741824,
+                                   "disk_path": "/var/cache/aiolm-kv", "disk_bytes": 10737418240}}
+
+Every key is checked here, so a typo or a field this connector does not implement is an
+error naming it, never a setting silently ignored. Pure Python: read by the engine
+process, and pickled to the workers inside their RunnerConfig.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CONNECTORS = ("OffloadingConnector",)
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_TOP_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"}
+_OFFLOAD_KEYS = {"num_cpu_blocks", "cpu_bytes", "disk_path", "disk_bytes"}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A parsed ``--kv-transfer-config``.
+
+    Offloading sizes: the host tier holds ``num_cpu_blocks`` blocks, or as many as fit in
+    ``cpu_bytes`` (per rank); the disk tier, present when ``disk_path`` is given, holds at
+    most ``disk_bytes`` of block files (per rank, file headers included).
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    num_cpu_blocks: int | None = None
+    cpu_bytes: int = 0
+    disk_path: str | None = None
+    disk_bytes: int = 0
+
+    def cpu_blocks(self, block_bytes: int) -> int:
+        """Blocks the host tier holds, given one block's bytes on a rank."""
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        return self.cpu_bytes // max(1, block_bytes)
+
+
+def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferConfig | None:
+    """The config a JSON string (or a dict, from Python) asks for; ValueError naming the
+    key that is wrong."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, str):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config: not valid JSON ({e.msg} at position {e.pos})") from None
+    else:
+        raw = text
+    if not isinstance(raw, dict):
+        raise ValueError("kv_transfer_config: must be a JSON object")
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        raise ValueError(
+            f"kv_transfer_config: {', '.join(unknown)} not supported; supported keys: {', '.join(sorted(_TOP_KEYS))}"
+        )
+    connector = raw.get("kv_connector")
+    if connector not in CONNECTORS:
+        raise ValueError(f"kv_transfer_config.kv_connector: {connector!r} is not supported; supported: {CONNECTORS}")
+    role = raw.get("kv_role", "kv_both")
+    if role not in ROLES:
+        raise ValueError(f"kv_transfer_config.kv_role: {role!r} is not one of {', '.join(ROLES)}")
+    extra = raw.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config: must be a JSON object")
+    unknown = sorted(set(extra) - _OFFLOAD_KEYS)
+    if unknown:
+        raise ValueError(
+            f"kv_transfer_config.kv_connector_extra_config: {', '.join(unknown)} not supported by "
+            f"{connector}; supported: {', '.join(sorted(_OFFLOAD_KEYS))}"
+        )
+    if role != "kv_both":
+        raise ValueError(f"kv_transfer_config.kv_role: {connector} stores and loads, so its role is kv_both")
+    for key in ("num_cpu_blocks", "cpu_bytes", "disk_bytes"):
+        value = extra.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key}: must be an integer >= 0")
+    disk_path = extra.get("disk_path")
+    if disk_path is not None and (not isinstance(disk_path, str) or not disk_path):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.disk_path: must be a directory path")
+    if disk_path is not None and not extra.get("disk_bytes"):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.disk_bytes: needed with disk_path (its cap)")
+    if "num_cpu_blocks" in extra and "cpu_bytes" in extra:
+        raise ValueError("kv_transfer_config.kv_connector_extra_config: give num_cpu_blocks or cpu_bytes, not both")
+    cfg = KVTransferConfig(
+        kv_connector=connector,
+        kv_role=role,
+        num_cpu_blocks=extra.get("num_cpu_blocks"),
+        cpu_bytes=extra.get("cpu_bytes", 0),
+        disk_path=disk_path,
+        disk_bytes=extra.get("disk_bytes", 0),
+    )
+    if not cfg.disk_path and not (cfg.num_cpu_blocks or cfg.cpu_bytes):
+        raise ValueError(
+            "kv_transfer_config.kv_connector_extra_config: OffloadingConnector needs room: "
+            "num_cpu_blocks or cpu_bytes (host memory), and/or disk_path with disk_bytes"
+        )
+    return cfg

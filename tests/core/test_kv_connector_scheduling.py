@@ -1,0 +1,131 @@
+"""The scheduler with a KV connector (aiolm/kv_transfer/): evicted prefixes come back
+as loads, a request waits for its load outside the batch, a bad load costs only
+recomputation, and no block is freed while a worker may still write it.
+
+The simulated worker (sim.py) holds each block's tokens and the tiers' copies, and
+checks that every cached or loaded prefix a request arrives with holds its tokens.
+"""
+
+from __future__ import annotations
+
+from aiolm.core.request import RequestStatus
+from aiolm.kv_transfer.offload_scheduler import OffloadScheduler
+
+from .sim import Driver, check_scheduler, make_request, make_scheduler
+
+PROMPT_A = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, and one token left to compute
+PROMPT_B = list(range(20, 50))  # 30 tokens: enough to evict all of A's blocks from a pool of 8
+
+
+def evicted_a(host: int = 4, disk: int = 10, num_blocks: int = 9, **kwargs):
+    """A scheduler whose pool served A and then B, so A's prefix lives only in the tiers."""
+    connector = OffloadScheduler(host, disk)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, connector=connector, max_model_len=40, **kwargs)
+    d = Driver(sched)
+    sched.add_request(make_request("a", PROMPT_A, max_tokens=1))
+    d.drain()
+    sched.add_request(make_request("b", PROMPT_B, max_tokens=1))
+    d.drain()
+    assert connector.stats.saved_blocks >= 3
+    assert not any(sched.kv_cache_manager.pool.get_cached_block(h) for h in _hashes(sched, PROMPT_A))
+    return sched, connector, d
+
+
+def _hashes(sched, prompt):
+    probe = make_request("probe", prompt)
+    sched.kv_cache_manager.attach(probe)
+    return probe.block_hashes
+
+
+def test_evicted_prefix_is_loaded_not_computed():
+    sched, connector, d = evicted_a()
+    sched.add_request(make_request("a2", PROMPT_A, max_tokens=2))
+    so, _ = d.step()
+    # The load is asked for; the request waits for it, scheduled for nothing yet.
+    assert so.kv_ops is not None and so.kv_ops.load_req_ids == ["a2"]
+    assert len(so.kv_ops.load_hashes[0]) == 3
+    assert so.num_scheduled_tokens == {}
+    assert sched.requests["a2"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    so, _ = d.step()  # the workers copy it in at this step's start and report it
+    assert sched.requests["a2"].num_computed_tokens == 12
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"a2": 1}  # only the last prompt token is computed
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12  # the worker sim checks the 12 tokens
+    d.drain()
+    assert d.finished["a2"].num_cached_tokens == 12
+    assert connector.stats.loaded_blocks == 3 and connector.stats.failed_blocks == 0
+
+
+def test_a_bad_block_is_recomputed_and_forgotten():
+    sched, connector, d = evicted_a()
+    d.worker.corrupt = 1.0  # each load finds one of its blocks bad
+    sched.add_request(make_request("a2", PROMPT_A, max_tokens=2))
+    d.drain()
+    assert connector.stats.failed_blocks >= 1
+    assert d.finished["a2"].finish_reason == "length" and len(d.outputs["a2"]) == 2
+    bad = [h for h in _hashes(sched, PROMPT_A) if h not in connector]
+    assert bad, "the bad block stays in the index"
+
+
+def test_abort_while_loading_keeps_blocks_until_the_load_is_reported():
+    sched, connector, d = evicted_a()
+    sched.add_request(make_request("a2", PROMPT_A, max_tokens=2))
+    d.step()
+    held = sched.kv_cache_manager.get_block_ids("a2")
+    outs = sched.abort_requests(["a2"])
+    assert [o.finish_reason for o in outs] == ["abort"]
+    kv = sched.kv_cache_manager
+    assert [b.block_id for b in kv.leases["load-1"]] == held  # a worker may still write them
+    assert all(kv.pool.blocks[b].ref_cnt == 1 for b in held)
+    assert sched.has_unfinished_requests()  # the engine keeps stepping until the report
+    d.step()
+    assert not kv.leases and kv.usage == 0.0
+    assert not sched.has_unfinished_requests()
+    check_scheduler(sched)
+
+
+def test_workers_replaced_during_a_load():
+    sched, connector, d = evicted_a()
+    sched.add_request(make_request("a2", PROMPT_A, max_tokens=3))
+    d.step()
+    sched.reset_workers(9)
+    d.worker = type(d.worker)(block_size=4, disk=d.worker.disk)
+    assert sched.requests["a2"].status == RequestStatus.WAITING and not sched.loading
+    check_scheduler(sched)
+    d.drain()
+    assert len(d.outputs["a2"]) == 3
+
+
+def test_a_loaded_prompt_gives_its_blocks_back_before_anyone_waits_or_is_preempted():
+    """A load landed, but a request ahead of it (priority) needs the blocks: the loaded
+    prompt lets go of them (what it loaded stays cached) rather than block the queue."""
+    sched, connector, d = evicted_a(policy="priority")
+    sched.add_request(make_request("p", [7] * 8, max_tokens=8, ignore_eos=True))
+    d.step()
+    sched.add_request(make_request("a2", PROMPT_A, max_tokens=1, priority=5, arrival_time=1e9))
+    for _ in range(3):
+        d.step()
+        if sched.loaded_waiting:
+            break
+    assert [r.req_id for r in sched.loaded_waiting] == ["a2"]
+    assert len(sched.kv_cache_manager.get_blocks("a2")) == 3
+    # 20 tokens: 5 blocks, with p's 3 the whole pool of 8.
+    sched.add_request(make_request("q", [9] * 20, max_tokens=1, arrival_time=0.0))
+    so, _ = d.step()
+    assert "q" in so.num_scheduled_tokens and not sched.loaded_waiting
+    assert sched.requests["a2"].num_computed_tokens == 0 and not sched.kv_cache_manager.get_blocks("a2")
+    d.drain()
+    assert sched.num_preemptions == 0
+    assert set(d.finished) >= {"p", "a2", "q"} and d.finished["a2"].finish_reason == "length"
+
+
+def test_tiers_keep_their_caps():
+    connector = OffloadScheduler(2, 5)
+    sched = make_scheduler(num_blocks=6, block_size=4, connector=connector, max_model_len=24)
+    d = Driver(sched)
+    for i in range(12):
+        sched.add_request(make_request(f"r{i}", [100 + i] * 4 + list(range(1, 10)), max_tokens=1))
+        d.drain()
+        assert len(connector.host) <= 2 and len(connector.disk) <= 5
+    assert connector.stats.dropped_blocks > 0
+    assert set(d.worker.host) == set(connector.host) and set(d.worker.disk) == set(connector.disk)

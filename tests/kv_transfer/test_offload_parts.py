@@ -1,0 +1,133 @@
+"""The OffloadingConnector's parts on their own: --kv-transfer-config refuses what it does
+not implement by name, block files detect every kind of damage, and the worker side moves
+a block's bytes out of one cache and back into another exactly (float32, float16, fp8)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from aiolm import LLM
+from aiolm.core.step import CachedRequestData, KVTransferOps, SchedulerOutput
+from aiolm.kv_transfer.block_files import BlockFileError, existing_blocks, rank_dir, read_block, write_block
+from aiolm.kv_transfer.config import parse_kv_transfer_config
+from aiolm.kv_transfer.offload_worker import OffloadWorker
+
+FP = "0123456789abcdef0123456789abcdef"
+
+
+def config(**extra) -> str:
+    return json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "not valid JSON"),
+        ('{"kv_connector": "NixlConnector"}', "kv_connector: 'NixlConnector' is not supported"),
+        ('{"kv_connector": "OffloadingConnector", "kv_ip": "1.2.3.4"}', "kv_ip not supported"),
+        ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}', "its role is kv_both"),
+        (config(cpu_bytes=10, num_gpu_blocks=3), "num_gpu_blocks not supported by OffloadingConnector"),
+        (config(cpu_bytes=-1), "cpu_bytes: must be an integer >= 0"),
+        (config(disk_path="/tmp/x"), "disk_bytes: needed with disk_path"),
+        (config(), "needs room"),
+        (config(cpu_bytes=1, num_cpu_blocks=2), "num_cpu_blocks or cpu_bytes, not both"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_key(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_kv_transfer_config(text)
+
+
+def test_config_sizes():
+    cfg = parse_kv_transfer_config(config(cpu_bytes=1000, disk_path="/d", disk_bytes=5000))
+    assert cfg is not None and cfg.cpu_blocks(300) == 3 and cfg.disk_bytes == 5000
+    assert parse_kv_transfer_config(config(num_cpu_blocks=7)).cpu_blocks(300) == 7  # type: ignore[union-attr]
+    assert parse_kv_transfer_config(None) is None
+
+
+def test_engine_refuses_offloading_without_prefix_caching():
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        LLM(enable_prefix_caching=False, kv_transfer_config=config(num_cpu_blocks=4))
+
+
+def test_block_files_detect_damage(tmp_path):
+    h, other = bytes(range(32)), bytes(range(1, 33))
+    payload = bytes(range(256)) * 8
+    path = tmp_path / "b.kv"
+    write_block(path, FP, h, payload)
+    assert bytes(read_block(path, FP, h, len(payload))) == payload
+    with pytest.raises(BlockFileError, match="another model, layout or block"):
+        read_block(path, FP, other, len(payload))
+    with pytest.raises(BlockFileError, match="another model, layout or block"):
+        read_block(path, "f" * 32, h, len(payload))
+    with pytest.raises(BlockFileError, match="holds 2048 bytes of KV, this engine's blocks have 4096"):
+        read_block(path, FP, h, 4096)
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(BlockFileError, match="checksum mismatch"):
+        read_block(path, FP, h, len(payload))
+    path.write_bytes(bytes(data[:-100]))
+    with pytest.raises(BlockFileError, match="truncated"):
+        read_block(path, FP, h, len(payload))
+    path.write_bytes(b"AIOLM")
+    with pytest.raises(BlockFileError, match="truncated header"):
+        read_block(path, FP, h, len(payload))
+    with pytest.raises(BlockFileError, match="No such file"):
+        read_block(tmp_path / "none.kv", FP, h, len(payload))
+
+
+def test_existing_blocks_in_write_order(tmp_path):
+    d = rank_dir(str(tmp_path), FP, 0)
+    d.mkdir(parents=True)
+    hashes = [bytes([i]) * 32 for i in (3, 1, 2)]
+    for i, h in enumerate(hashes):
+        write_block(d / (h.hex() + ".kv"), FP, h, b"x")
+        os.utime(d / (h.hex() + ".kv"), ns=(i * 10**9, i * 10**9))
+    (d / "junk.kv").write_bytes(b"")
+    (d / ("ab" * 32 + ".kv.1234.tmp")).write_bytes(b"")
+    assert existing_blocks(str(tmp_path), FP) == hashes
+    assert existing_blocks(str(tmp_path), "f" * 32) == []
+
+
+def _step(n: int, ops: KVTransferOps | None) -> SchedulerOutput:
+    return SchedulerOutput(n, [], CachedRequestData(), {}, 0, set(), kv_ops=ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_worker_moves_blocks_exactly(tmp_path, dtype, tier):
+    """Blocks saved from one cache load back into other blocks bit for bit, a step later."""
+    torch.manual_seed(0)
+    shape = (2, 6, 4, 2, 8)  # K/V, blocks, block size, KV heads, head dim
+    caches = [torch.randn(shape).to(dtype) for _ in range(3)]
+    cfg = parse_kv_transfer_config(
+        config(num_cpu_blocks=4) if tier == "host" else config(disk_path=str(tmp_path), disk_bytes=10**6)
+    )
+    assert cfg is not None
+    worker = OffloadWorker(cfg, FP, 0, caches)
+    originals = [c.clone() for c in caches]
+    h1, h2 = b"\x01" * 32, b"\x02" * 32
+    worker.begin_step(_step(1, KVTransferOps(save_block_ids=[1, 3], save_hashes=[h1, h2])))
+    for c in caches:  # the step that evicted them overwrites them
+        c[:, 1].zero_()
+        c[:, 3].zero_()
+    if tier == "disk":
+        worker._writer.submit(lambda: None).result()  # the writes are in place
+        worker.host.clear()
+        assert sorted(p.name[:2] for p in rank_dir(str(tmp_path), FP, 0).iterdir()) == ["01", "02"]
+    missing = b"\x09" * 32
+    ops = KVTransferOps(load_ids=[7], load_req_ids=["r"], load_hashes=[[h2, h1, missing]], load_block_ids=[[4, 5, 2]])
+    worker.begin_step(_step(2, ops))
+    assert worker.finished_loads() == {}
+    worker.begin_step(_step(3, None))  # copied in at the next step's start, then reported
+    assert worker.finished_loads() == {7: 2}  # the third block was never saved
+    for c, o in zip(caches, originals):
+        assert torch.equal(c[:, 4].view(torch.uint8), o[:, 3].view(torch.uint8))
+        assert torch.equal(c[:, 5].view(torch.uint8), o[:, 1].view(torch.uint8))
+        assert torch.equal(c[:, 2].view(torch.uint8), o[:, 2].view(torch.uint8))  # untouched
+    worker.close()
