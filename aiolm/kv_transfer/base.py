@@ -71,9 +71,10 @@ class ConnectorScheduler(abc.ABC):
 
 class ConnectorWorker(abc.ABC):
     @abc.abstractmethod
-    def begin_step(self, step: SchedulerOutput) -> None:
-        """Before the step's forward: carry out ``step.kv_ops`` and put loads into their
-        blocks (a load is reported only once it is there)."""
+    def begin_step(self, step: SchedulerOutput, idle: bool = False) -> None:
+        """Before the step's forward: put the loads every rank has finished into their
+        blocks (a load is reported only once it is there) and carry out ``step.kv_ops``.
+        ``idle``: the step runs nothing, so it may wait a little for a transfer."""
 
     @abc.abstractmethod
     def finished_loads(self) -> dict[int, int]:

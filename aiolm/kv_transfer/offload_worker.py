@@ -9,9 +9,8 @@ being written stays readable from memory until its file is in place.
 
 Loads read in another thread (host tier, then a pending write, then the file, checked
 by block_files.read_block) from the start of the step that asked for them, and are
-copied into their blocks at the start of the next step by every rank: the same step
-on each rank, so the ranks agree (through the tensor-parallel group) on how many
-blocks arrived intact, the fewest any rank has.
+copied into their blocks at the start of the first step by which every rank has read
+its share (rank_sync.py), as many blocks as the rank that found the fewest intact.
 """
 
 from __future__ import annotations
@@ -19,26 +18,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from aiolm.core.step import SchedulerOutput
-from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.kv_transfer.base import ConnectorWorker
 from aiolm.kv_transfer.block_files import BlockFileError, file_name, rank_dir, read_block, write_block
 from aiolm.kv_transfer.config import KVTransferConfig
+from aiolm.kv_transfer.loads import PendingLoads
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Load:
-    block_ids: list[int]
-    asked: int
-    read: Future[list[torch.Tensor]]
 
 
 class OffloadWorker(ConnectorWorker):
@@ -62,14 +53,12 @@ class OffloadWorker(ConnectorWorker):
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="aiolm-kv-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiolm-kv-read")
-        self._loads: dict[int, _Load] = {}  # started in the previous step
-        self._done: dict[int, int] = {}
+        self.loads = PendingLoads(self.caches, self.device)
 
     # -- the step ------------------------------------------------------------------
 
-    def begin_step(self, step: SchedulerOutput) -> None:
-        if self._loads:
-            self._copy_loads()
+    def begin_step(self, step: SchedulerOutput, idle: bool = False) -> None:
+        self.loads.settle(wait=idle)
         ops = step.kv_ops
         if ops is None:
             return
@@ -81,11 +70,10 @@ class OffloadWorker(ConnectorWorker):
             for h in ops.drop_disk:
                 self._writer.submit(self._delete, h)
         for load_id, hashes, block_ids in zip(ops.load_ids, ops.load_hashes, ops.load_block_ids):
-            self._loads[load_id] = _Load(block_ids, len(hashes), self._reader.submit(self._read, hashes))
+            self.loads.add(load_id, block_ids, self._reader.submit(self._read, hashes))
 
     def finished_loads(self) -> dict[int, int]:
-        done, self._done = self._done, {}
-        return done
+        return self.loads.take_finished()
 
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
@@ -145,20 +133,3 @@ class OffloadWorker(ConnectorWorker):
                 break
             out.append(block)
         return out
-
-    def _copy_loads(self) -> None:
-        """Every load started in the previous step goes into its blocks now, on every rank."""
-        loads, self._loads = self._loads, {}
-        read = {load_id: load.read.result() for load_id, load in loads.items()}
-        counts = [len(read[i]) for i in loads]
-        tp = get_tp_group()
-        if tp.world_size > 1:
-            mine = torch.tensor(counts, dtype=torch.float32, device=self.device)
-            counts = [int(c) for c in tp.all_gather(mine).view(tp.world_size, -1).amin(0).tolist()]
-        for (load_id, load), n in zip(loads.items(), counts):
-            if n:
-                blocks = torch.stack(read[load_id][:n]).to(self.device, non_blocking=self.pin)
-                ids = torch.tensor(load.block_ids[:n], device=self.device)
-                for layer, cache in enumerate(self.caches):
-                    cache.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
-            self._done[load_id] = n

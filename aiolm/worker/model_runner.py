@@ -142,7 +142,7 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         if self.kv_connector is not None:
-            self.kv_connector.begin_step(scheduler_output)
+            self.kv_connector.begin_step(scheduler_output, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self.batch.update(scheduler_output)
         if self.lora is not None:
             self._track_lora(scheduler_output)

@@ -12,8 +12,9 @@ computes into them, and a request that arrives with computed tokens (a prefix-ca
 hit, a KV connector load) must find its own tokens there. A KV connector's tiers
 (``kv_ops``) are copies of block contents under their hashes: saved before the step
 writes anything, loaded at the start of the next step (as aiolm/kv_transfer/
-offload_worker.py does), and reported then; ``corrupt`` is the chance that a load
-finds a block bad, which must cost only recomputation.
+offload_worker.py does: a load lands at the start of a later step, one to three
+steps on), and reported then; ``corrupt`` is the chance that a load finds a block
+bad, which must cost only recomputation.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class WorkerSim:
     content: dict[int, list[int | None]] = field(default_factory=dict)  # block id -> its slots' tokens
     host: dict[bytes, list[int | None]] = field(default_factory=dict)  # the connector's tiers
     disk: dict[bytes, list[int | None]] = field(default_factory=dict)
-    loads: list[tuple[int, list[int], list[list[int | None]]]] = field(default_factory=list)
+    loads: list[tuple[int, list[int], list[list[int | None]], int]] = field(default_factory=list)
     loaded: dict[int, int] = field(default_factory=dict)
     corrupt: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
@@ -85,14 +86,15 @@ class WorkerSim:
 
     def _transfer(self, so: SchedulerOutput) -> None:
         """The connector's part of a step: last step's loads land, then this step's ops."""
-        for load_id, block_ids, blocks in self.loads:
+        landing = [load for load in self.loads if load[3] <= 0]
+        self.loads = [(i, b, d, steps - 1) for i, b, d, steps in self.loads if steps > 0]
+        for load_id, block_ids, blocks, _ in landing:
             intact = len(blocks)
             if intact and self.rng.random() < self.corrupt:
                 intact = self.rng.randrange(intact)
             for b, data in zip(block_ids, blocks[:intact]):
                 self.content[b] = list(data)
             self.loaded[load_id] = intact
-        self.loads = []
         ops = so.kv_ops
         if ops is None:
             return
@@ -109,7 +111,7 @@ class WorkerSim:
                 if data is None:
                     break
                 blocks.append(data)
-            self.loads.append((load_id, block_ids, blocks))
+            self.loads.append((load_id, block_ids, blocks, self.rng.randrange(3)))
 
     def finished_loads(self) -> dict[int, int]:
         loaded, self.loaded = self.loaded, {}
