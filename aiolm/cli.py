@@ -29,6 +29,7 @@ aiolm: an LLM inference and serving engine
   aiolm generate "Once upon a time" --max-tokens 64         continue a prompt, print it
   aiolm chat                                                 chat in the terminal; Ctrl-D quits
   aiolm bench {throughput,latency,serve} ...                 measure
+  aiolm proxy --prefill URL... --decode URL...               one address over prefill and decode instances
 
 MODEL is a Hugging Face model folder or a .gguf file (default: the embedded
 SmolLM2-135M-Instruct). `aiolm COMMAND --help` lists a command's flags."""
@@ -428,7 +429,25 @@ def bench(argv: list[str]) -> int:
     return standalone(argv)
 
 
-COMMANDS = {"serve": serve, "generate": generate, "chat": chat, "bench": bench}
+def proxy(argv: list[str]) -> int:
+    """aiolm proxy --prefill URL... --decode URL... (aiolm/server/proxy.py)."""
+    import uvicorn
+
+    from aiolm.server.proxy import build_proxy_app, parse_args
+
+    ns = parse_args(argv)
+    _setup_logging("info")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
+    sock = _listen_socket(CliParser(prog="aiolm proxy"), ns.host, ns.port)
+    app = build_proxy_app(ns.prefill, ns.decode, ns.timeout)
+    config = uvicorn.Config(app, lifespan="on", access_log=False, log_level="warning", log_config=None)
+    base = f"http://{ns.host}:{ns.port}"
+    server = _server_class([f"proxy at {base}/v1: prefill {ns.prefill}, decode {ns.decode}"])(config)
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+COMMANDS = {"serve": serve, "generate": generate, "chat": chat, "bench": bench, "proxy": proxy}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,11 +258,12 @@ class EngineArgs:
                 f"got {self.structured_outputs_compile_timeout}"
             )
         self.spec_config()  # raises on a bad combination
-        if self.kv_transfer() is not None:
-            if not self.enable_prefix_caching:
+        kv_transfer = self.kv_transfer()
+        if kv_transfer is not None:
+            if kv_transfer.kv_connector == "OffloadingConnector" and not self.enable_prefix_caching:
                 raise ValueError("kv_transfer_config: the OffloadingConnector needs prefix caching on")
             if self.runner == "pooling":
-                raise ValueError("kv_transfer_config: pooling models keep no KV cache to offload")
+                raise ValueError("kv_transfer_config: pooling models keep no KV cache to move")
         self.lora_specs()  # raises on a bad --lora-modules entry
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")

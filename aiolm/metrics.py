@@ -364,19 +364,26 @@ class _Collector:
         connector = getattr(sched, "connector", None)
         if connector is not None:  # a KV connector (--kv-transfer-config), only when it is on
             st, bs = connector.stats, sched.config.block_size  # type: ignore[union-attr]
-            asked = st.loaded_blocks + st.failed_blocks
             yield counter(
                 "external_prefix_cache_queries",
-                "Tokens asked of the KV connector beyond the local prefix cache.",
-                asked * bs,
-            )
-            yield counter("external_prefix_cache_hits", "Tokens the KV connector brought back.", st.loaded_blocks * bs)
-            yield counter("kv_offload_saved_blocks", "Evicted KV blocks the offload tiers took.", st.saved_blocks)
-            yield counter(
-                "kv_offload_dropped_blocks", "KV blocks pushed out of the last tier by its cap.", st.dropped_blocks
+                "Prompt tokens asked of the KV connector beyond the local prefix cache.",
+                st.loaded_tokens + st.failed_blocks * bs,
             )
             yield counter(
-                "kv_offload_failed_loads", "KV loads cut short by a missing or corrupt block.", st.failed_loads
+                "external_prefix_cache_hits", "Prompt tokens the KV connector brought back.", st.loaded_tokens
+            )
+            yield counter(
+                "kv_connector_saved_blocks",
+                "KV blocks kept past their request: in an offload tier, or for a decode instance to read.",
+                st.saved_blocks,
+            )
+            yield counter(
+                "kv_connector_dropped_blocks", "KV blocks pushed out of an offload tier by its cap.", st.dropped_blocks
+            )
+            yield counter(
+                "kv_connector_failed_loads",
+                "KV loads cut short (a block missing or corrupt, a transfer broken): recomputed.",
+                st.failed_loads,
             )
         spec = getattr(sched, "spec_decode_stats", None)
         if spec is not None:  # vLLM's speculative decoding series, only when it is on

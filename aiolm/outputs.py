@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked
+    # A prefill instance's answer (do_remote_decode): where a decode instance finds the KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from aiolm.kv_transfer.params import check_kv_transfer_params
 from aiolm.structured.spec import KINDS, StructuredOutputs
 
 
@@ -82,6 +83,8 @@ class SamplingParams:
     # Filled by the engine from the model (generation_config / tokenizer), not by users:
     # the token ids that end a sequence unless ``ignore_eos``.
     eos_token_ids: tuple[int, ...] = ()
+    # Prefill/decode disaggregation (aiolm/kv_transfer/params.py): vLLM's kv_transfer_params.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +111,10 @@ class SamplingParams:
             return abs(v) < 2**1000 if isinstance(v, int) else math.isfinite(v)  # an int must fit a float
 
         check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        if self.kv_transfer_params is not None:
+            why = check_kv_transfer_params(self.kv_transfer_params)
+            check(why is None, "kv_transfer_params", why or "")
+            check(self.n == 1, "kv_transfer_params", "needs n = 1 (one sequence's KV moves)")
         check(
             is_num(self.temperature) and self.temperature >= 0,
             "temperature",

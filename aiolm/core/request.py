@@ -98,6 +98,7 @@ class Request:
         "spec_window",
         "pooling_params",
         "lora_request",
+        "kv_transfer_out",
     )
 
     def __init__(
@@ -114,6 +115,8 @@ class Request:
         self.req_id = req_id
         # The LoRA adapter it runs with; part of its block hashes, so no KV is shared across adapters.
         self.lora_request = lora_request
+        # Set when it finishes on a prefill instance: where a decode instance finds its KV.
+        self.kv_transfer_out: dict | None = None
         # A pooling request finishes when its prompt is computed, with the pooled vector.
         self.pooling_params = pooling_params
         self.prompt_token_ids: list[int] = list(prompt_token_ids)

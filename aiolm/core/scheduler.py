@@ -360,9 +360,15 @@ class Scheduler:
     # -- counts and stats ------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        """True while requests live, finished ones still await reporting, or a KV load is
-        still out (an aborted request's blocks are freed when it is reported)."""
-        return bool(self.requests) or bool(self._pending_outputs) or bool(self.loading)
+        """True while requests live, finished ones still await reporting, or a KV transfer is
+        out (an aborted request's blocks are freed when its load is reported; a finished
+        prompt's when another instance has read them)."""
+        return (
+            bool(self.requests)
+            or bool(self._pending_outputs)
+            or bool(self.loading)
+            or (self.connector is not None and self.connector.pending)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -399,6 +405,9 @@ class Scheduler:
         """Pick this step's requests and token counts; see the module docstring."""
         cfg = self.config
         kv = self.kv_cache_manager
+        if self.connector is not None and self.connector.pending:
+            for transfer_id in self.connector.expired(time.monotonic()):
+                kv.release(f"send-{transfer_id}")
         threshold = cfg.long_prefill_token_threshold
         budget = cfg.max_num_batched_tokens
         prefill_left = self._prefill_cap()  # None: no cap beyond the budget
@@ -576,7 +585,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         bs = kv.block_size
         start = len(hits)
-        ext = self.connector.num_external_blocks(req, start, (req.num_tokens - 1) // bs)
+        # Blocks up to the one holding the prompt's second-to-last token: the last is computed
+        # here, for its logits (a partly filled block counts; its loaded part is used).
+        ext = self.connector.num_external_blocks(req, start, -(-(req.num_tokens - 1) // bs))
         if ext == 0:
             return False
         new_blocks = kv.allocate_slots(req, ext * bs, num_hit, hits)
@@ -608,7 +619,9 @@ class Scheduler:
                 kv.release(f"load-{load_id}")
                 continue
             del self._load_of[req.req_id]
-            req.num_computed_tokens += intact * kv.block_size
+            before = req.num_computed_tokens
+            req.num_computed_tokens = min(before + intact * kv.block_size, req.num_tokens - 1)
+            self.connector.stats.loaded_tokens += req.num_computed_tokens - before
             if req.num_computed_tokens == 0:
                 kv.free(req)  # nothing arrived: it starts clean, with a fresh prefix lookup
             kv.cache_blocks(req, req.num_computed_tokens)
@@ -804,6 +817,10 @@ class Scheduler:
             self._grammars_done(model_runner_output, outputs)
         if model_runner_output.kv_loaded:
             self._loads_done(model_runner_output.kv_loaded)
+        if model_runner_output.kv_sent:
+            assert self.connector is not None
+            for transfer_id in self.connector.sent(model_runner_output.kv_sent):
+                self.kv_cache_manager.release(f"send-{transfer_id}")
         requests = step_reqs if step_reqs is not None else self.requests
         overlap = self.config.async_scheduling
         worker_tokens = self._worker_num_tokens
@@ -946,6 +963,14 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Final state: blocks back to the pool (cached ones stay findable), workers told."""
         req.status = status
+        connector = self.connector
+        if connector is not None:
+            connector.forget(req)
+            kv = self.kv_cache_manager
+            params = connector.request_finished(req, kv.get_block_ids(req.req_id))
+            if params is not None:  # another instance reads its KV: held until sent
+                kv.lease(req, f"send-{params['remote_request_id']}")
+                req.kv_transfer_out = params
         self.kv_cache_manager.free(req)
         self.loaded_waiting.discard(req)
         self._forget_on_workers(req.req_id)
@@ -977,6 +1002,7 @@ class Scheduler:
             new_logprobs=lp,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=req.error,
+            kv_transfer_params=req.kv_transfer_out,
         )
 
 

@@ -16,6 +16,8 @@ decoder tells them apart.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from msgspec import field
 
@@ -77,9 +79,26 @@ class KVTransferOps(msgspec.Struct, array_like=True, gc=False):
     # Blocks the tiers no longer keep (their caps, least recently used first).
     drop_host: list[bytes] = field(default_factory=list)
     drop_disk: list[bytes] = field(default_factory=list)
+    # Loads from another instance (TcpConnector), one entry per load above: the producer's
+    # host:port (its rank 0's; rank r adds r), its transfer id and its block ids.
+    load_sources: list[str] = field(default_factory=list)
+    load_transfer_ids: list[str] = field(default_factory=list)
+    load_remote_block_ids: list[list[int]] = field(default_factory=list)
+    # A producer's finished prompts to serve (transfer id, block ids), and transfers to stop
+    # serving (sent, or their lease ended).
+    serve_ids: list[str] = field(default_factory=list)
+    serve_block_ids: list[list[int]] = field(default_factory=list)
+    unserve_ids: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.save_block_ids or self.load_req_ids or self.drop_host or self.drop_disk)
+        return bool(
+            self.save_block_ids
+            or self.load_req_ids
+            or self.drop_host
+            or self.drop_disk
+            or self.serve_ids
+            or self.unserve_ids
+        )
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
@@ -163,6 +182,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     # of its blocks, from the first, arrived intact (fewer than asked: the rest is missing
     # or corrupt, and the request computes it).
     kv_loaded: dict[int, int] = field(default_factory=dict)
+    # Transfers every rank has sent to their consumer since the last reply (TcpConnector).
+    kv_sent: list[str] = field(default_factory=list)
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):
@@ -178,6 +199,8 @@ class EngineCoreOutput(msgspec.Struct, gc=False):
     # The whole prompt's logprobs (tokens 1..n-1), once, with the request's first token.
     prompt_logprobs: LogprobsLists | None = None
     pooled: list[float] | None = None  # a pooling request's result, with its finish
+    # A prefill instance's answer for the decode instance (aiolm/kv_transfer/params.py), with its finish.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

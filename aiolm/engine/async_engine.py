@@ -46,9 +46,12 @@ from aiolm.engine.output_processor import OutputProcessor, RequestState
 from aiolm.engine.recovery import WorkerSupervisor
 from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.executor.base import Executor
+from aiolm.kv_transfer.base import ConnectorScheduler
 from aiolm.kv_transfer.block_files import HEADER_BYTES, existing_blocks, fingerprint, model_signature
 from aiolm.kv_transfer.config import KVTransferConfig
 from aiolm.kv_transfer.offload_scheduler import OffloadScheduler
+from aiolm.kv_transfer.params import wants_remote_decode, wants_remote_prefill
+from aiolm.kv_transfer.pd_scheduler import PDScheduler
 from aiolm.lora.adapter import read_adapter
 from aiolm.lora.registry import LoRARegistry
 from aiolm.lora.request import LoRARequest
@@ -148,6 +151,7 @@ class AsyncEngine:
         self.runner = "generate"  # or "pooling" (EngineArgs.runner, resolved for the model at start)
         self.pooling_config: PoolingConfig | None = None  # how a pooling model pools; None when generating
         self.loras: LoRARegistry | None = None  # the adapters served (enable_lora), set at start
+        self.kv_transfer: KVTransferConfig | None = None  # the KV connector (--kv-transfer-config), set at start
 
     @property
     def executor(self) -> Executor | None:
@@ -190,9 +194,9 @@ class AsyncEngine:
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
         # decoder can use them (an encoder's every state depends on the whole prompt).
         prefix_caching = a.enable_prefix_caching and (pc is None or (not mc.encoder_only and pc.pooling_type == "last"))
-        kv_transfer = a.kv_transfer()
-        if kv_transfer is not None and (pooling or not prefix_caching):
-            raise ValueError("kv_transfer_config: the model keeps no prefix-cache blocks to offload (a pooling model)")
+        kv_transfer = self.kv_transfer = a.kv_transfer()
+        if kv_transfer is not None and pooling:
+            raise ValueError("kv_transfer_config: a pooling model keeps no KV cache to move")
         kv_fingerprint = self._kv_fingerprint() if kv_transfer is not None else ""
         runner_cfg = RunnerConfig(
             model=str(self.source.origin),
@@ -276,6 +280,20 @@ class AsyncEngine:
         gc.collect()
         gc.freeze()
 
+    def _check_kv_transfer(self, params: dict[str, Any]) -> None:
+        """kv_transfer_params need a TcpConnector in the matching role."""
+        kt = self.kv_transfer
+        if kt is None or kt.kv_connector != "TcpConnector":
+            raise ParamError(
+                "kv_transfer_params", "this server moves no KV between instances (start it with --kv-transfer-config)"
+            )
+        if wants_remote_decode(params) and not kt.produces:
+            raise ParamError("kv_transfer_params", f"do_remote_decode needs a kv_producer or kv_both, not {kt.kv_role}")
+        if wants_remote_prefill(params) and not kt.consumes:
+            raise ParamError(
+                "kv_transfer_params", f"do_remote_prefill needs a kv_consumer or kv_both, not {kt.kv_role}"
+            )
+
     def _kv_fingerprint(self) -> str:
         """What decides the meaning of a KV block's bytes here (block_files.fingerprint)."""
         a = self.args
@@ -294,9 +312,10 @@ class AsyncEngine:
             }
         )
 
-    @staticmethod
-    def _kv_connector(cfg: KVTransferConfig, fp: str, executor: Executor) -> OffloadScheduler:
-        """The offloading connector's scheduler side, sized from the workers' block bytes."""
+    def _kv_connector(self, cfg: KVTransferConfig, fp: str, executor: Executor) -> ConnectorScheduler:
+        """The connector's scheduler side; the offloading one sized from the workers' block bytes."""
+        if cfg.kv_connector == "TcpConnector":
+            return PDScheduler(cfg, self.args.tensor_parallel_size)
         file_bytes = executor.block_bytes + HEADER_BYTES
         disk_blocks = cfg.disk_bytes // file_bytes if cfg.disk_path else 0
         on_disk = existing_blocks(cfg.disk_path, fp) if cfg.disk_path else []
@@ -462,6 +481,8 @@ class AsyncEngine:
                 "model", f"{self.model_name} is served with --runner pooling: it embeds, scores and classifies only"
             )
         params = self.inputs.params(params)
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(params.kv_transfer_params)
         _check_timeout(timeout)
         await self.grammars.check(params.structured_outputs)  # in a compile process, cached by the grammar
         if lora_request is not None:

@@ -73,6 +73,7 @@ class RequestState:
         self.seqs = seqs
         self.error: BaseException | None = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -151,6 +152,7 @@ class RequestState:
             error=str(self.error) if self.error is not None else None,
             metrics=metrics,
             prompt_logprobs=plp,
+            kv_transfer_params=self.kv_transfer_params if self.finished else None,
         )
 
 
@@ -335,6 +337,8 @@ class OutputProcessor(Actor[StepOutputs]):
                 state.first_token_time = state.last_token_time = now
                 state.num_cached_tokens = o.num_cached_tokens
                 prompt_tokens += len(state.prompt_ids)
+            if o.kv_transfer_params is not None:
+                state.kv_transfer_params = o.kv_transfer_params
             if o.finish_reason is not None and seq.finish_reason is None:
                 if o.finish_reason == "error":
                     state.error = RequestError(o.error or "request failed")

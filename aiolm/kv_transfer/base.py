@@ -13,10 +13,13 @@ Scheduler side (engine process, pure Python), called by aiolm/core/scheduler.py:
 * ``loaded``: how a load ended (blocks past the first bad one are recomputed).
 * ``take_ops``: the step's KVTransferOps for the workers.
 * ``reset``: the workers were replaced; nothing they held survives.
+* ``request_finished``, ``sent``, ``expired``, ``pending``: a request whose KV another
+  instance will read keeps its blocks, leased, until they are sent or the lease ends.
 
 Worker side (one per rank, holds tensors), called by aiolm/worker/model_runner.py:
 ``begin_step`` before the step's forward pass (saves, drops, starting loads, and
-copying loads into their blocks), ``finished_loads`` for the reply, and ``close``.
+copying loads into their blocks), ``finished_loads`` and ``finished_sends`` for the
+reply, and ``close``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aiolm.core.request import Request
 from aiolm.core.step import KVTransferOps, SchedulerOutput
@@ -33,8 +37,9 @@ from aiolm.core.step import KVTransferOps, SchedulerOutput
 class ConnectorStats:
     """Counted in blocks over the engine's life (tokens = blocks x block size)."""
 
-    saved_blocks: int = 0  # evicted blocks a tier took
+    saved_blocks: int = 0  # blocks kept past their request: evicted ones a tier took, or served to a consumer
     loaded_blocks: int = 0  # blocks that came back intact
+    loaded_tokens: int = 0  # prompt tokens they hold that were not computed here
     failed_loads: int = 0  # loads cut short by a block missing or corrupt on some rank
     failed_blocks: int = 0  # blocks such loads did not bring (that block and those after it): recomputed
     dropped_blocks: int = 0  # pushed out of the last tier by its cap
@@ -68,6 +73,28 @@ class ConnectorScheduler(abc.ABC):
     def reset(self) -> None:
         """The workers were replaced: forget what only they held."""
 
+    def request_finished(self, request: Request, block_ids: list[int]) -> dict[str, Any] | None:
+        """A request finished holding ``block_ids``: None to free them as usual, or the
+        ``kv_transfer_params`` of its answer, its blocks then leased until ``sent`` or
+        ``expired`` names the transfer."""
+        return None
+
+    def sent(self, transfer_ids: Sequence[str]) -> list[str]:
+        """Of the transfers the workers report sent, those whose leases end now."""
+        return []
+
+    def expired(self, now: float) -> list[str]:
+        """Transfers whose leases ran out by ``now`` (``time.monotonic``)."""
+        return []
+
+    @property
+    def pending(self) -> bool:
+        """Whether the engine must keep stepping for the connector (a transfer in flight)."""
+        return False
+
+    def forget(self, request: Request) -> None:  # noqa: B027 (most connectors keep nothing per request)
+        """The request is finished: drop what was kept about it."""
+
 
 class ConnectorWorker(abc.ABC):
     @abc.abstractmethod
@@ -80,6 +107,10 @@ class ConnectorWorker(abc.ABC):
     def finished_loads(self) -> dict[int, int]:
         """Loads copied into their blocks since the last call: load id -> intact blocks
         from the first."""
+
+    def finished_sends(self) -> list[str]:
+        """Transfers every rank has sent since the last call."""
+        return []
 
     @abc.abstractmethod
     def close(self) -> None:

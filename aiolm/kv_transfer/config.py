@@ -5,6 +5,7 @@ Spelled as vLLM spells it, one JSON object::
     {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
      "kv_connector_extra_config": {"cpu_bytes": 1073741824,
                                    "disk_path": "/var/cache/aiolm-kv", "disk_bytes": 10737418240}}
+    {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_ip": "10.0.0.5", "kv_port": 14579}
 
 Every key is checked here, so a typo or a field this connector does not implement is an
 error naming it, never a setting silently ignored. Pure Python: read by the engine
@@ -17,10 +18,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-CONNECTORS = ("OffloadingConnector",)
+CONNECTORS = ("OffloadingConnector", "TcpConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-_TOP_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"}
-_OFFLOAD_KEYS = {"num_cpu_blocks", "cpu_bytes", "disk_path", "disk_bytes"}
+_TOP_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id", "kv_ip", "kv_port"}
+_EXTRA_KEYS = {
+    "OffloadingConnector": {"num_cpu_blocks", "cpu_bytes", "disk_path", "disk_bytes"},
+    "TcpConnector": {"lease_seconds", "transfer_timeout"},
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,22 @@ class KVTransferConfig:
     cpu_bytes: int = 0
     disk_path: str | None = None
     disk_bytes: int = 0
+    # TcpConnector: where a producer's rank r serves its KV (kv_port + r), a name for the
+    # instance, how long a finished prompt's blocks wait for their consumer, and how long a
+    # consumer waits on a silent producer before it computes the prompt itself.
+    engine_id: str = ""
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    lease_seconds: float = 120.0
+    transfer_timeout: float = 30.0
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
 
     def cpu_blocks(self, block_bytes: int) -> int:
         """Blocks the host tier holds, given one block's bytes on a rank."""
@@ -74,12 +94,18 @@ def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferCon
     extra = raw.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         raise ValueError("kv_transfer_config.kv_connector_extra_config: must be a JSON object")
-    unknown = sorted(set(extra) - _OFFLOAD_KEYS)
+    allowed = _EXTRA_KEYS[connector]
+    unknown = sorted(set(extra) - allowed)
     if unknown:
         raise ValueError(
             f"kv_transfer_config.kv_connector_extra_config: {', '.join(unknown)} not supported by "
-            f"{connector}; supported: {', '.join(sorted(_OFFLOAD_KEYS))}"
+            f"{connector}; supported: {', '.join(sorted(allowed))}"
         )
+    if connector == "TcpConnector":
+        return _tcp_config(raw, role, extra)
+    for key in ("kv_ip", "kv_port"):
+        if key in raw:
+            raise ValueError(f"kv_transfer_config: {key} not supported by {connector}")
     if role != "kv_both":
         raise ValueError(f"kv_transfer_config.kv_role: {connector} stores and loads, so its role is kv_both")
     for key in ("num_cpu_blocks", "cpu_bytes", "disk_bytes"):
@@ -107,3 +133,32 @@ def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferCon
             "num_cpu_blocks or cpu_bytes (host memory), and/or disk_path with disk_bytes"
         )
     return cfg
+
+
+def _tcp_config(raw: dict[str, Any], role: str, extra: dict[str, Any]) -> KVTransferConfig:
+    ip = raw.get("kv_ip", "127.0.0.1")
+    port = raw.get("kv_port", 14579)
+    engine_id = raw.get("engine_id") or ""
+    if not isinstance(ip, str) or not ip:
+        raise ValueError("kv_transfer_config.kv_ip: must be a host name or address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise ValueError("kv_transfer_config.kv_port: must be a port number (1-65535)")
+    if not isinstance(engine_id, str):
+        raise ValueError("kv_transfer_config.engine_id: must be a string")
+    times = {}
+    for key, default in (("lease_seconds", 120.0), ("transfer_timeout", 30.0)):
+        value = extra.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+            raise ValueError(
+                f"kv_transfer_config.kv_connector_extra_config.{key}: must be a positive number of seconds"
+            )
+        times[key] = float(value)
+    return KVTransferConfig(
+        kv_connector="TcpConnector",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_ip=ip,
+        kv_port=port,
+        lease_seconds=times["lease_seconds"],
+        transfer_timeout=times["transfer_timeout"],
+    )

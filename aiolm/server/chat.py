@@ -184,6 +184,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             "system_fingerprint": None,
             "prompt_logprobs": prompt_logprobs_json(finals[0].prompt_logprobs, prompt_ids[0], req.prompt_logprobs or 0),
             "prompt_token_ids": returned_ids,
+            "kv_transfer_params": finals[0].kv_transfer_params,
         }
     )
 

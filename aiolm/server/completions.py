@@ -157,6 +157,7 @@ async def create_completion(request: Request) -> Response | EventStream:
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
             "system_fingerprint": None,
+            "kv_transfer_params": finals[0].kv_transfer_params,
         }
     )
 

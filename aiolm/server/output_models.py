@@ -53,6 +53,9 @@ class CompletionLike(Out):
     model: str
     choices: list[Choice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="a prefill instance's answer to do_remote_decode: where a decode instance reads the KV"
+    )
 
 
 class ChatCompletion(CompletionLike):

@@ -323,6 +323,11 @@ class SamplingRequest(NoopFields):
     guided_regex: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.regex")
     guided_choice: Choices | None = Field(None, description="vLLM's older spelling of structured_outputs.choice")
     guided_grammar: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.grammar")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None,
+        description='vLLM\'s prefill/decode disaggregation: {"do_remote_decode": true} to a prefill instance; '
+        "its answer's kv_transfer_params to the decode instance (needs --kv-transfer-config)",
+    )
 
 
 # vLLM's batched chat: several conversations in one request, each a prompt (as a
@@ -663,6 +668,7 @@ def sampling_params(
             output_kind=kind,
             structured_outputs=structured,
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=getattr(req, "kv_transfer_params", None),
             **(token_constraints(req, engine) if engine is not None else {}),
         )
     except ParamError as e:

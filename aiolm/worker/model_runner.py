@@ -7,6 +7,7 @@ makes tensors of it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from aiolm.core.step import (
 from aiolm.distributed.parallel_state import get_tp_group
 from aiolm.kv_transfer.base import ConnectorWorker
 from aiolm.kv_transfer.offload_worker import OffloadWorker
+from aiolm.kv_transfer.pd_worker import PDWorker
 from aiolm.lora.manager import LoRAManager
 from aiolm.lora.request import LoRARequest
 from aiolm.model.registry import build_model
@@ -94,9 +96,7 @@ class ModelRunner:
             self._no_kv_cache(cfg)
         else:
             self._allocate_kv_cache(cfg)
-        self.kv_connector: ConnectorWorker | None = None
-        if cfg.kv_transfer is not None:
-            self.kv_connector = OffloadWorker(cfg.kv_transfer, cfg.kv_fingerprint, get_tp_group().rank, self.kv_caches)
+        self.kv_connector = self._kv_connector(cfg) if cfg.kv_transfer is not None else None
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, self.device)
         with self.platform.memory_guard("capturing CUDA graphs", cfg):
             self.graphs = self._capture_graphs()
@@ -106,6 +106,26 @@ class ModelRunner:
         self._meta_key: tuple[str, ...] | None = None
         self._meta: SamplingMetadata | None = None
         self._last_sampled: list[list[int]] = []
+
+    def _kv_connector(self, cfg: RunnerConfig) -> ConnectorWorker:
+        """This rank's half of the KV connector (aiolm/kv_transfer/)."""
+        kt = cfg.kv_transfer
+        assert kt is not None
+        tp = get_tp_group()
+        if kt.kv_connector == "OffloadingConnector":
+            return OffloadWorker(kt, cfg.kv_fingerprint, tp.rank, self.kv_caches)
+        mc = self.source.config
+        layout = {  # what must agree for another instance's KV bytes to mean the same here
+            "model": hashlib.sha256(repr(mc).encode()).hexdigest()[:16],
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "block_size": cfg.block_size,
+            "num_layers": mc.num_layers,
+            "kv_heads_per_rank": self.num_kv_heads,
+            "head_dim": mc.head_dim,
+            "tensor_parallel_size": tp.world_size,
+        }
+        return PDWorker(kt, tp.rank, self.kv_caches, layout)
 
     def _no_kv_cache(self, cfg: RunnerConfig) -> None:
         """An encoder keeps no KV: each prompt runs whole in one step and is done. The
@@ -150,8 +170,10 @@ class ModelRunner:
             self.grammars.submit(scheduler_output.grammars)
         if scheduler_output.total_num_scheduled_tokens == 0:
             ready, errors = self.grammars.collect(wait=GRAMMAR_IDLE_WAIT_S)
-            loaded = self._kv_loaded()
-            return ModelRunnerOutput([], [], grammars_ready=ready, grammar_errors=errors, kv_loaded=loaded)
+            loaded, sent = self._kv_done()
+            return ModelRunnerOutput(
+                [], [], grammars_ready=ready, grammar_errors=errors, kv_loaded=loaded, kv_sent=sent
+            )
         step = self.batch.prepare(scheduler_output, self.device)
         request_errors = self._map_lora_rows(step) if self.lora is not None else {}
         meta = AttentionMetadata(
@@ -199,6 +221,7 @@ class ModelRunner:
             self._meta_key = None
         prompt_lps = self._prompt_logprobs(step, hidden)
         ready, errors = self.grammars.collect()
+        loaded, sent = self._kv_done()
         t3 = time.perf_counter()
         return ModelRunnerOutput(
             req_ids=step.req_ids,
@@ -209,11 +232,14 @@ class ModelRunner:
             grammars_ready=ready,
             grammar_errors=errors,
             request_errors=request_errors,
-            kv_loaded=self._kv_loaded(),
+            kv_loaded=loaded,
+            kv_sent=sent,
         )
 
-    def _kv_loaded(self) -> dict[int, int]:
-        return self.kv_connector.finished_loads() if self.kv_connector is not None else {}
+    def _kv_done(self) -> tuple[dict[int, int], list[str]]:
+        """The KV connector's loads put into their blocks and transfers sent, for the reply."""
+        c = self.kv_connector
+        return (c.finished_loads(), c.finished_sends()) if c is not None else ({}, [])
 
     def _track_lora(self, out: SchedulerOutput) -> None:
         """Which adapter each live request runs with, from the step's diff."""

@@ -1,0 +1,236 @@
+"""The TcpConnector's worker side: a rank serves its finished prompts' KV to decode
+instances, and fetches prompts' KV from prefill instances (wire.py has the protocol).
+
+Producer: a listening socket on ``kv_ip:kv_port + rank`` and a thread per connection.
+A transfer is served only between the step that registers it and the step that
+unregisters it (sent, or its lease ended): its blocks are copied out under a lock that
+unregistering also takes, so a block is never read after the scheduler may reuse it.
+A transfer counts as sent once this rank sent it and, through rank_sync, every rank has.
+
+Consumer: loads run on one thread, one connection per producer rank kept open; a load
+that fails in any way (refused handshake, broken connection, silence past
+``transfer_timeout``, a bad checksum) yields no block, so the request computes its
+prompt. Loads land through loads.PendingLoads, like the offloading connector's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from aiolm.core.step import KVTransferOps, SchedulerOutput
+from aiolm.kv_transfer.base import ConnectorWorker
+from aiolm.kv_transfer.config import KVTransferConfig
+from aiolm.kv_transfer.loads import IDLE_WAIT_S, PendingLoads
+from aiolm.kv_transfer.rank_sync import agree_min
+from aiolm.kv_transfer.wire import (
+    WireError,
+    layout_difference,
+    recv_buffer,
+    recv_json,
+    send_buffer,
+    send_json,
+)
+
+log = logging.getLogger(__name__)
+
+# Test-only fault injection on a producer: "stall:<seconds>" sleeps halfway through each
+# transfer (a test kills the instance then), "corrupt" damages a layer's bytes after its
+# checksum was taken.
+FAULT_ENV = "AIOLM_TEST_KV_SEND_FAULT"
+
+
+class PDWorker(ConnectorWorker):
+    def __init__(
+        self, config: KVTransferConfig, rank: int, kv_caches: list[torch.Tensor], layout: dict[str, Any]
+    ) -> None:
+        self.cfg = config
+        self.rank = rank
+        self.device = kv_caches[0].device
+        self.caches = [kv.view(torch.uint8) for kv in kv_caches]  # (2, blocks, block_size, heads, head bytes)
+        self.layout = dict(layout, rank=rank)
+        self.loads = PendingLoads(self.caches, self.device)
+        self._lock = threading.Lock()
+        self._serving: dict[str, list[int]] = {}  # registered, in order (the same on every rank)
+        self._sent_here: set[str] = set()  # sent by this rank
+        self._reported: set[str] = set()  # sent by every rank, reported, not yet unregistered
+        self._sent_event = threading.Event()
+        self._sent_all: list[str] = []
+        self._closed = False
+        self._fault = os.environ.get(FAULT_ENV, "")
+        self._server: socket.socket | None = None
+        if config.produces:
+            self._server = socket.create_server((config.kv_ip, config.kv_port + rank), reuse_port=False)
+            threading.Thread(target=self._accept, name=f"aiolm-kv-serve{rank}", daemon=True).start()
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="aiolm-kv-fetch")
+        self._conns: dict[str, socket.socket] = {}  # producer host:port -> connection (fetch thread only)
+
+    # -- the step ------------------------------------------------------------------
+
+    def begin_step(self, step: SchedulerOutput, idle: bool = False) -> None:
+        if idle and self._serving and not self.loads and not self._sent_here:
+            self._sent_event.wait(IDLE_WAIT_S)  # nothing to run but a consumer to wait for
+        self.loads.settle(wait=idle)
+        self._settle_sends()
+        ops = step.kv_ops
+        if ops is not None:
+            self._apply(ops)
+
+    def finished_loads(self) -> dict[int, int]:
+        return self.loads.take_finished()
+
+    def finished_sends(self) -> list[str]:
+        done, self._sent_all = self._sent_all, []
+        return done
+
+    def close(self) -> None:
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        for conn in self._conns.values():
+            conn.close()
+
+    def _apply(self, ops: KVTransferOps) -> None:
+        with self._lock:
+            for transfer_id, block_ids in zip(ops.serve_ids, ops.serve_block_ids):
+                self._serving[transfer_id] = block_ids
+            for transfer_id in ops.unserve_ids:
+                self._serving.pop(transfer_id, None)
+                self._sent_here.discard(transfer_id)
+                self._reported.discard(transfer_id)
+        for load_id, source, transfer_id, remote_ids, block_ids in zip(
+            ops.load_ids, ops.load_sources, ops.load_transfer_ids, ops.load_remote_block_ids, ops.load_block_ids
+        ):
+            read = self._fetcher.submit(self._fetch, source, transfer_id, remote_ids)
+            self.loads.add(load_id, block_ids, read)
+
+    def _settle_sends(self) -> None:
+        """Report the transfers every rank has sent (once each)."""
+        with self._lock:
+            order = [t for t in self._serving if t not in self._reported]
+            mine = [1 if t in self._sent_here else 0 for t in order]
+        if not order:
+            return
+        for transfer_id, sent in zip(order, agree_min(mine, self.device)):
+            if sent:
+                self._reported.add(transfer_id)
+                self._sent_all.append(transfer_id)
+        self._sent_event.clear()
+
+    # -- producer ------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._server is not None
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="aiolm-kv-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.cfg.transfer_timeout)
+            try:
+                hello = recv_json(conn)
+                why = layout_difference(self.layout, hello.get("layout") or {})
+                if why is not None:
+                    send_json(conn, {"ok": False, "error": f"KV layouts differ: {why}"})
+                    return
+                send_json(conn, {"ok": True})
+                conn.settimeout(None)  # a kept connection waits for the next fetch as long as it likes
+                while True:
+                    self._serve_fetch(conn, recv_json(conn))
+            except (WireError, OSError):
+                return
+
+    def _serve_fetch(self, conn: socket.socket, ask: dict[str, Any]) -> None:
+        transfer_id = str(ask.get("transfer"))
+        blocks = ask.get("blocks")
+        with self._lock:
+            held = self._serving.get(transfer_id)
+            if held is None or not isinstance(blocks, list) or not set(blocks) <= set(held):
+                error = "unknown or expired transfer" if held is None else "blocks not of this transfer"
+                send_json(conn, {"ok": False, "error": error})
+                return
+            idx = torch.tensor(blocks, device=self.device)
+            # Copied while no step can reuse them: unregistering waits for this lock.
+            layers = [c.index_select(1, idx).cpu() for c in self.caches]
+        send_json(conn, {"ok": True, "layers": len(layers)})
+        for i, layer in enumerate(layers):
+            data = layer.reshape(-1).numpy().data
+            if self._fault and i == len(layers) // 2:
+                self._inject(conn, data)
+            else:
+                send_buffer(conn, data)
+        with self._lock:
+            if transfer_id in self._serving:
+                self._sent_here.add(transfer_id)
+        self._sent_event.set()
+
+    def _inject(self, conn: socket.socket, data: memoryview) -> None:
+        if self._fault.startswith("stall:"):
+            time.sleep(float(self._fault.removeprefix("stall:")))
+            send_buffer(conn, data)
+        else:
+            crc = zlib.crc32(data)
+            damaged = bytearray(data)
+            damaged[len(damaged) // 2] ^= 0xFF
+            send_buffer(conn, memoryview(damaged), crc)
+
+    # -- consumer --------------------------------------------------------------------
+
+    def _fetch(self, source: str, transfer_id: str, remote_ids: list[int]) -> list[torch.Tensor]:
+        """The blocks of ``transfer_id`` from this rank's producer peer, as (layers, 2,
+        block_size, heads, head bytes) byte tensors; none when anything goes wrong."""
+        try:
+            conn = self._connect(source)
+            send_json(conn, {"transfer": transfer_id, "blocks": remote_ids})
+            answer = recv_json(conn)
+            if not answer.get("ok"):
+                raise WireError(str(answer.get("error")))
+            if answer.get("layers") != len(self.caches):
+                raise WireError(f"{answer.get('layers')} layers sent, {len(self.caches)} here")
+            c = self.caches[0]
+            out = torch.empty((len(remote_ids), len(self.caches), 2, *c.shape[2:]), dtype=torch.uint8)
+            layer = torch.empty((2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
+            for i in range(len(self.caches)):
+                recv_buffer(conn, layer.view(-1).numpy().data)
+                out[:, i] = layer.transpose(0, 1)
+            return list(out.unbind(0))
+        except (WireError, OSError) as e:
+            self._drop(source)
+            log.warning("KV fetch of %s from %s failed (rank %d): %s", transfer_id, source, self.rank, e)
+            return []
+
+    def _connect(self, source: str) -> socket.socket:
+        conn = self._conns.get(source)
+        if conn is not None:
+            return conn
+        host, _, port = source.rpartition(":")
+        conn = socket.create_connection((host, int(port) + self.rank), timeout=self.cfg.transfer_timeout)
+        try:
+            send_json(conn, {"layout": self.layout})
+            answer = recv_json(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if not answer.get("ok"):
+            conn.close()
+            raise WireError(f"the prefill instance refused: {answer.get('error')}")
+        self._conns[source] = conn
+        return conn
+
+    def _drop(self, source: str) -> None:
+        conn = self._conns.pop(source, None)
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,137 @@
+"""``aiolm proxy``: prefill/decode disaggregation behind one OpenAI-compatible address.
+
+Each completion or chat request goes first to a prefill instance (round robin) as the
+same request with ``max_tokens`` 1, no stream and ``kv_transfer_params``
+``{"do_remote_decode": true}``: it computes the prompt and keeps its KV for a decode
+instance. Its answer's ``kv_transfer_params`` say where that KV is; the request then
+goes, as the client sent it plus those params, to a decode instance (round robin),
+whose answer (a stream or not) goes back to the client unchanged. The instances are
+aiolm (or vLLM) servers started with ``--kv-transfer-config``: the prefill ones as
+``kv_producer``, the decode ones as ``kv_consumer``.
+
+A prefill instance that fails or answers without params leaves the decode instance to
+compute the prompt itself (the answer is the same, only slower); an error from the
+decode instance is the client's answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+log = logging.getLogger(__name__)
+
+# What the prefill instance must not get from the client's request: it answers one token,
+# unstreamed (stream options are refused without a stream; min_tokens above 1 with one token).
+_PREFILL_DROPS = ("stream_options", "min_tokens", "max_completion_tokens")
+_FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: float = 600.0) -> Starlette:
+    """The proxy's ASGI app over the given instances' base URLs (``http://host:port``)."""
+    if not prefill or not decode:
+        raise ValueError("aiolm proxy needs at least one --prefill and one --decode instance")
+    prefill_next = itertools.cycle([u.rstrip("/") for u in prefill]).__next__
+    decode_next = itertools.cycle([u.rstrip("/") for u in decode]).__next__
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    async def disaggregated(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        path = request.url.path
+        params = await _prefill(client, prefill_next(), path, body, headers)
+        decode_body = dict(body, kv_transfer_params=params) if params is not None else body
+        url = decode_next() + path
+        if body.get("stream"):
+            return await _stream(client, url, decode_body, headers)
+        resp = await client.post(url, json=decode_body, headers=headers)
+        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+
+    async def models(request: Request) -> Response:
+        resp = await client.get(decode_next() + "/v1/models")
+        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", disaggregated, methods=["POST"]),
+            Route("/v1/chat/completions", disaggregated, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+async def _prefill(
+    client: httpx.AsyncClient, base: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any] | None:
+    """The prefill instance's kv_transfer_params for ``body``, or None (it failed)."""
+    ask = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    ask.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    try:
+        resp = await client.post(base + path, json=ask, headers=headers)
+        params = resp.json().get("kv_transfer_params") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as e:
+        log.warning("prefill instance %s failed: %s; the decode instance computes the prompt", base, e)
+        return None
+    if params is None:
+        log.warning("prefill instance %s answered %d without kv_transfer_params", base, resp.status_code)
+    return params
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    req = client.build_request("POST", url, json=body, headers=headers)
+    resp = await client.send(req, stream=True)
+    if resp.status_code != 200:
+        content = await resp.aread()
+        await resp.aclose()
+        return Response(content, resp.status_code, media_type=resp.headers.get("content-type"))
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+
+    return StreamingResponse(relay(), media_type=resp.headers.get("content-type", "text/event-stream"))
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}, status
+    )
+
+
+def parse_args(argv: list[str]) -> Any:
+    from aiolm.config import CliParser
+
+    p = CliParser(prog="aiolm proxy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", nargs="+", required=True, help="base URLs of prefill (kv_producer) instances")
+    p.add_argument("--decode", nargs="+", required=True, help="base URLs of decode (kv_consumer) instances")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+    return p.parse_args(argv)
