@@ -1,8 +1,9 @@
 """A rank's KV loads in flight, put into their blocks once every rank has its share.
 
-A load is a future (a reader thread's) that yields the blocks read, from the first, as
-byte tensors of (layers, 2, block_size, kv_heads, head_dim x element bytes): fewer than
-asked when one was missing or bad. ``settle`` runs at the start of each step, on the
+A load is a future (a reader or fetch thread's) that yields the blocks read, from the
+first, as one byte tensor (layers, 2, blocks, block_size, kv_heads, head_dim x element
+bytes), each layer's part laid out as the cache lays out that layer's blocks: fewer
+blocks than asked when one was missing or bad. ``settle`` runs at the start of each step, on the
 model runner's thread, so the KV cache is only ever written there, between forward
 passes: the loads every rank has finished go into their blocks, cut to the fewest blocks
 any rank read (rank_sync.py), and are reported; the rest keep moving.
@@ -29,7 +30,15 @@ IDLE_WAIT_S = 0.02
 @dataclass
 class _Load:
     block_ids: list[int]
-    read: Future[list[torch.Tensor]]
+    read: Future[torch.Tensor]
+
+
+def by_layer(blocks: list[torch.Tensor], block_shape: tuple[int, ...]) -> torch.Tensor:
+    """Blocks of (layers, 2, block_size, heads, head bytes) as one (layers, 2, blocks, ...) tensor."""
+    if not blocks:
+        layers, two, *rest = block_shape
+        return torch.empty((layers, two, 0, *rest), dtype=torch.uint8)
+    return torch.stack(blocks, dim=2)
 
 
 class PendingLoads:
@@ -42,7 +51,7 @@ class PendingLoads:
     def __bool__(self) -> bool:
         return bool(self._loads)
 
-    def add(self, load_id: int, block_ids: list[int], read: Future[list[torch.Tensor]]) -> None:
+    def add(self, load_id: int, block_ids: list[int], read: Future[torch.Tensor]) -> None:
         self._loads[load_id] = _Load(block_ids, read)
 
     def take_finished(self) -> dict[int, int]:
@@ -64,10 +73,10 @@ class PendingLoads:
                 continue  # some rank still reads it
             load = self._loads.pop(load_id)
             if n:
-                blocks = torch.stack(load.read.result()[:n]).to(self.device)
+                data = load.read.result()[:, :, :n].to(self.device)
                 idx = torch.tensor(load.block_ids[:n], device=self.device)
                 for layer, cache in enumerate(self.caches):
-                    cache.index_copy_(1, idx, blocks[:, layer].transpose(0, 1))
+                    cache.index_copy_(1, idx, data[layer])
             self._finished[load_id] = n
 
     @staticmethod
@@ -76,7 +85,7 @@ class PendingLoads:
         if not load.read.done():
             return -1
         try:
-            return len(load.read.result())
+            return int(load.read.result().shape[2])
         except Exception as e:  # a reader that broke loses its load, never the step
             log.warning("KV load failed: %s: %s", type(e).__name__, e)
             return 0

@@ -27,7 +27,7 @@ from aiolm.core.step import SchedulerOutput
 from aiolm.kv_transfer.base import ConnectorWorker
 from aiolm.kv_transfer.block_files import BlockFileError, file_name, rank_dir, read_block, write_block
 from aiolm.kv_transfer.config import KVTransferConfig
-from aiolm.kv_transfer.loads import PendingLoads
+from aiolm.kv_transfer.loads import PendingLoads, by_layer
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class OffloadWorker(ConnectorWorker):
 
     # -- loading -----------------------------------------------------------------------
 
-    def _read(self, hashes: list[bytes]) -> list[torch.Tensor]:
+    def _read(self, hashes: list[bytes]) -> torch.Tensor:
         """The blocks named, from the first, up to the first that is missing or bad."""
         out = []
         for h in hashes:
@@ -132,4 +132,4 @@ class OffloadWorker(ConnectorWorker):
             if block is None:
                 break
             out.append(block)
-        return out
+        return by_layer(out, self.block_shape)

@@ -189,9 +189,9 @@ class PDWorker(ConnectorWorker):
 
     # -- consumer --------------------------------------------------------------------
 
-    def _fetch(self, source: str, transfer_id: str, remote_ids: list[int]) -> list[torch.Tensor]:
-        """The blocks of ``transfer_id`` from this rank's producer peer, as (layers, 2,
-        block_size, heads, head bytes) byte tensors; none when anything goes wrong."""
+    def _fetch(self, source: str, transfer_id: str, remote_ids: list[int]) -> torch.Tensor:
+        """The blocks of ``transfer_id`` from this rank's producer peer, as one (layers, 2,
+        blocks, block_size, heads, head bytes) byte tensor; no block when anything goes wrong."""
         try:
             conn = self._connect(source)
             send_json(conn, {"transfer": transfer_id, "blocks": remote_ids})
@@ -201,16 +201,15 @@ class PDWorker(ConnectorWorker):
             if answer.get("layers") != len(self.caches):
                 raise WireError(f"{answer.get('layers')} layers sent, {len(self.caches)} here")
             c = self.caches[0]
-            out = torch.empty((len(remote_ids), len(self.caches), 2, *c.shape[2:]), dtype=torch.uint8)
-            layer = torch.empty((2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
-            for i in range(len(self.caches)):
+            out = torch.empty((len(self.caches), 2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
+            for layer in out:  # each layer's frame lands where the cache's layout wants it
                 recv_buffer(conn, layer.view(-1).numpy().data)
-                out[:, i] = layer.transpose(0, 1)
-            return list(out.unbind(0))
+            return out
         except (WireError, OSError) as e:
             self._drop(source)
             log.warning("KV fetch of %s from %s failed (rank %d): %s", transfer_id, source, self.rank, e)
-            return []
+            c = self.caches[0]
+            return torch.empty((len(self.caches), 2, 0, *c.shape[2:]), dtype=torch.uint8)
 
     def _connect(self, source: str) -> socket.socket:
         conn = self._conns.get(source)
