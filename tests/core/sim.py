@@ -237,7 +237,10 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
         load = sched.loading[load_id]
         assert load.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert len(kv.get_blocks(load.request.req_id)) == load.start + load.asked
-    assert set(kv.leases) == {f"load-{i}" for i, load in sched.loading.items() if load.request.is_finished}
+    load_leases = {k for k in kv.leases if k.startswith("load-")}
+    assert load_leases == {f"load-{i}" for i, load in sched.loading.items() if load.request.is_finished}
+    sends = getattr(sched.connector, "sends", {})
+    assert set(kv.leases) - load_leases == {f"send-{t}" for t in sends}
     for r in sched.awaiting_grammar.values():
         assert r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.sampling_params.structured_outputs is not None
         assert r.req_id not in kv.req_to_blocks and r.num_computed_tokens == 0

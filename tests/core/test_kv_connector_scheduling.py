@@ -136,3 +136,48 @@ def test_tiers_keep_their_caps():
         assert len(connector.host) <= 2 and len(connector.disk) <= 5
     assert connector.stats.dropped_blocks > 0
     assert set(d.worker.host) == set(connector.host) and set(d.worker.disk) == set(connector.disk)
+
+
+def test_a_prefill_instance_keeps_a_finished_prompts_blocks_until_sent_or_expired():
+    """TcpConnector producer: a do_remote_decode request's blocks outlive it, leased, until
+    every rank reports them sent (or the lease ends); the answer says where they are."""
+    from aiolm.kv_transfer.config import parse_kv_transfer_config
+    from aiolm.kv_transfer.pd_scheduler import PDScheduler
+
+    cfg = parse_kv_transfer_config(
+        '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 9000, '
+        '"kv_connector_extra_config": {"lease_seconds": 5}}'
+    )
+    assert cfg is not None
+    connector = PDScheduler(cfg, tp_size=1)
+    sched = make_scheduler(num_blocks=16, block_size=4, connector=connector)
+    d = Driver(sched)
+    remote = {"do_remote_decode": True}
+    for rid in ("x", "y"):
+        sched.add_request(make_request(rid, PROMPT_A, max_tokens=1, kv_transfer_params=remote))
+    for _ in range(5):
+        d.step()
+        if {"x", "y"} <= set(d.finished):
+            break
+    kv = sched.kv_cache_manager
+    params = {rid: d.finished[rid].kv_transfer_params for rid in ("x", "y")}
+    for p in params.values():
+        assert p["do_remote_prefill"] and p["remote_port"] == 9000 and len(p["remote_block_ids"]) == 4
+        assert kv.leases[f"send-{p['remote_request_id']}"]  # held past the request
+    assert sched.has_unfinished_requests()  # the engine keeps stepping for the consumer
+    so = sched.schedule()
+    assert so.kv_ops is not None and so.kv_ops.serve_ids == [
+        params["x"]["remote_request_id"],
+        params["y"]["remote_request_id"],
+    ]
+    # x is fetched: every rank reports it sent, and its blocks are freed.
+    from aiolm.core.step import ModelRunnerOutput
+
+    sched.update_from_output(so, ModelRunnerOutput([], [], kv_sent=[params["x"]["remote_request_id"]]))
+    assert f"send-{params['x']['remote_request_id']}" not in kv.leases
+    # y is never fetched: its lease ends, and the workers are told to stop serving it.
+    connector.sends[params["y"]["remote_request_id"]] = 0.0
+    so = sched.schedule()
+    assert so.kv_ops is not None and params["y"]["remote_request_id"] in so.kv_ops.unserve_ids
+    assert not kv.leases and kv.usage == 0.0 and kv.check_invariants() == []
+    assert not sched.has_unfinished_requests()
