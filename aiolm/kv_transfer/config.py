@@ -23,7 +23,7 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _TOP_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id", "kv_ip", "kv_port"}
 _EXTRA_KEYS = {
     "OffloadingConnector": {"num_cpu_blocks", "cpu_bytes", "disk_path", "disk_bytes"},
-    "TcpConnector": {"lease_seconds", "transfer_timeout"},
+    "TcpConnector": {"lease_seconds", "transfer_timeout", "shared_memory"},
 }
 
 
@@ -50,6 +50,7 @@ class KVTransferConfig:
     kv_port: int = 14579
     lease_seconds: float = 120.0
     transfer_timeout: float = 30.0
+    shared_memory: bool = True  # a consumer fetches through shared memory from a producer on its machine
 
     @property
     def produces(self) -> bool:
@@ -145,6 +146,9 @@ def _tcp_config(raw: dict[str, Any], role: str, extra: dict[str, Any]) -> KVTran
         raise ValueError("kv_transfer_config.kv_port: must be a port number (1-65535)")
     if not isinstance(engine_id, str):
         raise ValueError("kv_transfer_config.engine_id: must be a string")
+    shared = extra.get("shared_memory", True)
+    if not isinstance(shared, bool):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.shared_memory: must be true or false")
     times = {}
     for key, default in (("lease_seconds", 120.0), ("transfer_timeout", 30.0)):
         value = extra.get(key, default)
@@ -161,4 +165,5 @@ def _tcp_config(raw: dict[str, Any], role: str, extra: dict[str, Any]) -> KVTran
         kv_port=port,
         lease_seconds=times["lease_seconds"],
         transfer_timeout=times["transfer_timeout"],
+        shared_memory=shared,
     )

@@ -7,6 +7,9 @@ unregisters it (sent, or its lease ended): its blocks are copied out under a loc
 unregistering also takes, so a block is never read after the scheduler may reuse it.
 A transfer counts as sent once this rank sent it and, through rank_sync, every rank has.
 
+Between ranks on one machine (their handshake says so) the bytes go through a
+shared-memory segment instead of the socket (wire.py), unless ``shared_memory`` is off.
+
 Consumer: loads run on one thread, one connection per producer rank kept open; a load
 that fails in any way (refused handshake, broken connection, silence past
 ``transfer_timeout``, a bad checksum) yields no block, so the request computes its
@@ -15,18 +18,23 @@ prompt. Loads land through loads.PendingLoads, like the offloading connector's.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import mmap
 import os
 import socket
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import posix_ipc
 import torch
 
 from aiolm.core.step import KVTransferOps, SchedulerOutput
+from aiolm.ipc import segment
 from aiolm.kv_transfer.base import ConnectorWorker
 from aiolm.kv_transfer.config import KVTransferConfig
 from aiolm.kv_transfer.loads import IDLE_WAIT_S, PendingLoads
@@ -34,6 +42,7 @@ from aiolm.kv_transfer.rank_sync import agree_min
 from aiolm.kv_transfer.wire import (
     WireError,
     layout_difference,
+    machine_id,
     recv_buffer,
     recv_json,
     send_buffer,
@@ -72,6 +81,8 @@ class PDWorker(ConnectorWorker):
             threading.Thread(target=self._accept, name=f"aiolm-kv-serve{rank}", daemon=True).start()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="aiolm-kv-fetch")
         self._conns: dict[str, socket.socket] = {}  # producer host:port -> connection (fetch thread only)
+        self._shm: dict[str, bool] = {}  # producer host:port -> on this machine: fetch through shared memory
+        self.machine = machine_id()
 
     # -- the step ------------------------------------------------------------------
 
@@ -146,7 +157,7 @@ class PDWorker(ConnectorWorker):
                 if why is not None:
                     send_json(conn, {"ok": False, "error": f"KV layouts differ: {why}"})
                     return
-                send_json(conn, {"ok": True})
+                send_json(conn, {"ok": True, "machine": self.machine})
                 conn.settimeout(None)  # a kept connection waits for the next fetch as long as it likes
                 while True:
                     self._serve_fetch(conn, recv_json(conn))
@@ -165,51 +176,91 @@ class PDWorker(ConnectorWorker):
             idx = torch.tensor(blocks, device=self.device)
             # Copied while no step can reuse them: unregistering waits for this lock.
             layers = [c.index_select(1, idx).cpu() for c in self.caches]
-        send_json(conn, {"ok": True, "layers": len(layers)})
-        for i, layer in enumerate(layers):
-            data = layer.reshape(-1).numpy().data
-            if self._fault and i == len(layers) // 2:
-                self._inject(conn, data)
-            else:
-                send_buffer(conn, data)
+        if ask.get("shm"):
+            self._send_shm(conn, str(ask["shm"]), layers)
+        else:
+            self._send_tcp(conn, layers)
         with self._lock:
             if transfer_id in self._serving:
                 self._sent_here.add(transfer_id)
         self._sent_event.set()
 
-    def _inject(self, conn: socket.socket, data: memoryview) -> None:
-        if self._fault.startswith("stall:"):
-            time.sleep(float(self._fault.removeprefix("stall:")))
-            send_buffer(conn, data)
-        else:
-            crc = zlib.crc32(data)
-            damaged = bytearray(data)
-            damaged[len(damaged) // 2] ^= 0xFF
-            send_buffer(conn, memoryview(damaged), crc)
+    def _send_tcp(self, conn: socket.socket, layers: list[torch.Tensor]) -> None:
+        send_json(conn, {"ok": True, "layers": len(layers)})
+        for i, layer in enumerate(layers):
+            data = layer.reshape(-1).numpy().data
+            if not self._fault or i != len(layers) // 2:
+                send_buffer(conn, data)
+            elif self._fault.startswith("stall:"):
+                time.sleep(float(self._fault.removeprefix("stall:")))
+                send_buffer(conn, data)
+            else:
+                damaged = bytearray(data)
+                damaged[len(damaged) // 2] ^= 0xFF
+                send_buffer(conn, memoryview(damaged), zlib.crc32(data))
+
+    def _send_shm(self, conn: socket.socket, name: str, layers: list[torch.Tensor]) -> None:
+        """The layers into the consumer's shared-memory segment ``name``, one after another."""
+        total = sum(layer.numel() for layer in layers)
+        try:
+            mm = segment.attach(name)
+        except (ValueError, OSError, posix_ipc.Error) as e:
+            send_json(conn, {"ok": False, "error": f"cannot map the consumer's segment: {e}"})
+            return
+        try:
+            if len(mm) < total:
+                send_json(conn, {"ok": False, "error": "the consumer's segment is too small"})
+                return
+            buf = torch.frombuffer(mm, dtype=torch.uint8, count=total)
+            crcs, off = [], 0
+            for layer in layers:
+                part = buf[off : off + layer.numel()]
+                part.copy_(layer.reshape(-1))
+                crcs.append(zlib.crc32(part.numpy().data))
+                off += layer.numel()
+            if self._fault.startswith("stall:"):
+                time.sleep(float(self._fault.removeprefix("stall:")))
+            elif self._fault == "corrupt":
+                buf[total // 2] ^= 0xFF
+            del buf, part
+        finally:
+            _close(mm)
+        send_json(conn, {"ok": True, "layers": len(layers), "crcs": crcs})
 
     # -- consumer --------------------------------------------------------------------
 
     def _fetch(self, source: str, transfer_id: str, remote_ids: list[int]) -> torch.Tensor:
         """The blocks of ``transfer_id`` from this rank's producer peer, as one (layers, 2,
         blocks, block_size, heads, head bytes) byte tensor; no block when anything goes wrong."""
+        c = self.caches[0]
+        out = torch.empty((len(self.caches), 2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
+        shm: tuple[str, mmap.mmap, Callable[[], bool]] | None = None
         try:
             conn = self._connect(source)
-            send_json(conn, {"transfer": transfer_id, "blocks": remote_ids})
+            if self._shm[source]:
+                shm = segment.create(max(1, out.numel()))
+            send_json(conn, {"transfer": transfer_id, "blocks": remote_ids, "shm": shm[0] if shm else None})
             answer = recv_json(conn)
             if not answer.get("ok"):
                 raise WireError(str(answer.get("error")))
             if answer.get("layers") != len(self.caches):
                 raise WireError(f"{answer.get('layers')} layers sent, {len(self.caches)} here")
-            c = self.caches[0]
-            out = torch.empty((len(self.caches), 2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
-            for layer in out:  # each layer's frame lands where the cache's layout wants it
-                recv_buffer(conn, layer.view(-1).numpy().data)
+            if shm is not None:
+                _copy_checked(shm[1], answer.get("crcs") or [], out)
+            else:
+                for layer in out:  # each layer's frame lands where the cache's layout wants it
+                    recv_buffer(conn, layer.view(-1).numpy().data)
             return out
         except (WireError, OSError) as e:
             self._drop(source)
             log.warning("KV fetch of %s from %s failed (rank %d): %s", transfer_id, source, self.rank, e)
-            c = self.caches[0]
-            return torch.empty((len(self.caches), 2, 0, *c.shape[2:]), dtype=torch.uint8)
+            return out[:, :, :0]
+        finally:
+            if shm is not None:
+                name, mm, hook = shm
+                segment.unlink(name)
+                atexit.unregister(hook)
+                _close(mm)
 
     def _connect(self, source: str) -> socket.socket:
         conn = self._conns.get(source)
@@ -218,7 +269,7 @@ class PDWorker(ConnectorWorker):
         host, _, port = source.rpartition(":")
         conn = socket.create_connection((host, int(port) + self.rank), timeout=self.cfg.transfer_timeout)
         try:
-            send_json(conn, {"layout": self.layout})
+            send_json(conn, {"layout": self.layout, "machine": self.machine})
             answer = recv_json(conn)
         except BaseException:
             conn.close()
@@ -227,9 +278,32 @@ class PDWorker(ConnectorWorker):
             conn.close()
             raise WireError(f"the prefill instance refused: {answer.get('error')}")
         self._conns[source] = conn
+        self._shm[source] = self.cfg.shared_memory and answer.get("machine") == self.machine
         return conn
 
     def _drop(self, source: str) -> None:
         conn = self._conns.pop(source, None)
         if conn is not None:
             conn.close()
+
+
+def _close(mm: mmap.mmap) -> None:
+    """Unmap, unless a tensor still views it (the mapping then goes with the last view)."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+def _copy_checked(mm: mmap.mmap, crcs: list[int], out: torch.Tensor) -> None:
+    """``out``'s layers from the segment, one after another, each checked against its CRC-32."""
+    if len(crcs) != len(out):
+        raise WireError(f"{len(crcs)} checksums for {len(out)} layers")
+    src = torch.frombuffer(mm, dtype=torch.uint8, count=out.numel())
+    off = 0
+    for layer, crc in zip(out, crcs):
+        flat = layer.view(-1)
+        flat.copy_(src[off : off + flat.numel()])
+        off += flat.numel()
+        if zlib.crc32(flat.numpy().data) != crc:
+            raise WireError("a KV frame failed its checksum")

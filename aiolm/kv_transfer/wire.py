@@ -8,10 +8,16 @@ frames are JSON; KV frames are raw bytes followed by their CRC-32.
    worker: model, dtypes, block size, KV heads per rank, tensor-parallel size, rank); the
    producer answers ``{"ok": true}`` or ``{"ok": false, "error": ...}`` naming every
    field that differs, and closes.
+   Both say which machine they run on (``machine_id``).
 2. Fetch, any number per connection: ``{"transfer": id, "blocks": [...]}``; the answer is
    ``{"ok": true, "layers": L}`` and then, per layer, that layer's K and V of the blocks
    as one contiguous buffer (2, blocks, block_size, kv_heads, head bytes) and its CRC-32;
    or ``{"ok": false, "error": ...}`` (an unknown or expired transfer, blocks not its own).
+   Between ranks of one machine the consumer names a shared-memory segment of its own
+   (``"shm": name``, room for every layer's buffer, one after another); the producer
+   writes the layers there and answers with ``"crcs"``, one per layer, and the consumer
+   copies them out and unlinks it, whatever happened (a producer that dies mid-write
+   leaves nothing behind).
 """
 
 from __future__ import annotations
@@ -89,6 +95,18 @@ def recv_buffer(sock: socket.socket, into: memoryview) -> None:
     (crc,) = _CRC.unpack(recv_exact(sock, _CRC.size))
     if zlib.crc32(into) != crc:
         raise WireError("a KV frame failed its checksum")
+
+
+def machine_id() -> str:
+    """This machine and boot: two processes that agree can share memory."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    return "/".join([socket.gethostname(), *parts])
 
 
 def layout_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

@@ -2,6 +2,8 @@
 (kv_producer) and a decode instance (kv_consumer), each `aiolm serve` with its own
 worker, behind `aiolm proxy`, driven by the openai client.
 
+The two instances share a machine, so the KV goes through shared memory (the handshake
+says so; tests/kv_transfer/test_pd_tensor_parallel.py covers the socket path).
 Greedy answers through the proxy equal the single instance's (the decode instance
 answering the same requests alone, its prefix cache off so nothing is reused), for 20
 requests, streamed and not, chat and completions; the decode instance computed only
@@ -15,6 +17,7 @@ answer, nothing leaked, the decode instance still serving.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -152,9 +155,24 @@ def test_twenty_requests_through_the_proxy_answer_as_one_instance(decode_server,
     )
 
 
+def _live_segments() -> set[str]:
+    """aiolm's shared-memory segments whose creator is alive (a killed instance's are swept
+    by the next aiolm to start)."""
+    out = set()
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("aiolm_"):
+            try:
+                os.kill(int(name.split("_")[1]), 0)
+            except (ProcessLookupError, ValueError):
+                continue
+            out.add(name)
+    return out
+
+
 def _one_request_with_a_fault(decode_server, tmp_path, env, kill_after: float | None = None):
     """One chat request through a proxy whose prefill instance has ``env``; its answer,
-    and the decode instance's failed loads over it."""
+    and the decode instance's failed loads over it. Nothing may be left behind."""
+    segments = _live_segments()
     prefill = producer(tmp_path, env)
     prefill.wait_ready()
     front = proxy(tmp_path, prefill, decode_server)
@@ -172,6 +190,7 @@ def _one_request_with_a_fault(decode_server, tmp_path, env, kill_after: float | 
         prefill.kill()
     assert metric(decode_server.base_url, "kv_cache_usage_perc") == 0
     assert metric(decode_server.base_url, "num_requests_running") == 0
+    assert _live_segments() <= segments  # the consumer's transfer segment is gone too
     return text, failed, took
 
 

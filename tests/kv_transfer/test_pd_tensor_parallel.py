@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation with three tensor-parallel ranks on each side, engines in
 this process, their workers real processes: each rank fetches its KV heads from the
-producer's rank of the same number, the ranks agree on what was sent before the
+producer's rank of the same number (through the sockets: shared memory off), the ranks agree on what was sent before the
 producer frees a prompt's blocks, and greedy answers equal one TP=3 instance's. A
 consumer with another tensor-parallel layout is refused at the handshake, which names
 the difference, and computes the prompt itself."""
@@ -45,7 +45,12 @@ def test_three_ranks_each_side(caplog):
         tp3 = dict(BASE, tensor_parallel_size=3, kv_cache_memory=16 << 20)
         engines = {
             "prefill": AsyncEngine(EngineArgs(**tp3, kv_transfer_config=_tcp("kv_producer", kv_port=port))),
-            "decode": AsyncEngine(EngineArgs(**tp3, kv_transfer_config=_tcp("kv_consumer"))),
+            # KV through the sockets, not shared memory (tests/kv_transfer/test_pd_disaggregation.py)
+            "decode": AsyncEngine(
+                EngineArgs(
+                    **tp3, kv_transfer_config=_tcp("kv_consumer", kv_connector_extra_config={"shared_memory": False})
+                )
+            ),
             "alone": AsyncEngine(EngineArgs(**tp3)),
             "decode_tp1": AsyncEngine(
                 EngineArgs(**BASE, kv_cache_memory=48 << 20, kv_transfer_config=_tcp("kv_consumer"))
