@@ -22,6 +22,7 @@ import atexit
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -263,6 +264,9 @@ class PDWorker(ConnectorWorker):
                 _close(mm)
 
     def _connect(self, source: str) -> socket.socket:
+        for known, kept in list(self._conns.items()):
+            if not _open(kept):  # a producer that stopped: its connection goes, whoever it was
+                self._drop(known)
         conn = self._conns.get(source)
         if conn is not None:
             return conn
@@ -285,6 +289,16 @@ class PDWorker(ConnectorWorker):
         conn = self._conns.pop(source, None)
         if conn is not None:
             conn.close()
+
+
+def _open(conn: socket.socket) -> bool:
+    """Whether the peer still holds the connection (it sends nothing unasked, so any byte
+    or end of stream waiting means it closed or broke the protocol)."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable  # readable: end of stream, or bytes nobody asked for
 
 
 def _close(mm: mmap.mmap) -> None:

@@ -169,10 +169,19 @@ def _live_segments() -> set[str]:
     return out
 
 
+def _worker_sockets(server: ServerProcess) -> int:
+    """Open sockets of the server's worker process (its only child)."""
+    pid = server.proc.pid
+    (child,) = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(1 for fd in Path(f"/proc/{child}/fd").iterdir() if os.readlink(fd).startswith("socket:"))
+
+
 def _one_request_with_a_fault(decode_server, tmp_path, env, kill_after: float | None = None):
     """One chat request through a proxy whose prefill instance has ``env``; its answer,
-    and the decode instance's failed loads over it. Nothing may be left behind."""
+    and the decode instance's failed loads over it. Nothing may be left behind: no block,
+    no shared-memory segment, no socket to a prefill instance."""
     segments = _live_segments()
+    sockets = _worker_sockets(decode_server)
     prefill = producer(tmp_path, env)
     prefill.wait_ready()
     front = proxy(tmp_path, prefill, decode_server)
@@ -191,6 +200,7 @@ def _one_request_with_a_fault(decode_server, tmp_path, env, kill_after: float | 
     assert metric(decode_server.base_url, "kv_cache_usage_perc") == 0
     assert metric(decode_server.base_url, "num_requests_running") == 0
     assert _live_segments() <= segments  # the consumer's transfer segment is gone too
+    assert _worker_sockets(decode_server) <= sockets  # a broken connection is closed, not kept
     return text, failed, took
 
 
