@@ -52,9 +52,9 @@ from aiolm.kv_transfer.wire import (
 
 log = logging.getLogger(__name__)
 
-# Test-only fault injection on a producer: "stall:<seconds>" sleeps halfway through each
-# transfer (a test kills the instance then), "corrupt" damages a layer's bytes after its
-# checksum was taken.
+# Test-only fault injection on a producer: with AIOLM_TEST_KV_SEND_FAULT=<path>, each
+# transfer reads the file: "stall:<seconds>" sleeps halfway through it (a test kills the
+# instance then), "corrupt" damages a layer's bytes after its checksum was taken.
 FAULT_ENV = "AIOLM_TEST_KV_SEND_FAULT"
 
 
@@ -75,7 +75,7 @@ class PDWorker(ConnectorWorker):
         self._sent_event = threading.Event()
         self._sent_all: list[str] = []
         self._closed = False
-        self._fault = os.environ.get(FAULT_ENV, "")
+        self._fault_path = os.environ.get(FAULT_ENV)
         self._server: socket.socket | None = None
         if config.produces:
             self._server = socket.create_server((config.kv_ip, config.kv_port + rank), reuse_port=False)
@@ -177,30 +177,40 @@ class PDWorker(ConnectorWorker):
             idx = torch.tensor(blocks, device=self.device)
             # Copied while no step can reuse them: unregistering waits for this lock.
             layers = [c.index_select(1, idx).cpu() for c in self.caches]
+        fault = self._fault()
         if ask.get("shm"):
-            self._send_shm(conn, str(ask["shm"]), layers)
+            self._send_shm(conn, str(ask["shm"]), layers, fault)
         else:
-            self._send_tcp(conn, layers)
+            self._send_tcp(conn, layers, fault)
         with self._lock:
             if transfer_id in self._serving:
                 self._sent_here.add(transfer_id)
         self._sent_event.set()
 
-    def _send_tcp(self, conn: socket.socket, layers: list[torch.Tensor]) -> None:
+    def _fault(self) -> str:
+        if self._fault_path is None:
+            return ""
+        try:
+            with open(self._fault_path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def _send_tcp(self, conn: socket.socket, layers: list[torch.Tensor], fault: str) -> None:
         send_json(conn, {"ok": True, "layers": len(layers)})
         for i, layer in enumerate(layers):
             data = layer.reshape(-1).numpy().data
-            if not self._fault or i != len(layers) // 2:
+            if not fault or i != len(layers) // 2:
                 send_buffer(conn, data)
-            elif self._fault.startswith("stall:"):
-                time.sleep(float(self._fault.removeprefix("stall:")))
+            elif fault.startswith("stall:"):
+                time.sleep(float(fault.removeprefix("stall:")))
                 send_buffer(conn, data)
             else:
                 damaged = bytearray(data)
                 damaged[len(damaged) // 2] ^= 0xFF
                 send_buffer(conn, memoryview(damaged), zlib.crc32(data))
 
-    def _send_shm(self, conn: socket.socket, name: str, layers: list[torch.Tensor]) -> None:
+    def _send_shm(self, conn: socket.socket, name: str, layers: list[torch.Tensor], fault: str) -> None:
         """The layers into the consumer's shared-memory segment ``name``, one after another."""
         total = sum(layer.numel() for layer in layers)
         try:
@@ -219,9 +229,9 @@ class PDWorker(ConnectorWorker):
                 part.copy_(layer.reshape(-1))
                 crcs.append(zlib.crc32(part.numpy().data))
                 off += layer.numel()
-            if self._fault.startswith("stall:"):
-                time.sleep(float(self._fault.removeprefix("stall:")))
-            elif self._fault == "corrupt":
+            if fault.startswith("stall:"):
+                time.sleep(float(fault.removeprefix("stall:")))
+            elif fault == "corrupt":
                 buf[total // 2] ^= 0xFF
             del buf, part
         finally:

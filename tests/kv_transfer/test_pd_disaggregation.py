@@ -57,11 +57,6 @@ CONSUMER = json.dumps(
 )
 
 
-def start(tmp: Path, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> ServerProcess:
-    server = ServerProcess(cmd, port, tmp / f"{name}.log", env)
-    return server
-
-
 def proxy_cmd(port: int, prefill: str, decode: str) -> list[str]:
     return [sys.executable, "-m", "aiolm.cli", "proxy", "--prefill", prefill, "--decode", decode, "--port", str(port)]
 
@@ -116,9 +111,9 @@ def decode_server(tmp_path_factory):
         yield server
 
 
-def producer(tmp: Path, env: dict[str, str] | None = None) -> ServerProcess:
+def producer(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
     port, kv_port = free_port(), free_port()
-    cmd = serve_cmd(port, "--kv-transfer-config", producer_config(kv_port), "--served-model-name", "m")
+    cmd = serve_cmd(port, "--kv-transfer-config", producer_config(kv_port), "--served-model-name", "m", *extra)
     return ServerProcess(cmd, port, tmp / f"prefill-{port}.log", env)
 
 
@@ -127,18 +122,32 @@ def proxy(tmp: Path, prefill: ServerProcess, decode: ServerProcess) -> ServerPro
     return ServerProcess(proxy_cmd(port, prefill.base_url, decode.base_url), port, tmp / f"proxy-{port}.log")
 
 
-def test_twenty_requests_through_the_proxy_answer_as_one_instance(decode_server, tmp_path):
-    prefill = producer(tmp_path)
-    with prefill.serving("prefill instance"):
-        front = proxy(tmp_path, prefill, decode_server)
+@pytest.fixture(scope="module")
+def pd(decode_server, tmp_path_factory):
+    """The prefill instance and the proxy over both; the prefill instance reads the fault
+    to inject into its next transfers from ``fault`` (empty: none). The last test kills it."""
+    tmp = tmp_path_factory.mktemp("pd-front")
+    fault = tmp / "fault"
+    fault.write_text("")
+    prefill = producer(tmp, env={"AIOLM_TEST_KV_SEND_FAULT": str(fault)})
+    prefill.wait_ready()
+    front = proxy(tmp, prefill, decode_server)
+    try:
         with front.serving("proxy"):
-            client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-            ran0 = metric(decode_server.base_url, "iteration_tokens_total_sum")
-            loaded0 = metric(decode_server.base_url, "external_prefix_cache_hits_total")
-            split = [ask(client, i, stream=i % 4 >= 2) for i in range(20)]
-            ran = metric(decode_server.base_url, "iteration_tokens_total_sum") - ran0
-            loaded = metric(decode_server.base_url, "external_prefix_cache_hits_total") - loaded0
-        sent = metric(prefill.base_url, "kv_connector_saved_blocks_total")
+            yield prefill, front, fault
+    finally:
+        prefill.kill()
+
+
+def test_twenty_requests_through_the_proxy_answer_as_one_instance(decode_server, pd):
+    prefill, front, _ = pd
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    ran0 = metric(decode_server.base_url, "iteration_tokens_total_sum")
+    loaded0 = metric(decode_server.base_url, "external_prefix_cache_hits_total")
+    split = [ask(client, i, stream=i % 4 >= 2) for i in range(20)]
+    ran = metric(decode_server.base_url, "iteration_tokens_total_sum") - ran0
+    loaded = metric(decode_server.base_url, "external_prefix_cache_hits_total") - loaded0
+    sent = metric(prefill.base_url, "kv_connector_saved_blocks_total")
     direct = openai.OpenAI(base_url=decode_server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
     alone = [ask(direct, i, stream=i % 4 >= 2) for i in range(20)]
     assert [text for text, _ in split] == [text for text, _ in alone]
@@ -150,9 +159,11 @@ def test_twenty_requests_through_the_proxy_answer_as_one_instance(decode_server,
     assert loaded == sum(p - 1 for p in prompts)
     assert sent >= sum(-(-p // 16) for p in prompts)
     assert metric(decode_server.base_url, "kv_connector_failed_loads_total") == 0
-    assert (
-        metric(prefill.base_url if prefill.proc.poll() is None else decode_server.base_url, "kv_cache_usage_perc") == 0
-    )
+    for _ in range(50):  # the last prompt's blocks are freed once the prefill instance's ranks report them sent
+        if metric(prefill.base_url, "kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(prefill.base_url, "kv_cache_usage_perc") == 0
 
 
 def _live_segments() -> set[str]:
@@ -176,27 +187,21 @@ def _worker_sockets(server: ServerProcess) -> int:
     return sum(1 for fd in Path(f"/proc/{child}/fd").iterdir() if os.readlink(fd).startswith("socket:"))
 
 
-def _one_request_with_a_fault(decode_server, tmp_path, env, kill_after: float | None = None):
-    """One chat request through a proxy whose prefill instance has ``env``; its answer,
-    and the decode instance's failed loads over it. Nothing may be left behind: no block,
-    no shared-memory segment, no socket to a prefill instance."""
+def _one_request_with_a_fault(decode_server, front: ServerProcess, kill: ServerProcess | None = None):
+    """One chat request through the proxy; its answer, the decode instance's failed loads
+    over it and the seconds it took. With ``kill``, that instance is SIGKILLed 4 s in.
+    Nothing may be left behind: no block, no shared-memory segment, no socket to a
+    prefill instance."""
     segments = _live_segments()
     sockets = _worker_sockets(decode_server)
-    prefill = producer(tmp_path, env)
-    prefill.wait_ready()
-    front = proxy(tmp_path, prefill, decode_server)
-    try:
-        with front.serving("proxy"):
-            failed0 = metric(decode_server.base_url, "kv_connector_failed_loads_total")
-            client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-            if kill_after is not None:
-                threading.Timer(kill_after, prefill.kill).start()
-            t0 = time.monotonic()
-            text, _ = ask(client, 4, stream=False)
-            took = time.monotonic() - t0
-            failed = metric(decode_server.base_url, "kv_connector_failed_loads_total") - failed0
-    finally:
-        prefill.kill()
+    failed0 = metric(decode_server.base_url, "kv_connector_failed_loads_total")
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    if kill is not None:
+        threading.Timer(4.0, kill.kill).start()
+    t0 = time.monotonic()
+    text, _ = ask(client, 4, stream=False)
+    took = time.monotonic() - t0
+    failed = metric(decode_server.base_url, "kv_connector_failed_loads_total") - failed0
     assert metric(decode_server.base_url, "kv_cache_usage_perc") == 0
     assert metric(decode_server.base_url, "num_requests_running") == 0
     assert _live_segments() <= segments  # the consumer's transfer segment is gone too
@@ -209,30 +214,33 @@ def _alone(decode_server) -> list[str]:
     return ask(direct, 4, stream=False)[0]
 
 
-def test_prefill_instance_killed_mid_transfer(decode_server, tmp_path):
-    """The producer stalls halfway through sending; it is SIGKILLed meanwhile. The decode
-    instance's connection breaks and it computes the prompt: the same answer."""
-    text, failed, took = _one_request_with_a_fault(
-        decode_server, tmp_path, {"AIOLM_TEST_KV_SEND_FAULT": "stall:60"}, kill_after=4.0
-    )
-    assert text == _alone(decode_server)
-    assert failed == 1 and took < 40
-
-
-def test_damaged_transfer_is_detected_and_recomputed(decode_server, tmp_path):
-    text, failed, _ = _one_request_with_a_fault(decode_server, tmp_path, {"AIOLM_TEST_KV_SEND_FAULT": "corrupt"})
+def test_damaged_transfer_is_detected_and_recomputed(decode_server, pd):
+    _, front, fault = pd
+    fault.write_text("corrupt")
+    try:
+        text, failed, _ = _one_request_with_a_fault(decode_server, front)
+    finally:
+        fault.write_text("")
     assert text == _alone(decode_server)
     assert failed == 1
     assert "failed its checksum" in Path(decode_server.log_path).read_text()
 
 
+def test_prefill_instance_killed_mid_transfer(decode_server, pd):
+    """The producer stalls halfway through sending; it is SIGKILLed meanwhile. The decode
+    instance's transfer breaks and it computes the prompt: the same answer. (It ends the
+    module's prefill instance, so it runs after the other tests that use it.)"""
+    prefill, front, fault = pd
+    fault.write_text("stall:60")
+    text, failed, took = _one_request_with_a_fault(decode_server, front, kill=prefill)
+    assert text == _alone(decode_server)
+    assert failed == 1 and took < 40
+
+
 def test_mismatched_layout_is_refused_at_the_handshake(decode_server, tmp_path):
     """A prefill instance with 32-token blocks: the decode instance (16) is refused with a
     message naming the difference, and computes the prompt."""
-    port, kv_port = free_port(), free_port()
-    cmd = serve_cmd(port, "--kv-transfer-config", producer_config(kv_port), "--served-model-name", "m")
-    cmd += ["--block-size", "32"]
-    prefill = ServerProcess(cmd, port, tmp_path / "prefill-32.log")
+    prefill = producer(tmp_path, "--block-size", "32")
     prefill.wait_ready()
     front = proxy(tmp_path, prefill, decode_server)
     try:
