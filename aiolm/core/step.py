@@ -62,10 +62,10 @@ class KVTransferOps(msgspec.Struct, array_like=True, gc=False):
 
     Saves come first: they are blocks the prefix cache evicted while this step was
     scheduled, still holding the cached prefix their hash names, which this step's
-    tokens or loads may overwrite. Loads are read in the background into staging
-    memory and copied into their blocks at the start of a later step (the first that
-    finds them read, or the first that schedules their request, which waits for them);
-    rank 0 reports each in ModelRunnerOutput.kv_loaded once copied.
+    tokens or loads may overwrite. Loads are read in the background and copied into
+    their blocks at the start of the first later step by which every rank has read its
+    share (aiolm/kv_transfer/loads.py); rank 0 reports each in ModelRunnerOutput.kv_loaded
+    once copied, and only then is its request scheduled.
     """
 
     save_block_ids: list[int] = field(default_factory=list)

@@ -3,7 +3,8 @@
 Scheduler side (engine process, pure Python), called by aiolm/core/scheduler.py:
 
 * ``num_external_blocks``: at admission, after the local prefix-cache hit, how many
-  further full blocks of the request can be loaded from outside.
+  further blocks of the request can be loaded from outside (the last may be partly
+  filled: its loaded part up to the prompt's second-to-last token is used).
 * ``start_load``: the request got blocks for them; the connector asks its workers to
   fill them. The request then waits (WAITING_FOR_REMOTE_KVS), holding its blocks but
   outside the running batch, until ModelRunnerOutput.kv_loaded reports the load; other
@@ -35,7 +36,7 @@ from aiolm.core.step import KVTransferOps, SchedulerOutput
 
 @dataclass
 class ConnectorStats:
-    """Counted in blocks over the engine's life (tokens = blocks x block size)."""
+    """Counted over the engine's life, in blocks but for ``loaded_tokens``."""
 
     saved_blocks: int = 0  # blocks kept past their request: evicted ones a tier took, or served to a consumer
     loaded_blocks: int = 0  # blocks that came back intact
@@ -46,7 +47,17 @@ class ConnectorStats:
 
 
 class ConnectorScheduler(abc.ABC):
-    stats: ConnectorStats
+    def __init__(self) -> None:
+        self.stats = ConnectorStats()
+        self._ops = KVTransferOps()  # what the step being scheduled asks of the workers
+
+    def take_ops(self) -> KVTransferOps | None:
+        """What the workers do at the start of the step being built (None: nothing)."""
+        ops = self._ops
+        if not ops:
+            return None
+        self._ops = KVTransferOps()
+        return ops
 
     @abc.abstractmethod
     def num_external_blocks(self, request: Request, start: int, limit: int) -> int:
@@ -64,10 +75,6 @@ class ConnectorScheduler(abc.ABC):
     @abc.abstractmethod
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
         """The pool reuses ``block_id``, which caches ``block_hash``, in the step being scheduled."""
-
-    @abc.abstractmethod
-    def take_ops(self) -> KVTransferOps | None:
-        """What the workers do at the start of the step being built (None: nothing)."""
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -22,17 +22,16 @@ from collections.abc import Sequence
 
 from aiolm.core.request import Request
 from aiolm.core.step import KVTransferOps
-from aiolm.kv_transfer.base import ConnectorScheduler, ConnectorStats
+from aiolm.kv_transfer.base import ConnectorScheduler
 
 
 class OffloadScheduler(ConnectorScheduler):
     def __init__(self, host_blocks: int, disk_blocks: int, on_disk: Sequence[bytes] = ()) -> None:
+        super().__init__()
         self.host_blocks = host_blocks
         self.disk_blocks = disk_blocks
         self.host: OrderedDict[bytes, None] = OrderedDict()
         self.disk: OrderedDict[bytes, None] = OrderedDict((h, None) for h in on_disk) if disk_blocks else OrderedDict()
-        self.stats = ConnectorStats()
-        self._ops = KVTransferOps()
         self._trim(self.disk, self.disk_blocks, self._ops.drop_disk)
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -87,13 +86,6 @@ class OffloadScheduler(ConnectorScheduler):
         if self.disk_blocks:
             self.disk[block_hash] = None
             self._trim(self.disk, self.disk_blocks, ops.drop_disk)
-
-    def take_ops(self) -> KVTransferOps | None:
-        ops = self._ops
-        if not ops:
-            return None
-        self._ops = KVTransferOps()
-        return ops
 
     def reset(self) -> None:
         self.host.clear()

@@ -25,7 +25,7 @@ from typing import Any
 
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.step import KVTransferOps
-from aiolm.kv_transfer.base import ConnectorScheduler, ConnectorStats
+from aiolm.kv_transfer.base import ConnectorScheduler
 from aiolm.kv_transfer.config import KVTransferConfig
 from aiolm.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 
@@ -34,12 +34,11 @@ log = logging.getLogger(__name__)
 
 class PDScheduler(ConnectorScheduler):
     def __init__(self, cfg: KVTransferConfig, tp_size: int) -> None:
+        super().__init__()
         self.cfg = cfg
         self.tp_size = tp_size
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
-        self.stats = ConnectorStats()
         self.sends: dict[str, float] = {}  # transfer id -> when its lease ends (time.monotonic)
-        self._ops = KVTransferOps()
         self._consumed: set[str] = set()  # requests whose remote prefill was tried
 
     # -- consumer ------------------------------------------------------------------
@@ -127,13 +126,6 @@ class PDScheduler(ConnectorScheduler):
 
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
         pass  # nothing is kept past the pool
-
-    def take_ops(self) -> KVTransferOps | None:
-        ops = self._ops
-        if not ops:
-            return None
-        self._ops = KVTransferOps()
-        return ops
 
     def reset(self) -> None:
         self.sends.clear()  # their blocks went with the old pool; the new workers serve nothing

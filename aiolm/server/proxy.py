@@ -28,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from aiolm.server.errors import bad_request
+
 log = logging.getLogger(__name__)
 
 # What the prefill instance must not get from the client's request: it answers one token,
@@ -48,9 +50,9 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: floa
         try:
             body = await request.json()
         except ValueError:
-            return _error(400, "the body is not JSON")
+            return bad_request("the body is not JSON").response()
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            return bad_request("the body must be a JSON object").response()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         path = request.url.path
         params = await _prefill(client, prefill_next(), path, body, headers)
@@ -117,12 +119,6 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], hea
             await resp.aclose()
 
     return StreamingResponse(relay(), media_type=resp.headers.get("content-type", "text/event-stream"))
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}, status
-    )
 
 
 def parse_args(argv: list[str]) -> Any:
