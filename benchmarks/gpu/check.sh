@@ -3,6 +3,8 @@
 #
 #   benchmarks/gpu/check.sh            set up .venv-gpu (CUDA torch, triton, aiolm), then run every part
 #   SKIP_INSTALL=1 benchmarks/gpu/check.sh    reuse the environment in $VENV (or the active python)
+#   PARTS="parity engine" benchmarks/gpu/check.sh   only these parts (names as in the summary)
+#   KERNEL_TESTS="tests/kernels/triton_kernels/test_triton_ops.py" ...   the kernels part's tests
 #
 # Parts: the Triton kernel tests compiled for the GPU (no interpreter), greedy parity with
 # transformers on the same GPU (float32 and bfloat16), the engine's greedy tokens with CUDA
@@ -67,16 +69,19 @@ run_part() {  # name, command...: runs under the timeout, records result, time a
     rm -f "$log"
 }
 
-run_part kernels env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/kernels/triton_kernels tests/worker/test_cuda_graph.py
-run_part parity "$PY" benchmarks/gpu/check.py parity
-run_part graphs "$PY" benchmarks/gpu/check.py graphs
-run_part decode-speed "$PY" benchmarks/gpu/check.py decode-speed
-run_part engine "$PY" benchmarks/gpu/check.py engine
-run_part lora "$PY" benchmarks/gpu/check.py lora
-# 2+ GPUs: torch symmetric-memory all-reduce against NCCL (correctness, decode-size latency);
-# on one GPU it prints why it was skipped.
-run_part allreduce "$PY" benchmarks/gpu/allreduce_check.py
+PARTS=${PARTS:-kernels parity graphs decode-speed engine lora allreduce}
+KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/triton_kernels tests/worker/test_cuda_graph.py}
+for part in $PARTS; do
+    case $part in
+        # shellcheck disable=SC2086  # KERNEL_TESTS is a list of paths
+        kernels) run_part kernels env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider $KERNEL_TESTS ;;
+        parity|graphs|decode-speed|engine|lora) run_part "$part" "$PY" benchmarks/gpu/check.py "$part" ;;
+        # 2+ GPUs: torch symmetric-memory all-reduce against NCCL (correctness, decode-size
+        # latency); on one GPU it prints why it was skipped.
+        allreduce) run_part allreduce "$PY" benchmarks/gpu/allreduce_check.py ;;
+        *) echo "unknown part $part" >&2; exit 1 ;;
+    esac
+done
 
 echo
 printf '%-13s %-10s %6s  %s\n' part result sec "last line"

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from aiolm.attention.torch_backend import FP8
 from aiolm.kernels.triton import interpreting
-from aiolm.kernels.triton.jit_math import fp8_e4m3_values, tanh
+from aiolm.kernels.triton.jit_math import fp8_e4m3_float, fp8_e4m3_scaled_half, tanh
 
 
 @triton.jit
@@ -119,7 +119,10 @@ def _attention_kernel(
         base = phys * sk0 + kvh * sk2
         k = tl.load(k_cache_ptr + base + offs[None, :] * sk1 + d[:, None], mask=d_ok[:, None], other=0)
         if FP8:
-            k = fp8_e4m3_values(k, FP32_DOT)
+            if FP32_DOT:
+                k = fp8_e4m3_float(k)
+            else:
+                k = fp8_e4m3_scaled_half(k)
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -139,7 +142,10 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + base + offs[:, None] * sk1 + d[None, :], mask=d_ok[None, :], other=0)
         if FP8:
-            v = fp8_e4m3_values(v, FP32_DOT)
+            if FP32_DOT:
+                v = fp8_e4m3_float(v)
+            else:
+                v = fp8_e4m3_scaled_half(v)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         elif FP8:
@@ -254,7 +260,7 @@ def paged_attention(
         interpreting() and torch.bfloat16 in (q.dtype, k_cache.dtype)
     )  # the interpreter's bf16 dot is wrong
     fp8 = k_cache.dtype == FP8
-    if fp8:  # read as bytes, converted in the kernel (fp8_e4m3_values)
+    if fp8:  # read as bytes, converted in the kernel (jit_math.fp8_e4m3_float / _scaled_half)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     splits = max(1, int(num_splits))
     if splits > 1:

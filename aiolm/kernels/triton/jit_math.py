@@ -15,11 +15,16 @@ def tanh(x):
 
 
 @triton.jit
-def fp8_e4m3_values(b, EXACT: tl.constexpr):
-    """float8 e4m3 bytes (uint8) as values: float32 (EXACT), else float16 holding value / 256
-    (exact too: the byte's bits moved into a float16's, whose exponent bias is 8 more)."""
+def fp8_e4m3_scaled_half(b):
+    """float8 e4m3 bytes (uint8) as float16 holding value / 256, exactly: the byte's bits
+    moved into a float16's, whose exponent bias is 8 more. Half-precision dots take this."""
     w = b.to(tl.uint16)
-    h = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    if EXACT:
-        return h.to(tl.float32) * 256.0
-    return h
+    return (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def fp8_e4m3_float(b):
+    """float8 e4m3 bytes (uint8) as their float32 values, exactly. (One function per result
+    type: compiled Triton rejects a function whose returns differ in type, even behind a
+    constexpr branch, which the interpreter accepts.)"""
+    return fp8_e4m3_scaled_half(b).to(tl.float32) * 256.0

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from aiolm.kernels.triton import interpreting
-from aiolm.kernels.triton.jit_math import fp8_e4m3_values
+from aiolm.kernels.triton.jit_math import fp8_e4m3_float
 
 BLOCK_K = 32
 
@@ -114,7 +114,7 @@ def _fp8_kernel(
         )
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
         s = tl.load(s_ptr + (k0 // SCALE_K) * N + rn, mask=n_ok, other=0.0)
-        w = fp8_e4m3_values(b, True) * s[None, :]
+        w = fp8_e4m3_float(b) * s[None, :]
         if FP32_DOT:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
