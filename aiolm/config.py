@@ -202,6 +202,24 @@ class EngineArgs:
         '{"cpu_bytes": N, "disk_path": DIR, "disk_bytes": N}} keeps prefix blocks the cache evicts in '
         "host memory and a size-capped directory, and loads them back on a later prefix hit (README)",
     )
+    limit_mm_per_prompt: str = _f(
+        "image=4", "vision-language models: most images in one prompt, as image=N (more is a 400)"
+    )
+    max_num_encoder_input_tokens: int = _f(
+        0,
+        "vision-language models: image embeddings encoded in one step (0: --max-num-batched-tokens); "
+        "an image's placeholders wait for a step with room",
+    )
+    allowed_media_domains: list[str] | None = _f(
+        None, "hosts whose http(s) image URLs the server fetches (and their subdomains); None: any host"
+    )
+    allowed_local_media_path: str | None = _f(
+        None, "a folder whose files file:// image URLs may name; None: file URLs are refused"
+    )
+    max_image_pixels: int = _f(
+        20_000_000, "largest image (width x height) a request may send; larger is a 400, before decoding"
+    )
+    media_fetch_timeout: float = _f(10.0, "seconds an http(s) image URL may take to fetch")
     max_waiting_requests: int | None = _f(
         None,
         "sequences that may wait beyond the --max-num-seqs running ones; "
@@ -299,7 +317,10 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}"
             )
+        self.max_images()  # raises on a bad --limit-mm-per-prompt
         for name, low in (
+            ("max_num_encoder_input_tokens", 0),
+            ("max_image_pixels", 1),
             ("max_cudagraph_size", 1),
             ("max_num_seqs", 1),
             ("max_num_batched_tokens", 1),
@@ -313,6 +334,20 @@ class EngineArgs:
         ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+    def max_images(self) -> int:
+        """--limit-mm-per-prompt's image count (image=N, or vLLM's JSON {"image": N})."""
+        text = self.limit_mm_per_prompt.strip()
+        try:
+            limits = json.loads(text) if text.startswith("{") else dict([text.split("=", 1)])
+            n = int(limits.pop("image"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"limit_mm_per_prompt: {text!r} is not image=N") from e
+        if limits:
+            raise ValueError(f"limit_mm_per_prompt: only images are supported, got {sorted(limits)}")
+        if n < 0:
+            raise ValueError(f"limit_mm_per_prompt: image={n} must be >= 0")
+        return n
 
     def spec_config(self) -> SpecConfig | None:
         """The speculative-decoding settings, or None when ``speculative`` is off."""

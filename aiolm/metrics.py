@@ -398,6 +398,11 @@ class _Collector:
             for pos, count in enumerate(list(spec.accepted_per_position)):
                 per_pos.add_metric([*labels, str(pos)], count)
             yield per_pos
+        ledger = getattr(sched, "encoder_cache", None)
+        if ledger is not None and ledger.encoded:  # a vision-language model that has seen images
+            yield counter(
+                "encoder_images", "Images run through the vision encoder (cache hits are not).", ledger.encoded
+            )
         experts = getattr(src, "expert_tokens", None)
         if experts:  # a mixture of experts: what expert placement is balanced by
             routed = CounterMetricFamily(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.checkpoint import bert, gemma3, llama, moe
+from aiolm.checkpoint import bert, gemma3, llama, moe, vision
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.quantization import read_quantization
 from aiolm.errors import ModelLoadError
@@ -39,6 +39,10 @@ MODELS: dict[str, ModelFamily] = {
     "Qwen3MoeForCausalLM": ModelFamily("qwen3_moe", "moe", "MoEForCausalLM", "qwen3_moe", moe.config_from_hf),
     "Qwen2MoeForCausalLM": ModelFamily("qwen2_moe", "moe", "MoEForCausalLM", "qwen2_moe", moe.config_from_hf),
     "MixtralForCausalLM": ModelFamily("mixtral", "moe", "MoEForCausalLM", "mixtral", moe.config_from_hf),
+    # vision-language: a language model above with a vision tower and projector beside it
+    "LlavaForConditionalGeneration": ModelFamily(
+        "llava", "llava", "LlavaForConditionalGeneration", "llava", vision.llava_config_from_hf
+    ),
     # encoders (BertConfig.encoder_only): embeddings and sequence classifiers, no generation
     "BertModel": ModelFamily("bert", "bert", "BertModel", "bert", bert.config_from_hf),
     "BertForSequenceClassification": ModelFamily(

@@ -79,6 +79,8 @@ class BlockHasher:
             # The salt and the LoRA adapter go into the first block only; chaining carries
             # them onwards, so two adapters (or salts) never share a block.
             extra = _first_block_keys(request) if start == 0 else ()
+            if request.mm_inputs:  # the images whose embeddings the block's KV was computed from
+                extra += tuple(("image", i.hash) for i in request.mm_inputs if i.overlaps(start, start + bs))
             parent = hash_block_tokens(parent, tokens[start : start + bs], extra)
             hashes.append(parent)
             start += bs

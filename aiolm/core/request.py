@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from aiolm.core.step import LogprobsLists
 from aiolm.lora.request import LoRARequest
+from aiolm.multimodal.inputs import ImageInput
 from aiolm.params import SamplingParams
 from aiolm.pooling.params import PoolingParams
 from aiolm.spec_decode.stats import AcceptanceWindow
@@ -99,6 +100,7 @@ class Request:
         "pooling_params",
         "lora_request",
         "kv_transfer_out",
+        "mm_inputs",
     )
 
     def __init__(
@@ -111,8 +113,11 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> None:
         self.req_id = req_id
+        # A vision-language prompt's images, in prompt order; their hashes are in its block hashes.
+        self.mm_inputs: list[ImageInput] = list(mm_inputs)
         # The LoRA adapter it runs with; part of its block hashes, so no KV is shared across adapters.
         self.lora_request = lora_request
         # Set when it finishes on a prefill instance: where a decode instance finds its KV.

@@ -77,6 +77,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from aiolm.core.encoder_cache import EncoderCacheLedger
 from aiolm.core.kv_cache import KVCacheBlock, KVCacheManager, PrefixCacheStats
 from aiolm.core.request import Request, RequestStatus
 from aiolm.core.step import (
@@ -125,6 +126,11 @@ class SchedulerConfig:
     # getting its token and waiting prompts at least PREFILL_FLOOR_BLOCKS blocks' worth.
     # 0: no cap (max_num_batched_tokens alone). Not for unchunked (encoder) prompts.
     max_step_ms: float = 0.0
+    # --max-num-encoder-input-tokens: image embeddings the workers may encode in one step
+    # (0: max_num_batched_tokens), and how many embeddings their encoder cache holds (0: the
+    # larger of that and max_num_batched_tokens). A vision-language model only.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -257,6 +263,11 @@ class Scheduler:
         # result belongs to the request that was scheduled, never to a later one reusing its id.
         self._step_reqs: dict[int, dict[str, Request]] = {}
         self.step_cost = StepCost() if config.max_step_ms > 0 and config.chunked_prefill else None
+        self.encoder_budget = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+        self.encoder_cache = EncoderCacheLedger(
+            config.encoder_cache_size or max(self.encoder_budget, config.max_num_batched_tokens)
+        )
+        self._encode: dict[str, list[int]] = {}  # this step's images to encode: req_id -> indices
         self._unmeasured_steps = _WARMUP_STEPS  # one-time costs (kernel builds, first touches) are no rate
 
     # -- intake ------------------------------------------------------------------
@@ -277,6 +288,14 @@ class Scheduler:
             )
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
+        for image in request.mm_inputs:
+            if image.length > min(self.encoder_budget, self.encoder_cache.capacity):
+                raise ParamError(
+                    "messages",
+                    f"an image takes {image.length} tokens, more than the encoder budget of "
+                    f"{min(self.encoder_budget, self.encoder_cache.capacity)} "
+                    "(--max-num-encoder-input-tokens)",
+                )
         request.resolve_max_tokens(self.config.max_model_len)
         speculative = self.config.speculative
         if speculative is not None and supports_speculation(request.sampling_params):
@@ -339,6 +358,7 @@ class Scheduler:
         self.loading.clear()
         self._load_of.clear()
         self.loaded_waiting.clear()
+        self.encoder_cache.clear()  # the new workers hold no embeddings
         queued = [*self.running, *loading, *self.waiting, *self.awaiting_grammar.values()]
         self.running = []
         self.waiting = PriorityQueue() if cfg.policy == "priority" else FCFSQueue()
@@ -411,6 +431,7 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold
         budget = cfg.max_num_batched_tokens
         prefill_left = self._prefill_cap()  # None: no cap beyond the budget
+        encoder_left = self.encoder_budget
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
         scheduled_running: list[Request] = []
@@ -446,6 +467,9 @@ class Scheduler:
             prefill = n > 1 and drafts is None
             if prefill and prefill_left is not None and n > prefill_left:
                 n = prefill_left
+            images: list[int] = []
+            if req.mm_inputs and n > 0:
+                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left)
             if n <= 0:
                 i += 1
                 continue
@@ -495,6 +519,8 @@ class Scheduler:
             scheduled_running.append(req)
             num_scheduled[req.req_id] = n
             new_blocks_of[req.req_id] = new_blocks
+            if images:
+                encoder_left -= self._encode_images(req, images)
             if drafts:
                 draft_tokens[req.req_id] = drafts
             budget -= n
@@ -546,6 +572,11 @@ class Scheduler:
                 n = budget
             if prefill_left is not None and n > prefill_left:
                 n = prefill_left
+            images = []
+            if req.mm_inputs:
+                n, images = self._fit_images(req, req.num_computed_tokens + num_hit, n, encoder_left)
+                if n <= 0:
+                    break  # its next image waits for encoder budget or cache room: a later step
             new_blocks = kv.allocate_slots(req, n, num_hit, hits)
             if new_blocks is None and self._drop_loaded_blocks(keep=req):
                 new_blocks = kv.allocate_slots(req, n, num_hit, hits)
@@ -570,12 +601,58 @@ class Scheduler:
             budget -= n
             if prefill_left is not None:
                 prefill_left -= n
+            if images:
+                encoder_left -= self._encode_images(req, images)
             if adapters is not None and lora is not None:
                 adapters.add(lora.lora_int_id)
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
+
+    def _fit_images(self, req: Request, start: int, n: int, encoder_left: int) -> tuple[int, list[int]]:
+        """Prompt positions [start, start + n) cut short of the first image whose embeddings
+        the workers neither hold nor can encode this step (no budget or cache room left), and
+        the images to encode for the rest. An image's chunk may end mid-image: its later
+        positions take the rest of the held embeddings in a later step."""
+        cache = self.encoder_cache
+        want: list[int] = []
+        pending = 0
+        for idx, image in enumerate(req.mm_inputs):
+            if not image.overlaps(start, start + n):
+                continue
+            if cache.holds(image.hash):
+                cache.ref(req.req_id, image.hash)  # so no image encoded later this step evicts it
+                continue
+            if any(req.mm_inputs[j].hash == image.hash for j in want):
+                continue
+            if image.length > encoder_left - pending or not cache.can_add(pending + image.length):
+                return image.offset - start if image.offset > start else 0, want
+            want.append(idx)
+            pending += image.length
+        return n, want
+
+    def _encode_images(self, req: Request, images: list[int]) -> int:
+        """The scheduled request's images ``images`` are encoded this step: into the ledger
+        and the step's list. Returns the encoder tokens they take."""
+        self._encode.setdefault(req.req_id, []).extend(images)
+        tokens = 0
+        for idx in images:
+            image = req.mm_inputs[idx]
+            self.encoder_cache.add(req.req_id, image.hash, image.length)
+            tokens += image.length
+        return tokens
+
+    def _hold_images(self, req: Request) -> None:
+        """The step's images the request reads from the cache are referenced, so none is
+        dropped while the request still needs it; those its prompt has passed are let go."""
+        cache = self.encoder_cache
+        done = req.num_computed_tokens
+        for image in req.mm_inputs:
+            if image.offset + image.length <= done:
+                cache.release(req.req_id, [image.hash])
+            elif cache.holds(image.hash):
+                cache.ref(req.req_id, image.hash)
 
     def _load_external(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
         """Past the pool's cached prefix, the connector may hold more of the prompt: give
@@ -701,6 +778,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the KV, start over later (prefix cache helps)."""
         self.kv_cache_manager.free(req)
+        if req.mm_inputs:
+            self.encoder_cache.release(req.req_id, [image.hash for image in req.mm_inputs])
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -730,6 +809,7 @@ class Scheduler:
                     num_computed_tokens=req.num_computed_tokens,
                     pooling_params=req.pooling_params,
                     lora_request=req.lora_request,
+                    mm_inputs=req.mm_inputs or None,
                 )
             )
             worker_tokens[req.req_id] = req.num_tokens
@@ -753,6 +833,10 @@ class Scheduler:
             worker_tokens[rid] = total
             step_reqs[rid] = req
         self._advance(step_reqs, num_scheduled, draft_tokens)
+        for req in step_reqs.values():
+            if req.mm_inputs:
+                self._hold_images(req)
+        encode, self._encode = self._encode, {}
         finished = self._finished_req_ids
         self._finished_req_ids = set()
         grammars = self._grammars_to_send
@@ -770,6 +854,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=draft_tokens,
             grammars=grammars,
             kv_ops=self.connector.take_ops() if self.connector is not None else None,
+            encoder_inputs=encode,
+            free_encoder_hashes=self.encoder_cache.take_freed(),
         )
 
     def _advance(
@@ -972,6 +1058,8 @@ class Scheduler:
                 kv.lease(req, f"send-{params['remote_request_id']}")
                 req.kv_transfer_out = params
         self.kv_cache_manager.free(req)
+        if req.mm_inputs:
+            self.encoder_cache.release(req.req_id, [image.hash for image in req.mm_inputs])
         self.loaded_waiting.discard(req)
         self._forget_on_workers(req.req_id)
         self.requests.pop(req.req_id, None)

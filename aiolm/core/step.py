@@ -22,6 +22,7 @@ import msgspec
 from msgspec import field
 
 from aiolm.lora.request import LoRARequest
+from aiolm.multimodal.inputs import ImageInput
 from aiolm.params import SamplingParams
 from aiolm.pooling.params import PoolingParams
 from aiolm.structured.spec import StructuredOutputs
@@ -41,6 +42,8 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs with (--enable-lora); each rank loads it on first use.
     lora_request: LoRARequest | None = None
+    # A vision-language prompt's images, in prompt order (aiolm/multimodal/inputs.py).
+    mm_inputs: list[ImageInput] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -122,6 +125,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
     grammars: dict[str, StructuredOutputs] = field(default_factory=dict)
     # The KV connector's work for this step (--kv-transfer-config), or None.
     kv_ops: KVTransferOps | None = None
+    # Images to encode before this step's forward pass (req_id -> indices into its
+    # mm_inputs), and encoder-cache entries to drop first (core/encoder_cache.py).
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -23,6 +23,7 @@ import gc
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgspec
@@ -56,6 +57,8 @@ from aiolm.lora.adapter import read_adapter
 from aiolm.lora.registry import LoRARegistry
 from aiolm.lora.request import LoRARequest
 from aiolm.metrics import EngineMetrics
+from aiolm.multimodal.media import MediaLimits
+from aiolm.multimodal.processor import ImagePrompts
 from aiolm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.pooling.config import PoolingConfig, read_pooling_config
@@ -249,6 +252,10 @@ class AsyncEngine:
                 async_scheduling=a.async_scheduling and not pooling,
                 chunked_prefill=not mc.encoder_only,
                 max_loras=a.max_loras if a.enable_lora else 0,
+                # at least one image's worth, as vLLM sizes it, so every image can be encoded
+                max_num_encoder_input_tokens=max(
+                    a.max_num_encoder_input_tokens or a.max_num_batched_tokens, getattr(mc, "image_tokens", 0)
+                ),
                 # A disk tier outlives the engine: its blocks keep their names across restarts.
                 hash_seed=kv_fingerprint if kv_transfer is not None and kv_transfer.disk_path else None,
             ),
@@ -256,7 +263,18 @@ class AsyncEngine:
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
         self.inputs = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, self.source.eos_token_ids, a.max_logprobs
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            self.source.eos_token_ids,
+            a.max_logprobs,
+            images=self._image_prompts(mc),
+            media_limits=MediaLimits(
+                allowed_domains=tuple(a.allowed_media_domains) if a.allowed_media_domains is not None else None,
+                allowed_local_path=Path(a.allowed_local_media_path) if a.allowed_local_media_path else None,
+                fetch_timeout_s=a.media_fetch_timeout,
+                max_pixels=a.max_image_pixels,
+            ),
         )
         self.output = OutputProcessor(
             self.tokenizer, self._abort_children, self._on_finish, self.stats, self._add_siblings, self.metrics
@@ -311,6 +329,14 @@ class AsyncEngine:
                 "replica": self.engine_index,
             }
         )
+
+    def _image_prompts(self, mc: Any) -> ImagePrompts | None:
+        """A vision-language model's processor (its folder's own, from transformers); None
+        for a text-only model, whose requests with images are refused."""
+        image_token = getattr(mc, "image_token_id", None)
+        if image_token is None:
+            return None
+        return ImagePrompts(self.source.path, image_token, mc.image_tokens, self.args.max_images())
 
     def _kv_connector(self, cfg: KVTransferConfig, fp: str, executor: Executor) -> ConnectorScheduler:
         """The connector's scheduler side; the offloading one sized from the workers' block bytes."""
@@ -500,7 +526,8 @@ class AsyncEngine:
         reqs = []
         for i, cid in enumerate(child_ids):
             p = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            reqs.append(Request(cid, processed.token_ids, p, priority=priority, lora_request=lora_request))
+            ids, images = processed.token_ids, processed.images
+            reqs.append(Request(cid, ids, p, priority=priority, lora_request=lora_request, mm_inputs=images))
         self.stats["prompt_tokens"] += len(processed.token_ids) * n
         # n > 1: the siblings join once the first sequence's prompt is in the KV cache,
         # so they reuse its full blocks through the prefix cache instead of recomputing them.
@@ -763,6 +790,14 @@ class AsyncEngine:
         sched = getattr(self, "scheduler", None)
         return sched.spec_decode_stats if sched is not None else None
 
+    @property
+    def images_encoded(self) -> int:
+        """Images the vision tower has encoded since the engine started: an image that the
+        encoder cache still holds (the same pixels in a later request, or a later chunk of
+        the same prompt) is not encoded again. Also in /metrics as ``encoder_images``."""
+        sched = getattr(self, "scheduler", None)
+        return sched.encoder_cache.encoded if sched is not None else 0
+
     async def expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert of each layer of experts since the engine started
         ([sparse layer][expert], every rank's experts; empty for a dense model): the input
@@ -816,6 +851,16 @@ class AsyncEngine:
         return await self.inputs.chat_prompt_async(
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
+
+    @property
+    def takes_images(self) -> bool:
+        return self.inputs.images is not None
+
+    async def prompt_with_images(self, text: str, urls: list[tuple[str, str]], field: str) -> dict[str, Any]:
+        """A rendered chat and its image URLs ((url, where in the request)) as a prompt
+        ``add_request`` takes: the ids with each image marker expanded, and the images."""
+        p = await self.inputs.with_images(text, await self.inputs.load_images(urls), field)
+        return {"prompt_token_ids": p.token_ids, "prompt": p.prompt, "mm_inputs": p.images}
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

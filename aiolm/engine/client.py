@@ -161,6 +161,16 @@ class EngineClient(Protocol):
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str: ...
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model is a vision-language one (chat image parts are a 400 otherwise)."""
+        ...
+
+    async def prompt_with_images(self, text: str, urls: list[tuple[str, str]], field: str) -> dict[str, Any]:
+        """A rendered chat and its image URLs ((url, where in the request)) as a prompt for
+        ``add_request``; a ParamError names what is wrong with an image."""
+        ...
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
     def token_strings(self, token_ids: list[int]) -> list[str]: ...

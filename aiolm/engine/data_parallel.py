@@ -410,6 +410,13 @@ class DataParallelEngine:
     ) -> str:
         return await self._model().render_chat_async(messages, add_generation_prompt, **template_kwargs)
 
+    @property
+    def takes_images(self) -> bool:
+        return self._model().takes_images
+
+    async def prompt_with_images(self, text: str, urls: list[tuple[str, str]], field: str) -> dict[str, Any]:
+        return await self._model().prompt_with_images(text, urls, field)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._model().decode(token_ids, skip_special_tokens)
 

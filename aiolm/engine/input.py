@@ -9,10 +9,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from aiolm.multimodal.inputs import ImageInput
 from aiolm.params import ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from aiolm.multimodal.media import MediaLimits
+    from aiolm.multimodal.processor import ImagePrompts
 
 PromptType = str | dict[str, Any] | Sequence[dict[str, Any]]
 _LARGE_PROMPT_CHARS = 8192  # tokenize, and render chat templates, off the loop above this
@@ -23,6 +28,12 @@ _LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, w
 class ProcessedPrompt:
     prompt: str | None
     token_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)  # a vision-language prompt's, in order
+
+
+# content part types that carry an image: OpenAI's chat and Responses spellings, vLLM's
+# offline one (a PIL image), and the plain marker a chat template takes
+IMAGE_PARTS = ("image_url", "input_image", "image_pil", "image")
 
 
 class InputProcessor:
@@ -33,8 +44,12 @@ class InputProcessor:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         max_logprobs: int = 20,
+        images: ImagePrompts | None = None,
+        media_limits: MediaLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's processor; None: text only
+        self.media_limits = media_limits
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -117,15 +132,94 @@ class InputProcessor:
                 isinstance(t, int) and not isinstance(t, bool) for t in ids
             ):
                 raise ParamError("prompt_token_ids", "must be a list of integers")
-            return self._check(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+            images = prompt.get("mm_inputs") or []  # already processed (the server's chat path)
+            if images and not all(isinstance(i, ImageInput) for i in images):
+                raise ParamError("mm_inputs", "must be ImageInputs from the engine's own processing")
+            return self._check(ProcessedPrompt(prompt.get("prompt"), list(ids), list(images)))
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            return await self._prompt_with_images(prompt)
         if isinstance(prompt, dict) and "prompt" in prompt:
             prompt = prompt["prompt"]
         if isinstance(prompt, (list, tuple)):
+            if _image_parts(prompt):
+                return await self._chat_with_images(prompt)
             text = await self.chat_prompt_async(prompt)
             return self._check(ProcessedPrompt(text, await self._encode(text, special=False)))
         if not isinstance(prompt, str):
             raise ParamError("prompt", f"must be a string, token ids or chat messages, got {type(prompt).__name__}")
         return self._check(ProcessedPrompt(prompt, await self._encode(prompt, special=True)))
+
+    def _image_processor(self, field: str) -> ImagePrompts:
+        if self.images is None:
+            raise ParamError(field, "this model takes no images: send text content only")
+        return self.images
+
+    async def _chat_with_images(self, messages: Sequence[dict[str, Any]]) -> ProcessedPrompt:
+        """Chat messages with image parts: each image fetched and decoded within the server's
+        limits, the parts replaced by the template's image marker, then the model's processor
+        expands the markers into placeholder tokens."""
+        images = self._image_processor("messages")
+        found = _image_parts(messages)
+        images.check_count(len(found), "messages")
+        pictures = [await self._load(part, where) for part, where in found]
+        text = await self.chat_prompt_async([_with_image_markers(m) for m in messages])
+        return await self.with_images(text, pictures, "messages")
+
+    async def with_images(self, text: str, pictures: list[Any], field: str, special: bool = False) -> ProcessedPrompt:
+        """``text`` (a rendered chat, or a prompt with the model's image markers) and its
+        decoded images through the model's processor: ids with each marker expanded into
+        its placeholders, and the images' inputs."""
+        why = self.too_long(text)
+        if why is not None:
+            raise ParamError(field, why)
+        ids, inputs = await self._image_processor(field).encode(text, pictures, special)
+        return self._check(ProcessedPrompt(text, ids, inputs))
+
+    async def load_images(self, urls: Sequence[tuple[str, str]]) -> list[Any]:
+        """The images at ``urls`` ((url, where it was in the request)), fetched and decoded
+        within the server's limits, refused unless this model takes that many."""
+        if urls:
+            self._image_processor(urls[0][1]).check_count(len(urls), "messages")
+        return [await self._load({"type": "image_url", "image_url": url}, where) for url, where in urls]
+
+    async def _prompt_with_images(self, prompt: dict[str, Any]) -> ProcessedPrompt:
+        """vLLM's offline form: {"prompt": text with the model's image markers,
+        "multi_modal_data": {"image": an image or a list of them}} (PIL images, or URLs)."""
+        images = self._image_processor("multi_modal_data")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ParamError("multi_modal_data", "must be {'image': an image or a list of images}")
+        given = data.get("image", [])
+        given = list(given) if isinstance(given, (list, tuple)) else [given]
+        images.check_count(len(given), "multi_modal_data")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ParamError("prompt", "a prompt with multi_modal_data must be a string")
+        pictures = [
+            await self._load(
+                {"type": "image_url", "image_url": g} if isinstance(g, str) else {"type": "image_pil", "image_pil": g},
+                f"multi_modal_data.image[{i}]",
+            )
+            for i, g in enumerate(given)
+        ]
+        return await self.with_images(text, pictures, "prompt", special=True)
+
+    async def _load(self, part: dict[str, Any], where: str) -> Any:
+        """The decoded image of one content part."""
+        from aiolm.multimodal.media import MediaLimits, load_image
+
+        kind = part.get("type")
+        value = part.get(kind) if isinstance(kind, str) else None
+        if kind == "image_pil" or (kind == "image" and value is not None and not isinstance(value, str)):
+            convert = getattr(value, "convert", None)
+            if convert is None:
+                raise ParamError(where, "must be a PIL image")
+            return convert("RGB")
+        if kind == "image_url" and isinstance(value, dict):
+            value = value.get("url")
+        if not isinstance(value, str) or not value:
+            raise ParamError(where, "an image part needs a URL (data:, http(s): or file:)")
+        return await load_image(value, self.media_limits or MediaLimits(), where)
 
     async def _encode(self, text: str, special: bool) -> list[int]:
         why = self.too_long(text)
@@ -266,3 +360,34 @@ class InputProcessor:
             if tok >= self.vocab_size:
                 raise ParamError("stop_token_ids", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
         return params.clone(eos_token_ids=self.eos_token_ids)
+
+
+def _image_parts(messages: Sequence[Any]) -> list[tuple[dict[str, Any], str]]:
+    """Each image part of chat ``messages`` with where it is (for error messages), in order."""
+    found = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, (list, tuple)):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                found.append((part, f"messages[{i}].content[{j}]"))
+    return found
+
+
+def _with_image_markers(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with each image part as the chat template's ``{"type": "image"}`` and
+    each text part as ``{"type": "text", "text": ...}`` (the Responses API's input_text too)."""
+    content = message.get("content")
+    if not isinstance(content, (list, tuple)):
+        return message
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS:
+            parts.append({"type": "image"})
+        elif kind in ("text", "input_text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        else:
+            raise ParamError("messages", f"unsupported content part {kind!r}; supported: text, image_url")
+    return {**message, "content": parts}

@@ -100,37 +100,23 @@ def _params_from_wire(wire: Any) -> SamplingParams:
 def _to_wire(so: SchedulerOutput) -> SchedulerOutput:
     if not so.scheduled_new_reqs:
         return so
-    new = [
-        _NewRequestWire(
-            r.req_id,
-            r.prompt_token_ids,
-            r.output_token_ids,
-            _params_to_wire(r.sampling_params),
-            r.block_ids,
-            r.num_computed_tokens,
-            r.pooling_params,
-            r.lora_request,
-        )
-        for r in so.scheduled_new_reqs
-    ]
+    new = [_NewRequestWire(*_with_params(r, _params_to_wire(r.sampling_params))) for r in so.scheduled_new_reqs]
     return msgspec.structs.replace(so, scheduled_new_reqs=new)
 
 
 def _from_wire(wire: SchedulerOutput) -> SchedulerOutput:
-    new = [
-        NewRequestData(
-            r.req_id,
-            r.prompt_token_ids,
-            r.output_token_ids,
-            _params_from_wire(r.sampling_params),
-            r.block_ids,
-            r.num_computed_tokens,
-            r.pooling_params,
-            r.lora_request,
-        )
-        for r in wire.scheduled_new_reqs
-    ]
+    new = [NewRequestData(*_with_params(r, _params_from_wire(r.sampling_params))) for r in wire.scheduled_new_reqs]
     return SchedulerOutput(wire.step, new, *msgspec.structs.astuple(wire)[2:])
+
+
+_PARAMS_AT = NewRequestData.__struct_fields__.index("sampling_params")
+
+
+def _with_params(r: NewRequestData, params: Any) -> list[Any]:
+    """``r``'s field values in order, its sampling params replaced by ``params``."""
+    values = list(msgspec.structs.astuple(r))
+    values[_PARAMS_AT] = params
+    return values
 
 
 # --------------------------------------------------------------- encoder and decoder

@@ -180,10 +180,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
+        """Hidden states [T, hidden] for a flat batch of T tokens from many sequences;
+        ``mm_embeds`` (rows, embeddings): image embeddings that replace those rows' token
+        embeddings (the placeholders of a vision-language prompt, model/llava.py)."""
         x = self.embed_tokens(input_ids)
+        if mm_embeds is not None:
+            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)

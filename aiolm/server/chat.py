@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
-from aiolm.params import OutputKind
+from aiolm.params import OutputKind, ParamError
 from aiolm.server import beam
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
@@ -30,6 +30,7 @@ from aiolm.server.protocol import (
     ChatMessage,
     StreamOptions,
     check_unsupported_chat,
+    param_error,
     parse,
     sampling_params,
     structured_spec,
@@ -42,6 +43,7 @@ from aiolm.server.tools import (
     StreamState,
     ToolPlan,
     check_continuation,
+    image_urls,
     message_text,
     plan_tools,
     read_output,
@@ -89,8 +91,19 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     turns = []
     for k, conv in enumerate(req.conversations):
         where = f"messages[{k}]" if req.batched else "messages"
+        urls = image_urls(conv, where)
+        if urls and not engine.takes_images:
+            raise bad_request("this model takes no images: send text content only", param=urls[0][1])
         text = await render_chat_prompt(engine, req, plan.tools, conv, where)
-        ids = await tokenize(engine, text, add_special_tokens=False, param=where)
+        images: list[Any] = []
+        if urls:
+            try:
+                given = await engine.prompt_with_images(text, urls, where)
+            except ParamError as e:
+                raise param_error(e) from None
+            ids, images = given["prompt_token_ids"], given["mm_inputs"]
+        else:
+            ids = await tokenize(engine, text, add_special_tokens=False, param=where)
         check_lengths(ctx, len(ids), max_tokens, where, mt_param, req.min_tokens)
         own = None
         if thinking is not None and structured is not None and ReasoningSplitter(thinking, text).thinking:
@@ -98,7 +111,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             end = tuple(engine.tokenize(thinking.ends[0], False))
             own = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
         reading = _Reading(plan, thinking, text, req.include_reasoning)
-        turns.append(_Turn(Prompt(text, ids, own), reading, _echoed(req, conv)))
+        turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
     if req.use_beam_search:  # the n best beams as the choices (aiolm/server/beam.py)
         ids_of = [t.prompt.token_ids for t in turns]
         returned = (ids_of if req.batched else ids_of[0]) if req.return_token_ids else None

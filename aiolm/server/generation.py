@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import Receive
@@ -38,6 +38,7 @@ class Prompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams | None = None  # this prompt's own, else the Generation's
+    images: list[Any] = field(default_factory=list)  # a vision-language prompt's ImageInputs
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -180,7 +181,7 @@ class Generation:
         try:
             for i, p in enumerate(self.prompts):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
-                prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
+                prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text, "mm_inputs": p.images}
                 kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
                 if self.lora_request is not None:
                     kwargs["lora_request"] = self.lora_request

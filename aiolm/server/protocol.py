@@ -153,7 +153,26 @@ class TextPart(Strict):
     text: str
 
 
-Content = _one_of("a string or a list of text parts", text=str, list=Annotated[list[TextPart], Field(max_length=256)])
+class ImageURL(Strict):
+    url: Annotated[str, Field(min_length=1, description="data:image/...;base64,..., http(s):// or file://")]
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="accepted as OpenAI defines it; the model's processor decides the resolution"
+    )
+
+
+class ImagePart(Strict):
+    """An image for a vision-language model (README: images); a text-only model answers 400."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+Content = _one_of(
+    "a string or a list of text and image_url parts",
+    text=str,
+    list=Annotated[list[ContentPart], Field(max_length=256)],
+)
 
 
 class FunctionCall(Strict):

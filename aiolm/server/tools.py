@@ -219,7 +219,9 @@ def template_messages(messages: list[ChatMessage], where: str = "messages") -> l
                 param=f"{where}[{i}].content",
             )
         # fields beyond OpenAI's first, so they cannot override the ones read here
-        msg: dict[str, Any] = {**(m.model_extra or {}), "role": m.role, "content": message_text(m.content) or ""}
+        content = _with_image_markers(m.content) if isinstance(m.content, list) and _has_images(m.content) else None
+        content = content or message_text(m.content) or ""
+        msg: dict[str, Any] = {**(m.model_extra or {}), "role": m.role, "content": content}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
@@ -253,7 +255,28 @@ def message_text(content: str | list[Any] | None) -> str | None:
     """OpenAI allows content as a list of text parts; the engine's template wants a string."""
     if content is None or isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(part.text for part in content if part.type == "text")
+
+
+def _has_images(content: str | list[Any] | None) -> bool:
+    return isinstance(content, list) and any(part.type == "image_url" for part in content)
+
+
+def _with_image_markers(content: list[Any]) -> list[dict[str, Any]]:
+    """Content with images as the parts a vision-language template takes: text parts and
+    ``{"type": "image"}`` where each image goes."""
+    return [{"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text} for p in content]
+
+
+def image_urls(messages: list[ChatMessage], where: str = "messages") -> list[tuple[str, str]]:
+    """Each image part's URL with where it is in the request, in prompt order."""
+    found = []
+    for i, m in enumerate(messages):
+        parts: list[Any] = m.content if isinstance(m.content, list) else []
+        for j, part in enumerate(parts):
+            if part.type == "image_url":
+                found.append((part.image_url.url, f"{where}[{i}].content[{j}].image_url.url"))
+    return found
 
 
 def enforced_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:

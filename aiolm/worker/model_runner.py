@@ -32,6 +32,7 @@ from aiolm.kv_transfer.pd_worker import PDWorker
 from aiolm.lora.manager import LoRAManager
 from aiolm.lora.request import LoRARequest
 from aiolm.model.registry import build_model
+from aiolm.multimodal.inputs import ImageInput
 from aiolm.platforms import get_platform
 from aiolm.pooling.config import read_pooling_config
 from aiolm.pooling.poolers import Pooler, PoolingState
@@ -106,6 +107,11 @@ class ModelRunner:
         self._meta_key: tuple[str, ...] | None = None
         self._meta: SamplingMetadata | None = None
         self._last_sampled: list[list[int]] = []
+        # Vision-language models: live requests' images, and the encoder cache (image hash ->
+        # its embeddings [placeholders, hidden]) whose entries the scheduler's ledger
+        # (core/encoder_cache.py) adds and drops.
+        self.images_of: dict[str, list[ImageInput]] = {}
+        self.encoder_cache: dict[str, torch.Tensor] = {}
 
     def _kv_connector(self, cfg: RunnerConfig) -> ConnectorWorker:
         """This rank's half of the KV connector (aiolm/kv_transfer/)."""
@@ -166,6 +172,10 @@ class ModelRunner:
         self.batch.update(scheduler_output)
         if self.lora is not None:
             self._track_lora(scheduler_output)
+        if self.images_of or any(new.mm_inputs for new in scheduler_output.scheduled_new_reqs):
+            self._track_images(scheduler_output)
+        if scheduler_output.free_encoder_hashes or scheduler_output.encoder_inputs:
+            self._run_encoder(scheduler_output)
         if scheduler_output.grammars:
             self.grammars.submit(scheduler_output.grammars)
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -189,9 +199,12 @@ class ModelRunner:
         t1 = time.perf_counter()
         if self.pooler is not None:
             return self._execute_pooling(scheduler_output, step, meta, t0, t1)
+        mm = self._image_embeds(step) if self.images_of else None
         plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
-        if plan is not None and not plan.eager:
+        if plan is not None and not plan.eager and mm is None:
             hidden = self.graphs.run(plan.size, step.input_ids, step.positions, meta)  # type: ignore[union-attr]
+        elif mm is not None:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, mm_embeds=mm)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         t2 = time.perf_counter()
@@ -251,6 +264,46 @@ class ModelRunner:
                 lora_of[new.req_id] = new.lora_request
             else:
                 lora_of.pop(new.req_id, None)
+
+    def _track_images(self, out: SchedulerOutput) -> None:
+        """Which images each live request's prompt holds, from the step's diff."""
+        for rid in out.finished_req_ids:
+            self.images_of.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            if new.mm_inputs:
+                self.images_of[new.req_id] = new.mm_inputs
+
+    def _run_encoder(self, out: SchedulerOutput) -> None:
+        """Drop the entries the scheduler let go, then encode the step's new images, all in
+        one batch through the vision tower."""
+        for h in out.free_encoder_hashes:
+            self.encoder_cache.pop(h, None)
+        todo = [self.images_of[rid][i] for rid, idx in out.encoder_inputs.items() for i in idx]
+        if not todo:
+            return
+        pixels = torch.stack(
+            [torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(im.shape) for im in todo]
+        ).to(self.device)
+        embeds = self.model.embed_images(pixels)  # type: ignore[attr-defined]
+        for im, e in zip(todo, embeds):
+            self.encoder_cache[im.hash] = e
+
+    def _image_embeds(self, step: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the flat batch, their embeddings) for the step's image placeholders."""
+        rows: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+        flat = 0
+        for rid, q, seq_len in zip(step.req_ids, step.query_lens, step.seq_lens_list):
+            start = seq_len - q
+            for im in self.images_of.get(rid, ()):
+                if im.overlaps(start, seq_len):
+                    lo, hi = max(im.offset, start), min(im.offset + im.length, seq_len)
+                    parts.append(self.encoder_cache[im.hash][lo - im.offset : hi - im.offset])
+                    rows.append(torch.arange(flat + lo - start, flat + hi - start))
+            flat += q
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(parts)
 
     def _map_lora_rows(self, step: Any) -> dict[str, str]:
         """Each token's adapter slot for this step, the adapters it needs written into slots

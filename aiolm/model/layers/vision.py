@@ -1,0 +1,125 @@
+"""A ViT vision tower (CLIP's) over a batch of images, as transformers computes it.
+
+Patches are embedded by a strided convolution (as a matmul over unfolded patches), a
+class row and absolute position embeddings are added, then pre-norm encoder layers run
+bidirectional attention within each image through the attention backend's
+``forward_encoder`` (each image is one "sequence" of the flat batch). The linear layers
+are the tensor-parallel layers the decoders use, so the platform's matmuls and a
+tensor-parallel split apply here as there; norms and embeddings are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aiolm.attention.metadata import AttentionMetadata
+from aiolm.checkpoint.vision import VisionConfig
+from aiolm.model.layers.context import BuildContext
+from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.to(self.weight.dtype), self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class VisionEncoderLayer(nn.Module):
+    def __init__(self, cfg: VisionConfig, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        tp = ctx.tp_group.world_size
+        if cfg.num_heads % tp:
+            raise ValueError(f"vision num_attention_heads {cfg.num_heads} not divisible by tensor parallel size {tp}")
+        self.num_heads = cfg.num_heads // tp
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        h = cfg.hidden_size
+        self.layer_norm1 = LayerNorm(h, cfg.layer_norm_eps)
+        self.qkv_proj = QKVParallelLinear(
+            ctx,
+            h,
+            self.head_dim,
+            cfg.num_heads,
+            cfg.num_heads,
+            bias=True,
+            names=tuple(f"{prefix}.self_attn.{x}_proj" for x in "qkv"),
+        )
+        self.out_proj = RowParallelLinear(ctx, h, h, bias=True, names=(f"{prefix}.self_attn.out_proj",))
+        self.layer_norm2 = LayerNorm(h, cfg.layer_norm_eps)
+        self.fc1 = ColumnParallelLinear(ctx, h, [cfg.intermediate_size], bias=True, names=(f"{prefix}.mlp.fc1",))
+        self.fc2 = RowParallelLinear(ctx, cfg.intermediate_size, h, bias=True, names=(f"{prefix}.mlp.fc2",))
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.attn = ctx.attention_backend(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t, size = x.shape[0], self.num_heads * self.head_dim
+        q, k, v = self.qkv_proj(self.layer_norm1(x)).split([size, size, size], dim=-1)
+        shape = (t, self.num_heads, self.head_dim)
+        a = self.attn.forward_encoder(q.reshape(shape), k.reshape(shape), v.reshape(shape), meta)
+        x = x + self.out_proj(a).to(x.dtype)  # the residual stream stays in x's dtype
+        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x)))).to(x.dtype)
+
+
+class CLIPVisionTower(nn.Module):
+    """CLIP's vision transformer up to layer ``num_layers`` (hidden_states[num_layers] in
+    transformers' terms): [images, 1 + patches, hidden], the class row first."""
+
+    def __init__(self, cfg: VisionConfig, ctx: BuildContext, num_layers: int, prefix: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, p = cfg.hidden_size, cfg.patch_size
+        self.patch_embedding = nn.Parameter(torch.zeros(h, cfg.num_channels, p, p), requires_grad=False)
+        self.class_embedding = nn.Parameter(torch.zeros(h), requires_grad=False)
+        self.position_embedding = nn.Parameter(torch.zeros(cfg.num_patches + 1, h), requires_grad=False)
+        self.pre_layrnorm = LayerNorm(h, cfg.layer_norm_eps)
+        self.layers = nn.ModuleList(
+            VisionEncoderLayer(cfg, ctx, f"{prefix}.encoder.layers.{i}") for i in range(num_layers)
+        )
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        n, _, size, width = pixel_values.shape
+        cfg = self.cfg
+        if size != cfg.image_size or width != cfg.image_size:
+            raise ValueError(f"images of {size}x{width} pixels; this tower takes {cfg.image_size}x{cfg.image_size}")
+        w = self.patch_embedding
+        patches = F.conv2d(pixel_values.to(w.dtype), w, stride=cfg.patch_size).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_embedding.expand(n, 1, -1), patches], dim=1) + self.position_embedding
+        x = self.pre_layrnorm(x)
+        rows = x.shape[1]
+        flat = x.reshape(n * rows, -1)
+        meta = _images_meta(n, rows, flat.device)
+        for layer in self.layers:
+            flat = layer(flat, meta)
+        return flat.reshape(n, rows, -1)
+
+
+def _images_meta(n: int, rows: int, device: torch.device) -> AttentionMetadata:
+    """Metadata for ``n`` images of ``rows`` tokens each as encoder sequences: no KV cache,
+    so no blocks and no slots."""
+    lens = torch.full((n,), rows, dtype=torch.long, device=device)
+    return AttentionMetadata(
+        num_tokens=n * rows,
+        query_start_loc=torch.arange(0, (n + 1) * rows, rows, dtype=torch.long, device=device),
+        seq_lens=lens,
+        block_table=torch.zeros(n, 1, dtype=torch.long, device=device),
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        query_lens_cpu=[rows] * n,
+        seq_lens_cpu=[rows] * n,
+        block_size=16,
+    )

@@ -1,0 +1,1 @@
+"""Multimodal inputs: the images chat requests carry, fetched and decoded within limits."""
