@@ -101,6 +101,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Flat row ranges [start, end) with their request's index whose queries also see the
+    # range's later keys (a Gemma 3 image's tokens attend to each other both ways). Backends
+    # attend causally; a layer that wants these redoes their rows (attention/image_spans.py).
+    image_spans: list[tuple[int, int, int]] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -43,6 +43,13 @@ MODELS: dict[str, ModelFamily] = {
     "LlavaForConditionalGeneration": ModelFamily(
         "llava", "llava", "LlavaForConditionalGeneration", "llava", vision.llava_config_from_hf
     ),
+    "Gemma3ForConditionalGeneration": ModelFamily(
+        "gemma3_vision",
+        "gemma3_vision",
+        "Gemma3ForConditionalGeneration",
+        "gemma3",
+        vision.gemma3_vision_config_from_hf,
+    ),
     # encoders (BertConfig.encoder_only): embeddings and sequence classifiers, no generation
     "BertModel": ModelFamily("bert", "bert", "BertModel", "bert", bert.config_from_hf),
     "BertForSequenceClassification": ModelFamily(

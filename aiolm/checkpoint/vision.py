@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from aiolm.checkpoint import llama
+from aiolm.checkpoint import gemma3, llama
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.errors import ModelLoadError
 
@@ -44,7 +44,9 @@ class VisionConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], source: str) -> VisionConfig:
+    def from_hf(cls, cfg: dict[str, Any], source: str, eps: float = 1e-5, act: str = "quick_gelu") -> VisionConfig:
+        """``eps`` and ``act``: the tower family's defaults (CLIP's; SigLIP's differ)."""
+
         def need(key: str) -> Any:
             if key not in cfg:
                 raise ModelLoadError(f"{source}: vision_config is missing {key!r}")
@@ -58,8 +60,8 @@ class VisionConfig:
             image_size=int(need("image_size")),
             patch_size=int(need("patch_size")),
             num_channels=int(cfg.get("num_channels", 3)),
-            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
-            hidden_act=str(cfg.get("hidden_act", "quick_gelu")),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", eps)),
+            hidden_act=str(cfg.get("hidden_act", act)),
         )
         if out.hidden_act not in VISION_ACTIVATIONS:
             raise ModelLoadError(
@@ -148,3 +150,43 @@ def llava_config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "
         projector_act=act,
         projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
     )
+
+
+@dataclass(frozen=True)
+class Gemma3VisionConfig(gemma3.Gemma3Config):
+    """Gemma 3 with its SigLIP tower: the text model's fields, the tower, and the projector's
+    pooling of the tower's patch grid down to ``image_tokens`` embeddings per image. Its
+    image tokens attend to each other both ways, so an image's placeholders run in one step
+    (the scheduler keeps them whole)."""
+
+    bidirectional_images: ClassVar[bool] = True
+
+    vision: VisionConfig | None = None
+    image_token_id: int = -1
+    image_tokens: int = 256  # mm_tokens_per_image: a square that divides the patch grid
+
+
+def gemma3_vision_config_from_hf(
+    cfg: dict[str, Any], architecture: str, source: str = "config.json"
+) -> Gemma3VisionConfig:
+    """``Gemma3ForConditionalGeneration``: Gemma 3's text config and a SigLIP tower."""
+    text = dict(cfg.get("text_config") or {})
+    if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    vision = dict(cfg.get("vision_config") or {})
+    if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ModelLoadError(f"{source}: Gemma 3 with a {vision.get('model_type')!r} vision tower is not supported")
+    tower = VisionConfig.from_hf(vision, f"{source} vision_config", eps=1e-6, act="gelu_pytorch_tanh")
+    tokens = int(cfg.get("mm_tokens_per_image", 256))
+    side, grid = round(tokens**0.5), tower.image_size // tower.patch_size
+    if side * side != tokens or grid % side:
+        raise ModelLoadError(
+            f"{source}: mm_tokens_per_image {tokens} is not a square whose side divides the {grid}x{grid} patch grid"
+        )
+    image_token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if not isinstance(image_token, int):
+        raise ModelLoadError(f"{source}: missing image_token_index")
+    base = gemma3.config_from_hf(text, "gemma3", f"{source} text_config")
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    fields["architecture"] = architecture
+    return Gemma3VisionConfig(**fields, vision=tower, image_token_id=image_token, image_tokens=tokens)

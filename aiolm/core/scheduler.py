@@ -91,6 +91,7 @@ from aiolm.core.step import (
 )
 from aiolm.core.step_cost import StepCost
 from aiolm.kv_transfer.base import ConnectorScheduler
+from aiolm.multimodal.inputs import ImageInput
 from aiolm.params import ParamError
 from aiolm.spec_decode import AcceptanceWindow, NgramProposer, SpecConfig, SpecDecodeStats, supports_speculation
 from aiolm.structured.spec import StructuredOutputs
@@ -131,6 +132,9 @@ class SchedulerConfig:
     # larger of that and max_num_batched_tokens). A vision-language model only.
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # An image's placeholders run in one step, never split across chunks (Gemma 3: they
+    # attend to each other both ways, so each needs the whole image in its step).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -288,14 +292,7 @@ class Scheduler:
             )
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        for image in request.mm_inputs:
-            if image.length > min(self.encoder_budget, self.encoder_cache.capacity):
-                raise ParamError(
-                    "messages",
-                    f"an image takes {image.length} tokens, more than the encoder budget of "
-                    f"{min(self.encoder_budget, self.encoder_cache.capacity)} "
-                    "(--max-num-encoder-input-tokens)",
-                )
+        self.check_images(request.mm_inputs)
         request.resolve_max_tokens(self.config.max_model_len)
         speculative = self.config.speculative
         if speculative is not None and supports_speculation(request.sampling_params):
@@ -305,6 +302,26 @@ class Scheduler:
         self.kv_cache_manager.attach(request)
         self.requests[request.req_id] = request
         self._queue(request)
+
+    def check_images(self, images: list[ImageInput]) -> None:
+        """ParamError unless every image can ever be scheduled: its embeddings fit the
+        encoder budget and cache, and (whole images) its placeholders fit one step."""
+        cfg = self.config
+        step = min(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
+        for image in images:
+            if cfg.whole_images and image.length > step:
+                raise ParamError(
+                    "messages",
+                    f"an image takes {image.length} tokens in one step, more than a step's {step} "
+                    "(--max-num-batched-tokens, --long-prefill-token-threshold)",
+                )
+            if image.length > min(self.encoder_budget, self.encoder_cache.capacity):
+                raise ParamError(
+                    "messages",
+                    f"an image takes {image.length} tokens, more than the encoder budget of "
+                    f"{min(self.encoder_budget, self.encoder_cache.capacity)} "
+                    "(--max-num-encoder-input-tokens)",
+                )
 
     def _queue(self, request: Request) -> None:
         """Into the waiting queue, or first to the grammar wait when it has a grammar."""
@@ -621,6 +638,8 @@ class Scheduler:
         for idx, image in enumerate(req.mm_inputs):
             if not image.overlaps(start, start + n):
                 continue
+            if self.config.whole_images and image.offset + image.length > start + n:
+                return max(0, image.offset - start), want  # the image runs whole in a later step
             if cache.holds(image.hash):
                 cache.ref(req.req_id, image.hash)  # so no image encoded later this step evicts it
                 continue

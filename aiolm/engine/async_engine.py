@@ -253,6 +253,7 @@ class AsyncEngine:
                 chunked_prefill=not mc.encoder_only,
                 max_loras=a.max_loras if a.enable_lora else 0,
                 # at least one image's worth, as vLLM sizes it, so every image can be encoded
+                whole_images=getattr(mc, "bidirectional_images", False),
                 max_num_encoder_input_tokens=max(
                     a.max_num_encoder_input_tokens or a.max_num_batched_tokens, getattr(mc, "image_tokens", 0)
                 ),
@@ -515,6 +516,8 @@ class AsyncEngine:
             await self._check_lora(lora_request)
         processed = await self.inputs.process(prompt)
         self._check_alive()
+        if processed.images:
+            self.scheduler.check_images(processed.images)  # a 400 now, not a failed request later
         rid = self._claim_id(request_id)
         n = params.n
         self._admit(n)

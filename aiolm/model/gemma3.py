@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from aiolm.attention.image_spans import attend_within_spans
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.gemma3 import Gemma3Config
 from aiolm.model.layers.context import BuildContext
@@ -84,7 +85,10 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = self.rotary(positions, q, k)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        if meta.image_spans:  # an image's tokens see the whole image (a vision model's prompt)
+            attend_within_spans(out, q, kv_cache, meta, self.attn)
+        return self.o_proj(out)
 
 
 class Gemma3MLP(nn.Module):
@@ -154,12 +158,21 @@ class Gemma3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flat batch of T tokens from many sequences."""
+        """Hidden states [T, hidden] for a flat batch of T tokens from many sequences;
+        ``mm_embeds`` (rows, embeddings): image embeddings that replace those rows' scaled
+        token embeddings (model/gemma3_vision.py)."""
         x = self.embed_tokens(input_ids)
         # as transformers scales: sqrt(hidden) in float32, then rounded to the activations' dtype
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
+        if mm_embeds is not None:
+            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)

@@ -23,7 +23,7 @@ from torch import nn
 from aiolm.checkpoint.vision import LlavaConfig
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from aiolm.model.layers.vision import ACTIVATIONS, CLIPVisionTower
+from aiolm.model.layers.vision import ACTIVATIONS, CLIPVisionTower, load_tower_weight, missing_tower_weights
 from aiolm.model.llama import LlamaForCausalLM
 
 # checkpoint prefixes -> ours; the first that matches wins (transformers 5's, then older)
@@ -35,13 +35,6 @@ _PREFIXES = (
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
-# the tower's embedding tensors -> our parameter names
-_EMBEDDINGS = {
-    "embeddings.patch_embedding.weight": "patch_embedding",
-    "embeddings.class_embedding": "class_embedding",
-    "embeddings.position_embedding.weight": "position_embedding",
-}
-_FUSED_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
 
 class LlavaProjector(nn.Module):
@@ -88,55 +81,36 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
         def text() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                name = _rename(name)
+                name = rename_vision_weight(name)
                 if name.startswith(("vision_tower.", "multi_modal_projector.")):
                     mine.append((name, tensor))
                 else:
                     yield name, tensor
 
         super().load_weights(text())
-        seen = {self._load_vision(name, tensor) for name, tensor in mine} - {None}
-        want = {n for n, _ in self.vision_tower.named_parameters(prefix="vision_tower")}
-        want |= {n for n, _ in self.multi_modal_projector.named_parameters(prefix="multi_modal_projector")}
-        missing = sorted(want - {s.split("#")[0] for s in seen if s is not None})
+        seen: set[str] = set()
+        projector = dict(self.multi_modal_projector.named_modules())
+        for name, tensor in mine:
+            if name.startswith("multi_modal_projector."):
+                mod_path, _, pname = name.removeprefix("multi_modal_projector.").rpartition(".")
+                projector[mod_path].load_shard(pname, tensor, 0)
+                seen.add(name)
+            else:
+                got = load_tower_weight(self.vision_tower, name.removeprefix("vision_tower."), tensor)
+                if got is not None:
+                    seen.add(got)
+        missing = missing_tower_weights(self.vision_tower, seen)
+        missing += [
+            f"multi_modal_projector.{n}"
+            for n, _ in self.multi_modal_projector.named_parameters()
+            if f"multi_modal_projector.{n}" not in seen
+        ]
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} vision weights, e.g. {missing[:3]}")
 
-    def _load_vision(self, name: str, tensor: torch.Tensor) -> str | None:
-        """Load one tower or projector tensor; returns our parameter's name (None: unused)."""
-        modules = dict(self.named_modules())
-        if name.startswith("multi_modal_projector."):
-            mod_path, _, pname = name.rpartition(".")
-            modules[mod_path].load_shard(pname, tensor, 0)
-            return name
-        key = name.removeprefix("vision_tower.")
-        if key in _EMBEDDINGS:
-            param = getattr(self.vision_tower, _EMBEDDINGS[key])
-            param.data.copy_(tensor[...].reshape(param.shape))
-            return f"vision_tower.{_EMBEDDINGS[key]}"
-        if key.startswith("pre_layrnorm."):
-            getattr(self.vision_tower.pre_layrnorm, key.split(".")[-1]).data.copy_(tensor[...])
-            return f"vision_tower.{key}"
-        if not key.startswith("encoder.layers."):
-            return None  # post_layernorm, position_ids: past the feature layer or buffers
-        idx, _, rest = key.removeprefix("encoder.layers.").partition(".")
-        if int(idx) >= len(self.vision_tower.layers):
-            return None
-        layer = self.vision_tower.layers[int(idx)]
-        part, _, pname = rest.rpartition(".")
-        leaf = part.rsplit(".", 1)[-1]
-        if leaf in _FUSED_QKV:
-            layer.qkv_proj.load_shard(pname, tensor, _FUSED_QKV[leaf])
-            return f"vision_tower.layers.{idx}.qkv_proj.{pname}#{_FUSED_QKV[leaf]}"
-        target = {"self_attn.out_proj": layer.out_proj, "mlp.fc1": layer.fc1, "mlp.fc2": layer.fc2}.get(part)
-        if target is not None:
-            target.load_shard(pname, tensor, 0)
-        else:
-            getattr(getattr(layer, part), pname).data.copy_(tensor[...])
-        return f"vision_tower.layers.{idx}.{part.replace('self_attn.', '').replace('mlp.', '')}.{pname}"
 
-
-def _rename(name: str) -> str:
+def rename_vision_weight(name: str) -> str:
+    """A vision-language checkpoint's tensor name in this module's terms (``_PREFIXES``)."""
     for old, new in _PREFIXES:
         if name.startswith(old):
             return new + name.removeprefix(old)

@@ -433,13 +433,26 @@ class InputPart(Strict):
     logprobs: list[Any] | None = Field(None, description=_NOOP + " (an earlier output's logprobs)")
 
 
+class InputImagePart(Strict):
+    """The Responses API's image: a URL as chat's image_url takes (data:, http(s)://, file://)."""
+
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="accepted as OpenAI defines it; the model's processor decides the resolution"
+    )
+
+
+InputContentPart = Annotated[InputPart | InputImagePart, Field(discriminator="type")]
+
+
 class InputItem(Strict):
     type: Literal["message"] | None = Field(None, description="only 'message' items")
     role: Literal["user", "system", "developer", "assistant"]
     content: _one_of(  # type: ignore[valid-type]
-        "a string or a list of text parts",
+        "a string or a list of input_text and input_image parts",
         text=str,
-        list=Annotated[list[InputPart], Field(max_length=256)],
+        list=Annotated[list[InputContentPart], Field(max_length=256)],
     )
     id: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (an earlier output item's id)")
     status: Literal["in_progress", "completed", "incomplete"] | None = Field(None, description=_NOOP)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.params import OutputKind, ParamError, SamplingParams
-from aiolm.server.errors import json_response
+from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
     Generation,
     Prompt,
@@ -48,7 +48,27 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     if isinstance(req.input, str):
         return [*out, {"role": "user", "content": req.input}]
-    return out + [{"role": it.role, "content": message_text(it.content)} for it in req.input]
+    return out + [{"role": it.role, "content": _content(it.content)} for it in req.input]
+
+
+def _content(content: str | list[Any]) -> str | list[dict[str, Any]]:
+    """Text as a string; with images, parts as a vision-language template takes them."""
+    if isinstance(content, list) and any(p.type == "input_image" for p in content):
+        return [{"type": "image"} if p.type == "input_image" else {"type": "text", "text": p.text} for p in content]
+    return message_text(content) or ""
+
+
+def _image_urls(req: ResponsesRequest) -> list[tuple[str, str]]:
+    """Each input_image's URL with where it is in the request, in prompt order."""
+    if isinstance(req.input, str):
+        return []
+    return [
+        (p.image_url, f"input[{i}].content[{j}].image_url")
+        for i, it in enumerate(req.input)
+        if isinstance(it.content, list)
+        for j, p in enumerate(it.content)
+        if p.type == "input_image"
+    ]
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -147,14 +167,21 @@ async def create_response(request: Request) -> Response | EventStream:
     except ParamError as e:
         raise param_error(e, _RENAME) from None
     engine = ctx.engine
+    urls = _image_urls(req)
+    if urls and not engine.takes_images:
+        raise bad_request("this model takes no images: send text content only", param=urls[0][1])
+    images: list[Any] = []
     try:
         text = await engine.render_chat_async(_messages(req), add_generation_prompt=True)
+        if urls:
+            given = await engine.prompt_with_images(text, urls, "input")
+            images = given["mm_inputs"]
     except ParamError as e:
         raise param_error(e, _RENAME) from None
-    ids = await tokenize(engine, text, add_special_tokens=False, param="input")
+    ids = given["prompt_token_ids"] if urls else await tokenize(engine, text, add_special_tokens=False, param="input")
     check_lengths(ctx, len(ids), max_tokens, "input", "max_output_tokens")
     response_id = ctx.new_id("resp", "_")
-    gen = Generation(ctx, [Prompt(text, ids)], params, response_id, rename=_RENAME)
+    gen = Generation(ctx, [Prompt(text, ids, None, images)], params, response_id, rename=_RENAME)
     await gen.start(request.receive)
     log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req.user)
     shell = _shell(req, response_id, ctx.model_name)

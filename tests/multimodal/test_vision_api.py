@@ -137,3 +137,38 @@ def test_an_image_to_a_text_model_is_a_400(open_servers):
     text_only = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError, match="takes no images"):
         ask(text_only, data_url(PNG))
+
+
+def test_responses_input_image_answers_as_chat(client):
+    """The Responses API's input_image: the same prompt, so the same greedy text as chat's."""
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(PNG)}},
+                    {"type": "text", "text": "What?"},
+                ],
+            }
+        ],
+        max_tokens=MAX_NEW,
+        temperature=0,
+    )
+    resp = client.responses.create(
+        model=model,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(PNG)},
+                    {"type": "input_text", "text": "What?"},
+                ],
+            }
+        ],
+        max_output_tokens=MAX_NEW,
+        temperature=0,
+    )
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens

@@ -109,6 +109,90 @@ class CLIPVisionTower(nn.Module):
         return flat.reshape(n, rows, -1)
 
 
+class SiglipVisionTower(nn.Module):
+    """SigLIP's vision transformer (no class row, no pre-norm; a biased patch embedding and
+    the final LayerNorm): [images, patches, hidden], its ``last_hidden_state``."""
+
+    def __init__(self, cfg: VisionConfig, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, p = cfg.hidden_size, cfg.patch_size
+        self.patch_embedding = nn.Parameter(torch.zeros(h, cfg.num_channels, p, p), requires_grad=False)
+        self.patch_bias = nn.Parameter(torch.zeros(h), requires_grad=False)
+        self.position_embedding = nn.Parameter(torch.zeros(cfg.num_patches, h), requires_grad=False)
+        self.layers = nn.ModuleList(
+            VisionEncoderLayer(cfg, ctx, f"{prefix}.encoder.layers.{i}") for i in range(cfg.num_layers)
+        )
+        self.post_layernorm = LayerNorm(h, cfg.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        n, _, size, width = pixel_values.shape
+        cfg = self.cfg
+        if size != cfg.image_size or width != cfg.image_size:
+            raise ValueError(f"images of {size}x{width} pixels; this tower takes {cfg.image_size}x{cfg.image_size}")
+        w = self.patch_embedding
+        x = F.conv2d(pixel_values.to(w.dtype), w, self.patch_bias, stride=cfg.patch_size).flatten(2).transpose(1, 2)
+        x = x + self.position_embedding
+        rows = x.shape[1]
+        flat = x.reshape(n * rows, -1)
+        meta = _images_meta(n, rows, flat.device)
+        for layer in self.layers:
+            flat = layer(flat, meta)
+        return self.post_layernorm(flat).reshape(n, rows, -1)
+
+
+def load_tower_weight(tower: nn.Module, key: str, tensor: torch.Tensor) -> str | None:
+    """One checkpoint tensor of a CLIP or SigLIP tower (its name past the tower's prefix,
+    e.g. ``encoder.layers.0.self_attn.q_proj.weight``) into ``tower``; returns our parameter's
+    name, or None for a tensor the tower does not use (layers past the feature layer, a
+    position-ids buffer, CLIP's unused final norm)."""
+    simple = {
+        "embeddings.patch_embedding.weight": "patch_embedding",
+        "embeddings.patch_embedding.bias": "patch_bias",
+        "embeddings.class_embedding": "class_embedding",
+        "embeddings.position_embedding.weight": "position_embedding",
+    }
+    if key in simple:
+        param = getattr(tower, simple[key], None)
+        if param is None:
+            return None
+        param.data.copy_(tensor[...].reshape(param.shape))
+        return simple[key]
+    norm, _, pname = key.rpartition(".")
+    if norm in ("pre_layrnorm", "post_layernorm"):
+        module = getattr(tower, norm, None)
+        if module is None:
+            return None
+        getattr(module, pname).data.copy_(tensor[...])
+        return key
+    if not key.startswith("encoder.layers."):
+        return None
+    idx, _, rest = key.removeprefix("encoder.layers.").partition(".")
+    if int(idx) >= len(tower.layers):
+        return None
+    layer = tower.layers[int(idx)]
+    part, _, pname = rest.rpartition(".")
+    leaf = part.rsplit(".", 1)[-1]
+    if leaf in _FUSED_QKV:
+        layer.qkv_proj.load_shard(pname, tensor, _FUSED_QKV[leaf])
+        return f"layers.{idx}.qkv_proj.{pname}#{_FUSED_QKV[leaf]}"
+    target = {"self_attn.out_proj": layer.out_proj, "mlp.fc1": layer.fc1, "mlp.fc2": layer.fc2}.get(part)
+    if target is not None:
+        target.load_shard(pname, tensor, 0)
+    else:
+        getattr(getattr(layer, part), pname).data.copy_(tensor[...])
+    return f"layers.{idx}.{part.replace('self_attn.', '').replace('mlp.', '')}.{pname}"
+
+
+def missing_tower_weights(tower: nn.Module, seen: set[str]) -> list[str]:
+    """The tower's parameters that ``load_tower_weight`` never filled."""
+    got = {s.split("#")[0] for s in seen}
+    return sorted(n for n, _ in tower.named_parameters() if n not in got)
+
+
+_FUSED_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+
+
 def _images_meta(n: int, rows: int, device: torch.device) -> AttentionMetadata:
     """Metadata for ``n`` images of ``rows`` tokens each as encoder sequences: no KV cache,
     so no blocks and no slots."""

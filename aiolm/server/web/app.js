@@ -9,13 +9,17 @@ const ui = {
   prompt: $("prompt"), send: $("send"), stop: $("stop"), composer: $("composer"), newChat: $("new-chat"),
   system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"), topP: $("top-p"),
   keyForm: $("key-form"), apiKey: $("api-key"), keyHint: $("key-hint"),
+  attach: $("attach"), attachButton: $("attach-button"), attachments: $("attachments"),
 };
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
 
 const state = {
   key: sessionStorage.getItem(KEY_STORAGE) || "",
   model: null,
   history: [], // {role, content} turns sent back with every request
   controller: null, // the AbortController of the request in flight
+  attached: [], // data: URLs of the images for the next message
+  reading: Promise.resolve(), // the files still being read: send waits for them
 };
 
 // The controls a refused request can name in its error's "param".
@@ -30,7 +34,11 @@ function showError(message, param = null) {
   }
 }
 
-function addMessage(role, text) {
+function thumbnail(url) {
+  return Object.assign(document.createElement("img"), { src: url, alt: "attached image", className: "thumb" });
+}
+
+function addMessage(role, text, images = []) {
   ui.empty.hidden = true;
   const el = document.createElement("article");
   el.className = `msg ${role}`;
@@ -54,7 +62,15 @@ function addMessage(role, text) {
     thoughts.append(summary, text);
     body.before(thoughts);
   }
-  if (role === "user") body.textContent = text;
+  if (role === "user") {
+    if (images.length) {
+      const gallery = document.createElement("div");
+      gallery.className = "images";
+      gallery.append(...images.map(thumbnail));
+      body.append(gallery);
+    }
+    body.append(text);
+  }
   ui.messages.append(el);
   scrollDown(true);
   return el;
@@ -114,15 +130,68 @@ function formatStats(usage, t0, tFirst, tEnd) {
   return parts.join(" · ");
 }
 
+function renderAttached() {
+  ui.attachments.replaceChildren(...state.attached.map((url, i) => {
+    const item = document.createElement("div");
+    item.className = "attachment";
+    const remove = Object.assign(document.createElement("button"), {
+      type: "button", className: "remove", textContent: "×", title: "Remove this image",
+    });
+    remove.dataset.index = i;
+    remove.setAttribute("aria-label", "Remove image");
+    item.append(thumbnail(url), remove);
+    return item;
+  }));
+  ui.attachments.hidden = !state.attached.length;
+}
+
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+function attach(files) {
+  files = [...files];
+  state.reading = state.reading.then(async () => {
+    for (const file of files) {
+      if (!IMAGE_TYPES.includes(file.type)) {
+        showError(`${file.name || "That file"} is not a PNG, JPEG, WebP or GIF image.`);
+        continue;
+      }
+      try {
+        state.attached.push(await readDataUrl(file));
+      } catch (e) {
+        showError(`Could not read ${file.name || "the image"}: ${e.message}`);
+      }
+    }
+    renderAttached();
+  });
+}
+
+// A message with images goes as OpenAI content parts; one without stays a plain string.
+function userContent(text, images) {
+  if (!images.length) return text;
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return text ? [{ type: "text", text }, ...parts] : parts;
+}
+
 async function send(text) {
-  if (state.controller || !text.trim()) return;
+  await state.reading;
+  const images = state.attached;
+  if (state.controller || (!text.trim() && !images.length)) return;
   showError("");
+  state.attached = [];
+  renderAttached();
   const system = ui.system.value.trim();
-  const userTurn = { role: "user", content: text };
+  const userTurn = { role: "user", content: userContent(text, images) };
   const messages = [...(system ? [{ role: "system", content: system }] : []), ...state.history, userTurn];
   const request = { model: state.model?.id, messages, temperature: number(ui.temperature),
                     max_tokens: number(ui.maxTokens), top_p: number(ui.topP) };
-  const userEl = addMessage("user", text);
+  const userEl = addMessage("user", text, images);
   const el = addMessage("assistant");
   el.dataset.state = "streaming";
   ui.prompt.value = "";
@@ -156,6 +225,10 @@ async function send(text) {
       userEl.remove();
       el.remove();
       if (!ui.prompt.value) ui.prompt.value = text;
+      if (!state.attached.length) {
+        state.attached = images;
+        renderAttached();
+      }
       ui.empty.hidden = ui.messages.querySelector(".msg") !== null;
       if (e.name !== "AbortError") showError(e.message, e.param);
       if (e.status === 401) askForKey();
@@ -221,6 +294,23 @@ ui.prompt.addEventListener("keydown", (ev) => {
   }
 });
 ui.stop.addEventListener("click", () => state.controller?.abort());
+ui.attachButton.addEventListener("click", () => ui.attach.click());
+ui.attach.addEventListener("change", () => {
+  attach(ui.attach.files);
+  ui.attach.value = ""; // the same file can be picked again
+});
+ui.prompt.addEventListener("paste", (ev) => {
+  // a copied picture; text that comes with a picture of itself (a spreadsheet's cells) stays text
+  const data = ev.clipboardData;
+  if (data?.files.length && !data.getData("text/plain")) attach(data.files);
+});
+ui.attachments.addEventListener("click", (ev) => {
+  const button = ev.target.closest(".remove");
+  if (!button) return;
+  state.attached.splice(Number(button.dataset.index), 1);
+  renderAttached();
+  ui.prompt.focus();
+});
 ui.newChat.addEventListener("click", () => {
   state.controller?.abort();
   state.history = [];

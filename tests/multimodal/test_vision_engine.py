@@ -1,4 +1,4 @@
-"""LLaVA through the whole engine (worker process, scheduler, encoder cache) against
+"""Vision-language models (LLaVA, Gemma 3) through the whole engine (worker process, scheduler,
 transformers: tiny random models built here (tests/vlm_models.py), float32, greedy."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aiolm import LLM, ParamError, SamplingParams
-from vlm_models import _load, data_url, hf_vlm_greedy, png_image, tiny_llava
+from vlm_models import _load, data_url, hf_vlm_greedy, png_image, tiny_gemma3_vision, tiny_llava
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -154,3 +154,45 @@ def test_qwen2_text_model_with_the_class_row_kept(tmp_path, real_source):
         out = llm.chat(conv, GREEDY, use_tqdm=False)[0]
     assert list(out.prompt_token_ids) == want[0]
     assert list(out.outputs[0].token_ids) == want[1]
+
+
+# -- Gemma 3: a SigLIP tower, pooled to 4 tokens per image that attend to each other both ways --
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, real_source) -> Path:
+    return tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3"), real_source.path)
+
+
+def test_gemma3_image_embeddings_equal_transformers(gemma3):
+    from PIL import Image
+
+    from aiolm.checkpoint.source import resolve_model
+    from aiolm.model.registry import build_model
+
+    processor, hf = _load(gemma3)
+    pixels = processor.image_processor(
+        images=[Image.open(io.BytesIO(png)).convert("RGB") for png in IMAGES[:2]], return_tensors="pt"
+    )["pixel_values"]
+    want = hf.model.get_image_features(pixel_values=pixels).pooler_output
+    got = build_model(resolve_model(str(gemma3)), torch.float32).embed_images(pixels)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [256, 6], ids=["whole-prompt", "chunks-of-6"])
+def test_gemma3_greedy_tokens_equal_transformers(gemma3, chunk):
+    """transformers lets an image's soft tokens see each other both ways: so must we. In
+    chunks of 6 a chunk would end inside an image: the scheduler ends it before the image
+    instead, and the image runs whole in the next chunk."""
+    want = [reference(gemma3, c) for c in CONVERSATIONS]
+    with LLM(model=str(gemma3), max_num_batched_tokens=chunk, **ENGINE) as llm:
+        outs = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in outs] == [w[0] for w in want]
+    assert tokens(outs) == [w[1] for w in want]
+
+
+def test_gemma3_image_longer_than_a_step_is_refused(gemma3):
+    """Its 4 soft tokens must run in one step: a 3-token step can never take them."""
+    with LLM(model=str(gemma3), max_num_batched_tokens=3, **ENGINE) as llm:
+        with pytest.raises(ParamError, match="in one step"):
+            llm.chat(chat(IMAGES[0], "What?"), GREEDY, use_tqdm=False)
