@@ -167,7 +167,21 @@ class ImagePart(Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+def _parts(what: str, **by_type: Any) -> Any:
+    """A content part chosen by its ``type`` (tags ``::type``, which locations in 400s leave out)."""
+    members = tuple(Annotated[t, Tag("::" + kind)] for kind, t in by_type.items())
+
+    def kind(value: Any) -> str | None:
+        t = value.get("type") if isinstance(value, dict) else None
+        return "::" + t if isinstance(t, str) else None
+
+    return Annotated[
+        functools.reduce(operator.or_, members),
+        Discriminator(kind, custom_error_type="invalid_type", custom_error_message=f"must be {what}"),
+    ]
+
+
+ContentPart = _parts("a text or image_url part", text=TextPart, image_url=ImagePart)
 Content = _one_of(
     "a string or a list of text and image_url parts",
     text=str,
@@ -443,7 +457,12 @@ class InputImagePart(Strict):
     )
 
 
-InputContentPart = Annotated[InputPart | InputImagePart, Field(discriminator="type")]
+InputContentPart = _parts(
+    "an input_text, output_text or input_image part",
+    input_text=InputPart,
+    output_text=InputPart,
+    input_image=InputImagePart,
+)
 
 
 class InputItem(Strict):
