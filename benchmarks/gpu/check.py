@@ -5,6 +5,7 @@
     python benchmarks/gpu/check.py decode-speed decode step time, eager vs graphs, Triton attention
     python benchmarks/gpu/check.py engine       offline-64 and single stream through the engine, graphs and eager
     python benchmarks/gpu/check.py lora         LoRA adapters in one batch: tokens vs transformers + PEFT
+    python benchmarks/gpu/check.py vision       LLaVA and Gemma 3 with images: tokens vs transformers
 
 Exit status: 0 passed, 1 failed, 2 no GPU, 3 skipped (a line "skipped: <reason>" says why).
 The model is the embedded SmolLM2-135M; nothing is downloaded.
@@ -313,9 +314,104 @@ def lora(max_new: int) -> int:
         return 0 if ok else 1
 
 
+def vision_cases(root: Path, max_new: int) -> Path:
+    """Tiny random LLaVA and Gemma 3 folders (weights stored in bfloat16, to travel light; both
+    sides read them as float32), chats with one and two images, each prompt's ids and
+    ImageInputs as aiolm's processor makes them, and transformers' greedy tokens on the CPU
+    in float32, pickled into ``root/cases.pkl``; returns that file. Runs anywhere."""
+    import pickle
+
+    from safetensors.torch import load_file, save_file
+
+    from aiolm.checkpoint.source import resolve_model
+    from aiolm.multimodal.processor import ImagePrompts
+    from vlm_models import hf_vlm_greedy, png_image, tiny_gemma3_vision, tiny_llava
+
+    tok = resolve_model(None).path
+    pngs = [png_image(seed) for seed in (1, 2, 3)]
+    chats = [
+        ([{"type": "image"}, {"type": "text", "text": "What is this?"}], pngs[:1]),
+        (
+            [
+                {"type": "text", "text": "Compare"},
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image"},
+            ],
+            pngs[1:],
+        ),
+    ]
+    cases = []
+    for name, build in (("llava", tiny_llava), ("gemma3", tiny_gemma3_vision)):
+        folder = build(root / name, tok)
+        weights = folder / "model.safetensors"
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights)
+        cfg = resolve_model(str(folder)).config
+        images = ImagePrompts(folder, cfg.image_token_id, cfg.image_tokens, 4)  # type: ignore[attr-defined]
+        for content, shots in chats:
+            from io import BytesIO
+
+            from PIL import Image
+
+            messages = [{"role": "user", "content": content}]
+            text = images.processor().tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            pil = [Image.open(BytesIO(p)).convert("RGB") for p in shots]
+            ids, inputs = images._encode(text, pil, special=False)
+            want_ids, want = hf_vlm_greedy(folder, messages, shots, max_new)
+            assert ids == want_ids, f"{name}: aiolm's prompt ids differ from transformers'"
+            cases.append({"model": name, "ids": ids, "images": inputs, "want": want})
+    out = root / "cases.pkl"
+    out.write_bytes(pickle.dumps(cases))
+    return out
+
+
+def vision(max_new: int, cases_file: str | None) -> int:
+    """LLaVA (CLIP tower) and Gemma 3 (SigLIP tower; image tokens attend both ways) with one
+    and two images through the engine on the GPU in float32, with CUDA graphs and with
+    --enforce-eager: each prompt's greedy tokens must equal transformers' (``cases_file``:
+    prepared elsewhere by ``vision_cases``; else prepared here)."""
+    import pickle
+    import tempfile
+
+    from aiolm import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(cases_file) if cases_file else vision_cases(Path(tmp), max_new)
+        cases = pickle.loads(path.read_bytes())
+        ok = True
+        for name in ("llava", "gemma3"):
+            mine = [c for c in cases if c["model"] == name]
+            for eager in (False, True):
+                with LLM(
+                    model=str(path.parent / name),
+                    device="cuda",
+                    dtype="float32",
+                    enforce_eager=eager,
+                    max_model_len=256,
+                    gpu_memory_utilization=0.3,
+                ) as llm:
+                    outs = llm.generate(
+                        [{"prompt_token_ids": c["ids"], "mm_inputs": c["images"]} for c in mine],
+                        SamplingParams(temperature=0.0, max_tokens=len(mine[0]["want"]), ignore_eos=True),
+                        use_tqdm=False,
+                    )
+                agree = [_agreement(list(o.outputs[0].token_ids), c["want"]) for o, c in zip(outs, mine)]
+                good = all(a == len(c["want"]) for a, c in zip(agree, mine))
+                ok &= good
+                print(
+                    f"{name}, {'eager' if eager else 'graphs'}: one and two images "
+                    f"{'match' if good else 'DIFFER FROM'} transformers (leading tokens agreeing {agree})"
+                )
+        return 0 if ok else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["parity", "graphs", "decode-speed", "engine", "lora"])
+    p.add_argument("part", choices=["parity", "graphs", "decode-speed", "engine", "lora", "vision", "vision-cases"])
+    p.add_argument("--cases", help="vision: a cases.pkl prepared by the vision-cases part (its folder beside it)")
+    p.add_argument("--out", help="vision-cases: the folder to write the models and cases.pkl into")
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument(
         "--bf16-prefix",
@@ -326,6 +422,9 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()
+    if a.part == "vision-cases":  # no GPU needed: prepared on one machine, run on another
+        print(vision_cases(Path(a.out), min(a.max_new, 12)))
+        return 0
     if not torch.cuda.is_available():
         print("no GPU: torch.cuda.is_available() is False")
         return 2
@@ -342,6 +441,8 @@ def main() -> int:
         return graphs(a.max_new)
     if a.part == "lora":
         return lora(min(a.max_new, 12))
+    if a.part == "vision":
+        return vision(min(a.max_new, 12), a.cases)
     return decode_speed(a.max_num_seqs, a.steps)
 
 

@@ -10,7 +10,8 @@
 # transformers on the same GPU (float32 and bfloat16), the engine's greedy tokens with CUDA
 # graphs against --enforce-eager, decode step time eager vs graphs, the whole engine on the
 # GPU (offline-64 and single stream through `aiolm bench`, Triton attention), LoRA adapters
-# in one batch against transformers + PEFT (graphs and eager), and the
+# in one batch against transformers + PEFT (graphs and eager), LLaVA and Gemma 3 with images
+# against transformers (graphs and eager), and the
 # all-reduce between GPUs where there are two or more. Each part has a hard timeout
 # (PART_TIMEOUT seconds, sized so the parts fit in 8 minutes on an H200; the setup has its
 # own, INSTALL_TIMEOUT); a summary table ends the run.
@@ -69,13 +70,13 @@ run_part() {  # name, command...: runs under the timeout, records result, time a
     rm -f "$log"
 }
 
-PARTS=${PARTS:-kernels parity graphs decode-speed engine lora allreduce}
+PARTS=${PARTS:-kernels parity graphs decode-speed engine lora vision allreduce}
 KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/triton_kernels tests/worker/test_cuda_graph.py}
 for part in $PARTS; do
     case $part in
         # shellcheck disable=SC2086  # KERNEL_TESTS is a list of paths
         kernels) run_part kernels env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider $KERNEL_TESTS ;;
-        parity|graphs|decode-speed|engine|lora) run_part "$part" "$PY" benchmarks/gpu/check.py "$part" ;;
+        parity|graphs|decode-speed|engine|lora|vision) run_part "$part" "$PY" benchmarks/gpu/check.py "$part" ;;
         # 2+ GPUs: torch symmetric-memory all-reduce against NCCL (correctness, decode-size
         # latency); on one GPU it prints why it was skipped.
         allreduce) run_part allreduce "$PY" benchmarks/gpu/allreduce_check.py ;;
