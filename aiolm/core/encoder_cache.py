@@ -32,10 +32,19 @@ class EncoderCacheLedger:
         self.refs.setdefault(image_hash, set()).add(req_id)
         self.idle.pop(image_hash, None)
 
-    def can_add(self, length: int) -> bool:
-        """Whether an entry of ``length`` fits, counting what dropping idle entries frees."""
+    def fits(self, length: int, kept: int = 0) -> bool:
+        """Whether ``length`` more embeddings fit, counting what dropping idle entries frees
+        except ``kept`` of them (idle entries about to be read, so not to be dropped)."""
         idle = sum(self.size[h] for h in self.idle)
-        return self.used - idle + length <= self.capacity
+        return self.used - idle + kept + length <= self.capacity
+
+    def forget(self, image_hash: str) -> None:
+        """An entry added this step that will not be encoded after all (its request was
+        preempted before the step went out)."""
+        self.used -= self.size.pop(image_hash)
+        self.refs.pop(image_hash, None)
+        self.idle.pop(image_hash, None)
+        self.encoded -= 1
 
     def add(self, req_id: str, image_hash: str, length: int) -> None:
         """The workers encode ``image_hash`` this step; idle entries make room first."""

@@ -484,7 +484,7 @@ class Scheduler:
             prefill = n > 1 and drafts is None
             if prefill and prefill_left is not None and n > prefill_left:
                 n = prefill_left
-            images: list[int] = []
+            images: tuple[list[int], list[str]] | None = None
             if req.mm_inputs and n > 0:
                 n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left)
             if n <= 0:
@@ -525,6 +525,7 @@ class Scheduler:
                     new_blocks_of.pop(victim.req_id)
                     draft_tokens.pop(victim.req_id, None)
                     scheduled_running.remove(victim)
+                    encoder_left += self._undo_encodes(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -533,11 +534,17 @@ class Scheduler:
                 if i < len(running) and running[i] is req:
                     i += 1  # still running, waiting for its token in flight
                 continue  # else req left self.running; index i now points at the next one
+            if images is not None and preempted:
+                # a victim's images left the ledger: what this request reads may have gone with them
+                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left)
+                if n <= 0:
+                    i += 1  # it keeps the blocks it was given, for its next step
+                    continue
             scheduled_running.append(req)
             num_scheduled[req.req_id] = n
             new_blocks_of[req.req_id] = new_blocks
-            if images:
-                encoder_left -= self._encode_images(req, images)
+            if images is not None:
+                encoder_left -= self._encode_images(req, *images)
             if drafts:
                 draft_tokens[req.req_id] = drafts
             budget -= n
@@ -589,7 +596,7 @@ class Scheduler:
                 n = budget
             if prefill_left is not None and n > prefill_left:
                 n = prefill_left
-            images = []
+            images = None
             if req.mm_inputs:
                 n, images = self._fit_images(req, req.num_computed_tokens + num_hit, n, encoder_left)
                 if n <= 0:
@@ -618,8 +625,8 @@ class Scheduler:
             budget -= n
             if prefill_left is not None:
                 prefill_left -= n
-            if images:
-                encoder_left -= self._encode_images(req, images)
+            if images is not None:
+                encoder_left -= self._encode_images(req, *images)
             if adapters is not None and lora is not None:
                 adapters.add(lora.lora_int_id)
         for req in reversed(skipped):
@@ -627,51 +634,83 @@ class Scheduler:
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
 
-    def _fit_images(self, req: Request, start: int, n: int, encoder_left: int) -> tuple[int, list[int]]:
-        """Prompt positions [start, start + n) cut short of the first image whose embeddings
-        the workers neither hold nor can encode this step (no budget or cache room left), and
-        the images to encode for the rest. An image's chunk may end mid-image: its later
-        positions take the rest of the held embeddings in a later step."""
+    def _fit_images(
+        self, req: Request, start: int, n: int, encoder_left: int
+    ) -> tuple[int, tuple[list[int], list[str]]]:
+        """Prompt positions [start, start + n) cut short of the first image the step cannot
+        serve, with the images to encode and the held entries to read for the rest. An image
+        is served when the workers hold its embeddings, or when it fits the encoder budget
+        and the cache has room: the entries idle now, less the idle ones this chunk is to
+        read, may be dropped for it. Pure: ``_encode_images`` commits it once the request
+        has its blocks. An image's chunk may end mid-image (later positions read the held
+        rest), unless whole_images keeps each image in one step."""
         cache = self.encoder_cache
-        want: list[int] = []
-        pending = 0
+        encode: list[int] = []
+        held: list[str] = []
+        pending = kept = 0  # embeddings to add; idle embeddings this chunk keeps from eviction
         for idx, image in enumerate(req.mm_inputs):
             if not image.overlaps(start, start + n):
                 continue
+            cut = max(0, image.offset - start)  # the chunk stopped before this image
             if self.config.whole_images and image.offset + image.length > start + n:
-                return max(0, image.offset - start), want  # the image runs whole in a later step
-            if cache.holds(image.hash):
-                cache.ref(req.req_id, image.hash)  # so no image encoded later this step evicts it
+                return cut, (encode, held)  # the image runs whole in a later step
+            h = image.hash
+            if h in held or any(req.mm_inputs[j].hash == h for j in encode):
                 continue
-            if any(req.mm_inputs[j].hash == image.hash for j in want):
+            if cache.holds(h):
+                extra = cache.size[h] if h in cache.idle else 0
+                if extra and not cache.fits(pending, kept + extra):
+                    return cut, (encode, held)  # the images before it took the room it stands in
+                kept += extra
+                held.append(h)
                 continue
-            if image.length > encoder_left - pending or not cache.can_add(pending + image.length):
-                return image.offset - start if image.offset > start else 0, want
-            want.append(idx)
+            if image.length > encoder_left - pending or not cache.fits(pending + image.length, kept):
+                return cut, (encode, held)
+            encode.append(idx)
             pending += image.length
-        return n, want
+        return n, (encode, held)
 
-    def _encode_images(self, req: Request, images: list[int]) -> int:
-        """The scheduled request's images ``images`` are encoded this step: into the ledger
-        and the step's list. Returns the encoder tokens they take."""
-        self._encode.setdefault(req.req_id, []).extend(images)
+    def _encode_images(self, req: Request, encode: list[int], held: list[str]) -> int:
+        """The scheduled request reads the held entries ``held`` and has its images ``encode``
+        encoded this step: referenced first (so no addition evicts them), then added to the
+        ledger and the step's list. Returns the encoder tokens they take."""
+        cache = self.encoder_cache
+        for h in held:
+            cache.ref(req.req_id, h)
+        if encode:
+            self._encode.setdefault(req.req_id, []).extend(encode)
         tokens = 0
-        for idx in images:
+        for idx in encode:
             image = req.mm_inputs[idx]
-            self.encoder_cache.add(req.req_id, image.hash, image.length)
+            cache.add(req.req_id, image.hash, image.length)
             tokens += image.length
         return tokens
 
+    def _undo_encodes(self, victim: Request) -> int:
+        """A request scheduled earlier this step was preempted: the images it was to encode
+        go to another scheduled request of this step that reads the same entry, or out of
+        the ledger (never encoded). Returns the encoder tokens given back."""
+        back = 0
+        for idx in self._encode.pop(victim.req_id, []):
+            image = victim.mm_inputs[idx]
+            users = self.encoder_cache.refs.get(image.hash, set()) - {victim.req_id}
+            heir = next((self.requests[u] for u in sorted(users) if u in self.requests), None)
+            if heir is not None:
+                j = next(k for k, im in enumerate(heir.mm_inputs) if im.hash == image.hash)
+                self._encode.setdefault(heir.req_id, []).append(j)
+            else:
+                self.encoder_cache.forget(image.hash)
+                back += image.length
+        return back
+
     def _hold_images(self, req: Request) -> None:
-        """The step's images the request reads from the cache are referenced, so none is
-        dropped while the request still needs it; those its prompt has passed are let go."""
+        """After a step: the images whose placeholders the request has computed are let go;
+        the one it is in the middle of stays referenced (its later positions read it)."""
         cache = self.encoder_cache
         done = req.num_computed_tokens
         for image in req.mm_inputs:
             if image.offset + image.length <= done:
                 cache.release(req.req_id, [image.hash])
-            elif cache.holds(image.hash):
-                cache.ref(req.req_id, image.hash)
 
     def _load_external(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
         """Past the pool's cached prefix, the connector may hold more of the prompt: give

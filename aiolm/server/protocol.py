@@ -185,7 +185,7 @@ ContentPart = _parts("a text or image_url part", text=TextPart, image_url=ImageP
 Content = _one_of(
     "a string or a list of text and image_url parts",
     text=str,
-    list=Annotated[list[ContentPart], Field(max_length=256)],
+    list=Annotated[list[ContentPart], Field(max_length=256)],  # type: ignore[valid-type]
 )
 
 

@@ -196,3 +196,22 @@ def test_gemma3_image_longer_than_a_step_is_refused(gemma3):
     with LLM(model=str(gemma3), max_num_batched_tokens=3, **ENGINE) as llm:
         with pytest.raises(ParamError, match="in one step"):
             llm.chat(chat(IMAGES[0], "What?"), GREEDY, use_tqdm=False)
+
+
+def test_gemma3_preempted_requests_recompute_their_images(gemma3):
+    convs = [chat(f"Request {i}: ", IMAGES[i % 4], "Say what you see.") for i in range(8)]
+    want = [reference(gemma3, c)[1] for c in convs]
+    with LLM(model=str(gemma3), **{**ENGINE, "kv_cache_memory": 100 << 10, "max_num_batched_tokens": 64}) as llm:
+        got = tokens(llm.chat(convs, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False))
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [g[:MAX_NEW] for g in got] == want
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_tensor_parallel_towers_give_the_same_tokens(family, llava, gemma3):
+    """Two ranks: each runs half of every tower's heads and the projector's columns, then
+    the all-reduce; the tokens are one rank's."""
+    folder = llava if family == "llava" else gemma3
+    want = [reference(folder, c)[1] for c in CONVERSATIONS[:2]]
+    with LLM(model=str(folder), tensor_parallel_size=2, max_num_batched_tokens=256, **ENGINE) as llm:
+        assert tokens(llm.chat(CONVERSATIONS[:2], GREEDY, use_tqdm=False)) == want
