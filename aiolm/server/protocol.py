@@ -168,12 +168,16 @@ class ImagePart(Strict):
 
 
 def _parts(what: str, **by_type: Any) -> Any:
-    """A content part chosen by its ``type`` (tags ``::type``, which locations in 400s leave out)."""
+    """A content part chosen by its ``type`` (tags ``::type``, which locations in 400s leave
+    out); an unknown type is checked as the first kind, so the 400 names ``...type``."""
     members = tuple(Annotated[t, Tag("::" + kind)] for kind, t in by_type.items())
+    first = next(iter(by_type))
 
     def kind(value: Any) -> str | None:
-        t = value.get("type") if isinstance(value, dict) else None
-        return "::" + t if isinstance(t, str) else None
+        if not isinstance(value, dict):
+            return None
+        t = value.get("type")
+        return "::" + (t if isinstance(t, str) and t in by_type else first)
 
     return Annotated[
         functools.reduce(operator.or_, members),
@@ -620,7 +624,9 @@ def parse(model: type[M], body: Any, limits: Limits) -> M:
             where.pop(steps[-1], None)
 
 
-_TAGS = frozenset({"::text", "::object", "::list", "::ids", "::batch", "[key]"})
+def _is_tag(part: int | str) -> bool:
+    """A union's tag in an error location (``::shape`` or ``::type``, and dicts' ``[key]``)."""
+    return isinstance(part, str) and (part.startswith("::") or part == "[key]")
 
 
 def _steps(body: Any, loc: tuple[int | str, ...]) -> list[int | str]:
@@ -631,7 +637,7 @@ def _steps(body: Any, loc: tuple[int | str, ...]) -> list[int | str]:
     for part in loc:
         if isinstance(body, dict) and part in body or isinstance(body, list) and isinstance(part, int):
             body = body[part]  # type: ignore[index]
-        elif part in _TAGS:
+        elif _is_tag(part):
             continue
         else:
             body = None

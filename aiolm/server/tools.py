@@ -255,7 +255,7 @@ def message_text(content: str | list[Any] | None) -> str | None:
     """OpenAI allows content as a list of text parts; the engine's template wants a string."""
     if content is None or isinstance(content, str):
         return content
-    return "".join(part.text for part in content if part.type == "text")
+    return "".join(part.text for part in content if getattr(part, "text", None) is not None)
 
 
 def _has_images(content: str | list[Any] | None) -> bool:

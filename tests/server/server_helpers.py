@@ -198,6 +198,7 @@ class FakeEngine:
     max_model_len = 256
     runner = "generate"  # it generates; the pooling routes refuse it
     pooling_config = None
+    takes_images = False  # a text model: image parts are a 400
 
     def lora(self, name: str) -> None:  # serves no LoRA adapters
         return None
