@@ -486,7 +486,7 @@ class Scheduler:
                 n = prefill_left
             images: tuple[list[int], list[str]] | None = None
             if req.mm_inputs and n > 0:
-                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left)
+                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -536,7 +536,7 @@ class Scheduler:
                 continue  # else req left self.running; index i now points at the next one
             if images is not None and preempted:
                 # a victim's images left the ledger: what this request reads may have gone with them
-                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left)
+                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_left, n)
                 if n <= 0:
                     i += 1  # it keeps the blocks it was given, for its next step
                     continue
@@ -598,7 +598,7 @@ class Scheduler:
                 n = prefill_left
             images = None
             if req.mm_inputs:
-                n, images = self._fit_images(req, req.num_computed_tokens + num_hit, n, encoder_left)
+                n, images = self._fit_images(req, req.num_computed_tokens + num_hit, n, encoder_left, budget)
                 if n <= 0:
                     break  # its next image waits for encoder budget or cache room: a later step
             new_blocks = kv.allocate_slots(req, n, num_hit, hits)
@@ -635,7 +635,7 @@ class Scheduler:
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of, draft_tokens)
 
     def _fit_images(
-        self, req: Request, start: int, n: int, encoder_left: int
+        self, req: Request, start: int, n: int, encoder_left: int, room: int
     ) -> tuple[int, tuple[list[int], list[str]]]:
         """Prompt positions [start, start + n) cut short of the first image the step cannot
         serve, with the images to encode and the held entries to read for the rest. An image
@@ -643,8 +643,16 @@ class Scheduler:
         and the cache has room: the entries idle now, less the idle ones this chunk is to
         read, may be dropped for it. Pure: ``_encode_images`` commits it once the request
         has its blocks. An image's chunk may end mid-image (later positions read the held
-        rest), unless whole_images keeps each image in one step."""
+        rest), unless whole_images keeps each image in one step: then a chunk that starts at
+        an image grows to hold it whole when the step has ``room`` (token budget left), past
+        --max-step-ms's cap, which could otherwise keep a long image waiting for ever."""
         cache = self.encoder_cache
+        if self.config.whole_images:
+            first = next((im for im in req.mm_inputs if im.overlaps(start, start + n)), None)
+            if first is not None and first.offset <= start and first.offset + first.length > start + n:
+                whole = first.offset + first.length - start
+                if whole <= room:
+                    n = whole
         encode: list[int] = []
         held: list[str] = []
         pending = kept = 0  # embeddings to add; idle embeddings this chunk keeps from eviction

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from server_helpers import ServerProcess, free_port, serve_cmd
@@ -128,7 +129,18 @@ def test_bad_images_are_400s_naming_the_problem(client, media, image_host):
     assert "HTTP 404" in _refused(client, f"{image_host}/missing.png")
     assert "allowed-media-domains" in _refused(client, "http://localhost:9/cat.png")
     assert "not a ftp: URL" in _refused(client, "ftp://127.0.0.1/cat.png")
-    # still serving, and nothing leaked: the next good request answers
+    # nothing leaked: no request left in the engine, no KV block held, and the next one answers
+    metrics = httpx.get(str(client.base_url).removesuffix("v1/") + "metrics", timeout=10).text
+    gauges = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(("aiolm:num_requests_running", "aiolm:num_requests_waiting", "aiolm:kv_cache_usage_perc"))
+    }
+    assert gauges == {
+        "aiolm:num_requests_running": 0.0,
+        "aiolm:num_requests_waiting": 0.0,
+        "aiolm:kv_cache_usage_perc": 0.0,
+    }
     assert ask(client, data_url(PNG)).choices[0].finish_reason == "length"
 
 
