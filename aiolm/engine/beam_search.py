@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiolm.engine.errors import RequestError, RequestTimeoutError
+from aiolm.engine.input import image_parts
 from aiolm.outputs import Logprob, RequestOutput
 from aiolm.params import BeamSearchParams, OutputKind, ParamError, SamplingParams
 
@@ -93,6 +94,8 @@ async def beam_search(
     search; ``live`` (a server's in-flight set) holds the ids of the step requests running.
     ParamError ``beam_width`` when ``2 * beam_width`` logprobs exceed the engine's bound."""
     bw = params.beam_width
+    if _has_images(prompt):  # each step re-sends the beam's tokens, which carry no images
+        raise ParamError("use_beam_search", "beam search does not take images yet")
     rid = request_id or f"beam-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
@@ -229,3 +232,9 @@ class _StepRunner:
                     self.live.discard(sid)
                 if sid not in finished:
                     await engine.abort(sid)
+
+
+def _has_images(prompt: Any) -> bool:
+    if isinstance(prompt, dict):
+        return bool(prompt.get("multi_modal_data") or prompt.get("mm_inputs"))
+    return isinstance(prompt, (list, tuple)) and bool(image_parts(prompt))

@@ -141,7 +141,7 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt" in prompt:
             prompt = prompt["prompt"]
         if isinstance(prompt, (list, tuple)):
-            if _image_parts(prompt):
+            if image_parts(prompt):
                 return await self._chat_with_images(prompt)
             text = await self.chat_prompt_async(prompt)
             return self._check(ProcessedPrompt(text, await self._encode(text, special=False)))
@@ -159,7 +159,7 @@ class InputProcessor:
         limits, the parts replaced by the template's image marker, then the model's processor
         expands the markers into placeholder tokens."""
         images = self._image_processor("messages")
-        found = _image_parts(messages)
+        found = image_parts(messages)
         images.check_count(len(found), "messages")
         pictures = [await self._load(part, where) for part, where in found]
         text = await self.chat_prompt_async([_with_image_markers(m) for m in messages])
@@ -362,7 +362,7 @@ class InputProcessor:
         return params.clone(eos_token_ids=self.eos_token_ids)
 
 
-def _image_parts(messages: Sequence[Any]) -> list[tuple[dict[str, Any], str]]:
+def image_parts(messages: Sequence[Any]) -> list[tuple[dict[str, Any], str]]:
     """Each image part of chat ``messages`` with where it is (for error messages), in order."""
     found = []
     for i, m in enumerate(messages):

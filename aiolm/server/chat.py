@@ -112,6 +112,9 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             own = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
         reading = _Reading(plan, thinking, text, req.include_reasoning)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
+    if req.use_beam_search and any(t.prompt.images for t in turns):
+        # each beam step re-sends the beam's tokens, which carry no images
+        raise bad_request("'use_beam_search' does not take images yet", param="use_beam_search")
     if req.use_beam_search:  # the n best beams as the choices (aiolm/server/beam.py)
         ids_of = [t.prompt.token_ids for t in turns]
         returned = (ids_of if req.batched else ids_of[0]) if req.return_token_ids else None

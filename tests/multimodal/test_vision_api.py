@@ -144,6 +144,18 @@ def test_bad_images_are_400s_naming_the_problem(client, media, image_host):
     assert ask(client, data_url(PNG)).choices[0].finish_reason == "length"
 
 
+def test_beam_search_with_images_is_a_400(client):
+    content = [{"type": "image_url", "image_url": {"url": data_url(PNG)}}, {"type": "text", "text": "What?"}]
+    with pytest.raises(openai.BadRequestError, match="does not take images"):
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=4,
+            n=2,
+            extra_body={"use_beam_search": True},
+        )
+
+
 def test_an_image_to_a_text_model_is_a_400(open_servers):
     srv = open_servers.get()
     text_only = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)

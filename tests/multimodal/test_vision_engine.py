@@ -215,3 +215,13 @@ def test_tensor_parallel_towers_give_the_same_tokens(family, llava, gemma3):
     want = [reference(folder, c)[1] for c in CONVERSATIONS[:2]]
     with LLM(model=str(folder), tensor_parallel_size=2, max_num_batched_tokens=256, **ENGINE) as llm:
         assert tokens(llm.chat(CONVERSATIONS[:2], GREEDY, use_tqdm=False)) == want
+
+
+def test_beam_search_with_images_is_refused(engine):
+    """Each beam step re-sends the beam's tokens, which carry no images: refused, not wrong."""
+    from aiolm import BeamSearchParams
+
+    with pytest.raises(ParamError, match="does not take images") as e:
+        prompt = {"prompt": "<image>What?", "multi_modal_data": {"image": data_url(IMAGES[0])}}
+        engine.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert e.value.param == "use_beam_search"
