@@ -337,7 +337,9 @@ class AsyncEngine:
         image_token = getattr(mc, "image_token_id", None)
         if image_token is None:
             return None
-        return ImagePrompts(self.source.path, image_token, mc.image_tokens, self.args.max_images())
+        return ImagePrompts(
+            self.source.path, image_token, mc.image_tokens, self.args.max_images(), self.args.max_image_pixels
+        )
 
     def _kv_connector(self, cfg: KVTransferConfig, fp: str, executor: Executor) -> ConnectorScheduler:
         """The connector's scheduler side; the offloading one sized from the workers' block bytes."""

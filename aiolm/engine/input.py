@@ -126,6 +126,8 @@ class InputProcessor:
 
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
         """A string, {"prompt_token_ids": [...]}, {"prompt": str} or a list of chat messages."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt and "multi_modal_data" in prompt:
+            raise ParamError("multi_modal_data", "give images with a text prompt, not with prompt_token_ids")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
@@ -309,6 +311,8 @@ class InputProcessor:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def _check(self, p: ProcessedPrompt) -> ProcessedPrompt:
+        if self.images is not None:
+            self.images.check_placeholders(p.token_ids, p.images, "prompt")
         n = len(p.token_ids)
         if n == 0:
             raise ParamError("prompt", "the prompt is empty")

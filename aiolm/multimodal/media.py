@@ -55,8 +55,10 @@ async def load_image(url: str, limits: MediaLimits, field: str) -> Image.Image:
         scheme = urlsplit(url).scheme.lower()
     except ValueError:  # e.g. an unclosed IPv6 bracket in the host
         raise ParamError(field, f"the image URL {_show(url)} is malformed") from None
-    if scheme == "data":
-        data = _data_url_bytes(url, limits.max_bytes, field)
+    if scheme == "data":  # base64 of up to max_bytes: decoded off the loop, with the image
+        return await asyncio.to_thread(
+            lambda: _decode(_data_url_bytes(url, limits.max_bytes, field), limits.max_pixels, field)
+        )
     elif scheme in ("http", "https"):
         data = await _fetch(url, limits, field)
     elif scheme == "file":

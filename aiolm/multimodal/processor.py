@@ -24,8 +24,11 @@ from aiolm.params import ParamError
 class ImagePrompts:
     """The processor of one vision-language model folder."""
 
-    def __init__(self, model_path: Path, image_token_id: int, tokens_per_image: int, max_images: int) -> None:
+    def __init__(
+        self, model_path: Path, image_token_id: int, tokens_per_image: int, max_images: int, max_pixels: int
+    ) -> None:
         self.model_path = model_path
+        self.max_pixels = max_pixels  # --max-image-pixels: of the image as the processor resizes it too
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.max_images = max_images  # --limit-mm-per-prompt image=N
@@ -53,6 +56,8 @@ class ImagePrompts:
 
     def _encode(self, text: str, images: list[Any], special: bool) -> tuple[list[int], list[ImageInput]]:
         proc = self.processor()
+        for i, image in enumerate(images):
+            self._check_resized(proc, image, i)
         try:
             out = proc(text=[text], images=images or None, return_tensors="np", add_special_tokens=special)
         except ValueError as e:  # the text's image markers and the images do not match
@@ -73,6 +78,42 @@ class ImagePrompts:
             digest = hashlib.sha256(repr(shape).encode() + data).hexdigest()
             inputs.append(ImageInput(digest, offset, self.tokens_per_image, data, shape))
         return ids, inputs
+
+    def _check_resized(self, proc: Any, image: Any, i: int) -> None:
+        """A processor that resizes the shortest edge to S makes a 1 x N image S x S*N: a few
+        bytes could ask for gigabytes. Its size after resizing must be within max_pixels."""
+        size = getattr(getattr(proc, "image_processor", None), "size", None)
+        # a dict in older transformers, a SizeDict (attributes) in newer ones
+        edge = size.get("shortest_edge") if isinstance(size, dict) else getattr(size, "shortest_edge", None)
+        if not edge:
+            return  # resized to a fixed size (or left alone: then the header check bounded it)
+        w, h = image.size
+        resized = edge * edge * max(w, h) / max(1, min(w, h))
+        if resized > self.max_pixels:
+            raise ParamError(
+                f"images[{i}]",
+                f"an image of {w}x{h} pixels would be {int(resized)} pixels once this model's processor "
+                f"resizes its shortest side to {edge}, more than the server's limit of {self.max_pixels} "
+                "(--max-image-pixels)",
+            )
+
+    def check_placeholders(self, ids: list[int], images: list[ImageInput], field: str) -> None:
+        """ParamError unless the prompt's image tokens are exactly its images' placeholders:
+        an image token with no image would run as a text embedding the model never saw."""
+        covered = sum(im.length for im in images)
+        found = sum(1 for t in ids if t == self.image_token_id)
+        inside = all(
+            0 <= im.offset
+            and im.offset + im.length <= len(ids)
+            and all(t == self.image_token_id for t in ids[im.offset : im.offset + im.length])
+            for im in images
+        )
+        if found != covered or not inside:
+            raise ParamError(
+                field,
+                f"the prompt has {found} image tokens but its {len(images)} images fill {covered}: "
+                "image tokens may only stand for images sent with the prompt",
+            )
 
     def _placeholders(self, ids: list[int]) -> list[int]:
         """The offset of each image's run of placeholder tokens (runs of images side by side

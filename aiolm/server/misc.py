@@ -20,7 +20,7 @@ from aiolm.server.protocol import (
     param_error,
     parse,
 )
-from aiolm.server.tools import check_continuation, checked_tools, render_chat_prompt
+from aiolm.server.tools import check_continuation, checked_tools, image_urls, render_chat_prompt
 
 
 def _model_card(request: Request, lora: LoRARequest | None = None) -> dict:
@@ -142,8 +142,17 @@ async def tokenize(request: Request) -> Response:
         if req.prompt is not None:
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         check_continuation(req)
+        urls = image_urls(req.messages)
+        if urls and not engine.takes_images:
+            raise bad_request("this model takes no images: send text content only", param=urls[0][1])
         text = await render_chat_prompt(engine, req, checked_tools(req.tools)[1] if req.tools else None)
-        ids = await encode(engine, text, False)
+        if urls:  # the ids a chat completion would run: each image's placeholders expanded
+            try:
+                ids = (await engine.prompt_with_images(text, urls, "messages"))["prompt_token_ids"]
+            except ParamError as e:
+                raise param_error(e) from None
+        else:
+            ids = await encode(engine, text, False)
     elif req.prompt is not None:
         for name in ("tools", "continue_final_message"):
             if getattr(req, name):

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from aiolm.attention.metadata import AttentionMetadata
@@ -271,7 +272,7 @@ class ModelRunner:
             self.images_of.pop(rid, None)
         for new in out.scheduled_new_reqs:
             if new.mm_inputs:
-                self.images_of[new.req_id] = new.mm_inputs
+                self.images_of[new.req_id] = list(new.mm_inputs)
 
     def _run_encoder(self, out: SchedulerOutput) -> None:
         """Drop the entries the scheduler let go, then encode the step's new images, all in
@@ -287,6 +288,10 @@ class ModelRunner:
         embeds = self.model.embed_images(pixels)  # type: ignore[attr-defined]
         for im, e in zip(todo, embeds):
             self.encoder_cache[im.hash] = e
+        for rid, idx in out.encoder_inputs.items():  # encoded: the pixels are not needed again
+            images = self.images_of[rid]
+            for i in idx:
+                images[i] = msgspec.structs.replace(images[i], pixels=b"")
 
     def _image_embeds(self, step: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the flat batch, their embeddings) for the step's image placeholders."""

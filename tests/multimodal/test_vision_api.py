@@ -144,6 +144,27 @@ def test_bad_images_are_400s_naming_the_problem(client, media, image_host):
     assert ask(client, data_url(PNG)).choices[0].finish_reason == "length"
 
 
+def test_tokenize_counts_what_the_chat_runs(client):
+    """/tokenize of a chat with an image: the ids a chat completion runs, placeholders expanded."""
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(PNG)}}, {"type": "text", "text": "What?"}],
+        }
+    ]
+    base = str(client.base_url).removesuffix("v1/")
+    got = httpx.post(base + "tokenize", json={"messages": messages}, timeout=30).json()
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert got["count"] == out.usage.prompt_tokens
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    r = httpx.post(base + "tokenize", json={"messages": bad}, timeout=30)
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"]
+
+
 def test_beam_search_with_images_is_a_400(client):
     content = [{"type": "image_url", "image_url": {"url": data_url(PNG)}}, {"type": "text", "text": "What?"}]
     with pytest.raises(openai.BadRequestError, match="does not take images"):

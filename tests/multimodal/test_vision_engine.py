@@ -225,3 +225,19 @@ def test_beam_search_with_images_is_refused(engine):
         prompt = {"prompt": "<image>What?", "multi_modal_data": {"image": data_url(IMAGES[0])}}
         engine.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4))
     assert e.value.param == "use_beam_search"
+
+
+def test_image_tokens_without_images_and_lopsided_images_are_refused(engine):
+    """A typed <image> with no image would run as an embedding the model never saw; a 1 x N
+    image would be N times the processor's square once its shortest side is resized."""
+    with pytest.raises(ParamError, match="image tokens may only stand for images") as e:
+        engine.generate({"prompt": "What is <image> here?"}, GREEDY, use_tqdm=False)
+    assert e.value.param == "prompt"
+    with pytest.raises(ParamError, match="not with prompt_token_ids"):
+        engine.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": data_url(IMAGES[0])}}, GREEDY)
+    from PIL import Image
+
+    strip = io.BytesIO()
+    Image.new("RGB", (40_000, 1)).save(strip, format="PNG")
+    with pytest.raises(ParamError, match="resizes its shortest side to 32"):
+        engine.chat(chat(strip.getvalue(), "What?"), GREEDY, use_tqdm=False)
