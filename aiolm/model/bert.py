@@ -15,7 +15,7 @@ under other names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -25,28 +25,11 @@ from torch import nn
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.bert import BertConfig
 from aiolm.errors import ModelLoadError
+from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-# hidden_act -> the activation (checkpoint/bert.py lists the same names); BERT's "gelu" is exact
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.to(self.weight.dtype), self.weight.shape, self.weight, self.bias, self.eps)
+from aiolm.model.layers.norm import LayerNorm
 
 
 class Table(nn.Module):
@@ -87,7 +70,7 @@ class EncoderLayer(nn.Module):
         )
         self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, h, bias=True, names=(f"{prefix}.output.dense",))
         self.mlp_norm = LayerNorm(h, cfg.layer_norm_eps)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.attn = ctx.attention_backend(self.num_heads, self.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -9,15 +9,16 @@ places them. The soft tokens of one image attend to each other both ways: ``forw
 marks each image's rows in the metadata and the attention layers redo those rows
 (attention/image_spans.py); the scheduler keeps an image's soft tokens in one step.
 
-Checkpoint names as LLaVA's (model/llava.py): transformers 5's ``model.language_model.*``,
-``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``, or the older
-top-level ``language_model.model.*`` and ``vision_tower.*`` forms.
+Checkpoint names are read as for LLaVA (``text_weights`` in model/layers/vision.py):
+transformers 5's ``model.language_model.*``, ``model.vision_tower.vision_model.*``,
+``model.multi_modal_projector.*``, or the older top-level ``language_model.model.*`` and
+``vision_tower.*`` forms.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,7 @@ from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.vision import Gemma3VisionConfig
 from aiolm.model.gemma3 import Gemma3ForCausalLM
 from aiolm.model.layers.context import BuildContext
-from aiolm.model.layers.vision import SiglipVisionTower, load_tower_weight, missing_tower_weights
-from aiolm.model.llava import rename_vision_weight
+from aiolm.model.layers.vision import SiglipVisionTower, load_tower_weight, missing_tower_weights, text_weights
 
 
 class Gemma3Projector(nn.Module):
@@ -85,16 +85,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """The text model's tensors through gemma3.py's loading; the tower's and the
         projector's here."""
         mine: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = rename_vision_weight(name)
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    mine.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        super().load_weights(text())
+        super().load_weights(text_weights(weights, mine))
         seen: set[str] = set()
         for name, tensor in mine:
             if name.startswith("multi_modal_projector."):

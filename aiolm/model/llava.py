@@ -15,26 +15,17 @@ and ``multi_modal_projector.*``. Both load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from aiolm.checkpoint.vision import LlavaConfig
+from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from aiolm.model.layers.vision import ACTIVATIONS, CLIPVisionTower, load_tower_weight, missing_tower_weights
+from aiolm.model.layers.vision import CLIPVisionTower, load_tower_weight, missing_tower_weights, text_weights
 from aiolm.model.llama import LlamaForCausalLM
-
-# checkpoint prefixes -> ours; the first that matches wins (transformers 5's, then older)
-_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.vision_tower.vision_model.", "vision_tower."),
-    ("vision_tower.vision_model.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
 
 
 class LlavaProjector(nn.Module):
@@ -78,16 +69,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """The language model's tensors through llama.py's loading; the tower's and the
         projector's here (tower layers past the feature layer are skipped)."""
         mine: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = rename_vision_weight(name)
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    mine.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        super().load_weights(text())
+        super().load_weights(text_weights(weights, mine))
         seen: set[str] = set()
         projector = dict(self.multi_modal_projector.named_modules())
         for name, tensor in mine:
@@ -107,11 +89,3 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         ]
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} vision weights, e.g. {missing[:3]}")
-
-
-def rename_vision_weight(name: str) -> str:
-    """A vision-language checkpoint's tensor name in this module's terms (``_PREFIXES``)."""
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name.removeprefix(old)
-    return name

@@ -10,7 +10,7 @@ tensor-parallel split apply here as there; norms and embeddings are replicated.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -18,27 +18,10 @@ from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.vision import VisionConfig
+from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.to(self.weight.dtype), self.weight.shape, self.weight, self.bias, self.eps)
+from aiolm.model.layers.norm import LayerNorm
 
 
 class VisionEncoderLayer(nn.Module):
@@ -191,6 +174,34 @@ def missing_tower_weights(tower: nn.Module, seen: set[str]) -> list[str]:
 
 
 _FUSED_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+
+# checkpoint prefixes -> ours; the first that matches wins (transformers 5's, then older)
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def text_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], vision: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A vision-language checkpoint's language-model tensors under a decoder's names, for its
+    loading; the tower's and the projector's (``vision_tower.*``, ``multi_modal_projector.*``)
+    are put in ``vision`` instead. Both layouts load: transformers 5's ``model.language_model.*``
+    and ``model.vision_tower.vision_model.*``, and the older top-level names."""
+    for name, tensor in weights:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            vision.append((name, tensor))
+        else:
+            yield name, tensor
 
 
 def _images_meta(n: int, rows: int, device: torch.device) -> AttentionMetadata:

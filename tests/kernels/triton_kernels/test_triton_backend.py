@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import PagedBatch, reference_attention
+from triton_cases import PagedBatch, on_device, reference_attention
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.attention.torch_backend import TorchAttention, kv_cache_shape
@@ -30,20 +30,6 @@ def _case(cache_dtype, block_size=16, seed=0):
     return q, k, v, cache, meta, (heads, kv_heads, d)
 
 
-def _on(meta: AttentionMetadata, device: str) -> AttentionMetadata:
-    """The same metadata with its tensors on ``device`` (the kernels read them there)."""
-    return AttentionMetadata(
-        meta.num_tokens,
-        meta.query_start_loc.to(device),
-        meta.seq_lens.to(device),
-        meta.block_table.to(device),
-        meta.slot_mapping.to(device),
-        meta.query_lens_cpu,
-        meta.seq_lens_cpu,
-        meta.block_size,
-    )
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_backend_matches_torch_backend(cache_dtype, block_size, device):
@@ -59,7 +45,7 @@ def test_backend_matches_torch_backend(cache_dtype, block_size, device):
             backend.k_scale, backend.v_scale = 0.5, 2.0
     want = ref.forward(q, k, v, want_cache, meta)
 
-    dev_meta = _on(meta, device)
+    dev_meta = on_device(meta, device)
     got_cache = cache.to(device)
     got = ours.forward(q.to(device), k.to(device), v.to(device), got_cache, dev_meta)
     assert got.shape == want.shape == (meta.num_tokens, h * d)
@@ -75,7 +61,7 @@ def test_backend_window_and_soft_cap(device):
     q, k, v, cache, meta, (h, hk, d) = _case(torch.float32)
     backend = TritonAttention(h, hk, d, 0.1, sliding_window=5, soft_cap=3.0)
     got_cache = cache.to(device)
-    got = backend.forward(q.to(device), k.to(device), v.to(device), got_cache, _on(meta, device))
+    got = backend.forward(q.to(device), k.to(device), v.to(device), got_cache, on_device(meta, device))
     written = got_cache.cpu()
     pages = [row[: -(-s // meta.block_size)].tolist() for row, s in zip(meta.block_table, meta.seq_lens_cpu)]
     b = PagedBatch(

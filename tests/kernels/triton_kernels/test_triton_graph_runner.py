@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_cases import on_device
 
 from aiolm.attention.metadata import AttentionMetadata
 
@@ -50,19 +51,6 @@ class TinyAttentionLayer:
         return self.attn.forward(q, k, v, self.cache, meta) @ self.wo
 
 
-def _on(meta: AttentionMetadata, device: str) -> AttentionMetadata:
-    return AttentionMetadata(
-        meta.num_tokens,
-        meta.query_start_loc.to(device),
-        meta.seq_lens.to(device),
-        meta.block_table.to(device),
-        meta.slot_mapping.to(device),
-        meta.query_lens_cpu,
-        meta.seq_lens_cpu,
-        meta.block_size,
-    )
-
-
 def _prefilled(device: str, lens: list[int]):
     layer = TinyAttentionLayer(device)
     blocks, nxt = [], 1
@@ -73,7 +61,7 @@ def _prefilled(device: str, lens: list[int]):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (sum(lens),), generator=g)
     pos = torch.cat([torch.arange(s) for s in lens])
-    layer(ids.to(device), pos.to(device), _on(AttentionMetadata.build(lens, lens, blocks, BLOCK), device))
+    layer(ids.to(device), pos.to(device), on_device(AttentionMetadata.build(lens, lens, blocks, BLOCK), device))
     return layer, blocks
 
 
@@ -82,7 +70,7 @@ def _decode_step(lens: list[int], blocks: list[list[int]], device: str, seed: in
     ids = torch.randint(0, 100, (len(lens),), generator=g)
     seq = [s + 1 for s in lens]
     meta = AttentionMetadata.build([1] * len(lens), seq, [b[: -(-s // BLOCK)] for b, s in zip(blocks, seq)], BLOCK)
-    return ids.to(device), torch.tensor(lens).to(device), _on(meta, device)
+    return ids.to(device), torch.tensor(lens).to(device), on_device(meta, device)
 
 
 @pytest.mark.parametrize("lens", [[5, 17, 31], [40, 1, 16, 15, 2]])  # 3 rows -> graph 4, 5 rows -> graph 8

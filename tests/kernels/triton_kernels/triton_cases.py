@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aiolm.attention.metadata import AttentionMetadata
+
 
 @dataclass
 class PagedBatch:
@@ -123,3 +125,17 @@ def model_with_ops(source, ops, attention: str):
     model = build_from_config(source.config, ctx)
     model.load_weights(iter_weights(source, lazy=True))
     return finish(model, ctx)
+
+
+def on_device(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    """The same metadata with its tensors on ``device`` (the kernels read them there)."""
+    return AttentionMetadata(
+        meta.num_tokens,
+        meta.query_start_loc.to(device),
+        meta.seq_lens.to(device),
+        meta.block_table.to(device),
+        meta.slot_mapping.to(device),
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+        meta.block_size,
+    )
