@@ -59,19 +59,22 @@ CONVERSATIONS = [
 ]
 
 
-def test_image_embeddings_equal_transformers(llava):
-    """The tower up to the feature layer, the class row dropped, the projector: as transformers."""
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_image_embeddings_equal_transformers(family, request):
+    """LLaVA: the tower up to the feature layer, the class row dropped, the projector. Gemma 3:
+    the tower, the pooled grid, the norm and the projection. Both as transformers computes them."""
     from PIL import Image
 
     from aiolm.checkpoint.source import resolve_model
     from aiolm.model.registry import build_model
 
-    processor, hf = _load(llava)
+    folder = request.getfixturevalue(family)
+    processor, hf = _load(folder)
     pixels = processor.image_processor(
         images=[Image.open(io.BytesIO(png)).convert("RGB") for png in IMAGES[:2]], return_tensors="pt"
     )["pixel_values"]
     want = hf.model.get_image_features(pixel_values=pixels).pooler_output
-    got = build_model(resolve_model(str(llava)), torch.float32).embed_images(pixels)
+    got = build_model(resolve_model(str(folder)), torch.float32).embed_images(pixels)
     torch.testing.assert_close(got, torch.stack(list(want)), atol=1e-5, rtol=1e-5)
 
 
@@ -162,21 +165,6 @@ def test_qwen2_text_model_with_the_class_row_kept(tmp_path, real_source):
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, real_source) -> Path:
     return tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3"), real_source.path)
-
-
-def test_gemma3_image_embeddings_equal_transformers(gemma3):
-    from PIL import Image
-
-    from aiolm.checkpoint.source import resolve_model
-    from aiolm.model.registry import build_model
-
-    processor, hf = _load(gemma3)
-    pixels = processor.image_processor(
-        images=[Image.open(io.BytesIO(png)).convert("RGB") for png in IMAGES[:2]], return_tensors="pt"
-    )["pixel_values"]
-    want = hf.model.get_image_features(pixel_values=pixels).pooler_output
-    got = build_model(resolve_model(str(gemma3)), torch.float32).embed_images(pixels)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [256, 6], ids=["whole-prompt", "chunks-of-6"])
