@@ -86,6 +86,11 @@ class EngineArgs:
     tensor_parallel_size: int = _f(
         1, "number of worker processes splitting each layer (one machine; more with --executor ray)"
     )
+    pipeline_parallel_size: int = _f(
+        1,
+        "pipeline stages splitting the layers, each stage tensor_parallel_size worker processes; "
+        "as many steps in flight as stages, so the stages run at once (CPU, --executor mp)",
+    )
     enable_expert_parallel: bool = _f(
         False,
         "mixture-of-experts models: place whole experts on the tensor-parallel ranks "
@@ -244,6 +249,7 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        self._check_pipeline()
         from aiolm.distributed.communicator import CHOICES
 
         if self.all_reduce not in CHOICES:
@@ -251,7 +257,7 @@ class EngineArgs:
         if self.cpu_bind not in ("auto", "none"):
             from aiolm.distributed.cpu_bind import parse_cpu_bind
 
-            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
+            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size * self.pipeline_parallel_size)
         if self.executor == "local" and self.tensor_parallel_size != 1:
             raise ValueError("executor 'local' runs one rank; use executor 'mp' for tensor_parallel_size > 1")
         if self.ray_address is not None and self.executor != "ray":
@@ -334,6 +340,31 @@ class EngineArgs:
         ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism runs with today; the rest is refused by name."""
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        if pp == 1:
+            return
+        why = None
+        if self.executor != "mp":
+            why = f"runs with --executor mp (worker processes on one machine), not {self.executor!r}"
+        elif self.device.startswith("cuda"):
+            why = "runs on CPU workers for now (--device cpu)"
+        elif self.async_scheduling:
+            why = "keeps one step in flight per stage by itself; leave --async-scheduling off"
+        elif self.speculative is not None:
+            why = "cannot be combined with speculative decoding (--speculative) yet"
+        elif self.enable_lora:
+            why = "cannot serve LoRA adapters (--enable-lora) yet"
+        elif self.kv_transfer_config is not None:
+            why = "cannot move KV between instances or tiers (--kv-transfer-config) yet"
+        elif self.runner == "pooling":
+            why = "runs generating models; pooling models are small enough for one stage"
+        if why is not None:
+            raise ValueError(f"pipeline_parallel_size {pp} {why}")
 
     def max_images(self) -> int:
         """--limit-mm-per-prompt's image count (image=N, or vLLM's JSON {"image": N})."""

@@ -30,6 +30,14 @@ token when it arrives, as it would have without overlap. Aborted, finished and
 preempted requests free their blocks at once: any step that still writes them
 was sent before any step that can reuse them, and the workers run steps in order.
 
+Pipeline parallelism (``pipeline_depth`` P > 1): the engine keeps P steps in flight, one
+per stage, and the placeholders mark which requests have a token in one of them. Such a
+request is not scheduled again until that token is back (the first stage needs it as input,
+and only the last stage samples it); the engine sends it in the next step's diff. Each step
+takes at most 1/P of the running requests, so a decode batch is shared out among the steps
+in flight and every stage has work. Prompt chunks need no token back: a request's next chunk
+may follow its previous one into the pipeline (every stage runs steps in order).
+
 Speculative decoding (``SchedulerConfig.speculative``): a running request in
 decode gets n-gram drafts (``aiolm/spec_decode/``) and is scheduled for
 ``1 + len(drafts)`` tokens, its KV slots reserved for all of them (lookahead;
@@ -116,6 +124,10 @@ class SchedulerConfig:
     hash_seed: int | str | bytes | None = None
     speculative: SpecConfig | None = None  # None: no drafts
     async_scheduling: bool = False  # overlap: the engine schedules a step while the previous one runs
+    # Pipeline parallelism: steps in flight at once (one per stage). A request runs in at most
+    # one of them until its token comes back, and each step takes at most 1/depth of the
+    # running requests, so the stages get equal shares of a decode batch.
+    pipeline_depth: int = 1
     # False for encoder-only models: attention is bidirectional, so a prompt runs whole in one
     # step (a prompt over max_num_batched_tokens can never run, and is refused at admission).
     chunked_prefill: bool = True
@@ -463,11 +475,14 @@ class Scheduler:
         running = self.running
         max_model_len = cfg.max_model_len
         i = 0
-        while i < len(running) and budget > 0:
+        pipeline = cfg.pipeline_depth > 1
+        rows_left = -(-len(running) // cfg.pipeline_depth) if pipeline else len(running)
+        while i < len(running) and budget > 0 and rows_left > 0:
             req = running[i]
             ph = req.num_output_placeholders
             if ph and (
-                len(req.output_token_ids) + ph >= req.max_tokens  # type: ignore[operator]
+                pipeline  # its token is still in the pipeline: the engine sends it once known
+                or len(req.output_token_ids) + ph >= req.max_tokens  # type: ignore[operator]
                 or req.num_tokens + ph >= max_model_len
             ):
                 i += 1  # its last token is already being sampled
@@ -548,6 +563,7 @@ class Scheduler:
             if drafts:
                 draft_tokens[req.req_id] = drafts
             budget -= n
+            rows_left -= 1
             if prefill and prefill_left is not None:
                 prefill_left -= n
             i += 1
@@ -934,7 +950,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         hashing = kv.block_hasher is not None
         bs = kv.block_size
-        overlap = self.config.async_scheduling
+        overlap = self.config.async_scheduling or self.config.pipeline_depth > 1
         for rid, req in step_reqs.items():
             c = req.num_computed_tokens
             req.num_computed_tokens = after = c + num_scheduled[rid]
@@ -974,7 +990,8 @@ class Scheduler:
             for transfer_id in self.connector.sent(model_runner_output.kv_sent):
                 self.kv_cache_manager.release(f"send-{transfer_id}")
         requests = step_reqs if step_reqs is not None else self.requests
-        overlap = self.config.async_scheduling
+        overlap = self.config.async_scheduling or self.config.pipeline_depth > 1
+        appended = self.config.async_scheduling  # the workers appended their token themselves
         worker_tokens = self._worker_num_tokens
         any_finished = False
         for req_id, plp in model_runner_output.prompt_logprobs.items():
@@ -999,7 +1016,7 @@ class Scheduler:
                 continue  # finished or aborted while the step ran (or preempted, without overlap)
             if overlap:
                 req.num_output_placeholders -= 1
-                if req_id in worker_tokens:
+                if appended and req_id in worker_tokens:
                     worker_tokens[req_id] += len(tokens)  # the workers appended it themselves
             new_tokens = tokens
             status = None

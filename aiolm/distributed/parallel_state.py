@@ -1,7 +1,8 @@
-"""Tensor-parallel group of the current process.
+"""Tensor-parallel group and pipeline stage of the current process.
 
 Model layers ask this module for their rank, world size and all-reduce, so the same
-layer code runs with one rank (identity all-reduce) and with several.
+layer code runs with one rank (identity all-reduce) and with several; the model builder
+asks it which pipeline stage this process runs (stages.py), and hands that to the model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from aiolm.distributed.stages import PipelineStage
 
 
 @dataclass
@@ -45,3 +48,15 @@ def get_tp_group() -> TPGroup:
 def set_tp_group(group: TPGroup) -> None:
     global _group
     _group = group
+
+
+_stage = PipelineStage()
+
+
+def get_pp_stage() -> PipelineStage:
+    return _stage
+
+
+def set_pp_stage(stage: PipelineStage) -> None:
+    global _stage
+    _stage = stage

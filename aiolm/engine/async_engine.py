@@ -87,6 +87,8 @@ def check_model_args(args: EngineArgs) -> ModelSource:
     why = split_error(args.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, dense)
     if why is None and isinstance(mc, MoEConfig):
         why = experts_split_error(args.tensor_parallel_size, mc, args.enable_expert_parallel)
+    if why is None:
+        why = pipeline_error(args, source)
     if why is not None:
         raise ValueError(f"{source.name}: {why}")
     if args.enable_lora:
@@ -99,6 +101,25 @@ def check_model_args(args: EngineArgs) -> ModelSource:
             except ParamError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
     return source
+
+
+def pipeline_error(args: EngineArgs, source: ModelSource) -> str | None:
+    """Why ``--pipeline-parallel-size`` cannot split this model here, or None."""
+    from aiolm.checkpoint.families import family_of
+
+    pp, mc = args.pipeline_parallel_size, source.config
+    if pp == 1:
+        return None
+    if args.resolved_device() != "cpu":
+        return f"pipeline_parallel_size {pp} runs on CPU workers for now (--device cpu)"
+    if family_of(mc.architecture).module not in ("llama", "moe"):
+        return (
+            f"pipeline_parallel_size {pp}: only the Llama family (Llama, Mistral, Qwen2, Qwen3) and "
+            f"mixtures of experts are split into stages; this is {mc.architecture}"
+        )
+    if mc.num_layers < pp:
+        return f"pipeline_parallel_size {pp} needs at least one layer per stage; the model has {mc.num_layers}"
+    return None
 
 
 def resolve_runner(runner: str, source: ModelSource) -> tuple[str, PoolingConfig | None]:
@@ -215,7 +236,7 @@ class AsyncEngine:
             num_threads=a.num_threads,
             seed=a.seed,
             device=a.resolved_device(),
-            device_offset=self.engine_index * a.tensor_parallel_size,
+            device_offset=self.engine_index * a.tensor_parallel_size * a.pipeline_parallel_size,
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none",
@@ -250,6 +271,7 @@ class AsyncEngine:
                 enable_prefix_caching=prefix_caching,
                 speculative=None if pooling else a.spec_config(),
                 async_scheduling=a.async_scheduling and not pooling,
+                pipeline_depth=a.pipeline_parallel_size,
                 chunked_prefill=not mc.encoder_only,
                 max_loras=a.max_loras if a.enable_lora else 0,
                 # at least one image's worth, as vLLM sizes it, so every image can be encoded
@@ -288,6 +310,7 @@ class AsyncEngine:
             supervisor=self.supervisor,
             metrics=self.metrics,
             overlap=a.async_scheduling and not pooling,
+            pipeline_depth=a.pipeline_parallel_size,
         )
         self.metrics.configure(self.model_name, self.max_model_len)
         self.output.start(self._on_crash)
@@ -379,7 +402,9 @@ class AsyncEngine:
                     **kwargs,
                 )
             else:
-                ex = MultiprocExecutor(runner_cfg, a.tensor_parallel_size, **kwargs)
+                ex = MultiprocExecutor(
+                    runner_cfg, a.tensor_parallel_size, pipeline_size=a.pipeline_parallel_size, **kwargs
+                )
             holder.append(ex)
         await ex.start()
         return ex
@@ -809,7 +834,9 @@ class AsyncEngine:
         an expert-placement balancer needs. Also in /metrics as ``moe_expert_tokens``."""
         executor = self.executor
         if self._started and self._dead is None and executor is not None and self.expert_tokens:
-            fresh = (await executor.collective_rpc("take_expert_counts"))[0]
+            ranks = await executor.collective_rpc("take_expert_counts")
+            # the first rank of each pipeline stage: that stage's layers, in layer order
+            fresh = [row for rows in ranks[:: self.args.tensor_parallel_size] for row in rows]
             for row, add in zip(self.expert_tokens, fresh):
                 for e, n in enumerate(add):
                     row[e] += n

@@ -127,13 +127,16 @@ class EngineCore(Actor[CoreMessage]):
         supervisor: WorkerSupervisor | None = None,
         metrics: EngineMetrics | None = None,
         overlap: bool = False,
+        pipeline_depth: int = 1,
     ) -> None:
         super().__init__()
         self.metrics = metrics
         # Steps in flight at once. Two (overlap) needs the scheduler's placeholders and the
         # workers appending their own tokens (SchedulerConfig/RunnerConfig.async_scheduling):
         # the engine sets all three.
-        self.depth = 2 if overlap else 1
+        # A pipeline of P stages keeps P steps in flight, each with other requests (the
+        # scheduler's pipeline_depth), so that every stage has a step to run.
+        self.depth = max(2 if overlap else 1, pipeline_depth)
         self._last_reply = 0.0  # rank 0's clock when it answered the previous step
         self.scheduler = scheduler
         self.executor = executor

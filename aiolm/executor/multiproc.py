@@ -33,8 +33,9 @@ from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.step_watch import StepWatch
 from aiolm.ipc import codec
 from aiolm.ipc.heartbeat import HeartbeatBoard
-from aiolm.ipc.shm_ring import PeerDied, RingClosed, ShmRing
+from aiolm.ipc.shm_ring import PeerDied, RingClosed, RingHandle, ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
+from aiolm.worker.worker import answering_rank
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ class MultiprocExecutor(Executor):
         incarnation: int = 0,
         all_reduce: str = "auto",
         cpu_bind: str = "auto",
+        pipeline_size: int = 1,
     ) -> None:
+        """``world_size`` ranks split each layer (tensor parallel) in each of ``pipeline_size``
+        stages, which split the layers: world_size * pipeline_size processes in all."""
         self.cfg = cfg
         self.step_watch = step_watch  # None: no step time limit
         self.heartbeats: HeartbeatBoard | None = None
@@ -71,12 +75,17 @@ class MultiprocExecutor(Executor):
         # Scheduled tokens of each submitted step whose result is not read yet, by handle.
         self._step_tokens: dict[asyncio.Future[bytes], int] = {}
         self.incarnation = incarnation  # how many worker sets came before this one (for logs)
-        self.world_size = world_size
+        self.tp_size = world_size
+        self.pipeline_size = pipeline_size
+        self.world_size = world_size * pipeline_size  # every rank of every stage
+        self.answering = answering_rank(self.world_size, pipeline_size)  # the rank that answers steps
         self.all_reduce_requested = all_reduce
         self.cpu_bind = cpu_bind
         self.all_reduce: str | None = None  # what the ranks run, from their handshake
-        self.all_reduce_shm: str | None = None  # the CPU all-reduce segment, owned here
-        self._unlink_shm: Callable[[], bool] | None = None
+        # the CPU all-reduce segment of each stage, owned here (None: that stage has none)
+        self.all_reduce_shms: list[str | None] = [None] * pipeline_size
+        self._unlink_shm: list[Callable[[], bool]] = []
+        self.stage_links: list[RingHandle] = []  # stage s rank t -> stage s+1 rank t, at s * T + t
         self.block_size = cfg.block_size
         self.startup_timeout = startup_timeout
         self.on_death = on_death
@@ -92,8 +101,10 @@ class MultiprocExecutor(Executor):
         # the order it was sent to, so whoever reads a reply hands it to the oldest future:
         # steps may queue behind each other (overlap scheduling), an rpc may follow them,
         # and a caller cancelled while waiting leaves a future nobody reads, not a stray reply.
-        self._owed: list[collections.deque[asyncio.Future[bytes]]] = [collections.deque() for _ in range(world_size)]
-        self._readers = [asyncio.Lock() for _ in range(world_size)]
+        self._owed: list[collections.deque[asyncio.Future[bytes]]] = [
+            collections.deque() for _ in range(self.world_size)
+        ]
+        self._readers = [asyncio.Lock() for _ in range(self.world_size)]
 
     async def start(self) -> None:
         sweep_stale_segments()
@@ -102,7 +113,8 @@ class MultiprocExecutor(Executor):
             ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0) for _ in range(self.world_size)
         ]
         self.heartbeats = HeartbeatBoard(self.world_size)
-        port = _free_port() if self.world_size > 1 else 0
+        tp = self.tp_size
+        ports = [_free_port() if tp > 1 else 0 for _ in range(self.pipeline_size)]
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         # libgomp's threads spin for milliseconds after each parallel region by default,
@@ -113,8 +125,10 @@ class MultiprocExecutor(Executor):
         # setting wins.
         env.setdefault("GOMP_SPINCOUNT", "10000")
         try:
-            self._make_all_reduce_segment()
+            self._make_all_reduce_segments()
+            self._make_stage_links()
             for rank in range(self.world_size):
+                stage, shm = rank // tp, self.all_reduce_shms[rank // tp]
                 cmd = [
                     sys.executable,
                     "-m",
@@ -130,14 +144,15 @@ class MultiprocExecutor(Executor):
                     "--parent-pid",
                     str(os.getpid()),
                     "--dist-port",
-                    str(port),
+                    str(ports[stage]),
                     "--heartbeat",
                     self.heartbeats.name,
                     "--all-reduce",
                     self.all_reduce_requested,
                     "--cpu-bind",
                     self.cpu_bind,
-                    *(["--all-reduce-shm", self.all_reduce_shm] if self.all_reduce_shm else []),
+                    *(["--all-reduce-shm", shm] if shm else []),
+                    *self._stage_args(rank),
                     "--config",
                     self.cfg.encode(),
                 ]
@@ -150,17 +165,19 @@ class MultiprocExecutor(Executor):
         self.num_blocks = min(i["num_blocks"] for i in infos)
         self.block_bytes = max(int(i.get("block_bytes", 0)) for i in infos)
         self.all_reduce = str(infos[0].get("all_reduce"))
-        if self.world_size > 1:
-            log.info("%d tensor-parallel ranks, all-reduce: %s", self.world_size, self.all_reduce)
+        if self.tp_size > 1:
+            log.info("%d tensor-parallel ranks, all-reduce: %s", self.tp_size, self.all_reduce)
+        if self.pipeline_size > 1:
+            log.info("%d pipeline stages of %d rank(s) each", self.pipeline_size, self.tp_size)
         if self.incarnation:
             log.info("worker set %d started: pids %s", self.incarnation, [p.pid for p in self.procs])
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
-    def _make_all_reduce_segment(self) -> None:
-        """The CPU ranks' shared all-reduce segment (communicator.py decides who uses it).
+    def _make_all_reduce_segments(self) -> None:
+        """Each stage's CPU all-reduce segment (communicator.py decides who uses it).
 
-        Created here so that its name has one owner that outlives every rank: a
-        SIGKILLed rank leaves nothing behind, and shutdown unlinks it.
+        Created here so that each name has one owner that outlives every rank: a
+        SIGKILLed rank leaves nothing behind, and shutdown unlinks them.
         """
         from aiolm.distributed.communicator import check_for_device, requested_all_reduce
 
@@ -168,16 +185,45 @@ class MultiprocExecutor(Executor):
         self.all_reduce_requested = requested
         device_type = self.cfg.device.split(":", 1)[0]
         check_for_device(requested, device_type)
-        if self.world_size == 1 or device_type != "cpu" or requested not in ("auto", "shm"):
+        if self.tp_size == 1 or device_type != "cpu" or requested not in ("auto", "shm"):
             return
         from aiolm.distributed.shm_allreduce import create_segment
 
-        try:
-            self.all_reduce_shm, self._unlink_shm = create_segment(self.world_size)
-        except OSError as e:
-            if requested == "shm":
-                raise ExecutorError(f"cannot create the shared-memory all-reduce segment: {e}") from e
-            log.warning("no shared-memory all-reduce (%s); the ranks fall back to gloo", e)
+        for stage in range(self.pipeline_size):
+            try:
+                name, unlink = create_segment(self.tp_size)
+            except OSError as e:
+                if requested == "shm":
+                    raise ExecutorError(f"cannot create the shared-memory all-reduce segment: {e}") from e
+                log.warning("no shared-memory all-reduce (%s); the ranks fall back to gloo", e)
+                return
+            self.all_reduce_shms[stage] = name
+            self._unlink_shm.append(unlink)
+
+    @property
+    def all_reduce_shm(self) -> str | None:
+        """The first stage's all-reduce segment (the only one without a pipeline)."""
+        return self.all_reduce_shms[0]
+
+    def _make_stage_links(self) -> None:
+        """The rings that carry activations from each pipeline stage to the next, one per
+        tensor-parallel rank (distributed/stage_link.py). Small slots: a decode step's
+        activations fit one, and a prompt chunk's stream through the ring."""
+        for _ in range((self.pipeline_size - 1) * self.tp_size):
+            self.stage_links.append(ShmRing.create_between(num_readers=1, num_slots=4, slot_size=1 << 20))
+
+    def _stage_args(self, rank: int) -> list[str]:
+        """A worker's pipeline flags: the stage count and its rings to its neighbours."""
+        if self.pipeline_size == 1:
+            return []
+        tp = self.tp_size
+        stage, t = divmod(rank, tp)
+        args = ["--pipeline-size", str(self.pipeline_size)]
+        if stage > 0:
+            args += ["--stage-recv", str(self.stage_links[(stage - 1) * tp + t])]
+        if stage < self.pipeline_size - 1:
+            args += ["--stage-send", str(self.stage_links[stage * tp + t])]
+        return args
 
     async def _handshakes(self) -> list[dict[str, int]]:
         """Every rank's ready message; the first failure (or the timeout) cancels the rest."""
@@ -280,7 +326,7 @@ class MultiprocExecutor(Executor):
         if self._closed or self.requests is None:
             raise ExecutorError("executor is shut down")
 
-    async def _send(self, data: bytes, responders: range) -> list[asyncio.Future[bytes]]:
+    async def _send(self, data: bytes, responders: range | list[int]) -> list[asyncio.Future[bytes]]:
         """Broadcast ``data``; one future per responding rank for its reply (see ``_owed``).
         Callers hold ``_lock``, so futures are queued in the order the ranks read."""
         self._check()
@@ -355,7 +401,7 @@ class MultiprocExecutor(Executor):
 
     async def submit(self, step: SchedulerOutput) -> asyncio.Future[bytes]:
         async with self._lock:
-            handle = (await self._send(codec.encode_scheduler_output(step), range(1)))[0]
+            handle = (await self._send(codec.encode_scheduler_output(step), [self.answering]))[0]
         self._step_tokens[handle] = step.total_num_scheduled_tokens
         return handle
 
@@ -364,7 +410,7 @@ class MultiprocExecutor(Executor):
         watch = self.step_watch
         stalls = self._stalls if self._stalled is None else -1
         try:
-            buf = await self._recv(0, handle, watch.limit(tokens) if watch is not None else 0.0, tokens)
+            buf = await self._recv(self.answering, handle, watch.limit(tokens) if watch is not None else 0.0, tokens)
         finally:
             self._step_tokens.pop(handle, None)
         runner_output = self._step_result(codec.decode(buf))
@@ -383,9 +429,9 @@ class MultiprocExecutor(Executor):
             return msg
         if isinstance(msg, tuple) and msg and msg[0] == "error":
             # The worker's step raised; it sent the cause and exits.
-            self._fail(f"worker 0 failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
+            self._fail(f"worker {self.answering} failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
             raise ExecutorError(self._dead or msg[1], self._detail)
-        raise ExecutorError(f"worker 0 answered a step with {type(msg).__name__}")
+        raise ExecutorError(f"worker {self.answering} answered a step with {type(msg).__name__}")
 
     async def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
@@ -426,8 +472,10 @@ class MultiprocExecutor(Executor):
                 ring.unlink()
         if self.heartbeats is not None:
             self.heartbeats.close()
-        if self._unlink_shm is not None:
-            self._unlink_shm()
+        for handle in self.stage_links:
+            handle.unlink()
+        for unlink in self._unlink_shm:
+            unlink()
 
     async def _stop_workers(self, grace: float) -> None:
         """Wait ``grace`` for each worker to leave (the rings are closed), then end it."""

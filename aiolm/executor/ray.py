@@ -236,7 +236,7 @@ class RayExecutor(MultiprocExecutor):
         """The group's all-reduce: as asked on one node; across nodes the shm segment cannot
         reach every rank, so gloo (CPU) or NCCL (CUDA)."""
         if single_node:
-            self._make_all_reduce_segment()
+            self._make_all_reduce_segments()
             return self.all_reduce_requested
         from aiolm.distributed.communicator import requested_all_reduce
 

@@ -108,6 +108,25 @@ def _align(n: int, a: int = _LINE) -> int:
     return (n + a - 1) // a * a
 
 
+def _new_segment(num_readers: int, num_slots: int, slot_size: int) -> tuple[str, mmap.mmap, Callable[[], bool]]:
+    """A fresh segment with its header written: (name, its mapping, the at-exit unlink)."""
+    if not 1 <= num_readers <= 256:
+        raise ValueError(f"num_readers must be in 1..256, got {num_readers}")
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if not 64 <= slot_size < (1 << 32):
+        raise ValueError(f"slot_size must be in [64, 2**32), got {slot_size}")
+    stride = _align(_SLOT_HDR + slot_size)
+    total = _align(_LINE * (2 + num_readers)) + stride * num_slots
+    name, mm, hook = segment.create(total)
+    u = memoryview(mm).cast("Q")
+    u[_H_READERS], u[_H_SLOTS], u[_H_SLOT_SIZE], u[_H_STRIDE] = num_readers, num_slots, slot_size, stride
+    u[_H_VERSION] = _VERSION
+    u[_H_MAGIC] = _MAGIC  # last: marks the header complete
+    u.release()
+    return name, mm, hook
+
+
 class ShmRing:
     """One end of a ring: the writer (``reader_rank is None``) or reader ``reader_rank``.
 
@@ -187,20 +206,7 @@ class ShmRing:
         The creator is the writer unless ``reader_rank`` is given (e.g. the engine
         creating a response ring that a worker attaches to as the writer).
         """
-        if not 1 <= num_readers <= 256:
-            raise ValueError(f"num_readers must be in 1..256, got {num_readers}")
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if not 64 <= slot_size < (1 << 32):
-            raise ValueError(f"slot_size must be in [64, 2**32), got {slot_size}")
-        stride = _align(_SLOT_HDR + slot_size)
-        total = _align(_LINE * (2 + num_readers)) + stride * num_slots
-        name, mm, hook = segment.create(total)
-        u = memoryview(mm).cast("Q")
-        u[_H_READERS], u[_H_SLOTS], u[_H_SLOT_SIZE], u[_H_STRIDE] = num_readers, num_slots, slot_size, stride
-        u[_H_VERSION] = _VERSION
-        u[_H_MAGIC] = _MAGIC  # last: marks the header complete
-        u.release()
+        name, mm, hook = _new_segment(num_readers, num_slots, slot_size)
         try:
             ring = cls(name, mm, reader_rank, True, spin_s)
         except BaseException:
@@ -210,6 +216,15 @@ class ShmRing:
             raise
         ring._atexit = hook
         return ring
+
+    @staticmethod
+    def create_between(num_readers: int, num_slots: int = 16, slot_size: int = 1 << 20) -> RingHandle:
+        """Create a ring for other processes (a pipeline stage writes it, the next reads it):
+        the creator takes no end, owns the name, and unlinks it with ``handle.unlink()`` (or
+        at exit)."""
+        name, mm, _hook = _new_segment(num_readers, num_slots, slot_size)
+        mm.close()
+        return RingHandle(name)
 
     @classmethod
     def attach(cls, handle: RingHandle | str, reader_rank: int | None, *, spin_s: float = 100e-6) -> ShmRing:

@@ -194,6 +194,10 @@ class Gemma3ForCausalLM(nn.Module):
         in float32 on every call, so a float32 model gets the same product."""
         LlamaForCausalLM.load_weights(self, _offset_norms(weights))  # type: ignore[arg-type]
 
+    def holds(self, key: str) -> bool:
+        """Called by load_weights: Gemma 3 runs as one pipeline stage, so every tensor is its."""
+        return True
+
     def _check_complete(self, seen: set[str]) -> None:
         """Called by load_weights: every parameter arrived (lm_head only when untied)."""
         expected = {f"{name}#0" for name, _ in self.named_parameters() if not name.startswith("lm_head")}

@@ -83,6 +83,10 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+class MissingLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage runs: no weights, no KV."""
+
+
 class DecoderLayer(nn.Module):
     # A whole-layer step for the steps it can take, which the quant config the layer was
     # built with may offer once the layer's weights are ready (a GGUF file's blocks:
@@ -151,7 +155,16 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ctx.ops
         )
-        self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
+        # One pipeline stage (ctx.stage) builds only its layers; the others' places hold
+        # MissingLayer, so names and indexes stay the checkpoint's. The first stage embeds,
+        # the last normalises and computes logits (and keeps the embeddings if they are tied).
+        stage = self.stage = ctx.stage
+        self.local_layers = stage.layers(cfg.num_layers)
+        tied_head = stage.is_last and cfg.tie_word_embeddings and not ctx.pooling
+        self.embed_tokens = (
+            VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size) if stage.is_first or tied_head else None
+        )
+        self.activation_dtype = ctx.dtype
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg,
@@ -161,14 +174,16 @@ class LlamaForCausalLM(nn.Module):
                 f"model.layers.{i}",
                 self.make_mlp(cfg, ctx, i, f"model.layers.{i}.mlp"),
             )
+            if i in self.local_layers
+            else MissingLayer()
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops) if stage.is_last else None
         # a model built to pool (an embedder) has no LM head, and its checkpoint (a
         # sentence-transformers folder: the bare decoder) need not hold one
         self.lm_head = (
             None
-            if ctx.pooling
+            if ctx.pooling or not stage.is_last
             else ParallelLMHead(
                 ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
             )
@@ -186,19 +201,42 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens from many sequences;
         ``mm_embeds`` (rows, embeddings): image embeddings that replace those rows' token
-        embeddings (the placeholders of a vision-language prompt, model/llava.py)."""
-        x = self.embed_tokens(input_ids)
-        if mm_embeds is not None:
-            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, cache, meta)
+        embeddings (the placeholders of a vision-language prompt, model/llava.py);
+        ``intermediate``: on a later pipeline stage, what the stage before it handed on."""
+        x, residual = self.run_layers(input_ids, positions, kv_caches, meta, mm_embeds, intermediate)
+        assert self.norm is not None, "only the last pipeline stage ends the model"
         if residual is None:
             return self.norm(x)
         return self.norm(x.to(residual.dtype), residual)[0]  # float32 into the LM head
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers (``kv_caches``: theirs, in order): from the token embeddings on
+        the first stage, else from ``intermediate``; returns the last layer's output and the
+        residual stream, which a stage before the last hands on as they are."""
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage starts from the previous one's output"
+            x = self.embed_tokens(input_ids)
+            if mm_embeds is not None:
+                x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
+            residual = None
+        else:
+            x, residual = intermediate
+        layers = self.layers
+        for i, cache in zip(self.local_layers, kv_caches):
+            x, residual = layers[i](positions, x, residual, cache, meta)
+        return x, residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -216,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
                 continue
             key = name.removeprefix("model.")
+            if not self.holds(key):
+                continue  # another pipeline stage's
             mod_path, _, pname = key.rpartition(".")
             parent, _, leaf = mod_path.rpartition(".")
             shard = 0
@@ -235,10 +275,12 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(seen)
 
     def _check_complete(self, seen: set[str]) -> None:
-        expected = {"embed_tokens.weight#0", "norm.weight#0"}
+        expected = {"embed_tokens.weight#0"} if self.embed_tokens is not None else set()
+        if self.norm is not None:
+            expected.add("norm.weight#0")
         if not self.config.tie_word_embeddings and self.lm_head is not None:
             expected.add("lm_head.weight#0")
-        for i in range(self.config.num_layers):
+        for i in self.local_layers:
             p = f"layers.{i}"
             expected |= {f"{p}.self_attn.qkv_proj.weight#{s}" for s in range(3)}
             expected |= self.expected_mlp_weights(i, f"{p}.mlp")
@@ -250,6 +292,18 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - seen)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def holds(self, key: str) -> bool:
+        """Whether this pipeline stage loads the tensor ``key`` (its name less ``model.``)."""
+        if key.startswith("layers."):
+            return int(key.split(".", 2)[1]) in self.local_layers
+        if key.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        if key.startswith("norm."):
+            return self.norm is not None
+        if key.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def expected_mlp_weights(self, layer: int, prefix: str) -> set[str]:
         """What ``load_weights`` must have filled of layer ``layer``'s feed-forward block."""

@@ -86,6 +86,8 @@ class MoEForCausalLM(LlamaForCausalLM):
                     yield hf, tensor
                     continue
                 i, e, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+                if i < len(layers) and i not in self.local_layers:
+                    continue  # another pipeline stage's
                 mlp = layers[i].mlp if i < len(layers) else None
                 if not isinstance(mlp, SparseMoeBlock) or proj not in EXPERT_PARTS:
                     raise ModelLoadError(f"weight {name!r} does not belong to any {self.config.architecture} parameter")

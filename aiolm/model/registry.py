@@ -19,7 +19,7 @@ import torch
 
 from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.families import family_of
-from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.distributed.parallel_state import get_pp_stage, get_tp_group
 from aiolm.lora.layers import LoRAContext
 from aiolm.model.layers.context import BuildContext, process_weights_after_loading
 from aiolm.model.loader import iter_weights
@@ -79,6 +79,7 @@ def build_context(
         expert_parallel=expert_parallel,
         pooling=pooling,
         lora=lora_ctx,
+        stage=get_pp_stage(),
     )
 
 

@@ -113,6 +113,10 @@ class Platform:
         where the device can run out, running out becomes a clear error naming the knob."""
         return contextlib.nullcontext()
 
+    def pin_worker(self, rank: int, world_size: int, cpu_bind: str = "auto") -> None:
+        """Keep rank ``rank`` of the engine's ``world_size`` worker processes on its own share
+        of the machine (``cpu_bind``: EngineArgs.cpu_bind); nothing to do by default."""
+
     def make_tp_group(
         self,
         rank: int,
@@ -120,7 +124,6 @@ class Platform:
         port: int,
         all_reduce: str = "auto",
         shm_name: str | None = None,
-        cpu_bind: str = "auto",
         host: str = "127.0.0.1",
     ) -> tuple[Any, str]:
         """This rank's tensor-parallel group (whose all-reduce row-parallel layers end in)

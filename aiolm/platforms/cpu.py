@@ -132,21 +132,11 @@ class CpuPlatform(Platform):
 
         return lora_apply
 
-    def make_tp_group(
-        self,
-        rank: int,
-        world_size: int,
-        port: int,
-        all_reduce: str = "auto",
-        shm_name: str | None = None,
-        cpu_bind: str = "auto",
-        host: str = "127.0.0.1",
-    ) -> tuple[Any, str]:
-        """Ranks pinned to disjoint cores first, so they do not fight over them."""
+    def pin_worker(self, rank: int, world_size: int, cpu_bind: str = "auto") -> None:
+        """Ranks pinned to disjoint cores before their groups form, so they do not fight over them."""
         from aiolm.distributed.cpu_bind import bind_rank
 
         bind_rank(rank, world_size, cpu_bind)
-        return super().make_tp_group(rank, world_size, port, all_reduce, shm_name, cpu_bind, host)
 
     def tune_worker_process(self) -> None:
         """Step activations come from glibc's heap, not fresh mappings: glibc maps every

@@ -7,6 +7,7 @@ makes tensors of it.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import time
@@ -26,7 +27,8 @@ from aiolm.core.step import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from aiolm.distributed.parallel_state import get_tp_group
+from aiolm.distributed.parallel_state import get_pp_stage, get_tp_group
+from aiolm.distributed.stage_link import StageLink
 from aiolm.kv_transfer.base import ConnectorWorker
 from aiolm.kv_transfer.offload_worker import OffloadWorker
 from aiolm.kv_transfer.pd_worker import PDWorker
@@ -54,8 +56,13 @@ GRAMMAR_IDLE_WAIT_S = 0.02
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig) -> None:
+    def __init__(self, cfg: RunnerConfig, link: StageLink | None = None) -> None:
+        """``link``: the rings to the neighbouring pipeline stages, when this rank runs one
+        stage of several (distributed/parallel_state.py says which)."""
         self.cfg = cfg
+        self.stage = get_pp_stage()
+        self.link = link
+        self.busy: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=1024)
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.platform = get_platform(cfg.device)
@@ -82,13 +89,17 @@ class ModelRunner:
             self.lora = LoRAManager(self.model, self.source.config, max(cfg.max_cpu_loras, cfg.max_loras))
             # room for a step's tokens before any CUDA graph takes the slot buffer's address
             self.lora.ctx.set_rows([-1] * max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
-        self.dtype = self.model.embed_tokens.weight.dtype  # activations (float32 for CPU bfloat16)
+        embed = getattr(self.model, "embed_tokens", None)  # None on a later pipeline stage
+        # activations (float32 for CPU bfloat16)
+        self.dtype = embed.weight.dtype if embed is not None else self.model.activation_dtype
         fp8 = cfg.kv_cache_dtype in ("fp8", "fp8_e4m3")
         self.kv_dtype = torch.float8_e4m3fn if fp8 else self.platform.kv_cache_dtype(requested)
         mc = self.source.config
         self.vocab_size = mc.vocab_size
         self.grammars = BackgroundCompiles(mc.vocab_size)
-        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        # this stage's layers (all of them without a pipeline), which the KV cache is for
+        self.layer_ids = list(getattr(self.model, "local_layers", range(mc.num_layers)))
+        self.num_layers, self.head_dim = len(self.layer_ids), mc.head_dim
         self.pooler: Pooler | None = None
         self.pooling: dict[str, PoolingState] = {}  # live pooling requests' running states
         if cfg.runner == "pooling":
@@ -145,8 +156,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, cfg: RunnerConfig) -> None:
         mc = self.source.config
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * mc.num_layers * self.kv_dtype.itemsize
+        self.num_kv_heads = self.model.layers[self.layer_ids[0]].self_attn.num_kv_heads
+        per_block = 2 * cfg.block_size * self.num_kv_heads * mc.head_dim * self.num_layers * self.kv_dtype.itemsize
         sizer = KVCacheSizer(self.platform)
         kv_bytes = sizer.kv_cache_bytes(self)
         self.num_blocks = int(kv_bytes // per_block)
@@ -163,10 +174,12 @@ class ModelRunner:
             raise ValueError(sizer.too_few_blocks(cfg, self.num_blocks, min_blocks))
         shape = kv_cache_shape(self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim)
         with self.platform.memory_guard("allocating the KV cache", cfg):
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layer_ids]
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output; None on a pipeline stage before the last, which only hands its
+        activations on (the last stage answers for the step)."""
         t0 = time.perf_counter()
         if self.kv_connector is not None:
             self.kv_connector.begin_step(scheduler_output, idle=scheduler_output.total_num_scheduled_tokens == 0)
@@ -177,7 +190,7 @@ class ModelRunner:
             self._track_images(scheduler_output)
         if scheduler_output.free_encoder_hashes or scheduler_output.encoder_inputs:
             self._run_encoder(scheduler_output)
-        if scheduler_output.grammars:
+        if scheduler_output.grammars and self.stage.is_last:  # the last stage samples
             self.grammars.submit(scheduler_output.grammars)
         if scheduler_output.total_num_scheduled_tokens == 0:
             ready, errors = self.grammars.collect(wait=GRAMMAR_IDLE_WAIT_S)
@@ -202,7 +215,12 @@ class ModelRunner:
             return self._execute_pooling(scheduler_output, step, meta, t0, t1)
         mm = self._image_embeds(step) if self.images_of else None
         plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
-        if plan is not None and not plan.eager and mm is None:
+        if self.stage.size > 1:
+            out = self._run_stage(scheduler_output.step, step, meta)
+            if out is None:
+                return None  # handed on to the next stage, which answers
+            hidden = out
+        elif plan is not None and not plan.eager and mm is None:
             hidden = self.graphs.run(plan.size, step.input_ids, step.positions, meta)  # type: ignore[union-attr]
         elif mm is not None:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, mm_embeds=mm)
@@ -249,6 +267,29 @@ class ModelRunner:
             kv_loaded=loaded,
             kv_sent=sent,
         )
+
+    def _run_stage(self, step_no: int, step: Any, meta: AttentionMetadata) -> torch.Tensor | None:
+        """This pipeline stage's layers over the step: from the tokens on the first stage, else
+        from what the stage before handed on; the hidden states on the last stage, else None
+        once they are on their way to the next."""
+        assert self.link is not None, "a pipeline stage needs its link to its neighbours"
+        inter = None if self.stage.is_first else self.link.recv(step_no, self.device)
+        start = time.perf_counter()
+        if self.stage.is_last:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, intermediate=inter)
+            self.busy.append((step_no, start, time.perf_counter()))
+            return hidden
+        x, residual = self.model.run_layers(step.input_ids, step.positions, self.kv_caches, meta, None, inter)
+        assert residual is not None, "every stage holds at least one layer"
+        self.busy.append((step_no, start, time.perf_counter()))
+        self.link.send(step_no, x, residual)
+        return None
+
+    def stage_trace(self) -> list[tuple[int, float, float]]:
+        """(step, start, end) of this pipeline stage's latest forward passes, in
+        time.perf_counter() seconds (CLOCK_MONOTONIC, one clock for every process here):
+        where two stages' intervals overlap, both computed at once."""
+        return list(self.busy)
 
     def _kv_done(self) -> tuple[dict[int, int], list[str]]:
         """The KV connector's loads put into their blocks and transfers sent, for the reply."""
@@ -473,8 +514,13 @@ class ModelRunner:
 
     def uses_cuda_graphs(self) -> bool:
         """Whether decode steps will replay CUDA graphs (the memory profile leaves them room)."""
-        attn = self.model.layers[0].self_attn.attn
-        return self.device.type == "cuda" and not self.cfg.enforce_eager and getattr(attn, "cuda_graph_safe", False)
+        attn = self.model.layers[self.layer_ids[0]].self_attn.attn
+        return (
+            self.device.type == "cuda"
+            and not self.cfg.enforce_eager
+            and self.stage.size == 1  # a stage's graphs would need its input buffers captured too
+            and getattr(attn, "cuda_graph_safe", False)
+        )
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """On CUDA, decode steps of up to ``max_cudagraph_size`` rows replay captured graphs

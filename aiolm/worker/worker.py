@@ -57,6 +57,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--all-reduce-shm", default=None, help="the engine's all-reduce segment (CPU)")
     p.add_argument("--heartbeat", default=None, help="the engine's heartbeat segment (ipc/heartbeat.py)")
     p.add_argument("--cpu-bind", default="auto", help="auto, none, or cpu lists per rank: 0-3;4-7")
+    p.add_argument("--pipeline-size", type=int, default=1, help="pipeline stages; world_size counts all their ranks")
+    p.add_argument("--stage-recv", default=None, help="the ring from the previous pipeline stage")
+    p.add_argument("--stage-send", default=None, help="the ring to the next pipeline stage")
     p.add_argument("--config", required=True, help="base64 pickle of RunnerConfig")
     return p.parse_args(argv)
 
@@ -75,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     handles = [RingHandle.parse(args.request_ring), RingHandle.parse(args.response_ring)]
     requests = ShmRing.attach(handles[0], reader_rank=args.rank)
     responses = ShmRing.attach(handles[1], reader_rank=None)
+    link = None
     try:
         # Beating from the start: loading the model is progress too.
         beat = Heartbeat(args.heartbeat, args.rank) if args.heartbeat else None
-        return _serve(args, requests, responses, beat)
+        link = _stage_link(args, handles)
+        return _serve(args, requests, responses, beat, link)
     finally:
+        if link is not None:
+            link.close()
         if not parent_alive(args.parent_pid):
             for h in handles:  # the engine was killed: nobody else will unlink its rings
                 h.unlink()
@@ -88,6 +95,23 @@ def main(argv: list[str] | None = None) -> int:
                     segment.unlink(name)
         requests.close()
         responses.close()
+
+
+def _stage_link(args: argparse.Namespace, handles: list[RingHandle]) -> Any:
+    """This rank's ends of the rings to its neighbouring pipeline stages (None without a
+    pipeline); their handles join ``handles``, which a worker outliving its engine unlinks."""
+    if args.pipeline_size == 1:
+        return None
+    from aiolm.distributed.stage_link import StageLink
+
+    recv = send = None
+    if args.stage_recv:
+        handles.append(RingHandle.parse(args.stage_recv))
+        recv = ShmRing.attach(handles[-1], reader_rank=0)
+    if args.stage_send:
+        handles.append(RingHandle.parse(args.stage_send))
+        send = ShmRing.attach(handles[-1], reader_rank=None)
+    return StageLink(recv, send)
 
 
 def _watch_parent_while(parent_pid: int, busy: threading.Event) -> None:
@@ -122,7 +146,7 @@ def _kill_children() -> None:
                 pass
 
 
-def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat: Heartbeat | None) -> int:
+def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat: Heartbeat | None, link: Any) -> int:
     loading = threading.Event()
     loading.set()
     threading.Thread(target=_watch_parent_while, args=(args.parent_pid, loading), daemon=True).start()
@@ -135,6 +159,8 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat
             all_reduce=args.all_reduce,
             shm_name=args.all_reduce_shm,
             cpu_bind=args.cpu_bind,
+            pipeline_size=args.pipeline_size,
+            link=link,
         )
     except BaseException as e:
         loading.clear()
@@ -149,6 +175,7 @@ def _serve(args: argparse.Namespace, requests: ShmRing, responses: ShmRing, beat
         responses,
         lambda: parent_alive(args.parent_pid),
         beat.step_done if beat is not None else None,
+        answers_steps=args.rank == answering_rank(args.world_size, args.pipeline_size),
     )
 
 
@@ -162,22 +189,35 @@ def build_runner(
     shm_name: str | None = None,
     cpu_bind: str = "auto",
     host: str = "127.0.0.1",
+    pipeline_size: int = 1,
+    link: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """This rank's tensor-parallel group and model runner, and its ready message (KV capacity,
-    the all-reduce it runs). Shared by worker processes and Ray actors (executor/ray_worker.py)."""
-    from aiolm.distributed.parallel_state import set_tp_group
+    """This rank's tensor-parallel group, pipeline stage and model runner, and its ready
+    message (KV capacity, the all-reduce it runs). Ranks are numbered stage by stage:
+    rank r is rank r % T of stage r // T, T = world_size // pipeline_size, and ``port`` and
+    ``shm_name`` are its stage's. Shared by worker processes and Ray actors
+    (executor/ray_worker.py); ``link``: the rings to its neighbouring stages."""
+    from aiolm.distributed.parallel_state import PipelineStage, set_pp_stage, set_tp_group
     from aiolm.platforms import get_platform
     from aiolm.worker.model_runner import ModelRunner
 
+    tp_size = world_size // pipeline_size
     platform = get_platform(cfg.device)
     platform.worker_device(cfg.device, rank + cfg.device_offset)  # current before the group forms
+    platform.pin_worker(rank, world_size, cpu_bind)
     group, name = platform.make_tp_group(
-        rank, world_size, port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host
+        rank % tp_size, tp_size, port, all_reduce=all_reduce, shm_name=shm_name, host=host
     )
     set_tp_group(group)
-    runner = ModelRunner(cfg)
+    set_pp_stage(PipelineStage(rank // tp_size, pipeline_size))
+    runner = ModelRunner(cfg, link)
     platform.tune_worker_process()
     return runner, dict(runner.kv_cache_info(), all_reduce=name)
+
+
+def answering_rank(world_size: int, pipeline_size: int) -> int:
+    """The rank that answers steps: the first rank of the last pipeline stage, which samples."""
+    return world_size - world_size // pipeline_size
 
 
 def serve_ring(
@@ -187,10 +227,11 @@ def serve_ring(
     responses: ShmRing,
     engine_alive: Callable[[], bool],
     step_done: Callable[[], None] | None = None,
+    answers_steps: bool | None = None,
 ) -> int:
     """Execute whatever arrives on the request ring until the engine closes it or dies;
     the exit status. ``step_done`` is called after each step this rank finished."""
-    handler = StepHandler(runner, rank, step_done)
+    handler = StepHandler(runner, rank, step_done, answers_steps)
     try:
         while True:
             try:
@@ -214,11 +255,15 @@ def serve_ring(
 
 class StepHandler:
     """One rank's answer to one message from the engine, whatever carried it (a ring or a
-    Ray call): a step (only rank 0 answers it), an RPC, or shutdown."""
+    Ray call): a step (only one rank answers it: ``answers_steps``, by default rank 0), an
+    RPC, or shutdown."""
 
-    def __init__(self, runner: Any, rank: int, step_done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, runner: Any, rank: int, step_done: Callable[[], None] | None = None, answers_steps: bool | None = None
+    ) -> None:
         self.runner = runner
         self.rank = rank
+        self.answers_steps = rank == 0 if answers_steps is None else answers_steps
         self.step_done = step_done
         self.steps = 0
         self.fault_path = os.environ.get(FAULT_ENV) if rank == 0 else None
@@ -236,7 +281,7 @@ class StepHandler:
                 if self.fault_path:
                     _injected_fault(self.fault_path)
                 out = self.runner.execute(msg)
-            except (PeerDied, TimeoutError) as e:  # a tensor-parallel peer is gone or stuck
+            except (PeerDied, RingClosed, TimeoutError) as e:  # a peer (tensor-parallel or pipeline) is gone or stuck
                 log.error("rank %d stops: %s", self.rank, e)
                 return None, 1
             except Exception as e:
@@ -247,8 +292,9 @@ class StepHandler:
                 return codec.encode(("error", f"{type(e).__name__}: {e}", tb)), 1
             if self.step_done is not None:
                 self.step_done()
-            if self.rank != 0:
+            if not self.answers_steps:
                 return None, None
+            assert out is not None, "the answering rank runs the last pipeline stage"
             out.worker_clock = [received, time.perf_counter()]
             return codec.encode_model_runner_output(out), None
         if isinstance(msg, codec.RpcCall):

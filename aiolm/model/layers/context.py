@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aiolm.distributed.stages import PipelineStage
 from aiolm.kernels.ops import TorchOps
 from aiolm.lora.layers import LoRAContext
 from aiolm.quant.base import QuantConfig
@@ -36,6 +37,9 @@ class BuildContext:
     # built to serve LoRA adapters (aiolm/lora/layers.py): the projections an adapter may
     # target get slots, all reading this one context's per-step rows
     lora: LoRAContext | None = None
+    # the pipeline stage this model is built for (aiolm/distributed/stages.py): a
+    # decoder builds only that stage's layers, the embeddings on the first, the head on the last
+    stage: PipelineStage = field(default_factory=PipelineStage)
 
 
 def process_weights_after_loading(module: nn.Module) -> None:
