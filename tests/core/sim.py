@@ -276,6 +276,15 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
                     or len(r.output_token_ids) + ph >= r.max_tokens
                     or r.num_tokens + ph >= cfg.max_model_len
                     or (ph and len(sched.running) == 1)
+                    # a pipeline: its token is in flight, or this step took its share of the running
+                    or (
+                        cfg.pipeline_depth > 1
+                        and (
+                            ph > 0
+                            or len(so.scheduled_cached_reqs) * cfg.pipeline_depth
+                            >= len(sched.running) - len(so.scheduled_new_reqs)
+                        )
+                    )
                     # --max-step-ms: this step's prompt tokens reached their cap
                     or (sched.step_cost is not None and r.num_tokens + ph - r.num_computed_tokens > 1)
                 ), (  # alone, out of blocks: awaits its token

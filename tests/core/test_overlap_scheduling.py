@@ -1,7 +1,9 @@
-"""Overlap (async) scheduling against a simulated worker that runs steps in order.
+"""Overlap (async) and pipeline scheduling against a simulated worker that runs steps in order.
 
-The engine core submits step N+1 before it reads step N's result; the worker fills
-step N+1's placeholder inputs from the tokens it sampled itself. Tokens here are a
+Overlap: the engine core submits step N+1 before it reads step N's result; the worker
+fills step N+1's placeholder inputs from the tokens it sampled itself. Pipeline (P
+stages): P steps are in flight, a request with a token in one of them waits for it, and
+the engine sends that token in a later step's diff. Tokens here are a
 pure function of (request, position), as greedy decoding of a fixed model is, so
 every request must produce exactly the tokens the serial schedule produces, under
 chunked prefill, prefix caching, preemption, stops and aborts, with every block
@@ -68,10 +70,17 @@ class OrderedWorker:
 
 
 def run_program(
-    sched: Scheduler, overlap: bool, arrivals: dict[int, list], aborts: dict[int, list[str]], max_steps: int = 3000
+    sched: Scheduler,
+    overlap: bool,
+    arrivals: dict[int, list],
+    aborts: dict[int, list[str]],
+    max_steps: int = 3000,
+    depth: int | None = None,
 ) -> dict[str, tuple[list[int], str | None]]:
-    """Drive ``sched`` like the engine core: serial, or up to two steps in flight."""
+    """Drive ``sched`` like the engine core: serial, up to two steps in flight (overlap), or
+    ``depth`` steps in flight (a pipeline of that many stages)."""
     worker = OrderedWorker(overlap)
+    depth = depth or (2 if overlap else 1)
     inflight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str | None] = {}
@@ -90,15 +99,18 @@ def run_program(
         if not sched.has_unfinished_requests() and not inflight and step > max(arrivals, default=0):
             break
         submitted = False
-        if len(inflight) < (2 if overlap else 1) and sched.has_unfinished_requests():
+        if len(inflight) < depth and sched.has_unfinished_requests():
             so = sched.schedule()
             check_scheduler(sched, so)
+            if depth > 1 and not overlap:  # a pipeline: a token in flight holds its request back
+                sampling = {rid for _, out in inflight for rid, t in zip(out.req_ids, out.sampled_token_ids) if t}
+                assert not sampling & set(so.num_scheduled_tokens), "scheduled again before its token came back"
             if so.total_num_scheduled_tokens or so.finished_req_ids or not inflight:
                 inflight.append((so, worker.run(so)))
                 submitted = True
             else:
                 record(sched.update_from_output(so, None))
-        if inflight and not (overlap and submitted and len(inflight) < 2):  # as EngineCore fills its pipeline
+        if inflight and not (submitted and len(inflight) < depth):  # as EngineCore fills its pipeline
             so, runner_output = inflight.popleft()
             record(sched.update_from_output(so, runner_output))
             check_scheduler(sched)
@@ -159,7 +171,7 @@ def test_overlap_produces_the_serial_tokens(data, num_blocks, budget, max_num_se
     aborted = data.draw(st.lists(st.sampled_from([s[0] for s in specs]), max_size=2, unique=True), label="abort")
     abort_step = data.draw(st.integers(0, 30), label="abort_step")
     results = {}
-    for overlap in (False, True):
+    for overlap, depth in ((False, 1), (True, 2), (False, 3)):
         sched = make_scheduler(
             num_blocks=num_blocks,
             max_num_batched_tokens=budget,
@@ -169,17 +181,19 @@ def test_overlap_produces_the_serial_tokens(data, num_blocks, budget, max_num_se
             enable_prefix_caching=caching,
             max_model_len=48,
             async_scheduling=overlap,
+            pipeline_depth=1 if overlap else depth,
         )
-        results[overlap] = run_program(sched, overlap, build(specs, {}), {abort_step: aborted})
-    serial, overlapped = results[False], results[True]
-    for rid, *_ in specs:
-        if rid in aborted:  # aborted at another point of its life: its tokens so far are a prefix
-            a, b = serial.get(rid, ([], None))[0], overlapped.get(rid, ([], None))[0]
-            n = min(len(a), len(b))
-            assert a[:n] == b[:n]
-            continue
-        assert overlapped[rid] == serial[rid], rid
-        assert serial[rid][1] in ("stop", "length", "error")
+        results[depth] = run_program(sched, overlap, build(specs, {}), {abort_step: aborted}, depth=depth)
+    serial = results[1]
+    for other in (results[2], results[3]):
+        for rid, *_ in specs:
+            if rid in aborted:  # aborted at another point of its life: its tokens so far are a prefix
+                a, b = serial.get(rid, ([], None))[0], other.get(rid, ([], None))[0]
+                n = min(len(a), len(b))
+                assert a[:n] == b[:n]
+                continue
+            assert other[rid] == serial[rid], rid
+            assert serial[rid][1] in ("stop", "length", "error")
 
 
 def test_a_stop_at_step_n_discards_the_token_of_step_n_plus_1():
@@ -239,3 +253,24 @@ def test_preempted_while_in_flight_keeps_its_token():
     assert b.output_token_ids == [21, 22] and b.num_output_placeholders == 0
     sched.update_from_output(so3, ModelRunnerOutput(["a"], [[13]]))
     assert sched.get_request("a").output_token_ids == [11, 12, 13]
+
+
+def test_a_pipeline_shares_a_decode_batch_out_among_its_steps():
+    """Three stages, six decoding requests: each step in flight takes two of them, and none
+    is scheduled again before its token is back; that token then comes in the diff."""
+    sched = make_scheduler(pipeline_depth=3, max_num_batched_tokens=64)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", [3, 4, 5], max_tokens=5, ignore_eos=True))
+    prefill = sched.schedule()  # all six prompts, one step
+    assert len(prefill.num_scheduled_tokens) == 6
+    sched.update_from_output(prefill, ModelRunnerOutput(sorted(prefill.num_scheduled_tokens), [[7]] * 6))
+    steps = [sched.schedule() for _ in range(3)]
+    rows = [set(so.num_scheduled_tokens) for so in steps]
+    assert [len(r) for r in rows] == [2, 2, 2] and len(set.union(*rows)) == 6
+    assert sched.schedule().num_scheduled_tokens == {}  # every request has a token in flight
+    first = steps[0]
+    sched.update_from_output(first, ModelRunnerOutput(sorted(rows[0]), [[8], [8]]))
+    again = sched.schedule()
+    assert set(again.num_scheduled_tokens) <= rows[0] and again.num_scheduled_tokens
+    c = again.scheduled_cached_reqs
+    assert all(toks == [8] for toks in c.new_token_ids)  # the engine hands the token to the first stage
