@@ -205,6 +205,11 @@ class AsyncEngine:
         self.runner, pc = resolve_runner(a.runner, self.source)
         self.pooling_config = pc
         pooling = pc is not None
+        if pooling and a.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{self.source.name}: pipeline_parallel_size {a.pipeline_parallel_size} runs generating "
+                f"models; this one pools (--runner pooling)"
+            )
         self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
         if a.max_model_len is None and pc is not None and pc.max_seq_length:
             self.max_model_len = min(self.max_model_len, pc.max_seq_length)

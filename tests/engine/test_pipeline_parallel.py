@@ -1,8 +1,8 @@
 """Pipeline parallelism end to end: stages of real worker processes linked by shared memory.
 
 PP=2 on the embedded SmolLM2 (30 layers: 15 a stage) must give one rank's greedy tokens in
-float32 while prompts are chunked (32-token steps) and the small per-stage KV cache forces
-preemptions; the stages' own trace must show both computing at once; and a SIGKILLed
+float32 while prompts are chunked (32-token steps), a shared prefix is read from the prefix
+cache and the small per-stage KV cache forces preemptions; the stages' own trace must show both computing at once; and a SIGKILLed
 last stage is replaced with the whole worker set while the streams go on, each ending
 with the tokens of a fault-free run. A tiny random Qwen3 split PP=2 and TP=2 x PP=2 must
 give transformers' greedy tokens.
@@ -31,6 +31,9 @@ PROMPTS = [
     "Dear diary, today I",
     "A haiku about the sea:",
 ]
+# two prompts that share their first three blocks: the second one's prefill hits the cache
+SHARED = "You are a careful assistant. Answer in one short sentence, and do not repeat the question. "
+PROMPTS += [SHARED + "What is the tallest mountain?", SHARED + "Why is the sky blue?"]
 MAX_NEW = 40
 ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=32, num_threads=1, dtype="float32")
 
@@ -97,6 +100,7 @@ def test_pp2_matches_one_rank_overlaps_its_stages_and_survives_a_killed_stage():
         got = lt.run(_greedy(engine), timeout=300)
         assert got == want
         assert engine.scheduler.num_preemptions > 0
+        assert engine.scheduler.prefix_cache_stats.hits > 0
 
         # both stages computed at once: some forward pass of stage 0 overlaps one of stage 1
         first, last = lt.run(ex.collective_rpc("stage_trace"), timeout=30)  # type: ignore[union-attr]
