@@ -4,8 +4,8 @@ PP=2 on the embedded SmolLM2 (30 layers: 15 a stage) must give one rank's greedy
 float32 while prompts are chunked (32-token steps), a shared prefix is read from the prefix
 cache and the small per-stage KV cache forces preemptions; the stages' own trace must show
 both computing at once; and a SIGKILLed last stage is replaced with the whole worker set
-while the streams go on, each ending with the tokens of a fault-free run. A tiny random Qwen3 split PP=2 and TP=2 x PP=2 must
-give transformers' greedy tokens.
+while the streams go on, each ending with the tokens of a fault-free run. A tiny random
+Qwen3 split PP=2 and TP=2 x PP=2 must give transformers' greedy tokens.
 """
 
 from __future__ import annotations
