@@ -128,6 +128,13 @@ class EngineArgs:
     ray_address: str | None = _f(
         None, "with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a private local cluster)"
     )
+    ray_placement: str = _f(
+        "auto",
+        "with --executor ray: how ranks are placed on the cluster's nodes: pack (as few nodes as "
+        "fit), spread (over as many as can), strict-pack, strict-spread; a pipeline's stages are "
+        "placed, each with its tensor-parallel ranks together on one node (auto: spread stages, "
+        "pack ranks)",
+    )
     data_parallel_size: int = _f(
         1,
         "engine replicas, each with its own workers (and tensor-parallel group), "
@@ -260,6 +267,14 @@ class EngineArgs:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size * self.pipeline_parallel_size)
         if self.executor == "local" and self.tensor_parallel_size != 1:
             raise ValueError("executor 'local' runs one rank; use executor 'mp' for tensor_parallel_size > 1")
+        from aiolm.executor.placement import PLACEMENTS
+
+        if self.ray_placement not in PLACEMENTS:
+            raise ValueError(
+                f"ray_placement: {self.ray_placement!r} is not supported; supported: {', '.join(PLACEMENTS)}"
+            )
+        if self.ray_placement != "auto" and self.executor != "ray":
+            raise ValueError("ray_placement is only used with executor 'ray' (--distributed-executor-backend ray)")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError("ray_address is only used with executor 'ray' (--distributed-executor-backend ray)")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -349,8 +364,8 @@ class EngineArgs:
         if pp == 1:
             return
         why = None
-        if self.executor != "mp":
-            why = f"runs with --executor mp (worker processes on one machine), not {self.executor!r}"
+        if self.executor == "local":
+            why = "runs stages in worker processes: --executor mp (one machine) or ray"
         elif self.device.startswith("cuda"):
             why = "runs on CPU workers for now (--device cpu)"
         elif self.async_scheduling:

@@ -6,6 +6,11 @@ hidden state after its all-reduce). On one machine the link is a shared-memory r
 (aiolm/ipc/shm_ring.py) that the engine creates and owns, so a SIGKILLed stage leaves no
 segment behind and the stage after it sees ``PeerDied`` rather than waiting forever.
 
+Between machines (stages placed on several nodes by the Ray executor) the same messages
+go over one TCP connection per rank pair (``TcpChannel``): the receiving rank listens, the
+sending rank connects, and each message is its length and its bytes. A peer that dies
+closes or resets the connection, which the reader sees as ``PeerDied``.
+
 A message is a 40-byte header (step, tokens, hidden size, the two dtypes) and the two
 tensors' bytes, each in its own dtype (a bfloat16 model on a CPU adds float32 residuals).
 The receiver checks the step: stages run steps in the order the engine sent them, so a
@@ -14,40 +19,113 @@ mismatch is a bug, never a reordering to tolerate.
 
 from __future__ import annotations
 
+import select
+import socket
 import struct
+from typing import Protocol
 
 import torch
 
-from aiolm.ipc.shm_ring import ShmRing
+from aiolm.ipc.shm_ring import PeerDied
 
 _HEADER = struct.Struct("<QQQQQ")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-class StageLink:
-    """This rank's ends: the ring from the stage before it (None on the first stage) and the
-    ring to the stage after it (None on the last)."""
+class Channel(Protocol):
+    """One direction of a link: a shared-memory ring (aiolm/ipc/shm_ring.py) or a TcpChannel."""
 
-    def __init__(self, recv: ShmRing | None, send: ShmRing | None, timeout_s: float = 1.0) -> None:
-        self.recv_ring = recv
-        self.send_ring = send
+    def write(self, data: memoryview) -> None: ...
+    def read(self, timeout: float | None = None) -> bytes: ...
+    def close(self) -> None: ...
+
+
+class TcpChannel:
+    """A link's direction over TCP: ``write`` and ``read`` as a ring's, one message at a time."""
+
+    _LEN = struct.Struct("<Q")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+
+    @staticmethod
+    def listen() -> tuple[socket.socket, int]:
+        """A listening socket on every interface of this node, and its port."""
+        listener = socket.create_server(("", 0))
+        return listener, int(listener.getsockname()[1])
+
+    @classmethod
+    def accept(cls, listener: socket.socket, timeout_s: float) -> TcpChannel:
+        listener.settimeout(timeout_s)
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            raise PeerDied(f"the previous pipeline stage did not connect within {timeout_s:g} s") from None
+        finally:
+            listener.close()
+        sock.settimeout(None)
+        return cls(sock)
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout_s: float) -> TcpChannel:
+        return cls(socket.create_connection((host, port), timeout=timeout_s))
+
+    def write(self, data: memoryview) -> None:
+        try:
+            self.sock.sendall(self._LEN.pack(data.nbytes))
+            self.sock.sendall(data)
+        except OSError as e:
+            raise PeerDied(f"the next pipeline stage is gone: {e}") from e
+
+    def read(self, timeout: float | None = None) -> bytes:
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        (n,) = self._LEN.unpack(self._exactly(self._LEN.size))
+        return bytes(self._exactly(n))
+
+    def _exactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:])
+            except OSError as e:
+                raise PeerDied(f"the previous pipeline stage is gone: {e}") from e
+            if k == 0:
+                raise PeerDied("the previous pipeline stage closed its link")
+            got += k
+        return buf
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class StageLink:
+    """This rank's ends: the channel from the stage before it (None on the first stage) and
+    the channel to the stage after it (None on the last)."""
+
+    def __init__(self, recv: Channel | None, send: Channel | None, timeout_s: float = 1.0) -> None:
+        self.recv_from = recv
+        self.send_to = send
         self.timeout_s = timeout_s  # a slice of waiting, after which the peer's life is checked
 
     def send(self, step: int, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        assert self.send_ring is not None, "the last stage sends nothing on"
+        assert self.send_to is not None, "the last stage sends nothing on"
         t, h = hidden.shape
         head = _HEADER.pack(step, t, h, _DTYPES.index(hidden.dtype), _DTYPES.index(residual.dtype))
         parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
         parts += [x.detach().contiguous().cpu().view(torch.uint8).reshape(-1) for x in (hidden, residual)]
-        self.send_ring.write(memoryview(torch.cat(parts).numpy()))
+        self.send_to.write(memoryview(torch.cat(parts).numpy()))
 
     def recv(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``step``'s (hidden, residual) from the stage before, on ``device``; waits as long
         as that stage computes (its death ends the wait with PeerDied)."""
-        assert self.recv_ring is not None, "the first stage receives nothing"
+        assert self.recv_from is not None, "the first stage receives nothing"
         while True:
             try:
-                buf = self.recv_ring.read(timeout=self.timeout_s)
+                buf = self.recv_from.read(timeout=self.timeout_s)
                 break
             except TimeoutError:
                 continue
@@ -61,6 +139,6 @@ class StageLink:
         return hidden.to(device), residual.to(device)
 
     def close(self) -> None:
-        for ring in (self.recv_ring, self.send_ring):
+        for ring in (self.recv_from, self.send_to):
             if ring is not None:
                 ring.close()

@@ -403,7 +403,9 @@ class AsyncEngine:
                     runner_cfg,
                     a.tensor_parallel_size,
                     address=a.ray_address,
-                    min_cluster_cpus=a.tensor_parallel_size * a.data_parallel_size,
+                    min_cluster_cpus=a.tensor_parallel_size * a.pipeline_parallel_size * a.data_parallel_size,
+                    pipeline_size=a.pipeline_parallel_size,
+                    placement=a.ray_placement,
                     **kwargs,
                 )
             else:

@@ -91,7 +91,7 @@ class DataParallelEngine:
             await asyncio.to_thread(
                 ray_cluster.connect,
                 self.args.ray_address,
-                self.args.tensor_parallel_size * self.args.data_parallel_size,
+                self.args.tensor_parallel_size * self.args.pipeline_parallel_size * self.args.data_parallel_size,
             )
         # transformers imports lazily and not thread-safely: the replicas' tokenizer loads,
         # each in a thread, must not be the first to touch it.

@@ -41,6 +41,7 @@ from aiolm.config import RunnerConfig
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
+from aiolm.executor.placement import placement_strategy
 from aiolm.executor.step_watch import StepWatch
 from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import ShmRing
@@ -111,10 +112,15 @@ class RayExecutor(MultiprocExecutor):
         cpu_bind: str = "auto",
         address: str | None = None,
         min_cluster_cpus: int = 0,
+        pipeline_size: int = 1,
+        placement: str = "auto",
     ) -> None:
-        super().__init__(cfg, world_size, startup_timeout, on_death, step_watch, incarnation, all_reduce, cpu_bind)
+        super().__init__(
+            cfg, world_size, startup_timeout, on_death, step_watch, incarnation, all_reduce, cpu_bind, pipeline_size
+        )
         self.address = address
-        self.min_cluster_cpus = max(min_cluster_cpus, world_size)
+        self.min_cluster_cpus = max(min_cluster_cpus, self.world_size)
+        self.placement = placement_strategy(placement, pipeline_size)
         self.ranks: list[_Rank] = []
         self.num_local = 0
         self._pg: Any = None
@@ -163,9 +169,15 @@ class RayExecutor(MultiprocExecutor):
 
         from aiolm.executor.ray_worker import MAX_CONCURRENCY, RayWorker
 
-        self._pg = placement_group([self._bundle()] * self.world_size, strategy="PACK")
-        await _wait_ref(self._pg.ready())
+        tp, pp = self.tp_size, self.pipeline_size
         bundle = self._bundle()
+        if pp > 1:  # one bundle per stage: its tensor-parallel ranks land on one node together
+            bundles = [{k: v * tp for k, v in bundle.items()}] * pp
+            bundle_of = [rank // tp for rank in range(self.world_size)]
+        else:
+            bundles, bundle_of = [bundle] * self.world_size, list(range(self.world_size))
+        self._pg = placement_group(bundles, strategy=self.placement)
+        await _wait_ref(self._pg.ready())
         cls = ray.remote(RayWorker)
         actors = [
             cls.options(
@@ -173,22 +185,27 @@ class RayExecutor(MultiprocExecutor):
                 num_gpus=bundle.get("GPU", 0),
                 max_concurrency=MAX_CONCURRENCY,
                 runtime_env=_runtime_env(),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=bundle_of[i]
+                ),
             ).remote()
             for i in range(self.world_size)
         ]
         infos = await asyncio.gather(*(_wait_ref(a.node_info.remote()) for a in actors))
         here = ray.get_runtime_context().get_node_id()
-        # Ranks on this node first (stable in bundle order), so they are 0..num_local-1.
-        order = sorted(range(self.world_size), key=lambda i: infos[i]["node_id"] != here)
         forced = _forced_remote(self.world_size)
+        if pp > 1:
+            # Ranks stay stage by stage; those on this node from rank 0 on read the rings.
+            order = list(range(self.world_size))
+            near = [infos[i]["node_id"] == here for i in order]
+            prefix = next((r for r, n in enumerate(near) if not n), self.world_size)
+            local = [r < min(prefix, self.world_size - forced) for r in range(self.world_size)]
+        else:
+            # Ranks on this node first (stable in bundle order), so they are 0..num_local-1.
+            order = sorted(range(self.world_size), key=lambda i: infos[i]["node_id"] != here)
+            local = [infos[i]["node_id"] == here and r < self.world_size - forced for r, i in enumerate(order)]
         self.ranks = [
-            _Rank(
-                actors[i],
-                infos[i],
-                local=infos[i]["node_id"] == here and r < self.world_size - forced,
-                same_node=infos[i]["node_id"] == here,
-            )
+            _Rank(actors[i], infos[i], local=local[r], same_node=infos[i]["node_id"] == here)
             for r, i in enumerate(order)
         ]
         self.num_local = sum(r.local for r in self.ranks)
@@ -203,7 +220,15 @@ class RayExecutor(MultiprocExecutor):
                 ShmRing.create(num_readers=1, num_slots=4, slot_size=1 << 18, reader_rank=0)
                 for _ in range(self.num_local)
             ]
-        port = await _wait_ref(self.ranks[0].actor.free_port.remote()) if self.world_size > 1 else 0
+        firsts = [self.ranks[s * tp] for s in range(pp)]  # each stage's rendezvous is its first rank's node
+        ports = await asyncio.gather(
+            *(_wait_ref(r.actor.free_port.remote()) if tp > 1 else asyncio.sleep(0, 0) for r in firsts)
+        )
+        # A later stage's ranks listen for the link from the stage before (stages may sit on
+        # different nodes: TCP; distributed/stage_link.py).
+        listening = await asyncio.gather(
+            *(_wait_ref(r.actor.listen_for_stage.remote()) for r in self.ranks[tp:] if pp > 1)
+        )
         cfg_text = self.cfg.encode()
         self._infos = await asyncio.gather(
             *(
@@ -212,11 +237,13 @@ class RayExecutor(MultiprocExecutor):
                         cfg_text,
                         rank,
                         self.world_size,
-                        self.ranks[0].ip,
-                        port,
+                        firsts[rank // tp].ip,
+                        ports[rank // tp],
                         all_reduce,
-                        self.all_reduce_shm,
+                        self.all_reduce_shms[rank // tp],
                         self.cpu_bind if single_node else "none",
+                        pp,
+                        (self.ranks[rank + tp].ip, listening[rank]) if pp > 1 and rank + tp < self.world_size else None,
                     )
                 )
                 for rank, r in enumerate(self.ranks)
@@ -313,13 +340,15 @@ class RayExecutor(MultiprocExecutor):
             limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
             remote = {rank: self._remote_call(rank, "handle", buf) for rank in range(self.num_local, self.world_size)}
             answer: bytes | None = None
+            answering = self.answering  # the first rank of the last pipeline stage (0 without one)
             try:
                 if self.num_local:
-                    reply = (await self._send(buf, range(1)))[0]
-                    answer = await self._recv(0, reply, limit, tokens)
+                    replies = await self._send(buf, [answering] if answering < self.num_local else [])
+                    if replies:
+                        answer = await self._recv(answering, replies[0], limit, tokens)
                 for rank, fut in remote.items():
                     reply = await self._remote_answer(rank, fut, limit)
-                    if rank == 0:
+                    if rank == answering:
                         answer = reply
             finally:
                 for fut in remote.values():

@@ -33,6 +33,8 @@ class RayWorker:
         self._stopped = threading.Event()
         self.runner: Any = None
         self.handler: Any = None
+        self.answers_steps = False
+        self._stage_listener: socket.socket | None = None  # a later pipeline stage's, until linked
 
     def node_info(self) -> dict[str, Any]:
         """Where this actor runs: its node (for placement decisions), address and pid."""
@@ -50,6 +52,13 @@ class RayWorker:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
+    def listen_for_stage(self) -> int:
+        """A later pipeline stage's rank: listen for the link from the stage before (the port)."""
+        from aiolm.distributed.stage_link import TcpChannel
+
+        self._stage_listener, port = TcpChannel.listen()
+        return port
+
     def setup(
         self,
         cfg_text: str,
@@ -60,10 +69,14 @@ class RayWorker:
         all_reduce: str,
         shm_name: str | None,
         cpu_bind: str,
+        pipeline_size: int = 1,
+        send_to: tuple[str, int] | None = None,
     ) -> dict[str, Any]:
-        """Join the tensor-parallel group and build the model runner; the ready info."""
+        """Join the tensor-parallel group (``host``:``port``: its stage's rendezvous), link to
+        the neighbouring pipeline stages (``send_to``: the next stage's listener), and build
+        the model runner; the ready info."""
         return self._runner_thread.submit(
-            self._setup, cfg_text, rank, world_size, host, port, all_reduce, shm_name, cpu_bind
+            self._setup, cfg_text, rank, world_size, host, port, all_reduce, shm_name, cpu_bind, pipeline_size, send_to
         ).result()
 
     def _setup(
@@ -76,16 +89,35 @@ class RayWorker:
         all_reduce: str,
         shm_name: str | None,
         cpu_bind: str,
+        pipeline_size: int,
+        send_to: tuple[str, int] | None,
     ) -> dict[str, Any]:
-        from aiolm.worker.worker import StepHandler, build_runner
+        from aiolm.distributed.stage_link import StageLink, TcpChannel
+        from aiolm.worker.worker import StepHandler, answering_rank, build_runner
 
         cfg = RunnerConfig.decode(cfg_text)
         if cfg.device == "cuda":  # Ray makes the actor's one GPU visible as device 0, whatever the rank
             cfg = dataclasses.replace(cfg, device="cuda:0")
+        link = None
+        if pipeline_size > 1:  # connect first, then accept: every stage's connect lands at once
+            send = TcpChannel.connect(*send_to, timeout_s=60.0) if send_to is not None else None
+            listener, self._stage_listener = self._stage_listener, None
+            recv = TcpChannel.accept(listener, timeout_s=120.0) if listener is not None else None
+            link = StageLink(recv, send)
         self.runner, info = build_runner(
-            cfg, rank, world_size, port=port, all_reduce=all_reduce, shm_name=shm_name, cpu_bind=cpu_bind, host=host
+            cfg,
+            rank,
+            world_size,
+            port=port,
+            all_reduce=all_reduce,
+            shm_name=shm_name,
+            cpu_bind=cpu_bind,
+            host=host,
+            pipeline_size=pipeline_size,
+            link=link,
         )
-        self.handler = StepHandler(self.runner, rank)
+        self.answers_steps = rank == answering_rank(world_size, pipeline_size)
+        self.handler = StepHandler(self.runner, rank, answers_steps=self.answers_steps)
         return info
 
     def serve_ring(self, request_ring: str, response_ring: str, rank: int, engine_pid: int) -> int:
@@ -98,7 +130,14 @@ class RayWorker:
         requests = ShmRing.attach(RingHandle.parse(request_ring), reader_rank=rank)
         responses = ShmRing.attach(RingHandle.parse(response_ring), reader_rank=None)
         try:
-            return serve_ring(self.runner, rank, requests, responses, lambda: pid_alive(engine_pid))
+            return serve_ring(
+                self.runner,
+                rank,
+                requests,
+                responses,
+                lambda: pid_alive(engine_pid),
+                answers_steps=self.answers_steps,
+            )
         finally:
             requests.close()
             responses.close()

@@ -69,7 +69,7 @@ def test_layers_split_evenly_into_stages():
 @pytest.mark.parametrize(
     "over, why",
     [
-        (dict(executor="ray"), "executor mp"),
+        (dict(executor="local"), "executor mp"),
         (dict(async_scheduling=True), "async-scheduling"),
         (dict(speculative="ngram"), "speculative"),
         (dict(enable_lora=True), "LoRA"),

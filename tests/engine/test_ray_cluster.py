@@ -1,0 +1,157 @@
+"""The Ray executor on a real multi-node Ray cluster: three raylets on this machine
+(``ray.cluster_utils.Cluster``), one CPU each, so ranks that need a CPU each must sit on
+different nodes, which Ray's own node ids prove.
+
+1. ``--tensor-parallel-size 3 --ray-placement strict-spread``: one rank per node (the
+   head's through the shm rings, the others through Ray calls; gloo all-reduce across
+   nodes): greedy tokens equal the local executor's.
+2. ``--pipeline-parallel-size 2``: the two stages on two nodes, linked over TCP: the same
+   tokens; then a worker node is removed (its raylet and the stage on it die) while
+   streams decode: the engine replaces the worker set on the nodes left, and every stream
+   ends with the fault-free tokens.
+
+Then no Ray process of the cluster is left, and no shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine_harness import LoopThread  # noqa: E402
+from test_ray_executor import _processes_mentioning  # noqa: E402
+
+from aiolm import AsyncEngine, SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ARGS = dict(max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=8, max_num_batched_tokens=256, num_threads=1)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+MAX_NEW = 24
+
+
+async def _greedy(engine, started: asyncio.Event | None = None) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    counts = [0] * len(PROMPTS)
+
+    async def one(i: int, prompt: str) -> list[int]:
+        final = None
+        async for out in engine.generate(prompt, params):
+            final = out
+            counts[i] = len(out.outputs[0].token_ids)
+            if started is not None and min(counts) >= 4:
+                started.set()
+        assert final is not None
+        return list(final.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head and two worker nodes of one CPU each, in a short private temp dir (Ray's socket
+    paths must stay short); yields (cluster, temp dir), and stops it all afterwards."""
+    from ray.cluster_utils import Cluster
+
+    from aiolm.executor import ray_cluster
+
+    ray_cluster.shutdown()  # an earlier test's private cluster, if any
+    tmp = tempfile.mkdtemp(prefix="aiolm-rc-", dir="/tmp")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    node = dict(num_cpus=1, object_store_memory=80 << 20)
+    c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+    try:
+        workers = [c.add_node(**node) for _ in range(2)]
+        c.wait_for_nodes()
+        yield c, workers, tmp
+    finally:
+        ray_cluster.shutdown()
+        c.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        deadline = time.monotonic() + 20
+        while _processes_mentioning(tmp) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _processes_mentioning(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not left, f"Ray processes left: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    lt = LoopThread()
+    engine = AsyncEngine(executor="local", **ARGS)
+    try:
+        lt.run(engine.start(), timeout=600)
+        return lt.run(_greedy(engine), timeout=600)
+    finally:
+        lt.run(engine.shutdown(), timeout=60)
+        lt.close()
+
+
+def _run(cluster, **over):
+    c, _, _ = cluster
+    lt = LoopThread()
+    engine = AsyncEngine(executor="ray", ray_address=c.address, **ARGS, **over)
+    lt.run(engine.start(), timeout=600)
+    return lt, engine
+
+
+def test_tp3_one_rank_per_node(cluster, reference):
+    before = _segments()
+    lt, engine = _run(cluster, tensor_parallel_size=3, ray_placement="strict-spread")
+    try:
+        ex = engine.executor
+        assert len({r.node_id for r in ex.ranks}) == 3, [r.node_id for r in ex.ranks]
+        assert ex.all_reduce == "gloo"  # the group spans nodes
+        assert lt.run(_greedy(engine), timeout=300) == reference
+    finally:
+        lt.run(engine.shutdown(), timeout=60)
+        lt.close()
+    assert _segments() == before
+
+
+def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, reference):
+    c, workers, _ = cluster
+    before = _segments()
+    lt, engine = _run(cluster, pipeline_parallel_size=2)
+    try:
+        ex = engine.executor
+        stages = [r.node_id for r in ex.ranks]
+        assert len(set(stages)) == 2, stages
+        assert lt.run(_greedy(engine), timeout=300) == reference
+
+        # Remove a worker node that holds a stage: its raylet and that stage's actor die.
+        ids = {w.node_id: w for w in workers}
+        victim = next(ids[n] for n in stages if n in ids)
+        started = asyncio.Event()
+
+        async def remove_when_started() -> None:
+            await asyncio.wait_for(started.wait(), 120)
+            await asyncio.to_thread(c.remove_node, victim)
+
+        async def through_loss() -> list[list[int]]:
+            tokens, _ = await asyncio.gather(_greedy(engine, started), remove_when_started())
+            return tokens
+
+        assert lt.run(through_loss(), timeout=300) == reference
+        now = [r.node_id for r in engine.executor.ranks]
+        assert engine.executor is not ex and victim.node_id not in now and len(set(now)) == 2
+    finally:
+        lt.run(engine.shutdown(), timeout=60)
+        lt.close()
+    assert _segments() == before
