@@ -34,3 +34,9 @@ def stage_layers(num_layers: int, rank: int, size: int) -> range:
     base, extra = divmod(num_layers, size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
+
+
+def answering_rank(world_size: int, pipeline_size: int) -> int:
+    """The rank that answers the engine's steps (ranks numbered stage by stage): the first rank
+    of the last stage, which samples."""
+    return world_size - world_size // pipeline_size

@@ -29,13 +29,13 @@ from typing import Any
 
 from aiolm.config import RunnerConfig
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
+from aiolm.distributed.stages import answering_rank
 from aiolm.executor.base import Executor, ExecutorError
 from aiolm.executor.step_watch import StepWatch
 from aiolm.ipc import codec
 from aiolm.ipc.heartbeat import HeartbeatBoard
 from aiolm.ipc.shm_ring import PeerDied, RingClosed, RingHandle, ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
-from aiolm.worker.worker import answering_rank
 
 log = logging.getLogger(__name__)
 

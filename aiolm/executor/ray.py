@@ -39,7 +39,7 @@ from typing import Any
 
 from aiolm.config import RunnerConfig
 from aiolm.core.step import ModelRunnerOutput, SchedulerOutput
-from aiolm.executor.base import Executor, ExecutorError
+from aiolm.executor.base import ExecutorError
 from aiolm.executor.multiproc import MultiprocExecutor
 from aiolm.executor.placement import placement_strategy
 from aiolm.executor.step_watch import StepWatch
@@ -99,6 +99,15 @@ class _Rank:
         return f"pid {self.pid} on {self.ip}" + ("" if self.local else " (Ray transport)")
 
 
+class _Step:
+    """A submitted step: its tokens, the ring rank's reply owed (or None) and the Ray calls."""
+
+    def __init__(self, tokens: int, local: asyncio.Future[bytes] | None, remote: dict[int, asyncio.Future[Any]]):
+        self.tokens = tokens
+        self.local = local
+        self.remote = remote
+
+
 class RayExecutor(MultiprocExecutor):
     def __init__(
         self,
@@ -123,6 +132,7 @@ class RayExecutor(MultiprocExecutor):
         self.placement = placement_strategy(placement, pipeline_size)
         self.ranks: list[_Rank] = []
         self.num_local = 0
+        self._seq = 0  # the next message's place in the Ray ranks' order
         self._pg: Any = None
 
     # -- start-up -----------------------------------------------------------------------
@@ -183,7 +193,7 @@ class RayExecutor(MultiprocExecutor):
             cls.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
-                max_concurrency=MAX_CONCURRENCY,
+                max_concurrency=MAX_CONCURRENCY + pp,  # a call per step in flight
                 runtime_env=_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=bundle_of[i]
@@ -305,8 +315,8 @@ class RayExecutor(MultiprocExecutor):
         if self._closed or not self.ranks:  # no rings when every rank is remote
             raise ExecutorError("executor is shut down")
 
-    def _remote_call(self, rank: int, method: str, buf: bytes) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(_wait_ref(getattr(self.ranks[rank].actor, method).remote(buf)))
+    def _remote_call(self, rank: int, method: str, buf: bytes, seq: int) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(_wait_ref(getattr(self.ranks[rank].actor, method).remote(buf, seq)))
 
     async def _remote_answer(self, rank: int, fut: asyncio.Future[Any], timeout: float) -> bytes | None:
         """A remote rank's reply; a dead actor, an error or silence past ``timeout`` fails the executor."""
@@ -333,35 +343,57 @@ class RayExecutor(MultiprocExecutor):
     # -- steps --------------------------------------------------------------------------
 
     async def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return await self.result(await self.submit(step))
+
+    async def submit(self, step: SchedulerOutput) -> _Step:
+        """Hand the step to every rank and return: the rings' readers take steps in ring order,
+        the Ray ranks in the order of their sequence numbers (RayWorker.handle), so steps may
+        queue behind each other (a pipeline's stages compute at once)."""
         async with self._lock:
             self._check()
             buf = codec.encode_scheduler_output(step)
-            tokens = step.total_num_scheduled_tokens
-            limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
-            remote = {rank: self._remote_call(rank, "handle", buf) for rank in range(self.num_local, self.world_size)}
-            answer: bytes | None = None
+            seq = self._next_seq()
             answering = self.answering  # the first rank of the last pipeline stage (0 without one)
+            remote = {r: self._remote_call(r, "handle", buf, seq) for r in range(self.num_local, self.world_size)}
+            local = None
             try:
                 if self.num_local:
                     replies = await self._send(buf, [answering] if answering < self.num_local else [])
-                    if replies:
-                        answer = await self._recv(answering, replies[0], limit, tokens)
-                for rank, fut in remote.items():
-                    reply = await self._remote_answer(rank, fut, limit)
-                    if rank == answering:
-                        answer = reply
-            finally:
+                    local = replies[0] if replies else None
+            except BaseException:
                 for fut in remote.values():
                     fut.cancel()
-            result = self._step_result(codec.decode(answer) if answer is not None else None)
-            if self.step_watch is not None and result.worker_clock:
-                self.step_watch.observe(tokens, result.worker_clock[1] - result.worker_clock[0])
-            return result
+                raise
+            return _Step(step.total_num_scheduled_tokens, local, remote)
 
-    # Steps through Ray calls are not pipelined: a submitted step runs ``execute`` as a task
-    # (the base executor's way), and the lock keeps steps in submission order.
-    submit = Executor.submit
-    result = Executor.result
+    async def result(self, handle: Any) -> ModelRunnerOutput:
+        step: _Step = handle
+        tokens = step.tokens
+        limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
+        answering = self.answering
+        answer: bytes | None = None
+        try:
+            if step.local is not None:
+                answer = await self._recv(answering, step.local, limit, tokens)
+            for rank, fut in step.remote.items():
+                reply = await self._remote_answer(rank, fut, limit)
+                if rank == answering:
+                    answer = reply
+        finally:
+            self.abandon(step)
+        result = self._step_result(codec.decode(answer) if answer is not None else None)
+        if self.step_watch is not None and result.worker_clock:
+            self.step_watch.observe(tokens, result.worker_clock[1] - result.worker_clock[0])
+        return result
+
+    def abandon(self, handle: Any) -> None:
+        for fut in handle.remote.values():
+            fut.cancel()
+
+    def _next_seq(self) -> int:
+        """The order in which Ray ranks take messages (steps and RPCs alike); callers hold the lock."""
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
 
     async def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
@@ -369,7 +401,8 @@ class RayExecutor(MultiprocExecutor):
         async with self._lock:
             self._check()
             buf = codec.encode_rpc(method, args, kwargs)
-            remote = {rank: self._remote_call(rank, "handle", buf) for rank in range(self.num_local, self.world_size)}
+            seq = self._next_seq()
+            remote = {r: self._remote_call(r, "handle", buf, seq) for r in range(self.num_local, self.world_size)}
             replies: list[bytes | None] = []
             try:
                 if self.num_local:

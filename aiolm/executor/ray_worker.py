@@ -23,7 +23,8 @@ from aiolm.config import RunnerConfig
 from aiolm.ipc.shm_ring import RingHandle, ShmRing
 from aiolm.ipc.wakeup import pid_alive
 
-# Ray threads for one actor: a runner call, the lifeline and a spare for node_info.
+# Ray threads for one actor: a runner call, the lifeline and a spare for node_info; the
+# executor adds one per step it keeps in flight.
 MAX_CONCURRENCY = 3
 
 
@@ -34,6 +35,8 @@ class RayWorker:
         self.runner: Any = None
         self.handler: Any = None
         self.answers_steps = False
+        self._turn = threading.Condition()
+        self._seq = 0  # the next message to queue (handle)
         self._stage_listener: socket.socket | None = None  # a later pipeline stage's, until linked
 
     def node_info(self) -> dict[str, Any]:
@@ -93,7 +96,8 @@ class RayWorker:
         send_to: tuple[str, int] | None,
     ) -> dict[str, Any]:
         from aiolm.distributed.stage_link import StageLink, TcpChannel
-        from aiolm.worker.worker import StepHandler, answering_rank, build_runner
+        from aiolm.distributed.stages import answering_rank
+        from aiolm.worker.worker import StepHandler, build_runner
 
         cfg = RunnerConfig.decode(cfg_text)
         if cfg.device == "cuda":  # Ray makes the actor's one GPU visible as device 0, whatever the rank
@@ -142,9 +146,16 @@ class RayWorker:
             requests.close()
             responses.close()
 
-    def handle(self, buf: bytes) -> tuple[bytes | None, int | None]:
-        """A rank on another node: one encoded message in, (reply, exit status) out."""
-        return self._runner_thread.submit(self.handler.handle, buf).result()
+    def handle(self, buf: bytes, seq: int) -> tuple[bytes | None, int | None]:
+        """A rank on another node: message ``seq`` (0, 1, 2, ... in the engine's order) in,
+        (reply, exit status) out. Ray may run an actor's concurrent calls in any order, so each
+        waits for its turn before it joins the runner thread's queue, which runs them in turn."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._seq == seq)
+            done = self._runner_thread.submit(self.handler.handle, buf)
+            self._seq += 1
+            self._turn.notify_all()
+        return done.result()
 
     def lifeline(self) -> None:
         """Returns only at ``stop``: while it is pending the actor lives, and when the actor

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiolm.config import RunnerConfig
+from aiolm.distributed.stages import answering_rank
 from aiolm.ipc import codec, segment
 from aiolm.ipc.heartbeat import Heartbeat
 from aiolm.ipc.lifeline import exit_on_signals, parent_alive
@@ -213,11 +214,6 @@ def build_runner(
     runner = ModelRunner(cfg, link)
     platform.tune_worker_process()
     return runner, dict(runner.kv_cache_info(), all_reduce=name)
-
-
-def answering_rank(world_size: int, pipeline_size: int) -> int:
-    """The rank that answers steps: the first rank of the last pipeline stage, which samples."""
-    return world_size - world_size // pipeline_size
 
 
 def serve_ring(

@@ -6,7 +6,7 @@ different nodes, which Ray's own node ids prove.
    head's through the shm rings, the others through Ray calls; gloo all-reduce across
    nodes): greedy tokens equal the local executor's.
 2. ``--pipeline-parallel-size 2``: the two stages on two nodes, linked over TCP: the same
-   tokens; then a worker node is removed (its raylet and the stage on it die) while
+   tokens, and the stages' own traces show them computing at once; then a worker node is removed (its raylet and the stage on it die) while
    streams decode: the engine replaces the worker set on the nodes left, and every stream
    ends with the fault-free tokens.
 
@@ -134,6 +134,10 @@ def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, reference):
         stages = [r.node_id for r in ex.ranks]
         assert len(set(stages)) == 2, stages
         assert lt.run(_greedy(engine), timeout=300) == reference
+        # two steps in flight through Ray calls: the stages computed at once
+        first, last = lt.run(ex.collective_rpc("stage_trace"), timeout=30)
+        both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, a0, a1 in first for _, b0, b1 in last)
+        assert both > 0, "the two stages never computed at the same time"
 
         # Remove a worker node that holds a stage: its raylet and that stage's actor die.
         ids = {w.node_id: w for w in workers}
