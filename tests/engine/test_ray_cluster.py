@@ -7,8 +7,8 @@ different nodes, which Ray's own node ids prove.
    nodes): greedy tokens equal the local executor's.
 2. ``--pipeline-parallel-size 2``: the two stages on two nodes, linked over TCP: the same
    tokens, and the stages' own traces show them computing at once; then a worker node is
-   removed (its raylet and the stage on it die) while streams decode: the engine replaces the worker set on the nodes left, and every stream
-   ends with the fault-free tokens.
+   removed (its raylet and the stage on it die) while streams decode: the engine replaces
+   the worker set on the nodes left, and every stream ends with the fault-free tokens.
 
 Then no Ray process of the cluster is left, and no shared memory.
 """
