@@ -23,6 +23,14 @@ ENGINE_ARGS: dict[str, Any] = dict(
     executor="mp",
 )
 
+# The Ray tests' workload (test_ray_executor.py, test_ray_cluster.py; conftest.py's
+# ray_reference computes its tokens once for both).
+RAY_ARGS: dict[str, Any] = dict(
+    max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=8, max_num_batched_tokens=256, num_threads=1
+)
+RAY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+RAY_MAX_NEW = 24
+
 
 class LoopThread:
     """An event loop (uvloop when installed) running forever in a daemon thread."""

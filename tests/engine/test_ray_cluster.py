@@ -25,16 +25,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from engine_harness import LoopThread  # noqa: E402
+from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread  # noqa: E402
 from test_ray_executor import _processes_mentioning  # noqa: E402
 
 from aiolm import AsyncEngine, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ARGS = dict(max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=8, max_num_batched_tokens=256, num_threads=1)
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-MAX_NEW = 24
+ARGS = RAY_ARGS
+PROMPTS = RAY_PROMPTS
+MAX_NEW = RAY_MAX_NEW
 
 
 async def _greedy(engine, started: asyncio.Event | None = None) -> list[list[int]]:
@@ -91,18 +91,6 @@ def cluster():
         assert not left, f"Ray processes left: {left}"
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    lt = LoopThread()
-    engine = AsyncEngine(executor="local", **ARGS)
-    try:
-        lt.run(engine.start(), timeout=600)
-        return lt.run(_greedy(engine), timeout=600)
-    finally:
-        lt.run(engine.shutdown(), timeout=60)
-        lt.close()
-
-
 def _run(cluster, **over):
     c, _, _ = cluster
     lt = LoopThread()
@@ -111,21 +99,21 @@ def _run(cluster, **over):
     return lt, engine
 
 
-def test_tp3_one_rank_per_node(cluster, reference):
+def test_tp3_one_rank_per_node(cluster, ray_reference):
     before = _segments()
     lt, engine = _run(cluster, tensor_parallel_size=3, ray_placement="strict-spread")
     try:
         ex = engine.executor
         assert len({r.node_id for r in ex.ranks}) == 3, [r.node_id for r in ex.ranks]
         assert ex.all_reduce == "gloo"  # the group spans nodes
-        assert lt.run(_greedy(engine), timeout=300) == reference
+        assert lt.run(_greedy(engine), timeout=300) == ray_reference
     finally:
         lt.run(engine.shutdown(), timeout=60)
         lt.close()
     assert _segments() == before
 
 
-def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, reference):
+def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, ray_reference):
     c, workers, _ = cluster
     before = _segments()
     lt, engine = _run(cluster, pipeline_parallel_size=2)
@@ -133,7 +121,7 @@ def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, reference):
         ex = engine.executor
         stages = [r.node_id for r in ex.ranks]
         assert len(set(stages)) == 2, stages
-        assert lt.run(_greedy(engine), timeout=300) == reference
+        assert lt.run(_greedy(engine), timeout=300) == ray_reference
         # two steps in flight through Ray calls: the stages computed at once
         first, last = lt.run(ex.collective_rpc("stage_trace"), timeout=30)
         both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, a0, a1 in first for _, b0, b1 in last)
@@ -152,7 +140,7 @@ def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, reference):
             tokens, _ = await asyncio.gather(_greedy(engine, started), remove_when_started())
             return tokens
 
-        assert lt.run(through_loss(), timeout=300) == reference
+        assert lt.run(through_loss(), timeout=300) == ray_reference
         now = [r.node_id for r in engine.executor.ranks]
         assert engine.executor is not ex and victim.node_id not in now and len(set(now)) == 2
     finally:

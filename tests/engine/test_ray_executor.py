@@ -33,15 +33,15 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from engine_harness import LoopThread  # noqa: E402
+from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread  # noqa: E402
 
 from aiolm import AsyncEngine, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ARGS = dict(max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=8, max_num_batched_tokens=256, num_threads=1)
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-MAX_NEW = 24
+ARGS = RAY_ARGS
+PROMPTS = RAY_PROMPTS
+MAX_NEW = RAY_MAX_NEW
 
 
 def _segments() -> set[str]:
@@ -90,18 +90,6 @@ async def _greedy(engine, prompts=PROMPTS, started: list[asyncio.Event] | None =
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    lt = LoopThread()
-    engine = AsyncEngine(executor="local", **ARGS)
-    try:
-        lt.run(engine.start(), timeout=600)
-        return lt.run(_greedy(engine), timeout=600)
-    finally:
-        lt.run(engine.shutdown(), timeout=60)
-        lt.close()
-
-
-@pytest.fixture(scope="module")
 def ray_env():
     """A short private temp dir for the cluster (Ray's socket paths must stay short), a
     small cluster, and the transport split of the first worker set."""
@@ -140,8 +128,8 @@ async def _kill_while_streaming(engine, kill) -> tuple[list[list[int]], float]:
     return await asyncio.wait_for(task, 600), noticed
 
 
-def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up(reference, ray_env):
-    assert all(len(t) == MAX_NEW for t in reference)
+def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up(ray_reference, ray_env):
+    assert all(len(t) == MAX_NEW for t in ray_reference)
     before = _segments()
     lt = LoopThread()
     engine = AsyncEngine(executor="ray", tensor_parallel_size=3, **ARGS)
@@ -151,7 +139,7 @@ def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up
         ex = engine.executor
         assert (ex.world_size, ex.num_local, ex.all_reduce) == (3, 2, "gloo")
         seen_pids += [r.pid for r in ex.ranks]
-        assert lt.run(_greedy(engine), timeout=600) == reference
+        assert lt.run(_greedy(engine), timeout=600) == ray_reference
 
         restarts = engine.supervisor.restarts  # 0, unless a step outlasted the watchdog
 
@@ -162,7 +150,7 @@ def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up
             before = engine.supervisor.restarts
             tokens, noticed = lt.run(_kill_while_streaming(engine, kill), timeout=900)
             assert noticed < max_notice, f"the executor noticed the killed actor after {noticed:.2f} s"
-            assert tokens == reference
+            assert tokens == ray_reference
             assert engine.supervisor.restarts == before + 1 and engine.is_healthy()
             seen_pids.extend(r.pid for r in engine.executor.ranks)
             return engine.executor
@@ -176,7 +164,7 @@ def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up
         ex = kill_and_recover(lambda old: os.kill(old.ranks[0].pid, signal.SIGKILL), 0, 2.0)
         assert (ex.num_local, ex.all_reduce) == (3, "shm")
         assert engine.supervisor.restarts == restarts + 2
-        assert lt.run(_greedy(engine), timeout=600) == reference
+        assert lt.run(_greedy(engine), timeout=600) == ray_reference
     finally:
         lt.run(engine.shutdown(), timeout=120)
         lt.close()
