@@ -537,6 +537,7 @@ class Scheduler:
                     i -= 1  # the priority policy may pick one scheduled earlier this step
                 if victim.req_id in num_scheduled:
                     budget += num_scheduled.pop(victim.req_id)
+                    rows_left += 1
                     new_blocks_of.pop(victim.req_id)
                     draft_tokens.pop(victim.req_id, None)
                     scheduled_running.remove(victim)

@@ -46,8 +46,12 @@ class TcpChannel:
     _LEN = struct.Struct("<Q")
 
     def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(None)  # blocking: a long prompt step on the next stage is no failure
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished node ends the link
         self.sock = sock
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
 
     @staticmethod
     def listen() -> tuple[socket.socket, int]:
@@ -64,7 +68,6 @@ class TcpChannel:
             raise PeerDied(f"the previous pipeline stage did not connect within {timeout_s:g} s") from None
         finally:
             listener.close()
-        sock.settimeout(None)
         return cls(sock)
 
     @classmethod
@@ -79,8 +82,7 @@ class TcpChannel:
             raise PeerDied(f"the next pipeline stage is gone: {e}") from e
 
     def read(self, timeout: float | None = None) -> bytes:
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        if not ready:
+        if not self.poller.poll(None if timeout is None else timeout * 1000):
             raise TimeoutError
         (n,) = self._LEN.unpack(self._exactly(self._LEN.size))
         return bytes(self._exactly(n))

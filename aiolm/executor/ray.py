@@ -193,7 +193,7 @@ class RayExecutor(MultiprocExecutor):
             cls.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
-                max_concurrency=MAX_CONCURRENCY + pp,  # a call per step in flight
+                max_concurrency=MAX_CONCURRENCY + max(pp, 2) + 1,  # the steps in flight and an RPC
                 runtime_env=_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=bundle_of[i]
@@ -335,9 +335,13 @@ class RayExecutor(MultiprocExecutor):
         except Exception as e:
             self._fail(await self._death_reason(f"worker {rank} (Ray actor) failed: {type(e).__name__}: {e}"))
             raise ExecutorError(self._dead or str(e)) from e
-        if code is not None and code != 0 and reply is None:
-            self._fail(await self._death_reason(f"worker {rank} (Ray actor) stopped: it lost a peer"))
-            raise ExecutorError(self._dead or "stopped")
+        if code is not None and code != 0:
+            msg = codec.decode(reply) if reply is not None else None
+            if isinstance(msg, tuple) and msg and msg[0] == "error":  # any rank's step raised
+                self._fail(f"worker {rank} failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
+            else:
+                self._fail(await self._death_reason(f"worker {rank} (Ray actor) stopped: it lost a peer"))
+            raise ExecutorError(self._dead or "stopped", self._detail)
         return reply
 
     # -- steps --------------------------------------------------------------------------

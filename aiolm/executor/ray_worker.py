@@ -24,7 +24,7 @@ from aiolm.ipc.shm_ring import RingHandle, ShmRing
 from aiolm.ipc.wakeup import pid_alive
 
 # Ray threads for one actor: a runner call, the lifeline and a spare for node_info; the
-# executor adds one per step it keeps in flight.
+# executor adds one per further message it may have in flight (steps, an RPC).
 MAX_CONCURRENCY = 3
 
 
@@ -151,7 +151,9 @@ class RayWorker:
         (reply, exit status) out. Ray may run an actor's concurrent calls in any order, so each
         waits for its turn before it joins the runner thread's queue, which runs them in turn."""
         with self._turn:
-            self._turn.wait_for(lambda: self._seq == seq)
+            while not self._turn.wait_for(lambda: self._seq == seq, timeout=1.0):
+                if self._stopped.is_set():
+                    return None, 0
             done = self._runner_thread.submit(self.handler.handle, buf)
             self._seq += 1
             self._turn.notify_all()

@@ -220,10 +220,12 @@ class ShmRing:
     @staticmethod
     def create_between(num_readers: int, num_slots: int = 16, slot_size: int = 1 << 20) -> RingHandle:
         """Create a ring for other processes (a pipeline stage writes it, the next reads it):
-        the creator takes no end, owns the name, and unlinks it with ``handle.unlink()`` (or
-        at exit)."""
-        name, mm, _hook = _new_segment(num_readers, num_slots, slot_size)
+        the creator takes no end, owns the name, and unlinks it with ``handle.unlink()``."""
+        name, mm, hook = _new_segment(num_readers, num_slots, slot_size)
         mm.close()
+        # No unlink at exit: the creator unlinks it, or, if the creator dies first, the
+        # processes that attached to it do (as worker processes do with their rings).
+        atexit.unregister(hook)
         return RingHandle(name)
 
     @classmethod

@@ -7,34 +7,39 @@ the safetensors it names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiolm.checkpoint.source import ModelSource
 
 
-def iter_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+def iter_weights(
+    source: ModelSource, lazy: bool = False, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, Any]]:
     """Yield (hf_name, tensor) lazily, one file open at a time.
 
     ``lazy``: yield a ``LazyWeight`` instead, which reads only the part it is indexed
     with, so a tensor-parallel rank copies only its own slice of each tensor. It is
-    valid until the next item is taken.
+    valid until the next item is taken. ``keep``: only the names it accepts, the others
+    never read (a pipeline stage's share of the checkpoint).
     """
     quant = source.config.quantization
     if quant is not None:
         from aiolm.quant.checkpoint_formats import dequantized_weights
 
-        yield from dequantized_weights(_iter_files(source, lazy), quant)
+        yield from dequantized_weights(_iter_files(source, lazy, keep), quant)
     else:
-        yield from _iter_files(source, lazy)
+        yield from _iter_files(source, lazy, keep)
 
 
-def _iter_files(source: ModelSource, lazy: bool) -> Iterator[tuple[str, Any]]:
+def _iter_files(source: ModelSource, lazy: bool, keep: Callable[[str], bool] | None) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     for f in source.safetensors_files():
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (a safetensors file handle, not a dict)
+                if keep is not None and not keep(name):
+                    continue
                 yield name, LazyWeight(st.get_slice(name)) if lazy else st.get_tensor(name)
 
 

@@ -99,8 +99,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         names = _MIXTRAL_NAMES if mixtral else _QWEN_NAMES
         missing = [
             names.format(i=i, e=e, proj=proj)
-            for i, layer in enumerate(layers)
-            if isinstance(layer.mlp, SparseMoeBlock)
+            for i in self.local_layers
+            if isinstance((layer := layers[i]).mlp, SparseMoeBlock)
             for e in range(layer.mlp.experts.num_experts)
             for part, proj in _PROJ[mixtral].items()
             if (i, e, part) not in got

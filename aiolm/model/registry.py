@@ -107,7 +107,9 @@ def build_model(
     ctx = build_context(platform, dtype, attention, source.config, source.origin, where, expert_parallel, pooling, lora)
     model = model_class(source.config)(source.config, ctx, max_positions)
     kv_scales: dict[tuple[int, str], float] = {}
-    model.load_weights(_without_kv_scales(iter_weights(source, lazy=True), kv_scales))  # a rank reads its slices
+    # a rank reads its slices; a pipeline stage only its own layers' tensors
+    keep = (lambda name: model.holds(name.removeprefix("model."))) if ctx.stage.size > 1 else None
+    model.load_weights(_without_kv_scales(iter_weights(source, lazy=True, keep=keep), kv_scales))
     for (layer, which), value in kv_scales.items():
         attn = getattr(getattr(model.layers[layer], "self_attn", None), "attn", None)
         if attn is not None:

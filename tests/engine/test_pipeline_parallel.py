@@ -5,7 +5,8 @@ float32 while prompts are chunked (32-token steps), a shared prefix is read from
 cache and the small per-stage KV cache forces preemptions; the stages' own trace must show
 both computing at once; and a SIGKILLed last stage is replaced with the whole worker set
 while the streams go on, each ending with the tokens of a fault-free run. A tiny random
-Qwen3 split PP=2 and TP=2 x PP=2 must give transformers' greedy tokens.
+Qwen3 split PP=2 and TP=2 x PP=2, and a tiny Qwen3-MoE split PP=2, must give
+transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine_harness import LoopThread
 
 from aiolm import LLM, AsyncEngine, EngineArgs, SamplingParams
 from aiolm.distributed.stages import stage_layers
+from moe_models import moe_model
 
 PROMPTS = [
     "The capital of France is",
@@ -134,8 +136,9 @@ def test_pp2_matches_one_rank_overlaps_its_stages_and_survives_a_killed_stage():
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory, real_source):
-    """A random Qwen3 (4 layers, 4 heads, 2 KV heads, QK-norm) with SmolLM2's tokenizer."""
+def tiny_models(tmp_path_factory, real_source):
+    """Random Qwen3 (4 layers, 4 heads, 2 KV heads, QK-norm) and Qwen3-MoE (3 layers, the
+    middle one dense) folders with SmolLM2's tokenizer: {kind: (folder, transformers model)}."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("tiny_qwen3_pp")
@@ -164,13 +167,15 @@ def tiny_qwen3(tmp_path_factory, real_source):
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(real_source.path / name, path / name)
-    return str(path), model
+    moe_path = tmp_path_factory.mktemp("tiny_qwen3_moe_pp")
+    moe = moe_model("qwen3_moe", moe_path, tokenizer_from=real_source.path, vocab_size=real_source.config.vocab_size)
+    return {"qwen3": (str(path), model), "qwen3_moe": (str(moe_path), moe)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
-def test_tiny_qwen3_in_stages_gives_transformers_tokens(tiny_qwen3, tp, pp):
-    path, hf = tiny_qwen3
+@pytest.mark.parametrize("kind, tp, pp", [("qwen3", 1, 2), ("qwen3", 2, 2), ("qwen3_moe", 1, 2)])
+def test_tiny_models_in_stages_give_transformers_tokens(tiny_models, kind, tp, pp):
+    path, hf = tiny_models[kind]
     llm = LLM(model=path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**ARGS, "max_num_batched_tokens": 16})
     try:
         tok = llm.tokenizer
