@@ -1,19 +1,17 @@
-"""The Ray executor on a private local Ray cluster: parity, killed actors, clean shutdown.
+"""The Ray executor on a private local Ray cluster: parity, a killed actor, clean shutdown.
 
 One engine, ``--executor ray --tensor-parallel-size 3`` on the embedded model, lives
-through three worker sets, each with another split of the transports (the split is
+through two worker sets, each with another split of the transports (the split is
 read from AIOLM_RAY_REMOTE_RANKS whenever a set starts; "remote" ranks get their
 steps through Ray calls, as ranks on another node do):
 
 1. ranks 0-1 on the shm rings, rank 2 through Ray (all-reduce: gloo, the group
-   "spans nodes"): greedy tokens equal the local executor's; then rank 2's actor
-   is killed with ``ray.kill`` while streams decode;
-2. the replacement set, every rank through Ray (rank 0's output comes back as a
-   Ray call's result): the streams finish with the fault-free text; then rank 0's
-   actor process is SIGKILLed;
-3. the replacement set, every rank on the rings (shm all-reduce): the streams
-   finish with the fault-free text again.
+   "spans nodes"): greedy tokens equal the local executor's; then rank 0's actor
+   process is SIGKILLed while streams decode (seen by its pid within 2 s);
+2. the replacement set, every rank on the rings (shm all-reduce): the streams
+   finish with the fault-free text, and a later batch too.
 
+Ranks on other nodes for real, and a node lost under them, are tests/engine/test_ray_cluster.py's.
 Finally shutdown kills every actor and removes every placement group, and stopping
 the cluster leaves no Ray process (the cluster's processes are recognised by its
 own temporary directory) and no shared memory.
@@ -128,7 +126,7 @@ async def _kill_while_streaming(engine, kill) -> tuple[list[list[int]], float]:
     return await asyncio.wait_for(task, 600), noticed
 
 
-def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up(ray_reference, ray_env):
+def test_tp3_ray_matches_the_local_executor_survives_a_killed_actor_and_cleans_up(ray_reference, ray_env):
     assert all(len(t) == MAX_NEW for t in ray_reference)
     before = _segments()
     lt = LoopThread()
@@ -155,15 +153,10 @@ def test_tp3_ray_matches_the_local_executor_survives_killed_actors_and_cleans_up
             seen_pids.extend(r.pid for r in engine.executor.ranks)
             return engine.executor
 
-        # 1 -> 2: ray.kill of the rank reached through Ray; the next set is all Ray calls.
-        # ray.kill goes through Ray's control plane (GCS -> raylet -> the actor's process),
-        # which takes seconds on a loaded machine; never a hang.
-        ex = kill_and_recover(lambda old: ray.kill(old.ranks[2].actor), 3, 10.0)
-        assert (ex.num_local, ex.all_reduce) == (0, "gloo")
-        # 2 -> 3: SIGKILL of rank 0's process (seen by its pid); the next set is all shm rings.
+        # 1 -> 2: SIGKILL of rank 0's process (seen by its pid); the next set is all shm rings.
         ex = kill_and_recover(lambda old: os.kill(old.ranks[0].pid, signal.SIGKILL), 0, 2.0)
         assert (ex.num_local, ex.all_reduce) == (3, "shm")
-        assert engine.supervisor.restarts == restarts + 2
+        assert engine.supervisor.restarts == restarts + 1
         assert lt.run(_greedy(engine), timeout=600) == ray_reference
     finally:
         lt.run(engine.shutdown(), timeout=120)
