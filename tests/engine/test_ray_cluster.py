@@ -9,6 +9,7 @@ different nodes, which Ray's own node ids prove.
    tokens, and the stages' own traces show them computing at once; then a worker node is
    removed (its raylet and the stage on it die) while streams decode: the engine replaces
    the worker set on the nodes left, and every stream ends with the fault-free tokens.
+3. ``--data-parallel-size 2`` on the two nodes left: one replica on each, the same tokens.
 
 Then no Ray process of the cluster is left, and no shared memory.
 """
@@ -143,6 +144,26 @@ def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, ray_reference):
         assert lt.run(through_loss(), timeout=300) == ray_reference
         now = [r.node_id for r in engine.executor.ranks]
         assert engine.executor is not ex and victim.node_id not in now and len(set(now)) == 2
+    finally:
+        lt.run(engine.shutdown(), timeout=60)
+        lt.close()
+    assert _segments() == before
+
+
+def test_dp2_one_replica_per_node(cluster, ray_reference):
+    """Two replicas, each one rank of one CPU: on one-CPU nodes they must land apart."""
+    from aiolm.config import EngineArgs
+    from aiolm.engine.data_parallel import create_engine
+
+    c, _, _ = cluster
+    before = _segments()
+    lt = LoopThread()
+    engine = create_engine(EngineArgs(executor="ray", ray_address=c.address, data_parallel_size=2, **ARGS))
+    try:
+        lt.run(engine.start(), timeout=600)
+        nodes = [r.node_id for replica in engine.replicas for r in replica.executor.ranks]
+        assert len(nodes) == 2 and len(set(nodes)) == 2, nodes
+        assert lt.run(_greedy(engine), timeout=300) == ray_reference
     finally:
         lt.run(engine.shutdown(), timeout=60)
         lt.close()
