@@ -89,7 +89,8 @@ class EngineArgs:
     pipeline_parallel_size: int = _f(
         1,
         "pipeline stages splitting the layers, each stage tensor_parallel_size worker processes; "
-        "as many steps in flight as stages, so the stages run at once (CPU, --executor mp)",
+        "as many steps in flight as stages, so the stages run at once (CPU workers; --executor mp "
+        "on one machine, or ray with stages on several)",
     )
     enable_expert_parallel: bool = _f(
         False,
@@ -267,12 +268,9 @@ class EngineArgs:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size * self.pipeline_parallel_size)
         if self.executor == "local" and self.tensor_parallel_size != 1:
             raise ValueError("executor 'local' runs one rank; use executor 'mp' for tensor_parallel_size > 1")
-        from aiolm.executor.placement import PLACEMENTS
+        from aiolm.executor.placement import placement_strategy
 
-        if self.ray_placement not in PLACEMENTS:
-            raise ValueError(
-                f"ray_placement: {self.ray_placement!r} is not supported; supported: {', '.join(PLACEMENTS)}"
-            )
+        placement_strategy(self.ray_placement, self.pipeline_parallel_size)  # raises on an unknown one
         if self.ray_placement != "auto" and self.executor != "ray":
             raise ValueError("ray_placement is only used with executor 'ray' (--distributed-executor-backend ray)")
         if self.ray_address is not None and self.executor != "ray":

@@ -8,8 +8,9 @@ segment behind and the stage after it sees ``PeerDied`` rather than waiting fore
 
 Between machines (stages placed on several nodes by the Ray executor) the same messages
 go over one TCP connection per rank pair (``TcpChannel``): the receiving rank listens, the
-sending rank connects, and each message is its length and its bytes. A peer that dies
-closes or resets the connection, which the reader sees as ``PeerDied``.
+sending rank connects, and each message is one frame. A peer that dies
+closes or resets the connection, which the reader sees as ``PeerDied``. Frames are the
+KV connector's (aiolm/kv_transfer/wire.py: a length, then the bytes).
 
 A message is a 40-byte header (step, tokens, hidden size, the two dtypes) and the two
 tensors' bytes, each in its own dtype (a bfloat16 model on a CPU adds float32 residuals).
@@ -27,6 +28,7 @@ from typing import Protocol
 import torch
 
 from aiolm.ipc.shm_ring import PeerDied
+from aiolm.kv_transfer.wire import WireError, recv_exact, recv_frame_len, send_frame
 
 _HEADER = struct.Struct("<QQQQQ")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -42,8 +44,6 @@ class Channel(Protocol):
 
 class TcpChannel:
     """A link's direction over TCP: ``write`` and ``read`` as a ring's, one message at a time."""
-
-    _LEN = struct.Struct("<Q")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)  # blocking: a long prompt step on the next stage is no failure
@@ -76,29 +76,17 @@ class TcpChannel:
 
     def write(self, data: memoryview) -> None:
         try:
-            self.sock.sendall(self._LEN.pack(data.nbytes))
-            self.sock.sendall(data)
+            send_frame(self.sock, data)
         except OSError as e:
             raise PeerDied(f"the next pipeline stage is gone: {e}") from e
 
     def read(self, timeout: float | None = None) -> bytes:
         if not self.poller.poll(None if timeout is None else timeout * 1000):
             raise TimeoutError
-        (n,) = self._LEN.unpack(self._exactly(self._LEN.size))
-        return bytes(self._exactly(n))
-
-    def _exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            try:
-                k = self.sock.recv_into(view[got:])
-            except OSError as e:
-                raise PeerDied(f"the previous pipeline stage is gone: {e}") from e
-            if k == 0:
-                raise PeerDied("the previous pipeline stage closed its link")
-            got += k
-        return buf
+        try:
+            return bytes(recv_exact(self.sock, recv_frame_len(self.sock)))
+        except WireError as e:
+            raise PeerDied(f"the link from the previous pipeline stage: {e}") from e
 
     def close(self) -> None:
         self.sock.close()

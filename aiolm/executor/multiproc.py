@@ -423,15 +423,17 @@ class MultiprocExecutor(Executor):
         self._step_tokens.pop(handle, None)
         super().abandon(handle)
 
-    def _step_result(self, msg: Any) -> ModelRunnerOutput:
-        """Rank 0's decoded answer to a step: its output, or else an ExecutorError."""
+    def _step_result(self, msg: Any, rank: int | None = None) -> ModelRunnerOutput:
+        """A rank's decoded answer to a step (by default the answering rank's): its output, or
+        else an ExecutorError."""
+        rank = self.answering if rank is None else rank
         if isinstance(msg, ModelRunnerOutput):
             return msg
         if isinstance(msg, tuple) and msg and msg[0] == "error":
             # The worker's step raised; it sent the cause and exits.
-            self._fail(f"worker {self.answering} failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
+            self._fail(f"worker {rank} failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
             raise ExecutorError(self._dead or msg[1], self._detail)
-        raise ExecutorError(f"worker {self.answering} answered a step with {type(msg).__name__}")
+        raise ExecutorError(f"worker {rank} answered a step with {type(msg).__name__}")
 
     async def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None

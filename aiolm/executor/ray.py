@@ -338,10 +338,9 @@ class RayExecutor(MultiprocExecutor):
         if code is not None and code != 0:
             msg = codec.decode(reply) if reply is not None else None
             if isinstance(msg, tuple) and msg and msg[0] == "error":  # any rank's step raised
-                self._fail(f"worker {rank} failed in a step: {msg[1]}", msg[2] if len(msg) > 2 else None)
-            else:
-                self._fail(await self._death_reason(f"worker {rank} (Ray actor) stopped: it lost a peer"))
-            raise ExecutorError(self._dead or "stopped", self._detail)
+                self._step_result(msg, rank)  # raises, with the rank's traceback
+            self._fail(await self._death_reason(f"worker {rank} (Ray actor) stopped: it lost a peer"))
+            raise ExecutorError(self._dead or "stopped")
         return reply
 
     # -- steps --------------------------------------------------------------------------

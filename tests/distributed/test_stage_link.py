@@ -58,7 +58,7 @@ def test_tcp_frames_messages_and_a_closed_peer_is_peer_died():
     done.join()
     assert torch.equal(got_h, hidden) and torch.equal(got_r, residual)
     sending.close()
-    with pytest.raises(PeerDied, match="closed its link"):
+    with pytest.raises(PeerDied, match="the peer closed the connection"):
         receiver.recv(8, torch.device("cpu"))
     receiving.close()
 

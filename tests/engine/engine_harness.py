@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -30,6 +31,39 @@ RAY_ARGS: dict[str, Any] = dict(
 )
 RAY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 RAY_MAX_NEW = 24
+
+
+def our_segments() -> set[str]:
+    """This process's shared-memory segments (an engine's rings, all-reduce, heartbeats)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")}
+
+
+async def greedy_streams(
+    engine: Any, prompts: list, max_new: int, started: asyncio.Event | None = None, after: int = 1
+) -> list[list[int]]:
+    """Each prompt's greedy tokens (``ignore_eos``), all streamed at once; ``started`` is set
+    once every stream has ``after`` tokens (a fault injected then hits every stream mid-way)."""
+    from aiolm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    counts = [0] * len(prompts)
+
+    async def one(i: int, prompt: Any) -> list[int]:
+        final = None
+        async for out in engine.generate(prompt, params):
+            final = out
+            counts[i] = len(out.outputs[0].token_ids)
+            if started is not None and min(counts) >= after:
+                started.set()
+        assert final is not None
+        return list(final.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+def overlap_s(a: list[tuple[int, float, float]], b: list[tuple[int, float, float]]) -> float:
+    """Seconds two pipeline stages' traces (ModelRunner.stage_trace) computed at the same time."""
+    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, a0, a1 in a for _, b0, b1 in b)
 
 
 class LoopThread:

@@ -12,12 +12,11 @@ transformers' greedy tokens.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 
 import pytest
 import torch
-from engine_harness import LoopThread
+from engine_harness import LoopThread, greedy_streams, our_segments, overlap_s
 
 from aiolm import LLM, AsyncEngine, EngineArgs, SamplingParams
 from aiolm.distributed.stages import stage_layers
@@ -40,25 +39,8 @@ MAX_NEW = 40
 ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=32, num_threads=1, dtype="float32")
 
 
-def _our_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")}
-
-
-async def _greedy(engine: AsyncEngine, started: asyncio.Event | None = None) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    counts = [0] * len(PROMPTS)
-
-    async def one(i: int, prompt: str) -> list[int]:
-        final = None
-        async for out in engine.generate(prompt, params):
-            final = out
-            counts[i] = len(out.outputs[0].token_ids)
-            if started is not None and min(counts) >= 8:
-                started.set()
-        assert final is not None
-        return list(final.outputs[0].token_ids)
-
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+def _greedy(engine: AsyncEngine, started: asyncio.Event | None = None):
+    return greedy_streams(engine, PROMPTS, MAX_NEW, started, after=8)
 
 
 def test_layers_split_evenly_into_stages():
@@ -92,7 +74,7 @@ def test_pp2_matches_one_rank_overlaps_its_stages_and_survives_a_killed_stage():
         want = lt.run(_greedy(one), timeout=300)
         lt.run(one.shutdown(), timeout=60)
 
-        before = _our_segments()
+        before = our_segments()
         # 15 layers x 24 KiB a block (float32, 3 KV heads of 64): 20 blocks a stage, fewer
         # than the 8 prompts need together, so requests are preempted and recomputed
         engine = AsyncEngine(**ARGS, kv_cache_memory=20 * 15 * 24576, pipeline_parallel_size=2)
@@ -107,12 +89,7 @@ def test_pp2_matches_one_rank_overlaps_its_stages_and_survives_a_killed_stage():
         # both stages computed at once: some forward pass of stage 0 overlaps one of stage 1
         first, last = lt.run(ex.collective_rpc("stage_trace"), timeout=30)  # type: ignore[union-attr]
         assert first and last
-        both = sum(
-            max(0.0, min(a_end, b_end) - max(a_start, b_start))
-            for _, a_start, a_end in first
-            for _, b_start, b_end in last
-        )
-        assert both > 0, "the two stages never computed at the same time"
+        assert overlap_s(first, last) > 0, "the two stages never computed at the same time"
 
         # a SIGKILLed last stage: the whole set is replaced and every stream still ends right
         started = asyncio.Event()
@@ -130,7 +107,7 @@ def test_pp2_matches_one_rank_overlaps_its_stages_and_survives_a_killed_stage():
         replaced = engine.executor
         lt.run(engine.shutdown(), timeout=60)
         assert all(p.poll() is not None for p in replaced.procs)  # type: ignore[union-attr]
-        assert _our_segments() == before, "shared memory left behind"
+        assert our_segments() == before, "shared memory left behind"
     finally:
         lt.close()
 

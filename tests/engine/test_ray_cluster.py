@@ -17,6 +17,7 @@ Then no Ray process of the cluster is left, and no shared memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -26,10 +27,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread  # noqa: E402
+from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread, greedy_streams, our_segments, overlap_s  # noqa: E402
 from test_ray_executor import _processes_mentioning  # noqa: E402
-
-from aiolm import AsyncEngine, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -38,25 +37,8 @@ PROMPTS = RAY_PROMPTS
 MAX_NEW = RAY_MAX_NEW
 
 
-async def _greedy(engine, started: asyncio.Event | None = None) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    counts = [0] * len(PROMPTS)
-
-    async def one(i: int, prompt: str) -> list[int]:
-        final = None
-        async for out in engine.generate(prompt, params):
-            final = out
-            counts[i] = len(out.outputs[0].token_ids)
-            if started is not None and min(counts) >= 4:
-                started.set()
-        assert final is not None
-        return list(final.outputs[0].token_ids)
-
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
-
-
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")}
+def _greedy(engine, started: asyncio.Event | None = None):
+    return greedy_streams(engine, PROMPTS, MAX_NEW, started, after=4)
 
 
 @pytest.fixture(scope="module")
@@ -92,41 +74,44 @@ def cluster():
         assert not left, f"Ray processes left: {left}"
 
 
-def _run(cluster, **over):
+@contextlib.contextmanager
+def _serving(cluster, **over):
+    """A started engine (replicas, with ``data_parallel_size``) on the cluster and its loop;
+    shut down afterwards, leaving no shared memory."""
+    from aiolm.config import EngineArgs
+    from aiolm.engine.data_parallel import create_engine
+
     c, _, _ = cluster
+    before = our_segments()
     lt = LoopThread()
-    engine = AsyncEngine(executor="ray", ray_address=c.address, **ARGS, **over)
-    lt.run(engine.start(), timeout=600)
-    return lt, engine
+    engine = create_engine(EngineArgs(executor="ray", ray_address=c.address, **ARGS, **over))
+    try:
+        lt.run(engine.start(), timeout=600)
+        yield lt, engine
+    finally:
+        lt.run(engine.shutdown(), timeout=60)
+        lt.close()
+    assert our_segments() == before
 
 
 def test_tp3_one_rank_per_node(cluster, ray_reference):
-    before = _segments()
-    lt, engine = _run(cluster, tensor_parallel_size=3, ray_placement="strict-spread")
-    try:
+    with _serving(cluster, tensor_parallel_size=3, ray_placement="strict-spread") as (lt, engine):
         ex = engine.executor
         assert len({r.node_id for r in ex.ranks}) == 3, [r.node_id for r in ex.ranks]
         assert ex.all_reduce == "gloo"  # the group spans nodes
         assert lt.run(_greedy(engine), timeout=300) == ray_reference
-    finally:
-        lt.run(engine.shutdown(), timeout=60)
-        lt.close()
-    assert _segments() == before
 
 
 def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, ray_reference):
     c, workers, _ = cluster
-    before = _segments()
-    lt, engine = _run(cluster, pipeline_parallel_size=2)
-    try:
+    with _serving(cluster, pipeline_parallel_size=2) as (lt, engine):
         ex = engine.executor
         stages = [r.node_id for r in ex.ranks]
         assert len(set(stages)) == 2, stages
         assert lt.run(_greedy(engine), timeout=300) == ray_reference
         # two steps in flight through Ray calls: the stages computed at once
         first, last = lt.run(ex.collective_rpc("stage_trace"), timeout=30)
-        both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, a0, a1 in first for _, b0, b1 in last)
-        assert both > 0, "the two stages never computed at the same time"
+        assert overlap_s(first, last) > 0, "the two stages never computed at the same time"
 
         # Remove a worker node that holds a stage: its raylet and that stage's actor die.
         ids = {w.node_id: w for w in workers}
@@ -144,27 +129,11 @@ def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, ray_reference):
         assert lt.run(through_loss(), timeout=300) == ray_reference
         now = [r.node_id for r in engine.executor.ranks]
         assert engine.executor is not ex and victim.node_id not in now and len(set(now)) == 2
-    finally:
-        lt.run(engine.shutdown(), timeout=60)
-        lt.close()
-    assert _segments() == before
 
 
 def test_dp2_one_replica_per_node(cluster, ray_reference):
     """Two replicas, each one rank of one CPU: on one-CPU nodes they must land apart."""
-    from aiolm.config import EngineArgs
-    from aiolm.engine.data_parallel import create_engine
-
-    c, _, _ = cluster
-    before = _segments()
-    lt = LoopThread()
-    engine = create_engine(EngineArgs(executor="ray", ray_address=c.address, data_parallel_size=2, **ARGS))
-    try:
-        lt.run(engine.start(), timeout=600)
+    with _serving(cluster, data_parallel_size=2) as (lt, engine):
         nodes = [r.node_id for replica in engine.replicas for r in replica.executor.ranks]
         assert len(nodes) == 2 and len(set(nodes)) == 2, nodes
         assert lt.run(_greedy(engine), timeout=300) == ray_reference
-    finally:
-        lt.run(engine.shutdown(), timeout=60)
-        lt.close()
-    assert _segments() == before

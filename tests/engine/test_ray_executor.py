@@ -31,7 +31,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread  # noqa: E402
+from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread, our_segments  # noqa: E402
 
 from aiolm import AsyncEngine, SamplingParams  # noqa: E402
 
@@ -40,10 +40,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ARGS = RAY_ARGS
 PROMPTS = RAY_PROMPTS
 MAX_NEW = RAY_MAX_NEW
-
-
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")}
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -128,7 +124,7 @@ async def _kill_while_streaming(engine, kill) -> tuple[list[list[int]], float]:
 
 def test_tp3_ray_matches_the_local_executor_survives_a_killed_actor_and_cleans_up(ray_reference, ray_env):
     assert all(len(t) == MAX_NEW for t in ray_reference)
-    before = _segments()
+    before = our_segments()
     lt = LoopThread()
     engine = AsyncEngine(executor="ray", tensor_parallel_size=3, **ARGS)
     seen_pids: list[int] = []
@@ -169,7 +165,7 @@ def test_tp3_ray_matches_the_local_executor_survives_a_killed_actor_and_cleans_u
     assert all(_pid_gone(p) for p in seen_pids), [p for p in seen_pids if not _pid_gone(p)]
     states = {pg["state"] for pg in ray.util.placement_group_table().values()}
     assert states <= {"REMOVED"}, states
-    assert _segments() == before, "shared memory left behind"
+    assert our_segments() == before, "shared memory left behind"
 
     # Stopping the cluster leaves none of its processes (raylet, GCS, agents, workers).
     from aiolm.executor import ray_cluster

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import ENGINE_ARGS, LoopThread
+from engine_harness import ENGINE_ARGS, LoopThread, our_segments
 
 from aiolm import AsyncEngine, EngineDeadError, SamplingParams
 
@@ -29,10 +29,6 @@ PROMPTS = [
     [{"role": "user", "content": "What is tensor parallelism? Answer briefly."}],
 ]
 MAX_NEW = 48
-
-
-def _our_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")}
 
 
 async def _greedy_tokens(engine: AsyncEngine) -> list[list[int]]:
@@ -71,7 +67,7 @@ async def _kill_rank_while_streaming(engine: AsyncEngine, rank: int) -> list[flo
 
 def _run_tp(model: str | None, tp: int, kill_rank: int | None = None) -> list[list[int]]:
     """Greedy tokens of PROMPTS with ``tp`` ranks; then optionally kill a rank mid-stream."""
-    before = _our_segments()
+    before = our_segments()
     lt = LoopThread()
     # With a rank to kill, recovery is off: this checks the fail-fast path (tests/reliability
     # covers recovery).
@@ -90,7 +86,7 @@ def _run_tp(model: str | None, tp: int, kill_rank: int | None = None) -> list[li
             assert f"worker {kill_rank}" in (engine.dead_reason or ""), engine.dead_reason
         lt.run(engine.shutdown(), timeout=60)
         assert all(p.poll() is not None for p in ex.procs)  # type: ignore[union-attr]
-        assert _our_segments() == before, "shared memory left behind"
+        assert our_segments() == before, "shared memory left behind"
         return tokens
     finally:
         try:
@@ -150,7 +146,7 @@ def test_tp2_tiny_llama_with_a_replicated_kv_head_gives_tp1_tokens_and_survives_
 
 
 def test_tp2_on_smollm2_is_refused_before_any_worker_starts():
-    before = _our_segments()
+    before = our_segments()
     lt = LoopThread()
     engine = AsyncEngine(tensor_parallel_size=2, **ENGINE_ARGS)
     try:
@@ -165,7 +161,7 @@ def test_tp2_on_smollm2_is_refused_before_any_worker_starts():
     finally:
         lt.run(engine.shutdown(), timeout=60)
         lt.close()
-    assert _our_segments() == before
+    assert our_segments() == before
 
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
