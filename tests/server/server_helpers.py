@@ -199,6 +199,7 @@ class FakeEngine:
     runner = "generate"  # it generates; the pooling routes refuse it
     pooling_config = None
     takes_images = False  # a text model: image parts are a 400
+    eos_token_ids: tuple[int, ...] = ()  # no end token: streams end at max_tokens
 
     def lora(self, name: str) -> None:  # serves no LoRA adapters
         return None
@@ -239,7 +240,7 @@ class FakeEngine:
     def prompt_too_long(self, text: str) -> str | None:
         return None
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids)
 
     def token_strings(self, ids: list[int]) -> list[str]:
