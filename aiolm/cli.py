@@ -43,7 +43,7 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _run(coro: Any) -> Any:
+def run_on_uvloop(coro: Any) -> Any:
     """asyncio.run on uvloop when it is installed."""
     try:
         import uvloop
@@ -304,7 +304,7 @@ def _run_request(parser: argparse.ArgumentParser, coro: Any) -> None:
     from aiolm.params import ParamError
 
     try:
-        _run(coro)
+        run_on_uvloop(coro)
     except ParamError as e:
         parser.error(e.message)
 

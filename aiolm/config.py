@@ -138,8 +138,13 @@ class EngineArgs:
     )
     data_parallel_size: int = _f(
         1,
-        "engine replicas, each with its own workers (and tensor-parallel group), "
-        "behind one API; requests are routed by load and prefix-cache affinity",
+        "engine replicas, each an engine process with its own workers (and tensor-parallel "
+        "group), behind one API; requests are routed by load and prefix-cache affinity",
+    )
+    data_parallel_backend: str = _f(
+        "mp",
+        "where data-parallel replicas run: mp (processes on this machine) or ray (Ray actors, "
+        "placed on the cluster's nodes by --ray-placement; each runs its workers on its node)",
     )
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
@@ -271,10 +276,18 @@ class EngineArgs:
         from aiolm.executor.placement import placement_strategy
 
         placement_strategy(self.ray_placement, self.pipeline_parallel_size)  # raises on an unknown one
-        if self.ray_placement != "auto" and self.executor != "ray":
-            raise ValueError("ray_placement is only used with executor 'ray' (--distributed-executor-backend ray)")
-        if self.ray_address is not None and self.executor != "ray":
-            raise ValueError("ray_address is only used with executor 'ray' (--distributed-executor-backend ray)")
+        self._check_data_parallel()
+        on_ray = self.executor == "ray" or self.data_parallel_backend == "ray"
+        if self.ray_placement != "auto" and not on_ray:
+            raise ValueError(
+                "ray_placement is only used with executor 'ray' (--distributed-executor-backend ray) "
+                "or data_parallel_backend 'ray'"
+            )
+        if self.ray_address is not None and not on_ray:
+            raise ValueError(
+                "ray_address is only used with executor 'ray' (--distributed-executor-backend ray) "
+                "or data_parallel_backend 'ray'"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: {self.device!r} is not supported; supported: auto, cpu, cuda")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -378,6 +391,17 @@ class EngineArgs:
             why = "runs generating models; pooling models are small enough for one stage"
         if why is not None:
             raise ValueError(f"pipeline_parallel_size {pp} {why}")
+
+    def _check_data_parallel(self) -> None:
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend: {self.data_parallel_backend!r} is not supported; supported: mp, ray"
+            )
+        if self.data_parallel_backend == "ray" and self.executor == "ray":
+            raise ValueError(
+                "data_parallel_backend 'ray' places each replica on one node and runs its workers there "
+                "as processes: leave --distributed-executor-backend at mp"
+            )
 
     def max_images(self) -> int:
         """--limit-mm-per-prompt's image count (image=N, or vLLM's JSON {"image": N})."""

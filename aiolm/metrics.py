@@ -31,10 +31,11 @@ another thread (``start_http_server``) sees a consistent histogram.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,22 +289,24 @@ class EngineMetrics:
 
 
 class CombinedMetrics:
-    """Several engines' metrics in one exposition (data parallelism): each family once,
-    holding every engine's samples, told apart by their ``engine`` label."""
+    """Several engines' metric families in one exposition (data parallelism): each family
+    once, holding every engine's samples, told apart by their ``engine`` label.
+    ``snapshots`` gives each engine's families (a replica process's, as last fetched)."""
 
-    def __init__(self, parts: list[EngineMetrics]) -> None:
-        self.parts = parts
+    def __init__(self, snapshots: Callable[[], Iterable[Iterable[Metric]]]) -> None:
+        self.snapshots = snapshots
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
-        for part in self.parts:
-            for family in _Collector(part).collect():
+        for families in self.snapshots():
+            for family in families:
                 if family.name in merged:
                     merged[family.name].samples.extend(family.samples)
                 else:
-                    merged[family.name] = family
+                    merged[family.name] = copy.copy(family)
+                    merged[family.name].samples = list(family.samples)
         yield from merged.values()
 
     def render(self) -> bytes:

@@ -25,6 +25,10 @@ class ParamError(ValueError):
         self.param = param
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole: a data-parallel replica's refusal reaches the front end as itself.
+        return type(self), (self.param, self.message), self.__dict__
+
 
 class OutputKind(enum.Enum):
     """Whether each streamed RequestOutput holds everything so far or only the new part."""

@@ -155,6 +155,7 @@ class AsyncEngine:
                 "aiolm.engine.data_parallel.create_engine(args) (aiolm serve does)"
             )
         self._started = False
+        self._model_loaded = False
         self._dead: str | None = None
         self._executor: Executor | None = None
         self.core: EngineCore | None = None
@@ -195,8 +196,11 @@ class AsyncEngine:
 
     # -- life cycle -----------------------------------------------------------------
 
-    async def start(self) -> None:
-        if self._started:
+    async def load_model(self) -> None:
+        """Read the model's config and tokenizer: the model-level API (tokenizing, templates,
+        limits, adapters' registry) without workers. ``start`` calls it; a data-parallel
+        front end (data_parallel.py) uses it alone, its replicas run in their own processes."""
+        if self._model_loaded:
             return
         a = self.args
         self.source = await asyncio.to_thread(check_model_args, a)
@@ -220,6 +224,28 @@ class AsyncEngine:
                 self.loras.add(self.loras.new_request(name, path))
         if isinstance(mc, MoEConfig):
             self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            self.source.eos_token_ids,
+            a.max_logprobs,
+            images=self._image_prompts(mc),
+            media_limits=MediaLimits(
+                allowed_domains=tuple(a.allowed_media_domains) if a.allowed_media_domains is not None else None,
+                allowed_local_path=Path(a.allowed_local_media_path) if a.allowed_local_media_path else None,
+                fetch_timeout_s=a.media_fetch_timeout,
+                max_pixels=a.max_image_pixels,
+            ),
+        )
+        self._model_loaded = True
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        await self.load_model()
+        a, mc, pc = self.args, self.source.config, self.pooling_config
+        pooling = pc is not None
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
         # decoder can use them (an encoder's every state depends on the whole prompt).
         prefix_caching = a.enable_prefix_caching and (pc is None or (not mc.encoder_only and pc.pooling_type == "last"))
@@ -241,7 +267,7 @@ class AsyncEngine:
             num_threads=a.num_threads,
             seed=a.seed,
             device=a.resolved_device(),
-            device_offset=self.engine_index * a.tensor_parallel_size * a.pipeline_parallel_size,
+            device_offset=self._device_offset(),
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none",
@@ -290,20 +316,6 @@ class AsyncEngine:
             connector=self._kv_connector(kv_transfer, kv_fingerprint, executor) if kv_transfer is not None else None,
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            mc.vocab_size,
-            self.max_model_len,
-            self.source.eos_token_ids,
-            a.max_logprobs,
-            images=self._image_prompts(mc),
-            media_limits=MediaLimits(
-                allowed_domains=tuple(a.allowed_media_domains) if a.allowed_media_domains is not None else None,
-                allowed_local_path=Path(a.allowed_local_media_path) if a.allowed_local_media_path else None,
-                fetch_timeout_s=a.media_fetch_timeout,
-                max_pixels=a.max_image_pixels,
-            ),
-        )
         self.output = OutputProcessor(
             self.tokenizer, self._abort_children, self._on_finish, self.stats, self._add_siblings, self.metrics
         )
@@ -326,6 +338,14 @@ class AsyncEngine:
         # of it on the event loop (a pause that grows with the heap). Freeze it instead.
         gc.collect()
         gc.freeze()
+
+    def _device_offset(self) -> int:
+        """The first device of this replica's ranks: replicas on one machine take consecutive
+        ones; a Ray replica sees only its own (Ray sets CUDA_VISIBLE_DEVICES for its actor)."""
+        a = self.args
+        if a.data_parallel_backend == "ray":
+            return 0
+        return self.engine_index * a.tensor_parallel_size * a.pipeline_parallel_size
 
     def _check_kv_transfer(self, params: dict[str, Any]) -> None:
         """kv_transfer_params need a TcpConnector in the matching role."""

@@ -18,12 +18,18 @@ from typing import (
 
 if TYPE_CHECKING:
     from aiolm.engine.input import PromptType
-    from aiolm.engine.output_processor import RequestState
     from aiolm.lora.request import LoRARequest
     from aiolm.outputs import PoolingRequestOutput, RequestOutput
     from aiolm.params import SamplingParams
     from aiolm.pooling.config import PoolingConfig
     from aiolm.pooling.params import PoolingParams
+
+
+class RequestHandle(Protocol):
+    """What ``add_request`` returns and ``stream`` reads (each engine keeps its own kind)."""
+
+    @property
+    def req_id(self) -> str: ...
 
 
 class MetricsSource(Protocol):
@@ -78,9 +84,11 @@ class EngineClient(Protocol):
         priority: int = 0,
         timeout: float | None = None,
         lora_request: LoRARequest | None = None,
-    ) -> RequestState: ...
+    ) -> RequestHandle: ...
 
-    def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]: ...
+    def stream(self, state: Any) -> AsyncIterator[RequestOutput]:
+        """The outputs of the request ``add_request`` returned ``state`` for."""
+        ...
 
     def generate(
         self,

@@ -126,6 +126,9 @@ async def metrics(request: Request) -> Response:
     expert_load = getattr(engine, "expert_load", None)  # a mixture of experts' routing counts, fetched fresh
     if expert_load is not None:
         await expert_load()
+    refresh = getattr(engine, "refresh_metrics", None)  # data-parallel replicas' families, fetched fresh
+    if refresh is not None:
+        await refresh()
     text = engine.metrics.render()
     per_replica = getattr(engine, "render_replica_metrics", None)  # engine/data_parallel.py
     if per_replica is not None:

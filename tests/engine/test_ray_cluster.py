@@ -9,7 +9,9 @@ different nodes, which Ray's own node ids prove.
    tokens, and the stages' own traces show them computing at once; then a worker node is
    removed (its raylet and the stage on it die) while streams decode: the engine replaces
    the worker set on the nodes left, and every stream ends with the fault-free tokens.
-3. ``--data-parallel-size 2`` on the two nodes left: one replica on each, the same tokens.
+3. ``--data-parallel-size 2 --data-parallel-backend ray`` on the two nodes left: one replica
+   process on each (a Ray actor holds it; its worker is a process on that node), the same
+   tokens.
 
 Then no Ray process of the cluster is left, and no shared memory.
 """
@@ -84,7 +86,7 @@ def _serving(cluster, **over):
     c, _, _ = cluster
     before = our_segments()
     lt = LoopThread()
-    engine = create_engine(EngineArgs(executor="ray", ray_address=c.address, **ARGS, **over))
+    engine = create_engine(EngineArgs(ray_address=c.address, **{"executor": "ray", **ARGS, **over}))
     try:
         lt.run(engine.start(), timeout=600)
         yield lt, engine
@@ -132,8 +134,12 @@ def test_pp2_stages_on_two_nodes_and_a_lost_node(cluster, ray_reference):
 
 
 def test_dp2_one_replica_per_node(cluster, ray_reference):
-    """Two replicas, each one rank of one CPU: on one-CPU nodes they must land apart."""
-    with _serving(cluster, data_parallel_size=2) as (lt, engine):
-        nodes = [r.node_id for replica in engine.replicas for r in replica.executor.ranks]
-        assert len(nodes) == 2 and len(set(nodes)) == 2, nodes
+    """Two replica processes as Ray actors (--data-parallel-backend ray), each with one
+    worker process on its node: a bundle of one CPU each, so on one-CPU nodes they must
+    land apart; both serve."""
+    over = dict(data_parallel_size=2, data_parallel_backend="ray", executor="mp")
+    with _serving(cluster, **over) as (lt, engine):
+        nodes = [r.launcher.node_id for r in engine.replicas]
+        assert len(nodes) == 2 and len(set(nodes)) == 2 and None not in nodes, nodes
         assert lt.run(_greedy(engine), timeout=300) == ray_reference
+        assert min(engine.router.stats.routed) >= 1, engine.router.stats  # both served

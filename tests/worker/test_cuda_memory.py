@@ -180,15 +180,17 @@ def test_out_of_memory_becomes_a_clear_error(monkeypatch):
 
 
 def test_data_parallel_replicas_take_disjoint_gpus(monkeypatch):
-    """Under --data-parallel-size, replica i's rank r runs on cuda:<i * tp + r>: each replica's
-    engine gives its workers a device_offset (read here from the RunnerConfig it hands its
-    executor, which cannot start GPU workers on this machine); past the visible GPUs the
-    error says why."""
+    """Under --data-parallel-size, replica i's rank r runs on cuda:<i * tp + r>: each replica
+    process's engine (replica_engine, what replica.py runs) gives its workers a device_offset
+    (read here from the RunnerConfig it hands its executor, which cannot start GPU workers on
+    this machine); past the visible GPUs the error says why. A Ray replica counts from 0: Ray
+    shows its actor only the GPUs of its bundle."""
     import asyncio
+    import dataclasses
 
     from aiolm.config import EngineArgs
     from aiolm.engine.async_engine import AsyncEngine
-    from aiolm.engine.data_parallel import DataParallelEngine
+    from aiolm.engine.replica import replica_engine
     from aiolm.platforms.cuda import CudaPlatform
 
     handed = []
@@ -198,11 +200,15 @@ def test_data_parallel_replicas_take_disjoint_gpus(monkeypatch):
         raise RuntimeError("no GPU workers here")
 
     monkeypatch.setattr(AsyncEngine, "_make_executor", no_executor)
-    dp = DataParallelEngine(EngineArgs(data_parallel_size=2, tensor_parallel_size=3, max_model_len=64))
-    for replica in dp.replicas:
+    args = EngineArgs(data_parallel_size=2, tensor_parallel_size=3, max_model_len=64)
+    for i in range(2):
         with pytest.raises(RuntimeError, match="no GPU workers"):
-            asyncio.run(replica.start())
+            asyncio.run(replica_engine(args, i).start())
     assert [c.device_offset for c in handed] == [0, 3]
+    on_ray = dataclasses.replace(args, data_parallel_backend="ray")
+    with pytest.raises(RuntimeError, match="no GPU workers"):
+        asyncio.run(replica_engine(on_ray, 1).start())
+    assert handed.pop().device_offset == 0
 
     picked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

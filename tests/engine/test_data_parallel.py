@@ -1,0 +1,168 @@
+"""``--data-parallel-size 2``: the front end and its two replica processes, from the API.
+
+One DataParallelEngine on the embedded model, its replicas engine processes of their own
+(one worker process each). What it shows:
+
+- routing by prefix affinity gets more of each prompt from the prefix cache than random
+  routing of the same kind of workload (both measured here: the replicas' own prefix-cache
+  counters, tokens hit over tokens queried);
+- a refusal made in a replica (an adapter on an engine without LoRA) reaches the caller
+  as the same ParamError, and the front end stays in service;
+- leaving a stream early aborts the request in its replica (its KV blocks freed);
+- after shutdown no replica process, worker or shared-memory segment is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+from engine_harness import LoopThread
+
+from aiolm import SamplingParams
+from aiolm.config import EngineArgs
+from aiolm.engine.data_parallel import DataParallelEngine
+from aiolm.engine.router import RouteStats
+from aiolm.ipc.wakeup import pid_alive
+from aiolm.lora.request import LoRARequest
+from aiolm.params import ParamError
+from procs import live_running
+
+pytestmark = pytest.mark.slow
+
+ARGS = dict(
+    data_parallel_size=2,
+    max_model_len=512,
+    kv_cache_memory=64 << 20,
+    max_num_seqs=4,
+    max_num_batched_tokens=512,
+    num_threads=1,
+)
+TOPICS = ["rivers", "volcanoes", "birds", "bridges", "planets", "forests", "castles", "islands"]
+
+
+class RandomRouter:
+    """The baseline: each request to a live replica drawn at random (seeded)."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.stats = RouteStats([0] * n, [0] * n)
+
+    def choose(self, token_ids: list[int], loads: list[int | None]) -> int:
+        i = self.rng.choice([i for i, load in enumerate(loads) if load is not None])
+        self.stats.routed[i] += 1
+        return i
+
+
+@pytest.fixture(scope="module")
+def dp():
+    lt = LoopThread()
+    engine = DataParallelEngine(EngineArgs(**ARGS))
+    try:
+        lt.run(engine.start(), timeout=600)
+        yield lt, engine
+    finally:
+        lt.run(engine.shutdown(), timeout=120)
+        lt.close()
+
+
+def _opening(topic: str, tag: str) -> str:
+    return f"[{tag}] You are a patient teacher. Today's lesson is about {topic}; answer in one short line. " * 4
+
+
+async def _hit_rate(engine: DataParallelEngine, tag: str) -> float:
+    """Tokens served from the prefix cache over tokens looked up, for 8 openings x 3
+    questions sent one at a time, the openings interleaved (each new to the replicas)."""
+    await engine.refresh_metrics()
+    before = [(r.status["prefix_hits"], r.status["prefix_queries"]) for r in engine.replicas]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for q in ("What is it?", "Why does it matter?", "Give one example."):
+        for topic in TOPICS:
+            async for _ in engine.generate(_opening(topic, tag) + q, params):
+                pass
+    await engine.refresh_metrics()
+    after = [(r.status["prefix_hits"], r.status["prefix_queries"]) for r in engine.replicas]
+    hits = sum(a[0] - b[0] for a, b in zip(after, before))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before))
+    return hits / queries
+
+
+def test_replicas_are_processes_of_their_own(dp):
+    _, engine = dp
+    pids = [r.status["pid"] for r in engine.replicas]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert [live_running(b"aiolm.engine.replica", os.getpid()).count(p) for p in pids] == [1, 1]
+    assert all(len(live_running(b"aiolm.worker", p)) == 1 for p in pids)  # its own worker each
+
+
+def test_prefix_affinity_beats_random_routing(dp):
+    lt, engine = dp
+    followed = engine.router.stats.affinity[:]
+    affinity = lt.run(_hit_rate(engine, "a"), timeout=300)
+    followed = [a - b for a, b in zip(engine.router.stats.affinity, followed)]
+    assert sum(followed) == 2 * len(TOPICS), followed  # every repeat went where its opening was
+    router = engine.router
+    engine.router = RandomRouter(len(engine.replicas))  # type: ignore[assignment]
+    try:
+        random_rate = lt.run(_hit_rate(engine, "b"), timeout=300)
+    finally:
+        engine.router = router
+    print(f"prefix-cache hit rate: affinity {affinity:.3f}, random {random_rate:.3f}")
+    # Affinity: every repeat of an opening finds it on its replica; random: about half miss.
+    assert affinity > 0.5 and affinity > random_rate + 0.1, (affinity, random_rate)
+
+
+def test_a_replicas_refusal_reaches_the_caller_as_itself(dp):
+    lt, engine = dp
+
+    async def go():
+        lora = LoRARequest("nope", 1, "/nonexistent")
+        with pytest.raises(ParamError) as e:
+            await engine.add_request("Hi", SamplingParams(max_tokens=1), lora_request=lora)
+        outs = [o async for o in engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0))]
+        return e.value, outs
+
+    error, outs = lt.run(go(), timeout=120)
+    assert error.param == "lora_request" and "--enable-lora" in error.message
+    assert outs[-1].finished and engine.is_healthy()
+
+
+def test_leaving_a_stream_early_frees_its_blocks_in_the_replica(dp):
+    lt, engine = dp
+
+    async def go():
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        got = 0
+        async for _ in engine.generate("Tell me a long story about the sea.", params):
+            got += 1
+            if got == 3:
+                break
+        for _ in range(100):
+            await engine.refresh_metrics()
+            if all(r.status["running"] == 0 and r.status["kv_usage"] == 0.0 for r in engine.replicas):
+                break
+            await asyncio.sleep(0.05)
+        return [(r.status["running"], r.status["waiting"], r.status["kv_usage"]) for r in engine.replicas]
+
+    assert lt.run(go(), timeout=120) == [(0, 0, 0.0), (0, 0, 0.0)]
+    assert all(not r.requests for r in engine.replicas)
+
+
+def test_shutdown_leaves_no_process_or_segment(dp):
+    """Last in this file: shuts the shared engine down (the fixture's shutdown then finds
+    nothing left to do)."""
+    lt, engine = dp
+    pids = [r.status["pid"] for r in engine.replicas]
+    workers = [w for p in pids for w in live_running(b"aiolm.worker", p)]
+    assert len(workers) == 2
+    lt.run(engine.shutdown(), timeout=120)
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids + workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids + workers)
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"aiolm_{p}_") for p in [os.getpid(), *pids])]
+    assert left == []
+    assert not engine.is_healthy() and engine.dead_reason == "engine shut down"
