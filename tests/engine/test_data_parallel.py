@@ -9,6 +9,7 @@ One DataParallelEngine on the embedded model, its replicas engine processes of t
 - a refusal made in a replica (an adapter on an engine without LoRA) reaches the caller
   as the same ParamError, and the front end stays in service;
 - leaving a stream early aborts the request in its replica (its KV blocks freed);
+- a pooling model's replicas embed through the same link, equal to one engine's vectors;
 - after shutdown no replica process, worker or shared-memory segment is left.
 """
 
@@ -22,13 +23,15 @@ import time
 import pytest
 from engine_harness import LoopThread
 
-from aiolm import SamplingParams
+from aiolm import AsyncEngine, SamplingParams
 from aiolm.config import EngineArgs
 from aiolm.engine.data_parallel import DataParallelEngine
 from aiolm.engine.router import RouteStats
 from aiolm.ipc.wakeup import pid_alive
 from aiolm.lora.request import LoRARequest
 from aiolm.params import ParamError
+from aiolm.pooling.params import PoolingParams
+from pooling_models import bert_embedder
 from procs import live_running
 
 pytestmark = pytest.mark.slow
@@ -149,6 +152,38 @@ def test_leaving_a_stream_early_frees_its_blocks_in_the_replica(dp):
 
     assert lt.run(go(), timeout=120) == [(0, 0, 0.0), (0, 0, 0.0)]
     assert all(not r.requests for r in engine.replicas)
+
+
+async def _vector(engine, text: str) -> list[float]:
+    outs = [out async for out in engine.encode(text, PoolingParams())]
+    assert len(outs) == 1
+    return outs[0].outputs.data
+
+
+def test_pooling_replicas_embed_as_one_engine_does(tmp_path):
+    folder = str(bert_embedder(tmp_path / "bert"))
+    texts = [f"sentence number {i} about the sea" for i in range(6)]
+
+    async def go():
+        async with AsyncEngine(EngineArgs(model=folder, runner="pooling", executor="local")) as one:
+            ref = [await _vector(one, t) for t in texts]
+        engine = DataParallelEngine(EngineArgs(model=folder, runner="pooling", data_parallel_size=2, num_threads=1))
+        async with engine:
+            got = await asyncio.gather(*(_vector(engine, t) for t in texts))
+            with pytest.raises(ParamError, match="--runner pooling"):
+                await engine.add_request("Hi", SamplingParams(max_tokens=1))
+            await engine.refresh_metrics()
+            served = [r.status["stats"]["prompt_tokens"] for r in engine.replicas]
+        return ref, got, served
+
+    lt = LoopThread()
+    try:
+        ref, got, served = lt.run(go(), timeout=300)
+    finally:
+        lt.close()
+    for a, b in zip(ref, got):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert min(served) > 0, served  # both replicas pooled some
 
 
 def test_shutdown_leaves_no_process_or_segment(dp):
