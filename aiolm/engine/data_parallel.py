@@ -77,6 +77,7 @@ class RoutedRequest:
     replica: int
     remote: RemoteRequest
     submitted: Submitted
+    deadline: float | None  # the loop time its timeout ends, kept across a resubmission
 
 
 class DataParallelEngine:
@@ -121,9 +122,11 @@ class DataParallelEngine:
         except BaseException:
             await self.shutdown()
             raise
+        self._started = True
         for i, r in enumerate(self.replicas):
             r.on_death = functools.partial(self._replica_died, i)
-        self._started = True
+            if r.dead_reason is not None:  # died between its start and now
+                self._replica_died(i, r.dead_reason)
         log.info("%d data-parallel replica processes started", len(self.replicas))
 
     async def _launchers(self) -> tuple[list[Launcher], str]:
@@ -230,22 +233,35 @@ class DataParallelEngine:
         ids: dict[str, Any] = {"prompt_token_ids": processed.token_ids, "prompt": processed.prompt}
         if processed.images:
             ids["mm_inputs"] = processed.images
-        return await self._submit(rid, (ids, params, priority, timeout, lora_request), exclude=())
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        return await self._submit(rid, (ids, params, priority, timeout, lora_request), deadline, exclude=[])
 
     def _check_unused(self, rid: str) -> None:
         if any(rid in r.requests for r in self.replicas):
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
 
-    async def _submit(self, rid: str, submitted: tuple[Any, ...], exclude: tuple[int, ...]) -> RoutedRequest:
+    async def _submit(
+        self, rid: str, submitted: Submitted, deadline: float | None, exclude: list[int]
+    ) -> RoutedRequest:
+        """Route and add; a replica found dead or recovering on the way is skipped (its
+        status was older than its end), so only the state of them all can refuse."""
         ids, params, priority, timeout, lora = submitted
-        loads = self._loads()
-        for i in exclude:
-            loads[i] = None
-        if all(load is None for load in loads):
-            self._raise_unavailable()
-        i = self.router.choose(ids["prompt_token_ids"], loads)
-        remote = await self.replicas[i].add_request(ids, params, rid, priority, timeout, lora)
-        return RoutedRequest(rid, i, remote, submitted)
+        while True:
+            loads = self._loads()
+            for i in exclude:
+                loads[i] = None
+            if all(load is None for load in loads):
+                self._raise_unavailable()
+            i = self.router.choose(ids["prompt_token_ids"], loads)
+            if deadline is not None:
+                timeout = max(deadline - asyncio.get_running_loop().time(), 1e-3)
+            try:
+                remote = await self.replicas[i].add_request(ids, params, rid, priority, timeout, lora)
+            except (EngineDeadError, EngineRecoveringError) as e:
+                log.warning("replica %d refused request %r (%s); routing it again", i, rid, e)
+                exclude.append(i)
+                continue
+            return RoutedRequest(rid, i, remote, submitted, deadline)
 
     def _raise_unavailable(self) -> None:
         if self._dead is not None or all(r.dead_reason is not None for r in self.replicas):
@@ -286,7 +302,7 @@ class DataParallelEngine:
                 dead = state.replica
                 tried.append(dead)
                 try:
-                    moved = await self._submit(state.req_id, state.submitted, exclude=tuple(tried))
+                    moved = await self._submit(state.req_id, state.submitted, state.deadline, exclude=tried)
                 except (EngineDeadError, EngineRecoveringError):
                     raise EngineDeadError(
                         f"replica {dead} died and no other replica can take request {state.req_id!r}"
@@ -308,11 +324,24 @@ class DataParallelEngine:
         self._check_started()
         rid = request_id if request_id is not None else self.model.inputs.new_request_id()
         self._check_unused(rid)
-        loads = self._loads()
-        if all(load is None for load in loads):
-            self._raise_unavailable()
-        i = min((load, i) for i, load in enumerate(loads) if load is not None)[1]
-        yield await self.replicas[i].encode(rid, prompt, pooling_params, priority, truncate_prompt_tokens, timeout)
+        tried: set[int] = set()
+        while True:  # pooling holds nothing between steps: a dead replica's request is pooled again
+            loads = [None if i in tried else load for i, load in enumerate(self._loads())]
+            if all(load is None for load in loads):
+                self._raise_unavailable()
+            i = min((load, i) for i, load in enumerate(loads) if load is not None)[1]
+            try:
+                out = await self.replicas[i].encode(
+                    rid, prompt, pooling_params, priority, truncate_prompt_tokens, timeout
+                )
+            except (EngineDeadError, EngineRecoveringError) as e:
+                if self._dead is not None:
+                    raise
+                log.warning("replica %d failed pooling request %r (%s); pooling it elsewhere", i, rid, e)
+                tried.add(i)
+                continue
+            yield out
+            return
 
     def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
         return self.model.tokenize_pair(text, text_pair, truncate_prompt_tokens)
@@ -321,7 +350,14 @@ class DataParallelEngine:
 
     async def load_lora(self, name: str, path: str) -> LoRARequest:
         lora = await self.model.load_lora(name, path)  # checked once, here
-        await self._on_every_replica("add_lora", lora)
+        try:
+            await self._on_every_replica("add_lora", lora)
+        except BaseException:
+            # All or nothing: a replica that refused it must not leave the others serving it.
+            await self.model.remove_lora(name)
+            live = [r for r in self.replicas if r.dead_reason is None]
+            await asyncio.gather(*(r.call("remove_lora", name) for r in live), return_exceptions=True)
+            raise
         return lora
 
     async def remove_lora(self, name: str) -> LoRARequest:

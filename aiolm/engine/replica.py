@@ -188,6 +188,7 @@ class ReplicaServer:
         if not self._added(rid):
             self.streams.pop(rid, None)
             await self.engine.abort(rid)
+            self._emit((rid, None, None))  # the front end's entry for it ends here
             return
         try:
             async with contextlib.aclosing(self.engine.stream(state)) as outputs:

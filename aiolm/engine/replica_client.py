@@ -28,10 +28,14 @@ from typing import Any, Protocol
 
 from aiolm.config import EngineArgs
 from aiolm.engine.errors import EngineDeadError
-from aiolm.engine.replica_link import SECRET_BYTES, SECRET_ENV, read_message, write_message
+from aiolm.engine.replica_link import SECRET_BYTES, SECRET_ENV, STATUS_PERIOD_S, read_message, write_message
 from aiolm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+
+# A replica that has sent nothing for this long (it pushes its status every STATUS_PERIOD_S)
+# is taken for lost: its node is gone or its loop is wedged, and TCP alone may not say so.
+SILENT_LIMIT_S = 60 * STATUS_PERIOD_S
 
 
 class Launcher(Protocol):
@@ -185,7 +189,10 @@ class ReplicaClient:
         self._ids = itertools.count()
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
         self._closing = False
+        self._lost = False  # the connection ended: no new requests, whatever the last status said
+        self._heard = 0.0  # the loop time of its last message
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -202,7 +209,24 @@ class ReplicaClient:
         if msg[0] == "failed":
             raise msg[1]
         self.status = msg[1]
+        self._heard = asyncio.get_running_loop().time()
         self._reading = asyncio.ensure_future(self._read(reader))
+        self._watching = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Cut the connection of a replica whose process has ended or that went silent, so
+        its requests fail now instead of waiting on a socket nobody will write to again."""
+        loop = asyncio.get_running_loop()
+        while self._writer is not None and not self._writer.is_closing():
+            await asyncio.sleep(STATUS_PERIOD_S)
+            why = self.launcher.exited()
+            if why is None and loop.time() - self._heard > SILENT_LIMIT_S:
+                why = f"sent nothing for {SILENT_LIMIT_S:g} s"
+            if why is not None:
+                log.error("data-parallel replica %d (%s) %s: dropping it", self.index, self.launcher.where(), why)
+                self._lost = True
+                self._writer.transport.abort()
+                return
 
     async def _unless_exited(self, fut: asyncio.Future[Any], timeout: float, what: str) -> Any:
         loop = asyncio.get_running_loop()
@@ -218,9 +242,8 @@ class ReplicaClient:
                 why = self.launcher.exited()
                 if why is not None:
                     raise EngineDeadError(f"data-parallel replica {self.index} {why} before it could {what}")
-                if done:
+                if done:  # closed, not yet exited: wait for the exit (bounded by the deadline)
                     await asyncio.sleep(0.1)
-                    continue
                 if loop.time() > deadline:
                     where = self.launcher.where()
                     raise EngineDeadError(
@@ -239,23 +262,28 @@ class ReplicaClient:
         if self._reading is not None:
             await asyncio.wait([self._reading], timeout=grace)
         await self.launcher.stop(grace=1.0)
-        if self._reading is not None:
-            self._reading.cancel()
+        for task in (self._reading, self._watching):
+            if task is not None:
+                task.cancel()
         if self._writer is not None:
             self._writer.close()
         self._died(self.dead_reason or "engine shut down")
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         reason = None
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 msg = await read_message(reader)
+                self._heard = loop.time()
                 kind = msg[0]
                 if kind == "outputs":
                     for rid, out, error in msg[1]:
                         req = self.requests.get(rid)
                         if req is not None:
                             req.push(out, error)
+                            if error is not None or out is None or out.finished:
+                                del self.requests[rid]  # its last item: the reader has the rest
                 elif kind == "reply":
                     fut = self._calls.pop(msg[1], None)
                     if fut is not None and not fut.done():
@@ -266,15 +294,30 @@ class ReplicaClient:
                 elif kind == "status":
                     self.status = msg[1]
                 elif kind == "dead":
+                    # Its engine died: its streams end with their own errors, which follow;
+                    # nothing new goes there, and calls waiting for a reply fail now.
                     reason = f"data-parallel replica {self.index}: {msg[1]}"
+                    self._lost = True
                     self.status = {**self.status, "healthy": False, "why": msg[1]}
+                    self._fail_calls(EngineDeadError(reason))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        if reason is None and not self._closing:
-            await asyncio.sleep(0.2)  # let the process be reaped, so its exit can be told
-            how = self.launcher.exited() or "closed its connection"
-            reason = f"data-parallel replica {self.index} ({self.launcher.where()}) {how}"
-        self._died(reason or "engine shut down")
+        except Exception as e:  # a broken frame: the link cannot be trusted any further
+            reason = f"data-parallel replica {self.index}: its link failed: {type(e).__name__}: {e}"
+            log.exception("%s", reason)
+        finally:
+            self._lost = True
+            if reason is None and not self._closing:
+                await asyncio.sleep(0.2)  # let the process be reaped, so its exit can be told
+                how = self.launcher.exited() or "closed its connection"
+                reason = f"data-parallel replica {self.index} ({self.launcher.where()}) {how}"
+            self._died(reason or "engine shut down")
+
+    def _fail_calls(self, error: BaseException) -> None:
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._calls.clear()
 
     def _died(self, reason: str) -> None:
         if self.dead_reason is not None and not self.requests and not self._calls:
@@ -287,10 +330,7 @@ class ReplicaClient:
         for req in self.requests.values():
             req.push(None, error)
         self.requests.clear()
-        for fut in self._calls.values():
-            if not fut.done():
-                fut.set_exception(error)
-        self._calls.clear()
+        self._fail_calls(error)
         if first and not self._closing:
             log.error("%s", self.dead_reason)
             if self.on_death is not None:
@@ -301,7 +341,12 @@ class ReplicaClient:
     @property
     def available(self) -> bool:
         """Takes requests now: connected, its engine alive and neither recovering nor stalled."""
-        return self.dead_reason is None and self._reading is not None and bool(self.status.get("healthy"))
+        return (
+            self.dead_reason is None
+            and self._reading is not None
+            and not self._lost
+            and bool(self.status.get("healthy"))
+        )
 
     @property
     def live(self) -> int:
@@ -337,9 +382,16 @@ class ReplicaClient:
         req = self.requests[rid] = RemoteRequest(rid, params.n)
         try:
             await self.call("add", rid, prompt, params, priority, timeout, lora)
+        except asyncio.CancelledError:
+            # Cancelled while the replica was adding it: it must not run on. The entry stays
+            # until the replica's end marker, so the id is not reused before the old one ends.
+            if self.dead_reason is None:
+                self.abort(rid)
+            else:
+                self.requests.pop(rid, None)
+            raise
         except BaseException:
-            if self.requests.pop(rid, None) is not None and self.dead_reason is None:
-                self.abort(rid)  # cancelled while the replica was adding it: it must not run on
+            self.requests.pop(rid, None)  # refused: nothing of it runs there
             raise
         return req
 
@@ -359,12 +411,13 @@ class ReplicaClient:
                     finished = True
                     return
         finally:
-            self.requests.pop(req.req_id, None)
+            # An entry leaves ``requests`` with its last item (_read), or when the replica dies.
             if not finished and self.dead_reason is None:
                 self.abort(req.req_id)
 
     def abort(self, rid: str) -> None:
-        """Abort ``rid`` on the replica; its stream ends as an aborted request's does."""
+        """Abort ``rid`` on the replica; its stream ends as an aborted request's does, with
+        the replica's end marker (which also removes it from ``requests``)."""
         with contextlib.suppress(EngineDeadError):
             self._send(("abort", rid))
 
@@ -375,13 +428,14 @@ class ReplicaClient:
             return
         try:
             self.families, self.status = await self.call("metrics", timeout=timeout)
-        except (EngineDeadError, asyncio.TimeoutError) as e:
+        except Exception as e:  # one replica's trouble must not fail the whole scrape
             log.warning("replica %d's metrics were not refreshed: %s", self.index, e or "timed out")
 
     async def encode(
         self, rid: str, prompt: Any, params: Any, priority: int, truncate: int | None, timeout: float | None
     ) -> Any:
         """The replica's PoolingRequestOutput for one pooling request."""
+        # Its answer comes as the call's reply: the entry only counts its load and holds its id.
         self.requests[rid] = RemoteRequest(rid, 1)
         try:
             return await self.call("encode", rid, prompt, params, priority, truncate, timeout)

@@ -95,6 +95,19 @@ class LoopThread:
             self.loop.close()
 
 
+@contextlib.contextmanager
+def running(engine: Any, start_timeout: float = 600.0, stop_timeout: float = 120.0):
+    """``engine`` started on its own LoopThread: yields (the loop thread, the engine), and
+    shuts both down afterwards, whatever happened."""
+    lt = LoopThread()
+    try:
+        lt.run(engine.start(), timeout=start_timeout)
+        yield lt, engine
+    finally:
+        lt.run(engine.shutdown(), timeout=stop_timeout)
+        lt.close()
+
+
 async def after_death(engine: Any, executor: Any, timeout: float = 5.0) -> tuple[bool, bool, bool, tuple[int, int]]:
     """(core running, output running, executor closed, (running, waiting)) once a dead engine has
     stopped its actors and executor by itself (or after ``timeout``)."""

@@ -27,9 +27,11 @@ import time
 
 import pytest
 
+from aiolm.ipc.wakeup import pid_alive
+
 ray = pytest.importorskip("ray")
 
-from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, LoopThread, greedy_streams, our_segments, overlap_s  # noqa: E402
+from engine_harness import RAY_ARGS, RAY_MAX_NEW, RAY_PROMPTS, greedy_streams, our_segments, overlap_s, running  # noqa: E402
 from test_ray_executor import _processes_mentioning  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -85,14 +87,9 @@ def _serving(cluster, **over):
 
     c, _, _ = cluster
     before = our_segments()
-    lt = LoopThread()
     engine = create_engine(EngineArgs(ray_address=c.address, **{"executor": "ray", **ARGS, **over}))
-    try:
-        lt.run(engine.start(), timeout=600)
-        yield lt, engine
-    finally:
-        lt.run(engine.shutdown(), timeout=60)
-        lt.close()
+    with running(engine, stop_timeout=60) as started:
+        yield started
     assert our_segments() == before
 
 
@@ -143,3 +140,8 @@ def test_dp2_one_replica_per_node(cluster, ray_reference):
         assert len(nodes) == 2 and len(set(nodes)) == 2 and None not in nodes, nodes
         assert lt.run(_greedy(engine), timeout=300) == ray_reference
         assert min(engine.router.stats.routed) >= 1, engine.router.stats  # both served
+        pids = [r.status["pid"] for r in engine.replicas]
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids), pids  # the replica processes ended with the engine

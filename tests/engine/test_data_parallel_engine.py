@@ -21,7 +21,7 @@ import random
 import time
 
 import pytest
-from engine_harness import LoopThread
+from engine_harness import LoopThread, running
 
 from aiolm import AsyncEngine, SamplingParams
 from aiolm.config import EngineArgs
@@ -62,14 +62,8 @@ class RandomRouter:
 
 @pytest.fixture(scope="module")
 def dp():
-    lt = LoopThread()
-    engine = DataParallelEngine(EngineArgs(**ARGS))
-    try:
-        lt.run(engine.start(), timeout=600)
+    with running(DataParallelEngine(EngineArgs(**ARGS))) as (lt, engine):
         yield lt, engine
-    finally:
-        lt.run(engine.shutdown(), timeout=120)
-        lt.close()
 
 
 def _opening(topic: str, tag: str) -> str:
@@ -152,6 +146,36 @@ def test_leaving_a_stream_early_frees_its_blocks_in_the_replica(dp):
 
     assert lt.run(go(), timeout=120) == [(0, 0, 0.0), (0, 0, 0.0)]
     assert all(not r.requests for r in engine.replicas)
+
+
+def test_a_request_cancelled_while_its_replica_adds_it_ends_there_and_frees_its_id(dp):
+    """Cancelled after the add left the front end, before the replica answered: the replica
+    aborts it once added and says so, the front end forgets it, and its id serves again."""
+    lt, engine = dp
+
+    async def go():
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        task = asyncio.ensure_future(engine.add_request("A long tale:", params, request_id="early"))
+        for _ in range(2000):
+            if any("early" in r.requests for r in engine.replicas):
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not any("early" in r.requests for r in engine.replicas):
+                break
+            await asyncio.sleep(0.02)
+        held = [("early" in r.requests) for r in engine.replicas]
+        again = [o async for o in engine.generate("Hi", SamplingParams(max_tokens=2), request_id="early")]
+        await engine.refresh_metrics()
+        return held, again, [r.status["running"] for r in engine.replicas]
+
+    held, again, running = lt.run(go(), timeout=120)
+    assert held == [False, False]
+    assert again[-1].finished and again[-1].request_id == "early"
+    assert running == [0, 0]
 
 
 async def _vector(engine, text: str) -> list[float]:
