@@ -8,6 +8,7 @@ sliding windows (Mistral; Qwen2 / Qwen3 where the config enables them).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -188,6 +189,14 @@ class LlamaForCausalLM(nn.Module):
                 ctx, cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
             )
         )
+        self.quant, self.lora = ctx.quant, ctx.lora
+        # the stage's layers as one step, where the quant method offers it
+        self.fused_stack: Callable[..., Any] | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """After every layer's own step: the stage's fused steps as one call, if offered."""
+        steps = [getattr(self.layers[i], "fused", None) for i in self.local_layers]
+        self.fused_stack = self.quant.fused_decoder_stack(steps) if all(f is not None for f in steps) else None
 
     def make_mlp(self, cfg: ModelConfig, ctx: BuildContext, layer: int, prefix: str) -> nn.Module | None:
         """Layer ``layer``'s feed-forward block where it is not the dense MLP; None here."""
@@ -233,6 +242,11 @@ class LlamaForCausalLM(nn.Module):
             residual = None
         else:
             x, residual = intermediate
+        stack = self.fused_stack
+        if stack is not None and (self.lora is None or not self.lora.active):
+            done = stack(positions, x, residual, kv_caches, meta)
+            if done is not None:
+                return done
         layers = self.layers
         for i, cache in zip(self.local_layers, kv_caches):
             x, residual = layers[i](positions, x, residual, cache, meta)

@@ -100,5 +100,10 @@ class QuantConfig:
         Llama-shaped layer once its linears are ready; None here."""
         return None
 
+    def fused_decoder_stack(self, steps: list[Any]) -> Callable[..., Any] | None:
+        """A stage's layers' fused steps (each from ``fused_decoder_layer``, in order) as one
+        call taking the stage's KV caches; None here."""
+        return None
+
     def release(self) -> None:
         """The model is ready: drop what only its preparation needed."""

@@ -470,6 +470,80 @@ class FusedDecodeLayer:
         return (h, residual) if self.mlp is None else (self.mlp(h), residual)
 
 
+class FusedDecodeStack:
+    """A stage's dense fused layers as one C++ call per step (``decode_layers``): each layer
+    exactly as its FusedDecodeLayer computes it, without a Python round per layer. Taken
+    where every layer of the stage has a fused step of its own and they share one rotary
+    table; a step a layer's blocks would not take goes the per-layer way."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]) -> None:
+        self.layers = layers
+        self.weights = [w for f in layers for w in f.weights]
+        self.floats = [v for f in layers for v in f.floats]
+        self.cos, self.sin = layers[0].cos, layers[0].sin
+        self._ints: dict[tuple[bool, ...], list[int]] = {}
+        self._pages_of: list[torch.Tensor] | None = None
+        self._pages: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    @classmethod
+    def of(cls, steps: list[Any]) -> FusedDecodeStack | None:
+        if not steps or not all(isinstance(f, FusedDecodeLayer) and f.mlp is None for f in steps):
+            return None
+        if any(f.cos is not steps[0].cos or f.sin is not steps[0].sin for f in steps):
+            return None
+        return cls(steps)
+
+    def _int_args(self, int8: tuple[bool, ...]) -> list[int]:
+        ints = self._ints.get(int8)
+        if ints is None:
+            ints = self._ints[int8] = [v for f, i in zip(self.layers, int8) for v in f.ints[i]]
+        return ints
+
+    def _page_args(self, kv_caches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's K and V pages, taken again only when the runner's caches change."""
+        seen = self._pages_of
+        if seen is None or len(seen) != len(kv_caches) or any(a is not b for a, b in zip(seen, kv_caches)):
+            pages = [f.attn.pages(c) for f, c in zip(self.layers, kv_caches)]
+            self._pages_of, self._pages = list(kv_caches), ([k for k, _ in pages], [v for _, v in pages])
+        return self._pages
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows = x.shape[0]
+        int8 = tuple(INT8 and rows <= f.int8_rows for f in self.layers)
+        if (
+            not (all(int8) or rows <= MAX_ROWS)
+            or x.dtype != torch.float32
+            or kv_caches[0].dtype not in (torch.float32, torch.float16)
+        ):
+            return None
+        k_pages, v_pages = self._page_args(kv_caches)
+        h, residual = torch.ops.aiolm.decode_layers(
+            x,
+            residual,
+            positions,
+            kv_caches,
+            k_pages,
+            v_pages,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.slot_mapping,
+            self.cos,
+            self.sin,
+            self.weights,
+            self._int_args(int8),
+            self.floats,
+        )
+        return h, residual
+
+
 class GGUFBlocksMethod(LinearMethod):
     """``inner``'s weights and multiply, plus the file's blocks in ``layer.gguf`` (None where
     a tensor of the layer is not in a block type the kernels take) for the small steps."""
@@ -558,6 +632,9 @@ class GGUFBlocksConfig(QuantConfig):
         fused = FusedDecodeLayer.of(layer)
         self.fused += fused is not None
         return fused
+
+    def fused_decoder_stack(self, steps: list[Any]) -> FusedDecodeStack | None:
+        return FusedDecodeStack.of(steps)
 
     def _tensors(self) -> dict[str, tuple[np.ndarray, str]]:
         if self._raw is None:

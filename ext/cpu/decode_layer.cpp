@@ -1,5 +1,5 @@
 // One Llama-family decoder layer for the small steps that read the GGUF blocks, as one
-// call: the layer's ops run in the order and with the kernels that the Python modules
+// call (decode_layers: a stage's layers, as one call): the layer's ops run in the order and with the kernels that the Python modules
 // (aiolm/model/llama.py) call one by one, so the result is the same bit for bit; what
 // goes is the interpreter between them (module calls, views, a dozen op dispatches from
 // Python), which on a one-row decode step costs about as much as the layer's arithmetic.
@@ -114,6 +114,33 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
   return {linear(o, o.silu_and_mul.call(gate_up), w, ints, 3, int8), residual};
 }
 
+// A stage's layers one after another, each exactly as decode_layer computes it: one call
+// per step instead of one per layer. kv_caches, k_pages and v_pages hold one entry per
+// layer; weights, ints and floats are the layers' own lists one after another.
+std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                                 const at::Tensor& positions, at::TensorList kv_caches,
+                                                 at::TensorList k_pages, at::TensorList v_pages,
+                                                 const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                                                 const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                                                 const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
+                                                 at::IntArrayRef ints, at::ArrayRef<double> floats) {
+  const size_t n = kv_caches.size();
+  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && w.size() == 17 * n && ints.size() == 13 * n &&
+                  floats.size() == 3 * n,
+              "aiolm::decode_layers: per layer a cache, its pages, 17 weights, 13 ints and 3 floats expected");
+  at::Tensor h = x;
+  c10::optional<at::Tensor> residual = residual_in;
+  for (size_t l = 0; l < n; ++l) {
+    at::Tensor cache = kv_caches[l];
+    auto [out, res] = decode_layer(h, residual, positions, cache, k_pages[l], v_pages[l], block_table,
+                                   query_start_loc, seq_lens, slot_mapping, cos, sin, w.slice(17 * l, 17),
+                                   ints.slice(13 * l, 13), floats.slice(3 * l, 3));
+    h = out;
+    residual = res;
+  }
+  return {h, *residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aiolm, m) {
@@ -121,6 +148,13 @@ TORCH_LIBRARY_FRAGMENT(aiolm, m) {
       "decode_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!) kv_cache, Tensor k_pages, "
       "Tensor v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, "
       "Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats) -> (Tensor, Tensor)");
+  m.def(
+      "decode_layers(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!)[] kv_caches, "
+      "Tensor[] k_pages, Tensor[] v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor slot_mapping, Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
+}

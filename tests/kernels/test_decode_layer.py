@@ -1,6 +1,7 @@
-"""aiolm::decode_layer, a decoder layer's small steps as one C++ call, against the layer's
-own modules on the real model: the same bits, with float or int8 activations, a float32
-or float16 cache, a sliding window and a QKV bias."""
+"""aiolm::decode_layer, a decoder layer's small steps as one C++ call, and
+aiolm::decode_layers, all the layers of a step as one call, against the layers' own
+modules on the real model: the same bits, with float or int8 activations, a float32 or
+float16 cache, a sliding window and a QKV bias."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def model():
     return build_model(resolve_model(None))
 
 
-def _run(model, plans, cache_dtype) -> tuple[list[dict[int, torch.Tensor]], int]:
+def _run(model, plans, cache_dtype, stack=None) -> tuple[list[dict[int, torch.Tensor]], int]:
     """A prefill, decode steps of two rows and a step of 3 + 1 rows; returns the logits and
-    how many layer steps the fused call took."""
+    how many layer steps the fused calls took (``stack``: the model's one call for all
+    layers, whose steps count once per layer)."""
     taken = [0]
 
     def counted(plan):
@@ -37,6 +39,15 @@ def _run(model, plans, cache_dtype) -> tuple[list[dict[int, torch.Tensor]], int]
 
     for layer, plan in zip(model.layers, plans):
         layer.fused = counted(plan) if plan is not None else None
+    model.fused_stack = None
+    if stack is not None:
+
+        def whole(*args):
+            out = stack(*args)
+            taken[0] += len(model.layers) * (out is not None)
+            return out
+
+        model.fused_stack = whole
     h = PagedHarness(model, num_blocks=64, dtype=cache_dtype)
     outs = [h.step({0: list(range(100, 140)), 1: list(range(300, 333))})]
     outs += [h.step({0: [5 + i], 1: [7 + i]}) for i in range(4)]
@@ -44,9 +55,10 @@ def _run(model, plans, cache_dtype) -> tuple[list[dict[int, torch.Tensor]], int]
     return outs, taken[0]
 
 
+@pytest.mark.parametrize("how", ["per-layer", "one-call"])
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
 @pytest.mark.parametrize("variant", ["plain", "float16-cache", "window-and-bias"])
-def test_fused_layer_gives_the_modules_bits(model, int8, variant, monkeypatch):
+def test_fused_layer_gives_the_modules_bits(model, how, int8, variant, monkeypatch):
     monkeypatch.setattr(gguf_blocks, "INT8", int8)
     attns = [layer.self_attn for layer in model.layers]
     saved = [(a.attn.sliding_window, a.qkv_proj.bias) for a in attns]
@@ -62,18 +74,38 @@ def test_fused_layer_gives_the_modules_bits(model, int8, variant, monkeypatch):
         assert all(p is not None for p in plans), "every layer of the embedded model should be fused"
         dtype = torch.float16 if variant == "float16-cache" else torch.float32
         ref, none_taken = _run(model, [None] * len(plans), dtype)
-        got, taken = _run(model, plans, dtype)
+        if how == "per-layer":
+            got, taken = _run(model, plans, dtype)
+        else:
+            stack = gguf_blocks.FusedDecodeStack.of(plans)
+            assert stack is not None
+            got, taken = _run(model, [None] * len(plans), dtype, stack)
     finally:
         for a, (window, bias) in zip(attns, saved):
             a.attn.sliding_window, a.qkv_proj.bias = window, bias
         for layer in model.layers:
             layer.fused = gguf_blocks.FusedDecodeLayer.of(layer)
+        model.process_weights_after_loading()
     # Every step but the prefill (73 rows), which int8 takes too where its 4-bit kernel has VNNI.
     steps = 6 if int8 and cpu_kernels.has_avx512_vnni() else 5
     assert none_taken == 0 and taken == steps * len(plans)
     for step, (r, o) in enumerate(zip(ref, got)):
         for seq in r:
             assert torch.equal(r[seq], o[seq]), f"step {step}, sequence {seq}: the fused layer's logits differ"
+
+
+def test_the_model_takes_one_call_for_its_layers_where_each_has_one(model):
+    assert isinstance(model.fused_stack, gguf_blocks.FusedDecodeStack)
+    assert len(model.fused_stack.layers) == len(model.layers)
+    first = model.layers[0].fused
+    try:
+        model.layers[0].fused = None  # one layer without a fused step: no stack
+        model.process_weights_after_loading()
+        assert model.fused_stack is None
+    finally:
+        model.layers[0].fused = first
+        model.process_weights_after_loading()
+    assert isinstance(model.fused_stack, gguf_blocks.FusedDecodeStack)
 
 
 def test_layers_of_another_shape_keep_their_modules(model):
