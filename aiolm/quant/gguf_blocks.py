@@ -381,6 +381,11 @@ class GGUFLinear:
     int8_rows: int  # int8_rows(blocks, the layer's other matmul dtype)
 
 
+def _step_tables(meta: Any) -> tuple[torch.Tensor, ...]:
+    """The step's attention tables, in the order the C++ decode calls take them."""
+    return meta.block_table, meta.query_start_loc, meta.seq_lens, meta.slot_mapping
+
+
 @dataclass(frozen=True)
 class FusedDecodeLayer:
     """A Llama-family layer whose linears all have blocks, as one C++ call
@@ -457,10 +462,7 @@ class FusedDecodeLayer:
             positions,
             kv_cache,
             *self.attn.pages(kv_cache),
-            meta.block_table,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.slot_mapping,
+            *_step_tables(meta),
             self.cos,
             self.sin,
             self.weights,
@@ -531,10 +533,7 @@ class FusedDecodeStack:
             kv_caches,
             k_pages,
             v_pages,
-            meta.block_table,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.slot_mapping,
+            *_step_tables(meta),
             self.cos,
             self.sin,
             self.weights,
