@@ -34,8 +34,6 @@ from aiolm.pooling.params import PoolingParams
 from pooling_models import bert_embedder
 from procs import live_running
 
-pytestmark = pytest.mark.slow
-
 ARGS = dict(
     data_parallel_size=2,
     max_model_len=512,
@@ -58,6 +56,25 @@ class RandomRouter:
         i = self.rng.choice([i for i, load in enumerate(loads) if load is not None])
         self.stats.routed[i] += 1
         return i
+
+
+@pytest.mark.parametrize(
+    "over, why",
+    [
+        (dict(data_parallel_backend="threads"), "not supported; supported: mp, ray"),
+        (dict(data_parallel_backend="ray", executor="ray"), "leave --distributed-executor-backend at mp"),
+        (dict(ray_address="10.0.0.1:6379"), "ray_address is only used with"),
+        (dict(ray_placement="spread"), "ray_placement is only used with"),
+    ],
+)
+def test_data_parallel_flags_are_checked_before_anything_starts(over, why):
+    with pytest.raises(ValueError, match=why):
+        EngineArgs(**{"data_parallel_size": 2, **over})
+    # the Ray flags belong to the Ray backend of replicas too
+    EngineArgs(data_parallel_size=2, data_parallel_backend="ray", ray_address="10.0.0.1:6379", ray_placement="spread")
+
+
+slow = pytest.mark.slow  # every test below: replica processes on the real model
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +104,7 @@ async def _hit_rate(engine: DataParallelEngine, tag: str) -> float:
     return hits / queries
 
 
+@slow
 def test_replicas_are_processes_of_their_own(dp):
     _, engine = dp
     pids = [r.status["pid"] for r in engine.replicas]
@@ -95,6 +113,7 @@ def test_replicas_are_processes_of_their_own(dp):
     assert all(len(live_running(b"aiolm.worker", p)) == 1 for p in pids)  # its own worker each
 
 
+@slow
 def test_prefix_affinity_beats_random_routing(dp):
     lt, engine = dp
     followed = engine.router.stats.affinity[:]
@@ -112,6 +131,7 @@ def test_prefix_affinity_beats_random_routing(dp):
     assert affinity > 0.5 and affinity > random_rate + 0.1, (affinity, random_rate)
 
 
+@slow
 def test_a_replicas_refusal_reaches_the_caller_as_itself(dp):
     lt, engine = dp
 
@@ -127,6 +147,7 @@ def test_a_replicas_refusal_reaches_the_caller_as_itself(dp):
     assert outs[-1].finished and engine.is_healthy()
 
 
+@slow
 def test_leaving_a_stream_early_frees_its_blocks_in_the_replica(dp):
     lt, engine = dp
 
@@ -148,6 +169,7 @@ def test_leaving_a_stream_early_frees_its_blocks_in_the_replica(dp):
     assert all(not r.requests for r in engine.replicas)
 
 
+@slow
 def test_a_request_cancelled_while_its_replica_adds_it_ends_there_and_frees_its_id(dp):
     """Cancelled after the add left the front end, before the replica answered: the replica
     aborts it once added and says so, the front end forgets it, and its id serves again."""
@@ -184,6 +206,7 @@ async def _vector(engine, text: str) -> list[float]:
     return outs[0].outputs.data
 
 
+@slow
 def test_pooling_replicas_embed_as_one_engine_does(tmp_path):
     folder = str(bert_embedder(tmp_path / "bert"))
     texts = [f"sentence number {i} about the sea" for i in range(6)]
@@ -210,6 +233,7 @@ def test_pooling_replicas_embed_as_one_engine_does(tmp_path):
     assert min(served) > 0, served  # both replicas pooled some
 
 
+@slow
 def test_shutdown_leaves_no_process_or_segment(dp):
     """Last in this file: shuts the shared engine down (the fixture's shutdown then finds
     nothing left to do)."""
