@@ -403,6 +403,10 @@ class EngineArgs:
                 "as processes: leave --distributed-executor-backend at mp"
             )
 
+    def replica(self) -> EngineArgs:
+        """The arguments of one of ``data_parallel_size`` replicas (each an engine of its own)."""
+        return dataclasses.replace(self, data_parallel_size=1)
+
     def max_images(self) -> int:
         """--limit-mm-per-prompt's image count (image=N, or vLLM's JSON {"image": N})."""
         text = self.limit_mm_per_prompt.strip()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -83,7 +82,7 @@ class RoutedRequest:
 class DataParallelEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.model = AsyncEngine(_one(args))  # the model-level API: no workers of its own
+        self.model = AsyncEngine(args.replica())  # the model-level API: no workers of its own
         self.replicas: list[ReplicaClient] = []
         self.metrics = CombinedMetrics(lambda: [r.families for r in self.replicas])
         self.router = PrefixRouter(args.data_parallel_size, args.block_size, slack=max(1, args.max_num_seqs // 4))
@@ -110,10 +109,9 @@ class DataParallelEngine:
             self._listener = ReplicaListener(host)
             await self._listener.start()
             self.replicas = [ReplicaClient(i, launcher) for i, launcher in enumerate(launchers)]
-            one = _one(self.args)
             results = await asyncio.gather(
                 self.model.load_model(),
-                *(r.start(one, self._listener, REPLICA_START_TIMEOUT_S) for r in self.replicas),
+                *(r.start(self.args, self._listener, REPLICA_START_TIMEOUT_S) for r in self.replicas),
                 return_exceptions=True,
             )
             failed = [e for e in results if isinstance(e, BaseException)]
@@ -493,8 +491,3 @@ class DataParallelEngine:
 
     def tokenizer_info(self) -> dict[str, Any]:
         return self.model.tokenizer_info()
-
-
-def _one(args: EngineArgs) -> EngineArgs:
-    """The arguments of one replica."""
-    return dataclasses.replace(args, data_parallel_size=1)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -40,7 +39,7 @@ log = logging.getLogger("aiolm.replica")
 def replica_engine(args: EngineArgs, index: int) -> AsyncEngine:
     """Replica ``index``'s engine: one of ``args.data_parallel_size``, its workers on their
     own devices (``engine_index`` offsets them)."""
-    return AsyncEngine(dataclasses.replace(args, data_parallel_size=1), engine_index=index)
+    return AsyncEngine(args.replica(), engine_index=index)
 
 
 def status(engine: AsyncEngine) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from aiolm.config import EngineArgs
 from aiolm.engine.errors import EngineDeadError
 from aiolm.engine.replica_link import SECRET_BYTES, SECRET_ENV, STATUS_PERIOD_S, read_message, write_message
+from aiolm.executor.multiproc import reap
 from aiolm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -72,16 +73,8 @@ class ProcessLauncher:
         return None if rc is None else exit_text(rc)
 
     async def stop(self, grace: float) -> None:
-        p = self.proc
-        if p is None:
-            return
-        for _ in range(max(1, int(grace / 0.1))):
-            if p.poll() is not None:
-                return
-            await asyncio.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            p.kill()
-        await asyncio.to_thread(p.wait)
+        if self.proc is not None:
+            await reap(self.proc, grace)
 
     def where(self) -> str:
         return f"pid {self.proc.pid}" if self.proc is not None else "not launched"

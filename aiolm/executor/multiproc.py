@@ -482,10 +482,12 @@ class MultiprocExecutor(Executor):
     async def _stop_workers(self, grace: float) -> None:
         """Wait ``grace`` for each worker to leave (the rings are closed), then end it."""
         for p in self.procs:
-            await _reap(p, grace)
+            await reap(p, grace)
 
 
-async def _reap(p: subprocess.Popen[bytes], timeout: float) -> None:
+async def reap(p: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait up to ``timeout`` for ``p`` to end, then terminate it, then kill it (each given
+    ``timeout``)."""
     loop = asyncio.get_running_loop()
     for sig in (None, "terminate", "kill"):
         if sig is not None and p.poll() is None:
