@@ -564,8 +564,14 @@ def make_model(
     if bad := [f for f in formats if f not in allowed]:
         raise ValueError(f"formats {bad}: not among {','.join(allowed)}")
     out.mkdir(parents=True, exist_ok=True)
+    # Formats an earlier run wrote here stay listed when it made the same model (the weights
+    # are a function of shape and seed), so one format can be added without the others.
+    earlier = read_manifest(out)
+    same = earlier is not None and (earlier["shape"], earlier["seed"]) == (asdict(s), seed)
     (out / MANIFEST).unlink(missing_ok=True)
-    files: dict[str, str] = {}
+    files: dict[str, str] = {
+        k: v for k, v in (earlier["files"].items() if same and earlier else ()) if (out / v).exists()
+    }
     st: list[SafetensorsStream | GPTQStream] = []
     for fmt, dt, torch_dt in (("f32", "F32", "float32"), ("bf16", "BF16", "bfloat16")):
         if fmt in formats:
