@@ -319,9 +319,11 @@ def _bounds(m: Models) -> tuple[Any, Any, str]:
     text = (
         f"Bounds on this machine (benchmarks/machine_bounds.py, torch on {bounds.threads} threads): "
         f"memory read {bounds.read_gb_s:.1f} GB/s, float32 SGEMM {bounds.sgemm_gflop_s:.0f} GFLOP/s, bfloat16 "
-        f"GEMM {bounds.bf16_gflop_s:.0f} GFLOP/s; the model has {cost.matmul_params / 1e6:.1f}M matmul weights. "
+        f"GEMM {bounds.bf16_gflop_s:.0f} GFLOP/s; the model has {cost.matmul_params / 1e6:.1f}M matmul weights, "
+        f"{cost.active_params / 1e6:.1f}M of them used by a token. "
         f'Offline "of bound" is the tokens processed (prompt and output) over the row\'s GEMM rate / 2 FLOPs '
-        f"per weight; single stream's is decode tok/s over read bandwidth / the row's weight bytes; "
+        f"per weight a token uses; single stream's is decode tok/s over read bandwidth / the bytes of the "
+        f"row's weights a token reads; "
         f"serving's is offline's on the tokens it served."
     )
     return bounds, cost, text
@@ -663,7 +665,7 @@ def main() -> None:
         model = m.aiolm_model.get(r["dtype"], "") if r["peer"] == "aiolm" else ""
         gguf = m.transformers_input if model is None else model
         if gguf.endswith(".gguf"):
-            return cost.decode_bound(bounds, Path(gguf).stat().st_size)
+            return cost.decode_bound(bounds, cost.gguf_bytes(gguf))
         return cost.decode_bound(bounds, cost.bytes_for(str(r["dtype"]), {**m.ggufs, **m.quantized}))
 
     for w in a.workloads.split(","):

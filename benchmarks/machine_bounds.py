@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -69,9 +70,18 @@ def measure(repeats: int = 7) -> Bounds:
 
 @dataclass(frozen=True)
 class ModelCost:
-    """A model's matmul weights: what a token costs in FLOPs and, per dtype, in bytes read."""
+    """A model's matmul weights: what a token costs in FLOPs and, per dtype, in bytes read.
+    A mixture of experts' token uses ``routed`` of its experts' weights (top-k / experts), so
+    its cost counts that share of them and all the rest."""
 
     matmul_params: int
+    expert_params: int = 0  # of matmul_params, the experts' (none for a dense model)
+    routed: float = 1.0  # the share of the experts a token runs
+
+    @property
+    def active_params(self) -> float:
+        """The matmul weights one token multiplies."""
+        return self.matmul_params - self.expert_params * (1.0 - self.routed)
 
     def decode_bound(self, bounds: Bounds, weight_bytes: float) -> float:
         """Single-stream tokens/s if reading the weights were all a step did."""
@@ -81,21 +91,33 @@ class ModelCost:
         """Tokens processed per second (prompt and output) if every FLOP ran at the matmul rate
         (``bf16``: the bfloat16 one, where a row multiplies in bfloat16)."""
         rate = bounds.bf16_gflop_s if bf16 and bounds.bf16_gflop_s else bounds.sgemm_gflop_s
-        return rate * 1e9 / (2 * self.matmul_params)
+        return rate * 1e9 / (2 * self.active_params)
 
     def bytes_for(self, dtype: str, files: dict[str, str]) -> float:
         """Bytes of weights a decode step reads in a row's dtype: a GGUF row's file, a quantized
         folder's (gptq) tensors but its input embedding, else the matmul weights in the dtype."""
         key = dtype.removesuffix("+int8").split(":")[0]
         if key in files and Path(files[key]).is_dir():
-            return float(_folder_bytes(Path(files[key])))
+            return _folder_bytes(Path(files[key]), self.routed)
         if key in files:
-            return float(Path(files[key]).stat().st_size)
-        return self.matmul_params * (2 if "16" in key else 4)
+            return self.gguf_bytes(files[key])
+        return self.active_params * (2 if "16" in key else 4)
+
+    def gguf_bytes(self, path: str) -> float:
+        """The bytes of a GGUF file a decode step reads: the whole file for a dense model, the
+        routed share of its experts' tensors (``*_exps``) for a mixture of experts."""
+        size = float(Path(path).stat().st_size)
+        if self.routed == 1.0:
+            return size
+        from gguf import GGUFReader
+
+        experts = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if "_exps" in t.name)
+        return size - experts * (1.0 - self.routed)
 
 
-def _folder_bytes(folder: Path) -> int:
-    """The bytes of a folder's tensors a decode step reads: all but an untied input embedding."""
+def _folder_bytes(folder: Path, routed: float = 1.0) -> float:
+    """The bytes of a folder's tensors a decode step reads: all but an untied input embedding,
+    the experts' (a mixture of experts') counted at their ``routed`` share."""
     from safetensors import safe_open
 
     sizes: dict[str, int] = {}
@@ -110,12 +132,22 @@ def _folder_bytes(folder: Path) -> int:
                     t.get_dtype(), 4
                 )
     tied = not any(n.endswith("lm_head.weight") for n in sizes)
-    return sum(v for n, v in sizes.items() if tied or not n.endswith("embed_tokens.weight"))
+    return sum(
+        v * (routed if _EXPERT.search(n) else 1.0)
+        for n, v in sizes.items()
+        if tied or not n.endswith("embed_tokens.weight")
+    )
+
+
+# An expert's tensor: per expert (Qwen-MoE's mlp.experts.3.gate_proj, Mixtral's
+# block_sparse_moe.experts.3.w1) or all of a layer's stacked (mlp.experts.gate_up_proj).
+_EXPERT = re.compile(r"\.experts\.")
 
 
 def model_cost(hf_dir: str) -> ModelCost:
-    """The matmul weights of a Hugging Face folder: every 2-D weight, the input embedding
-    counted only when the LM head is tied to it (then it is the LM head's matrix)."""
+    """The matmul weights of a Hugging Face folder: every 2-D weight (and an experts' stacked
+    3-D one), the input embedding counted only when the LM head is tied to it (then it is
+    the LM head's matrix); with config.json's top-k and expert count for a mixture of experts."""
     from safetensors import safe_open
 
     shapes: dict[str, list[int]] = {}
@@ -124,14 +156,23 @@ def model_cost(hf_dir: str) -> ModelCost:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[name] = list(st.get_slice(name).get_shape())
     tied = not any(n.endswith("lm_head.weight") for n in shapes)
-    total = 0
+    total = experts = 0
     for name, shape in shapes.items():
-        if len(shape) != 2:
+        expert = bool(_EXPERT.search(name))
+        if len(shape) != 2 and not (expert and len(shape) == 3):
             continue
         if name.endswith("embed_tokens.weight") and not tied:
             continue  # a lookup, not a matmul
-        total += shape[0] * shape[1]
-    return ModelCost(total)
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+        experts += n if expert else 0
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text()) if (Path(hf_dir) / "config.json").is_file() else {}
+    num = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    routed = top_k / num if experts and num and top_k else 1.0
+    return ModelCost(total, experts, routed)
 
 
 def main() -> None:

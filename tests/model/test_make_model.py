@@ -176,3 +176,37 @@ def test_engine_generates_from_the_gguf(made, prompt):
         llm.close()
     assert list(out.token_ids) == expected
     assert all(np.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))
+
+
+def test_a_format_added_later_keeps_the_earlier_ones_of_the_same_model(tmp_path):
+    make_model(tmp_path, "tiny", formats=("f32",))
+    added = make_model(tmp_path, "tiny", formats=("q8_0",))
+    assert added["files"] == {"f32": "hf-float32", "q8_0": "model-Q8_0.gguf"}
+    assert read_manifest(tmp_path) == added
+    # another seed is another model: the earlier files no longer hold its weights
+    assert make_model(tmp_path, "tiny", formats=("q8_0",), seed=1)["files"] == {"q8_0": "model-Q8_0.gguf"}
+
+
+def test_a_mixture_of_experts_bound_counts_the_weights_a_token_uses(tmp_path):
+    from machine_bounds import model_cost
+
+    manifest = make_model(tmp_path, "tiny", formats=("f32", "q8_0"), moe=True)
+    cost = model_cost(str(tmp_path / "hf-float32"))
+    shape = manifest["shape"]
+    assert cost.routed == shape["active"] / shape["experts"]
+    experts = shape["layers"] * 3 * shape["experts"] * shape["moe_intermediate"] * shape["hidden"]
+    assert cost.expert_params == experts
+    # what a token leaves out is exactly the experts it is not routed to
+    assert cost.matmul_params - cost.active_params == experts - experts * shape["active"] // shape["experts"]
+    # the routed share of the experts' bytes: less than the file, more than its dense part
+    gguf = tmp_path / "model-Q8_0.gguf"
+    expert_share = cost.expert_params / cost.matmul_params
+    size = gguf.stat().st_size
+    assert size * (1 - expert_share) < cost.gguf_bytes(str(gguf)) < size
+    make_model(tmp_path / "dense", "tiny", formats=("f32", "q8_0"))
+    dense = model_cost(str(tmp_path / "dense" / "hf-float32"))
+    assert (dense.expert_params, dense.routed, dense.active_params) == (0, 1.0, dense.matmul_params)
+    assert (
+        dense.gguf_bytes(str(tmp_path / "dense" / "model-Q8_0.gguf"))
+        == (tmp_path / "dense" / "model-Q8_0.gguf").stat().st_size
+    )
