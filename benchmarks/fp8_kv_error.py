@@ -27,33 +27,23 @@ from aiolm.model.registry import build_model  # noqa: E402
 from paged import PagedHarness, parity_prompt_ids  # noqa: E402  (the tests' paged-cache driver)
 
 
-def continuations(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each prompt followed by its n greedy tokens over a float32 cache."""
-    h = PagedHarness(model)
-    out = []
-    for i, p in enumerate(prompts):
-        logits, cont = h.step({i: p})[i], []
-        for _ in range(n):
-            cont.append(int(logits.argmax()))
-            logits = h.step({i: [cont[-1]]})[i]
-        out.append(p + cont)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32)
     a = p.parse_args()
     source = resolve_model(None)
     model = build_model(source, torch.float32)
-    seqs = continuations(model, parity_prompt_ids(source.load_tokenizer()), a.tokens)
+    prompts = parity_prompt_ids(source.load_tokenizer())
+    # each prompt followed by its greedy tokens over a float32 cache
+    seqs = [p + c for p, c in zip(prompts, PagedHarness(model).greedy(prompts, a.tokens))]
 
     def logits(dtype: torch.dtype) -> list[torch.Tensor]:
         h = PagedHarness(model, dtype=dtype)  # one prefill a sequence: its positions read the cache
         return [h.step({i: s}, every=True)[i][-a.tokens - 1 : -1] for i, s in enumerate(seqs)]
 
     ref = logits(torch.float32)
-    margins = [(lambda t: (t[:, 0] - t[:, 1]).min().item())(r.topk(2).values) for r in ref]
+    top2 = [r.topk(2).values for r in ref]
+    margins = [(t[:, 0] - t[:, 1]).min().item() for t in top2]
     print("float32 cache's least top-2 margin per prompt:", " ".join(f"{m:.3f}" for m in margins))
     for name, dtype in (("float16", torch.float16), ("fp8 e4m3", torch.float8_e4m3fn)):
         got = logits(dtype)

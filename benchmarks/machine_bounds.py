@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import time
@@ -115,6 +116,11 @@ class ModelCost:
         return size - experts * (1.0 - self.routed)
 
 
+# An expert's tensor: per expert (Qwen-MoE's mlp.experts.3.gate_proj, Mixtral's
+# block_sparse_moe.experts.3.w1) or all of a layer's stacked (mlp.experts.gate_up_proj).
+_EXPERT = re.compile(r"\.experts\.")
+
+
 def _folder_bytes(folder: Path, routed: float = 1.0) -> float:
     """The bytes of a folder's tensors a decode step reads: all but an untied input embedding,
     the experts' (a mixture of experts') counted at their ``routed`` share."""
@@ -125,23 +131,21 @@ def _folder_bytes(folder: Path, routed: float = 1.0) -> float:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 t = st.get_slice(name)
-                n = 1
-                for d in t.get_shape():
-                    n *= d
-                sizes[name] = n * {"F32": 4, "I32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1}.get(
-                    t.get_dtype(), 4
-                )
+                sizes[name] = math.prod(t.get_shape()) * {
+                    "F32": 4,
+                    "I32": 4,
+                    "F16": 2,
+                    "BF16": 2,
+                    "F8_E4M3": 1,
+                    "U8": 1,
+                    "I8": 1,
+                }.get(t.get_dtype(), 4)
     tied = not any(n.endswith("lm_head.weight") for n in sizes)
     return sum(
         v * (routed if _EXPERT.search(n) else 1.0)
         for n, v in sizes.items()
         if tied or not n.endswith("embed_tokens.weight")
     )
-
-
-# An expert's tensor: per expert (Qwen-MoE's mlp.experts.3.gate_proj, Mixtral's
-# block_sparse_moe.experts.3.w1) or all of a layer's stacked (mlp.experts.gate_up_proj).
-_EXPERT = re.compile(r"\.experts\.")
 
 
 def model_cost(hf_dir: str) -> ModelCost:
@@ -163,12 +167,11 @@ def model_cost(hf_dir: str) -> ModelCost:
             continue
         if name.endswith("embed_tokens.weight") and not tied:
             continue  # a lookup, not a matmul
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         total += n
         experts += n if expert else 0
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text()) if (Path(hf_dir) / "config.json").is_file() else {}
+    config = Path(hf_dir) / "config.json"
+    cfg = json.loads(config.read_text()) if config.is_file() else {}
     num = cfg.get("num_experts") or cfg.get("num_local_experts")
     top_k = cfg.get("num_experts_per_tok")
     routed = top_k / num if experts and num and top_k else 1.0

@@ -567,11 +567,9 @@ def make_model(
     # Formats an earlier run wrote here stay listed when it made the same model (the weights
     # are a function of shape and seed), so one format can be added without the others.
     earlier = read_manifest(out)
-    same = earlier is not None and (earlier["shape"], earlier["seed"]) == (asdict(s), seed)
+    kept = earlier["files"] if earlier and (earlier["shape"], earlier["seed"]) == (asdict(s), seed) else {}
     (out / MANIFEST).unlink(missing_ok=True)
-    files: dict[str, str] = {
-        k: v for k, v in (earlier["files"].items() if same and earlier else ()) if (out / v).exists()
-    }
+    files: dict[str, str] = {k: v for k, v in kept.items() if (out / v).exists()}
     st: list[SafetensorsStream | GPTQStream] = []
     for fmt, dt, torch_dt in (("f32", "F32", "float32"), ("bf16", "BF16", "bfloat16")):
         if fmt in formats:
