@@ -5,8 +5,8 @@
 On a shared 2-vCPU box the speed of the machine wanders by 10-20% within minutes, more
 than most kernel changes: separate runs of a benchmark cannot tell two versions apart.
 This builds the case's source file as it is at git revision REV (default HEAD) and as it
-is in the working tree, each as a library of its own whose ops are registered under
-another namespace (aiolm_old, aiolm_new), checks that both give the same outputs, and
+is in the working tree, each with its own revision's headers and as a library of its own
+whose ops are registered under another namespace (aiolm_old, aiolm_new), checks that both give the same outputs, and
 times them call for call in alternation, so that the box's drift falls on both.
 
 Cases (the real model's shapes where it has them):
@@ -16,6 +16,8 @@ Cases (the real model's shapes where it has them):
                 codes in the embedded model's shapes), int8 x
   model         every linear of the embedded model (30 layers' and the head, its own GGUF
                 blocks: from memory) in a decode step's order, at --rows (default 11), int8 x
+  model-float   the same with float x (ext/cpu/gguf_linear.cpp and gguf_linear.h: the default
+                path of a decode step), at --rows
   panels        every float32 linear of the embedded model (panels of 16 columns, 540 MB:
                 from memory) in a decode step's order, at --rows (ext/cpu/panel_gemm.cpp)
   tinyllama     make_model.py's 1.1B shapes, three layers' linears of random Q4_0 codes (from
@@ -49,19 +51,21 @@ SOURCES = {
     "prompt-layer": "gguf_int8.cpp",
     "tinyllama": "gguf_int8.cpp",
     "model": "gguf_int8.cpp",
+    "model-float": "gguf_linear.cpp",
     "panels": "panel_gemm.cpp",
     "decode-attn": "paged_attention.cpp",
     "prefill-attn": "paged_attention.cpp",
 }
 
 
-def build(source: str, namespace: str, out_dir: Path) -> None:
-    """Compiles one source with the kernels' own flags, its ops registered under `namespace`."""
+def build(source: str, namespace: str, out_dir: Path, include: Path) -> None:
+    """Compiles one source with the kernels' own flags and the headers in `include`, its ops
+    registered under `namespace`."""
     for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL", "TORCH_LIBRARY"):
         source = source.replace(f"{macro}(aiolm,", f"{macro}({namespace},")
     src, obj, lib = (out_dir / f"{namespace}{ext}" for ext in (".cpp", ".o", ".so"))
     src.write_text(source)
-    flags, compiler = [*cpu._compile_flags(), f"-I{ROOT / 'ext' / 'cpu'}"], cpu._compiler()
+    flags, compiler = [*cpu._compile_flags(), f"-I{include}"], cpu._compiler()
     subprocess.run([compiler, *flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True)
     subprocess.run(cpu._link_command([obj], lib, compiler), check=True, capture_output=True)
     torch.ops.load_library(str(lib))
@@ -75,7 +79,7 @@ def linear_case(case: str, rows: int):
         from aiolm.model.registry import build_model
 
         ws = [build_model(resolve_model(None)).lm_head.gguf.blocks]
-    elif case == "model":
+    elif case in ("model", "model-float"):
         from aiolm.checkpoint.source import resolve_model
         from aiolm.model.registry import build_model
 
@@ -112,8 +116,10 @@ def main() -> None:
         ["git", "show", f"{a.old}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        build(old, "aiolm_old", Path(tmp))
-        build((ROOT / path).read_text(), "aiolm_new", Path(tmp))
+        archive = subprocess.run(["git", "archive", a.old, "ext/cpu"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        build(old, "aiolm_old", Path(tmp), Path(tmp) / "ext" / "cpu")
+        build((ROOT / path).read_text(), "aiolm_new", Path(tmp), ROOT / "ext" / "cpu")
     versions = ("aiolm_old", "aiolm_new")
 
     if a.case == "panels":
@@ -122,6 +128,12 @@ def main() -> None:
         def call(ns: str):
             op = getattr(torch.ops, ns).panel_linear
             return [op(x, w.data, w.out_features) for w, x in zip(ws, xs)]
+    elif a.case == "model-float":
+        ws, xs = linear_case(a.case, a.rows)
+
+        def call(ns: str):
+            op = getattr(torch.ops, ns).gguf_linear
+            return [op(x, w.qs, w.scale, w.mins, w.qtype, w.n) for w, x in zip(ws, xs)]
     elif a.case in ("head", "prompt-layer", "tinyllama", "model"):
         ws, xs = linear_case(a.case, a.rows)
 
@@ -140,7 +152,7 @@ def main() -> None:
             call(ns)
             times[ns].append(time.perf_counter() - t0)
     base = statistics.median(times["aiolm_old"])
-    rows = f", {a.rows} rows" if a.case in ("head", "tinyllama", "model", "panels") else ""
+    rows = f", {a.rows} rows" if a.case in ("head", "tinyllama", "model", "model-float", "panels") else ""
     for ns, label in zip(versions, (f"{a.old} ", "worktree")):
         med = statistics.median(times[ns])
         print(

@@ -573,7 +573,7 @@ ExpertBlocks expert_blocks(const char* op, const char* what, const at::Tensor& q
 // projection w, into y's rows (stride w.rows): float or int8 arithmetic, as the dense kernels.
 struct Projection {
   const ExpertBlocks& w;
-  const float* x;         // float: the rows
+  const float* x;         // float: the rows, as the kernels read them (aiolm_gguf_float::kernel_x)
   const float* xsum;      // float: their block sums (types with a min)
   aiolm_gguf_int8::QRows xq;  // int8: their codes
   bool int8;
@@ -595,20 +595,24 @@ struct Projection {
 
 struct GGUFScratch {
   Routing route;
-  std::vector<float> xe, xsum, gate, up, asum, ye;
+  std::vector<float> xe, xsum, gate, up, asum, ye, xk_gate, xk_up, xk_down;
   std::vector<int64_t> tok_off, tok_pairs;
   aiolm_gguf_int8::Scratch qgate, qup, qdown;
 };
 
-// What a projection reads of its input rows: block sums (float path, types with a min) or
-// int8 codes (int8 path), made once for all the routed experts' rows.
+// What a projection reads of its input rows: the rows in the kernels' order and block sums
+// (float path, types with a min) or int8 codes (int8 path), made once for all the routed
+// experts' rows.
 Projection prepare(const ExpertBlocks& w, const float* x, int64_t rows, std::vector<float>& xsum,
-                   aiolm_gguf_int8::Scratch& q, bool int8, int64_t isa) {
+                   std::vector<float>& xk, aiolm_gguf_int8::Scratch& q, bool int8, int64_t isa) {
   Projection p{w, x, nullptr, {}, int8, isa};
   const int64_t K = w.nblocks * aiolm_gguf::QK;
   if (int8) {
     p.xq = q.rows(x, rows, K, isa, w.qtype);
-  } else if (aiolm_gguf::has_min(w.qtype)) {
+    return p;
+  }
+  p.x = aiolm_gguf_float::kernel_x(w.qtype, x, rows, K, xk);
+  if (aiolm_gguf::has_min(w.qtype)) {
     xsum.resize(rows * w.nblocks);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < w.nblocks; ++b)
@@ -669,10 +673,10 @@ at::Tensor gguf_moe(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayR
     at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) std::memcpy(&s.xe[p * H], xp + (t0 + rt.token[p]) * H, H * sizeof(float));
     });
-    const Projection pg = prepare(wg, s.xe.data(), pairs, s.xsum, s.qgate, int8, isa);
+    const Projection pg = prepare(wg, s.xe.data(), pairs, s.xsum, s.xk_gate, s.qgate, int8, isa);
     // up reads the same rows: its own codes only where its type needs other corrections
     const Projection pu = qtypes[1] == qtypes[0] ? Projection{wu, pg.x, pg.xsum, pg.xq, int8, isa}
-                                                 : prepare(wu, s.xe.data(), pairs, s.xsum, s.qup, int8, isa);
+                                                 : prepare(wu, s.xe.data(), pairs, s.xsum, s.xk_up, s.qup, int8, isa);
     // 2. gate/up and the activation, act in s.gate. (s.xsum is shared when both have a min:
     // the same rows' sums.)
     s.gate.resize(pairs * I);
@@ -698,7 +702,7 @@ at::Tensor gguf_moe(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayR
       }
     });
     // 3. down, a row of H per pair
-    const Projection pd = prepare(wd, s.gate.data(), pairs, s.asum, s.qdown, int8, isa);
+    const Projection pd = prepare(wd, s.gate.data(), pairs, s.asum, s.xk_down, s.qdown, int8, isa);
     s.ye.resize(pairs * H);
     const auto cost2 = [&](int64_t it) {
       const int64_t e = rt.active[it / units2];

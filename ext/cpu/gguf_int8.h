@@ -256,6 +256,9 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
   __m256 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
+  // One row of x against a whole group: the 8 rows' scales times x's convert and multiply as
+  // one vector per block, and each row's is a broadcast load.
+  constexpr bool whole_group = NR == 8 && MR == 1 && T != Q6_K;
   for (int64_t b = 0; b < x.nblocks; ++b) {
     __m256i xv[MR];
     __m256 dx[MR];
@@ -263,18 +266,28 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
       xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (r0 + r) * x.K + b * QK));
       dx[r] = _mm256_set1_ps(x.d[(r0 + r) * x.nblocks + b]);
     }
+    alignas(32) float dd[8];
+    if constexpr (whole_group) _mm256_store_ps(dd, _mm256_mul_ps(load8(sg + b * 8), dx[0]));
     for (int i = 0; i < NR; ++i) {
       const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
       // An int32 lane sums 4 products in order, so lanes 0-3 are weights 0-15: Q6_K's
       // two scales go to the two 128-bit halves.
       const int64_t k = (b * 8 + i0 + i) * scales_per_block(T);
-      const __m256 dw = T == Q6_K ? _mm256_setr_m128(_mm_set1_ps(to_float(sg[k])), _mm_set1_ps(to_float(sg[k + 1])))
-                                  : _mm256_set1_ps(to_float(sg[k]));
+      __m256 dw = _mm256_setzero_ps();  // the row's scale (in dd where whole_group)
+      if constexpr (T == Q6_K)
+        dw = _mm256_setr_m128(_mm_set1_ps(to_float(sg[k])), _mm_set1_ps(to_float(sg[k + 1])));
+      else if constexpr (!whole_group)
+        dw = _mm256_set1_ps(to_float(sg[k]));
       const __m256i aw = has_min(T) ? w : _mm256_sign_epi8(w, w);
       for (int r = 0; r < MR; ++r) {
         const __m256i xs = has_min(T) ? xv[r] : _mm256_sign_epi8(xv[r], w);
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx[r]), acc[i][r]);
+        __m256 d;
+        if constexpr (whole_group)
+          d = _mm256_broadcast_ss(dd + i);
+        else
+          d = _mm256_mul_ps(dw, dx[r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i][r]);
       }
     }
   }

@@ -12,6 +12,7 @@
 #include "linear_rows.h"
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -39,12 +40,14 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   }
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   float* yp = io.y.data_ptr<float>();
+  std::vector<float> reordered;
+  const float* xk = kernel_x(qtype, xp, M, K, reordered);
   auto run = [&](auto type) {
     constexpr int64_t T = decltype(type)::value;
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
     const auto* mp = with_min ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-      run_groups<T>(qp, sp, mp, xs, nblocks, xp, K, M, yp, N, g0, g1);
+      run_groups<T>(qp, sp, mp, xs, nblocks, xk, K, M, yp, N, g0, g1);
     });
   };
   with_type(qtype, run);

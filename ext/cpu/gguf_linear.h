@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -109,7 +110,18 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The 32 weights of one block as four vectors of 8 floats: q (Q4_1, Q8_0) or q - 8 (Q4_0).
+// The 32 weights of one block as four vectors of 8 floats: q (Q8_0) or q - 8 (Q4_0) in
+// x's own order; Q4_1 and Q4_K's codes as q * 2^-24 and, for the high nibbles, q * 2^-20,
+// in the order kernel_x puts x in.
+//
+// Why: a code in bits 0-3 (or 4-7) of an otherwise zero 16-bit lane is the float16
+// subnormal q * 2^-24 (q * 2^-20), which vcvtph2ps turns into float32 exactly; so the 32
+// codes are one shift, four ANDs and four conversions, where widening bytes to 32-bit lanes
+// takes six shuffles and four conversions (the A/B on an AVX2-only CPU: docs/benchmarks.md,
+// `ab_kernel.py model-float`). The lanes come out as the low nibbles of the
+// even bytes, their high nibbles, then the odd bytes' (weights 2w, 2w + 16, 2w + 1, 2w + 17).
+// The powers of two go to x (its high-nibble values times 2^-4) and to the scale (times
+// 2^24), so every product rounds as q * x does.
 template <int64_t T>
 inline void unpack(const uint8_t* qs, __m256 f[4]) {
   if constexpr (int8_codes(T)) {
@@ -119,26 +131,30 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
     f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
     f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
-  } else {
+  } else if constexpr (T == Q4_0) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    if constexpr (T == Q4_0) {
-      const __m128i eight = _mm_set1_epi8(8);
-      lo = _mm_sub_epi8(lo, eight);
-      hi = _mm_sub_epi8(hi, eight);
-      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
-      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
-    } else {
-      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
-    }
+    const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, mask), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), eight);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+  } else {
+    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i odd = _mm_srli_epi16(even, 8);
+    const __m128i lo = _mm_set1_epi16(0x000f), hi = _mm_set1_epi16(0x00f0);
+    f[0] = _mm256_cvtph_ps(_mm_and_si128(even, lo));
+    f[1] = _mm256_cvtph_ps(_mm_and_si128(even, hi));
+    f[2] = _mm256_cvtph_ps(_mm_and_si128(odd, lo));
+    f[3] = _mm256_cvtph_ps(_mm_and_si128(odd, hi));
   }
+}
+
+// What unpack's lanes are worth against its scale: 2^24 where they are float16 subnormals.
+template <int64_t T>
+constexpr float code_unit() {
+  return has_min(T) ? 16777216.f : 1.f;
 }
 
 // NR weight rows against MR rows of x: NR * MR independent accumulator chains.
@@ -150,10 +166,19 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
+    // A whole group's 8 scales convert as one vector (then each is a broadcast load); a tile
+    // of fewer rows converts its own.
+    alignas(32) float d8[8];
+    if constexpr (NR == 8 && T != Q6_K)
+      _mm256_store_ps(d8, _mm256_mul_ps(load8(scale + b * 8), _mm256_set1_ps(code_unit<T>())));
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
       unpack<T>(qs + (b * 8 + i) * QB, f);
-      const __m256 d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]));
+      __m256 d;
+      if constexpr (NR == 8 && T != Q6_K)
+        d = _mm256_broadcast_ss(d8 + i);
+      else
+        d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]) * code_unit<T>());
       if constexpr (T == Q6_K) {  // weights 0-15 and 16-31 scaled apart: the exact weights
         const __m256 d1 = _mm256_set1_ps(scale[(b * 8 + i) * 2 + 1]);
         f[0] = _mm256_mul_ps(f[0], d);
@@ -195,6 +220,37 @@ inline float block_sum(const float* x) {
 #endif
 }
 
+// Whether the group kernels read x reordered for blocks of type qtype (AVX2's Q4_1 and Q4_K
+// tiles: see unpack).
+constexpr bool reorders_x(int64_t qtype) {
+#if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
+  return has_min(qtype);
+#else
+  (void)qtype;
+  return false;
+#endif
+}
+
+// x's M rows of K as run_groups reads them for blocks of type qtype: x itself, or each block
+// of 32 as unpack's lanes come out (x[2w], x[2w + 16] / 16, x[2w + 1], x[2w + 17] / 16 for
+// w = 0-7) in buf. Made once per call, for every group and thread (block sums stay x's own).
+inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
+  if (!reorders_x(qtype)) return x;
+  buf.resize(M * K);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const float* s = x + r * K + b * QK;
+      float* d = buf.data() + r * K + b * QK;
+      for (int w = 0; w < 8; ++w) {
+        d[w] = s[2 * w];
+        d[8 + w] = s[2 * w + 16] * 0.0625f;
+        d[16 + w] = s[2 * w + 1];
+        d[24 + w] = s[2 * w + 17] * 0.0625f;
+      }
+    }
+  return buf.data();
+}
+
 // Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
 template <int64_t T>
 float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int64_t i, const float* x) {
@@ -222,7 +278,7 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
   return acc;
 }
 
-// Groups [g0, g1) of 8 output rows against the M rows of x.
+// Groups [g0, g1) of 8 output rows against the M rows of x, as kernel_x gives them.
 template <int64_t T>
 void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum, int64_t nblocks,
                 const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
