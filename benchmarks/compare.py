@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from machine_bounds import has_bf16_units  # this folder: the script's own
+
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "peers"
 HERE = Path(__file__).resolve().parent / "peers"
@@ -132,20 +134,6 @@ def resolve_models(model: str | None) -> Models:
 # ------------------------------------------------------------------ offline and single stream
 
 
-def _has_cpu_flag(flag: str) -> bool:
-    try:
-        return any(
-            line.startswith("flags") and flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-        )
-    except OSError:
-        return False
-
-
-def _has_bf16_units() -> bool:
-    """bfloat16 matmuls run faster than float32 ones only on AMX or AVX512-BF16."""
-    return _has_cpu_flag("amx_bf16") or _has_cpu_flag("avx512_bf16")
-
-
 def _row_parts(label: str) -> tuple[str, str, bool]:
     """A row label as (model key, dtype, int8 activations). Labels: float32, bfloat16 or a
     GGUF's type (q4_0: float32 activations), a GGUF type with ``:bf16`` for bfloat16
@@ -180,7 +168,7 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
     ]
     flag = ["--single"] if single else []
     n = ["--num-requests", str(a.num_requests)]
-    tf_dtype = "bfloat16" if _has_bf16_units() else "float32"
+    tf_dtype = "bfloat16" if has_bf16_units() else "float32"
     tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), m.transformers_input]
     # (name for --peers, its virtual environment, command for a dtype, dtypes)
     peers: list[tuple[str, str, Callable[[str], list[str]], list[str]]] = [
@@ -637,7 +625,7 @@ def main() -> None:
     rows_wanted = (
         a.aiolm_dtypes.split(",")
         if a.aiolm_dtypes
-        else [r for r in m.aiolm_model if r != "bfloat16" or _has_bf16_units()]
+        else [r for r in m.aiolm_model if r != "bfloat16" or has_bf16_units()]
     )
     unknown = [r for r in rows_wanted if _row_parts(r)[0] not in m.aiolm_model]
     if unknown:

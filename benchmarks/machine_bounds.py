@@ -31,7 +31,21 @@ class Bounds:
     read_gb_s: float  # memory read bandwidth, GB/s (1e9 bytes)
     sgemm_gflop_s: float  # float32 large-matmul rate, GFLOP/s
     threads: int
-    bf16_gflop_s: float = 0.0  # bfloat16 large-matmul rate (torch), GFLOP/s
+    bf16_gflop_s: float = 0.0  # bfloat16 large-matmul rate (torch), GFLOP/s; 0 without bfloat16 units
+
+
+def has_cpu_flag(flag: str) -> bool:
+    try:
+        return any(
+            line.startswith("flags") and flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+        )
+    except OSError:
+        return False
+
+
+def has_bf16_units() -> bool:
+    """bfloat16 matmuls run faster than float32 ones only on AMX or AVX512-BF16."""
+    return has_cpu_flag("amx_bf16") or has_cpu_flag("avx512_bf16")
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -58,14 +72,16 @@ def measure(repeats: int = 7) -> Bounds:
     a = torch.randn(SGEMM_SIZE, SGEMM_SIZE)
     b = torch.randn(SGEMM_SIZE, SGEMM_SIZE)
     mm_s = _median_time(lambda: torch.mm(a, b), repeats)
-    a16, b16 = a.bfloat16(), b.bfloat16()
-    mm16_s = _median_time(lambda: torch.mm(a16, b16), repeats)
     flops = 2 * SGEMM_SIZE**3
+    bf16_gflop_s = 0.0
+    if has_bf16_units():  # elsewhere torch's bfloat16 product is a scalar loop: minutes, and no row uses it
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        bf16_gflop_s = flops / _median_time(lambda: torch.mm(a16, b16), repeats) / 1e9
     return Bounds(
         read_gb_s=READ_BUFFER_BYTES / read_s / 1e9,
         sgemm_gflop_s=flops / mm_s / 1e9,
         threads=torch.get_num_threads(),
-        bf16_gflop_s=flops / mm16_s / 1e9,
+        bf16_gflop_s=bf16_gflop_s,
     )
 
 
