@@ -233,22 +233,25 @@ void group_scalar(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t
 
 #ifdef AIOLM_I8_AVX2
 // A block of row i as 32 bytes in x's order (codes 0-15 in the low lane, 16-31 in the
-// high lane): u for Q4_1 (and Q4_K), u - 8 for Q4_0, q for Q8_0 (and Q6_K).
+// high lane): u for the 4-bit types (Q4_0's u - 8 is taken care of in tile_avx2), q for
+// Q8_0 (and Q6_K).
 template <int64_t T>
 inline __m256i weights_avx2(const uint8_t* p) {
   if constexpr (int8_codes(T)) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   } else {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i w = _mm256_and_si256(
-        _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), _mm256_set1_epi8(0x0f));
-    return T == Q4_0 ? _mm256_sub_epi8(w, _mm256_set1_epi8(8)) : w;
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
+                            _mm256_set1_epi8(0x0f));
   }
 }
 
 // NR rows of a group (from row i0) against MR rows of x (from r0). vpmaddubsw multiplies
-// unsigned by signed bytes: signed weights go in as |w| with x's sign flipped where w < 0
-// (|w| <= 128 and |xq| <= 127, so its pairwise int16 sums cannot saturate).
+// unsigned by signed bytes: Q8_0's signed weights go in as |w| with x's sign flipped where
+// w < 0 (|w| <= 128 and |xq| <= 127, so its pairwise int16 sums cannot saturate). Q4_0's
+// codes go in as u, and each int32 lane then subtracts 8 times the sum of its 4 codes of x
+// (made once per block of x, for all the rows): the same lanes as (u - 8) . x, two sign
+// flips and a subtraction fewer per block and row.
 template <int64_t T, int NR, int MR>
 void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
   constexpr int64_t QB = quant_bytes(T);
@@ -262,9 +265,11 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
   for (int64_t b = 0; b < x.nblocks; ++b) {
     __m256i xv[MR];
     __m256 dx[MR];
+    __m256i x8[MR];  // Q4_0: 8 * the sum of each int32 lane's 4 codes of x
     for (int r = 0; r < MR; ++r) {
       xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (r0 + r) * x.K + b * QK));
       dx[r] = _mm256_set1_ps(x.d[(r0 + r) * x.nblocks + b]);
+      if constexpr (T == Q4_0) x8[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), xv[r]), ones);
     }
     alignas(32) float dd[8];
     if constexpr (whole_group) _mm256_store_ps(dd, _mm256_mul_ps(load8(sg + b * 8), dx[0]));
@@ -278,10 +283,12 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
         dw = _mm256_setr_m128(_mm_set1_ps(to_float(sg[k])), _mm_set1_ps(to_float(sg[k + 1])));
       else if constexpr (!whole_group)
         dw = _mm256_set1_ps(to_float(sg[k]));
-      const __m256i aw = has_min(T) ? w : _mm256_sign_epi8(w, w);
+      constexpr bool unsigned_codes = !int8_codes(T);
+      const __m256i aw = unsigned_codes ? w : _mm256_sign_epi8(w, w);
       for (int r = 0; r < MR; ++r) {
-        const __m256i xs = has_min(T) ? xv[r] : _mm256_sign_epi8(xv[r], w);
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+        const __m256i xs = unsigned_codes ? xv[r] : _mm256_sign_epi8(xv[r], w);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+        if constexpr (T == Q4_0) dot = _mm256_sub_epi32(dot, x8[r]);
         __m256 d;
         if constexpr (whole_group)
           d = _mm256_broadcast_ss(dd + i);
