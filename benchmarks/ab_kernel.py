@@ -22,6 +22,7 @@ Cases (the real model's shapes where it has them):
                 from memory) in a decode step's order, at --rows (ext/cpu/panel_gemm.cpp)
   tinyllama     make_model.py's 1.1B shapes, three layers' linears of random Q4_0 codes (from
                 memory), at --rows (default 11), int8 x
+  tinyllama-float  the same with float x (ext/cpu/gguf_linear.cpp), at --rows
   decode-attn   a decode step's attention, 64 rows x 256 keys, 30 layers' float16 caches,
                 pages at random (ext/cpu/paged_attention.cpp)
   prefill-attn  one layer of a 2048-token prefill's attention, float16 cache
@@ -52,6 +53,7 @@ SOURCES = {
     "tinyllama": "gguf_int8.cpp",
     "model": "gguf_int8.cpp",
     "model-float": "gguf_linear.cpp",
+    "tinyllama-float": "gguf_linear.cpp",
     "panels": "panel_gemm.cpp",
     "decode-attn": "paged_attention.cpp",
     "prefill-attn": "paged_attention.cpp",
@@ -79,7 +81,7 @@ def linear_case(case: str, rows: int):
         from aiolm.model.registry import build_model
 
         ws = [build_model(resolve_model(None)).lm_head.gguf.blocks]
-    elif case in ("model", "model-float"):
+    elif case == "model":
         from aiolm.checkpoint.source import resolve_model
         from aiolm.model.registry import build_model
 
@@ -128,8 +130,8 @@ def main() -> None:
         def call(ns: str):
             op = getattr(torch.ops, ns).panel_linear
             return [op(x, w.data, w.out_features) for w, x in zip(ws, xs)]
-    elif a.case == "model-float":
-        ws, xs = linear_case(a.case, a.rows)
+    elif a.case.endswith("-float"):
+        ws, xs = linear_case(a.case.removesuffix("-float"), a.rows)
 
         def call(ns: str):
             op = getattr(torch.ops, ns).gguf_linear
@@ -152,7 +154,7 @@ def main() -> None:
             call(ns)
             times[ns].append(time.perf_counter() - t0)
     base = statistics.median(times["aiolm_old"])
-    rows = f", {a.rows} rows" if a.case in ("head", "tinyllama", "model", "model-float", "panels") else ""
+    rows = f", {a.rows} rows" if a.case not in ("prompt-layer", "decode-attn", "prefill-attn") else ""
     for ns, label in zip(versions, (f"{a.old} ", "worktree")):
         med = statistics.median(times[ns])
         print(

@@ -612,7 +612,7 @@ Projection prepare(const ExpertBlocks& w, const float* x, int64_t rows, std::vec
     return p;
   }
   p.x = aiolm_gguf_float::kernel_x(w.qtype, x, rows, K, xk);
-  if (aiolm_gguf::has_min(w.qtype)) {
+  if (aiolm_gguf_float::needs_block_sums(w.qtype)) {
     xsum.resize(rows * w.nblocks);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < w.nblocks; ++b)

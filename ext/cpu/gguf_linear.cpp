@@ -31,7 +31,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* xp = x.data_ptr<float>();
   at::Tensor xsum_t;
   const float* xs = nullptr;
-  if (with_min) {
+  if (needs_block_sums(qtype)) {
     xsum_t = at::empty({M, nblocks}, x.options());
     float* w = xsum_t.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)

@@ -110,9 +110,9 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The 32 weights of one block as four vectors of 8 floats: q (Q8_0) or q - 8 (Q4_0) in
-// x's own order; Q4_1 and Q4_K's codes as q * 2^-24 and, for the high nibbles, q * 2^-20,
-// in the order kernel_x puts x in.
+// The 32 weights of one block as four vectors of 8 floats: Q8_0's codes in x's own order;
+// the 4-bit codes u (Q4_0's too: run_groups takes its - 8 d * sum(x) from the block sums)
+// as u * 2^-24 and, for the high nibbles, u * 2^-20, in the order kernel_x puts x in.
 //
 // Why: a code in bits 0-3 (or 4-7) of an otherwise zero 16-bit lane is the float16
 // subnormal q * 2^-24 (q * 2^-20), which vcvtph2ps turns into float32 exactly; so the 32
@@ -131,15 +131,6 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
     f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
     f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
-  } else if constexpr (T == Q4_0) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, mask), eight);
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), eight);
-    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
-    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
   } else {
     const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i odd = _mm_srli_epi16(even, 8);
@@ -154,7 +145,7 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
 // What unpack's lanes are worth against its scale: 2^24 where they are float16 subnormals.
 template <int64_t T>
 constexpr float code_unit() {
-  return has_min(T) ? 16777216.f : 1.f;
+  return int8_codes(T) ? 1.f : 16777216.f;
 }
 
 // NR weight rows against MR rows of x: NR * MR independent accumulator chains.
@@ -220,16 +211,20 @@ inline float block_sum(const float* x) {
 #endif
 }
 
-// Whether the group kernels read x reordered for blocks of type qtype (AVX2's Q4_1 and Q4_K
-// tiles: see unpack).
+// Whether the group kernels read x reordered for blocks of type qtype (AVX2's 4-bit tiles:
+// see unpack).
 constexpr bool reorders_x(int64_t qtype) {
 #if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
-  return has_min(qtype);
+  return !int8_codes(qtype);
 #else
   (void)qtype;
   return false;
 #endif
 }
+
+// Whether run_groups needs x's block sums for blocks of type qtype: Q4_1's and Q4_K's m * sum(x)
+// and, where its codes convert unsigned (reorders_x), Q4_0's -8 d * sum(x).
+constexpr bool needs_block_sums(int64_t qtype) { return has_min(qtype) || reorders_x(qtype); }
 
 // x's M rows of K as run_groups reads them for blocks of type qtype: x itself, or each block
 // of 32 as unpack's lanes come out (x[2w], x[2w + 16] / 16, x[2w + 1], x[2w + 17] / 16 for
@@ -288,15 +283,17 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     constexpr int64_t SPB = scales_per_block(T);
     const Scale<T>* sg = scale + g * nblocks * 8 * SPB;
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
-    // sum_b m_b sum(x_b) of the group's 8 rows for one row of x: the mins are stored 8 wide
+    // sum_b m_b sum(x_b) of the group's 8 rows for one row of x (the mins are stored 8 wide), or
+    // Q4_0's -8 sum_b d_b sum(x_b) where its codes convert unsigned
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     auto mins_for = [&](int64_t r) {
-      if (mins == nullptr) return;
-      const Scale<T>* mg = mins + g * nblocks * 8;
+      if constexpr (!needs_block_sums(T)) return;
+      const Scale<T>* mg = (has_min(T) ? mins : scale) + g * nblocks * 8;
       const float* xs = xsum + r * nblocks;
 #ifdef AIOLM_AVX2
       __m256 a = _mm256_setzero_ps();
       for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8(mg + b * 8), _mm256_set1_ps(xs[b]), a);
+      if constexpr (!has_min(T)) a = _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
       _mm256_storeu_ps(mterm, a);
 #else
       for (int i = 0; i < 8; ++i) {
