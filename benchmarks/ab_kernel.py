@@ -6,8 +6,9 @@ On a shared 2-vCPU box the speed of the machine wanders by 10-20% within minutes
 than most kernel changes: separate runs of a benchmark cannot tell two versions apart.
 This builds the case's source file as it is at git revision REV (default HEAD) and as it
 is in the working tree, each with its own revision's headers and as a library of its own
-whose ops are registered under another namespace (aiolm_old, aiolm_new), checks that both give the same outputs, and
-times them call for call in alternation, so that the box's drift falls on both.
+whose ops are registered under another namespace (aiolm_old, aiolm_new), checks that both
+give the same outputs, and times them call for call in alternation, so that the box's drift
+falls on both.
 
 Cases (the real model's shapes where it has them):
   head          the embedded model's LM head (Q8_0 49152 x 576, 30 MB: from memory) at

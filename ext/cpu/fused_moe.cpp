@@ -574,7 +574,7 @@ ExpertBlocks expert_blocks(const char* op, const char* what, const at::Tensor& q
 struct Projection {
   const ExpertBlocks& w;
   const float* x;         // float: the rows, as the kernels read them (aiolm_gguf_float::kernel_x)
-  const float* xsum;      // float: their block sums (types with a min)
+  const float* xsum;      // float: their block sums (where aiolm_gguf_float::needs_block_sums)
   aiolm_gguf_int8::QRows xq;  // int8: their codes
   bool int8;
   int64_t isa;
@@ -600,9 +600,8 @@ struct GGUFScratch {
   aiolm_gguf_int8::Scratch qgate, qup, qdown;
 };
 
-// What a projection reads of its input rows: the rows in the kernels' order and block sums
-// (float path, types with a min) or int8 codes (int8 path), made once for all the routed
-// experts' rows.
+// What a projection reads of its input rows: the rows in the kernels' order and their block
+// sums (float path) or int8 codes (int8 path), made once for all the routed experts' rows.
 Projection prepare(const ExpertBlocks& w, const float* x, int64_t rows, std::vector<float>& xsum,
                    std::vector<float>& xk, aiolm_gguf_int8::Scratch& q, bool int8, int64_t isa) {
   Projection p{w, x, nullptr, {}, int8, isa};
@@ -612,13 +611,7 @@ Projection prepare(const ExpertBlocks& w, const float* x, int64_t rows, std::vec
     return p;
   }
   p.x = aiolm_gguf_float::kernel_x(w.qtype, x, rows, K, xk);
-  if (aiolm_gguf_float::needs_block_sums(w.qtype)) {
-    xsum.resize(rows * w.nblocks);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < w.nblocks; ++b)
-        xsum[r * w.nblocks + b] = aiolm_gguf_float::block_sum(x + r * K + b * aiolm_gguf::QK);
-    p.xsum = xsum.data();
-  }
+  p.xsum = aiolm_gguf_float::block_sums(w.qtype, x, rows, K, xsum);
   return p;
 }
 

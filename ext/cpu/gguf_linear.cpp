@@ -4,7 +4,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "gguf_blocks.h"
@@ -17,7 +16,7 @@
 namespace {
 
 using namespace aiolm_gguf;        // QK, the type ids, what they are (has_min, Scale, ...), quant_bytes
-using namespace aiolm_gguf_float;  // the group kernels, block_sum
+using namespace aiolm_gguf_float;  // the group kernels, block_sums, kernel_x
 
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scale,
                        const at::Tensor& mins, int64_t qtype, int64_t N) {
@@ -29,19 +28,11 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const int64_t M = io.m();
   if (M == 0 || N == 0) return io.result();
   const float* xp = x.data_ptr<float>();
-  at::Tensor xsum_t;
-  const float* xs = nullptr;
-  if (needs_block_sums(qtype)) {
-    xsum_t = at::empty({M, nblocks}, x.options());
-    float* w = xsum_t.data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nblocks; ++b) w[r * nblocks + b] = block_sum(xp + r * K + b * QK);
-    xs = w;
-  }
+  std::vector<float> sums, reordered;
+  const float* xs = block_sums(qtype, xp, M, K, sums);
+  const float* xk = kernel_x(qtype, xp, M, K, reordered);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   float* yp = io.y.data_ptr<float>();
-  std::vector<float> reordered;
-  const float* xk = kernel_x(qtype, xp, M, K, reordered);
   auto run = [&](auto type) {
     constexpr int64_t T = decltype(type)::value;
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());

@@ -115,13 +115,13 @@ inline float hsum256(__m256 v) {
 // as u * 2^-24 and, for the high nibbles, u * 2^-20, in the order kernel_x puts x in.
 //
 // Why: a code in bits 0-3 (or 4-7) of an otherwise zero 16-bit lane is the float16
-// subnormal q * 2^-24 (q * 2^-20), which vcvtph2ps turns into float32 exactly; so the 32
+// subnormal u * 2^-24 (u * 2^-20), which vcvtph2ps turns into float32 exactly; so the 32
 // codes are one shift, four ANDs and four conversions, where widening bytes to 32-bit lanes
 // takes six shuffles and four conversions (the A/B on an AVX2-only CPU: docs/benchmarks.md,
 // `ab_kernel.py model-float`). The lanes come out as the low nibbles of the
 // even bytes, their high nibbles, then the odd bytes' (weights 2w, 2w + 16, 2w + 1, 2w + 17).
 // The powers of two go to x (its high-nibble values times 2^-4) and to the scale (times
-// 2^24), so every product rounds as q * x does.
+// 2^24), so every product rounds as u * x does.
 template <int64_t T>
 inline void unpack(const uint8_t* qs, __m256 f[4]) {
   if constexpr (int8_codes(T)) {
@@ -226,9 +226,20 @@ constexpr bool reorders_x(int64_t qtype) {
 // and, where its codes convert unsigned (reorders_x), Q4_0's -8 d * sum(x).
 constexpr bool needs_block_sums(int64_t qtype) { return has_min(qtype) || reorders_x(qtype); }
 
+// x's block sums (M rows of K / QK) in buf where run_groups needs them for blocks of type
+// qtype (needs_block_sums), else nullptr. Made once per call, from x's own order.
+inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
+  if (!needs_block_sums(qtype)) return nullptr;
+  const int64_t nb = K / QK;
+  buf.resize(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) buf[r * nb + b] = block_sum(x + r * K + b * QK);
+  return buf.data();
+}
+
 // x's M rows of K as run_groups reads them for blocks of type qtype: x itself, or each block
 // of 32 as unpack's lanes come out (x[2w], x[2w + 16] / 16, x[2w + 1], x[2w + 17] / 16 for
-// w = 0-7) in buf. Made once per call, for every group and thread (block sums stay x's own).
+// w = 0-7) in buf. Made once per call, for every group and thread.
 inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
   if (!reorders_x(qtype)) return x;
   buf.resize(M * K);
