@@ -69,6 +69,21 @@ inline void with_type(int64_t qtype, F&& f) {
 // Bytes of quants per block (the scale and min are kept apart).
 constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 16; }
 
+// The AVX2 group tiles ask for a group's codes this many blocks ahead of their use: with the
+// hardware prefetcher alone, a one-row decode step read its blocks well under the read
+// bandwidth on an AVX2-only Zen 2 (the A/B: docs/benchmarks.md, issue 43, point 2). 4 blocks
+// ahead gained half as much; 8, 16 and 32 about the same. Past the group's last block come
+// the next group's, the thread's next work. (The AVX-512 float tile does not ask: untimed
+// there; pair_vnni asks on its own.)
+constexpr int64_t PREFETCH_AHEAD = 32;
+
+// Asks for block b + PREFETCH_AHEAD of the group whose block-b codes (all 8 rows') start
+// at qg + b * step, step = 8 * quant_bytes: one request per cache line.
+inline void prefetch_ahead(const uint8_t* qg, int64_t b, int64_t step) {
+  const uint8_t* p = qg + (b + PREFETCH_AHEAD) * step;
+  for (int64_t l = 0; l < step; l += 64) __builtin_prefetch(p + l, 0, 2);
+}
+
 inline void check_type(const char* op, int64_t qtype) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, op,
               ": unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");

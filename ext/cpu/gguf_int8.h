@@ -263,6 +263,7 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
   // one vector per block, and each row's is a broadcast load.
   constexpr bool whole_group = NR == 8 && MR == 1 && T != Q6_K;
   for (int64_t b = 0; b < x.nblocks; ++b) {
+    if (i0 == 0 && r0 == 0) prefetch_ahead(qg, b, 8 * QB);  // the group's first tile: from memory
     __m256i xv[MR];
     __m256 dx[MR];
     __m256i x8[MR];  // Q4_0: 8 * the sum of each int32 lane's 4 codes of x

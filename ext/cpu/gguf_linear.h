@@ -148,15 +148,18 @@ constexpr float code_unit() {
   return int8_codes(T) ? 1.f : 16777216.f;
 }
 
-// NR weight rows against MR rows of x: NR * MR independent accumulator chains.
+// NR weight rows against MR rows of x: NR * MR independent accumulator chains. lead: the
+// tile is the first to read its group's blocks (qs is the group's start), so it asks for
+// them ahead; a tile of a whole group always is.
 template <int64_t T, int NR, int MR>
 inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
-                 float out[NR][MR]) {
+                 float out[NR][MR], bool lead = true) {
   constexpr int64_t QB = quant_bytes(T);
   __m256 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
+    if (lead) prefetch_ahead(qs, b, 8 * QB);
     // A whole group's 8 scales convert as one vector (then each is a broadcast load); a tile
     // of fewer rows converts its own.
     alignas(32) float d8[8];
@@ -335,7 +338,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][8];
       for (int i = 0; i < 8; ++i) {
         float o[1][8];
-        tile<T, 1, 8>(qg + i * QB, sg + i * SPB, nblocks, x + r0 * K, K, o);
+        tile<T, 1, 8>(qg + i * QB, sg + i * SPB, nblocks, x + r0 * K, K, o, i == 0 && r0 == 0);
         for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
       }
       for (int r = 0; r < 8; ++r) {
@@ -347,7 +350,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][2];
       for (int h = 0; h < 8; h += 4) {
         float o[4][2];
-        tile<T, 4, 2>(qg + h * QB, sg + h * SPB, nblocks, x + r0 * K, K, o);
+        tile<T, 4, 2>(qg + h * QB, sg + h * SPB, nblocks, x + r0 * K, K, o, h == 0 && r0 == 0);
         for (int i = 0; i < 4; ++i)
           for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
       }
