@@ -23,6 +23,7 @@ _STRING, _ARRAY = 8, 9
 # Byte sizes of GGUF's scalar value types (uint8 ... float64; bool is 7).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UINT32 = 4
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class _Cursor:
             etype, count = self.take("I"), self.take("Q")
             if etype in _SCALAR_SIZES:
                 self.pos += _SCALAR_SIZES[etype] * count
+            elif etype == _STRING:  # a vocabulary: tens of thousands, so one tight loop
+                pos, length = self.pos, _U64.unpack_from
+                for _ in range(count):
+                    pos += 8 + length(self.buf, pos)[0]
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.skip_value(etype)
