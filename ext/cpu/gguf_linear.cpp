@@ -22,7 +22,6 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
                        const at::Tensor& mins, int64_t qtype, int64_t N) {
   const int64_t nblocks = aiolm_gguf::check_blocks("aiolm::gguf_linear", x_in, qs, scale, mins, qtype, N);
   const int64_t groups = qs.size(0), K = nblocks * QK;
-  const bool with_min = has_min(qtype);
   const aiolm_linear::Rows io(x_in, K, N);
   const at::Tensor& x = io.x;
   const int64_t M = io.m();
@@ -36,7 +35,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   auto run = [&](auto type) {
     constexpr int64_t T = decltype(type)::value;
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
-    const auto* mp = with_min ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
+    const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       run_groups<T>(qp, sp, mp, xs, nblocks, xk, K, M, yp, N, g0, g1);
     });
