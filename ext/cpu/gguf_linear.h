@@ -112,16 +112,16 @@ inline float hsum256(__m256 v) {
 
 // The 32 weights of one block as four vectors of 8 floats: Q8_0's codes in x's own order;
 // the 4-bit codes u (Q4_0's too: run_groups takes its - 8 d * sum(x) from the block sums)
-// as u * 2^-24 and, for the high nibbles, u * 2^-20, in the order kernel_x puts x in.
+// as u * 16^k, k = 0-3, in the order kernel_x puts x in.
 //
-// Why: a code in bits 0-3 (or 4-7) of an otherwise zero 16-bit lane is the float16
-// subnormal u * 2^-24 (u * 2^-20), which vcvtph2ps turns into float32 exactly; so the 32
-// codes are one shift, four ANDs and four conversions, where widening bytes to 32-bit lanes
-// takes six shuffles and four conversions (the A/B on an AVX2-only CPU: docs/benchmarks.md,
-// `ab_kernel.py model-float`). The lanes come out as the low nibbles of the
-// even bytes, their high nibbles, then the odd bytes' (weights 2w, 2w + 16, 2w + 1, 2w + 17).
-// The powers of two go to x (its high-nibble values times 2^-4) and to the scale (times
-// 2^24), so every product rounds as u * x does.
+// Why: the block's 16 bytes, loaded into both halves of a vector, are 8 32-bit lanes of 8
+// codes each; ANDing the lanes with one nibble mask per half leaves a code (times a power of
+// 16) alone in each lane, which vcvtdq2ps makes a float32 exactly. So the 32 codes are one
+// shift, four ANDs and four conversions (the A/Bs on an AVX2-only CPU against widening bytes
+// and against float16 subnormals: docs/benchmarks.md, issue 43, point 2); the conversions
+// are the step's limit, and vcvtph2ps takes twice vcvtdq2ps's time there. Lane j of vector
+// v holds code 2v + j / 4 of dword j % 4 (kernel_x says which weight that is). The powers of
+// 16 go to x, so every product rounds as u * x does.
 template <int64_t T>
 inline void unpack(const uint8_t* qs, __m256 f[4]) {
   if constexpr (int8_codes(T)) {
@@ -132,20 +132,15 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
     f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
   } else {
-    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i odd = _mm_srli_epi16(even, 8);
-    const __m128i lo = _mm_set1_epi16(0x000f), hi = _mm_set1_epi16(0x00f0);
-    f[0] = _mm256_cvtph_ps(_mm_and_si128(even, lo));
-    f[1] = _mm256_cvtph_ps(_mm_and_si128(even, hi));
-    f[2] = _mm256_cvtph_ps(_mm_and_si128(odd, lo));
-    f[3] = _mm256_cvtph_ps(_mm_and_si128(odd, hi));
+    const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i s = _mm256_srli_epi32(c, 16);
+    const __m256i m01 = _mm256_setr_epi32(0xf, 0xf, 0xf, 0xf, 0xf0, 0xf0, 0xf0, 0xf0);
+    const __m256i m23 = _mm256_slli_epi32(m01, 8);
+    f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m01));
+    f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m23));
+    f[2] = _mm256_cvtepi32_ps(_mm256_and_si256(s, m01));
+    f[3] = _mm256_cvtepi32_ps(_mm256_and_si256(s, m23));
   }
-}
-
-// What unpack's lanes are worth against its scale: 2^24 where they are float16 subnormals.
-template <int64_t T>
-constexpr float code_unit() {
-  return int8_codes(T) ? 1.f : 16777216.f;
 }
 
 // NR weight rows against MR rows of x: NR * MR independent accumulator chains. lead: the
@@ -164,7 +159,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
     // of fewer rows converts its own.
     alignas(32) float d8[8];
     if constexpr (NR == 8 && T != Q6_K)
-      _mm256_store_ps(d8, _mm256_mul_ps(load8(scale + b * 8), _mm256_set1_ps(code_unit<T>())));
+      _mm256_store_ps(d8, load8(scale + b * 8));
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
       unpack<T>(qs + (b * 8 + i) * QB, f);
@@ -172,7 +167,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
       if constexpr (NR == 8 && T != Q6_K)
         d = _mm256_broadcast_ss(d8 + i);
       else
-        d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]) * code_unit<T>());
+        d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]));
       if constexpr (T == Q6_K) {  // weights 0-15 and 16-31 scaled apart: the exact weights
         const __m256 d1 = _mm256_set1_ps(scale[(b * 8 + i) * 2 + 1]);
         f[0] = _mm256_mul_ps(f[0], d);
@@ -241,8 +236,10 @@ inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t
 }
 
 // x's M rows of K as run_groups reads them for blocks of type qtype: x itself, or each block
-// of 32 as unpack's lanes come out (x[2w], x[2w + 16] / 16, x[2w + 1], x[2w + 17] / 16 for
-// w = 0-7) in buf. Made once per call, for every group and thread.
+// of 32 as unpack's lanes come out in buf. Lane j of vector v holds code n = 2v + j / 4 of the
+// block's dword w = j % 4, times 16^(n % 4): code n is byte 4w + n / 2's low nibble (weight
+// 4w + n / 2) for even n, its high nibble (weight 4w + n / 2 + 16) for odd n; its x is divided
+// by the same power of 16 (exact). Made once per call, for every group and thread.
 inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
   if (!reorders_x(qtype)) return x;
   buf.resize(M * K);
@@ -250,11 +247,10 @@ inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* s = x + r * K + b * QK;
       float* d = buf.data() + r * K + b * QK;
-      for (int w = 0; w < 8; ++w) {
-        d[w] = s[2 * w];
-        d[8 + w] = s[2 * w + 16] * 0.0625f;
-        d[16 + w] = s[2 * w + 1];
-        d[24 + w] = s[2 * w + 17] * 0.0625f;
+      for (int lane = 0; lane < 32; ++lane) {
+        const int n = 2 * (lane / 8) + (lane % 8) / 4, w = lane % 4;
+        const int weight = 4 * w + n / 2 + (n % 2) * 16;
+        d[lane] = s[weight] / static_cast<float>(1 << (4 * (n % 4)));
       }
     }
   return buf.data();
