@@ -117,11 +117,11 @@ inline float hsum256(__m256 v) {
 // Why: the block's 16 bytes, loaded into both halves of a vector, are 8 32-bit lanes of 8
 // codes each; ANDing the lanes with one nibble mask per half leaves a code (times a power of
 // 16) alone in each lane, which vcvtdq2ps makes a float32 exactly. So the 32 codes are one
-// shift, four ANDs and four conversions (the A/Bs on an AVX2-only CPU against widening bytes
-// and against float16 subnormals: docs/benchmarks.md, issue 43, point 2); the conversions
-// are the step's limit, and vcvtph2ps takes twice vcvtdq2ps's time there. Lane j of vector
-// v holds code 2v + j / 4 of dword j % 4 (kernel_x says which weight that is). The powers of
-// 16 go to x, so every product rounds as u * x does.
+// broadcast load, one shift, four ANDs and four conversions. A one-row step is bound by this
+// unpacking on an AVX2-only CPU, and this is the fastest of the three tried there (bytes
+// widened to 32-bit lanes; float16 subnormals through vcvtph2ps; the A/Bs: docs/benchmarks.md,
+// issue 43, point 2). Lane j of vector v holds code 2v + j / 4 of dword j % 4 (kernel_x says
+// which weight that is). The powers of 16 go to x, so every product rounds as u * x does.
 template <int64_t T>
 inline void unpack(const uint8_t* qs, __m256 f[4]) {
   if constexpr (int8_codes(T)) {
@@ -242,16 +242,24 @@ inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t
 // by the same power of 16 (exact). Made once per call, for every group and thread.
 inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
   if (!reorders_x(qtype)) return x;
+  struct Lanes {
+    int weight[QK];
+    float factor[QK];
+    Lanes() {
+      for (int lane = 0; lane < QK; ++lane) {
+        const int n = 2 * (lane / 8) + (lane % 8) / 4, w = lane % 4;
+        weight[lane] = 4 * w + n / 2 + (n % 2) * 16;
+        factor[lane] = 1.f / static_cast<float>(1 << (4 * (n % 4)));
+      }
+    }
+  };
+  static const Lanes lanes;
   buf.resize(M * K);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* s = x + r * K + b * QK;
       float* d = buf.data() + r * K + b * QK;
-      for (int lane = 0; lane < 32; ++lane) {
-        const int n = 2 * (lane / 8) + (lane % 8) / 4, w = lane % 4;
-        const int weight = 4 * w + n / 2 + (n % 2) * 16;
-        d[lane] = s[weight] / static_cast<float>(1 << (4 * (n % 4)));
-      }
+      for (int lane = 0; lane < QK; ++lane) d[lane] = s[lanes.weight[lane]] * lanes.factor[lane];
     }
   return buf.data();
 }
