@@ -24,8 +24,9 @@ Cases (the real model's shapes where it has them):
   tinyllama     make_model.py's 1.1B shapes, three layers' linears of random Q4_0 codes (from
                 memory), at --rows (default 11), int8 x
   tinyllama-float  the same with float x (ext/cpu/gguf_linear.cpp), at --rows
-  decode-attn   a decode step's attention, 64 rows x 256 keys, 30 layers' float16 caches,
-                pages at random (ext/cpu/paged_attention.cpp)
+  decode-attn   a decode step's attention, --rows rows (default 64) x 256 keys, 30 layers'
+                caches of --kv-dtype (default float16), pages at random
+                (ext/cpu/paged_attention.cpp)
   prefill-attn  one layer of a 2048-token prefill's attention, float16 cache
 """
 
@@ -108,10 +109,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("case", choices=sorted(SOURCES))
     ap.add_argument("--old", default="HEAD", help="git revision of the first version (default HEAD)")
-    ap.add_argument("--rows", type=int, default=11)
+    ap.add_argument("--rows", type=int, default=None, help="default: 64 for decode-attn, else 11")
+    ap.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16", help="decode-attn's caches")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=21)
     a = ap.parse_args()
+    if a.rows is None:
+        a.rows = 64 if a.case == "decode-attn" else 11
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
@@ -144,7 +148,7 @@ def main() -> None:
             op = getattr(torch.ops, ns).gguf_int8_linear
             return [op(x, w.qs, w.scale, w.mins, w.qtype, w.n, -1) for w, x in zip(ws, xs)]
     else:
-        call = attention_case(a.case)
+        call = attention_case(a.case, a.rows, getattr(torch, a.kv_dtype))
     first, second = (call(ns) for ns in versions)
     for f, s in zip(first, second):  # tiling may reorder float sums: close, not equal
         torch.testing.assert_close(s, f, rtol=1e-4, atol=1e-4)
@@ -155,7 +159,7 @@ def main() -> None:
             call(ns)
             times[ns].append(time.perf_counter() - t0)
     base = statistics.median(times["aiolm_old"])
-    rows = f", {a.rows} rows" if a.case not in ("prompt-layer", "decode-attn", "prefill-attn") else ""
+    rows = f", {a.rows} rows" if a.case not in ("prompt-layer", "prefill-attn") else ""
     for ns, label in zip(versions, (f"{a.old} ", "worktree")):
         med = statistics.median(times[ns])
         print(
@@ -178,14 +182,17 @@ def panel_case(rows: int):
     return ws, [torch.randn(rows, w.data.shape[1]) for w in ws]
 
 
-def attention_case(case: str):
+def attention_case(case: str, rows: int, kv_dtype: torch.dtype):
     """A call running one attention case on version ns (returns the outputs to compare)."""
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs = 9, 3, 64, 16
     if case == "decode-attn":
-        B, ctx, L = 64, 256, 30
+        B, ctx, L = rows, 256, 30
         nblocks = B * ctx // bs
-        caches = [(torch.randn(nblocks, bs, KVH, D).half(), torch.randn(nblocks, bs, KVH, D).half()) for _ in range(L)]
+        caches = [
+            (torch.randn(nblocks, bs, KVH, D).to(kv_dtype), torch.randn(nblocks, bs, KVH, D).to(kv_dtype))
+            for _ in range(L)
+        ]
         table = torch.randperm(nblocks, generator=g).view(B, ctx // bs).contiguous()
         q, qsl, sl = torch.randn(B, H, D), torch.arange(B + 1), torch.full((B,), ctx)
     else:

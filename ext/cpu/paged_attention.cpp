@@ -293,9 +293,9 @@ struct RowState {
     std::fill(acc, acc + s.num_heads * s.head_dim, 0.f);
   }
 
-  // out = acc / l, head by head.
-  void write(const Shapes& s, float* out_row) const {
-    for (int64_t h = 0; h < s.num_heads; ++h) {
+  // out = acc / l, head by head, for query heads [h0, h1).
+  void write(const Shapes& s, float* out_row, int64_t h0, int64_t h1) const {
+    for (int64_t h = h0; h < h1; ++h) {
       const float inv = 1.f / l[h];
       float* oh = out_row + h * s.o_head_stride;
       const float* ah = acc + h * s.head_dim;
@@ -308,27 +308,36 @@ struct RowState {
 // plain loads of a byte per cache line, not prefetch instructions: a core may drop a
 // prefetch, but it must finish a load, and the page is read from cache right after.
 // benchmarks/ab_kernel.py decode-attn compares the two (docs/benchmarks/log.md has the figures).
+// Only kv heads [kh0, kh1) of each key are fetched: a row's heads may be split over threads.
 template <typename KV>
 inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b, int64_t n_keys, const KV* kc,
-                               const KV* vc) {
+                               const KV* vc, int64_t kh0, int64_t kh1) {
   const int64_t bs = s.block_size;
   if ((b + 1) * bs >= n_keys) return;
   const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
   const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * s.kv_block_stride);
-  const int64_t bytes = std::min(bs, n_keys - (b + 1) * bs) * s.kv_row_stride * int64_t(sizeof(KV));
+  const int64_t keys = std::min(bs, n_keys - (b + 1) * bs), row = s.kv_row_stride * int64_t(sizeof(KV));
+  const int64_t first = kh0 * s.head_dim * int64_t(sizeof(KV)), last = kh1 * s.head_dim * int64_t(sizeof(KV));
   int sum = 0;
-  for (int64_t off = 0; off < bytes; off += 64) sum += kn[off] + vn[off];
+  if (kh0 == 0 && kh1 == s.num_kv_heads) {  // whole keys: the page is one stretch
+    for (int64_t off = 0; off < keys * row; off += 64) sum += kn[off] + vn[off];
+  } else {
+    for (int64_t t = 0; t < keys; ++t)
+      for (int64_t off = t * row + first; off < t * row + last; off += 64) sum += kn[off] + vn[off];
+  }
   asm volatile("" : : "r"(sum));  // keeps the loads: nothing else reads their sum
 }
 
-// One query row, all heads: softmax(q K^T * scale) V over keys [key0, n_keys),
-// reading the pages listed in the block table. Every head is done page by page
-// so that a page (all kv heads of block_size tokens, contiguous) comes from
-// memory once and is then reused from cache by every query head. key0 > 0 only
-// under a sliding window: the row's first page is then read from key0's offset.
+// One query row, the query heads of kv heads [kh0, kh1): softmax(q K^T * scale) V over keys
+// [key0, n_keys), reading the pages listed in the block table. Every head is done page by
+// page so that a page (its kv heads of block_size tokens) comes from memory once and is then
+// reused from cache by every query head. A head's arithmetic does not depend on the range,
+// so splitting a row's heads over threads gives the same bits. key0 > 0 only under a sliding
+// window: the row's first page is then read from key0's offset.
 template <typename KV>
 void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t key0,
-                int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
+                int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch, int64_t kh0,
+                int64_t kh1) {
   const int64_t d = s.head_dim, bs = s.block_size, G = s.group;
   RowState st(s, scratch);
   float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l;
@@ -337,8 +346,8 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
     const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
-    prefetch_next_page(s, table, b, n_keys, kc, vc);
-    for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
+    prefetch_next_page(s, table, b, n_keys, kc, vc, kh0, kh1);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
       const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       for (int64_t g = 0; g < G; ++g) {
@@ -372,7 +381,7 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
       }
     }
   }
-  st.write(s, out_row);
+  st.write(s, out_row, kh0 * G, kh1 * G);
 }
 
 #if defined(__AVX512F__)
@@ -444,12 +453,13 @@ inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t
     for (int i = 0; i < NZ; ++i) _mm512_storeu_ps(acc + g * d + 16 * i, a[g][i]);
 }
 
-// One query row (a decode step), all heads, head_dim = 16 * NZ: page by page as attend_row
-// does, with the scores of 16 keys reduced together and each V row loaded once for the
-// query heads that share it (up to 12 accumulators in zmm registers).
+// One query row (a decode step), the query heads of kv heads [kh0, kh1), head_dim = 16 * NZ:
+// page by page as attend_row does, with the scores of 16 keys reduced together and each V
+// row loaded once for the query heads that share it (up to 12 accumulators in zmm registers).
 template <int NZ, typename KV>
 void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t key0,
-                  int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch) {
+                  int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch, int64_t kh0,
+                  int64_t kh1) {
   constexpr int64_t d = 16 * NZ;
   constexpr int GC = NZ == 4 ? 3 : 1;  // query heads per V pass
   const int64_t bs = s.block_size, G = s.group;
@@ -460,8 +470,8 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
     const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
-    prefetch_next_page(s, table, b, n_keys, kc, vc);
-    for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
+    prefetch_next_page(s, table, b, n_keys, kc, vc, kh0, kh1);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
       const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       for (int64_t g = 0; g < G; ++g) {
@@ -487,7 +497,7 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
       }
     }
   }
-  st.write(s, out_row);
+  st.write(s, out_row, kh0 * G, kh1 * G);
 }
 #endif
 
@@ -730,22 +740,31 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
                const int64_t* qsl, const int64_t* slen, const int64_t* table, const float* qp, float* op,
                const KV* kc, const KV* vc, float fscale) {
   const int64_t n_items = static_cast<int64_t>(item_req.size());
+  const int64_t threads = at::get_num_threads();
+  // Fewer items than threads (a step of one or a few decode rows): each item's kv heads are
+  // split into `parts` ranges, so that every thread has some. A prefill tile stays whole (its
+  // part 0 runs it).
+  const int64_t parts = n_items > 0 && n_items < threads ? std::min(s.num_kv_heads, (threads + n_items - 1) / n_items) : 1;
+  const int64_t n_units = n_items * parts;
   // Items differ in cost (a decode row vs. a prefill tile), so threads take them
   // one at a time from a shared counter rather than in fixed, equal ranges.
   std::atomic<int64_t> next{0};
-  const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(threads, n_units));
   // Prefill tiles of several rows take attend_tile where it has a kernel for the shape.
   const bool tiles = s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
   at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
     const int64_t R = kTile * s.group;
     std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 3),
                                         R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
-    for (int64_t w = next.fetch_add(1); w < n_items; w = next.fetch_add(1)) {
+    for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
+      const int64_t w = u / parts, part = u % parts;
+      const int64_t kh0 = part * s.num_kv_heads / parts, kh1 = (part + 1) * s.num_kv_heads / parts;
       const int64_t r = item_req[w];
       const int64_t n = qsl[r + 1] - qsl[r];
       const int64_t ctx = slen[r] - n;
       const int64_t row_end = std::min(n, item_row0[w] + kTile);
       if (tiles && row_end - item_row0[w] > 1) {
+        if (part != 0) continue;
         const int64_t tok = qsl[r] + item_row0[w];
         const float* qt = qp + tok * s.q_tok_stride;
         float* ot = op + tok * s.o_tok_stride;
@@ -765,15 +784,15 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
         const int64_t key0 = window_start(ctx + i, s.window);
 #if defined(__AVX512F__)
         if (s.head_dim == 64) {
-          attend_row_z<4>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch);
+          attend_row_z<4>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
           continue;
         }
         if (s.head_dim == 128) {
-          attend_row_z<8>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch);
+          attend_row_z<8>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
           continue;
         }
 #endif
-        attend_row(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch);
+        attend_row(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
       }
     }
   });

@@ -67,6 +67,37 @@ def test_matches_torch_reference_on_mixed_batches(heads, kv_heads, head_dim, blo
     torch.testing.assert_close(out.view(t, -1), want, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (6, 2, 12)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_lone_decode_row_split_over_threads_gives_the_same_bits(heads, kv_heads, head_dim, cache_dtype):
+    """With fewer rows than threads, a row's kv heads are split over the threads (a
+    one-sequence decode step would otherwise run on one): each head's arithmetic is the same,
+    so the bits equal a one-thread run's and the result the reference's."""
+    rng = random.Random(kv_heads)
+    torch.manual_seed(head_dim)
+    num_blocks, bs = 80, 16
+    meta = _batch(rng, [(1, 300)], bs, num_blocks)
+    cache = torch.randn(kv_cache_shape(num_blocks, bs, kv_heads, head_dim)).to(cache_dtype)
+    q = torch.randn(1, heads, head_dim)
+    k, v = torch.randn(1, kv_heads, head_dim), torch.randn(1, kv_heads, head_dim)
+    want = TorchAttention(heads, kv_heads, head_dim, head_dim**-0.5).forward(q, k, v, cache.clone(), meta)
+    write_kv(cache, k, v, meta.slot_mapping)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            torch.ops.aiolm.paged_attention(
+                out, q, cache[0], cache[1], meta.block_table, meta.query_start_loc, meta.seq_lens, head_dim**-0.5
+            )
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].view(1, -1), want, rtol=1e-5, atol=2e-5)
+
+
 def test_large_scores_stay_finite():
     """Online softmax must rescale, not overflow, when later pages hold larger scores."""
     heads, kv_heads, d, bs = 2, 1, 8, 4
