@@ -6,7 +6,10 @@ ext/cpu/panel_gemm.cpp) reads the weight as panels of 16 output columns, and in 
 whole model's sequence of layers beats oneDNN's packed GEMM at small batches and
 matches it above (benchmarks/bench_linear.py). Without the compiled kernels, oneDNN's
 packed weight is the fallback. Either layout is checked against ``F.linear`` on a probe
-before it is used, and a layer whose layout fails the probe keeps its plain weight.
+before it is used, once per shape and layout in a process (the kernels do not depend on
+the values: a model's hundreds of linears have a handful of shapes, and probing each
+weight cost about a quarter of a worker's model build), and a layer whose layout fails
+the probe keeps its plain weight.
 
 With a bfloat16 matmul dtype (``--dtype bfloat16`` on a CPU that multiplies in it) the
 weight is instead packed by oneDNN in bfloat16, which runs on AMX or AVX512-BF16: x is
@@ -59,9 +62,11 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / 16), in, 16], zero-padded: panel p holds columns 16p..16p+15."""
     n, k = weight.shape
     p = -(-n // PANEL)
-    padded = weight.new_zeros(p * PANEL, k)
-    padded[:n] = weight
-    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+    if n % PANEL:
+        padded = weight.new_zeros(p * PANEL, k)
+        padded[:n] = weight
+        weight = padded
+    return weight.reshape(p, PANEL, k).transpose(1, 2).contiguous()
 
 
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight | None:
@@ -88,16 +93,30 @@ def pack_weight(
     packed = _pack(weight.contiguous(), dtype)
     if packed is None:
         return None
-    probe = torch.randn(7, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    got = packed(probe).float()
-    want = nn.functional.linear(probe.to(dtype), weight.to(dtype)).float()
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
-        log.warning("packed linear disagrees with F.linear on a probe; not using it")
+    key = (tuple(weight.shape), dtype, packed.panels, packed.data.dtype)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(packed, weight, dtype)
+    if not _PROBED[key]:
         return None
     if hand_over_bf16 and packed.data.dtype == torch.bfloat16:
         packed = dataclasses.replace(packed, hand_over_bf16=True)
     return packed
+
+
+# (shape, matmul dtype, layout) -> whether the packed layout passed its probe in this process
+_PROBED: dict[tuple, bool] = {}
+
+
+def _probe(packed: PackedWeight, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the packed layout multiplies like ``F.linear`` on a probe x."""
+    probe = torch.randn(7, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    got = packed(probe).float()
+    want = nn.functional.linear(probe.to(dtype), weight.to(dtype)).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
+        return True
+    log.warning("packed %s linear of shape %s disagrees with F.linear on a probe; not using it", dtype, weight.shape)
+    return False
 
 
 class CpuPackedMethod(LinearMethod):

@@ -50,3 +50,22 @@ def test_rejects_mismatched_shapes():
     with pytest.raises(RuntimeError, match="float32 only"):
         torch.ops.aiolm.panel_linear(torch.zeros(1, 32, dtype=torch.float64), p, 20)
     assert torch.ops.aiolm.panel_linear(torch.zeros(0, 32), p, 20).shape == (0, 20)
+
+
+def test_each_shape_is_probed_once_and_every_weight_still_multiplies_right():
+    """The probe against F.linear runs once per shape and layout in a process (a model's
+    linears share a few shapes); every weight of a probed shape is still packed and right."""
+    from aiolm.quant import cpu_packed
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(40, 24), (40, 24), (40, 24), (33, 24), (33, 24)]
+    before = set(cpu_packed._PROBED)
+    x = torch.randn(5, 24, generator=g)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g)
+        packed = pack_weight(w)
+        assert packed is not None and packed.panels
+        torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    new = {key[0] for key in set(cpu_packed._PROBED) - before}
+    assert new <= {(40, 24), (33, 24)}
+    assert cpu_packed._PROBED[((40, 24), torch.float32, True, torch.float32)]
