@@ -7,9 +7,9 @@ whole model's sequence of layers beats oneDNN's packed GEMM at small batches and
 matches it above (benchmarks/bench_linear.py). Without the compiled kernels, oneDNN's
 packed weight is the fallback. Either layout is checked against ``F.linear`` on a probe
 before it is used, once per shape and layout in a process (the kernels do not depend on
-the values: a model's hundreds of linears have a handful of shapes, and probing each
-weight cost about a quarter of a worker's model build), and a layer whose layout fails
-the probe keeps its plain weight.
+the values, and a model's hundreds of linears have a handful of shapes, so probing every
+weight would only slow each worker's start: docs/benchmarks/log.md), and a layer whose
+layout fails the probe keeps its plain weight.
 
 With a bfloat16 matmul dtype (``--dtype bfloat16`` on a CPU that multiplies in it) the
 weight is instead packed by oneDNN in bfloat16, which runs on AMX or AVX512-BF16: x is
@@ -67,8 +67,8 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
         padded = weight.new_zeros(p * PANEL, k)
         padded[:n] = weight
         weight = padded
-    # numpy's strided copy lays the panels out about 3x faster than torch's .contiguous();
-    # torch allocates them (64-byte aligned, as panel_linear needs)
+    # numpy's strided copy, because torch's .contiguous() is slower at this transpose
+    # (docs/benchmarks/log.md); torch allocates the panels (64-byte aligned, as panel_linear needs)
     panels = torch.empty(p, k, PANEL)
     np.copyto(panels.numpy(), weight.detach().reshape(p, PANEL, k).numpy().transpose(0, 2, 1))
     return panels

@@ -744,7 +744,8 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
   // Fewer items than threads (a step of one or a few decode rows): each item's kv heads are
   // split into `parts` ranges, so that every thread has some. A prefill tile stays whole (its
   // part 0 runs it).
-  const int64_t parts = n_items > 0 && n_items < threads ? std::min(s.num_kv_heads, (threads + n_items - 1) / n_items) : 1;
+  const int64_t parts =
+      n_items > 0 && n_items < threads ? std::min(s.num_kv_heads, (threads + n_items - 1) / n_items) : 1;
   const int64_t n_units = n_items * parts;
   // Items differ in cost (a decode row vs. a prefill tile), so threads take them
   // one at a time from a shared counter rather than in fixed, equal ranges.
