@@ -202,9 +202,13 @@ class AsyncEngine:
         front end (data_parallel.py) uses it alone, its replicas run in their own processes."""
         if self._model_loaded:
             return
+        await self._read_model()
+        await self._load_inputs()
+
+    async def _read_model(self) -> None:
+        """The model's config and what the engine derives from it: all that the workers need."""
         a = self.args
         self.source = await asyncio.to_thread(check_model_args, a)
-        self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         mc = self.source.config
         self.runner, pc = resolve_runner(a.runner, self.source)
         self.pooling_config = pc
@@ -224,6 +228,11 @@ class AsyncEngine:
                 self.loras.add(self.loras.new_request(name, path))
         if isinstance(mc, MoEConfig):
             self.expert_tokens = [[0] * mc.num_experts for layer in mc.sparse_layers if layer]
+
+    async def _load_inputs(self) -> None:
+        """The tokenizer and the input processor: the front end's half, which no worker needs."""
+        a, mc = self.args, self.source.config
+        self.tokenizer = await asyncio.to_thread(self.source.load_tokenizer)
         self.inputs = InputProcessor(
             self.tokenizer,
             mc.vocab_size,
@@ -243,7 +252,20 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._started:
             return
-        await self.load_model()
+        # The workers start while this process loads the tokenizer: each takes a second or
+        # more, and the workers need only the model's config.
+        inputs: asyncio.Future[None] | None = None
+        if not self._model_loaded:
+            await self._read_model()
+            inputs = asyncio.ensure_future(self._load_inputs())
+        try:
+            await self._start(inputs)
+        except BaseException:
+            if inputs is not None:
+                await asyncio.gather(inputs, return_exceptions=True)
+            raise
+
+    async def _start(self, inputs: asyncio.Future[None] | None) -> None:
         a, mc, pc = self.args, self.source.config, self.pooling_config
         pooling = pc is not None
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
@@ -288,7 +310,7 @@ class AsyncEngine:
             a.max_worker_restarts,
             a.worker_restart_window,
         )
-        self._executor = executor = await self._make_executor(runner_cfg, 0)
+        executor = await self._first_workers(runner_cfg, inputs)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_blocks,
@@ -338,6 +360,18 @@ class AsyncEngine:
         # of it on the event loop (a pause that grows with the heap). Freeze it instead.
         gc.collect()
         gc.freeze()
+
+    async def _first_workers(self, runner_cfg: RunnerConfig, inputs: asyncio.Future[None] | None) -> Executor:
+        """The first worker set, once ``inputs`` (the tokenizer's load) is done too; if that
+        fails, the workers stop before its error goes up."""
+        self._executor = executor = await self._make_executor(runner_cfg, 0)
+        if inputs is not None:
+            try:
+                await inputs
+            except BaseException:
+                await executor.shutdown()
+                raise
+        return executor
 
     def _device_offset(self) -> int:
         """The first device of this replica's ranks: replicas on one machine take consecutive
