@@ -69,8 +69,6 @@ class ModelRunner:
         self.device = self.platform.worker_device(cfg.device, get_tp_group().rank + cfg.device_offset)
         self.source = resolve_model(cfg.model)
         Compiler.configure(self.source.load_tokenizer, self.source.path)  # loaded on first use
-        if cfg.structured_outputs:
-            Compiler.preload(self.source.config.vocab_size)  # in a thread, while the model loads
         requested = self.platform.resolve_dtype(cfg.dtype)
         with self.platform.memory_guard("loading the weights", cfg):
             self.model = build_model(
@@ -124,6 +122,14 @@ class ModelRunner:
         # (core/encoder_cache.py) adds and drops.
         self.images_of: dict[str, list[ImageInput]] = {}
         self.encoder_cache: dict[str, torch.Tensor] = {}
+
+    def prepare_grammars(self) -> None:
+        """Build the grammar compiler (xgrammar and the tokenizer's tables) in a thread, so a
+        first structured request need not wait for it. Called once the engine has this rank's
+        ready message, not while the model loads: on a small machine the two fight over the
+        cores, and every start would take longer."""
+        if self.cfg.structured_outputs:
+            Compiler.preload(self.vocab_size)
 
     def _kv_connector(self, cfg: RunnerConfig) -> ConnectorWorker:
         """This rank's half of the KV connector (aiolm/kv_transfer/)."""
