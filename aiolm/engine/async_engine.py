@@ -172,6 +172,7 @@ class AsyncEngine:
         self.supervisor: WorkerSupervisor | None = None
         self.death_callbacks: list[Callable[[str], None]] = []  # called once, with the reason
         self._stopping: asyncio.Task[None] | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()  # fire-and-forget work, held until done
         self.expert_tokens: list[list[int]] = []  # expert_load()'s running totals
         self.runner = "generate"  # or "pooling" (EngineArgs.runner, resolved for the model at start)
         self.pooling_config: PoolingConfig | None = None  # how a pooling model pools; None when generating
@@ -338,6 +339,7 @@ class AsyncEngine:
             connector=self._kv_connector(kv_transfer, kv_fingerprint, executor) if kv_transfer is not None else None,
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
+        self.grammars.on_first_grammar = self._prepare_worker_grammars
         self.output = OutputProcessor(
             self.tokenizer, self._abort_children, self._on_finish, self.stats, self._add_siblings, self.metrics
         )
@@ -372,6 +374,22 @@ class AsyncEngine:
                 await executor.shutdown()
                 raise
         return executor
+
+    def _prepare_worker_grammars(self) -> None:
+        """The first grammar's check has begun (in a compile process, seconds): the workers
+        build their own compilers meanwhile, so its request does not wait for the two in turn."""
+        executor = self.executor
+        if executor is None or self._dead is not None:
+            return
+
+        async def ask(executor: Executor) -> None:
+            try:
+                await executor.collective_rpc("prepare_grammars")
+            except Exception as e:  # a stopping or dead worker set: its first grammar builds it
+                log.debug("workers' grammar compilers not prepared: %s", e)
+
+        self._side_tasks.add(task := asyncio.get_running_loop().create_task(ask(executor)))
+        task.add_done_callback(self._side_tasks.discard)
 
     def _device_offset(self) -> int:
         """The first device of this replica's ranks: replicas on one machine take consecutive

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from aiolm.params import ParamError
@@ -45,6 +46,8 @@ class Validator:
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
         self._jobs: dict[bytes, CompileJob] = {}
         self.pool: CompilePool | None = None  # started with the first grammar not in the cache
+        # called when the pool starts: the engine has its workers build their compilers meanwhile
+        self.on_first_grammar: Callable[[], None] | None = None
 
     def configure(self, tokenizer_dir: Path, vocab_size: int) -> None:
         """Compile against the tokenizer in this folder (the engine's, the one the workers load)."""
@@ -78,6 +81,8 @@ class Validator:
                 self.pool = CompilePool(
                     self.tokenizer_dir, self.vocab_size, self.compile_timeout, self.processes, self._settled
                 )
+                if self.on_first_grammar is not None:
+                    self.on_first_grammar()
             job = self._jobs[key] = CompileJob(spec, key, text, asyncio.get_running_loop().create_future())
             self.pool.submit(job)
         job.waiters += 1

@@ -124,10 +124,10 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
 
     def prepare_grammars(self) -> None:
-        """Build the grammar compiler (xgrammar and the tokenizer's tables) in a thread, so a
-        first structured request need not wait for it. Called once the engine has this rank's
-        ready message, not while the model loads: on a small machine the two fight over the
-        cores, and every start would take longer."""
+        """Build the grammar compiler (xgrammar and the tokenizer's tables) in a thread. The
+        engine asks for it when its first grammar check begins, so that the first structured
+        request's steps find it built; not at load, where on a small machine it lengthened
+        every start, structured outputs or not."""
         if self.cfg.structured_outputs:
             Compiler.preload(self.vocab_size)
 

@@ -263,11 +263,6 @@ class StepHandler:
         self.step_done = step_done
         self.steps = 0
         self.fault_path = os.environ.get(FAULT_ENV) if rank == 0 else None
-        # made once the rank is loaded and its ready message sent: now the grammar compiler
-        # can be built beside the steps (model_runner.py says why not before)
-        prepare = getattr(runner, "prepare_grammars", None)
-        if prepare is not None:
-            prepare()
 
     def handle(self, buf: bytes | bytearray | memoryview) -> tuple[bytes | None, int | None]:
         """(the encoded reply or None, the exit status once this rank must stop or None)."""

@@ -66,9 +66,12 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
     async def run():
         v = Validator("xgrammar", compile_timeout=60, processes=2)
         v.configure(real_source.path, real_source.config.vocab_size)
+        first_grammars: list[int] = []  # the engine's cue to its workers, once, when the pool starts
+        v.on_first_grammar = lambda: first_grammars.append(len(v._jobs))  # before the first job
         try:
             await v.check(StructuredOutputs("regex", "[a-z]+"))
             pool = v.pool
+            assert first_grammars == [0]
             await settled(pool)
             # shared, then abandoned: a big compile stops when its last request leaves
             a = spec("a")
@@ -125,6 +128,7 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
                 await te
             await settled(pool)
             await v.check(StructuredOutputs("regex", "[0-9]+"))  # and the pool still serves
+            assert first_grammars == [0]
         finally:
             await v.close()
         assert not pool.procs and not pool._tasks
