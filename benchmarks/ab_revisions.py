@@ -4,11 +4,14 @@
     python benchmarks/ab_revisions.py 9cd6f87 HEAD --rounds 3 -- bench latency --batch-size 1
     python benchmarks/ab_revisions.py 9cd6f87 --fields step_costs_ms.decode_steps.schedule \
         -- bench latency --batch-size 64 --input-len 128 --output-len 32 --repeats 1
+    python benchmarks/ab_revisions.py ff55226 --rounds 5 -- benchmarks/bench_engine_start.py --light
 
 Each revision is checked out once into a temporary git worktree; every round runs the
 aiolm command (``python -m aiolm.cli ...`` with that worktree first on the path) once per
 revision, alternating which goes first, so the machine's slow spells fall on both alike.
-AFTER defaults to the working tree itself. Prints each run and the medians of the
+AFTER defaults to the working tree itself. A command that names a ``.py`` file runs this
+tree's script of that name instead, on each revision's aiolm (a benchmark script that the
+older revision lacks). Prints each run and the medians of the
 ``--json`` fields that bench prints (output_throughput / decode tok/s), and of any
 ``--fields`` named by their dotted path in that JSON.
 """
@@ -34,8 +37,9 @@ def _checkout(rev: str, into: Path) -> Path:
 
 def _run(tree: Path, command: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    script = [str(ROOT / command[0])] if command[0].endswith(".py") else ["-m", "aiolm.cli", command[0]]
     out = subprocess.run(
-        [sys.executable, "-m", "aiolm.cli", *command, "--json"],
+        [sys.executable, *script, *command[1:], "--json"],
         cwd=tree,
         env=env,
         capture_output=True,
