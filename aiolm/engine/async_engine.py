@@ -339,7 +339,7 @@ class AsyncEngine:
             connector=self._kv_connector(kv_transfer, kv_fingerprint, executor) if kv_transfer is not None else None,
         )
         self.grammars.configure(self.source.path, mc.vocab_size)
-        self.grammars.on_first_grammar = self._prepare_worker_grammars
+        self.grammars.on_first_grammar = lambda: self._prepare_worker_grammars(self.executor)
         self.output = OutputProcessor(
             self.tokenizer, self._abort_children, self._on_finish, self.stats, self._add_siblings, self.metrics
         )
@@ -375,10 +375,10 @@ class AsyncEngine:
                 raise
         return executor
 
-    def _prepare_worker_grammars(self) -> None:
-        """The first grammar's check has begun (in a compile process, seconds): the workers
-        build their own compilers meanwhile, so its request does not wait for the two in turn."""
-        executor = self.executor
+    def _prepare_worker_grammars(self, executor: Executor | None) -> None:
+        """Grammars are in use (the first one's check has begun, in a compile process that
+        takes seconds; or a replacement worker set has started): ``executor``'s workers build
+        their own compilers meanwhile, so a request does not wait for the two in turn."""
         if executor is None or self._dead is not None:
             return
 
@@ -486,6 +486,8 @@ class AsyncEngine:
                 )
             holder.append(ex)
         await ex.start()
+        if incarnation and self.grammars.pool is not None:  # a replacement set, where grammars are in use
+            self._prepare_worker_grammars(ex)
         return ex
 
     async def shutdown(self) -> None:
