@@ -264,6 +264,7 @@ class AsyncEngine:
         except BaseException:
             if inputs is not None:
                 await asyncio.gather(inputs, return_exceptions=True)
+            await self._stop_all()  # whatever had started (the workers, say) stops before the error goes up
             raise
 
     async def _start(self, inputs: asyncio.Future[None] | None) -> None:
@@ -311,7 +312,9 @@ class AsyncEngine:
             a.max_worker_restarts,
             a.worker_restart_window,
         )
-        executor = await self._first_workers(runner_cfg, inputs)
+        self._executor = executor = await self._make_executor(runner_cfg, 0)
+        if inputs is not None:
+            await inputs  # the tokenizer, loaded meanwhile
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_blocks,
@@ -362,18 +365,6 @@ class AsyncEngine:
         # of it on the event loop (a pause that grows with the heap). Freeze it instead.
         gc.collect()
         gc.freeze()
-
-    async def _first_workers(self, runner_cfg: RunnerConfig, inputs: asyncio.Future[None] | None) -> Executor:
-        """The first worker set, once ``inputs`` (the tokenizer's load) is done too; if that
-        fails, the workers stop before its error goes up."""
-        self._executor = executor = await self._make_executor(runner_cfg, 0)
-        if inputs is not None:
-            try:
-                await inputs
-            except BaseException:
-                await executor.shutdown()
-                raise
-        return executor
 
     def _prepare_worker_grammars(self, executor: Executor | None) -> None:
         """Grammars are in use (the first one's check has begun, in a compile process that
