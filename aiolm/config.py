@@ -532,7 +532,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048  # sizes the profiling run on CUDA
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     seed: int = 0
-    structured_outputs: bool = True  # get the grammar compiler ready while the model loads
+    structured_outputs: bool = True  # the workers may build the grammar compiler (prepare_grammars)
     async_scheduling: bool = False  # overlap: append sampled tokens here, the engine sends none back
     enable_expert_parallel: bool = False  # layers of experts: whole experts per rank
     runner: str = "generate"  # or "pooling": prompts are pooled into vectors, nothing is sampled

@@ -125,8 +125,8 @@ class Compiler:
 
     @classmethod
     def preload(cls, vocab_size: int) -> None:
-        """Build the compiler in a thread now, so the first grammar does not wait for the
-        tokenizer (seconds) inside a step; a build() meanwhile waits on the lock. Not a
+        """Build the compiler in a thread now (the engine asks once grammars are in use), so
+        the next grammar's compile finds it built; a build() meanwhile waits on the lock. Not a
         daemon (said outright: a thread started from a daemon thread, as the local executor's
         is, would inherit it): a daemon thread still inside xgrammar's native code when the
         interpreter exits is killed there and aborts the process (std::terminate); exit waits
