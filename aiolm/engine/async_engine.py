@@ -199,8 +199,9 @@ class AsyncEngine:
 
     async def load_model(self) -> None:
         """Read the model's config and tokenizer: the model-level API (tokenizing, templates,
-        limits, adapters' registry) without workers. ``start`` calls it; a data-parallel
-        front end (data_parallel.py) uses it alone, its replicas run in their own processes."""
+        limits, adapters' registry) without workers. ``start`` does the same, loading the
+        tokenizer while the workers start; a data-parallel front end (data_parallel.py) uses
+        it alone, its replicas run in their own processes."""
         if self._model_loaded:
             return
         await self._read_model()
