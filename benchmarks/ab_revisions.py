@@ -11,7 +11,7 @@ aiolm command (``python -m aiolm.cli ...`` with that worktree first on the path)
 revision, alternating which goes first, so the machine's slow spells fall on both alike.
 AFTER defaults to the working tree itself. A command that names a ``.py`` file runs this
 tree's script of that name instead, on each revision's aiolm (a benchmark script that the
-older revision lacks). Prints each run and the medians of the
+older revision lacks); it prints one JSON line of its own. Prints each run and the medians of the
 ``--json`` fields that bench prints (output_throughput / decode tok/s), and of any
 ``--fields`` named by their dotted path in that JSON.
 """
@@ -37,9 +37,12 @@ def _checkout(rev: str, into: Path) -> Path:
 
 def _run(tree: Path, command: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    script = [str(ROOT / command[0])] if command[0].endswith(".py") else ["-m", "aiolm.cli", command[0]]
+    if command[0].endswith(".py"):  # this tree's script, which prints its JSON line as it is
+        argv = [str(ROOT / command[0]), *command[1:]]
+    else:
+        argv = ["-m", "aiolm.cli", *command, "--json"]
     out = subprocess.run(
-        [sys.executable, *script, *command[1:], "--json"],
+        [sys.executable, *argv],
         cwd=tree,
         env=env,
         capture_output=True,

@@ -48,7 +48,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--light", action="store_true", help="the test suite's engine arguments")
     ap.add_argument("--grammar", action="store_true", help="the first request asks for a JSON schema")
-    ap.add_argument("--json", action="store_true", help="accepted for ab_revisions.py; the output is JSON anyway")
     a = ap.parse_args()
     print(json.dumps({k: round(v, 3) for k, v in asyncio.run(life(a.light, a.grammar)).items()}))
 
