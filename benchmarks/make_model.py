@@ -1,6 +1,6 @@
 """Write a random-weight Llama of TinyLlama-1.1B's shape in every format the benchmarks run.
 
-    python benchmarks/make_model.py [OUT] [--scale full|tiny|moe-twin] [--formats f32,bf16,q8_0,q4_0,gptq]
+    python benchmarks/make_model.py [OUT] [--scale full|tiny|moe-twin] [--formats f32,bf16,q8_0,q4_0,q4_k_m,gptq]
     python benchmarks/make_model.py [OUT] --moe [--scale full|tiny] [--formats f32,bf16,q8_0,q4_k_m]
 
 OUT (default ~/.cache/aiolm-bench/llama-1.1b-random, or .../llama-tiny-random with
@@ -9,6 +9,7 @@ OUT (default ~/.cache/aiolm-bench/llama-1.1b-random, or .../llama-tiny-random wi
     hf-float32/    config.json, model.safetensors (float32), tokenizer files
     hf-bfloat16/   the same weights rounded to bfloat16
     model-Q8_0.gguf, model-Q4_0.gguf   the same weights quantized (norms stay F32)
+    model-Q4_K_M.gguf  with --formats ...,q4_k_m: llama.cpp's Q4_K_M mix (as --moe's, below)
     hf-gptq/       with --formats ...,gptq: the decoder's linears as GPTQ int4 (GPTQStream)
     make_model.json   what was written; written last, so its presence means complete
 
@@ -67,7 +68,7 @@ VOCAB = 49152  # the embedded SmolLM2 tokenizer's
 INIT_STD = 0.02
 MANIFEST = "make_model.json"
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
-ALL_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "gptq")
+ALL_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_k_m", "gptq")
 DEFAULT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")
 MOE_FORMATS = ("f32", "bf16", "q8_0", "q4_k_m")
 MOE_DEFAULT_FORMATS = ("f32", "q8_0", "q4_k_m")
