@@ -5,10 +5,9 @@ on those float32 weights. Decoding a handful of sequences, though, is bound by
 reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, kept as
 3.2-7x fewer bytes, hold exactly the values the float32 copy was dequantized from
 (the k-quants' 256-weight super-blocks are unpacked at load time: Q4_K into Q4_1
-blocks of 32, Q6_K into Q8_0 codes with a scale per 16 weights, so that the kernels keep
-to two block layouts and the values stay exact; their scales and mins keep the file's
-codes, made into float32 values a group of rows at a time: 4.75 bits a weight against
-the file's 4.5 for Q4_K, 8.6 against 6.6 for Q6_K). So the
+blocks of 32 with float32 scales and mins, 6 bits a weight against the file's 4.5,
+Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against 6.6, so
+that the kernels keep to two block layouts and the values stay exact). So the
 linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from them
 when a step has at most ``MAX_ROWS`` rows; the answers are those of the float32
 path up to the order of the sums. With ``AIOLM_GGUF_INT8=1`` the blocks go further, as
@@ -98,10 +97,9 @@ _Q4K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 byte
 
 def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K super-blocks [N, S, 144] as Q4_1 blocks of 32: nibbles [N, 8S, 16] (weight j low,
-    j + 16 high), and the scales and mins coded as the file codes them (``coded``). A
-    sub-block j's weights are d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16 times
-    a 6-bit integer) are exact in float32, so scale * q + min is the value gguf dequantizes
-    to, bit for bit."""
+    j + 16 high), float32 scales and mins [N, 8S, 1]. A sub-block j's weights are
+    d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16 times a 6-bit integer) are
+    exact in float32, so scale * q + min is the value gguf dequantizes to, bit for bit."""
     n, s = b.shape[:2]
     d = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
     dmin = b[:, :, 2:4].copy().view(np.float16).astype(np.float32)
@@ -115,25 +113,9 @@ def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     chunks = b[:, :, 16:].reshape(n, s, 4, 1, 32)
     q = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1) & 15).reshape(n, 8 * s, 32)
     qs = q[..., :16] | (q[..., 16:] << 4)
-    return grouped(qs), coded(sc.reshape(n, 8 * s, 1), d), coded(mn.reshape(n, 8 * s, 1), -dmin)
-
-
-def coded(codes: np.ndarray, factors: np.ndarray) -> np.ndarray:
-    """A K-quant's per-block scale (or min) codes [N, nblocks, spb] (uint8 or int8) and its
-    per-super-block factors [N, nblocks / 8, 1] (float32) as the kernels' coded array
-    (ext/cpu/gguf_blocks.h, ScaleArray): uint8 [N/8, nblocks * 8 * spb + nblocks / 8 * 32],
-    a group's codes then its factors; a value is factor * code."""
-    return np.concatenate([grouped(codes.view(np.uint8)), grouped(factors.astype(np.float32)).view(np.uint8)], 1)
-
-
-def uncoded(arr: torch.Tensor, nblocks: int, spb: int) -> torch.Tensor:
-    """A coded array's float32 values [N/8, nblocks * 8 * spb], as the kernels make them."""
-    groups, n = arr.shape[0], nblocks * 8 * spb
-    codes = arr[:, :n].contiguous().view(groups, nblocks, 8, spb)
-    codes = (codes.view(torch.int8) if spb == 2 else codes).float()  # Q6_K's codes are signed
-    factors = arr[:, n:].contiguous().view(torch.float32).view(groups, nblocks // 8, 1, 8, 1)
-    values = codes.view(groups, nblocks // 8, 8, 8, spb) * factors
-    return values.reshape(groups, n)
+    scale = (d * sc.astype(np.float32)).reshape(n, 8 * s, 1)
+    mins = -(dmin * mn.astype(np.float32)).reshape(n, 8 * s, 1)
+    return qs, scale, mins
 
 
 _Q5_0_BYTES = 22  # f16 d, 4 bytes of high bits, 16 bytes of low nibbles
@@ -159,10 +141,9 @@ _Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales,
 
 def _q6k_as_q8(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q6_K super-blocks [N, S, 210] as int8 codes q - 32 in blocks of 32 [N, 8S, 32] and
-    the scales d * sc_k, two a block (weights 0-15, 16-31), coded as the file codes them
-    (``coded``: sc_k, and d a super-block). d * sc_k (an f16 times an 8-bit integer) and its
-    product with a code of 6 bits fit float32's 24-bit mantissa, so scale * code is the value
-    gguf dequantizes to, bit for bit."""
+    float32 scales d * sc_k, two a block [N, 8S, 2] (weights 0-15, 16-31). d * sc_k (an f16
+    times an 8-bit integer) and its product with a code of 6 bits fit float32's 24-bit
+    mantissa, so scale * code is the value gguf dequantizes to, bit for bit."""
     n, s = b.shape[:2]
     # Each 128 weights take 64 bytes of ql and 32 of qh. Weight l of their quarter k (of 32)
     # is nibble k // 2 (low, high) of ql byte 32 * (k % 2) + l, below bits 2k, 2k + 1 of qh byte l.
@@ -170,7 +151,8 @@ def _q6k_as_q8(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     qh = b[:, :, 128:192].reshape(n, s, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1) & 3
     codes = (ql.reshape(n, s, 2, 4, 32) | qh << 4).reshape(n, 8 * s, 32).view(np.int8) - np.int8(32)
     d = b[:, :, 208:210].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
-    return codes, coded(np.ascontiguousarray(b[:, :, 192:208]).reshape(n, 8 * s, 2), d)
+    scale = d * b[:, :, 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
+    return codes, scale.reshape(n, 8 * s, 2)
 
 
 def type_int8_rows(qtype: int) -> int:
@@ -195,11 +177,10 @@ class GGUFWeight:
     in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
     qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
-    # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); a file's Q4_K and
-    # Q6_K: uint8, the file's codes and factors (``coded``; Q6_K: one scale per 16 weights);
-    # from_codes's Q4_K: float32 [N/8, nblocks * 8]
+    # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K: float32;
+    # Q6_K: float32 [N/8, nblocks * 8 * 2], one scale per 16 weights
     scale: torch.Tensor
-    mins: torch.Tensor  # Q4_1 and Q4_K: as scale; else empty
+    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1 (float32 for Q4_K), else empty
     qtype: int
     n: int  # output rows (the last group is padded with zero blocks)
 
@@ -211,13 +192,13 @@ class GGUFWeight:
         n = blocks.shape[0]
         if ttype == "Q4_K":
             qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
-            return cls(*(torch.from_numpy(a) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
+            return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
         if ttype == "Q6_K":
             codes, scale = _q6k_as_q8(np.ascontiguousarray(blocks).reshape(n, -1, _Q6K_BYTES))
             return cls(
                 torch.from_numpy(grouped(codes)),
-                torch.from_numpy(scale),
-                torch.zeros(0, dtype=torch.uint8),
+                torch.from_numpy(grouped(scale)),
+                torch.zeros(0, dtype=torch.float32),
                 TYPE_IDS[ttype],
                 n,
             )
@@ -251,14 +232,10 @@ class GGUFWeight:
             codes = q.float()
         else:
             codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
-        spb = 2 if self.qtype == TYPE_IDS["Q6_K"] else 1
-        scale, mins = self.scale, self.mins
-        if scale.dtype == torch.uint8:  # a file's K-quant: its codes and factors
-            scale, mins = uncoded(scale, nb, spb), uncoded(mins, nb, 1) if mins.numel() else mins
-        d = scale.view(groups, nb, 8, spb).transpose(1, 2).float()  # [.., scales a block]
-        w = d.repeat_interleave(32 // spb, -1) * codes
-        if mins.numel():
-            w = w + mins.view(groups, nb, 8, 1).transpose(1, 2).float()
+        d = self.scale.view(groups, nb, 8, -1).transpose(1, 2).float()  # [.., scales a block]
+        w = d.repeat_interleave(32 // d.shape[-1], -1) * codes
+        if self.mins.numel():
+            w = w + self.mins.view(groups, nb, 8, 1).transpose(1, 2).float()
         return w.reshape(groups * 8, -1)[: self.n]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

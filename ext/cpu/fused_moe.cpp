@@ -522,7 +522,7 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
 // rows that reading the weights bounds. Each expert's projections are regrouped as
 // aiolm::gguf_linear reads a weight (gguf_linear.h: groups of 8 output rows; an expert's rows,
 // the other projection's features, are whole blocks of 32, so whole groups), stacked over the
-// experts: qs [E, G, bytes], scale [E, G, n] (or coded: aiolm_gguf::ScaleArray), mins the same or empty.
+// experts: qs [E, G, bytes], scale [E, G, n], mins the same or empty.
 // The routing is fused_moe's (a counting sort of a chunk's pairs by expert); then:
 //   1. x's rows gathered per pair, in expert order, so that each expert's rows are contiguous
 //      (and, for int8, quantized per block of 32 as gguf_int8_linear does);
@@ -536,22 +536,20 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
 // on the thread count, and only the routed experts' blocks are read.
 
 // One projection of every expert: expert e's arrays start at e * qstride bytes of qs and
-// e * sstride bytes of scale (and mins), which are coded or not (aiolm_gguf::ScaleArray).
+// e * sstride elements of scale (and mins).
 struct ExpertBlocks {
   const uint8_t* qs;
-  const uint8_t* scale;
-  const uint8_t* mins;
-  bool coded;
+  const void* scale;
+  const void* mins;
   int64_t qtype, rows, groups, nblocks, qstride, sstride;
 
   template <int64_t T>
-  aiolm_gguf::ScaleArray<T> s(int64_t e) const {
-    return {scale + e * sstride, coded};
+  const aiolm_gguf::Scale<T>* s(int64_t e) const {
+    return static_cast<const aiolm_gguf::Scale<T>*>(scale) + e * sstride;
   }
   template <int64_t T>
-  aiolm_gguf::ScaleArray<T> m(int64_t e) const {
-    return aiolm_gguf::has_min(T) ? aiolm_gguf::ScaleArray<T>{mins + e * sstride, coded}
-                                  : aiolm_gguf::ScaleArray<T>{};
+  const aiolm_gguf::Scale<T>* m(int64_t e) const {
+    return aiolm_gguf::has_min(T) ? static_cast<const aiolm_gguf::Scale<T>*>(mins) + e * sstride : nullptr;
   }
   const uint8_t* q(int64_t e) const { return qs + e * qstride; }
 };
@@ -566,10 +564,9 @@ ExpertBlocks expert_blocks(const char* op, const char* what, const at::Tensor& q
               op, ": ", what, "'s qs, scale (and mins) must be contiguous [E, G, ..] over ", E, " experts");
   const at::Tensor probe = at::empty({0, features}, qs.options().dtype(at::kFloat));
   const int64_t nb = aiolm_gguf::check_blocks(op, probe, qs[0], scale[0], with_min ? mins[0] : mins, qtype, rows);
-  return ExpertBlocks{static_cast<const uint8_t*>(qs.data_ptr()), static_cast<const uint8_t*>(scale.data_ptr()),
-                      with_min ? static_cast<const uint8_t*>(mins.data_ptr()) : nullptr,
-                      scale.scalar_type() == at::kByte, qtype, rows, qs.size(1), nb, qs.size(1) * qs.size(2),
-                      scale.size(1) * scale.size(2) * static_cast<int64_t>(scale.element_size())};
+  return ExpertBlocks{static_cast<const uint8_t*>(qs.data_ptr()), scale.data_ptr(),
+                      with_min ? mins.data_ptr() : nullptr, qtype, rows, qs.size(1), nb,
+                      qs.size(1) * qs.size(2), scale.size(1) * scale.size(2)};
 }
 
 // Rows [r0, r0 + M) of x (contiguous, `features` wide) through groups [g0, g1) of expert e's

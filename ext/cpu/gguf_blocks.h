@@ -2,15 +2,12 @@
 // arrays (laid out by aiolm/quant/gguf_blocks.py; see the top of gguf_linear.h),
 // shared by aiolm::gguf_linear, aiolm::gguf_int8_linear and aiolm::gguf_moe.
 //
-// The k-quants arrive unpacked into the 32-weight layouts at load time:
-//   Q4_K: Q4_1 blocks (a 256-weight super-block's 8 sub-blocks), whose kernels read float32
-//         scales and mins: d * sc_j and -dmin * m_j are exact in float32 but not in float16.
+// The k-quants arrive already unpacked into the 32-weight layouts at load time:
+//   Q4_K: Q4_1 blocks (a 256-weight super-block's 8 sub-blocks), with float32 scales
+//         and mins: d * sc_j and -dmin * m_j are exact in float32 but not in float16.
 //   Q6_K: Q8_0 blocks of the signed codes q - 32 (in [-32, 31]), with two float32 scales
-//         per block, d * sc_k for weights 0-15 and for 16-31 (exact in float32), read
+//         per block, d * sc_k for weights 0-15 and for 16-31 (exact in float32), stored
 //         side by side: row i's block b has scales [(b * 8 + i) * 2 + h].
-// A file's Q4_K and Q6_K keep those scales (and mins) as the file codes them, not as the
-// float32 values (ScaleArray): a Q4_K block of 32 is then 19 bytes instead of 24, a Q6_K one
-// 34.5 instead of 40; a group's float32 values are made when a kernel comes to the group.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,7 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -55,69 +52,6 @@ inline float to_float(float f) { return f; }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
-
-// A weight's scales (or mins) as stored. Most arrays hold what the kernels read: float16 bits
-// (Q4_0, Q4_1, Q8_0) or float32 (Q4_K and Q6_K as float32 tensors: GGUFWeight.from_codes's
-// checkpoint scales, and tests). A K-quant file's Q4_K and Q6_K come `coded` (uint8 tensors),
-// which keeps the file's own factors: per group of 8 rows, first the codes of its blocks' rows
-// in the order the kernels read the values ([nblocks * 8 * spb] bytes: Q4_K's 6-bit sc_j or
-// m_j, Q6_K's signed 8-bit sc_k), then one float32 factor per super-block of 8 blocks and row
-// ([nblocks / 8 * 8]: d, or -dmin for the mins). A value is factor * code: an f16 times an
-// integer of at most 8 bits, exact in float32, so bit for bit the float32 array's value.
-// group() makes a group's values in a buffer when it is coded: 5 vector operations for a block
-// of 8 rows, where the rows' dot products take about 15 each, and the bytes it saves are read
-// from memory by every decode step.
-constexpr int64_t coded_group_bytes(int64_t qtype, int64_t nblocks) {
-  return nblocks * (8 * scales_per_block(qtype) + 4);
-}
-
-template <int64_t T>
-struct ScaleArray {
-  const void* p = nullptr;  // the weight's first group (null: no mins)
-  bool coded = false;
-
-  // Group g's values, [nblocks * 8 * spb] as the kernels index them; buf holds as many floats.
-  const Scale<T>* group(int64_t g, int64_t nblocks, float* buf) const {
-    constexpr int64_t S = scales_per_block(T);
-    if constexpr (float_scales(T)) {
-      if (coded) {
-        const uint8_t* c = static_cast<const uint8_t*>(p) + g * coded_group_bytes(T, nblocks);
-        expand(c, reinterpret_cast<const float*>(c + nblocks * 8 * S), nblocks, buf);
-        return buf;
-      }
-    }
-    return static_cast<const Scale<T>*>(p) + g * nblocks * 8 * S;
-  }
-
- private:
-  static inline float code(uint8_t c) { return T == Q6_K ? static_cast<float>(static_cast<int8_t>(c)) : c; }
-
-  static void expand(const uint8_t* c, const float* f, int64_t nblocks, float* out) {
-    constexpr int64_t S = scales_per_block(T);
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const float* fs = f + (b / 8) * 8;  // the super-block's factors of the 8 rows
-      const uint8_t* cb = c + b * 8 * S;
-      float* ob = out + b * 8 * S;
-#if defined(__AVX2__)
-      const __m256 f8 = _mm256_loadu_ps(fs);
-      auto widen = [](const uint8_t* q) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-        return _mm256_cvtepi32_ps(T == Q6_K ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-      };
-      if constexpr (S == 1) {
-        _mm256_storeu_ps(ob, _mm256_mul_ps(widen(cb), f8));
-      } else {  // rows 0-3's two scales, then rows 4-7's
-        const __m256 lo = _mm256_permutevar8x32_ps(f8, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-        const __m256 hi = _mm256_permutevar8x32_ps(f8, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-        _mm256_storeu_ps(ob, _mm256_mul_ps(widen(cb), lo));
-        _mm256_storeu_ps(ob + 8, _mm256_mul_ps(widen(cb + 8), hi));
-      }
-#else
-      for (int64_t k = 0; k < 8 * S; ++k) ob[k] = fs[k / S] * code(cb[k]);
-#endif
-    }
-  }
-};
 
 // Calls f(std::integral_constant<int64_t, T>{}) for qtype (checked by check_type), so
 // that each kernel instantiates its templates for every type from one switch.
@@ -169,34 +103,17 @@ inline int64_t check_blocks(const char* op, const at::Tensor& x, const at::Tenso
               " groups of 8");
   TORCH_CHECK(group_bytes % (8 * qb) == 0, op, ": a group of ", group_bytes, " bytes is not whole blocks");
   const int64_t nblocks = group_bytes / (8 * qb);
+  const auto st = float_scales(qtype) ? at::kFloat : at::kHalf;
+  const char* sname = float_scales(qtype) ? "float32" : "float16";
   const int64_t spb = scales_per_block(qtype);
-  const bool coded = float_scales(qtype) && scale.scalar_type() == at::kByte;
-  if (coded) {  // see ScaleArray
-    TORCH_CHECK(nblocks % 8 == 0, op, ": coded scales need whole super-blocks of 256 weights, not ", nblocks,
-                " blocks of 32");
-    TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == groups &&
-                    scale.size(1) == coded_group_bytes(qtype, nblocks),
-                op, ": coded scales must be uint8 [N/8, nblocks * ", 8 * spb + 4, "] for type ", qtype);
-  } else {
-    const auto st = float_scales(qtype) ? at::kFloat : at::kHalf;
-    const char* sname = float_scales(qtype) ? "float32 (or coded uint8)" : "float16";
-    TORCH_CHECK(scale.scalar_type() == st && scale.is_contiguous() && scale.dim() == 2 &&
-                    scale.size(0) == groups && scale.size(1) == nblocks * 8 * spb,
-                op, ": scale must be ", sname, " [N/8, nblocks * 8", spb == 2 ? " * 2]" : "]", " for type ", qtype);
-  }
+  TORCH_CHECK(scale.scalar_type() == st && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == groups &&
+                  scale.size(1) == nblocks * 8 * spb,
+              op, ": scale must be ", sname, " [N/8, nblocks * 8", spb == 2 ? " * 2]" : "]", " for type ", qtype);
   if (has_min(qtype))
-    TORCH_CHECK(mins.scalar_type() == scale.scalar_type() && mins.is_contiguous() && mins.sizes() == scale.sizes(),
-                op, qtype == Q4_1 ? ": Q4_1" : ": Q4_K", " needs ",
-                coded ? "coded uint8" : float_scales(qtype) ? "float32" : "float16", " mins of scale's shape ",
-                scale.sizes());
+    TORCH_CHECK(mins.scalar_type() == st && mins.is_contiguous() && mins.sizes() == scale.sizes(), op,
+                qtype == Q4_1 ? ": Q4_1" : ": Q4_K", " needs ", sname, " mins [N/8, nblocks * 8]");
   TORCH_CHECK(x.size(-1) == nblocks * QK, op, ": x has ", x.size(-1), " features, W has ", nblocks * QK);
   return nblocks;
-}
-
-// A checked weight's scale (or mins) tensor as the kernels take it.
-template <int64_t T>
-inline ScaleArray<T> scale_array(const at::Tensor& t) {
-  return ScaleArray<T>{t.numel() ? t.data_ptr() : nullptr, t.scalar_type() == at::kByte};
 }
 
 }  // namespace aiolm_gguf

@@ -35,7 +35,8 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& qs, const 
   float* yp = io.y.data_ptr<float>();
   auto run = [&](auto type) {
     constexpr int64_t T = decltype(type)::value;
-    const ScaleArray<T> sp = scale_array<T>(scale), mp = has_min(T) ? scale_array<T>(mins) : ScaleArray<T>{};
+    const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
+    const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
     // Each thread takes a share of the groups, in pairs (so that it starts on an even group),
     // and goes over it in passes of at most PASS rows of x, so that a pass's codes stay in
     // cache while the share's groups go by (a prompt's thousand rows would not). The passes

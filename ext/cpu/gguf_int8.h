@@ -14,8 +14,7 @@
 //   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
 //   Q6_K: w = d_k q (d_k per 16 weights) -> d_x (d_0 isum_0 + d_1 isum_1), an exact
 //         integer for each half of the block (VNNI's offset correction uses the halves' sums)
-// (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales, a file's
-// made from its codes a group at a time: gguf_blocks.h.)
+// (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
 // bytes and so reads q + 128) are integers subtracted before the conversion. Every type
 // but Q6_K on VNNI, for steps of 3 rows or more, sums a row's whole block in one int32 lane
@@ -553,21 +552,17 @@ void even_tiles(int64_t M, F&& f) {
 
 // Groups [g0, g1) of 8 output rows against the M rows of x (g0 even: pairs of groups start there).
 template <int64_t T>
-void run_groups(const uint8_t* qs, const ScaleArray<T>& scale, const ScaleArray<T>& mins, const QRows& x, int64_t M,
-                float* y, int64_t N, int64_t isa, int64_t g0, int64_t g1) {
+void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const QRows& x, int64_t M, float* y,
+                int64_t N, int64_t isa, int64_t g0, int64_t g1) {
   constexpr int64_t QB = quant_bytes(T);
   const int64_t nb = x.nblocks;
-  // A coded group's values (ScaleArray): room for two groups (pair_vnni's), scales and mins.
-  thread_local std::vector<float> buf;
-  const int64_t per = nb * 8 * scales_per_block(T);
-  if (scale.coded) buf.resize(4 * per);
   auto qg_of = [&](int64_t g) { return qs + g * nb * 8 * QB; };
-  auto sg_of = [&](int64_t g, int k) { return scale.group(g, nb, buf.data() + k * per); };
-  auto mg_of = [&](int64_t g, int k) { return has_min(T) ? mins.group(g, nb, buf.data() + (2 + k) * per) : nullptr; };
-  auto put = [&](int64_t g, const Scale<T>* mg, int64_t r, const float* v) {  // v[i]: row 8g + i of y's row r
+  auto sg_of = [&](int64_t g) { return scale + g * nb * 8 * scales_per_block(T); };
+  auto mg_of = [&](int64_t g) { return has_min(T) ? mins + g * nb * 8 : nullptr; };
+  auto put = [&](int64_t g, int64_t r, const float* v) {  // v[i]: row 8g + i of y's row r
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (has_min(T)) min_term(mg, x.s + r * nb, nb, isa, mterm);
+    if (has_min(T)) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
     for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
   };
 #ifdef AIOLM_I8_VNNI
@@ -575,13 +570,10 @@ void run_groups(const uint8_t* qs, const ScaleArray<T>& scale, const ScaleArray<
     if (isa == AVX512_VNNI && M > 2) {
       for (int64_t g = g0; g < g1; g += 2) {
         const bool two = g + 1 < g1;
-        const Scale<T>* sa = sg_of(g, 0);
-        const Scale<T>* sb = two ? sg_of(g + 1, 1) : nullptr;
-        const Scale<T>* ma = mg_of(g, 0);
-        const Scale<T>* mb = two ? mg_of(g + 1, 1) : nullptr;
         even_tiles(M, [&](auto mr, int64_t r) {
           constexpr int MR = decltype(mr)::value;
-          pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sa, sb, ma, mb, x, r, y + r * N + g * 8, N,
+          pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr,
+                           mg_of(g), two ? mg_of(g + 1) : nullptr, x, r, y + r * N + g * 8, N,
                            std::min<int64_t>(two ? 16 : 8, N - g * 8));  // the min terms are in already
         });
       }
@@ -591,8 +583,7 @@ void run_groups(const uint8_t* qs, const ScaleArray<T>& scale, const ScaleArray<
 #endif
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qg_of(g);
-    const Scale<T>* sg = sg_of(g, 0);
-    const Scale<T>* mg = mg_of(g, 0);
+    const Scale<T>* sg = sg_of(g);
     // Tiles of MR rows of x; each tile reads the group's blocks once (they stay in L1).
     auto tile = [&](auto mr, auto group_fn, int64_t r) {
       constexpr int MR = decltype(mr)::value;
@@ -601,7 +592,7 @@ void run_groups(const uint8_t* qs, const ScaleArray<T>& scale, const ScaleArray<
       for (int k = 0; k < MR; ++k) {
         float v[8];
         for (int i = 0; i < 8; ++i) v[i] = o[i][k];
-        put(g, mg, r + k, v);
+        put(g, r + k, v);
       }
     };
     auto tiles = [&](auto group_fn_2, auto group_fn_1) {
@@ -626,7 +617,7 @@ void run_groups(const uint8_t* qs, const ScaleArray<T>& scale, const ScaleArray<
     for (int64_t r = 0; r < M; ++r) {
       float v[8];
       group_scalar<T>(qg, sg, x, r, v);
-      put(g, mg, r, v);
+      put(g, r, v);
     }
   }
 }

@@ -34,7 +34,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   float* yp = io.y.data_ptr<float>();
   auto run = [&](auto type) {
     constexpr int64_t T = decltype(type)::value;
-    const ScaleArray<T> sp = scale_array<T>(scale), mp = has_min(T) ? scale_array<T>(mins) : ScaleArray<T>{};
+    const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
+    const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       run_groups<T>(qp, sp, mp, xs, nblocks, xk, K, M, yp, N, g0, g1);
     });

@@ -293,25 +293,20 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
 
 // Groups [g0, g1) of 8 output rows against the M rows of x, as kernel_x gives them.
 template <int64_t T>
-void run_groups(const uint8_t* qs, const ScaleArray<T>& scale, const ScaleArray<T>& mins, const float* xsum,
-                int64_t nblocks, const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
+void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum, int64_t nblocks,
+                const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
   constexpr int64_t QB = quant_bytes(T);
-  constexpr int64_t SPB = scales_per_block(T);
-  thread_local std::vector<float> sbuf, mbuf;  // a coded group's values (ScaleArray)
-  if (scale.coded) {
-    sbuf.resize(nblocks * 8 * SPB);
-    mbuf.resize(nblocks * 8);
-  }
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nblocks * 8 * QB;
-    const Scale<T>* sg = scale.group(g, nblocks, sbuf.data());
-    const Scale<T>* mg = has_min(T) ? mins.group(g, nblocks, mbuf.data()) : sg;
+    constexpr int64_t SPB = scales_per_block(T);
+    const Scale<T>* sg = scale + g * nblocks * 8 * SPB;
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     // sum_b m_b sum(x_b) of the group's 8 rows for one row of x (the mins are stored 8 wide), or
     // Q4_0's -8 sum_b d_b sum(x_b) where its codes convert unsigned
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     auto mins_for = [&](int64_t r) {
       if constexpr (!needs_block_sums(T)) return;
+      const Scale<T>* mg = (has_min(T) ? mins : scale) + g * nblocks * 8;
       const float* xs = xsum + r * nblocks;
 #ifdef AIOLM_AVX2
       __m256 a = _mm256_setzero_ps();

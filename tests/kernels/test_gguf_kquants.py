@@ -52,9 +52,8 @@ def test_q4_k_regroups_to_gguf_values_bit_for_bit():
     blocks[5, 4:16] = 255  # every scale and min at 63
     blocks[6, 4:16] = 0  # every scale and min 0: the sub-blocks are 0
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q4_K")
-    # the file's codes: per group a byte a block and row, then a float32 a super-block and row
-    assert g.qtype == 12 and g.scale.dtype == g.mins.dtype == torch.uint8
-    assert g.qs.shape == (6, 24 * 8 * 16) and g.scale.shape == g.mins.shape == (6, 24 * 8 + 3 * 8 * 4)
+    assert g.qtype == 12 and g.scale.dtype == g.mins.dtype == torch.float32
+    assert g.qs.shape == (6, 24 * 8 * 16) and g.scale.shape == g.mins.shape == (6, 24 * 8)
     want = _dequantized(blocks, (43, 768))
     got = g.dequantize().numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # exact, signs of zeros included
@@ -66,8 +65,8 @@ def test_q6_k_regroups_to_gguf_values_bit_for_bit():
     blocks[5, 192:208] = 0x80  # every scale -128
     blocks[5, :192] = 0  # every code -32: the largest product of a scale and a code
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q6_K")
-    assert g.qtype == 14 and g.qs.dtype == torch.int8 and g.scale.dtype == torch.uint8
-    assert g.qs.shape == (6, 24 * 8 * 32) and g.scale.shape == (6, 24 * 8 * 2 + 3 * 8 * 4) and g.mins.numel() == 0
+    assert g.qtype == 14 and g.qs.dtype == torch.int8 and g.scale.dtype == torch.float32
+    assert g.qs.shape == (6, 24 * 8 * 32) and g.scale.shape == (6, 24 * 8 * 2) and g.mins.numel() == 0
     assert int(g.qs.min()) == -32 and int(g.qs.max()) == 31
     want = _dequantized(blocks, (43, 768), "Q6_K")
     assert np.array_equal(g.dequantize().numpy().view(np.uint32), want.view(np.uint32))
@@ -78,9 +77,8 @@ def _min_part(blocks: np.ndarray, shape: tuple[int, int], kind: str) -> torch.Te
     if kind != "Q4_K":
         return torch.zeros(shape, dtype=torch.float64)
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, kind)
-    groups, nb = g.mins.shape[0], shape[1] // 32
-    mins = gguf_blocks.uncoded(g.mins, nb, 1)
-    m = mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[: shape[0]]
+    groups, nb = g.mins.shape[0], g.mins.shape[1] // 8
+    m = g.mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[: shape[0]]
     return m.double().abs().repeat_interleave(32, dim=1)
 
 
@@ -124,49 +122,18 @@ def test_int8_kernel_matches_dequantized_weights_times_dequantized_x(isa, kind, 
     assert ((got - exact).abs() <= half_step @ deq.abs().t() + 2e-6 * terms).all()
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13])
-def test_coded_scales_compute_what_their_float32_values_do(kind, rows):
-    """A file's K-quant keeps its scale codes (a byte a block, a float32 a super-block) and each
-    kernel makes a group's float32 values as it comes to the group: every path, float and int8,
-    gives bit for bit what it gives from the float32 arrays."""
-    rng = np.random.default_rng(rows + 7)
-    blocks = RANDOM[kind](43, 768, rng, (1e-5, 1e-1))  # 3 super-blocks a row, a padded group
-    g = gguf_blocks.GGUFWeight.from_blocks(blocks, kind)
-    nb, spb = 768 // 32, 2 if kind == "Q6_K" else 1
-    scale = gguf_blocks.uncoded(g.scale, nb, spb)
-    mins = gguf_blocks.uncoded(g.mins, nb, 1) if g.mins.numel() else g.mins
-    assert scale.dtype == torch.float32 and scale.shape == (6, nb * 8 * spb)
-    plain = gguf_blocks.GGUFWeight(g.qs, scale, mins, g.qtype, g.n)
-    x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
-    assert torch.equal(g.linear(x).view(torch.int32), plain.linear(x).view(torch.int32))
-    for isa in _isas():
-        assert torch.equal(g.linear_int8(x, isa=isa).view(torch.int32), plain.linear_int8(x, isa=isa).view(torch.int32))
-    assert torch.equal(g.dequantize(), plain.dequantize())
-
-
 def test_bad_scale_dtypes_are_refused():
     g = gguf_blocks.GGUFWeight.from_blocks(random_q4_k(8, 256, np.random.default_rng(0), (1e-3, 1e-2)), "Q4_K")
     x = torch.zeros(1, 256)
-    with pytest.raises(RuntimeError, match=r"scale must be float32 \(or coded uint8\)"):
+    with pytest.raises(RuntimeError, match="scale must be float32"):
         torch.ops.aiolm.gguf_linear(x, g.qs, g.scale.half(), g.mins, 12, g.n)
-    with pytest.raises(RuntimeError, match="Q4_K needs coded uint8 mins of scale's shape"):
-        torch.ops.aiolm.gguf_int8_linear(x, g.qs, g.scale, g.mins.float(), 12, g.n, -1)
-    with pytest.raises(RuntimeError, match=r"coded scales must be uint8 \[N/8, nblocks \* 12\]"):
-        torch.ops.aiolm.gguf_linear(x, g.qs, g.scale[:, :-4].contiguous(), g.mins[:, :-4].contiguous(), 12, g.n)
+    with pytest.raises(RuntimeError, match="Q4_K needs float32 mins"):
+        torch.ops.aiolm.gguf_int8_linear(x, g.qs, g.scale, g.mins.half(), 12, g.n, -1)
     with pytest.raises(RuntimeError, match="scale must be float16"):  # Q4_1 keeps the file's float16
         torch.ops.aiolm.gguf_linear(x, g.qs, g.scale, g.mins, 3, g.n)
     g6 = gguf_blocks.GGUFWeight.from_blocks(random_q6_k(8, 256, np.random.default_rng(0), (1e-3, 1e-2)), "Q6_K")
-    with pytest.raises(RuntimeError, match=r"coded scales must be uint8 \[N/8, nblocks \* 20\]"):
+    with pytest.raises(RuntimeError, match=r"scale must be float32 \[N/8, nblocks \* 8 \* 2\]"):
         torch.ops.aiolm.gguf_int8_linear(x, g6.qs, g6.scale[:, :64].contiguous(), g6.mins, 14, g6.n, -1)
-    values = gguf_blocks.uncoded(g6.scale, 8, 2)
-    with pytest.raises(RuntimeError, match=r"scale must be float32 \(or coded uint8\) \[N/8, nblocks \* 8 \* 2\]"):
-        torch.ops.aiolm.gguf_int8_linear(x, g6.qs, values[:, :64].contiguous(), g6.mins, 14, g6.n, -1)
-    # a row of 32 x 9 weights is not whole super-blocks: the codes' factors would not line up
-    x9 = torch.zeros(1, 288)
-    q9 = torch.zeros(1, 9 * 8 * 32, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="coded scales need whole super-blocks of 256 weights, not 9 blocks"):
-        torch.ops.aiolm.gguf_linear(x9, q9, torch.zeros(1, 9 * 20, dtype=torch.uint8), g6.mins, 14, 8)
 
 
 # A tiny Llama with Q4_K and Q6_K linear tensors (Q6_K where Q4_K_M files put it: the
