@@ -5,9 +5,9 @@ on those float32 weights. Decoding a handful of sequences, though, is bound by
 reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, kept as
 3.2-7x fewer bytes, hold exactly the values the float32 copy was dequantized from
 (the k-quants' 256-weight super-blocks are unpacked at load time: Q4_K into Q4_1
-blocks of 32 with float32 scales and mins, 6 bits a weight against the file's 4.5,
-Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against 6.6, so
-that the kernels keep to two block layouts and the values stay exact). So the
+blocks of 32 whose scales and mins keep the file's codes, 4.75 bits a weight against the
+file's 4.5, Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against
+6.6, so that the kernels keep to two block layouts and the values stay exact). So the
 linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from them
 when a step has at most ``MAX_ROWS`` rows; the answers are those of the float32
 path up to the order of the sums. With ``AIOLM_GGUF_INT8=1`` the blocks go further, as
@@ -58,6 +58,8 @@ from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpe
 log = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml's ids, as aiolm::gguf_linear takes them
+# Not a ggml type: Q4_1 blocks with float32 scales and mins (from_codes; ext/cpu/gguf_blocks.h)
+Q4_1F = 112
 # Types regrouped at load into one the kernels take, with the same values: Q5_0's 5-bit codes
 # as Q8_0's int8 ones (34 bytes a block against 22; Q4_K_M files keep some experts' down in it)
 AS_TYPE = {"Q5_0": "Q8_0"}
@@ -97,9 +99,10 @@ _Q4K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 byte
 
 def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K super-blocks [N, S, 144] as Q4_1 blocks of 32: nibbles [N, 8S, 16] (weight j low,
-    j + 16 high), float32 scales and mins [N, 8S, 1]. A sub-block j's weights are
-    d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16 times a 6-bit integer) are
-    exact in float32, so scale * q + min is the value gguf dequantizes to, bit for bit."""
+    j + 16 high), and the scales and mins as the file codes them, regrouped (``coded``). A
+    sub-block j's weights are d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16
+    times a 6-bit integer) are exact in float32, so the kernels' scale * q + min is the value
+    gguf dequantizes to, bit for bit."""
     n, s = b.shape[:2]
     d = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
     dmin = b[:, :, 2:4].copy().view(np.float16).astype(np.float32)
@@ -113,9 +116,22 @@ def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     chunks = b[:, :, 16:].reshape(n, s, 4, 1, 32)
     q = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1) & 15).reshape(n, 8 * s, 32)
     qs = q[..., :16] | (q[..., 16:] << 4)
-    scale = (d * sc.astype(np.float32)).reshape(n, 8 * s, 1)
-    mins = -(dmin * mn.astype(np.float32)).reshape(n, 8 * s, 1)
-    return qs, scale, mins
+    return grouped(qs), coded(sc.reshape(n, 8 * s, 1), d), coded(mn.reshape(n, 8 * s, 1), -dmin)
+
+
+def coded(codes: np.ndarray, factors: np.ndarray) -> np.ndarray:
+    """Q4_K's per-block scale (or min) codes [N, nblocks, 1] and per-super-block factors
+    [N, nblocks / 8, 1] (float32: d, or -dmin) as the kernels read them (ext/cpu/gguf_blocks.h):
+    uint8 [N/8, nblocks * 12], a group's codes then its factors' bytes; a value is factor * code."""
+    return np.concatenate([grouped(codes), grouped(factors.astype(np.float32)).view(np.uint8)], 1)
+
+
+def uncoded(arr: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """A coded array's values, float32 [N/8, nblocks * 8], as the kernels make them."""
+    groups, n = arr.shape[0], nblocks * 8
+    codes = arr[:, :n].float().view(groups, nblocks // 8, 8, 8)
+    factors = arr[:, n:].contiguous().view(torch.float32).view(groups, nblocks // 8, 1, 8)
+    return (codes * factors).reshape(groups, n)
 
 
 _Q5_0_BYTES = 22  # f16 d, 4 bytes of high bits, 16 bytes of low nibbles
@@ -177,10 +193,11 @@ class GGUFWeight:
     in groups of 8, a group's block b of all 8 rows side by side (one stream per tile)."""
 
     qs: torch.Tensor  # uint8/int8 [N/8, nblocks * 8 * quant bytes]
-    # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K: float32;
-    # Q6_K: float32 [N/8, nblocks * 8 * 2], one scale per 16 weights
+    # float16 [N/8, nblocks * 8], as the file stores it (fewer bytes to read); Q4_K: uint8
+    # [N/8, nblocks * 12], the file's codes and factors (``coded``); Q4_1F: float32; Q6_K:
+    # float32 [N/8, nblocks * 8 * 2], one scale per 16 weights
     scale: torch.Tensor
-    mins: torch.Tensor  # float16 [N/8, nblocks * 8] for Q4_1 (float32 for Q4_K), else empty
+    mins: torch.Tensor  # Q4_1, Q4_K and Q4_1F: as scale; else empty
     qtype: int
     n: int  # output rows (the last group is padded with zero blocks)
 
@@ -192,7 +209,7 @@ class GGUFWeight:
         n = blocks.shape[0]
         if ttype == "Q4_K":
             qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
-            return cls(*(torch.from_numpy(grouped(a)) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
+            return cls(*(torch.from_numpy(a) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
         if ttype == "Q6_K":
             codes, scale = _q6k_as_q8(np.ascontiguousarray(blocks).reshape(n, -1, _Q6K_BYTES))
             return cls(
@@ -214,13 +231,13 @@ class GGUFWeight:
     @classmethod
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> GGUFWeight:
         """4-bit codes (uint8 [N, K], 0-15) with a float32 scale and min per block of 32
-        ([N, K/32]): w = d * q + m, in the layout of the Q4_K type (Q4_1 blocks with float32
-        scales and mins), which keeps a checkpoint's scales and zero points exact."""
+        ([N, K/32]): w = d * q + m, as Q4_1F (Q4_1 blocks with float32 scales and mins), which
+        keeps a checkpoint's scales and zero points exact."""
         n, k = codes.shape
         c = codes.reshape(n, k // 32, 32).numpy()
         qs = (c[:, :, :16] | (c[:, :, 16:] << 4)).astype(np.uint8)  # weight j low, j + 16 high
         scales = (d.float().reshape(n, -1, 1).numpy(), m.float().reshape(n, -1, 1).numpy())
-        return cls(torch.from_numpy(grouped(qs)), *(torch.from_numpy(grouped(a)) for a in scales), TYPE_IDS["Q4_K"], n)
+        return cls(torch.from_numpy(grouped(qs)), *(torch.from_numpy(grouped(a)) for a in scales), Q4_1F, n)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
@@ -232,10 +249,13 @@ class GGUFWeight:
             codes = q.float()
         else:
             codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
-        d = self.scale.view(groups, nb, 8, -1).transpose(1, 2).float()  # [.., scales a block]
+        scale, mins = self.scale, self.mins
+        if scale.dtype == torch.uint8:  # Q4_K: the file's codes and factors
+            scale, mins = uncoded(scale, nb), uncoded(mins, nb)
+        d = scale.view(groups, nb, 8, -1).transpose(1, 2).float()  # [.., scales a block]
         w = d.repeat_interleave(32 // d.shape[-1], -1) * codes
-        if self.mins.numel():
-            w = w + self.mins.view(groups, nb, 8, 1).transpose(1, 2).float()
+        if mins.numel():
+            w = w + mins.view(groups, nb, 8, 1).transpose(1, 2).float()
         return w.reshape(groups * 8, -1)[: self.n]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

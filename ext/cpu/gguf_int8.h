@@ -14,7 +14,8 @@
 //   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
 //   Q6_K: w = d_k q (d_k per 16 weights) -> d_x (d_0 isum_0 + d_1 isum_1), an exact
 //         integer for each half of the block (VNNI's offset correction uses the halves' sums)
-// (Q4_K is Q4_1 with float32 scales and mins, Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
+// (Q4_K and Q4_1F are Q4_1 blocks whose scales and mins are exact in float32 (Q4_K's made from
+// the file's codes as they are read), Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
 // bytes and so reads q + 128) are integers subtracted before the conversion. Every type
 // but Q6_K on VNNI, for steps of 3 rows or more, sums a row's whole block in one int32 lane
@@ -178,19 +179,19 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t isa, int
 }
 
 // Q4_1's min term of a group's 8 rows for one row of x: sum_b m_b s_b (mins stored 8 wide).
-template <typename S>
-void min_term(const S* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
+template <int64_t T>
+void min_term(const Scale<T>* mg, const float* s, int64_t nblocks, int64_t isa, float out[8]) {
 #ifdef AIOLM_I8_AVX2
   if (isa != SCALAR) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8(mg + b * 8), _mm256_set1_ps(s[b]), a);
+    for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(scales8<T>(mg, nblocks, b), _mm256_set1_ps(s[b]), a);
     _mm256_storeu_ps(out, a);
     return;
   }
 #endif
   for (int i = 0; i < 8; ++i) {
     out[i] = 0.f;
-    for (int64_t b = 0; b < nblocks; ++b) out[i] += to_float(mg[b * 8 + i]) * s[b];
+    for (int64_t b = 0; b < nblocks; ++b) out[i] += scale_at<T>(mg, nblocks, b, i) * s[b];
   }
 }
 
@@ -220,12 +221,12 @@ void group_scalar(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t
         const int8_t* w = reinterpret_cast<const int8_t*>(qg + (b * 8 + i) * 32);
         int32_t h[2] = {0, 0};
         for (int j = 0; j < QK; ++j) h[j / 16] += static_cast<int32_t>(w[j]) * xq[j];
-        const float* d = sg + (b * 8 + i) * 2;
-        acc += (d[0] * static_cast<float>(h[0]) + d[1] * static_cast<float>(h[1])) * x.d[xb];
+        const float d0 = scale_at<T>(sg, x.nblocks, b, i, 0), d1 = scale_at<T>(sg, x.nblocks, b, i, 1);
+        acc += (d0 * static_cast<float>(h[0]) + d1 * static_cast<float>(h[1])) * x.d[xb];
         continue;
       }
       const int32_t dot = block_dot_scalar<T>(qg, b, i, xq, x.sum[xb]);
-      acc += to_float(sg[b * 8 + i]) * x.d[xb] * static_cast<float>(dot);
+      acc += scale_at<T>(sg, x.nblocks, b, i) * x.d[xb] * static_cast<float>(dot);
     }
     out[i] = acc;
   }
@@ -273,17 +274,17 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
       if constexpr (T == Q4_0) x8[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), xv[r]), ones);
     }
     alignas(32) float dd[8];
-    if constexpr (whole_group) _mm256_store_ps(dd, _mm256_mul_ps(load8(sg + b * 8), dx[0]));
+    if constexpr (whole_group) _mm256_store_ps(dd, _mm256_mul_ps(scales8<T>(sg, x.nblocks, b), dx[0]));
     for (int i = 0; i < NR; ++i) {
       const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
       // An int32 lane sums 4 products in order, so lanes 0-3 are weights 0-15: Q6_K's
       // two scales go to the two 128-bit halves.
-      const int64_t k = (b * 8 + i0 + i) * scales_per_block(T);
       __m256 dw = _mm256_setzero_ps();  // the row's scale (in dd where whole_group)
       if constexpr (T == Q6_K)
-        dw = _mm256_setr_m128(_mm_set1_ps(to_float(sg[k])), _mm_set1_ps(to_float(sg[k + 1])));
+        dw = _mm256_setr_m128(_mm_set1_ps(scale_at<T>(sg, x.nblocks, b, i0 + i, 0)),
+                              _mm_set1_ps(scale_at<T>(sg, x.nblocks, b, i0 + i, 1)));
       else if constexpr (!whole_group)
-        dw = _mm256_set1_ps(to_float(sg[k]));
+        dw = _mm256_set1_ps(scale_at<T>(sg, x.nblocks, b, i0 + i));
       constexpr bool unsigned_codes = !int8_codes(T);
       const __m256i aw = unsigned_codes ? w : _mm256_sign_epi8(w, w);
       for (int r = 0; r < MR; ++r) {
@@ -366,7 +367,7 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
     if constexpr (T == Q6_K)
       d8 = _mm512_loadu_ps(sg + b * 16);
     else
-      d8 = _mm512_castps256_ps512(load8(sg + b * 8));
+      d8 = _mm512_castps256_ps512(scales8<T>(sg, x.nblocks, b));
     for (int v = 0; v < NV; ++v) {
       const __m512 dw = _mm512_permutexvar_ps(idx[v], d8);
       const __m512i raw = _mm512_loadu_si512(qg + b * 8 * QB + v * 64);
@@ -399,10 +400,12 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #endif
 
 #ifdef AIOLM_I8_VNNI
-// One block's scales (or mins) of two groups' 16 rows as float32 lanes, b's zero when null.
-template <typename S>
-inline __m512 load16(const S* a, const S* b) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(load8(a)), b ? load8(b) : _mm256_setzero_ps(), 1);
+// Block k's scales (or mins) of two groups' 16 rows as float32 lanes (the groups' arrays a
+// and b), b's zero when null.
+template <int64_t T>
+inline __m512 load16(const Scale<T>* a, const Scale<T>* b, int64_t nblocks, int64_t k) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(scales8<T>(a, nblocks, k)),
+                            b ? scales8<T>(b, nblocks, k) : _mm256_setzero_ps(), 1);
 }
 
 // Dword c of four vectors whose 128-bit lanes hold 16 rows' 16 bytes (lane l of v[m]: row
@@ -485,9 +488,9 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
     }
     __m512i w[8];
     pair_block<T>(qa, qb, b, w);
-    const __m512 dw = _mm512_permutexvar_ps(rows, load16(sa + b * 8, sb ? sb + b * 8 : nullptr));
+    const __m512 dw = _mm512_permutexvar_ps(rows, load16<T>(sa, sb, nb, b));
     __m512 mw = _mm512_setzero_ps();
-    if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16(ma + b * 8, mb ? mb + b * 8 : nullptr));
+    if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16<T>(ma, mb, nb, b));
     // The rows' sums are independent chains of 8 vpdpbusd (4 cycles each): issued row after
     // row, the core needs several rows' code in flight to keep its pipes busy, so the chains
     // go interleaved, in runs of up to 6 rows (7-11 rows: two runs; runs of 8 ran 6-8% slower
@@ -557,12 +560,12 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   constexpr int64_t QB = quant_bytes(T);
   const int64_t nb = x.nblocks;
   auto qg_of = [&](int64_t g) { return qs + g * nb * 8 * QB; };
-  auto sg_of = [&](int64_t g) { return scale + g * nb * 8 * scales_per_block(T); };
-  auto mg_of = [&](int64_t g) { return has_min(T) ? mins + g * nb * 8 : nullptr; };
+  auto sg_of = [&](int64_t g) { return scale + g * group_scales(T, nb); };
+  auto mg_of = [&](int64_t g) { return has_min(T) ? mins + g * group_scales(T, nb) : nullptr; };
   auto put = [&](int64_t g, int64_t r, const float* v) {  // v[i]: row 8g + i of y's row r
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (has_min(T)) min_term(mins + g * nb * 8, x.s + r * nb, nb, isa, mterm);
+    if (has_min(T)) min_term<T>(mg_of(g), x.s + r * nb, nb, isa, mterm);
     for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
   };
 #ifdef AIOLM_I8_VNNI

@@ -67,10 +67,11 @@ inline void unpack16(const uint8_t* qs, __m512 f[2]) {
   }
 }
 
-// NR rows of a group (qs and scale pointing at its first) against MR rows of x.
+// A whole group (qs and scale: the group's; i0 is 0) against MR rows of x.
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
+inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR]) {
+  (void)i0;
   constexpr int64_t QB = quant_bytes(T);
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
@@ -78,7 +79,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
   static_assert(NR == 8, "the AVX-512 tile takes a whole group: its 8 scales convert as one vector");
   for (int64_t b = 0; b < nblocks; ++b) {
     alignas(32) float d8[8];
-    if constexpr (T != Q6_K) _mm256_store_ps(d8, load8(scale + b * 8));
+    if constexpr (T != Q6_K) _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
       unpack16<T>(qs + (b * 8 + i) * QB, f);
@@ -143,11 +144,11 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
   }
 }
 
-// NR weight rows against MR rows of x: NR * MR independent accumulator chains. lead: the
-// tile is the first to read its group's blocks (qs is the group's start), so it asks for
-// them ahead; a tile of a whole group always is.
+// Rows [i0, i0 + NR) of a group (qs and scale: the group's) against MR rows of x: NR * MR
+// independent accumulator chains. The tile of row 0 is the first to read the group's blocks,
+// so it asks for them ahead (lead).
 template <int64_t T, int NR, int MR>
-inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, const float* x, int64_t K,
+inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR], bool lead = true) {
   constexpr int64_t QB = quant_bytes(T);
   __m256 acc[NR][MR];
@@ -159,17 +160,17 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, cons
     // of fewer rows converts its own.
     alignas(32) float d8[8];
     if constexpr (NR == 8 && T != Q6_K)
-      _mm256_store_ps(d8, load8(scale + b * 8));
+      _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
-      unpack<T>(qs + (b * 8 + i) * QB, f);
+      unpack<T>(qs + (b * 8 + i0 + i) * QB, f);
       __m256 d;
       if constexpr (NR == 8 && T != Q6_K)
         d = _mm256_broadcast_ss(d8 + i);
       else
-        d = _mm256_set1_ps(to_float(scale[(b * 8 + i) * scales_per_block(T)]));
+        d = _mm256_set1_ps(scale_at<T>(scale, nblocks, b, i0 + i));
       if constexpr (T == Q6_K) {  // weights 0-15 and 16-31 scaled apart: the exact weights
-        const __m256 d1 = _mm256_set1_ps(scale[(b * 8 + i) * 2 + 1]);
+        const __m256 d1 = _mm256_set1_ps(scale_at<T>(scale, nblocks, b, i0 + i, 1));
         f[0] = _mm256_mul_ps(f[0], d);
         f[1] = _mm256_mul_ps(f[1], d);
         f[2] = _mm256_mul_ps(f[2], d1);
@@ -272,8 +273,7 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
     float t = 0.f;
     if constexpr (T == Q6_K) {
       const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
-      const float* s = scale + (b * 8 + i) * 2;
-      for (int j = 0; j < 32; ++j) acc += static_cast<float>(q[j]) * s[j / 16] * x[b * QK + j];
+      for (int j = 0; j < 32; ++j) acc += static_cast<float>(q[j]) * scale_at<T>(scale, nblocks, b, i, j / 16) * x[b * QK + j];
       continue;  // the scales are in the weights
     } else if constexpr (int8_codes(T)) {
       const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
@@ -286,7 +286,7 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
         t += (static_cast<float>(q[j] >> 4) - off) * x[b * QK + j + 16];
       }
     }
-    acc += to_float(scale[b * 8 + i]) * t;
+    acc += scale_at<T>(scale, nblocks, b, i) * t;
   }
   return acc;
 }
@@ -298,25 +298,24 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   constexpr int64_t QB = quant_bytes(T);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nblocks * 8 * QB;
-    constexpr int64_t SPB = scales_per_block(T);
-    const Scale<T>* sg = scale + g * nblocks * 8 * SPB;
+    const Scale<T>* sg = scale + g * group_scales(T, nblocks);
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     // sum_b m_b sum(x_b) of the group's 8 rows for one row of x (the mins are stored 8 wide), or
     // Q4_0's -8 sum_b d_b sum(x_b) where its codes convert unsigned
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     auto mins_for = [&](int64_t r) {
       if constexpr (!needs_block_sums(T)) return;
-      const Scale<T>* mg = (has_min(T) ? mins : scale) + g * nblocks * 8;
+      const Scale<T>* mg = (has_min(T) ? mins : scale) + g * group_scales(T, nblocks);
       const float* xs = xsum + r * nblocks;
 #ifdef AIOLM_AVX2
       __m256 a = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(load8(mg + b * 8), _mm256_set1_ps(xs[b]), a);
+      for (int64_t b = 0; b < nblocks; ++b) a = _mm256_fmadd_ps(scales8<T>(mg, nblocks, b), _mm256_set1_ps(xs[b]), a);
       if constexpr (!has_min(T)) a = _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
       _mm256_storeu_ps(mterm, a);
 #else
       for (int i = 0; i < 8; ++i) {
         mterm[i] = 0.f;
-        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += to_float(mg[b * 8 + i]) * xs[b];
+        for (int64_t b = 0; b < nblocks; ++b) mterm[i] += scale_at<T>(mg, nblocks, b, i) * xs[b];
       }
 #endif
     };
@@ -329,7 +328,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     // Pairs of x rows against all 8 rows of the group (16 accumulators in zmm registers).
     for (; r0 + 2 <= M; r0 += 2) {
       float out[8][2];
-      tile<T, 8, 2>(qg, sg, nblocks, x + r0 * K, K, out);
+      tile<T, 8, 2>(qg, sg, 0, nblocks, x + r0 * K, K, out);
       for (int r = 0; r < 2; ++r) {
         mins_for(r0 + r);
         for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
@@ -342,7 +341,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][8];
       for (int i = 0; i < 8; ++i) {
         float o[1][8];
-        tile<T, 1, 8>(qg + i * QB, sg + i * SPB, nblocks, x + r0 * K, K, o, i == 0 && r0 == 0);
+        tile<T, 1, 8>(qg, sg, i, nblocks, x + r0 * K, K, o, i == 0 && r0 == 0);
         for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
       }
       for (int r = 0; r < 8; ++r) {
@@ -354,7 +353,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][2];
       for (int h = 0; h < 8; h += 4) {
         float o[4][2];
-        tile<T, 4, 2>(qg + h * QB, sg + h * SPB, nblocks, x + r0 * K, K, o, h == 0 && r0 == 0);
+        tile<T, 4, 2>(qg, sg, h, nblocks, x + r0 * K, K, o, h == 0 && r0 == 0);
         for (int i = 0; i < 4; ++i)
           for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
       }
@@ -366,7 +365,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
 #endif
     if (r0 < M) {  // a last single row against all 8 rows of the group
       float out[8][1];
-      tile<T, 8, 1>(qg, sg, nblocks, x + r0 * K, K, out);
+      tile<T, 8, 1>(qg, sg, 0, nblocks, x + r0 * K, K, out);
       mins_for(r0);
       for (int i = 0; i < 8; ++i) put(i, r0, out[i][0]);
     }

@@ -52,8 +52,9 @@ def test_q4_k_regroups_to_gguf_values_bit_for_bit():
     blocks[5, 4:16] = 255  # every scale and min at 63
     blocks[6, 4:16] = 0  # every scale and min 0: the sub-blocks are 0
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q4_K")
-    assert g.qtype == 12 and g.scale.dtype == g.mins.dtype == torch.float32
-    assert g.qs.shape == (6, 24 * 8 * 16) and g.scale.shape == g.mins.shape == (6, 24 * 8)
+    # the file's codes: per group a byte a block and row, then a float32 a super-block and row
+    assert g.qtype == 12 and g.scale.dtype == g.mins.dtype == torch.uint8
+    assert g.qs.shape == (6, 24 * 8 * 16) and g.scale.shape == g.mins.shape == (6, 24 * 8 + 3 * 8 * 4)
     want = _dequantized(blocks, (43, 768))
     got = g.dequantize().numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # exact, signs of zeros included
@@ -77,8 +78,9 @@ def _min_part(blocks: np.ndarray, shape: tuple[int, int], kind: str) -> torch.Te
     if kind != "Q4_K":
         return torch.zeros(shape, dtype=torch.float64)
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, kind)
-    groups, nb = g.mins.shape[0], g.mins.shape[1] // 8
-    m = g.mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[: shape[0]]
+    groups, nb = g.mins.shape[0], shape[1] // 32
+    mins = gguf_blocks.uncoded(g.mins, nb)
+    m = mins.view(groups, nb, 8).transpose(1, 2).reshape(groups * 8, nb)[: shape[0]]
     return m.double().abs().repeat_interleave(32, dim=1)
 
 
@@ -122,13 +124,45 @@ def test_int8_kernel_matches_dequantized_weights_times_dequantized_x(isa, kind, 
     assert ((got - exact).abs() <= half_step @ deq.abs().t() + 2e-6 * terms).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 13])
+def test_q4_k_codes_compute_what_their_float32_values_do(rows):
+    """A file's Q4_K keeps its scale and min codes (a byte a block, a float32 factor a
+    super-block) and every kernel multiplies by factor * code where it reads a scale: the
+    vector paths, float and int8, give bit for bit what they give from the float32 values
+    (Q4_1F); int8's scalar path, where the compiler may fuse a multiply and an add in one
+    build and not the other, within its rounding."""
+    rng = np.random.default_rng(rows + 7)
+    blocks = random_q4_k(43, 768, rng, (1e-5, 1e-1))  # 3 super-blocks a row, a padded group
+    blocks[3, 4:16] = 255  # codes of 63
+    g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q4_K")
+    scale, mins = gguf_blocks.uncoded(g.scale, 24), gguf_blocks.uncoded(g.mins, 24)
+    assert scale.dtype == mins.dtype == torch.float32 and scale.shape == mins.shape == (6, 24 * 8)
+    plain = gguf_blocks.GGUFWeight(g.qs, scale, mins, gguf_blocks.Q4_1F, g.n)
+    x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+    assert torch.equal(g.linear(x).view(torch.int32), plain.linear(x).view(torch.int32))
+    for isa in _isas():
+        got, want = g.linear_int8(x, isa=isa), plain.linear_int8(x, isa=isa)
+        if isa == 0:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        else:
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), ISAS[isa]
+    assert torch.equal(g.dequantize(), plain.dequantize())
+
+
 def test_bad_scale_dtypes_are_refused():
     g = gguf_blocks.GGUFWeight.from_blocks(random_q4_k(8, 256, np.random.default_rng(0), (1e-3, 1e-2)), "Q4_K")
     x = torch.zeros(1, 256)
-    with pytest.raises(RuntimeError, match="scale must be float32"):
-        torch.ops.aiolm.gguf_linear(x, g.qs, g.scale.half(), g.mins, 12, g.n)
-    with pytest.raises(RuntimeError, match="Q4_K needs float32 mins"):
+    with pytest.raises(RuntimeError, match=r"scale must be uint8 \[N/8, nblocks \* 12\] for type 12"):
+        torch.ops.aiolm.gguf_linear(x, g.qs, g.scale.float(), g.mins, 12, g.n)
+    with pytest.raises(RuntimeError, match=r"Q4_K needs uint8 mins \[N/8, nblocks \* 12\]"):
         torch.ops.aiolm.gguf_int8_linear(x, g.qs, g.scale, g.mins.half(), 12, g.n, -1)
+    with pytest.raises(RuntimeError, match=r"scale must be uint8 \[N/8, nblocks \* 12\]"):
+        torch.ops.aiolm.gguf_linear(x, g.qs, g.scale[:, :-4].contiguous(), g.mins[:, :-4].contiguous(), 12, g.n)
+    # a row of 9 blocks of 32 is no whole super-block: its factors would not line up
+    q9 = torch.zeros(1, 9 * 8 * 16, dtype=torch.uint8)
+    s9 = torch.zeros(1, 9 * 12, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="a row of 9 blocks of 32 is not"):
+        torch.ops.aiolm.gguf_linear(torch.zeros(1, 288), q9, s9, s9, 12, 8)
     with pytest.raises(RuntimeError, match="scale must be float16"):  # Q4_1 keeps the file's float16
         torch.ops.aiolm.gguf_linear(x, g.qs, g.scale, g.mins, 3, g.n)
     g6 = gguf_blocks.GGUFWeight.from_blocks(random_q6_k(8, 256, np.random.default_rng(0), (1e-3, 1e-2)), "Q6_K")
