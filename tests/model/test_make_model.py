@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from aiolm.model.registry import build_model
 from paged import PagedHarness, hf_from_gguf, hf_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from make_model import SCALES, make_model, read_manifest  # noqa: E402
+from make_model import SCALES, GGUFStream, make_model, read_manifest  # noqa: E402
 
 NEW_TOKENS = 8
 TEXT = "The capital of France is Paris, and the capital of Italy is"
@@ -131,6 +132,50 @@ def test_gguf_holds_the_same_weights_and_matches_transformers(made, prompt):
     # the GGUF's tokenizer metadata is the embedded SmolLM2's: same ids for the same text
     tok = resolve_model(gguf_path).load_tokenizer()
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == prompt
+
+
+def test_q4_k_m_gguf_has_llama_cpps_mix_and_matches_transformers(made, prompt, tmp_path):
+    """--formats q4_k_m on the dense Llama: llama.cpp's choice for each tensor (at the 1.1B
+    shape Q4_K, and Q6_K for the output and for attn_v and ffn_down in the layers given more
+    bits; at the tiny shape, whose rows are not whole super-blocks of 256, the types llama.cpp
+    falls back to: Q5_0 and Q8_0), in a file aiolm decodes as transformers does."""
+    import gguf
+
+    full = SimpleNamespace(gguf=gguf, s=SCALES["full"], qtype="Q4_K_M")
+    hidden, inter = SCALES["full"].hidden, SCALES["full"].intermediate
+    chosen = {
+        name: GGUFStream.tensor_type(full, name, shape).name  # type: ignore[arg-type]
+        for name, shape in [
+            ("output.weight", (49152, hidden)),
+            ("blk.0.attn_v.weight", (256, hidden)),  # the first eighth of 22 layers: 0 and 1
+            ("blk.2.attn_v.weight", (256, hidden)),
+            ("blk.4.ffn_down.weight", (hidden, inter)),  # every third from the first eighth's end
+            ("blk.4.attn_q.weight", (hidden, hidden)),
+            ("blk.21.ffn_down.weight", (hidden, inter)),  # the last eighth: 20 and 21
+            ("blk.4.attn_norm.weight", (hidden,)),
+        ]
+    }
+    assert chosen == {
+        "output.weight": "Q6_K",
+        "blk.0.attn_v.weight": "Q6_K",
+        "blk.2.attn_v.weight": "Q4_K",
+        "blk.4.ffn_down.weight": "Q6_K",
+        "blk.4.attn_q.weight": "Q4_K",
+        "blk.21.ffn_down.weight": "Q6_K",
+        "blk.4.attn_norm.weight": "F32",
+    }
+    manifest = make_model(tmp_path, "tiny", formats=("q4_k_m",))
+    path = tmp_path / manifest["files"]["q4_k_m"]
+    assert path.name == "model-Q4_K_M.gguf"
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["output.weight"] == types["blk.1.ffn_down.weight"] == "Q8_0"  # Q6_K's fallback
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_down.weight"] == "Q5_0"  # Q4_K's
+    ref = hf_from_gguf(path)
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    tokens, logits = aiolm_greedy(path, prompt)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)
 
 
 def test_gptq_folder_holds_the_float32_weights_rounded_to_4_bits(made, prompt):
