@@ -406,9 +406,17 @@ def _step_tables(meta: Any) -> tuple[torch.Tensor, ...]:
     return meta.block_table, meta.query_start_loc, meta.seq_lens, meta.slot_mapping
 
 
+QKV_PARTS = 3  # the most block types a fused layer's QKV may mix (ext/cpu/decode_layer.cpp)
+
+
+def _parts(blocks: GGUFWeight | GGUFParts) -> tuple[GGUFWeight, ...]:
+    return blocks.parts if isinstance(blocks, GGUFParts) else (blocks,)
+
+
 @dataclass(frozen=True)
 class FusedDecodeLayer:
-    """A Llama-family layer whose linears all have blocks, as one C++ call
+    """A Llama-family layer whose linears all have blocks (QKV's maybe in parts of different
+    types), as one C++ call
     (ext/cpu/decode_layer.cpp) for the steps the blocks take: the same kernels in the same
     order as the modules, without the interpreter between them. A layer of experts gets its
     attention half as the call and runs its experts (``mlp``) after it."""
@@ -435,24 +443,27 @@ class FusedDecodeLayer:
         norms = [n for n in (a.q_norm, a.k_norm) if n is not None]
         if (
             type(a.attn) is not CpuPagedAttention
-            or not all(isinstance(g, GGUFLinear) and isinstance(g.blocks, GGUFWeight) for g in gguf)
+            or not all(isinstance(g, GGUFLinear) for g in gguf)
+            or not all(isinstance(g.blocks, GGUFWeight) for g in gguf[1:])
+            or len(_parts(gguf[0].blocks)) > QKV_PARTS
             or any(m.bias is not None for m in linears[1:])
             or a.rotary.cos.dtype != torch.float32
             or any(n.weight.dtype != torch.float32 for n in [layer.input_layernorm, *norms])
             or (norms and norms[0].eps != layer.input_layernorm.eps)
         ):
             return None
-        blocks = [g.blocks for g in gguf]
-        weights = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
-        for b in blocks:
-            weights += [b.qs, b.scale, b.mins]
         none = torch.empty(0)
-        if not dense:
-            weights += [none] * 6
+        qkv = _parts(gguf[0].blocks)  # a Q4_K_M file's q and k in one block type, v in another
+        slots: list[GGUFWeight | None] = [*qkv, *[None] * (QKV_PARTS - len(qkv))]
+        slots += [g.blocks for g in gguf[1:]] + ([] if dense else [None, None])
+        weights = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
+        ints = []
+        for b in slots:
+            weights += [none] * 3 if b is None else [b.qs, b.scale, b.mins]
+            ints += [0, 0] if b is None else [b.qtype, b.n]
         bias = a.qkv_proj.bias
         weights.append(bias.data if bias is not None else none)
         weights += [n.weight.data for n in norms] if norms else [none, none]
-        ints = [v for b in blocks for v in (b.qtype, b.n)] + ([] if dense else [0, 0, 0, 0])
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
         return cls(
             a.attn,

@@ -8,20 +8,25 @@
 // attention half only: the call returns the post-attention norm's output, and the experts
 // run after it.
 //
-// weights: the two norm weights, then (qs, scale, mins) of qkv, o, gate_up and down (gate_up
-//          and down empty for the attention half only), then the QKV bias, the q and the k
-//          norm's weights (each an empty tensor when none)
-// ints:    (type, rows) of the four linears, num_heads, num_kv_heads, head_dim, the
-//          sliding window (0: none), and 1 to multiply with int8 activations
+// weights: the two norm weights, then (qs, scale, mins) of the six linear slots: qkv in up to
+//          three parts (a Q4_K_M file keeps q and k in one block type, v in another: each run
+//          of a type is a part, their outputs side by side, as GGUFParts computes them), o,
+//          gate_up and down (a part not there, and gate_up and down for the attention half
+//          only, empty); then the QKV bias, the q and the k norm's weights (each an empty
+//          tensor when none)
+// ints:    (type, rows) of the six slots (rows 0: not there), num_heads, num_kv_heads,
+//          head_dim, the sliding window (0: none), and 1 to multiply with int8 activations
 // floats:  the norms' eps, the attention scale, the logit soft-cap (0: none)
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -61,7 +66,11 @@ const Ops& ops() {
   return o;
 }
 
-// Linear layer `l` (0 qkv, 1 o, 2 gate_up, 3 down) of the layer's weights.
+constexpr size_t WEIGHTS = 23, INTS = 17;  // per layer
+enum Slot { QKV = 0, O = 3, GATE_UP = 4, DOWN = 5 };  // QKV's parts: slots 0-2
+constexpr int QKV_PARTS = 3;
+
+// Linear slot `l` of the layer's weights.
 at::Tensor linear(const Ops& o, const at::Tensor& x, at::TensorList w, at::IntArrayRef ints, int l, bool int8) {
   const at::Tensor &qs = w[2 + 3 * l], &scale = w[3 + 3 * l], &mins = w[4 + 3 * l];
   const int64_t qtype = ints[2 * l], n = ints[2 * l + 1];
@@ -78,11 +87,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
                                                 const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                                                 const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                 at::IntArrayRef ints, at::ArrayRef<double> floats) {
-  TORCH_CHECK(w.size() == 17 && ints.size() == 13 && floats.size() == 3,
-              "aiolm::decode_layer: 17 weights, 13 ints and 3 floats expected");
+  TORCH_CHECK(w.size() == WEIGHTS && ints.size() == INTS && floats.size() == 3, "aiolm::decode_layer: ", WEIGHTS,
+              " weights, ", INTS, " ints and 3 floats expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "aiolm::decode_layer: x must be float32 [tokens, hidden]");
   const Ops& o = ops();
-  const bool int8 = ints[12] != 0;
+  const bool int8 = ints[16] != 0;
   const double eps = floats[0];
   at::Tensor residual, h;
   if (residual_in.has_value()) {
@@ -93,25 +102,30 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
     residual = x;
     h = o.rms_norm.call(x, w[0], eps);
   }
-  at::Tensor qkv = linear(o, h, w, ints, 0, int8);
-  if (w[14].numel() > 0) qkv = at::add(qkv, w[14]);
-  const int64_t t = x.size(0), H = ints[8], Hk = ints[9], D = ints[10];
+  at::Tensor qkv = linear(o, h, w, ints, QKV, int8);
+  if (ints[2 * (QKV + 1) + 1] > 0) {  // parts
+    std::vector<at::Tensor> parts{qkv};
+    for (int l = QKV + 1; l < QKV + QKV_PARTS && ints[2 * l + 1] > 0; ++l) parts.push_back(linear(o, h, w, ints, l, int8));
+    qkv = at::cat(parts, -1);
+  }
+  if (w[20].numel() > 0) qkv = at::add(qkv, w[20]);
+  const int64_t t = x.size(0), H = ints[12], Hk = ints[13], D = ints[14];
   at::Tensor q = qkv.narrow(1, 0, H * D).view({t, H, D});
   at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
   const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
-  if (w[15].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
-    q = o.rms_norm.call(q.reshape({t * H, D}), w[15], eps).view({t, H, D});
-    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[16], eps).view({t, Hk, D});
+  if (w[21].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
+    q = o.rms_norm.call(q.reshape({t * H, D}), w[21], eps).view({t, H, D});
+    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[22], eps).view({t, Hk, D});
   }
   o.rotary.call(q, k, positions, cos, sin);
   o.write_kv.call(kv_cache, k, v, slot_mapping);
   at::Tensor attn = at::empty({t, H, D}, x.options());
-  o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[11], floats[2]);
-  at::Tensor a = linear(o, attn.view({t, H * D}), w, ints, 1, int8);
+  o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[15], floats[2]);
+  at::Tensor a = linear(o, attn.view({t, H * D}), w, ints, O, int8);
   o.add_rms_norm.call(a, residual, w[1], eps);
-  if (w[8].numel() == 0) return {a, residual};  // the attention half: the experts come next
-  const at::Tensor gate_up = linear(o, a, w, ints, 2, int8);
-  return {linear(o, o.silu_and_mul.call(gate_up), w, ints, 3, int8), residual};
+  if (ints[2 * GATE_UP + 1] == 0) return {a, residual};  // the attention half: the experts come next
+  const at::Tensor gate_up = linear(o, a, w, ints, GATE_UP, int8);
+  return {linear(o, o.silu_and_mul.call(gate_up), w, ints, DOWN, int8), residual};
 }
 
 // A stage's layers one after another, each exactly as decode_layer computes it: one call
@@ -125,16 +139,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optio
                                                  const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                  at::IntArrayRef ints, at::ArrayRef<double> floats) {
   const size_t n = kv_caches.size();
-  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && w.size() == 17 * n && ints.size() == 13 * n &&
-                  floats.size() == 3 * n,
-              "aiolm::decode_layers: per layer a cache, its pages, 17 weights, 13 ints and 3 floats expected");
+  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && w.size() == WEIGHTS * n &&
+                  ints.size() == INTS * n && floats.size() == 3 * n,
+              "aiolm::decode_layers: per layer a cache, its pages, ", WEIGHTS, " weights, ", INTS,
+              " ints and 3 floats expected");
   at::Tensor h = x;
   c10::optional<at::Tensor> residual = residual_in;
   for (size_t l = 0; l < n; ++l) {
     at::Tensor cache = kv_caches[l];
     auto [out, res] = decode_layer(h, residual, positions, cache, k_pages[l], v_pages[l], block_table,
-                                   query_start_loc, seq_lens, slot_mapping, cos, sin, w.slice(17 * l, 17),
-                                   ints.slice(13 * l, 13), floats.slice(3 * l, 3));
+                                   query_start_loc, seq_lens, slot_mapping, cos, sin, w.slice(WEIGHTS * l, WEIGHTS),
+                                   ints.slice(INTS * l, INTS), floats.slice(3 * l, 3));
     h = out;
     residual = res;
   }

@@ -11,8 +11,10 @@
 //          byte j, weight j + 16 in its high nibble) or int8 [N/8, nblocks * 8 * 32] (Q8_0)
 //   scale: float16 [N/8, nblocks * 8]   (d, as the file stores it)
 //   min:   float16 [N/8, nblocks * 8]   (m, Q4_1 only; empty otherwise)
-// (Q4_K: Q4_1 blocks with float32 scales and mins; Q6_K: Q8_0 blocks with a float32 scale
-// per 16 weights, which multiplies the converted codes into the exact weights; see gguf_blocks.h)
+// (Q4_K: Q4_1 blocks whose scales and mins are the file's codes, each times its super-block's
+// factor where a kernel reads it; Q4_1F: Q4_1 blocks with float32 scales and mins; Q6_K: Q8_0
+// blocks with a float32 scale per 16 weights, which multiplies the converted codes into the
+// exact weights; see gguf_blocks.h)
 // so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
 // block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
 // are computed once per call and the m terms of a group's 8 rows are one vector.
@@ -221,7 +223,7 @@ constexpr bool reorders_x(int64_t qtype) {
 #endif
 }
 
-// Whether run_groups needs x's block sums for blocks of type qtype: Q4_1's and Q4_K's m * sum(x)
+// Whether run_groups needs x's block sums for blocks of type qtype: the mins' m * sum(x)
 // and, where its codes convert unsigned (reorders_x), Q4_0's -8 d * sum(x).
 constexpr bool needs_block_sums(int64_t qtype) { return has_min(qtype) || reorders_x(qtype); }
 

@@ -256,14 +256,24 @@ def test_k_quant_llama_decodes_from_its_blocks_like_the_float32_path(tmp_path, m
     assert isinstance(qkv0, gguf_blocks.GGUFParts) and [p.qtype for p in qkv0.parts] == [12, 14]
     assert [p.n for p in qkv0.parts] == [HIDDEN + KV_HEADS * HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS]
     assert {m.gguf.blocks.qtype for m in layers if m is not model.layers[0].self_attn.qkv_proj} == {12, 14}
-    # decode steps: one C++ call a layer, but for layer 0, whose QKV is two matmuls
-    assert model.layers[0].fused is None and all(layer.fused is not None for layer in model.layers[1:])
+    # decode steps: one C++ call for all the layers, layer 0's QKV as its two parts' matmuls
+    assert all(isinstance(layer.fused, gguf_blocks.FusedDecodeLayer) for layer in model.layers)
+    assert isinstance(model.fused_stack, gguf_blocks.FusedDecodeStack)
+    assert model.layers[0].fused.ints[False][:6] == [
+        12,
+        HIDDEN + KV_HEADS * HIDDEN // HEADS,
+        14,
+        KV_HEADS * HIDDEN // HEADS,
+        0,
+        0,
+    ]
 
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, VOCAB, 12)]
     blocks_tokens, blocks_logits = _decode(model, prompt, 6)
     monkeypatch.setattr(gguf_blocks, "INT8", True)  # int8 x, through the fused layers
     int8_tokens, int8_logits = _decode(model, prompt, 6)
     monkeypatch.setattr(gguf_blocks, "INT8", False)
+    model.fused_stack = None
     for layer in model.layers:
         layer.fused = None
     modules_tokens, modules_logits = _decode(model, prompt, 6)  # the same kernels, called module by module
