@@ -20,7 +20,8 @@ and there is one tensor-parallel rank (platforms/cpu.py); each layer's blocks co
 the file when its weights are processed after loading, beside the method it would have
 had otherwise (``inner``: packed panels), which takes the larger steps. A layer whose
 fused tensors differ in block type (a Q4_K_M file's Q4_K q and k beside a Q6_K v) runs
-one block matmul per run of a type (``GGUFParts``) and gets no fused decode step.
+one block matmul per run of a type (``GGUFParts``); the fused decode step takes a QKV's
+parts, other fused tensors only of one type.
 
 A layer of experts keeps its blocks the same way (``GGUFBlocksExpertsMethod``): the file's
 stacked ``ffn_{gate,up,down}_exps`` (or a Mixtral file's one tensor per expert) beside the
@@ -98,8 +99,8 @@ _Q4K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 byte
 
 
 def _q4k_as_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks [N, S, 144] as Q4_1 blocks of 32: nibbles [N, 8S, 16] (weight j low,
-    j + 16 high), and the scales and mins as the file codes them, regrouped (``coded``). A
+    """Q4_K super-blocks [N, S, 144] as Q4_1 blocks of 32, regrouped (``grouped``): nibbles
+    (weight j low, j + 16 high), and the scales and mins as the file codes them (``coded``). A
     sub-block j's weights are d * sc_j * q - dmin * m_j; d * sc_j and dmin * m_j (an f16
     times a 6-bit integer) are exact in float32, so the kernels' scale * q + min is the value
     gguf dequantizes to, bit for bit."""
@@ -415,11 +416,10 @@ def _parts(blocks: GGUFWeight | GGUFParts) -> tuple[GGUFWeight, ...]:
 
 @dataclass(frozen=True)
 class FusedDecodeLayer:
-    """A Llama-family layer whose linears all have blocks (QKV's maybe in parts of different
-    types), as one C++ call
-    (ext/cpu/decode_layer.cpp) for the steps the blocks take: the same kernels in the same
-    order as the modules, without the interpreter between them. A layer of experts gets its
-    attention half as the call and runs its experts (``mlp``) after it."""
+    """A Llama-family layer whose linears all have blocks (a QKV's maybe in parts of different
+    types), as one C++ call (ext/cpu/decode_layer.cpp) for the steps the blocks take: the same
+    kernels in the same order as the modules, without the interpreter between them. A layer
+    of experts gets its attention half as the call and runs its experts (``mlp``) after it."""
 
     attn: Any  # the layer's CpuPagedAttention: its cache views
     cos: torch.Tensor
