@@ -358,7 +358,7 @@ class GGUFExperts:
             raise ValueError(f"gate has {gate.rows} rows an expert, up {up.rows}")
         self.gate, self.up, self.down = gate, up, down
         self.num_experts, self.intermediate, self.hidden = num_experts, gate.rows, down.rows
-        self._blocks = gate.tensors() + up.tensors() + down.tensors()
+        self.tensors = gate.tensors() + up.tensors() + down.tensors()  # as aiolm::gguf_moe takes them
         self._qtypes = [gate.qtype, up.qtype, down.qtype]
 
     @classmethod
@@ -380,7 +380,7 @@ class GGUFExperts:
         ``int8``, x rounded to int8 per block of 32 and integer dot products (gguf_int8.cpp's
         arithmetic; ``isa`` picks its compiled path, -1 the best)."""
         return torch.ops.aiolm.gguf_moe(
-            x.float(), self._blocks, self._qtypes, topk_weights.float(), topk_ids, self.intermediate, int8, isa
+            x.float(), self.tensors, self._qtypes, topk_weights.float(), topk_ids, self.intermediate, int8, isa
         )
 
 
@@ -412,6 +412,18 @@ QKV_PARTS = 3  # the most block types a fused layer's QKV may mix (ext/cpu/decod
 
 def _parts(blocks: GGUFWeight | GGUFParts) -> tuple[GGUFWeight, ...]:
     return blocks.parts if isinstance(blocks, GGUFParts) else (blocks,)
+
+
+def _routed_experts(mlp: Any) -> Any:
+    """``mlp`` where the fused step can run it (aiolm/model/moe.py's SparseMoeBlock with no
+    shared expert, its experts all on this rank with their blocks, a float32 router), else None."""
+    from aiolm.model.moe import SparseMoeBlock  # the model package imports this one
+
+    if type(mlp) is not SparseMoeBlock or mlp.shared_expert is not None:
+        return None
+    moe = mlp.experts
+    ok = isinstance(moe.gguf_experts, GGUFExperts) and not moe.expert_parallel and moe.tp.world_size == 1
+    return mlp if ok and mlp.gate.weight.dtype == torch.float32 else None
 
 
 @dataclass(frozen=True)
@@ -452,6 +464,7 @@ class FusedDecodeLayer:
             or (norms and norms[0].eps != layer.input_layernorm.eps)
         ):
             return None
+        experts = None if dense else _routed_experts(mlp)
         none = torch.empty(0)
         qkv = _parts(gguf[0].blocks)  # a Q4_K_M file's q and k in one block type, v in another
         slots: list[GGUFWeight | None] = [*qkv, *[None] * (QKV_PARTS - len(qkv))]
@@ -465,15 +478,23 @@ class FusedDecodeLayer:
         weights.append(bias.data if bias is not None else none)
         weights += [n.weight.data for n in norms] if norms else [none, none]
         ints += [a.num_heads, a.num_kv_heads, a.head_dim, a.attn.sliding_window or 0]
+        tail = [0] * 6  # the experts' types, width, top-k (0: none in the call), renormalise
+        int8_rows = min(g.int8_rows for g in gguf)
+        if experts is not None:
+            router, moe = mlp.gate, mlp.experts
+            g = moe.gguf_experts
+            weights += [router.weight.data, moe.expert_counts, *g.tensors]
+            tail = [*g.types, g.intermediate, router.top_k, int(router.renormalize)]
+            int8_rows = min(int8_rows, moe.gguf_experts_int8_rows)
         return cls(
             a.attn,
             a.rotary.cos,
             a.rotary.sin,
             weights,
-            {False: ints + [0], True: ints + [1]},
-            min(g.int8_rows for g in gguf),
+            {False: ints + [0] + tail, True: ints + [1] + tail},
+            int8_rows,
             [layer.input_layernorm.eps, a.attn.scale, a.attn.soft_cap or 0.0],
-            None if dense else mlp,
+            None if dense or experts is not None else mlp,
         )
 
     def __call__(

@@ -1,28 +1,41 @@
 // One Llama-family decoder layer for the small steps that read the GGUF blocks, as one
-// call (decode_layers: a stage's layers, as one call): the layer's ops run in the order and with the kernels that the Python modules
-// (aiolm/model/llama.py) call one by one, so the result is the same bit for bit; what
-// goes is the interpreter between them (module calls, views, a dozen op dispatches from
-// Python), which on a one-row decode step costs about as much as the layer's arithmetic.
-// aiolm/quant/gguf_blocks.py gives a layer this step when its linears have blocks and its
-// shape is the plain one (no o/MLP bias). A layer of experts (aiolm/model/moe.py) takes the
-// attention half only: the call returns the post-attention norm's output, and the experts
-// run after it.
+// call (decode_layers: a stage's layers, as one call): the layer's ops run in the order and
+// with the kernels that the Python modules (aiolm/model/llama.py, aiolm/model/moe.py) call
+// one by one, so the result is the same bit for bit; what goes is the interpreter between
+// them (module calls, views, a dozen op dispatches from Python), which on a one-row decode
+// step costs about as much as the layer's arithmetic. aiolm/quant/gguf_blocks.py gives a
+// layer this step when its linears have blocks and its shape is the plain one (no o/MLP
+// bias). A layer of experts runs its router and its experts' blocks in the call too (the
+// router's float32 logits, softmax, top-k and renormalisation through the same ATen ops as
+// the Router module); one the call does not take (a shared expert beside the routed ones)
+// takes the attention half only: the call returns the post-attention norm's output, and
+// the experts run after it.
 //
 // weights: the two norm weights, then (qs, scale, mins) of the six linear slots: qkv in up to
 //          three parts (a Q4_K_M file keeps q and k in one block type, v in another: each run
 //          of a type is a part, their outputs side by side, as GGUFParts computes them), o,
-//          gate_up and down (a part not there, and gate_up and down for the attention half
-//          only, empty); then the QKV bias, the q and the k norm's weights (each an empty
-//          tensor when none)
+//          gate_up and down (a part not there, and gate_up and down for a layer of experts,
+//          empty); then the QKV bias, the q and the k norm's weights (each an empty tensor
+//          when none); a layer of experts (top-k > 0) then has 11 more: the router's weight
+//          (float32 [E, H]), the per-expert token counts (int64 [E], updated in place, as
+//          FusedMoE counts), and (qs, scale, mins) of the experts' gate, up and down
+//          (GGUFExperts, as aiolm::gguf_moe takes them)
 // ints:    (type, rows) of the six slots (rows 0: not there), num_heads, num_kv_heads,
-//          head_dim, the sliding window (0: none), and 1 to multiply with int8 activations
+//          head_dim, the sliding window (0: none), 1 to multiply with int8 activations; then
+//          the experts' three block types, their intermediate size, the top-k (0: no experts
+//          in the call) and 1 to renormalise the top-k weights
 // floats:  the norms' eps, the attention scale, the logit soft-cap (0: none)
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/topk.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -59,6 +72,9 @@ struct Ops {
   using Float = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                            int64_t);
   TypedOperatorHandle<Float> float_linear = find<Float>("aiolm::gguf_linear");
+  using Moe = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, const at::Tensor&, const at::Tensor&,
+                         int64_t, bool, int64_t);
+  TypedOperatorHandle<Moe> gguf_moe = find<Moe>("aiolm::gguf_moe");
 };
 
 const Ops& ops() {
@@ -66,15 +82,34 @@ const Ops& ops() {
   return o;
 }
 
-constexpr size_t WEIGHTS = 23, INTS = 17;  // per layer
+constexpr size_t WEIGHTS = 23, EXPERT_WEIGHTS = 11, INTS = 23;  // per layer (a layer of experts: 23 + 11)
 enum Slot { QKV = 0, O = 3, GATE_UP = 4, DOWN = 5 };  // QKV's parts: slots 0-2
+enum Weight { BIAS = 20, Q_NORM, K_NORM, ROUTER, COUNTS, EXPERTS };  // EXPERTS: 9, gate's (qs, scale, mins) first
+enum Int { HEADS = 12, KV_HEADS, HEAD_DIM, WINDOW, INT8, EXPERT_TYPES, EXPERT_WIDTH = 20, TOP_K, RENORMALIZE };
 constexpr int QKV_PARTS = 3;
+
+// How many weights a layer with these ints has.
+size_t weights_of(at::IntArrayRef ints) { return WEIGHTS + (ints[TOP_K] > 0 ? EXPERT_WEIGHTS : 0); }
 
 // Linear slot `l` of the layer's weights.
 at::Tensor linear(const Ops& o, const at::Tensor& x, at::TensorList w, at::IntArrayRef ints, int l, bool int8) {
   const at::Tensor &qs = w[2 + 3 * l], &scale = w[3 + 3 * l], &mins = w[4 + 3 * l];
   const int64_t qtype = ints[2 * l], n = ints[2 * l + 1];
   return int8 ? o.int8_linear.call(x, qs, scale, mins, qtype, n, -1) : o.float_linear.call(x, qs, scale, mins, qtype, n);
+}
+
+// The layer's routed experts on a, the post-attention norm's output, as SparseMoeBlock runs
+// them without a shared expert: Router (float32 logits, softmax over all experts, the k
+// largest, divided by their sum where asked), FusedMoE's counts, then the blocks' call.
+at::Tensor experts(const Ops& o, const at::Tensor& a, at::TensorList w, at::IntArrayRef ints, bool int8) {
+  auto [weights, ids] = at::topk(at::softmax(at::linear(a, w[ROUTER]), -1), ints[TOP_K], -1);
+  if (ints[RENORMALIZE]) weights = at::div(weights, at::sum(weights, -1, true));
+  ids = ids.contiguous();
+  int64_t* counts = w[COUNTS].data_ptr<int64_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) ++counts[id[i]];
+  return o.gguf_moe.call(a, w.slice(EXPERTS, 9), ints.slice(EXPERT_TYPES, 3), weights, ids, ints[EXPERT_WIDTH], int8,
+                         -1);
 }
 
 // x: the previous layer's output; residual: the stream before it (none at layer 0, when
@@ -87,11 +122,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
                                                 const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                                                 const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                 at::IntArrayRef ints, at::ArrayRef<double> floats) {
-  TORCH_CHECK(w.size() == WEIGHTS && ints.size() == INTS && floats.size() == 3, "aiolm::decode_layer: ", WEIGHTS,
-              " weights, ", INTS, " ints and 3 floats expected");
+  TORCH_CHECK(ints.size() == INTS && w.size() == weights_of(ints) && floats.size() == 3, "aiolm::decode_layer: ",
+              INTS, " ints, ", WEIGHTS, " weights (", WEIGHTS + EXPERT_WEIGHTS,
+              " with experts) and 3 floats expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "aiolm::decode_layer: x must be float32 [tokens, hidden]");
   const Ops& o = ops();
-  const bool int8 = ints[16] != 0;
+  const bool int8 = ints[INT8] != 0;
   const double eps = floats[0];
   at::Tensor residual, h;
   if (residual_in.has_value()) {
@@ -108,21 +144,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
     for (int l = QKV + 1; l < QKV + QKV_PARTS && ints[2 * l + 1] > 0; ++l) parts.push_back(linear(o, h, w, ints, l, int8));
     qkv = at::cat(parts, -1);
   }
-  if (w[20].numel() > 0) qkv = at::add(qkv, w[20]);
-  const int64_t t = x.size(0), H = ints[12], Hk = ints[13], D = ints[14];
+  if (w[BIAS].numel() > 0) qkv = at::add(qkv, w[BIAS]);
+  const int64_t t = x.size(0), H = ints[HEADS], Hk = ints[KV_HEADS], D = ints[HEAD_DIM];
   at::Tensor q = qkv.narrow(1, 0, H * D).view({t, H, D});
   at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
   const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
-  if (w[21].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
-    q = o.rms_norm.call(q.reshape({t * H, D}), w[21], eps).view({t, H, D});
-    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[22], eps).view({t, Hk, D});
+  if (w[Q_NORM].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
+    q = o.rms_norm.call(q.reshape({t * H, D}), w[Q_NORM], eps).view({t, H, D});
+    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[K_NORM], eps).view({t, Hk, D});
   }
   o.rotary.call(q, k, positions, cos, sin);
   o.write_kv.call(kv_cache, k, v, slot_mapping);
   at::Tensor attn = at::empty({t, H, D}, x.options());
-  o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[15], floats[2]);
+  o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[WINDOW], floats[2]);
   at::Tensor a = linear(o, attn.view({t, H * D}), w, ints, O, int8);
   o.add_rms_norm.call(a, residual, w[1], eps);
+  if (ints[TOP_K] > 0) return {experts(o, a, w, ints, int8), residual};
   if (ints[2 * GATE_UP + 1] == 0) return {a, residual};  // the attention half: the experts come next
   const at::Tensor gate_up = linear(o, a, w, ints, GATE_UP, int8);
   return {linear(o, o.silu_and_mul.call(gate_up), w, ints, DOWN, int8), residual};
@@ -130,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
 
 // A stage's layers one after another, each exactly as decode_layer computes it: one call
 // per step instead of one per layer. kv_caches, k_pages and v_pages hold one entry per
-// layer; weights, ints and floats are the layers' own lists one after another.
+// layer; weights, ints and floats are the layers' own lists one after another (a layer of
+// experts has more weights: weights_of).
 std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
                                                  const at::Tensor& positions, at::TensorList kv_caches,
                                                  at::TensorList k_pages, at::TensorList v_pages,
@@ -139,17 +177,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optio
                                                  const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                  at::IntArrayRef ints, at::ArrayRef<double> floats) {
   const size_t n = kv_caches.size();
-  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && w.size() == WEIGHTS * n &&
-                  ints.size() == INTS * n && floats.size() == 3 * n,
-              "aiolm::decode_layers: per layer a cache, its pages, ", WEIGHTS, " weights, ", INTS,
-              " ints and 3 floats expected");
+  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && ints.size() == INTS * n &&
+                  floats.size() == 3 * n,
+              "aiolm::decode_layers: per layer a cache, its pages, ", INTS, " ints and 3 floats expected");
+  size_t nw = 0;
+  for (size_t l = 0; l < n; ++l) nw += weights_of(ints.slice(INTS * l, INTS));
+  TORCH_CHECK(w.size() == nw, "aiolm::decode_layers: ", nw, " weights expected (", WEIGHTS, " a layer, ",
+              WEIGHTS + EXPERT_WEIGHTS, " a layer of experts), got ", w.size());
   at::Tensor h = x;
   c10::optional<at::Tensor> residual = residual_in;
+  size_t w0 = 0;
   for (size_t l = 0; l < n; ++l) {
     at::Tensor cache = kv_caches[l];
+    const at::IntArrayRef li = ints.slice(INTS * l, INTS);
+    const size_t lw = weights_of(li);
     auto [out, res] = decode_layer(h, residual, positions, cache, k_pages[l], v_pages[l], block_table,
-                                   query_start_loc, seq_lens, slot_mapping, cos, sin, w.slice(WEIGHTS * l, WEIGHTS),
-                                   ints.slice(INTS * l, INTS), floats.slice(3 * l, 3));
+                                   query_start_loc, seq_lens, slot_mapping, cos, sin, w.slice(w0, lw), li,
+                                   floats.slice(3 * l, 3));
+    w0 += lw;
     h = out;
     residual = res;
   }

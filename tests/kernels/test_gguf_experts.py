@@ -233,7 +233,8 @@ def test_other_isa_builds_match_the_references(isa):
 def test_gguf_moe_model_decodes_from_its_blocks(kind, stacked, tmp_path, monkeypatch):
     """A Q8_0 MoE file's sparse layers keep their experts' blocks, its small steps run from them
     (the larger ones on the float32 experts), and the greedy tokens are transformers' on the
-    values the file holds."""
+    values the file holds. The modules' path: the fused decode call, which runs the same blocks
+    for the decode steps, gives its bits (tests/model/test_moe_gguf.py)."""
     from transformers import AutoModelForCausalLM
 
     from aiolm.checkpoint.source import resolve_model
@@ -255,6 +256,9 @@ def test_gguf_moe_model_decodes_from_its_blocks(kind, stacked, tmp_path, monkeyp
     layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert layers and all(isinstance(m.gguf_experts, GGUFExperts) for m in layers)
     assert all(m.gguf_experts.types == (8, 8, 8) for m in layers)  # Q8_0 throughout
+    model.fused_stack = None
+    for layer in model.layers:
+        layer.fused = None
 
     rows = {"blocks": [], "float32": []}
     blocks_call, float_call = GGUFExperts.__call__, CpuExperts.__call__

@@ -39,46 +39,80 @@ def test_gguf_file_gives_transformers_greedy_tokens(kind, qtype, tmp_path, monke
     assert PagedHarness(model, block_size=4).greedy(prompts, NEW, split=3) == expected
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_fused_attention_half_gives_the_modules_bits(kind, tmp_path, monkeypatch):
-    """Each layer's decode steps run its attention half as one C++ call (QK-norm included,
-    ext/cpu/decode_layer.cpp) and then its experts (or, in Qwen3-MoE's dense layer, the
-    whole layer): the logits are those of the modules run one by one, bit for bit."""
-    from aiolm.quant.gguf_blocks import FusedDecodeLayer
+@pytest.fixture(scope="module")
+def q8_models(tmp_path_factory):
+    """Each family's tiny model as a Q8_0 file, built by aiolm once for the module."""
+    built = {}
 
-    path = tmp_path / "m.gguf"
-    write_moe_gguf(tiny_moe_model(kind), path, "Q8_0")
-    with monkeypatch.context() as mp:
-        mp.setenv("AIOLM_CACHE_DIR", str(tmp_path / "cache"))
-        source = resolve_model(path)
-    model = build_model(source, torch.float32)
+    def get(kind):
+        if kind not in built:
+            tmp = tmp_path_factory.mktemp(kind)
+            path = tmp / "m.gguf"
+            write_moe_gguf(tiny_moe_model(kind), path, "Q8_0")
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("AIOLM_CACHE_DIR", str(tmp / "cache"))
+                source = resolve_model(path)
+            built[kind] = (source, build_model(source, torch.float32))
+        return built[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+@pytest.mark.parametrize("how", ["per-layer", "one-call"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fused_layers_give_the_modules_bits(kind, how, int8, q8_models, monkeypatch):
+    """A decode step of a layer of experts runs as one C++ call (ext/cpu/decode_layer.cpp):
+    attention with QK-norm, the router's float32 logits, top-k and renormalisation, and the
+    experts' blocks (Qwen3-MoE's dense layer as a dense one); the model's layers as one call
+    per step. Qwen2-MoE's shared expert keeps its layers' experts in the modules, after the
+    call's attention half, and the model without the one call. Either way the logits and
+    the per-expert token counts are those of the modules run one by one, bit for bit."""
+    from aiolm.quant import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "INT8", int8)
+    source, model = q8_models(kind)
     plans = [layer.fused for layer in model.layers]
-    assert all(isinstance(p, FusedDecodeLayer) for p in plans)
-    assert [p.mlp is None for p in plans] == [not s for s in source.config.sparse_layers]
+    assert all(isinstance(p, gguf_blocks.FusedDecodeLayer) for p in plans)
+    shared = kind == "qwen2_moe"
+    assert [p.mlp is not None for p in plans] == [s and shared for s in source.config.sparse_layers]
+    stack = model.fused_stack
+    assert (stack is None) == shared
+    if how == "one-call" and shared:
+        pytest.skip("a shared expert's model has no one call")
 
-    def run() -> list[dict[int, torch.Tensor]]:
+    def run() -> tuple[list[dict[int, torch.Tensor]], torch.Tensor]:
+        model.take_expert_counts()
         h = PagedHarness(model, block_size=4)
         outs = [h.step({0: list(range(3, 20)), 1: list(range(40, 49))})]
         outs += [h.step({0: [5 + i], 1: [60 + i]}) for i in range(4)]
-        return outs
+        return outs, model.take_expert_counts()
 
     taken = [0]
 
-    def counted(plan):
-        def call(*args):
-            out = plan(*args)
-            taken[0] += out is not None
+    def counted(call, layers):
+        def counting(*args):
+            out = call(*args)
+            taken[0] += layers * (out is not None)
             return out
 
-        return call
+        return counting
 
-    for layer, plan in zip(model.layers, plans):
-        layer.fused = counted(plan)
-    fused = run()
-    assert taken[0] == 4 * len(plans)  # every decode step of every layer, not the prompt's
-    for layer in model.layers:
-        layer.fused = None
-    modules = run()
-    for a, b in zip(fused, modules):
+    try:
+        model.fused_stack = counted(stack, len(plans)) if how == "one-call" else None
+        for layer, plan in zip(model.layers, plans):
+            layer.fused = counted(plan, 1) if how == "per-layer" else None
+        fused, fused_counts = run()
+        assert taken[0] == 4 * len(plans)  # every decode step of every layer, not the prompt's
+        model.fused_stack = None
+        for layer in model.layers:
+            layer.fused = None
+        modules, module_counts = run()
+    finally:
+        for layer, plan in zip(model.layers, plans):
+            layer.fused = plan
+        model.fused_stack = stack
+    assert fused_counts.sum() == module_counts.sum() > 0 and torch.equal(fused_counts, module_counts)
+    for step, (a, b) in enumerate(zip(fused, modules)):
         for seq in a:
-            assert torch.equal(a[seq], b[seq])
+            assert torch.equal(a[seq], b[seq]), f"step {step}, sequence {seq}: the fused layers' logits differ"
