@@ -648,7 +648,10 @@ class GGUFBlocksExpertsMethod(ExpertsMethod):
     ) -> torch.Tensor:
         g = layer.gguf_experts
         if g is not None:
-            rows = x.shape[0]
+            # An expert's matmuls have the rows routed to it, about T * k / E of them (16 decode
+            # rows of a top-8 of 64: 2 each): that, not T, is what the float32 panels' limits
+            # (measured on dense matmuls of that many rows) compare with.
+            rows = -(-topk_ids.numel() // layer.local_experts)
             if INT8 and rows <= layer.gguf_experts_int8_rows:
                 return g(x, topk_weights, topk_ids, int8=True)
             if rows <= MAX_ROWS:

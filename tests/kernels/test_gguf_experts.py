@@ -260,28 +260,32 @@ def test_gguf_moe_model_decodes_from_its_blocks(kind, stacked, tmp_path, monkeyp
     for layer in model.layers:
         layer.fused = None
 
-    rows = {"blocks": [], "float32": []}
+    rows = {"blocks": [], "float32": []}  # per call: tokens, and routed rows an expert gets on average
     blocks_call, float_call = GGUFExperts.__call__, CpuExperts.__call__
+    experts = layers[0].local_experts
 
-    def on_blocks(self, x, *args, **kwargs):
-        rows["blocks"].append(x.shape[0])
-        return blocks_call(self, x, *args, **kwargs)
+    def on_blocks(self, x, weights, ids, *args, **kwargs):
+        rows["blocks"].append((x.shape[0], -(-ids.numel() // experts)))
+        return blocks_call(self, x, weights, ids, *args, **kwargs)
 
-    def on_float(self, x, *args, **kwargs):
-        rows["float32"].append(x.shape[0])
-        return float_call(self, x, *args, **kwargs)
+    def on_float(self, x, weights, ids, *args, **kwargs):
+        rows["float32"].append((x.shape[0], -(-ids.numel() // experts)))
+        return float_call(self, x, weights, ids, *args, **kwargs)
 
     monkeypatch.setattr(GGUFExperts, "__call__", on_blocks)
     monkeypatch.setattr(CpuExperts, "__call__", on_float)
     g = torch.Generator().manual_seed(3)
-    # the long prompt's second prefill step has more rows than the blocks take
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 13, 2 * MAX_ROWS)]
+    # The first prefill step has more tokens than MAX_ROWS but routes no more than that to an
+    # expert on average (top-2 of 4 or 8): the blocks; the second routes more: float32.
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 13, 8 * MAX_ROWS)]
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
     assert len({t for e in expected for t in e}) > 5
-    assert PagedHarness(model, block_size=4).greedy(prompts, NEW, split=3) == expected
+    assert PagedHarness(model, block_size=4).greedy(prompts, NEW, split=MAX_ROWS // 2 + 1) == expected
     decode_steps = NEW - 1
-    assert rows["blocks"].count(len(prompts)) == decode_steps * len(layers)  # every decode step, every layer
-    assert rows["float32"] and min(rows["float32"]) > MAX_ROWS and max(rows["blocks"]) <= MAX_ROWS
+    decodes = [t for t, _ in rows["blocks"]].count(len(prompts))
+    assert decodes == decode_steps * len(layers)  # every decode step, every layer
+    assert rows["float32"] and min(e for _, e in rows["float32"]) > MAX_ROWS
+    assert max(e for _, e in rows["blocks"]) <= MAX_ROWS < max(t for t, _ in rows["blocks"])
 
     # with AIOLM_GGUF_INT8=1 a decode step takes the blocks' int8 path
     monkeypatch.setattr(gguf_blocks, "INT8", True)
