@@ -53,7 +53,7 @@ from aiolm.checkpoint.gguf_convert import (
 )
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.gguf_index import read_tensors
-from aiolm.model.layers.fused_moe import EXPERT_PARTS
+from aiolm.model.layers.fused_moe import EXPERT_PARTS, FusedMoE, Router
 from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpec, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -415,15 +415,14 @@ def _parts(blocks: GGUFWeight | GGUFParts) -> tuple[GGUFWeight, ...]:
 
 
 def _routed_experts(mlp: Any) -> Any:
-    """``mlp`` where the fused step can run it (aiolm/model/moe.py's SparseMoeBlock with no
-    shared expert, its experts all on this rank with their blocks, a float32 router), else None."""
-    from aiolm.model.moe import SparseMoeBlock  # the model package imports this one
-
-    if type(mlp) is not SparseMoeBlock or mlp.shared_expert is not None:
+    """``mlp`` where the fused step can run it, else None: a router and a layer of experts and
+    nothing else (aiolm/model/moe.py's SparseMoeBlock without a shared expert), the experts all
+    on this rank with their blocks, the router in float32."""
+    moe, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    if not isinstance(moe, FusedMoE) or not isinstance(router, Router) or getattr(mlp, "shared_expert", 1) is not None:
         return None
-    moe = mlp.experts
     ok = isinstance(moe.gguf_experts, GGUFExperts) and not moe.expert_parallel and moe.tp.world_size == 1
-    return mlp if ok and mlp.gate.weight.dtype == torch.float32 else None
+    return mlp if ok and router.weight.dtype == torch.float32 else None
 
 
 @dataclass(frozen=True)
