@@ -25,8 +25,9 @@ parts, other fused tensors only of one type.
 
 A layer of experts keeps its blocks the same way (``GGUFBlocksExpertsMethod``): the file's
 stacked ``ffn_{gate,up,down}_exps`` (or a Mixtral file's one tensor per expert) beside the
-inner method's packed experts, run by ``aiolm::gguf_moe`` (``GGUFExperts``) for the same
-small steps, float or int8, each projection in its own type.
+inner method's packed experts, run by ``aiolm::gguf_moe`` (``GGUFExperts``) for the steps
+that route few rows to an expert, float or int8, each projection in its own type; the fused
+decode step runs them with the layer's router.
 """
 
 from __future__ import annotations
@@ -430,7 +431,8 @@ class FusedDecodeLayer:
     """A Llama-family layer whose linears all have blocks (a QKV's maybe in parts of different
     types), as one C++ call (ext/cpu/decode_layer.cpp) for the steps the blocks take: the same
     kernels in the same order as the modules, without the interpreter between them. A layer
-    of experts gets its attention half as the call and runs its experts (``mlp``) after it."""
+    of experts runs its router and experts' blocks in the call too; one with more than those
+    (a shared expert) gets its attention half as the call and runs its ``mlp`` after it."""
 
     attn: Any  # the layer's CpuPagedAttention: its cache views
     cos: torch.Tensor
@@ -524,10 +526,11 @@ class FusedDecodeLayer:
 
 
 class FusedDecodeStack:
-    """A stage's dense fused layers as one C++ call per step (``decode_layers``): each layer
+    """A stage's fused layers as one C++ call per step (``decode_layers``): each layer
     exactly as its FusedDecodeLayer computes it, without a Python round per layer. Taken
-    where every layer of the stage has a fused step of its own and they share one rotary
-    table; a step a layer's blocks would not take goes the per-layer way."""
+    where every layer of the stage has a fused step that runs it whole (no ``mlp`` after the
+    call) and they share one rotary table; a step a layer's blocks would not take goes the
+    per-layer way."""
 
     def __init__(self, layers: list[FusedDecodeLayer]) -> None:
         self.layers = layers
