@@ -415,15 +415,15 @@ def _parts(blocks: GGUFWeight | GGUFParts) -> tuple[GGUFWeight, ...]:
     return blocks.parts if isinstance(blocks, GGUFParts) else (blocks,)
 
 
-def _routed_experts(mlp: Any) -> Any:
-    """``mlp`` where the fused step can run it, else None: a router and a layer of experts and
-    nothing else (aiolm/model/moe.py's SparseMoeBlock without a shared expert), the experts all
-    on this rank with their blocks, the router in float32."""
+def _routed_experts(mlp: Any) -> tuple[Router, FusedMoE] | None:
+    """``mlp``'s router and experts where the fused step can run them, else None: a router and
+    a layer of experts and nothing else (aiolm/model/moe.py's SparseMoeBlock without a shared
+    expert), the experts all on this rank with their blocks, the router in float32."""
     moe, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
     if not isinstance(moe, FusedMoE) or not isinstance(router, Router) or getattr(mlp, "shared_expert", 1) is not None:
         return None
     ok = isinstance(moe.gguf_experts, GGUFExperts) and not moe.expert_parallel and moe.tp.world_size == 1
-    return mlp if ok and router.weight.dtype == torch.float32 else None
+    return (router, moe) if ok and router.weight.dtype == torch.float32 else None
 
 
 @dataclass(frozen=True)
@@ -482,7 +482,7 @@ class FusedDecodeLayer:
         tail = [0] * 6  # the experts' types, width, top-k (0: none in the call), renormalise
         int8_rows = min(g.int8_rows for g in gguf)
         if experts is not None:
-            router, moe = mlp.gate, mlp.experts
+            router, moe = experts
             g = moe.gguf_experts
             weights += [router.weight.data, moe.expert_counts, *g.tensors]
             tail = [*g.types, g.intermediate, router.top_k, int(router.renormalize)]
