@@ -180,10 +180,12 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
       }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
-        __m256 t = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
-        t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), t);
-        t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), t);
-        t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), t);
+        // The block's dot product as two chains of two, added: a chain of four took 1.05-1.1x
+        // the time of a one-row step (docs/benchmarks.md, issue 43, point 2).
+        const __m256 t01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+        const __m256 t23 =
+            _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+        const __m256 t = _mm256_add_ps(t01, t23);
         if constexpr (T == Q6_K)
           acc[i][r] = _mm256_add_ps(t, acc[i][r]);
         else
