@@ -574,6 +574,7 @@ ExpertBlocks expert_blocks(const char* op, const char* what, const at::Tensor& q
 struct Projection {
   const ExpertBlocks& w;
   const float* x;         // float: the rows, as the kernels read them (aiolm_gguf_float::kernel_x)
+  float unscale;          // float: the results' factor, as kernel_x gives it
   const float* xsum;      // float: their block sums (where aiolm_gguf_float::needs_block_sums)
   aiolm_gguf_int8::QRows xq;  // int8: their codes
   bool int8;
@@ -588,7 +589,7 @@ struct Projection {
                                        isa, g0, g1);
       else
         aiolm_gguf_float::run_groups<T>(w.q(e), w.s<T>(e), w.m<T>(e), xsum ? xsum + r0 * w.nblocks : nullptr,
-                                        w.nblocks, x + r0 * K, K, M, y + r0 * w.rows, w.rows, g0, g1);
+                                        w.nblocks, x + r0 * K, unscale, K, M, y + r0 * w.rows, w.rows, g0, g1);
     });
   }
 };
@@ -604,13 +605,15 @@ struct GGUFScratch {
 // sums (float path) or int8 codes (int8 path), made once for all the routed experts' rows.
 Projection prepare(const ExpertBlocks& w, const float* x, int64_t rows, std::vector<float>& xsum,
                    std::vector<float>& xk, aiolm_gguf_int8::Scratch& q, bool int8, int64_t isa) {
-  Projection p{w, x, nullptr, {}, int8, isa};
+  Projection p{w, x, 0.f, nullptr, {}, int8, isa};
   const int64_t K = w.nblocks * aiolm_gguf::QK;
   if (int8) {
     p.xq = q.rows(x, rows, K, isa, w.qtype);
     return p;
   }
-  p.x = aiolm_gguf_float::kernel_x(w.qtype, x, rows, K, xk);
+  const aiolm_gguf_float::KernelX k = aiolm_gguf_float::kernel_x(w.qtype, x, rows, K, xk);
+  p.x = k.x;
+  p.unscale = k.unscale;
   p.xsum = aiolm_gguf_float::block_sums(w.qtype, x, rows, K, xsum);
   return p;
 }
@@ -668,7 +671,7 @@ at::Tensor gguf_moe(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayR
     });
     const Projection pg = prepare(wg, s.xe.data(), pairs, s.xsum, s.xk_gate, s.qgate, int8, isa);
     // up reads the same rows: its own codes only where its type needs other corrections
-    const Projection pu = qtypes[1] == qtypes[0] ? Projection{wu, pg.x, pg.xsum, pg.xq, int8, isa}
+    const Projection pu = qtypes[1] == qtypes[0] ? Projection{wu, pg.x, pg.unscale, pg.xsum, pg.xq, int8, isa}
                                                  : prepare(wu, s.xe.data(), pairs, s.xsum, s.xk_up, s.qup, int8, isa);
     // 2. gate/up and the activation, act in s.gate. (s.xsum is shared when both have a min:
     // the same rows' sums.)

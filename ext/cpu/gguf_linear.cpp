@@ -29,7 +29,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* xp = x.data_ptr<float>();
   std::vector<float> sums, reordered;
   const float* xs = block_sums(qtype, xp, M, K, sums);
-  const float* xk = kernel_x(qtype, xp, M, K, reordered);
+  const KernelX xk = kernel_x(qtype, xp, M, K, reordered);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   float* yp = io.y.data_ptr<float>();
   auto run = [&](auto type) {
@@ -37,7 +37,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     const auto* sp = static_cast<const Scale<T>*>(scale.data_ptr());
     const auto* mp = has_min(T) ? static_cast<const Scale<T>*>(mins.data_ptr()) : nullptr;
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-      run_groups<T>(qp, sp, mp, xs, nblocks, xk, K, M, yp, N, g0, g1);
+      run_groups<T>(qp, sp, mp, xs, nblocks, xk.x, xk.unscale, K, M, yp, N, g0, g1);
     });
   };
   with_type(qtype, run);

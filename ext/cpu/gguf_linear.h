@@ -29,11 +29,13 @@
 #include "gguf_blocks.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define AIOLM_AVX2 1
 #endif
@@ -69,8 +71,9 @@ inline void unpack16(const uint8_t* qs, __m512 f[2]) {
   }
 }
 
-// A whole group (qs and scale: the group's; i0 is 0) against MR rows of x.
-template <int64_t T, int NR, int MR>
+// A whole group (qs and scale: the group's; i0 is 0) against MR rows of x. (Raw: x is never
+// reordered here, so the codes always convert.)
+template <int64_t T, int NR, int MR, bool Raw = false>
 inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR]) {
   (void)i0;
@@ -125,7 +128,12 @@ inline float hsum256(__m256 v) {
 // widened to 32-bit lanes; float16 subnormals through vcvtph2ps; the A/Bs: docs/benchmarks.md,
 // issue 43, point 2). Lane j of vector v holds code 2v + j / 4 of dword j % 4 (kernel_x says
 // which weight that is). The powers of 16 go to x, so every product rounds as u * x does.
-template <int64_t T>
+//
+// Raw: the lanes are not converted at all. An integer below 2^23 read as float32 bits is the
+// subnormal number int * 2^-149, so each lane already is the float u * 16^k * 2^-149, exactly;
+// kernel_x scales x by 2^S to match (raw_codes says where this is used and why), and the
+// products u * x * 2^(S - 149) round as u * x does while they stay normal.
+template <int64_t T, bool Raw = false>
 inline void unpack(const uint8_t* qs, __m256 f[4]) {
   if constexpr (int8_codes(T)) {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -139,17 +147,16 @@ inline void unpack(const uint8_t* qs, __m256 f[4]) {
     const __m256i s = _mm256_srli_epi32(c, 16);
     const __m256i m01 = _mm256_setr_epi32(0xf, 0xf, 0xf, 0xf, 0xf0, 0xf0, 0xf0, 0xf0);
     const __m256i m23 = _mm256_slli_epi32(m01, 8);
-    f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m01));
-    f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m23));
-    f[2] = _mm256_cvtepi32_ps(_mm256_and_si256(s, m01));
-    f[3] = _mm256_cvtepi32_ps(_mm256_and_si256(s, m23));
+    const __m256i u[4] = {_mm256_and_si256(c, m01), _mm256_and_si256(c, m23), _mm256_and_si256(s, m01),
+                          _mm256_and_si256(s, m23)};
+    for (int v = 0; v < 4; ++v) f[v] = Raw ? _mm256_castsi256_ps(u[v]) : _mm256_cvtepi32_ps(u[v]);
   }
 }
 
 // Rows [i0, i0 + NR) of a group (qs and scale: the group's) against MR rows of x: NR * MR
 // independent accumulator chains. The tile of row 0 is the first to read the group's blocks,
 // so it asks for them ahead (lead).
-template <int64_t T, int NR, int MR>
+template <int64_t T, int NR, int MR, bool Raw = false>
 inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nblocks, const float* x, int64_t K,
                  float out[NR][MR], bool lead = true) {
   constexpr int64_t QB = quant_bytes(T);
@@ -165,7 +172,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
       _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
-      unpack<T>(qs + (b * 8 + i0 + i) * QB, f);
+      unpack<T, Raw>(qs + (b * 8 + i0 + i) * QB, f);
       __m256 d;
       if constexpr (NR == 8 && T != Q6_K)
         d = _mm256_broadcast_ss(d8 + i);
@@ -240,13 +247,45 @@ inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t
   return buf.data();
 }
 
+// Whether the AVX2 tiles read 4-bit codes raw, as float32 subnormals (unpack): on AMD's cores,
+// where an FMA with a subnormal input costs what a normal one does (measured on Zen 2: the
+// A/B is in docs/benchmarks.md, issue 43, point 2). Other vendors' cores are not measured;
+// Intel's optimization manual describes microcode assists for subnormal operands, so there
+// the codes convert.
+inline bool raw_codes() {
+#if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
+  static const bool amd = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __cpuid(0, a, b, c, d);
+    return b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "Auth" "enti" "cAMD"
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
+// What run_groups reads of x: the rows themselves, or reordered and scaled (kernel_x).
+struct KernelX {
+  const float* x;
+  float unscale;  // 0: the tiles convert the codes; else they read them raw, and each result is times this
+};
+
 // x's M rows of K as run_groups reads them for blocks of type qtype: x itself, or each block
 // of 32 as unpack's lanes come out in buf. Lane j of vector v holds code n = 2v + j / 4 of the
 // block's dword w = j % 4, times 16^(n % 4): code n is byte 4w + n / 2's low nibble (weight
 // 4w + n / 2) for even n, its high nibble (weight 4w + n / 2 + 16) for odd n; its x is divided
 // by the same power of 16 (exact). Made once per call, for every group and thread.
-inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
-  if (!reorders_x(qtype)) return x;
+//
+// Where the codes are read raw (u * 16^k * 2^-149), x is also times 2^S: S is the largest
+// power that keeps the largest |x| below 2^127, so every product is as far above the
+// subnormal range as it can be, and the results are times 2^(149 - S) after. S is kept within
+// [22, 254], where 2^(149 - S) is a float. Powers of 2 are exact: the result has the bits the
+// converting tiles give, but for products over 2^100 times smaller than the largest one
+// (which fall below the normal range and round differently) and for x past 2^105 (too large
+// to scale down far enough).
+inline KernelX kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
+  if (!reorders_x(qtype)) return {x, 0.f};
   struct Lanes {
     int weight[QK];
     float factor[QK];
@@ -259,14 +298,34 @@ inline const float* kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K
     }
   };
   static const Lanes lanes;
+  float factor[QK];
+  std::copy(lanes.factor, lanes.factor + QK, factor);
+  float unscale = 0.f, extra = 1.f;
+  if (raw_codes()) {
+    float amax = 0.f;
+#if defined(AIOLM_AVX2)
+    __m256 a = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t i = 0; i < M * K; i += 8) a = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), a);
+    alignas(32) float lanes8[8];
+    _mm256_store_ps(lanes8, a);
+    amax = *std::max_element(lanes8, lanes8 + 8);
+#endif
+    int e = 200;  // an infinite x: the least S
+    if (std::isfinite(amax)) std::frexp(amax, &e);  // amax < 2^e
+    const int S = std::clamp(127 - e, 22, 254);
+    for (float& f : factor) f = std::ldexp(f, std::min(S, 127));
+    extra = std::ldexp(1.f, std::max(S - 127, 0));  // 2^S in two factors that are floats
+    unscale = std::ldexp(1.f, 149 - S);
+  }
   buf.resize(M * K);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* s = x + r * K + b * QK;
       float* d = buf.data() + r * K + b * QK;
-      for (int lane = 0; lane < QK; ++lane) d[lane] = s[lanes.weight[lane]] * lanes.factor[lane];
+      for (int lane = 0; lane < QK; ++lane) d[lane] = s[lanes.weight[lane]] * factor[lane] * extra;
     }
-  return buf.data();
+  return {buf.data(), unscale};
 }
 
 // Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
@@ -295,10 +354,12 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
   return acc;
 }
 
-// Groups [g0, g1) of 8 output rows against the M rows of x, as kernel_x gives them.
-template <int64_t T>
-void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum, int64_t nblocks,
-                const float* x, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
+// Groups [g0, g1) of 8 output rows against the M rows of x, as kernel_x gives them (Raw:
+// the codes are read raw, and each result is times back).
+template <int64_t T, bool Raw>
+void run_groups_as(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum,
+                   int64_t nblocks, const float* x, float back, int64_t K, int64_t M, float* y, int64_t N, int64_t g0,
+                   int64_t g1) {
   constexpr int64_t QB = quant_bytes(T);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = qs + g * nblocks * 8 * QB;
@@ -324,7 +385,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
 #endif
     };
     auto put = [&](int64_t i, int64_t r, float v) {
-      if (i < nn) y[r * N + n0 + i] = v + mterm[i];
+      if (i < nn) y[r * N + n0 + i] = (Raw ? v * back : v) + mterm[i];
     };
 #ifdef AIOLM_AVX2
     int64_t r0 = 0;
@@ -332,7 +393,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     // Pairs of x rows against all 8 rows of the group (16 accumulators in zmm registers).
     for (; r0 + 2 <= M; r0 += 2) {
       float out[8][2];
-      tile<T, 8, 2>(qg, sg, 0, nblocks, x + r0 * K, K, out);
+      tile<T, 8, 2, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out);
       for (int r = 0; r < 2; ++r) {
         mins_for(r0 + r);
         for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
@@ -345,7 +406,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][8];
       for (int i = 0; i < 8; ++i) {
         float o[1][8];
-        tile<T, 1, 8>(qg, sg, i, nblocks, x + r0 * K, K, o, i == 0 && r0 == 0);
+        tile<T, 1, 8, Raw>(qg, sg, i, nblocks, x + r0 * K, K, o, i == 0 && r0 == 0);
         for (int r = 0; r < 8; ++r) out[i][r] = o[0][r];
       }
       for (int r = 0; r < 8; ++r) {
@@ -357,7 +418,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
       float out[8][2];
       for (int h = 0; h < 8; h += 4) {
         float o[4][2];
-        tile<T, 4, 2>(qg, sg, h, nblocks, x + r0 * K, K, o, h == 0 && r0 == 0);
+        tile<T, 4, 2, Raw>(qg, sg, h, nblocks, x + r0 * K, K, o, h == 0 && r0 == 0);
         for (int i = 0; i < 4; ++i)
           for (int r = 0; r < 2; ++r) out[h + i][r] = o[i][r];
       }
@@ -369,7 +430,7 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
 #endif
     if (r0 < M) {  // a last single row against all 8 rows of the group
       float out[8][1];
-      tile<T, 8, 1>(qg, sg, 0, nblocks, x + r0 * K, K, out);
+      tile<T, 8, 1, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out);
       mins_for(r0);
       for (int i = 0; i < 8; ++i) put(i, r0, out[i][0]);
     }
@@ -380,6 +441,23 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     }
 #endif
   }
+}
+
+// Groups [g0, g1) of 8 output rows against the M rows of x, x and unscale as kernel_x gives
+// them.
+template <int64_t T>
+void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, const float* xsum, int64_t nblocks,
+                const float* x, float unscale, int64_t K, int64_t M, float* y, int64_t N, int64_t g0, int64_t g1) {
+  if (unscale == 0.f) return run_groups_as<T, false>(qs, scale, mins, xsum, nblocks, x, 1.f, K, M, y, N, g0, g1);
+#ifdef AIOLM_AVX2
+  // Raw codes are subnormals: a thread that treats them as zero (MXCSR's DAZ, which
+  // torch.set_flush_denormal sets) would lose every weight, so this thread's flags are
+  // cleared for the call (FTZ too: it would flush the smallest products) and then restored.
+  const unsigned csr = _mm_getcsr(), flush = 0x8040;  // FTZ | DAZ
+  if (csr & flush) _mm_setcsr(csr & ~flush);
+  run_groups_as<T, true>(qs, scale, mins, xsum, nblocks, x, unscale, K, M, y, N, g0, g1);
+  if (csr & flush) _mm_setcsr(csr);
+#endif
 }
 
 }  // namespace aiolm_gguf_float

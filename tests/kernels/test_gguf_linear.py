@@ -99,3 +99,52 @@ def test_q5_0_blocks_are_kept_as_q8_0_with_the_files_values():
     assert torch.equal(g.dequantize(), want)
     x = torch.randn(3, 96)
     torch.testing.assert_close(g.linear(x), x @ want.T, rtol=1e-5, atol=1e-4)
+
+
+def _q4_weight(qtype: str, seed: int = 0) -> tuple[gguf_blocks.GGUFWeight, torch.Tensor]:
+    """A 4-bit weight of 3 groups (K = 2048, 64 blocks a row) and its float32 values."""
+    w = np.random.default_rng(seed).standard_normal((24, 2048)).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks = gguf.quants.quantize(w, t)
+    deq = np.asarray(gguf.quants.dequantize(blocks, t), dtype=np.float32).reshape(w.shape)
+    return gguf_blocks.GGUFWeight.from_blocks(blocks, qtype), torch.from_numpy(deq)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_x_of_any_size_gives_the_results_times_the_same_power_of_2(qtype):
+    """On an AMD AVX2 core the tiles read 4-bit codes as float32 subnormals and scale x to
+    suit its largest value (ext/cpu/gguf_linear.h, raw_codes): x times 2^k must give the
+    result times 2^k exactly, from tiny to huge activations, and match the float64 matmul."""
+    g, deq = _q4_weight(qtype)
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((3, 2048)).astype(np.float32))
+    x[1, 100] = 40.0  # one row with a large value beside small ones
+    base = g.linear(x)
+    want = (x.double() @ deq.double().t()).float()
+    torch.testing.assert_close(base, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    for k in (-100, -60, -20, -1, 1, 20, 60, 90):
+        scaled = g.linear(x * 2.0**k)
+        assert torch.isfinite(scaled).all(), k
+        assert torch.equal(scaled, base * 2.0**k), k
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_a_thread_that_flushes_subnormals_gets_the_same_results(qtype):
+    """torch.set_flush_denormal(True) sets this thread's DAZ and FTZ flags, under which a
+    subnormal reads as zero; the kernel clears them for its call (and restores them), so
+    codes read as subnormals still count."""
+    g, _ = _q4_weight(qtype, seed=2)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((1, 2048)).astype(np.float32))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the call runs on this thread, whose flags are set
+    try:
+        want = g.linear(x)
+        if not torch.set_flush_denormal(True):
+            pytest.skip("this CPU cannot flush subnormals")
+        try:
+            got = g.linear(x)
+            assert torch.tensor(1e-40).item() == 0.0  # the flags are still this thread's afterwards
+        finally:
+            torch.set_flush_denormal(False)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want)
