@@ -51,6 +51,7 @@ into all outputs, so memory stays at a few of the largest tensor (the 400 MB hea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import struct
@@ -512,18 +513,30 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=1).reshape(rows, cols // QK_K * 210)
 
 
-def copy_gguf_tokenizer(w: Any) -> None:
-    """The embedded GGUF's tokenizer metadata (BPE tokens, types, merges, special ids,
-    chat template), so llama.cpp and aiolm's GGUF path tokenize as SmolLM2 does."""
+@functools.lru_cache(maxsize=1)
+def _embedded_tokenizer_fields() -> dict[str, Any]:
+    """The embedded GGUF's tokenizer.* and chat template fields, read once a process: gguf-py
+    takes about 7 s to parse its 49,152 tokens and their merges, and a run (or the test suite)
+    writes several GGUF files."""
     import gguf
 
     from aiolm.checkpoint.source import embedded_model_path
 
     src = gguf.GGUFReader(str(embedded_model_path()))
+    return {
+        key: field.contents()
+        for key, field in src.fields.items()
+        if key.startswith("tokenizer.ggml.") or key == "tokenizer.chat_template"
+    }
+
+
+def copy_gguf_tokenizer(w: Any) -> None:
+    """The embedded GGUF's tokenizer metadata (BPE tokens, types, merges, special ids,
+    chat template), so llama.cpp and aiolm's GGUF path tokenize as SmolLM2 does."""
+    fields = _embedded_tokenizer_fields()
 
     def f(key: str) -> Any:
-        field = src.fields.get(key)
-        return None if field is None else field.contents()
+        return fields.get(key)
 
     w.add_tokenizer_model(f("tokenizer.ggml.model"))
     w.add_tokenizer_pre(f("tokenizer.ggml.pre"))
