@@ -165,5 +165,5 @@ def test_without_the_kernels_the_torch_loop_gives_the_same_sums(monkeypatch):
 
 def test_baseline_x86_64_build_matches_the_reference():
     """The #if guards: a build without AVX (the scalar path alone) gives the same sums."""
-    lib = isa_builds.isa_library("fused_moe", ["fused_moe.cpp"], "baseline-x86-64")
+    lib = isa_builds.isa_library("gguf", isa_builds.GGUF_SOURCES, "baseline-x86-64")
     isa_builds.run_tests_with(lib, [__file__], "matches_per_expert_loop and 13")

@@ -221,7 +221,7 @@ def test_other_isa_builds_match_the_references(isa):
     if isa == "avx2" and not cpu_kernels.has_avx512():
         pytest.skip("this machine's own build is the AVX2 one")
     isa_builds.check_build_flags(isa)
-    lib = isa_builds.isa_library("gguf_moe", ["fused_moe.cpp", "gguf_int8.cpp"], isa)  # int8 x: gguf_int8_quantize
+    lib = isa_builds.isa_library("gguf", isa_builds.GGUF_SOURCES, isa)  # int8 x: gguf_int8_quantize
     isa_builds.run_tests_with(lib, [__file__], "per_expert_loop and (Q4_K-Q4_K-Q6_K or Q4_1) and not 13")
 
 

@@ -70,7 +70,7 @@ def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_sourc
 
 @pytest.fixture(scope="module")
 def isa_libraries():
-    return isa_builds.isa_libraries("gguf_blocks", ["gguf_linear.cpp", "gguf_int8.cpp"])
+    return isa_builds.isa_libraries("gguf", isa_builds.GGUF_SOURCES)
 
 
 @pytest.mark.slow
