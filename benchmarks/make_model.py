@@ -516,8 +516,8 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _embedded_tokenizer_fields() -> dict[str, Any]:
     """The embedded GGUF's tokenizer.* and chat template fields, read once a process: gguf-py
-    takes about 7 s to parse its 49,152 tokens and their merges, and a run (or the test suite)
-    writes several GGUF files."""
+    parses its 49,152 tokens and their merges slowly, and a run (or the test suite) writes
+    several GGUF files."""
     import gguf
 
     from aiolm.checkpoint.source import embedded_model_path

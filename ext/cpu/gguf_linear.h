@@ -187,8 +187,8 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
       }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;  // L1-resident: reloading beats spilling registers
-        // The block's dot product as two chains of two, added: a chain of four took 1.05-1.1x
-        // the time of a one-row step (docs/benchmarks.md, issue 43, point 2).
+        // The block's dot product as two chains of two, added: half as deep as one chain of
+        // four, so more blocks are in flight (the A/B: docs/benchmarks.md, issue 43, point 2).
         const __m256 t01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
         const __m256 t23 =
             _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
@@ -248,7 +248,7 @@ inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t
 }
 
 // Whether the AVX2 tiles read 4-bit codes raw, as float32 subnormals (unpack): on AMD's cores,
-// where an FMA with a subnormal input costs what a normal one does (measured on Zen 2: the
+// where an FMA with a subnormal input costs what a normal one does (Zen 2 measured; the
 // A/B is in docs/benchmarks.md, issue 43, point 2). Other vendors' cores are not measured;
 // Intel's optimization manual describes microcode assists for subnormal operands, so there
 // the codes convert.

@@ -22,8 +22,8 @@ from aiolm.kernels import cpu as cpu_kernels
 
 ISA_BUILDS = {"avx2": ["-mno-avx512f"], "baseline-x86-64": ["-march=x86-64"]}
 # The GGUF block kernels' sources as one library an ISA, shared by every test that builds any
-# of them (test_gguf_linear.py, test_gguf_experts.py, test_fused_moe_cpu.py): a compile takes
-# 7-10 s, and apart they compiled gguf_int8.cpp and fused_moe.cpp twice.
+# of them (test_gguf_linear.py, test_gguf_experts.py, test_fused_moe_cpu.py): apart they
+# compiled gguf_int8.cpp and fused_moe.cpp twice, on every cold run.
 GGUF_SOURCES = ["gguf_linear.cpp", "gguf_int8.cpp", "fused_moe.cpp"]
 _ROOT = Path(__file__).resolve().parents[2]
 _CHILD = """
