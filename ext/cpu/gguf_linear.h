@@ -72,10 +72,11 @@ inline void unpack16(const uint8_t* qs, __m512 f[2]) {
 }
 
 // A whole group (qs and scale: the group's; i0 is 0) against MR rows of x. (Raw: x is never
-// reordered here, so the codes always convert.)
+// reordered here, so the codes always convert.) The group's first pass over x's rows reads
+// its blocks from memory, so it asks for them ahead (lead), as the AVX2 tiles do.
 template <int64_t T, int NR, int MR, bool Raw = false>
 inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nblocks, const float* x, int64_t K,
-                 float out[NR][MR]) {
+                 float out[NR][MR], bool lead = true) {
   (void)i0;
   constexpr int64_t QB = quant_bytes(T);
   __m512 acc[NR][MR];
@@ -83,6 +84,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
     for (int r = 0; r < MR; ++r) acc[i][r] = _mm512_setzero_ps();
   static_assert(NR == 8, "the AVX-512 tile takes a whole group: its 8 scales convert as one vector");
   for (int64_t b = 0; b < nblocks; ++b) {
+    if (lead) prefetch_ahead(qs, b, 8 * QB);
     alignas(32) float d8[8];
     if constexpr (T != Q6_K) _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
     for (int i = 0; i < NR; ++i) {
@@ -393,7 +395,7 @@ void run_groups_as(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* min
     // Pairs of x rows against all 8 rows of the group (16 accumulators in zmm registers).
     for (; r0 + 2 <= M; r0 += 2) {
       float out[8][2];
-      tile<T, 8, 2, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out);
+      tile<T, 8, 2, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out, r0 == 0);
       for (int r = 0; r < 2; ++r) {
         mins_for(r0 + r);
         for (int i = 0; i < 8; ++i) put(i, r0 + r, out[i][r]);
@@ -430,7 +432,7 @@ void run_groups_as(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* min
 #endif
     if (r0 < M) {  // a last single row against all 8 rows of the group
       float out[8][1];
-      tile<T, 8, 1, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out);
+      tile<T, 8, 1, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out, r0 == 0);
       mins_for(r0);
       for (int i = 0; i < 8; ++i) put(i, r0, out[i][0]);
     }
