@@ -102,7 +102,7 @@ def test_q5_0_blocks_are_kept_as_q8_0_with_the_files_values():
 
 
 def _q4_weight(qtype: str, seed: int = 0) -> tuple[gguf_blocks.GGUFWeight, torch.Tensor]:
-    """A 4-bit weight of 3 groups (K = 2048, 64 blocks a row) and its float32 values."""
+    """A weight of 3 groups (K = 2048, 64 blocks a row) as qtype's blocks, and its float32 values."""
     w = np.random.default_rng(seed).standard_normal((24, 2048)).astype(np.float32)
     t = getattr(gguf.GGMLQuantizationType, qtype)
     blocks = gguf.quants.quantize(w, t)
@@ -148,3 +148,16 @@ def test_a_thread_that_flushes_subnormals_gets_the_same_results(qtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(qtype):
+    """The tiles take x's rows in threes, pairs or one at a time (by ISA and step size), each
+    row with the same arithmetic: a row's result has the same bits alone as in a step of 2-9
+    rows, at any place in it, so a request's tokens do not depend on who shares its steps."""
+    g, _ = _q4_weight(qtype, seed=4)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((9, 2048)).astype(np.float32))
+    alone = torch.cat([g.linear(x[r : r + 1]) for r in range(9)])
+    for rows in range(2, 10):
+        for r0 in (0, 9 - rows):
+            assert torch.equal(g.linear(x[r0 : r0 + rows]), alone[r0 : r0 + rows]), (rows, r0)
