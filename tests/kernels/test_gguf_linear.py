@@ -152,7 +152,7 @@ def test_a_thread_that_flushes_subnormals_gets_the_same_results(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(qtype):
-    """The tiles take x's rows in threes, pairs or one at a time (by ISA and step size), each
+    """The tiles take x's rows in eights, threes, pairs or one at a time (by ISA and step size), each
     row with the same arithmetic: a row's result has the same bits alone as in a step of 2-9
     rows, at any place in it, so a request's tokens do not depend on who shares its steps."""
     g, _ = _q4_weight(qtype, seed=4)
