@@ -394,8 +394,8 @@ void run_groups_as(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* min
 #ifdef AIOLM_AVX512
     // Threes, then pairs, of x rows against all 8 rows of the group (24 or 16 accumulators in
     // the 32 zmm registers): each pass converts the group's codes again, so the fewer passes
-    // the better (4 rows go as two pairs: as many conversions as a three and a one, fewer
-    // products in flight).
+    // the better (4 rows go as two pairs: a three and a one convert as often, and were no
+    // faster in ab_kernel.py).
     for (; r0 + 3 <= M && M - r0 != 4; r0 += 3) {
       float out[8][3];
       tile<T, 8, 3, Raw>(qg, sg, 0, nblocks, x + r0 * K, K, out, r0 == 0);
