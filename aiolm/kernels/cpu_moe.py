@@ -54,8 +54,9 @@ class CpuExperts:
     """One MoE layer's experts laid out for torch.ops.aiolm.fused_moe.
 
     ``w13`` is [E, P13, 2, Kp * 16]: for each panel p of 16 intermediate features its gate
-    panel then its up panel over the Kp = H features (H rounded up to even for bfloat16);
-    ``w2`` is [E, P2, Ip * 16] with Ip = 16 * P13 and P2 = ceil(H / 16) rounded up to even.
+    panel then its up panel over the Kp = H features (H rounded up to 32 for bfloat16, as is
+    I: whole AMX tiles); ``w2`` is [E, P2, Ip * 16] with Ip = 16 * P13 and P2 = ceil(H / 16)
+    rounded up to even.
     Zeros pad both (padded intermediate features come out silu(0) * 0 = 0). Without the
     kernels they are the dense [E, 2I, H] and [E, H, I] in ``dtype`` instead."""
 
@@ -79,8 +80,9 @@ class CpuExperts:
         w13, w2 = w13.detach().cpu(), w2.detach().cpu()
         if not available():
             return cls(w13.to(dtype).contiguous(), w2.to(dtype).contiguous(), h, i, packed=False)
-        ip = _ceil(i, PANEL)
-        kp = _ceil(h, 2) if dtype == torch.bfloat16 else h
+        # bfloat16 pads both reduced dimensions to AMX's 32 (whole tiles); float32 panels only I, to 16
+        ip = _ceil(i, 2 * PANEL) if dtype == torch.bfloat16 else _ceil(i, PANEL)
+        kp = _ceil(h, 2 * PANEL) if dtype == torch.bfloat16 else h
         gate = _panels(w13[:, :i], ip, kp, dtype)
         up = _panels(w13[:, i:], ip, kp, dtype)
         packed13 = torch.stack([gate, up], dim=2).contiguous()  # [E, P13, 2, Kp * 16]

@@ -18,16 +18,19 @@
 // Weight layouts (aiolm/kernels/cpu_moe.py packs them), with Kp the reduced dimension:
 //   float32:  w13 [E, P13, 2, Kp * 16]: panel p's gate rows 16p..16p+15 as [k][16], then its
 //             up rows; w2 [E, P2, Ip * 16]. Kp = H, Ip = 16 * P13, P2 even (zero panels pad).
-//   bfloat16: the same with k in pairs, [k / 2][16][2] per panel (Kp = H rounded up to even),
-//             as AVX512-BF16's vdpbf16ps reads them; other ISAs widen a pair with a shift and
-//             a mask (bfloat16 is float32's upper half), so the layout is the same everywhere.
+//   bfloat16: the same with k in pairs, [k / 2][16][2] per panel, as AVX512-BF16's vdpbf16ps
+//             and AMX's tdpbf16ps read them (32 k of a panel are one 16 x 64-byte tile); other
+//             ISAs widen a pair with a shift and a mask (bfloat16 is float32's upper half), so
+//             the layout is the same everywhere. Kp = H and Ip rounded up to 32: whole tiles.
 // Zero rows and columns pad every panel: padded intermediate columns come out silu(0) * 0 = 0.
 //
 // Paths (compiled in as -march=native allows, picked at run time, best by default so tests
 // can run each compiled one): scalar; AVX2 (ymm tiles of 3 rows x 32 columns for gate/up,
 // 6 x 16 for down); AVX-512 (12 x 32 zmm tiles); AVX512-BF16 for bfloat16 weights, which
 // rounds x and act to bfloat16 and multiplies pairs with vdpbf16ps (the other paths keep x and
-// act in float32 and widen the weights). Sums are float32, over k in order per accumulator.
+// act in float32 and widen the weights); AMX for bfloat16 weights, the same roundings with
+// tdpbf16ps on 16 x 16 tiles (run_chunk_amx). Sums are float32, over k in order per
+// accumulator (AMX: in whole tiles of 32 k, whose inner order the hardware fixes).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -58,17 +61,36 @@
 #if defined(AIOLM_MOE_AVX512) && defined(__AVX512BF16__)
 #define AIOLM_MOE_BF16 1
 #endif
+#if defined(AIOLM_MOE_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AIOLM_MOE_AMX 1
+#endif
 
 namespace {
 
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX_BF16 = 4 };
 
 constexpr int64_t NR = 16;             // columns per panel
 constexpr int64_t CHUNK_TOKENS = 1024;  // tokens per pass: bounds act's buffer for long prompts
 constexpr int64_t MAX_ROWS = 12;       // the tallest tile of any path
 
+#if defined(AIOLM_MOE_AMX)
+// Linux gives a process the 8 KiB of tile registers only once it asks (arch_prctl); a kernel
+// or container that refuses leaves the AVX512-BF16 path.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+#endif
+
 int64_t best_isa() {
-#if defined(AIOLM_MOE_BF16)
+#if defined(AIOLM_MOE_AMX)
+  return amx_permitted() ? AMX_BF16 : AVX512_BF16;
+#elif defined(AIOLM_MOE_BF16)
   return AVX512_BF16;
 #elif defined(AIOLM_MOE_AVX512)
   return AVX512;
@@ -331,7 +353,7 @@ struct Routing {
 struct Scratch {
   Routing route;
   std::vector<float> xf, actf;
-  std::vector<bf16> xb, actb;
+  std::vector<bf16> xb, actb, xh;
 };
 
 // f(i0, i1) over [0, n) split into one contiguous range per thread of about equal total cost.
@@ -409,6 +431,157 @@ void run_chunk(const Dims& d, const Routing& rt, const A* x, const W* w13, const
   });
 }
 
+#if defined(AIOLM_MOE_AMX)
+// AMX: tiles 0-3 hold C (16 rows x 16 float32), 4-5 A (16 rows x 32 bfloat16), 6-7 B (16
+// k-pairs x 16 columns, a panel's 32 k as they lie). A block is up to 32 rows (A in 4 and 5)
+// against two panels (B in 6 and 7); a block of up to 16 rows leaves tiles 2, 3 and 5 unused.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile state is per thread: each parallel task configures its own and releases it after.
+struct AmxTiles {
+  AmxTiles() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~AmxTiles() { _tile_release(); }
+};
+
+// y[r][0:16] (b0's columns) and y[r][16:32] (b1's) for the 16 or 32 rows of a (row stride
+// lda) over K (a multiple of 32): rows past the block's real ones read whatever lies there and
+// are discarded by the caller, as each row of C depends on its own row of A alone.
+template <bool TWO>
+void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t K, float* y) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, a + k, lda * 2);
+    _tile_loadd(6, b0 + k * NR, 64);
+    _tile_loadd(7, b1 + k * NR, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, a + 16 * lda + k, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, y, 2 * NR * 4);
+  _tile_stored(1, y + NR, 2 * NR * 4);
+  if constexpr (TWO) {
+    _tile_stored(2, y + 16 * 2 * NR, 2 * NR * 4);
+    _tile_stored(3, y + 16 * 2 * NR + NR, 2 * NR * 4);
+  }
+}
+
+inline void amx_rows(int rows, const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t K, float* y) {
+  if (rows > 16)
+    amx_block<true>(a, lda, b0, b1, K, y);
+  else
+    amx_block<false>(a, lda, b0, b1, K, y);
+}
+
+constexpr int64_t AMX_ROWS = 32, AMX_PAD = 32;  // rows a block; spare rows after a buffer's last
+
+// The steps of one chunk on AMX. xg: the chunk's (token, slot) pairs' x rows in pair order
+// (stride Kp, AMX_PAD zero rows after), so that an expert's rows are one strided tile source;
+// act likewise, stride Ip.
+void run_chunk_amx(const Dims& d, const Routing& rt, const bf16* xg, const bf16* w13, const bf16* w2, bf16* act,
+                   float* y) {
+  const int64_t na = static_cast<int64_t>(rt.active.size());
+  const int64_t ps13 = d.Kp * NR, ps2 = d.Ip * NR;
+  const auto cost = [&](int64_t it) { return rt.off[rt.active[it / d.P13] + 1] - rt.off[rt.active[it / d.P13]] + 4; };
+  parallel_by_cost(na * d.P13, cost, [&](int64_t i0, int64_t i1) {
+    AmxTiles tiles;
+    alignas(64) float t[AMX_ROWS * 2 * NR];
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t e = rt.active[it / d.P13], p = it % d.P13;
+      const bf16* wp = w13 + (e * d.P13 + p) * 2 * ps13;
+      for (int64_t r0 = rt.off[e]; r0 < rt.off[e + 1]; r0 += AMX_ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, rt.off[e + 1] - r0));
+        amx_rows(rows, xg + r0 * d.Kp, d.Kp, wp, wp + ps13, d.Kp, t);
+        for (int r = 0; r < rows; ++r)
+          silu_mul(t + r * 2 * NR, t + r * 2 * NR + NR, rt.weight[r0 + r], act + (r0 + r) * d.Ip + p * NR);
+      }
+    }
+  });
+  // Down: as run_chunk's, a thread owning pairs of output panels and adding the experts in id order.
+  at::parallel_for(0, d.P2 / 2, 1, [&](int64_t g0, int64_t g1) {
+    AmxTiles tiles;
+    alignas(64) float t[AMX_ROWS * 2 * NR];
+    for (const int64_t e : rt.active) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const bf16* wp = w2 + (e * d.P2 + 2 * g) * ps2;
+        const int64_t c0 = g * 2 * NR, cols = std::min<int64_t>(2 * NR, d.H - c0);
+        if (cols <= 0) continue;
+        for (int64_t r0 = rt.off[e]; r0 < rt.off[e + 1]; r0 += AMX_ROWS) {
+          const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, rt.off[e + 1] - r0));
+          amx_rows(rows, act + r0 * d.Ip, d.Ip, wp, wp + ps2, d.Ip, t);
+          for (int r = 0; r < rows; ++r) {
+            float* yr = y + rt.token[r0 + r] * d.H + c0;
+            const float* tr = t + r * 2 * NR;
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) yr[c] += tr[c];
+          }
+        }
+      }
+    }
+  });
+}
+
+// dst[0:n] = src[0:n] rounded to bfloat16, as narrow() rounds (vcvtneps2bf16 flushes
+// subnormals to zero, as tdpbf16ps reads them anyway).
+void to_bf16(const float* src, bf16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = narrow(src[i]);
+}
+
+// A chunk's tokens [t0, t0 + tc) of x through run_chunk_amx: x in bfloat16, then its rows
+// gathered in pair order with AMX_PAD zero rows after.
+void run_amx(const Dims& d, Scratch& s, const at::Tensor& x, int64_t t0, int64_t tc, const bf16* w13, const bf16* w2,
+             float* y) {
+  const Routing& rt = s.route;
+  const int64_t pairs = rt.off[d.E], H = d.H, Kp = d.Kp;
+  const bf16* xs;
+  if (x.scalar_type() == at::kBFloat16) {
+    xs = reinterpret_cast<const bf16*>(x.data_ptr()) + t0 * H;
+  } else {
+    s.xh.resize(tc * H);
+    bf16* dst = s.xh.data();
+    const float* src = x.data_ptr<float>() + t0 * H;
+    at::parallel_for(0, tc, 16, [&](int64_t a, int64_t b) { to_bf16(src + a * H, dst + a * H, (b - a) * H); });
+    xs = dst;
+  }
+  s.xb.resize((pairs + AMX_PAD) * Kp);
+  s.actb.resize((pairs + AMX_PAD) * d.Ip);
+  bf16* xg = s.xb.data();
+  at::parallel_for(0, pairs + AMX_PAD, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      bf16* row = xg + p * Kp;
+      const int64_t filled = p < pairs ? H : 0;
+      if (filled) std::memcpy(row, xs + rt.token[p] * H, H * sizeof(bf16));
+      std::fill(row + filled, row + Kp, bf16{0});
+    }
+  });
+  std::fill(s.actb.begin() + pairs * d.Ip, s.actb.end(), bf16{0});
+  run_chunk_amx(d, rt, xg, w13, w2, s.actb.data(), y);
+}
+#endif
+
 at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t isa) {
   const char* op = "aiolm::fused_moe";
@@ -423,7 +596,8 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
               ": w2 must be contiguous [E, P2, Ip * 16] with P2 even");
   Dims d{x_in.size(0), x_in.size(1), topk_ids.dim() == 2 ? topk_ids.size(1) : 0, w13.size(0), w13.size(1),
          w13.size(3) / NR, w13.size(1) * NR, w2.size(1)};
-  TORCH_CHECK(d.Kp == (wb ? (d.H + 1) / 2 * 2 : d.H), op, ": x has ", d.H, " features, w13 is packed for ", d.Kp);
+  TORCH_CHECK(d.Kp == (wb ? (d.H + 31) / 32 * 32 : d.H), op, ": x has ", d.H, " features, w13 is packed for ", d.Kp);
+  TORCH_CHECK(!wb || d.Ip % 32 == 0, op, ": bfloat16 w13 must have whole tiles of 32 intermediate columns, not ", d.Ip);
   TORCH_CHECK(w2.size(2) == d.Ip * NR, op, ": w2 reduces over ", w2.size(2) / NR, " columns, w13 makes ", d.Ip);
   TORCH_CHECK(d.H > (d.P2 - 2) * NR && d.H <= d.P2 * NR, op, ": ", d.P2, " panels of w2 do not fit ", d.H,
               " output columns");
@@ -433,9 +607,10 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.sizes() == topk_ids.sizes(), op,
               ": topk_weights must be float32 [T, k] like topk_ids");
   TORCH_CHECK(isa >= -1 && isa <= best_isa(), op, ": isa ", isa,
-              " is not built here (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX512-BF16; this build has up to ", best_isa(), ")");
+              " is not built here (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX512-BF16, 4 AMX; this build has up to ", best_isa(),
+              ")");
   if (isa < 0) isa = best_isa();
-  if (isa == AVX512_BF16 && !wb) isa = AVX512;  // vdpbf16ps is for bfloat16 weights only
+  if ((isa == AVX512_BF16 || isa == AMX_BF16) && !wb) isa = AVX512;  // for bfloat16 weights only
   at::Tensor y = at::zeros({d.T, d.H}, x_in.options().dtype(at::kFloat));
   if (d.T == 0 || d.k == 0) return y;
   const at::Tensor ids = topk_ids.contiguous(), tw = topk_weights.contiguous();
@@ -459,6 +634,13 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
       s.route.build(ids.data_ptr<int32_t>(), tw.data_ptr<float>(), t0, t1, d.k, d.E);
     const int64_t pairs = s.route.off[d.E];
     if (pairs == 0) continue;
+#if defined(AIOLM_MOE_AMX)
+    if (isa == AMX_BF16) {
+      run_amx(d, s, xc, t0, tc, static_cast<const bf16*>(w13.data_ptr()), static_cast<const bf16*>(w2.data_ptr()),
+              yp + t0 * d.H);
+      continue;
+    }
+#endif
     // x's chunk as the path reads it: rows of Kp (a zero feature pads bfloat16 pairs), in
     // float32 or, for vdpbf16ps, bfloat16; in place when it already is.
     const void* xp = nullptr;

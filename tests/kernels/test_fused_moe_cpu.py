@@ -2,7 +2,7 @@
 
 Tolerances, relative to the largest output magnitude: float32 weights 1e-5 (only the order of
 the float32 sums differs from the reference); bfloat16 weights 1e-2 against the reference on the
-same bfloat16-rounded weights (the AVX512-BF16 path also rounds x and the intermediate
+same bfloat16-rounded weights (the AVX512-BF16 and AMX paths also round x and the intermediate
 activations to bfloat16; the other paths keep them float32).
 """
 
@@ -58,7 +58,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _all_paths(experts: CpuExperts, x, weights, ids) -> list[torch.Tensor]:
-    """The op's result on every path this build has (scalar, AVX2, AVX-512, AVX512-BF16)."""
+    """The op's result on every path this build has (scalar, AVX2, AVX-512, AVX512-BF16, AMX)."""
     best = torch.ops.aiolm.fused_moe_best_isa()
     return [torch.ops.aiolm.fused_moe(x, experts.w13, experts.w2, weights, ids, isa) for isa in range(best + 1)]
 
@@ -79,6 +79,23 @@ def test_matches_per_expert_loop(dtype, tokens, experts, hidden, inter, k):
     _check(moe(x, weights, ids), want, dtype)
     for got in _all_paths(moe, x, weights, ids):
         _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_result_does_not_depend_on_the_step_it_is_in(dtype):
+    """Each vector path's sums for a token are its own row's alone, in a fixed order: the same
+    bits alone, among a few and among a prompt's worth of tokens (AMX: whether its rows fill
+    one tile or two, and wherever they fall in a tile). Not the scalar path's: the compiler
+    contracts its products into FMAs differently for each tile height."""
+    w13, w2 = _weights(4, 96, 64, 11)
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(11))
+    weights, ids = _routing(70, 4, 2, 11)  # some 35 rows an expert: blocks of 32 and a rest
+    moe = CpuExperts.from_dense(w13, w2, dtype)
+    for isa in range(1, torch.ops.aiolm.fused_moe_best_isa() + 1):
+        whole = torch.ops.aiolm.fused_moe(x, moe.w13, moe.w2, weights, ids, isa)
+        for part in (slice(0, 1), slice(33, 36), slice(5, 70)):
+            alone = torch.ops.aiolm.fused_moe(x[part], moe.w13, moe.w2, weights[part], ids[part], isa)
+            assert torch.equal(alone, whole[part]), f"isa {isa}, tokens {part}"
 
 
 @pytest.mark.parametrize("k", [5, 6, 7, 8])

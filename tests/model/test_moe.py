@@ -19,6 +19,7 @@ from aiolm.checkpoint.source import resolve_model
 from aiolm.errors import ModelLoadError
 from aiolm.model.layers.fused_moe import Router
 from aiolm.model.registry import build_model
+from aiolm.platforms.cpu import bfloat16_matmuls
 from aiolm.quant.base import experts_reference
 from moe_models import KINDS, moe_model
 from paged import PagedHarness, hf_greedy
@@ -64,6 +65,25 @@ def test_greedy_tokens_match_transformers(saved):
     assert counts.shape[0] == sum(model.config.sparse_layers)
     assert torch.all(counts.sum(-1) == counts.sum(-1)[0]) and int(counts.sum(-1)[0]) % model.config.top_k == 0
     assert int(model.take_expert_counts().sum()) == 0  # read and restarted
+
+
+@pytest.mark.skipif(not bfloat16_matmuls(), reason="this CPU has no bfloat16 matmuls: the model runs in float32")
+def test_bfloat16_experts_give_the_float32_block_within_a_bfloat16_rounding(saved):
+    """A sparse block built in bfloat16 (its experts packed for the fused op's bfloat16 paths:
+    AMX tiles where the CPU has them) against the same block in float32, over a prompt's
+    worth of tokens and a decode step's."""
+    _, _, path = saved
+    exact = build_model(resolve_model(path), torch.float32)
+    model = build_model(resolve_model(path), torch.bfloat16)
+    layer = model.config.sparse_layers.index(True)
+    block, want_block = model.layers[layer].mlp, exact.layers[layer].mlp
+    assert block.experts.cpu_experts.w13.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    for tokens in (70, 3):
+        x = torch.randn(tokens, model.config.hidden_size, generator=g)
+        got, want = block(x).float(), want_block(x)
+        assert not torch.equal(got, want)  # it did round to bfloat16 ...
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))  # ... only that
 
 
 @pytest.mark.parametrize("kind", KINDS)
