@@ -28,6 +28,10 @@ Cases (the real model's shapes where it has them):
                 caches of --kv-dtype (default float16), pages at random
                 (ext/cpu/paged_attention.cpp)
   prefill-attn  one layer of a 2048-token prefill's attention, float16 cache
+  moe           every expert layer of the benchmark MoE (make_model.py --moe: its Q4_K_M
+                file's blocks, from memory) for --rows tokens (default 16) routed top-8 at
+                random, int8 x (aiolm::gguf_moe, ext/cpu/fused_moe.cpp)
+  moe-float     the same with float x (aiolm::gguf_moe's default path)
 """
 
 from __future__ import annotations
@@ -59,7 +63,10 @@ SOURCES = {
     "panels": "panel_gemm.cpp",
     "decode-attn": "paged_attention.cpp",
     "prefill-attn": "paged_attention.cpp",
+    "moe": "fused_moe.cpp",
+    "moe-float": "fused_moe.cpp",
 }
+MOE = Path.home() / ".cache/aiolm-bench/qwen3moe-2b-random/model-Q4_K_M.gguf"
 
 
 def build(source: str, namespace: str, out_dir: Path, include: Path) -> None:
@@ -115,7 +122,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     a = ap.parse_args()
     if a.rows is None:
-        a.rows = 64 if a.case == "decode-attn" else 11
+        a.rows = 64 if a.case == "decode-attn" else 16 if a.case.startswith("moe") else 11
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
@@ -147,6 +154,8 @@ def main() -> None:
         def call(ns: str):
             op = getattr(torch.ops, ns).gguf_int8_linear
             return [op(x, w.qs, w.scale, w.mins, w.qtype, w.n, -1) for w, x in zip(ws, xs)]
+    elif a.case.startswith("moe"):
+        call = moe_case(a.rows, int8=a.case == "moe")
     else:
         call = attention_case(a.case, a.rows, getattr(torch, a.kv_dtype))
     first, second = (call(ns) for ns in versions)
@@ -180,6 +189,31 @@ def panel_case(rows: int):
         if getattr(packed, "panels", False):
             ws.append(packed)
     return ws, [torch.randn(rows, w.data.shape[1]) for w in ws]
+
+
+def moe_case(rows: int, int8: bool):
+    """A call running every expert layer of the benchmark MoE's GGUF file on version ns."""
+    from aiolm.checkpoint.source import resolve_model
+    from aiolm.quant.base import ExpertsSpec
+    from aiolm.quant.gguf_blocks import GGUFBlocksConfig
+
+    if not MOE.exists():
+        raise SystemExit(f"{MOE} is missing: python benchmarks/make_model.py --moe --formats q4_k_m")
+    cfg = resolve_model(str(MOE)).config
+    blocks = GGUFBlocksConfig(MOE, cfg, inner=None)  # type: ignore[arg-type]
+    layers = [
+        blocks.expert_blocks(ExpertsSpec(f"model.layers.{i}.mlp.experts", cfg.num_experts, 0), cfg.num_experts)
+        for i in range(cfg.num_layers)
+    ]
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cfg.hidden_size, generator=g)
+    weights, ids = torch.rand(rows, cfg.num_experts, generator=g).softmax(-1).topk(cfg.top_k, dim=-1)
+
+    def call(ns: str):
+        op = getattr(torch.ops, ns).gguf_moe
+        return [op(x, e.tensors, list(e.types), weights, ids, e.intermediate, int8, -1) for e in layers if e]
+
+    return call
 
 
 def attention_case(case: str, rows: int, kv_dtype: torch.dtype):

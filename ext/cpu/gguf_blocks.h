@@ -114,8 +114,9 @@ constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 1
 // hardware prefetcher alone, a one-row decode step read its blocks well under the read
 // bandwidth on an AVX2-only CPU (the A/B and the distances tried: docs/benchmarks.md, issue
 // 43, point 2, and docs/benchmarks/log.md). Past the group's last block come the next
-// group's, the thread's next work. The AVX-512 float tile asks the same way (its A/B on an
-// AMX Xeon: docs/benchmarks.md, issue 43, point 2); pair_vnni asks on its own.
+// group's, the thread's next work. The AVX-512 float tile and the int8 group_vnni ask the
+// same way (their A/Bs on AMX Xeons: docs/benchmarks.md, issue 43, point 2, and issue 35);
+// pair_vnni asks on its own.
 constexpr int64_t PREFETCH_AHEAD = 32;
 
 // Asks for block b + PREFETCH_AHEAD of the group whose block-b codes (all 8 rows') start

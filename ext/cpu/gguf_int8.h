@@ -345,6 +345,7 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nblocks; ++b) {
+    if (r0 == 0) prefetch_ahead(qg, b, 8 * QB);  // the group's first tile: from memory
     __m512i xa[MR], xb[MR], init[MR];
     __m512 dx[MR];
     for (int r = 0; r < MR; ++r) {
