@@ -32,6 +32,9 @@ Cases (the real model's shapes where it has them):
                 file's blocks, from memory) for --rows tokens (default 16) routed top-8 at
                 random, int8 x (aiolm::gguf_moe, ext/cpu/fused_moe.cpp)
   moe-float     the same with float x (aiolm::gguf_moe's default path)
+  moe-bf16      one layer of the benchmark MoE's shapes as bfloat16 experts (random weights)
+                for --rows tokens (default 2048, a prompt step) routed top-8 at random
+                (aiolm::fused_moe's best path: AMX tiles where the CPU has them)
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ SOURCES = {
     "prefill-attn": "paged_attention.cpp",
     "moe": "fused_moe.cpp",
     "moe-float": "fused_moe.cpp",
+    "moe-bf16": "fused_moe.cpp",
 }
 MOE = Path.home() / ".cache/aiolm-bench/qwen3moe-2b-random/model-Q4_K_M.gguf"
 
@@ -122,7 +126,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     a = ap.parse_args()
     if a.rows is None:
-        a.rows = 64 if a.case == "decode-attn" else 16 if a.case.startswith("moe") else 11
+        a.rows = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-bf16": 2048}.get(a.case, 11)
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
@@ -154,6 +158,8 @@ def main() -> None:
         def call(ns: str):
             op = getattr(torch.ops, ns).gguf_int8_linear
             return [op(x, w.qs, w.scale, w.mins, w.qtype, w.n, -1) for w, x in zip(ws, xs)]
+    elif a.case == "moe-bf16":
+        call = moe_bf16_case(a.rows)
     elif a.case.startswith("moe"):
         call = moe_case(a.rows, int8=a.case == "moe")
     else:
@@ -212,6 +218,23 @@ def moe_case(rows: int, int8: bool):
     def call(ns: str):
         op = getattr(torch.ops, ns).gguf_moe
         return [op(x, e.tensors, list(e.types), weights, ids, e.intermediate, int8, -1) for e in layers if e]
+
+    return call
+
+
+def moe_bf16_case(rows: int):
+    """A call running one layer of bfloat16 experts in the benchmark MoE's shapes on version ns."""
+    from aiolm.kernels.cpu_moe import CpuExperts
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i, k = 64, 1024, 384, 8
+    experts = CpuExperts.from_dense(torch.randn(e, 2 * i, h, generator=g) / h**0.5,
+                                    torch.randn(e, h, i, generator=g) / i**0.5, torch.bfloat16)
+    x = torch.randn(rows, h, generator=g)
+    weights, ids = torch.rand(rows, e, generator=g).softmax(-1).topk(k, dim=-1)
+
+    def call(ns: str):
+        return [getattr(torch.ops, ns).fused_moe(x, experts.w13, experts.w2, weights, ids, -1)]
 
     return call
 
