@@ -228,8 +228,9 @@ def moe_bf16_case(rows: int):
 
     g = torch.Generator().manual_seed(0)
     e, h, i, k = 64, 1024, 384, 8
-    experts = CpuExperts.from_dense(torch.randn(e, 2 * i, h, generator=g) / h**0.5,
-                                    torch.randn(e, h, i, generator=g) / i**0.5, torch.bfloat16)
+    experts = CpuExperts.from_dense(
+        torch.randn(e, 2 * i, h, generator=g) / h**0.5, torch.randn(e, h, i, generator=g) / i**0.5, torch.bfloat16
+    )
     x = torch.randn(rows, h, generator=g)
     weights, ids = torch.rand(rows, e, generator=g).softmax(-1).topk(k, dim=-1)
 
