@@ -641,7 +641,7 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
       continue;
     }
 #endif
-    // x's chunk as the path reads it: rows of Kp (a zero feature pads bfloat16 pairs), in
+    // x's chunk as the path reads it: rows of Kp (zero features pad bfloat16 rows to 32), in
     // float32 or, for vdpbf16ps, bfloat16; in place when it already is.
     const void* xp = nullptr;
     const bool x_bf16 = x_in.scalar_type() == at::kBFloat16;
