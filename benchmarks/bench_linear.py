@@ -14,7 +14,7 @@
    rows: int8 x against weights in cache (one weight, called 12 times) and from memory
    (12 distinct weights, as the layers of a step), beside bfloat16 oneDNN (packed as
    `--dtype bfloat16` packs them, 12 distinct weights): where
-   int8 beats bfloat16 at every size, it takes prompts (gguf_blocks.INT8_LIMIT_VNNI); on AMX
+   int8 beats bfloat16 at every size, it takes prompts (gguf_blocks.INT8_LIMIT); on AMX
    bfloat16 overtakes it between 32 and 64 rows (gguf_blocks.INT8_LIMIT_AMX_BF16).
 1e. The int8 kernel's own rate: one Q4_0 weight (2048 x 2048, in cache) at 3-64 rows, the best
    of 30 calls. A minimum moves less than a median on a shared box, so this is the figure to

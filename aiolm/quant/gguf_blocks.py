@@ -76,13 +76,11 @@ MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
 # where), and the float path matches transformers token for token.
 INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
 # How far int8 goes (bench_linear.py, section 1d; docs/benchmarks/log.md): with VNNI the kernel
-# of the types with one scale a block (16 output rows a block, one per int32 lane) beats
-# the float32 matmuls, and bfloat16 oneDNN without AMX, at every step size measured, 1 to
-# 1024 rows, so it takes prompts too; Q6_K's (8 rows, 2 rows of x at a time) and the AVX2
-# kernel stay with small steps; beside bfloat16 matmuls on AMX tiles, which overtake int8
-# beyond a few dozen rows, every type stops at 32.
-INT8_LIMIT = 16 if cpu_kernels.has_avx512() else MAX_ROWS
-INT8_LIMIT_VNNI = sys.maxsize if cpu_kernels.has_avx512_vnni() else INT8_LIMIT
+# (16 output rows a block, one per int32 lane, for steps of 3 rows on) beats the float32
+# matmuls, and bfloat16 oneDNN without AMX, at every step size measured, 1 to 1024 rows, so it
+# takes prompts too; without VNNI int8 stays with small steps; beside bfloat16 matmuls on AMX
+# tiles, which overtake int8 beyond a few dozen rows, it stops at 32.
+INT8_LIMIT = sys.maxsize if cpu_kernels.has_avx512_vnni() else 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_AMX_BF16 = 32
 
 
@@ -171,11 +169,6 @@ def _q6k_as_q8(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = b[:, :, 208:210].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
     scale = d * b[:, :, 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
     return codes, scale.reshape(n, 8 * s, 2)
-
-
-def type_int8_rows(qtype: int) -> int:
-    """The most rows a step may have for int8 activations to beat float ones on blocks of ``qtype``."""
-    return INT8_LIMIT if qtype == TYPE_IDS["Q6_K"] else INT8_LIMIT_VNNI
 
 
 def grouped(a: np.ndarray) -> np.ndarray:
@@ -267,7 +260,7 @@ class GGUFWeight:
     @property
     def int8_rows(self) -> int:
         """The most rows a step may have for linear_int8 to be the faster method (INT8)."""
-        return type_int8_rows(self.qtype)
+        return INT8_LIMIT
 
     def linear_int8(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
         """x quantized per block of 32 to int8 and multiplied with integer dot products
@@ -389,7 +382,7 @@ def int8_rows(blocks: GGUFWeight | GGUFParts | GGUFExperts, matmul_dtype: torch.
     """The most rows a step may have for int8 activations to beat ``blocks``' alternative,
     the layer's matmuls in ``matmul_dtype``: bfloat16 ones on AMX tiles take all but small
     steps."""
-    rows = min(type_int8_rows(t) for t in blocks.types) if isinstance(blocks, GGUFExperts) else blocks.int8_rows
+    rows = INT8_LIMIT if isinstance(blocks, GGUFExperts) else blocks.int8_rows
     if matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx():
         return min(rows, INT8_LIMIT_AMX_BF16)
     return rows

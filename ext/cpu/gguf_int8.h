@@ -17,9 +17,9 @@
 // (Q4_K and Q4_1F are Q4_1 blocks whose scales and mins are exact in float32 (Q4_K's made from
 // the file's codes as they are read), Q6_K Q8_0 codes with two scales: gguf_blocks.h.)
 // The corrections of Q4_0 (and of Q8_0 on VNNI, which multiplies unsigned by signed
-// bytes and so reads q + 128) are integers subtracted before the conversion. Every type
-// but Q6_K on VNNI, for steps of 3 rows or more, sums a row's whole block in one int32 lane
-// (pair_vnni), so it converts the same exact integer per block as the scalar path; the
+// bytes and so reads q + 128) are integers subtracted before the conversion. Every type on
+// VNNI, for steps of 3 rows or more, sums a row's whole block (Q6_K: each half) in one int32
+// lane (pair_vnni), so it converts the same exact integer per block as the scalar path; the
 // other vector paths convert a block in parts of 4 or 8 products, each exact. Paths differ
 // only in the order of the float sums. The quantization of x is the same arithmetic on
 // every path (round to nearest even of x * (1 / d)), so its codes are identical bit for bit.
@@ -77,12 +77,14 @@ struct QRows {
   const float* s;
   int64_t K, nblocks;
   const int32_t* half;
-  const int32_t* corr;  // -OFF * sum (Q4_0: 8, Q8_0: 128), pair_vnni's starting values, broadcast from memory
+  // pair_vnni's starting values, broadcast from memory: -OFF * sum per block (Q4_0: 8, Q8_0:
+  // 128), or for Q6_K -32 * each half's sum [M, nblocks * 2]
+  const int32_t* corr;
 
   QRows from_row(int64_t r) const {  // rows [r, ..)
     const int64_t i = r * nblocks;
     return QRows{q + r * K, d + i, sum + i, s + i, K, nblocks, half ? half + 2 * i : nullptr,
-                 corr ? corr + i : nullptr};
+                 corr ? corr + (half ? 2 * i : i) : nullptr};
   }
 };
 
@@ -316,8 +318,8 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 #endif
 
 #ifdef AIOLM_I8_VNNI
-// All 8 rows of a group against MR rows of x: Q6_K, and the other types for steps of 1 or 2
-// rows, where pair_vnni's transposes cost more than they save
+// All 8 rows of a group against MR rows of x, for steps of 1 or 2 rows, where pair_vnni's
+// transposes cost more than they save
 // (benchmarks/bench_linear.py, section 1d). A zmm vector holds 4 rows' blocks (Q4:
 // 16 bytes each, one per 128-bit lane, low nibbles then high nibbles against x's
 // broadcast halves) or 2 rows' (Q8_0: 32 bytes each); each int32 lane sums 4 products,
@@ -424,7 +426,9 @@ inline void transpose4(const __m512i v[4], __m512i t[4]) {
 // codes 4c..4c+3 in x's order, as unsigned bytes. Q4: a row's block is 16 bytes (4 dwords,
 // 4 rows a vector), low nibbles codes 0-15, high ones 16-31. Q8_0: 32 bytes, 2 rows a
 // vector; its halves of 16 bytes are gathered 4 rows a vector first, then transposed as Q4's,
-// and its signed codes go in as q + 128 (the correction -128 sum xq starts the sum). qb null:
+// and its signed codes go in as q + 128 (the correction -128 sum xq starts the sum; Q6_K's, in
+// [-32, 31], as q + 32, each half's -32 sum xq starting its own chain: w[0..3] are codes 0-15,
+// w[4..7] codes 16-31). qb null:
 // no second group, its lanes compute zeros (or Q8_0's offset) that nobody reads.
 template <int64_t T>
 inline void pair_block(const uint8_t* qa, const uint8_t* qb, int64_t b, __m512i w[8]) {
@@ -440,8 +444,13 @@ inline void pair_block(const uint8_t* qa, const uint8_t* qb, int64_t b, __m512i 
     }
     transpose4(h0, w);
     transpose4(h1, w + 4);
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(w[c], flip);
+    if constexpr (T == Q6_K) {
+      const __m512i off6 = _mm512_set1_epi8(32);
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_add_epi8(w[c], off6);
+    } else {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(w[c], flip);
+    }
   } else {
     const __m512i v[4] = {load(0, 0), load(0, 64), load(1, 0), load(1, 64)};
     __m512i t[4];
@@ -454,10 +463,11 @@ inline void pair_block(const uint8_t* qa, const uint8_t* qb, int64_t b, __m512i 
   }
 }
 
-// Q4_0, Q4_1, Q4_K and Q8_0 on VNNI, two groups (16 output rows) at a time with one int32
-// lane per output row (pair_block). Against x's dwords c broadcast to every lane, 8 vpdpbusd
-// sum all 32 products of each row's block in its lane, and one conversion and one FMA scale
-// 16 rows' blocks: a quarter (Q8_0: an eighth) of group_vnni's float work per product. The
+// Every type on VNNI, two groups (16 output rows) at a time with one int32 lane per output
+// row (pair_block). Against x's dwords c broadcast to every lane, 8 vpdpbusd sum all 32
+// products of each row's block in its lane (Q6_K: 4 for each half, in two lanes' worth of
+// chains), and one conversion and one FMA (Q6_K: two) scale 16 rows' blocks: a quarter
+// (Q8_0 and Q6_K: an eighth) of group_vnni's float work per product. The
 // transposes are shared by the MR rows of x. Q4_1's and Q4_K's min term m * s_b is one more
 // FMA per block, with the mins spread as the scales are. qb, sb and mb are the second
 // group's (null: none).
@@ -467,10 +477,12 @@ constexpr int64_t AHEAD = 8;  // blocks between a prefetch and its use (4 and 16
 template <int64_t T, int MR>
 void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const Scale<T>* sb, const Scale<T>* ma,
                const Scale<T>* mb, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t valid) {
-  static_assert(T != Q6_K, "pair_vnni has one scale a block");
-  constexpr bool CORR = T == Q4_0 || T == Q8_0;  // codes stored with an offset: x.corr starts the sum
+  constexpr bool CORR = T == Q4_0 || T == Q8_0 || T == Q6_K;  // codes stored with an offset: x.corr starts the sum
   constexpr int64_t BYTES = quant_bytes(T) * 8;
   const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // Q6_K's two scales a block: row n's half h is float 2n + h of the two groups' 32 (a's rows
+  // 0-7, then b's 8-15), so lane l of half h takes float 2 rows[l] + h.
+  const __m512i halves[2] = {_mm512_slli_epi32(rows, 1), _mm512_add_epi32(_mm512_slli_epi32(rows, 1), _mm512_set1_epi32(1))};
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nblocks; ++b) {
@@ -489,16 +501,24 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
     }
     __m512i w[8];
     pair_block<T>(qa, qb, b, w);
-    const __m512 dw = _mm512_permutexvar_ps(rows, load16<T>(sa, sb, nb, b));
+    __m512 dw, dw1 = _mm512_setzero_ps();  // Q6_K: the scales of codes 0-15 and 16-31
+    if constexpr (T == Q6_K) {
+      const __m512 s0 = _mm512_loadu_ps(sa + b * 16), s1 = sb ? _mm512_loadu_ps(sb + b * 16) : _mm512_setzero_ps();
+      dw = _mm512_permutex2var_ps(s0, halves[0], s1);
+      dw1 = _mm512_permutex2var_ps(s0, halves[1], s1);
+    } else {
+      dw = _mm512_permutexvar_ps(rows, load16<T>(sa, sb, nb, b));
+    }
     __m512 mw = _mm512_setzero_ps();
     if constexpr (has_min(T)) mw = _mm512_permutexvar_ps(rows, load16<T>(ma, mb, nb, b));
     // The rows' sums are independent chains of 8 vpdpbusd (4 cycles each): issued row after
     // row, the core needs several rows' code in flight to keep its pipes busy, so the chains
     // go interleaved, in runs of up to 6 rows (7-11 rows: two runs; runs of 8 ran 6-8% slower
     // on a Zen 4, out of general registers for the rows' addresses). Runs of up to 4 rows
-    // would leave too few chains: there codes 0-15 and 16-31 are two chains per row.
+    // would leave too few chains: there codes 0-15 and 16-31 are two chains per row (Q6_K's
+    // always, each with its own scale, in runs of up to 4 rows for the registers).
     auto run = [&](auto count, int s0) {
-      constexpr int R = decltype(count)::value, CH = R <= 4 ? 2 : 1;
+      constexpr int R = decltype(count)::value, CH = R <= 4 || T == Q6_K ? 2 : 1;
       __m512i d[R][CH];
       const Dword* xw[R];
       for (int i = 0; i < R; ++i) {
@@ -506,8 +526,13 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
         // x's dwords and the correction are broadcast straight from memory (a load, no vector
         // ALU work): through a general register each broadcast cost as much as a vpdpbusd.
         xw[i] = reinterpret_cast<const Dword*>(x.q + (r0 + s0 + i) * x.K + b * QK);
-        d[i][0] = CORR ? _mm512_set1_epi32(x.corr[xi]) : _mm512_setzero_si512();
-        if constexpr (CH == 2) d[i][CH - 1] = _mm512_setzero_si512();
+        if constexpr (T == Q6_K) {
+          d[i][0] = _mm512_set1_epi32(x.corr[2 * xi]);
+          d[i][1] = _mm512_set1_epi32(x.corr[2 * xi + 1]);
+        } else {
+          d[i][0] = CORR ? _mm512_set1_epi32(x.corr[xi]) : _mm512_setzero_si512();
+          if constexpr (CH == 2) d[i][CH - 1] = _mm512_setzero_si512();
+        }
       }
       for (int k = 0; k < 8; ++k) {
         const int c = CH == 2 ? k / 2 + 4 * (k % 2) : k, h = CH == 2 ? k % 2 : 0;  // 0, 4, 1, 5, ...
@@ -516,14 +541,27 @@ void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const S
       for (int i = 0; i < R; ++i) {
         const int r = s0 + i;
         const int64_t xi = (r0 + r) * x.nblocks + b;
+        const __m512 dx = _mm512_set1_ps(x.d[xi]);
+        if constexpr (T == Q6_K) {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i][0]), _mm512_mul_ps(dw, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i][1]), _mm512_mul_ps(dw1, dx), acc[r]);
+          continue;
+        }
         const __m512 dot = _mm512_cvtepi32_ps(CH == 2 ? _mm512_add_epi32(d[i][0], d[i][CH - 1]) : d[i][0]);
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, dx), acc[r]);
         if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[xi]), acc[r]);
       }
     };
-    constexpr int SUB = MR <= 6 ? MR : (MR + 1) / 2;
-    run(std::integral_constant<int, SUB>{}, 0);
-    if constexpr (MR > SUB) run(std::integral_constant<int, MR - SUB>{}, SUB);
+    if constexpr (T == Q6_K) {  // runs of 4, 4 and the rest
+      constexpr int A = MR < 4 ? MR : 4, B = MR - A < 4 ? MR - A : 4, C = MR - A - B;
+      run(std::integral_constant<int, A>{}, 0);
+      if constexpr (B > 0) run(std::integral_constant<int, B>{}, A);
+      if constexpr (C > 0) run(std::integral_constant<int, C>{}, A + B);
+    } else {
+      constexpr int SUB = MR <= 6 ? MR : (MR + 1) / 2;
+      run(std::integral_constant<int, SUB>{}, 0);
+      if constexpr (MR > SUB) run(std::integral_constant<int, MR - SUB>{}, SUB);
+    }
   }
   // The same permutation puts the lanes back in row order (a 4x4 transpose is its own
   // inverse): each row of x gets its 16 outputs with one store.
@@ -570,19 +608,17 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
   };
 #ifdef AIOLM_I8_VNNI
-  if constexpr (T != Q6_K) {
-    if (isa == AVX512_VNNI && M > 2) {
-      for (int64_t g = g0; g < g1; g += 2) {
-        const bool two = g + 1 < g1;
-        even_tiles(M, [&](auto mr, int64_t r) {
-          constexpr int MR = decltype(mr)::value;
-          pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr,
-                           mg_of(g), two ? mg_of(g + 1) : nullptr, x, r, y + r * N + g * 8, N,
-                           std::min<int64_t>(two ? 16 : 8, N - g * 8));  // the min terms are in already
-        });
-      }
-      return;
+  if (isa == AVX512_VNNI && M > 2) {
+    for (int64_t g = g0; g < g1; g += 2) {
+      const bool two = g + 1 < g1;
+      even_tiles(M, [&](auto mr, int64_t r) {
+        constexpr int MR = decltype(mr)::value;
+        pair_vnni<T, MR>(qg_of(g), two ? qg_of(g + 1) : nullptr, sg_of(g), two ? sg_of(g + 1) : nullptr,
+                         mg_of(g), two ? mg_of(g + 1) : nullptr, x, r, y + r * N + g * 8, N,
+                         std::min<int64_t>(two ? 16 : 8, N - g * 8));  // the min terms are in already
+      });
     }
+    return;
   }
 #endif
   for (int64_t g = g0; g < g1; ++g) {
@@ -651,13 +687,14 @@ struct Scratch {
                     s.data() + r0 * nb);
     });
     const bool halves = qtype == Q6_K && isa == AVX512_VNNI;
+    // pair_vnni's starting values: only its path reads them.
+    const int32_t off = isa != AVX512_VNNI ? 0 : qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32 : 0;
     if (halves) {
       half.assign(M * nb * 2, 0);
       for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];
-    }
-    // pair_vnni's starting values: only its path reads them.
-    const int32_t off = isa != AVX512_VNNI ? 0 : qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : 0;
-    if (off) {
+      corr.resize(M * nb * 2);
+      for (int64_t i = 0; i < M * nb * 2; ++i) corr[i] = -off * half[i];
+    } else if (off) {
       corr.resize(M * nb);
       for (int64_t i = 0; i < M * nb; ++i) corr[i] = -off * sum[i];
     }

@@ -105,8 +105,8 @@ def test_leading_dims_bias_and_bad_arguments():
 @pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
 def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, matmul_dtype, monkeypatch):
     """AIOLM_GGUF_INT8=1 multiplies a weight's steps of any size with int8 activations where
-    the VNNI kernel beats the layer's matmuls (bench_linear.py, section 1d); Q6_K's, and any
-    type's without VNNI, steps of up to 16 rows; beside bfloat16 matmuls on AMX, up to 32.
+    the VNNI kernel beats the layer's matmuls (bench_linear.py, section 1d), Q6_K's too;
+    without VNNI, steps of up to 16 rows; beside bfloat16 matmuls on AMX, up to 32.
     Off, no step is int8."""
     if qtype == "Q6_K":
         g = gguf_blocks.GGUFWeight.from_blocks(random_q6_k(16, 256, np.random.default_rng(2), (1e-3, 1e-2)), qtype)
@@ -121,7 +121,7 @@ def test_int8_mode_sends_prompt_steps_to_the_int8_kernel_only_with_vnni(qtype, m
     def lin(x: torch.Tensor) -> torch.Tensor:
         return method.apply(layer, x)
 
-    if qtype == "Q6_K" or not cpu_kernels.has_avx512_vnni():
+    if not cpu_kernels.has_avx512_vnni():
         limit = 16
     else:
         limit = 32 if matmul_dtype == torch.bfloat16 and cpu_kernels.has_amx() else 300
@@ -211,7 +211,7 @@ def test_embedded_model_greedy_tokens_agree_with_the_float_block_path(real_sourc
     int8 = PagedHarness(model).greedy(prompts, n)
     hits, steps = _forced_agreement(PagedHarness(model), prompts, floats)
     # The float path's answers fed back as one prompt step each: with VNNI an int8 matmul of
-    # every row (gguf_blocks.INT8_LIMIT_VNNI), elsewhere the float32 panels.
+    # every row (gguf_blocks.INT8_LIMIT), elsewhere the float32 panels.
     logits = PagedHarness(model).step({i: p + f for i, (p, f) in enumerate(zip(prompts, floats))}, every=True)
     in_prompt = sum(
         int((logits[i][len(p) - 1 : -1].argmax(-1) == torch.tensor(floats[i])).sum()) for i, p in enumerate(prompts)

@@ -106,7 +106,7 @@ def test_fused_layers_give_the_modules_bits(kind, how, int8, q8_models, monkeypa
             layer.fused = counted(plan, 1) if how == "per-layer" else None
         fused, fused_counts = run()
         # Every decode step of every layer; the prompt step too where a layer's int8 kernels
-        # take its rows (with VNNI, any number: gguf_blocks.INT8_LIMIT_VNNI).
+        # take its rows (with VNNI, any number: gguf_blocks.INT8_LIMIT).
         prompt_rows = sum(map(len, prompts.values()))
         takes_prompt = [int8 and prompt_rows <= p.int8_rows for p in plans]
         if how == "one-call":
