@@ -13,6 +13,8 @@ falls on both.
 Cases (the real model's shapes where it has them):
   head          the embedded model's LM head (Q8_0 49152 x 576, 30 MB: from memory) at
                 --rows (default 11), int8 x (ext/cpu/gguf_int8.cpp)
+  moe-head      the benchmark MoE's LM head (its Q4_K_M file's Q6_K 49152 x 1024, 63 MB as
+                the kernels keep it) at --rows (default 16), int8 x
   prompt-layer  a 2048-row prompt through one layer's four linears (Q4_1 blocks of random
                 codes in the embedded model's shapes), int8 x
   model         every linear of the embedded model (30 layers' and the head, its own GGUF
@@ -58,6 +60,7 @@ from aiolm.kernels import cpu  # noqa: E402
 
 SOURCES = {
     "head": "gguf_int8.cpp",
+    "moe-head": "gguf_int8.cpp",
     "prompt-layer": "gguf_int8.cpp",
     "tinyllama": "gguf_int8.cpp",
     "model": "gguf_int8.cpp",
@@ -94,6 +97,11 @@ def linear_case(case: str, rows: int):
         from aiolm.model.registry import build_model
 
         ws = [build_model(resolve_model(None)).lm_head.gguf.blocks]
+    elif case == "moe-head":
+        from aiolm.checkpoint.source import resolve_model
+        from aiolm.quant.gguf_blocks import GGUFBlocksConfig
+
+        ws = [GGUFBlocksConfig(MOE, resolve_model(str(MOE)).config, inner=None).blocks(["lm_head.weight"])]  # type: ignore[arg-type]
     elif case == "model":
         from aiolm.checkpoint.source import resolve_model
         from aiolm.model.registry import build_model
@@ -112,7 +120,9 @@ def linear_case(case: str, rows: int):
             for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
             for _ in range(3)
         ]
-    xs = [torch.randn(rows, w.scale.shape[1] // 8 * 32) for w in ws]
+    xs = [
+        torch.randn(rows, w.qs.shape[1] // (8 * (32 if w.qtype in (8, 14) else 16)) * 32) for w in ws
+    ]  # Q8_0, Q6_K: 32 bytes a block
     return ws, xs
 
 
@@ -126,7 +136,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     a = ap.parse_args()
     if a.rows is None:
-        a.rows = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-bf16": 2048}.get(a.case, 11)
+        a.rows = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-head": 16, "moe-bf16": 2048}.get(a.case, 11)
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
@@ -152,7 +162,7 @@ def main() -> None:
         def call(ns: str):
             op = getattr(torch.ops, ns).gguf_linear
             return [op(x, w.qs, w.scale, w.mins, w.qtype, w.n) for w, x in zip(ws, xs)]
-    elif a.case in ("head", "prompt-layer", "tinyllama", "model"):
+    elif a.case in ("head", "moe-head", "prompt-layer", "tinyllama", "model"):
         ws, xs = linear_case(a.case, a.rows)
 
         def call(ns: str):
