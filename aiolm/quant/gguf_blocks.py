@@ -2,12 +2,13 @@
 
 A GGUF model is converted to float32 once (gguf_convert.py), and large batches run
 on those float32 weights. Decoding a handful of sequences, though, is bound by
-reading the weights, and the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, kept as
+reading the weights, and the file's own Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks, kept as
 3.2-7x fewer bytes, hold exactly the values the float32 copy was dequantized from
 (the k-quants' 256-weight super-blocks are unpacked at load time: Q4_K into Q4_1
 blocks of 32 whose scales and mins keep the file's codes, 4.75 bits a weight against the
 file's 4.5, Q6_K into Q8_0 codes with a float32 scale per 16 weights, 10 bits against
-6.6, so that the kernels keep to two block layouts and the values stay exact). So the
+6.6, so that the kernels keep to few block layouts and the values stay exact; Q5_0 keeps
+its 5.5 bits, its fifth bits regrouped beside its nibbles). So the
 linear layers also keep their blocks and ``aiolm::gguf_linear`` computes from them
 when a step has at most ``MAX_ROWS`` rows; the answers are those of the float32
 path up to the order of the sums. With ``AIOLM_GGUF_INT8=1`` the blocks go further, as
@@ -59,13 +60,11 @@ from aiolm.quant.base import ExpertsMethod, ExpertsSpec, LinearMethod, LinearSpe
 
 log = logging.getLogger(__name__)
 
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml's ids, as aiolm::gguf_linear takes them
+# ggml's ids, as aiolm::gguf_linear takes them: what a layer may keep blocks of
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # Not a ggml type: Q4_1 blocks with float32 scales and mins (from_codes; ext/cpu/gguf_blocks.h)
 Q4_1F = 112
-# Types regrouped at load into one the kernels take, with the same values: Q5_0's 5-bit codes
-# as Q8_0's int8 ones (34 bytes a block against 22; Q4_K_M files keep some experts' down in it)
-AS_TYPE = {"Q5_0": "Q8_0"}
-BLOCK_TYPES = (*TYPE_IDS, *AS_TYPE)  # what a layer may keep blocks of
+BLOCK_TYPES = tuple(TYPE_IDS)
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512.
 MAX_ROWS = 6 if cpu_kernels.has_avx512() else 16
@@ -137,19 +136,16 @@ def uncoded(arr: torch.Tensor, nblocks: int) -> torch.Tensor:
 _Q5_0_BYTES = 22  # f16 d, 4 bytes of high bits, 16 bytes of low nibbles
 
 
-def _q5_0_as_q8_0(b: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks [N, nb * 22] as Q8_0 blocks [N, nb * 34]: the same f16 d, and each 5-bit
-    code q (low nibble, plus bit j of qh for weight j, bit j + 16 for weight j + 16) as the
-    int8 q - 16, so d * code is the value gguf dequantizes to."""
-    n = b.shape[0]
-    blocks = np.ascontiguousarray(b).reshape(n, -1, _Q5_0_BYTES)
-    qh = blocks[:, :, 2:6].copy().view("<u4")  # [N, nb, 1]
-    qs = blocks[:, :, 6:22]
-    j = np.arange(16, dtype=np.uint32)
-    low = (qs & 15) | (((qh >> j) & 1) << 4).astype(np.uint8)
-    high = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
-    codes = (np.concatenate([low, high], -1).astype(np.int16) - 16).astype(np.int8)
-    return np.concatenate([blocks[:, :, 0:2], codes.view(np.uint8)], -1).reshape(n, -1)
+def _q5_0_regrouped(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 blocks [N, nb, 22] (f16 d, 4 bytes of fifth bits: bit j for weight j, 16 bytes of
+    nibbles: weight j low, j + 16 high) as the kernels read them (ext/cpu/gguf_blocks.h): per
+    group of 8 rows and block, the 8 rows' nibbles, then 16 words of fifth bits, the rows' bits
+    of weights 0-15, then of 16-31; and the f16 scales, grouped. w = d * (code - 16)."""
+    n, nb = b.shape[:2]
+    nibbles = grouped(b[:, :, 6:22]).reshape(-1, nb, 8 * 16)
+    words = grouped(b[:, :, 2:6].copy().view("<u2")).reshape(-1, nb, 8, 2).transpose(0, 1, 3, 2)  # [G, nb, half, row]
+    qs = np.concatenate([nibbles, np.ascontiguousarray(words).view(np.uint8).reshape(-1, nb, 32)], -1)
+    return qs.reshape(qs.shape[0], -1), grouped(b[:, :, 0:2].copy().view(np.float16))
 
 
 _Q6K_BYTES = 210  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
@@ -199,9 +195,11 @@ class GGUFWeight:
     @classmethod
     def from_blocks(cls, blocks: np.ndarray, ttype: str) -> GGUFWeight:
         """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
-        if ttype in AS_TYPE:
-            blocks, ttype = _q5_0_as_q8_0(blocks), AS_TYPE[ttype]
         n = blocks.shape[0]
+        if ttype == "Q5_0":
+            qs, scale = _q5_0_regrouped(np.ascontiguousarray(blocks).reshape(n, -1, _Q5_0_BYTES))
+            empty = torch.zeros(0, dtype=torch.float16)
+            return cls(torch.from_numpy(qs), torch.from_numpy(scale), empty, TYPE_IDS[ttype], n)
         if ttype == "Q4_K":
             qs, scale, mins = _q4k_as_q4_1(np.ascontiguousarray(blocks).reshape(n, -1, _Q4K_BYTES))
             return cls(*(torch.from_numpy(a) for a in (qs, scale, mins)), TYPE_IDS[ttype], n)
@@ -236,12 +234,20 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
-        int8 = self.qs.dtype == torch.int8  # Q8_0, Q6_K: 32 bytes a block; else 16 of nibbles
+        int8 = self.qs.dtype == torch.int8  # Q8_0, Q6_K: 32 bytes a block; Q5_0 20; else 16 of nibbles
+        q5 = self.qtype == TYPE_IDS["Q5_0"]
         groups = self.qs.shape[0]
-        nb = self.qs.shape[1] // (8 * (32 if int8 else 16))
+        nb = self.qs.shape[1] // (8 * (32 if int8 else 20 if q5 else 16))
         q = self.qs.view(groups, nb, 8, -1).transpose(1, 2)  # [N/8, 8, nblocks, quant bytes]
         if int8:
             codes = q.float()
+        elif q5:
+            block = self.qs.view(groups, nb, 160)
+            q = block[:, :, :128].reshape(groups, nb, 8, 16).transpose(1, 2)
+            words = block[:, :, 128:].contiguous().view(torch.int16).int() & 0xFFFF  # [N/8, nblocks, 16]
+            bits = words.view(groups, nb, 2, 8).permute(0, 3, 1, 2).unsqueeze(-1) >> torch.arange(16) & 1
+            fifth = bits.reshape(groups, 8, nb, 32)  # [.., half, weight] -> weights 0-31
+            codes = (torch.cat([q & 15, q >> 4], -1).int() | fifth << 4).float() - 16
         else:
             codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
         scale, mins = self.scale, self.mins
@@ -345,7 +351,7 @@ class ExpertBlocks:
 
 class GGUFExperts:
     """One MoE layer's experts as a GGUF file's blocks, run by torch.ops.aiolm.gguf_moe: gate,
-    up and down each in its own block type (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K)."""
+    up and down each in its own block type (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K)."""
 
     def __init__(self, gate: ExpertBlocks, up: ExpertBlocks, down: ExpertBlocks, num_experts: int) -> None:
         if gate.rows != up.rows:
@@ -741,8 +747,6 @@ class GGUFBlocksConfig(QuantConfig):
         cfg = self.model_config
         if permuted_qk(cfg.architecture) and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = unpermute_rope_rows(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        if ttype in AS_TYPE:  # regrouped here, so that it joins its neighbours of that type in one run
-            data, ttype = _q5_0_as_q8_0(data), AS_TYPE[ttype]
         return data, ttype
 
     def blocks(self, names: list[str]) -> GGUFWeight | GGUFParts | None:

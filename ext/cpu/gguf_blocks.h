@@ -15,6 +15,12 @@
 //   Q6_K: Q8_0 blocks of the signed codes q - 32 (in [-32, 31]), with two float32 scales
 //         per block, d * sc_k for weights 0-15 and for 16-31 (exact in float32), stored
 //         side by side: row i's block b has scales [(b * 8 + i) * 2 + h].
+//
+// Q5_0 (w = d * (u - 16), u = a 4-bit code plus a fifth bit) keeps the file's 5.5 bits a weight:
+// a group's block b is 160 bytes, the 8 rows' 16 bytes of nibbles as Q4_0's (weight j low,
+// j + 16 high), then 16 words of fifth bits: word i (i < 8) row i's bits of weights 0-15 (bit j:
+// weight j), word 8 + i its bits of weights 16-31. So 4 rows' bits of one half are one 64-bit
+// mask (the VNNI kernels' 4 rows a vector), and row i's are words i and 8 + i (high_bits).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,7 +37,7 @@
 namespace aiolm_gguf {
 
 constexpr int64_t QK = 32;  // weights per block
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, Q4_1F = 112 };  // ggml's ids, and Q4_1F
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, Q4_1F = 112 };  // ggml's ids, and Q4_1F
 
 // What a type's regrouped blocks are, in the terms of the three 32-weight layouts.
 constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q4_K || t == Q4_1F; }  // w = d * u + m
@@ -100,6 +106,7 @@ inline void with_type(int64_t qtype, F&& f) {
   switch (qtype) {
     case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
     case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
     case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
     case Q4_1F: f(std::integral_constant<int64_t, Q4_1F>{}); break;
     case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
@@ -108,7 +115,26 @@ inline void with_type(int64_t qtype, F&& f) {
 }
 
 // Bytes of quants per block (the scale and min are kept apart).
-constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 16; }
+constexpr int64_t quant_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : qtype == Q5_0 ? 20 : 16; }
+// Bytes of one row's codes in a block: Q5_0's nibbles, without the fifth bits that follow the 8 rows'.
+constexpr int64_t row_bytes(int64_t qtype) { return int8_codes(qtype) ? 32 : 16; }
+
+// Row i's codes of block b in its group's array qg (all 8 rows' block b lie side by side).
+template <int64_t T>
+inline const uint8_t* block_row(const uint8_t* qg, int64_t b, int64_t i) {
+  return qg + b * 8 * quant_bytes(T) + i * row_bytes(T);
+}
+
+// Q5_0: the 16 words of fifth bits of block b of a group (see the top of this file).
+inline const uint16_t* high_bits(const uint8_t* qg, int64_t b) {
+  return reinterpret_cast<const uint16_t*>(qg + b * 8 * quant_bytes(Q5_0) + 8 * row_bytes(Q5_0));
+}
+
+// Q5_0: row i's 32 fifth bits of block b, bit j for weight j.
+inline uint32_t row_high_bits(const uint8_t* qg, int64_t b, int64_t i) {
+  const uint16_t* h = high_bits(qg, b);
+  return static_cast<uint32_t>(h[i]) | static_cast<uint32_t>(h[8 + i]) << 16;
+}
 
 // The AVX2 group tiles ask for a group's codes this many blocks ahead of their use: with the
 // hardware prefetcher alone, a one-row decode step read its blocks well under the read
@@ -127,8 +153,9 @@ inline void prefetch_ahead(const uint8_t* qg, int64_t b, int64_t step) {
 }
 
 inline void check_type(const char* op, int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K || qtype == Q4_1F, op,
-              ": unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14, Q4_1F=112)");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K ||
+                  qtype == Q4_1F,
+              op, ": unsupported GGUF type id ", qtype, " (Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, Q4_1F=112)");
 }
 
 // Checks x [.., K] and a weight's arrays for N output rows; returns its blocks per row.

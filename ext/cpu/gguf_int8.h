@@ -1,6 +1,6 @@
 // y = x W^T with integer dot products: each row of x is quantized on the fly to
 // int8 blocks of 32 (one float32 scale per block, as llama.cpp's Q8 activations),
-// and W stays in the GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks, in the regrouped
+// and W stays in the GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks, in the regrouped
 // layout that aiolm::gguf_linear reads (see the top of gguf_linear.h: groups of
 // 8 output rows, block b of the 8 rows side by side). A block's dot product is then
 // 32 int8 x int8 multiply-adds summed exactly in int32, and one float FMA scales it
@@ -11,6 +11,7 @@
 //   Q4_1: w = d_w u + m    -> d_w d_x isum + m * (d_x sum xq)      (the min term is
 //         sum_b m_b s_b with s_b = d_x sum xq, computed 8 rows at a time)
 //   Q4_0: w = d_w (u - 8)  -> d_w d_x (isum - 8 sum xq)
+//   Q5_0: w = d_w (u - 16) -> d_w d_x (isum - 16 sum xq), u a nibble and a fifth bit
 //   Q8_0: w = d_w q        -> d_w d_x sum q_j xq_j
 //   Q6_K: w = d_k q (d_k per 16 weights) -> d_x (d_0 isum_0 + d_1 isum_1), an exact
 //         integer for each half of the block (VNNI's offset correction uses the halves' sums)
@@ -204,6 +205,12 @@ int32_t block_dot_scalar(const uint8_t* qg, int64_t b, int i, const int8_t* xq, 
   if constexpr (int8_codes(T)) {
     const int8_t* w = reinterpret_cast<const int8_t*>(qg + (b * 8 + i) * 32);
     for (int j = 0; j < QK; ++j) acc += static_cast<int32_t>(w[j]) * xq[j];
+  } else if constexpr (T == Q5_0) {
+    const uint8_t* w = block_row<T>(qg, b, i);
+    const uint32_t h = row_high_bits(qg, b, i);
+    for (int j = 0; j < 16; ++j)
+      acc += ((w[j] & 0xf) | ((h >> j) & 1) << 4) * xq[j] + ((w[j] >> 4) | ((h >> (j + 16)) & 1) << 4) * xq[j + 16];
+    acc -= 16 * xsum;
   } else {
     const uint8_t* w = qg + (b * 8 + i) * 16;
     for (int j = 0; j < 16; ++j) acc += (w[j] & 0xf) * xq[j] + (w[j] >> 4) * xq[j + 16];
@@ -235,17 +242,25 @@ void group_scalar(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t
 }
 
 #ifdef AIOLM_I8_AVX2
-// A block of row i as 32 bytes in x's order (codes 0-15 in the low lane, 16-31 in the
-// high lane): u for the 4-bit types (Q4_0's u - 8 is taken care of in tile_avx2), q for
-// Q8_0 (and Q6_K).
+// Row i's block b of the group qg as 32 bytes in x's order (codes 0-15 in the low lane,
+// 16-31 in the high lane): u for the 4-bit types and Q5_0 (Q4_0's u - 8 and Q5_0's u - 16 are
+// taken care of in tile_avx2), q for Q8_0 (and Q6_K).
 template <int64_t T>
-inline __m256i weights_avx2(const uint8_t* p) {
+inline __m256i weights_avx2(const uint8_t* qg, int64_t b, int64_t i) {
+  const uint8_t* p = block_row<T>(qg, b, i);
   if constexpr (int8_codes(T)) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   } else {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
-                            _mm256_set1_epi8(0x0f));
+    const __m256i u = _mm256_and_si256(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), _mm256_set1_epi8(0x0f));
+    if constexpr (T != Q5_0) return u;
+    // The fifth bits: byte j of the 32 takes bit j, spread by a byte shuffle and a compare.
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    const __m256i v = _mm256_and_si256(
+        _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(row_high_bits(qg, b, i))), spread), bit);
+    return _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16)));
   }
 }
 
@@ -254,7 +269,8 @@ inline __m256i weights_avx2(const uint8_t* p) {
 // w < 0 (|w| <= 128 and |xq| <= 127, so its pairwise int16 sums cannot saturate). Q4_0's
 // codes go in as u, and each int32 lane then subtracts 8 times the sum of its 4 codes of x
 // (made once per block of x, for all the rows): the same lanes as (u - 8) . x, two sign
-// flips and a subtraction fewer per block and row.
+// flips and a subtraction fewer per block and row. Q5_0's as Q4_0's, with 16 (u <= 31: the
+// pairs' sums stay below 2^13).
 template <int64_t T, int NR, int MR>
 void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, int64_t r0, float out[NR][MR]) {
   constexpr int64_t QB = quant_bytes(T);
@@ -265,20 +281,21 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
   // One row of x against a whole group: the 8 rows' scales times x's convert and multiply as
   // one vector per block, and each row's is a broadcast load.
   constexpr bool whole_group = NR == 8 && MR == 1 && T != Q6_K;
+  constexpr int OFF = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;  // unsigned codes' offset
   for (int64_t b = 0; b < x.nblocks; ++b) {
     if (i0 == 0 && r0 == 0) prefetch_ahead(qg, b, 8 * QB);  // the group's first tile: from memory
     __m256i xv[MR];
     __m256 dx[MR];
-    __m256i x8[MR];  // Q4_0: 8 * the sum of each int32 lane's 4 codes of x
+    __m256i x8[MR];  // Q4_0, Q5_0: OFF * the sum of each int32 lane's 4 codes of x
     for (int r = 0; r < MR; ++r) {
       xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (r0 + r) * x.K + b * QK));
       dx[r] = _mm256_set1_ps(x.d[(r0 + r) * x.nblocks + b]);
-      if constexpr (T == Q4_0) x8[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), xv[r]), ones);
+      if constexpr (OFF != 0) x8[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(OFF), xv[r]), ones);
     }
     alignas(32) float dd[8];
     if constexpr (whole_group) _mm256_store_ps(dd, _mm256_mul_ps(scales8<T>(sg, x.nblocks, b), dx[0]));
     for (int i = 0; i < NR; ++i) {
-      const __m256i w = weights_avx2<T>(qg + (b * 8 + i0 + i) * QB);
+      const __m256i w = weights_avx2<T>(qg, b, i0 + i);
       // An int32 lane sums 4 products in order, so lanes 0-3 are weights 0-15: Q6_K's
       // two scales go to the two 128-bit halves.
       __m256 dw = _mm256_setzero_ps();  // the row's scale (in dd where whole_group)
@@ -292,7 +309,7 @@ void tile_avx2(const uint8_t* qg, const Scale<T>* sg, int i0, const QRows& x, in
       for (int r = 0; r < MR; ++r) {
         const __m256i xs = unsigned_codes ? xv[r] : _mm256_sign_epi8(xv[r], w);
         __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-        if constexpr (T == Q4_0) dot = _mm256_sub_epi32(dot, x8[r]);
+        if constexpr (OFF != 0) dot = _mm256_sub_epi32(dot, x8[r]);
         __m256 d;
         if constexpr (whole_group)
           d = _mm256_broadcast_ss(dd + i);
@@ -333,7 +350,7 @@ template <int64_t T, int MR>
 void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
   constexpr int NV = int8_codes(T) ? 4 : 2;     // vectors per block of the group's 8 rows
   constexpr int LANES = int8_codes(T) ? 8 : 4;  // int32 lanes per row in a vector
-  constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : 0;
+  constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
   constexpr int64_t QB = quant_bytes(T);
   __m512i idx[NV];  // spreads the 8 rows' d_w over their lanes (Q6_K: their 16 d_w)
   for (int v = 0; v < NV; ++v) {
@@ -342,7 +359,7 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
     idx[v] = _mm512_load_si512(k);
   }
   const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
-                off6 = _mm512_set1_epi8(32);
+                off6 = _mm512_set1_epi8(32), sixteen = _mm512_set1_epi8(16);
   __m512 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
@@ -381,7 +398,12 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
           acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
         }
       } else {
-        const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        if constexpr (T == Q5_0) {  // rows 4v..4v+3's fifth bits: a 64-bit mask for each half
+          const uint64_t* h = reinterpret_cast<const uint64_t*>(high_bits(qg, b));
+          lo = _mm512_mask_add_epi8(lo, h[v], lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, h[2 + v], hi, sixteen);
+        }
         for (int r = 0; r < MR; ++r) {
           const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r], lo, xa[r]), hi, xb[r]);
           acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[r]), acc[v][r]);
@@ -451,6 +473,24 @@ inline void pair_block(const uint8_t* qa, const uint8_t* qb, int64_t b, __m512i 
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
       for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(w[c], flip);
     }
+  } else if constexpr (T == Q5_0) {
+    // The fifth bits go in before the transposes, while a vector's 4 rows are one 64-bit mask
+    // (the transposes only move dwords, so the two halves transpose apart).
+    const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    __m512i lo[4], hi[4];
+    for (int m = 0; m < 4; ++m) {  // rows 4m..4m+3: group m / 2's rows 4 (m % 2) on
+      const int g = m / 2, h = m % 2;
+      const __m512i v = load(g, 64 * h);
+      lo[m] = _mm512_and_si512(v, nib);
+      hi[m] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      if (p[g]) {
+        const uint64_t* bits = reinterpret_cast<const uint64_t*>(p[g] + 8 * row_bytes(T));
+        lo[m] = _mm512_mask_add_epi8(lo[m], bits[h], lo[m], sixteen);
+        hi[m] = _mm512_mask_add_epi8(hi[m], bits[2 + h], hi[m], sixteen);
+      }
+    }
+    transpose4(lo, w);
+    transpose4(hi, w + 4);
   } else {
     const __m512i v[4] = {load(0, 0), load(0, 64), load(1, 0), load(1, 64)};
     __m512i t[4];
@@ -477,7 +517,7 @@ constexpr int64_t AHEAD = 8;  // blocks between a prefetch and its use (4 and 16
 template <int64_t T, int MR>
 void pair_vnni(const uint8_t* qa, const uint8_t* qb, const Scale<T>* sa, const Scale<T>* sb, const Scale<T>* ma,
                const Scale<T>* mb, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t valid) {
-  constexpr bool CORR = T == Q4_0 || T == Q8_0 || T == Q6_K;  // codes stored with an offset: x.corr starts the sum
+  constexpr bool CORR = T == Q4_0 || T == Q5_0 || T == Q8_0 || T == Q6_K;  // codes with an offset: x.corr starts the sum
   constexpr int64_t BYTES = quant_bytes(T) * 8;
   const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   // Q6_K's two scales a block: row n's half h is float 2n + h of the two groups' 32 (a's rows
@@ -688,7 +728,12 @@ struct Scratch {
     });
     const bool halves = qtype == Q6_K && isa == AVX512_VNNI;
     // pair_vnni's starting values: only its path reads them.
-    const int32_t off = isa != AVX512_VNNI ? 0 : qtype == Q4_0 ? 8 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32 : 0;
+    const int32_t off = isa != AVX512_VNNI ? 0
+                        : qtype == Q4_0   ? 8
+                        : qtype == Q5_0   ? 16
+                        : qtype == Q8_0   ? 128
+                        : qtype == Q6_K   ? 32
+                                          : 0;
     if (halves) {
       half.assign(M * nb * 2, 0);
       for (int64_t i = 0; i < M * K; ++i) half[i / 16] += q[i];

@@ -1,4 +1,4 @@
-// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
+// y = x W^T with W kept as a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K),
 // for the small batches of decoding. A decode step with a few rows is bound by
 // reading the weights; these formats are 3.5-7x smaller than float32, and the
 // values they hold are exactly the ones the float32 path uses (it dequantizes
@@ -15,7 +15,8 @@
 // factor where a kernel reads it; Q4_1F: Q4_1 blocks with float32 scales and mins; Q6_K: Q8_0
 // blocks with a float32 scale per 16 weights, which multiplies the converted codes into the
 // exact weights; see gguf_blocks.h)
-// so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0), and the
+// (Q5_0: Q4_0's nibbles with a fifth bit each, kept after the group's block; gguf_blocks.h)
+// so that w = d * q + m (Q4_1), d * (q - 8) (Q4_0), d * (q - 16) (Q5_0) or d * q (Q8_0), and the
 // block's dot product is d * sum(q_j x_j) + m * sum(x_j): the block sums of x
 // are computed once per call and the m terms of a group's 8 rows are one vector.
 //
@@ -47,12 +48,47 @@ namespace aiolm_gguf_float {
 
 using namespace aiolm_gguf;  // QK, the type ids, what they are (has_min, Scale, ...), quant_bytes
 
+#ifdef AIOLM_AVX2
+// Q5_0: the 16 bytes of row i's block b as its signed codes u - 16, in x's order (lo: weights
+// 0-15, hi: 16-31). A fifth bit adds 16 to its nibble: a masked add where AVX-512 has byte
+// masks, else bits spread to bytes (each byte ANDed with its bit's mask, compared).
+inline void q5_0_codes(const uint8_t* qg, int64_t b, int64_t i, __m128i& lo, __m128i& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block_row<Q5_0>(qg, b, i)));
+  const __m128i nib = _mm_set1_epi8(0x0f), sixteen = _mm_set1_epi8(16);
+  lo = _mm_and_si128(raw, nib);
+  hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+  const uint16_t* h = high_bits(qg, b);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  lo = _mm_mask_add_epi8(lo, h[i], lo, sixteen);
+  hi = _mm_mask_add_epi8(hi, h[8 + i], hi, sixteen);
+#else
+  const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m128i bit = _mm_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  auto bytes = [&](uint16_t m) {
+    const __m128i v = _mm_and_si128(_mm_shuffle_epi8(_mm_set1_epi16(static_cast<short>(m)), spread), bit);
+    return _mm_and_si128(_mm_cmpeq_epi8(v, bit), sixteen);
+  };
+  lo = _mm_or_si128(lo, bytes(h[i]));
+  hi = _mm_or_si128(hi, bytes(h[8 + i]));
+#endif
+  lo = _mm_sub_epi8(lo, sixteen);
+  hi = _mm_sub_epi8(hi, sixteen);
+}
+#endif
+
 #ifdef AIOLM_AVX512
 // AVX-512: a block's 32 weights are two vectors of 16 (its low nibbles are weights
-// 0-15, its high nibbles 16-31), half the conversions and FMAs of the AVX2 tile.
+// 0-15, its high nibbles 16-31), half the conversions and FMAs of the AVX2 tile. Row i's
+// block b of the group qg.
 template <int64_t T>
-inline void unpack16(const uint8_t* qs, __m512 f[2]) {
-  if constexpr (int8_codes(T)) {
+inline void unpack16(const uint8_t* qg, int64_t b, int64_t i, __m512 f[2]) {
+  const uint8_t* qs = block_row<T>(qg, b, i);
+  if constexpr (T == Q5_0) {
+    __m128i lo, hi;
+    q5_0_codes(qg, b, i, lo, hi);
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+  } else if constexpr (int8_codes(T)) {
     f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
     f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
   } else {
@@ -89,7 +125,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
     if constexpr (T != Q6_K) _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
-      unpack16<T>(qs + (b * 8 + i) * QB, f);
+      unpack16<T>(qs, b, i, f);
       __m512 d;
       if constexpr (T == Q6_K) {  // f[0] and f[1] are the two halves: scaled, they are the weights
         f[0] = _mm512_mul_ps(f[0], _mm512_set1_ps(scale[(b * 8 + i) * 2]));
@@ -136,8 +172,16 @@ inline float hsum256(__m256 v) {
 // kernel_x scales x by 2^S to match (raw_codes says where this is used and why), and the
 // products u * x * 2^(S - 149) round as u * x does while they stay normal.
 template <int64_t T, bool Raw = false>
-inline void unpack(const uint8_t* qs, __m256 f[4]) {
-  if constexpr (int8_codes(T)) {
+inline void unpack(const uint8_t* qg, int64_t b, int64_t i, __m256 f[4]) {
+  const uint8_t* qs = block_row<T>(qg, b, i);
+  if constexpr (T == Q5_0) {  // its codes signed, in x's order, as Q8_0's
+    __m128i lo, hi;
+    q5_0_codes(qg, b, i, lo, hi);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+  } else if constexpr (int8_codes(T)) {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
     f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
@@ -174,7 +218,7 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
       _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
     for (int i = 0; i < NR; ++i) {
       __m256 f[4];
-      unpack<T, Raw>(qs + (b * 8 + i0 + i) * QB, f);
+      unpack<T, Raw>(qs, b, i0 + i, f);
       __m256 d;
       if constexpr (NR == 8 && T != Q6_K)
         d = _mm256_broadcast_ss(d8 + i);
@@ -224,10 +268,10 @@ inline float block_sum(const float* x) {
 }
 
 // Whether the group kernels read x reordered for blocks of type qtype (AVX2's 4-bit tiles:
-// see unpack).
+// see unpack; Q5_0's fifth bits would carry into the next lane's code).
 constexpr bool reorders_x(int64_t qtype) {
 #if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
-  return !int8_codes(qtype);
+  return !int8_codes(qtype) && qtype != Q5_0;
 #else
   (void)qtype;
   return false;
@@ -343,6 +387,13 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
     } else if constexpr (int8_codes(T)) {
       const int8_t* q = reinterpret_cast<const int8_t*>(qs + (b * 8 + i) * 32);
       for (int j = 0; j < 32; ++j) t += static_cast<float>(q[j]) * x[b * QK + j];
+    } else if constexpr (T == Q5_0) {
+      const uint8_t* q = block_row<T>(qs, b, i);
+      const uint32_t h = row_high_bits(qs, b, i);
+      for (int j = 0; j < 16; ++j) {
+        t += static_cast<float>(static_cast<int>((q[j] & 0xf) | ((h >> j) & 1) << 4) - 16) * x[b * QK + j];
+        t += static_cast<float>(static_cast<int>((q[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16) * x[b * QK + j + 16];
+      }
     } else {
       const uint8_t* q = qs + (b * 8 + i) * 16;
       const float off = T == Q4_0 ? 8.f : 0.f;

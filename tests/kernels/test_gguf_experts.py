@@ -31,6 +31,7 @@ TYPES = [
     ("Q4_1", "Q4_1", "Q4_1"),
     ("Q4_K", "Q4_K", "Q6_K"),
     ("Q4_K", "Q4_K", "Q8_0"),
+    ("Q4_K", "Q4_K", "Q5_0"),  # a down projection whose rows are not whole super-blocks
     ("Q6_K", "Q4_1", "Q4_0"),
 ]
 
@@ -222,7 +223,9 @@ def test_other_isa_builds_match_the_references(isa):
         pytest.skip("this machine's own build is the AVX2 one")
     isa_builds.check_build_flags(isa)
     lib = isa_builds.isa_library("gguf", isa_builds.GGUF_SOURCES, isa)  # int8 x: gguf_int8_quantize
-    isa_builds.run_tests_with(lib, [__file__], "per_expert_loop and (Q4_K-Q4_K-Q6_K or Q4_1) and not 13")
+    isa_builds.run_tests_with(
+        lib, [__file__], "per_expert_loop and (Q4_K-Q4_K-Q6_K or Q4_K-Q4_K-Q5_0 or Q4_1) and not 13"
+    )
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ def test_every_path_quantizes_to_the_same_codes():
 
 
 @pytest.mark.parametrize("isa", _isas(), ids=lambda i: ISAS[i])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 # Tiles (gguf_int8.cpp's even_tiles) of 3-11 rows, as runs of up to 6 rows whose sums interleave:
 # 11 rows, runs of 6 and 5; 12, tiles of 6 and 6; 17, tiles of 8 (4 + 4) and 9 (5 + 4);
 # 70, two passes (tiles of 10-11, then 6).

@@ -14,7 +14,7 @@ from aiolm.quant import gguf_blocks
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 def test_matches_dequantized_matmul(qtype, rows):
     rng = np.random.default_rng(rows)
@@ -88,14 +88,16 @@ def test_other_isa_builds_match_the_references(isa, isa_libraries):
     )
 
 
-def test_q5_0_blocks_are_kept_as_q8_0_with_the_files_values():
-    """A Q5_0 tensor (Q4_K_M files keep some down projections in it) is regrouped at load into
-    Q8_0 blocks holding exactly the values gguf dequantizes it to, and multiplies as they do."""
-    w = np.random.default_rng(5).standard_normal((24, 96)).astype(np.float32)
+def test_q5_0_blocks_keep_their_bits_and_the_files_values():
+    """A Q5_0 tensor (Q4_K_M files keep some down projections in it) is kept at the file's 5.5
+    bits a weight (20 bytes of codes a block, the f16 scale beside), holding exactly the values
+    gguf dequantizes it to, and multiplies as they do."""
+    w = np.random.default_rng(5).standard_normal((27, 96)).astype(np.float32)  # a padded group
+    w[2, :32] = np.linspace(-1, 1, 32)  # every code from 0 to 31: each fifth bit set and clear
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
     g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q5_0")
-    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).reshape(24, 96))
-    assert g.qtype == gguf_blocks.TYPE_IDS["Q8_0"]
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).reshape(27, 96))
+    assert g.qtype == gguf_blocks.TYPE_IDS["Q5_0"] and g.qs.shape == (4, 3 * 8 * 20) and g.scale.dtype == torch.float16
     assert torch.equal(g.dequantize(), want)
     x = torch.randn(3, 96)
     torch.testing.assert_close(g.linear(x), x @ want.T, rtol=1e-5, atol=1e-4)

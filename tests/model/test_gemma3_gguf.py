@@ -358,8 +358,10 @@ def test_greedy_from_the_gguf_and_the_folder_match_transformers(written, prompts
         layers = from_gguf.layers
         assert isinstance(layers[3].self_attn.qkv_proj.gguf.blocks, GGUFWeight)  # Q8_0 q, k, v
         assert isinstance(layers[2].self_attn.qkv_proj.gguf.blocks, GGUFParts)  # Q4_K q, k beside a Q6_K v
-        q5_0 = layers[0].self_attn.qkv_proj.gguf.blocks  # Q5_0, kept as Q8_0 blocks of the same values
-        assert isinstance(q5_0, GGUFWeight) and q5_0.qtype == TYPE_IDS["Q8_0"]
+        q5_0 = layers[1].self_attn.qkv_proj.gguf.blocks  # Q5_0 q, k, v, at the file's 5.5 bits
+        assert isinstance(q5_0, GGUFWeight) and q5_0.qtype == TYPE_IDS["Q5_0"]
+        mixed = layers[0].self_attn.qkv_proj.gguf.blocks  # Q5_0 q, k beside a Q8_0 v
+        assert isinstance(mixed, GGUFParts) and [p.qtype for p in mixed.parts] == [TYPE_IDS["Q5_0"], TYPE_IDS["Q8_0"]]
         assert all(isinstance(layer.mlp.down_proj.gguf, GGUFLinear) for layer in layers)
         assert isinstance(from_gguf.lm_head.gguf, GGUFLinear)  # the tied Q8_0 embedding
         assert all(getattr(layer, "fused", None) is None for layer in layers)  # the Llama-only fused step
