@@ -178,7 +178,7 @@ def write_moe_gguf(
     edit: Callable[[str, np.ndarray], np.ndarray | None] | None = None,
 ) -> None:
     """``model`` (Qwen3-MoE, Qwen2-MoE or Mixtral) written to ``path`` as llama.cpp's converter
-    lays it out, its matrices F32 or Q8_0 (``qtype``); the model's vocab_size must be ``VOCAB``.
+    lays it out, its matrices F32, Q8_0 or Q5_0 (``qtype``); the model's vocab_size must be ``VOCAB``.
 
     ``stacked=False`` writes one tensor per expert (``blk.N.ffn_gate.E.weight``), as llama.cpp
     wrote Mixtral before it stacked them. ``edit(gguf_name, array)``, for files a converter
@@ -190,8 +190,10 @@ def write_moe_gguf(
         raise ValueError(f"model_type {model_type!r}; known: {', '.join(GGUF_ARCH)}")
     if cfg.vocab_size != VOCAB:
         raise ValueError(f"vocab_size {cfg.vocab_size}: the file's tokenizer has {VOCAB} tokens")
-    if qtype not in ("F32", "Q8_0"):
-        raise ValueError(f"qtype {qtype!r}; known: F32, Q8_0")
+    file_types = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    file_types["Q5_0"] = gguf.LlamaFileType.MOSTLY_Q5_0
+    if qtype not in file_types:
+        raise ValueError(f"qtype {qtype!r}; known: {', '.join(file_types)}")
     arch, model_arch = GGUF_ARCH[model_type]
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)  # llama.cpp's own mapping
     # llama.cpp's MoE architectures have no dense layer; one of Qwen3-MoE's mlp_only_layers is
@@ -203,7 +205,7 @@ def write_moe_gguf(
 
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, cfg, model_type)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(file_types[qtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(hf: str, arr: np.ndarray, name: str | None = None) -> None:
@@ -224,7 +226,8 @@ def write_moe_gguf(
         if qtype == "F32" or keep_f32:
             w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
         else:
-            w.add_tensor(name, gguf_quantize(np.ascontiguousarray(arr, np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+            t = Q[qtype]
+            w.add_tensor(name, gguf_quantize(np.ascontiguousarray(arr, np.float32), t), raw_dtype=t)
 
     for hf, t in state.items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -81,6 +81,13 @@ INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
 # tiles, which overtake int8 beyond a few dozen rows, it stops at 32.
 INT8_LIMIT = sys.maxsize if cpu_kernels.has_avx512_vnni() else 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_AMX_BF16 = 32
+# Q5_0 blocks (a Q4_K_M file's tensors whose rows are not whole 256-weight super-blocks) keep
+# the file's 5.5 bits where int8 activations meet them on VNNI, whose kernels then read them at
+# 0.67-0.72x the time of 8.5-bit Q8_0 codes of the same values; elsewhere they are widened at
+# load to those Q8_0 codes, since the float kernels' unpacking of the fifth bits cost 1.26-1.5x
+# what the widened codes' bytes did, and AVX2's int8 kernel broke even (docs/benchmarks.md,
+# issue 35). Every kernel takes both.
+KEEP_Q5_0 = INT8 and cpu_kernels.has_avx512_vnni()
 
 
 # An expert's projection as hf_name / hf_expert_names name it (Qwen's or Mixtral's names)
@@ -134,6 +141,28 @@ def uncoded(arr: torch.Tensor, nblocks: int) -> torch.Tensor:
 
 
 _Q5_0_BYTES = 22  # f16 d, 4 bytes of high bits, 16 bytes of low nibbles
+
+
+def _q5_0_as_q8_0(b: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [N, nb * 22] as Q8_0 blocks [N, nb * 34]: the same f16 d, and each 5-bit
+    code q (low nibble, plus bit j of qh for weight j, bit j + 16 for weight j + 16) as the
+    int8 q - 16, so d * code is the value gguf dequantizes to."""
+    n = b.shape[0]
+    blocks = np.ascontiguousarray(b).reshape(n, -1, _Q5_0_BYTES)
+    qh = blocks[:, :, 2:6].copy().view("<u4")  # [N, nb, 1]
+    qs = blocks[:, :, 6:22]
+    j = np.arange(16, dtype=np.uint32)
+    low = (qs & 15) | (((qh >> j) & 1) << 4).astype(np.uint8)
+    high = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
+    codes = (np.concatenate([low, high], -1).astype(np.int16) - 16).astype(np.int8)
+    return np.concatenate([blocks[:, :, 0:2], codes.view(np.uint8)], -1).reshape(n, -1)
+
+
+def kept(blocks: np.ndarray, ttype: str) -> tuple[np.ndarray, str]:
+    """A tensor's raw rows as the kernels keep them: Q5_0 widened to Q8_0 unless KEEP_Q5_0."""
+    if ttype == "Q5_0" and not KEEP_Q5_0:
+        return _q5_0_as_q8_0(blocks), "Q8_0"
+    return blocks, ttype
 
 
 def _q5_0_regrouped(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -194,7 +223,8 @@ class GGUFWeight:
 
     @classmethod
     def from_blocks(cls, blocks: np.ndarray, ttype: str) -> GGUFWeight:
-        """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins."""
+        """Split raw GGUF rows (uint8 [N, nblocks * block bytes]) into quants, scales and mins
+        (Q5_0: at its 5.5 bits; ``kept`` says where a model widens it first)."""
         n = blocks.shape[0]
         if ttype == "Q5_0":
             qs, scale = _q5_0_regrouped(np.ascontiguousarray(blocks).reshape(n, -1, _Q5_0_BYTES))
@@ -329,7 +359,7 @@ class ExpertBlocks:
         parts = []
         for e0 in range(0, num_experts, step):
             chunk = np.asarray(per[e0 : e0 + step], dtype=np.uint8)
-            parts.append(GGUFWeight.from_blocks(chunk.reshape(-1, chunk.shape[2]), ttype))
+            parts.append(GGUFWeight.from_blocks(*kept(chunk.reshape(-1, chunk.shape[2]), ttype)))
         groups = n // 8  # whole groups, so that expert e's are groups e * G .. (e + 1) * G - 1
 
         def stack(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -747,7 +777,7 @@ class GGUFBlocksConfig(QuantConfig):
         cfg = self.model_config
         if permuted_qk(cfg.architecture) and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = unpermute_rope_rows(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        return data, ttype
+        return kept(data, ttype)  # before the runs, so that a widened Q5_0 joins its Q8_0 neighbours
 
     def blocks(self, names: list[str]) -> GGUFWeight | GGUFParts | None:
         """The blocks of the tensors ``names`` side by side, or None where one is missing

@@ -18,6 +18,7 @@ import torch
 from test_gguf_int8 import ISAS, _isas  # the int8 paths this build has
 
 from aiolm.kernels import cpu as cpu_kernels
+from aiolm.quant import gguf_blocks
 from aiolm.quant.gguf_blocks import GGUFExperts
 from kquant_blocks import random_q4_k, random_q6_k
 
@@ -34,6 +35,13 @@ TYPES = [
     ("Q4_K", "Q4_K", "Q5_0"),  # a down projection whose rows are not whole super-blocks
     ("Q6_K", "Q4_1", "Q4_0"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _q5_0_at_its_bits(monkeypatch):
+    """Q5_0 experts as int8 on VNNI keeps them (gguf_blocks.KEEP_Q5_0), so that the kernels'
+    Q5_0 paths run here; widened, they are Q8_0's."""
+    monkeypatch.setattr(gguf_blocks, "KEEP_Q5_0", True)
 
 
 def _blocks(ttype: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

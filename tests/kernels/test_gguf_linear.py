@@ -88,19 +88,24 @@ def test_other_isa_builds_match_the_references(isa, isa_libraries):
     )
 
 
-def test_q5_0_blocks_keep_their_bits_and_the_files_values():
+def test_q5_0_blocks_keep_their_bits_or_are_widened_with_the_files_values(monkeypatch):
     """A Q5_0 tensor (Q4_K_M files keep some down projections in it) is kept at the file's 5.5
-    bits a weight (20 bytes of codes a block, the f16 scale beside), holding exactly the values
-    gguf dequantizes it to, and multiplies as they do."""
+    bits a weight (20 bytes of codes a block, the f16 scale beside), or widened to Q8_0 codes
+    where a model keeps it so (gguf_blocks.kept); both hold exactly the values gguf dequantizes
+    it to, and multiply as they do."""
     w = np.random.default_rng(5).standard_normal((27, 96)).astype(np.float32)  # a padded group
     w[2, :32] = np.linspace(-1, 1, 32)  # every code from 0 to 31: each fifth bit set and clear
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
-    g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q5_0")
     want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).reshape(27, 96))
+    g = gguf_blocks.GGUFWeight.from_blocks(blocks, "Q5_0")
     assert g.qtype == gguf_blocks.TYPE_IDS["Q5_0"] and g.qs.shape == (4, 3 * 8 * 20) and g.scale.dtype == torch.float16
-    assert torch.equal(g.dequantize(), want)
-    x = torch.randn(3, 96)
-    torch.testing.assert_close(g.linear(x), x @ want.T, rtol=1e-5, atol=1e-4)
+    for keep, qtype in ((True, "Q5_0"), (False, "Q8_0")):
+        monkeypatch.setattr(gguf_blocks, "KEEP_Q5_0", keep)
+        g = gguf_blocks.GGUFWeight.from_blocks(*gguf_blocks.kept(blocks, "Q5_0"))
+        assert g.qtype == gguf_blocks.TYPE_IDS[qtype]
+        assert torch.equal(g.dequantize(), want)
+        x = torch.randn(3, 96)
+        torch.testing.assert_close(g.linear(x), x @ want.T, rtol=1e-5, atol=1e-4)
 
 
 def _q4_weight(qtype: str, seed: int = 0) -> tuple[gguf_blocks.GGUFWeight, torch.Tensor]:

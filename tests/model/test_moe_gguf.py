@@ -17,11 +17,15 @@ from paged import PagedHarness, hf_greedy
 NEW = 10
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_gguf_file_gives_transformers_greedy_tokens(kind, qtype, tmp_path, monkeypatch):
+    """(Q5_0: its blocks kept at 5.5 bits, as int8 on VNNI keeps them, and run in float.)"""
     from transformers import AutoModelForCausalLM
 
+    from aiolm.quant import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "KEEP_Q5_0", True)
     hf = tiny_moe_model(kind)
     path = tmp_path / f"{kind}-{qtype}.gguf"
     write_moe_gguf(hf, path, qtype)
@@ -32,6 +36,11 @@ def test_gguf_file_gives_transformers_greedy_tokens(kind, qtype, tmp_path, monke
     if qtype != "F32":
         hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
     model = build_model(source, torch.float32)
+    if qtype == "Q5_0" and gguf_blocks.cpu_kernels.load():
+        mods = list(model.modules())
+        linears = {m.gguf.blocks.qtype for m in mods if isinstance(getattr(m, "gguf", None), gguf_blocks.GGUFLinear)}
+        experts = {t for m in mods if getattr(m, "gguf_experts", None) is not None for t in m.gguf_experts.types}
+        assert linears == experts == {gguf_blocks.TYPE_IDS["Q5_0"]}
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 13)]
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
