@@ -346,8 +346,11 @@ void group_avx2(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
 // Q6_K is Q8_0 with a scale per 16 weights (lanes 0-3 and 4-7 of a row): each lane gets its
 // own scale, and each half's correction starts its own 4 lanes, from that half's sum. Its
 // codes in [-32, 31] go in as q + 32, not q + 128: smaller lane values, smaller float rounding.
+// Q4_1's and Q4_K's min terms (mins mg) are summed in the same pass, 8 rows to a ymm vector, in
+// min_term's order: each block's mins decode once for the MR rows.
 template <int64_t T, int MR>
-void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r0, float out[8][MR]) {
+void group_vnni(const uint8_t* qg, const Scale<T>* sg, const Scale<T>* mg, const QRows& x, int64_t r0,
+                float out[8][MR]) {
   constexpr int NV = int8_codes(T) ? 4 : 2;     // vectors per block of the group's 8 rows
   constexpr int LANES = int8_codes(T) ? 8 : 4;  // int32 lanes per row in a vector
   constexpr int OFF = T == Q6_K ? 32 : int8_codes(T) ? 128 : T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
@@ -361,10 +364,17 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
   const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
                 off6 = _mm512_set1_epi8(32), sixteen = _mm512_set1_epi8(16);
   __m512 acc[NV][MR];
+  __m256 accm[MR];  // the min terms: lane i, row i
+  for (int r = 0; r < MR; ++r) accm[r] = _mm256_setzero_ps();
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) acc[v][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nblocks; ++b) {
     if (r0 == 0) prefetch_ahead(qg, b, 8 * QB);  // the group's first tile: from memory
+    if constexpr (has_min(T)) {
+      const __m256 m8 = scales8<T>(mg, x.nblocks, b);
+      for (int r = 0; r < MR; ++r)
+        accm[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x.s[(r0 + r) * x.nblocks + b]), accm[r]);
+    }
     __m512i xa[MR], xb[MR], init[MR];
     __m512 dx[MR];
     for (int r = 0; r < MR; ++r) {
@@ -414,11 +424,14 @@ void group_vnni(const uint8_t* qg, const Scale<T>* sg, const QRows& x, int64_t r
   for (int v = 0; v < NV; ++v)
     for (int r = 0; r < MR; ++r) {
       alignas(64) float lanes[16];
+      alignas(32) float mins[8];
       _mm512_store_ps(lanes, acc[v][r]);
+      _mm256_store_ps(mins, accm[r]);
       for (int j = 0; j < 16 / LANES; ++j) {
         float t = 0.f;
         for (int l = 0; l < LANES; ++l) t += lanes[j * LANES + l];
-        out[v * (16 / LANES) + j][r] = t;
+        const int i = v * (16 / LANES) + j;
+        out[i][r] = has_min(T) ? t + mins[i] : t;
       }
     }
 }
@@ -641,10 +654,11 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
   auto qg_of = [&](int64_t g) { return qs + g * nb * 8 * QB; };
   auto sg_of = [&](int64_t g) { return scale + g * group_scales(T, nb); };
   auto mg_of = [&](int64_t g) { return has_min(T) ? mins + g * group_scales(T, nb) : nullptr; };
-  auto put = [&](int64_t g, int64_t r, const float* v) {  // v[i]: row 8g + i of y's row r
+  // v[i]: row 8g + i of y's row r, its min term added unless the kernel added it (mins_in)
+  auto put = [&](int64_t g, int64_t r, const float* v, bool mins_in) {
     const int64_t n0 = g * 8, nn = std::min<int64_t>(8, N - n0);
     float mterm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (has_min(T)) min_term<T>(mg_of(g), x.s + r * nb, nb, isa, mterm);
+    if (has_min(T) && !mins_in) min_term<T>(mg_of(g), x.s + r * nb, nb, isa, mterm);
     for (int64_t i = 0; i < nn; ++i) y[r * N + n0 + i] = v[i] + mterm[i];
   };
 #ifdef AIOLM_I8_VNNI
@@ -665,39 +679,40 @@ void run_groups(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* mins, 
     const uint8_t* qg = qg_of(g);
     const Scale<T>* sg = sg_of(g);
     // Tiles of MR rows of x; each tile reads the group's blocks once (they stay in L1).
-    auto tile = [&](auto mr, auto group_fn, int64_t r) {
+    auto tile = [&](auto mr, auto group_fn, int64_t r, bool mins_in) {
       constexpr int MR = decltype(mr)::value;
       float o[8][MR];
       group_fn(r, o);
       for (int k = 0; k < MR; ++k) {
         float v[8];
         for (int i = 0; i < 8; ++i) v[i] = o[i][k];
-        put(g, r + k, v);
+        put(g, r + k, v, mins_in);
       }
     };
-    auto tiles = [&](auto group_fn_2, auto group_fn_1) {
+    auto tiles = [&](auto group_fn_2, auto group_fn_1, bool mins_in) {
       int64_t r = 0;
-      for (; r + 2 <= M; r += 2) tile(std::integral_constant<int, 2>{}, group_fn_2, r);
-      if (r < M) tile(std::integral_constant<int, 1>{}, group_fn_1, r);
+      for (; r + 2 <= M; r += 2) tile(std::integral_constant<int, 2>{}, group_fn_2, r, mins_in);
+      if (r < M) tile(std::integral_constant<int, 1>{}, group_fn_1, r, mins_in);
     };
 #ifdef AIOLM_I8_VNNI
     if (isa == AVX512_VNNI) {
-      tiles([&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, x, r, o); });
+      const Scale<T>* mg = mg_of(g);
+      tiles([&](int64_t r, float o[8][2]) { group_vnni<T, 2>(qg, sg, mg, x, r, o); },
+            [&](int64_t r, float o[8][1]) { group_vnni<T, 1>(qg, sg, mg, x, r, o); }, true);
       continue;
     }
 #endif
 #ifdef AIOLM_I8_AVX2
     if (isa == AVX2) {
       tiles([&](int64_t r, float o[8][2]) { group_avx2<T, 2>(qg, sg, x, r, o); },
-            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); });
+            [&](int64_t r, float o[8][1]) { group_avx2<T, 1>(qg, sg, x, r, o); }, false);
       continue;
     }
 #endif
     for (int64_t r = 0; r < M; ++r) {
       float v[8];
       group_scalar<T>(qg, sg, x, r, v);
-      put(g, r, v);
+      put(g, r, v, false);
     }
   }
 }
