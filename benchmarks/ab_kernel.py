@@ -120,9 +120,7 @@ def linear_case(case: str, rows: int):
             for n, k in ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
             for _ in range(3)
         ]
-    xs = [
-        torch.randn(rows, w.qs.shape[1] // (8 * (32 if w.qtype in (8, 14) else 16)) * 32) for w in ws
-    ]  # Q8_0, Q6_K: 32 bytes a block
+    xs = [torch.randn(rows, w.nblocks * 32) for w in ws]
     return ws, xs
 
 

@@ -82,11 +82,11 @@ INT8 = os.environ.get("AIOLM_GGUF_INT8") == "1"
 INT8_LIMIT = sys.maxsize if cpu_kernels.has_avx512_vnni() else 16 if cpu_kernels.has_avx512() else MAX_ROWS
 INT8_LIMIT_AMX_BF16 = 32
 # Q5_0 blocks (a Q4_K_M file's tensors whose rows are not whole 256-weight super-blocks) keep
-# the file's 5.5 bits where int8 activations meet them on VNNI, whose kernels then read them at
-# 0.67-0.72x the time of 8.5-bit Q8_0 codes of the same values; elsewhere they are widened at
-# load to those Q8_0 codes, since the float kernels' unpacking of the fifth bits cost 1.26-1.5x
-# what the widened codes' bytes did, and AVX2's int8 kernel broke even (docs/benchmarks.md,
-# issue 35). Every kernel takes both.
+# the file's 5.5 bits where int8 activations meet them on VNNI, whose kernels read them near
+# the read bound, so fewer bytes are less time; elsewhere they are widened at load to 8.5-bit
+# Q8_0 codes of the same values, since the float kernels, bound by converting each weight, and
+# AVX2's int8 kernel pay more for the fifth bits than the bytes save (the A/B:
+# docs/benchmarks.md, issue 35). Every kernel takes both.
 KEEP_Q5_0 = INT8 and cpu_kernels.has_avx512_vnni()
 
 
@@ -262,16 +262,18 @@ class GGUFWeight:
         scales = (d.float().reshape(n, -1, 1).numpy(), m.float().reshape(n, -1, 1).numpy())
         return cls(torch.from_numpy(grouped(qs)), *(torch.from_numpy(grouped(a)) for a in scales), Q4_1F, n)
 
+    @property
+    def nblocks(self) -> int:
+        """Blocks of 32 a row: K / 32."""
+        int8 = self.qs.dtype == torch.int8  # Q8_0, Q6_K: 32 bytes a block; Q5_0 20; else 16 of nibbles
+        return self.qs.shape[1] // (8 * (32 if int8 else 20 if self.qtype == TYPE_IDS["Q5_0"] else 16))
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] these arrays hold, as the kernels read them (for tests)."""
-        int8 = self.qs.dtype == torch.int8  # Q8_0, Q6_K: 32 bytes a block; Q5_0 20; else 16 of nibbles
-        q5 = self.qtype == TYPE_IDS["Q5_0"]
-        groups = self.qs.shape[0]
-        nb = self.qs.shape[1] // (8 * (32 if int8 else 20 if q5 else 16))
-        q = self.qs.view(groups, nb, 8, -1).transpose(1, 2)  # [N/8, 8, nblocks, quant bytes]
-        if int8:
-            codes = q.float()
-        elif q5:
+        groups, nb = self.qs.shape[0], self.nblocks
+        if self.qs.dtype == torch.int8:
+            codes = self.qs.view(groups, nb, 8, -1).transpose(1, 2).float()  # [N/8, 8, nblocks, 32]
+        elif self.qtype == TYPE_IDS["Q5_0"]:
             block = self.qs.view(groups, nb, 160)
             q = block[:, :, :128].reshape(groups, nb, 8, 16).transpose(1, 2)
             words = block[:, :, 128:].contiguous().view(torch.int16).int() & 0xFFFF  # [N/8, nblocks, 16]
@@ -279,6 +281,7 @@ class GGUFWeight:
             fifth = bits.reshape(groups, 8, nb, 32)  # [.., half, weight] -> weights 0-31
             codes = (torch.cat([q & 15, q >> 4], -1).int() | fifth << 4).float() - 16
         else:
+            q = self.qs.view(groups, nb, 8, 16).transpose(1, 2)  # [N/8, 8, nblocks, 16 bytes of nibbles]
             codes = torch.cat([q & 15, q >> 4], -1).float() - (8 if self.qtype == TYPE_IDS["Q4_0"] else 0)
         scale, mins = self.scale, self.mins
         if scale.dtype == torch.uint8:  # Q4_K: the file's codes and factors

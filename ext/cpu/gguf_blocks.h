@@ -99,6 +99,17 @@ inline __m256 scales8(const Scale<T>* sg, int64_t nblocks, int64_t b) {
 }
 #endif
 
+#if defined(__F16C__) && defined(__AVX2__)
+// Q5_0: a row's 32 fifth bits (bit j: weight j) as 32 bytes in x's order, 16 where the bit is
+// set: each byte takes its bit's byte by a shuffle, then its own bit, compared.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+#endif
+
 // Calls f(std::integral_constant<int64_t, T>{}) for qtype (checked by check_type), so
 // that each kernel instantiates its templates for every type from one switch.
 template <typename F>
@@ -134,6 +145,11 @@ inline const uint16_t* high_bits(const uint8_t* qg, int64_t b) {
 inline uint32_t row_high_bits(const uint8_t* qg, int64_t b, int64_t i) {
   const uint16_t* h = high_bits(qg, b);
   return static_cast<uint32_t>(h[i]) | static_cast<uint32_t>(h[8 + i]) << 16;
+}
+
+// Q5_0: the code u (0-31) of weight j of a row's block, from its nibbles q and fifth bits h.
+inline int32_t q5_0_code(const uint8_t* q, uint32_t h, int j) {
+  return ((j < 16 ? q[j] : q[j - 16] >> 4) & 0xf) | static_cast<int32_t>((h >> j) & 1) << 4;
 }
 
 // The AVX2 group tiles ask for a group's codes this many blocks ahead of their use: with the

@@ -208,8 +208,7 @@ int32_t block_dot_scalar(const uint8_t* qg, int64_t b, int i, const int8_t* xq, 
   } else if constexpr (T == Q5_0) {
     const uint8_t* w = block_row<T>(qg, b, i);
     const uint32_t h = row_high_bits(qg, b, i);
-    for (int j = 0; j < 16; ++j)
-      acc += ((w[j] & 0xf) | ((h >> j) & 1) << 4) * xq[j] + ((w[j] >> 4) | ((h >> (j + 16)) & 1) << 4) * xq[j + 16];
+    for (int j = 0; j < 16; ++j) acc += q5_0_code(w, h, j) * xq[j] + q5_0_code(w, h, j + 16) * xq[j + 16];
     acc -= 16 * xsum;
   } else {
     const uint8_t* w = qg + (b * 8 + i) * 16;
@@ -255,12 +254,7 @@ inline __m256i weights_avx2(const uint8_t* qg, int64_t b, int64_t i) {
     const __m256i u = _mm256_and_si256(
         _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), _mm256_set1_epi8(0x0f));
     if constexpr (T != Q5_0) return u;
-    // The fifth bits: byte j of the 32 takes bit j, spread by a byte shuffle and a compare.
-    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
-    const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-    const __m256i v = _mm256_and_si256(
-        _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(row_high_bits(qg, b, i))), spread), bit);
-    return _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16)));
+    return _mm256_or_si256(u, fifth_bits(row_high_bits(qg, b, i)));
   }
 }
 

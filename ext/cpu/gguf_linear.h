@@ -51,7 +51,7 @@ using namespace aiolm_gguf;  // QK, the type ids, what they are (has_min, Scale,
 #ifdef AIOLM_AVX2
 // Q5_0: the 16 bytes of row i's block b as its signed codes u - 16, in x's order (lo: weights
 // 0-15, hi: 16-31). A fifth bit adds 16 to its nibble: a masked add where AVX-512 has byte
-// masks, else bits spread to bytes (each byte ANDed with its bit's mask, compared).
+// masks, else the bits spread to bytes (fifth_bits).
 inline void q5_0_codes(const uint8_t* qg, int64_t b, int64_t i, __m128i& lo, __m128i& hi) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block_row<Q5_0>(qg, b, i)));
   const __m128i nib = _mm_set1_epi8(0x0f), sixteen = _mm_set1_epi8(16);
@@ -62,14 +62,9 @@ inline void q5_0_codes(const uint8_t* qg, int64_t b, int64_t i, __m128i& lo, __m
   lo = _mm_mask_add_epi8(lo, h[i], lo, sixteen);
   hi = _mm_mask_add_epi8(hi, h[8 + i], hi, sixteen);
 #else
-  const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m128i bit = _mm_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  auto bytes = [&](uint16_t m) {
-    const __m128i v = _mm_and_si128(_mm_shuffle_epi8(_mm_set1_epi16(static_cast<short>(m)), spread), bit);
-    return _mm_and_si128(_mm_cmpeq_epi8(v, bit), sixteen);
-  };
-  lo = _mm_or_si128(lo, bytes(h[i]));
-  hi = _mm_or_si128(hi, bytes(h[8 + i]));
+  const __m256i f = fifth_bits(row_high_bits(qg, b, i));
+  lo = _mm_or_si128(lo, _mm256_castsi256_si128(f));
+  hi = _mm_or_si128(hi, _mm256_extracti128_si256(f, 1));
 #endif
   lo = _mm_sub_epi8(lo, sixteen);
   hi = _mm_sub_epi8(hi, sixteen);
@@ -391,8 +386,8 @@ float dot_scalar(const uint8_t* qs, const Scale<T>* scale, int64_t nblocks, int6
       const uint8_t* q = block_row<T>(qs, b, i);
       const uint32_t h = row_high_bits(qs, b, i);
       for (int j = 0; j < 16; ++j) {
-        t += static_cast<float>(static_cast<int>((q[j] & 0xf) | ((h >> j) & 1) << 4) - 16) * x[b * QK + j];
-        t += static_cast<float>(static_cast<int>((q[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16) * x[b * QK + j + 16];
+        t += static_cast<float>(q5_0_code(q, h, j) - 16) * x[b * QK + j];
+        t += static_cast<float>(q5_0_code(q, h, j + 16) - 16) * x[b * QK + j + 16];
       }
     } else {
       const uint8_t* q = qs + (b * 8 + i) * 16;
