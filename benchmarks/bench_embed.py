@@ -288,8 +288,9 @@ def _linear_flops(tokens: int) -> float:
     return 2.0 * tokens * layers * (4 * h * h + 2 * h * inter)
 
 
-def _split(fn: Any, runs: int) -> tuple[float, dict[str, float]]:
-    """Wall time per call and self time per part (ms) under torch.profiler over ``runs`` calls."""
+def _split(fn: Any, runs: int) -> tuple[float, dict[str, float], list[tuple[str, float]]]:
+    """Wall time per call, self time per part and per op (ms, the op's most first) under
+    torch.profiler over ``runs`` calls."""
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -302,13 +303,15 @@ def _split(fn: Any, runs: int) -> tuple[float, dict[str, float]]:
         part = next((name for name, ops in PARTS if ev.key in ops), "other ops")
         parts[part] += ev.self_cpu_time_total / 1e3 / runs
     parts["outside torch ops"] = max(0.0, 1e3 * wall - sum(parts.values()))
-    return 1e3 * wall, parts
+    ops = sorted(((ev.key, ev.self_cpu_time_total / 1e3 / runs) for ev in prof.key_averages()), key=lambda o: -o[1])
+    return 1e3 * wall, parts, ops
 
 
-def profile(folder: Path, texts: list[str], budget: int, rounds: int) -> None:
+def profile(folder: Path, texts: list[str], budget: int, rounds: int, dtype: str = "float32") -> None:
     """One aiolm step of the first sentences that fit ``budget`` tokens (the model as a worker
     builds it, called as the pooling runner calls it) against sentence-transformers' encode of
-    the same sentences, in one process, alternating; then each under torch.profiler."""
+    the same sentences, in one process, alternating; then each under torch.profiler. In
+    ``dtype``: aiolm's as its --dtype, sentence-transformers' model cast whole."""
     import torch
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
@@ -329,8 +332,9 @@ def profile(folder: Path, texts: list[str], budget: int, rounds: int) -> None:
     sub = texts[: len(batch)]
     ordered = sorted(lens, reverse=True)  # sentence-transformers' batches of 32, padded to their longest
     padded = sum(max(ordered[i : i + 32]) * len(ordered[i : i + 32]) for i in range(0, len(ordered), 32))
-    model = build_model(resolve_model(str(folder)), torch.float32, "cpu", pooling=True)
+    model = build_model(resolve_model(str(folder)), getattr(torch, dtype), "cpu", pooling=True)
     st = SentenceTransformer(str(folder), device="cpu")
+    st.to(getattr(torch, dtype))
     get_platform("cpu").tune_worker_process()  # the heap as a worker process has it
     meta = AttentionMetadata.build(lens, lens, [[0] * -(-n // 16) for n in lens], 16, "cpu")
     ids = torch.tensor([i for b in batch for i in b])
@@ -361,18 +365,22 @@ def profile(folder: Path, texts: list[str], budget: int, rounds: int) -> None:
         n += 1
     sgemm = 2 * 4096**3 * n / (time.perf_counter() - t) / 1e9
     print(
-        f"{len(batch)} sentences, {tokens} tokens ({padded} with sentence-transformers' padding); "
+        f"{dtype}: {len(batch)} sentences, {tokens} tokens ({padded} with sentence-transformers' padding); "
         f"torch SGEMM 4096^3: {sgemm:.0f} GFLOP/s"
     )
     for name in calls:
         med = statistics.median(times[name])
         rows = tokens if name.startswith("aiolm") else padded
         print(f"{name}: median {1e3 * med:.0f} ms of {rounds} ({tokens / med:.0f} tokens/s)")
-        wall, parts = splits[name]
+        wall, parts, ops = splits[name]
         lin = parts["linear layers"]
-        print(f"  profiled: {wall:.0f} ms a call; linear layers at {_linear_flops(rows) / lin / 1e6:.0f} GFLOP/s")
+        rate = f"{_linear_flops(rows) / lin / 1e6:.0f} GFLOP/s" if lin else "(no op of that name)"
+        print(f"  profiled: {wall:.0f} ms a call; linear layers at {rate}")
         for part, ms in parts.items():
             print(f"    {part:20s} {ms:8.1f} ms  {100 * ms / wall:5.1f}%")
+        print("  the ops with the most self time:")
+        for op, ms in ops[:10]:
+            print(f"    {op:45s} {ms:8.1f} ms")
 
 
 # ------------------------------------------------------------------ the parent
@@ -544,7 +552,7 @@ def main() -> None:
     texts_path = sentence_file(folder, a.sentences)
     texts = json.loads(texts_path.read_text())
     if a.profile:
-        profile(folder, texts, a.profile, a.profile_rounds)
+        profile(folder, texts, a.profile, a.profile_rounds, a.dtypes.split(",")[0])
         return
     tokens = count_tokens(folder, texts)
     words = sum(len(t.split()) for t in texts)

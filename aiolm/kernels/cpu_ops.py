@@ -35,6 +35,20 @@ class CpuKernelOps(TorchOps):
             return x, residual
         return super().add_rms_norm(x, residual, weight, eps)
 
+    def add_layer_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        # one pass that reads a bfloat16 matmul's output as it comes, where torch would
+        # cast it, add and normalise in three
+        if (
+            x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and _f32_cpu(residual)
+            and weight.dtype == bias.dtype == torch.float32
+        ):
+            return torch.ops.aiolm.add_layer_norm(x, residual, weight, bias, eps)
+        return super().add_layer_norm(x, residual, weight, bias, eps)
+
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

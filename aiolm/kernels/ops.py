@@ -1,4 +1,4 @@
-"""The ops model layers call: norms, rotary embedding, SiLU- and GeLU-and-mul.
+"""The ops model layers call: norms (RMS, and LayerNorm after a residual add), rotary embedding, SiLU- and GeLU-and-mul.
 
 A layer calls the ops object its model was built with (``BuildContext.ops``,
 aiolm/model/layers/context.py) and never asks what runs it. ``TorchOps`` is the
@@ -30,6 +30,13 @@ class TorchOps:
         """(rms_norm(x + residual), x + residual): the normalised sum and the new residual stream."""
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
+
+    def add_layer_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """layer_norm(x + residual) in residual's dtype: a post-norm encoder's next residual
+        stream (x may be a matmul's output in a lower precision)."""
+        return F.layer_norm(residual + x.to(residual.dtype), weight.shape, weight, bias, eps)
 
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

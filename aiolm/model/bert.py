@@ -25,7 +25,6 @@ from torch import nn
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.bert import BertConfig
 from aiolm.errors import ModelLoadError
-from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -64,13 +63,13 @@ class EncoderLayer(nn.Module):
         self.o_proj = RowParallelLinear(
             ctx, cfg.num_heads * cfg.head_dim, h, bias=True, names=(f"{prefix}.attention.output.dense",)
         )
-        self.attn_norm = LayerNorm(h, cfg.layer_norm_eps)
+        self.attn_norm = LayerNorm(h, cfg.layer_norm_eps, ctx.ops)
         self.up_proj = ColumnParallelLinear(
             ctx, h, [cfg.intermediate_size], bias=True, names=(f"{prefix}.intermediate.dense",)
         )
         self.down_proj = RowParallelLinear(ctx, cfg.intermediate_size, h, bias=True, names=(f"{prefix}.output.dense",))
-        self.mlp_norm = LayerNorm(h, cfg.layer_norm_eps)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.mlp_norm = LayerNorm(h, cfg.layer_norm_eps, ctx.ops)
+        self.act = cfg.hidden_act  # a name of layers/activation.py, checked by checkpoint/bert.py
         self.attn = ctx.attention_backend(self.num_heads, self.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -80,8 +79,8 @@ class EncoderLayer(nn.Module):
         a = self.attn.forward_encoder(q.reshape(shape), k.reshape(shape), v.reshape(shape), meta)
         # a platform may hand a matmul's output over in a lower precision: the residual
         # stream stays in x's dtype
-        h = self.attn_norm(self.o_proj(a).to(x.dtype) + x)
-        return self.mlp_norm(self.down_proj(self.act(self.up_proj(h))).to(h.dtype) + h)
+        h = self.attn_norm(self.o_proj(a), residual=x)
+        return self.mlp_norm(self.down_proj(self.up_proj(h, activation=self.act)), residual=h)
 
 
 class BertModel(nn.Module):

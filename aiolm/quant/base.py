@@ -53,6 +53,11 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return nn.functional.linear(x.to(layer.weight.dtype), layer.weight, bias)
 
+    def fuses(self, layer: nn.Module, activation: str) -> bool:
+        """Whether ``apply(layer, x, bias, activation=activation)`` computes the activation
+        (a ``hidden_act`` name) of y itself, sparing the layer a pass of its own over y."""
+        return False
+
 
 @dataclass(frozen=True)
 class ExpertsSpec:

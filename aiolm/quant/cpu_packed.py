@@ -46,17 +46,36 @@ class PackedWeight:
     panels: bool  # True: aiolm::panel_linear's [P, in, 16]; False: oneDNN's opaque layout
     hand_over_bf16: bool = False  # a bfloat16 matmul's y as it comes (the next op reads bfloat16)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y in float32, or in bfloat16 for a bfloat16 matmul that hands its output over."""
+    def fuses(self, activation: str) -> bool:
+        """Whether the kernel applies ``activation`` to y as it writes it."""
+        return activation in (_PANEL_ACTS if self.panels else _ONEDNN_ACTS)
+
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+    ) -> torch.Tensor:
+        """act(x W^T + b) in float32, or in bfloat16 for a bfloat16 matmul that hands its
+        output over; ``activation`` only one that ``fuses`` names."""
+        # the bias and activation are applied inside each kernel, to the float32 sums: no
+        # pass of their own over y, and a bfloat16 y is rounded once, after them
         if self.panels:
-            y = torch.ops.aiolm.panel_linear(x, self.data, self.out_features)
-            return y if bias is None else y.add_(bias)
+            return torch.ops.aiolm.panel_linear(
+                x, self.data, self.out_features, bias, _PANEL_ACTS.get(activation, "none")
+            )
+        attr, algorithm = _ONEDNN_ACTS.get(activation, ("none", ""))
         if self.data.dtype == torch.bfloat16:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, None, "none", [], "")
-            if not self.hand_over_bf16:
-                y = y.float()
-            return y if bias is None else y.add_(bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, bias, attr, [], algorithm)
+            return y if self.hand_over_bf16 else y.float()
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, attr, [], algorithm)
+
+
+# hidden_act names -> the kernels' own: aiolm::panel_linear's act, oneDNN's post-op and algorithm
+_PANEL_ACTS = {"gelu": "gelu"}
+_ONEDNN_ACTS = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -143,11 +162,16 @@ class CpuPackedMethod(LinearMethod):
         if packed is not None and not self.keep_weight:
             layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+    ) -> torch.Tensor:
         packed = layer.packed
         if packed is None:
             return super().apply(layer, x, bias)
-        return packed(x, bias)
+        return packed(x, bias, activation)
+
+    def fuses(self, layer: nn.Module, activation: str) -> bool:
+        return layer.packed is not None and layer.packed.fuses(activation)
 
 
 class CpuPackedExpertsMethod(ExpertsMethod):

@@ -7,6 +7,8 @@
 //
 //   rms_norm(x, w, eps)              -> w * x / sqrt(mean(x^2) + eps), per row
 //   add_rms_norm_(x, residual, w, eps)  residual += x; x = rms_norm(residual) (x float32, or bfloat16)
+//   add_layer_norm(x, residual, w, b, eps) -> layer_norm(x + residual): a post-norm encoder's
+//                                    residual stream (x float32, or bfloat16)
 //   rotary_(q, k, positions, cos, sin)  rotate-half RoPE, in place on q and k
 //   silu_and_mul(x)                  -> silu(x[:, :n]) * x[:, n:] (x float32, or bfloat16 in and out)
 
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -109,6 +112,64 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
       norm_row(rr, xr, wp, n, static_cast<float>(eps));
     }
   });
+}
+
+// out = (s - mean(s)) / sqrt(var(s) + eps) * w + b for s = x + residual, all in float32:
+// two passes over the row's sum (mean, then the centred squares) as torch's own float32
+// LayerNorm keeps its variance from cancelling.
+template <typename X>
+void add_norm_rows(const X* xp, int64_t xs, const float* rp, int64_t rs, const float* w, const float* b, float* op,
+                   int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const X* xr = xp + r * xs;
+      const float* rr = rp + r * rs;
+      float* orow = op + r * n;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        float v;
+        if constexpr (std::is_same_v<X, uint16_t>) {
+          v = bf16_to_float(xr[i]) + rr[i];
+        } else {
+          v = xr[i] + rr[i];
+        }
+        orow[i] = v;
+        sum += v;
+      }
+      const float mean = sum / static_cast<float>(n);
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) ss += (orow[i] - mean) * (orow[i] - mean);
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) orow[i] = (orow[i] - mean) * rstd * w[i] + b[i];
+    }
+  });
+}
+
+at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, const at::Tensor& b,
+                          double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "aiolm::add_layer_norm: x must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "aiolm: x must be [rows, features] with dense rows");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "aiolm::add_layer_norm: x and residual differ in shape");
+  const int64_t n = x.size(1);
+  for (const at::Tensor* t : {&w, &b})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n,
+                "aiolm::add_layer_norm: weight and bias must be float32 [features]");
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  const float eps_f = static_cast<float>(eps);
+  if (x.scalar_type() == at::kBFloat16) {
+    add_norm_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), residual.data_ptr<float>(),
+                  residual.stride(0), w.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), x.size(0), n,
+                  eps_f);
+  } else {
+    add_norm_rows(x.data_ptr<float>(), x.stride(0), residual.data_ptr<float>(), residual.stride(0),
+                  w.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), x.size(0), n, eps_f);
+  }
+  return out;
 }
 
 void rotate(float* x, const float* c, const float* s, int64_t half) {
@@ -217,6 +278,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(aiolm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
@@ -224,6 +286,7 @@ TORCH_LIBRARY_FRAGMENT(aiolm, m) {
 TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("add_layer_norm", &add_layer_norm);
   m.impl("rotary_", &rotary_);
   m.impl("silu_and_mul", &silu_and_mul);
 }

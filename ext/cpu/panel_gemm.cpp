@@ -1,4 +1,4 @@
-// y = x W^T in float32 with W stored as panels of 16 output columns:
+// y = act(x W^T + b) in float32 with W stored as panels of 16 output columns:
 // panels[p][k][j] = W[16 p + j][k] (zero rows pad the last panel).
 //
 // Why not oneDNN: in a real decode step (30 layers, four shapes each, 16-128
@@ -22,10 +22,13 @@
 #include <torch/library.h>
 
 #include "linear_rows.h"
+#include "vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -161,13 +164,45 @@ inline void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* p
   }
 }
 
+// What happens to a tile of y just written, while it is in L1: the bias added (the same
+// bits as adding it to the whole y afterwards), then the activation, each without a pass
+// of its own over y.
+enum class Act { kNone, kGelu };
+
+struct Epilogue {
+  const float* bias;  // null: none
+  Act act;
+  bool any() const { return bias != nullptr || act != Act::kNone; }
+};
+
+inline void gelu_row(float* y, int64_t n) {
+#if defined(AIOLM_AVX2)
+  aiolm_vec::gelu_inplace(y, n);
+#else
+  // erfc(-z) = 1 + erf(z) without the cancellation, as the vector paths avoid it
+  for (int64_t j = 0; j < n; ++j) y[j] = 0.5f * y[j] * std::erfc(-y[j] * 0.70710678118654752f);
+#endif
+}
+
+inline void finish_tile(float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t cols, const Epilogue& ep) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * ldy;
+    if (ep.bias != nullptr) {
+      const float* b = ep.bias + n0;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) yr[j] += b[j];
+    }
+    if (ep.act == Act::kGelu) gelu_row(yr, cols);
+  }
+}
+
 // All M rows against the groups of NP panels [g0, g1) (the last group may hold
-// fewer). With PACKED, x is in tiles of MR rows laid out k-major (tile t, k, r at
+// fewer), each tile finished by ``ep``. With PACKED, x is in tiles of MR rows laid out k-major (tile t, k, r at
 // [(t * K + k) * MR + r]), so a micro-kernel call streams one contiguous block
 // instead of MR rows.
 template <bool PACKED>
-void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N, float* y,
-                  int64_t g0, int64_t g1) {
+void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N,
+                  const Epilogue& ep, float* y, int64_t g0, int64_t g1) {
   alignas(64) float tail[MR * NR * NP];
   const int64_t pstride = K * NR;
   constexpr int KS = PACKED ? MR : 1;
@@ -187,13 +222,15 @@ void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int
       } else {
         micro_rows<KS, 1>(rows, xt, ldx, panel, pstride, K, yt, ldy);
       }
+      if (ep.any()) finish_tile(yt, ldy, rows, n0, cols, ep);
       if (!whole)
         for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m + r) * N + n0, tail + r * ldy, cols * sizeof(float));
     }
   }
 }
 
-at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N) {
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias, c10::string_view act) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
               "aiolm::panel_linear: float32 only");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.is_contiguous(),
@@ -202,6 +239,15 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   TORCH_CHECK(N > (P - 1) * NR && N <= P * NR, "aiolm::panel_linear: ", P, " panels cannot hold ", N, " columns");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 32 == 0, "aiolm::panel_linear: panels not 32-byte aligned");
   TORCH_CHECK(x_in.size(-1) == K, "aiolm::panel_linear: x has ", x_in.size(-1), " features, W has ", K);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "aiolm::panel_linear: bias must be a contiguous float32 [", N, "]");
+    bp = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(act == "none" || act == "gelu", "aiolm::panel_linear: act must be 'none' or 'gelu' (exact), not '",
+              act, "'");
+  const Epilogue ep{bp, act == "gelu" ? Act::kGelu : Act::kNone};
   const aiolm_linear::Rows io(x_in, K, N);
   const at::Tensor& x = io.x;
   const int64_t M = io.m();
@@ -214,7 +260,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   // stream a micro-kernel reads from L3 is contiguous.
   if (M <= PACK_ROWS) {
     const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<false>(xp, M, K, wp, P, N, yp, g0, g1); });
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<false>(xp, M, K, wp, P, N, ep, yp, g0, g1); });
   } else {
     // In chunks of rows, so a chunk's packed x (CHUNK_ROWS * K floats) stays in L3
     // next to the panels: 30 layers at 2048 rows took ~10% longer as one chunk.
@@ -234,7 +280,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
         }
       });
       float* yc = yp + c0 * N;
-      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<true>(xp, rows_c, K, wp, P, N, yc, g0, g1); });
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<true>(xp, rows_c, K, wp, P, N, ep, yc, g0, g1); });
     }
   }
   return io.result();
@@ -242,6 +288,6 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(aiolm, m) { m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(aiolm, m) { m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias=None, str act=\"none\") -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(aiolm, CPU, m) { m.impl("panel_linear", &panel_linear); }

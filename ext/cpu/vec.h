@@ -4,6 +4,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace aiolm_vec {
 
 // exp on 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and p the degree-6
@@ -45,6 +47,59 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 #endif
+
+// Exact GELU, x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2)), on 8 floats, with erf from
+// Abramowitz and Stegun's 7.1.26 (|error| < 1.5e-7): for z >= 0, 1 - erf(z) = q =
+// t (a1 + t (a2 + ... + t a5)) e^(-z^2) with t = 1 / (1 + p z). 1 + erf(z) is then 2 - q
+// for z >= 0 and q(-z) below, never 1 plus a number near -1, so the negative tail keeps
+// its relative precision.
+inline __m256 gelu8(__m256 x) {
+  const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));
+  const __m256 az = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), az, _mm256_set1_ps(1.f)));
+  __m256 p = _mm256_set1_ps(1.061405429f);
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+  const __m256 q = _mm256_mul_ps(_mm256_mul_ps(p, t), exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), az), az)));
+  const __m256 one_plus_erf = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.f), q), q, z);  // z's sign picks
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), one_plus_erf);
+}
+
+#if defined(__AVX512F__)
+// gelu8's arithmetic on 16 lanes, in the same order: the same bits.
+inline __m512 gelu16(__m512 x) {
+  const __m512 z = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
+  const __m512 az = _mm512_abs_ps(z);
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), az, _mm512_set1_ps(1.f)));
+  __m512 p = _mm512_set1_ps(1.061405429f);
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+  const __m512 q = _mm512_mul_ps(_mm512_mul_ps(p, t), exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), az), az)));
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(_mm512_castps_si512(z), _mm512_setzero_si512());  // z's sign bit
+  const __m512 one_plus_erf = _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(2.f), q), q);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), one_plus_erf);
+}
+#endif
+
+// gelu in place on n floats, a vector at a time; the last part vector through a padded
+// copy, so every element gets the vector arithmetic's bits.
+inline void gelu_inplace(float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, gelu16(_mm512_loadu_ps(y + i)));
+#endif
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
+  if (i < n) {
+    alignas(32) float buf[8] = {};
+    for (int64_t j = i; j < n; ++j) buf[j - i] = y[j];
+    _mm256_store_ps(buf, gelu8(_mm256_load_ps(buf)));
+    for (int64_t j = i; j < n; ++j) y[j] = buf[j - i];
+  }
+}
 
 }  // namespace aiolm_vec
 #endif

@@ -79,3 +79,20 @@ def test_silu_and_mul_in_bfloat16_rounds_the_float32_result_once():
     want = torch.ops.aiolm.silu_and_mul(x.float()).bfloat16()
     assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
     assert torch.isnan(got[0, 0])
+
+
+@pytest.mark.parametrize("rows,size", [(1, 384), (7, 64), (300, 96), (3, 13)])
+def test_add_layer_norm_reads_float32_or_bfloat16_and_normalises_the_sum(rows, size):
+    """LayerNorm(x + residual) in one pass (a post-norm encoder's residual stream), x as a
+    float32 or bfloat16 matmul hands it over: torch's add-then-LayerNorm in float32."""
+    torch.manual_seed(rows)
+    res, w, b = torch.randn(rows, size) * 2 + 5, torch.rand(size) + 0.5, torch.randn(size)
+    for x in (torch.randn(rows, size) * 3, (torch.randn(rows, size) * 3).bfloat16()):
+        want = torch.nn.functional.layer_norm(x.float() + res, (size,), w, b, 1e-12)
+        got = torch.ops.aiolm.add_layer_norm(x, res, w, b, 1e-12)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(CpuKernelOps().add_layer_norm(x, res, w, b, 1e-12), got, rtol=0, atol=0)
+        torch.testing.assert_close(TorchOps().add_layer_norm(x, res, w, b, 1e-12), want)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        torch.ops.aiolm.add_layer_norm(torch.zeros(2, size), torch.zeros(3, size), w, b, 1e-12)

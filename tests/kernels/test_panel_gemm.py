@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import isa_builds
 import pytest
 import torch
 
@@ -41,6 +42,38 @@ def test_packed_weight_keeps_leading_dims_adds_bias_and_reads_strided_input():
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13, 129, 301])
+@pytest.mark.parametrize("out_features", [64, 40, 5])
+def test_bias_and_gelu_are_applied_to_each_tile_as_it_is_written(rows, out_features):
+    """The bias gives the bits of adding it after the product; the exact GELU (one erf
+    approximation for every ISA and part tile) is within float32 rounding of float64's."""
+    g = torch.Generator().manual_seed(rows + out_features)
+    w, b = torch.randn(out_features, 72, generator=g) / 4, torch.randn(out_features, generator=g)
+    x = torch.randn(rows, 72, generator=g)
+    plain = torch.ops.aiolm.panel_linear(x, to_panels(w), out_features)
+    biased = torch.ops.aiolm.panel_linear(x, to_panels(w), out_features, b)
+    assert torch.equal(biased, plain + b)
+    got = torch.ops.aiolm.panel_linear(x, to_panels(w), out_features, b, "gelu")
+    want = torch.nn.functional.gelu(biased.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_keeps_its_negative_tail():
+    """1 + erf(z) is never formed as 1 plus a number near -1: below zero the GELU keeps
+    most of its relative precision, where torch's float32 GELU loses it."""
+    x = torch.linspace(-9, 9, 4001).unsqueeze(1)
+    got = torch.ops.aiolm.panel_linear(x, to_panels(torch.ones(1, 1)), 1, None, "gelu").squeeze(1).double()
+    xd = x.squeeze(1).double()
+    want = xd * torch.special.erfc(-xd / 2**0.5) / 2  # erfc: no cancellation in the reference either
+    assert float((got - want).abs().max()) < 1e-6
+    rel = (got - want).abs() / want.abs()
+    assert float(rel[xd > -2].max()) < 1e-5
+    assert float(rel[(xd > -4) & (xd <= -2)].max()) < 1e-3  # torch's float32 GELU: 3e-3
+    assert float(rel[xd <= -4].max()) < 2e-2  # torch's: 1.0 (it gives 0)
+    with pytest.raises(RuntimeError, match="act must be 'none' or 'gelu'"):
+        torch.ops.aiolm.panel_linear(x, to_panels(torch.ones(1, 1)), 1, None, "tanh")
+
+
 def test_rejects_mismatched_shapes():
     p = to_panels(torch.randn(20, 32))
     with pytest.raises(RuntimeError, match="x has 16 features, W has 32"):
@@ -69,3 +102,53 @@ def test_each_shape_is_probed_once_and_every_weight_still_multiplies_right():
     new = {key[0] for key in set(cpu_packed._PROBED) - before}
     assert new <= {(40, 24), (33, 24)}
     assert cpu_packed._PROBED[((40, 24), torch.float32, True, torch.float32)]
+
+
+@pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "quick_gelu"])
+def test_a_linear_layer_applies_its_activation_in_the_kernel_where_it_can(matmul_dtype, act):
+    """ColumnParallelLinear(x, activation=...) equals the activation applied after it, on
+    every packed layout: inside the kernel where that kernel has the activation (exact GELU
+    in the float32 panels; GELU, either form, in oneDNN's bfloat16 matmul), after it otherwise."""
+    from aiolm.attention.torch_backend import TorchAttention
+    from aiolm.distributed.parallel_state import TPGroup
+    from aiolm.kernels.cpu_ops import CpuKernelOps
+    from aiolm.model.layers.activation import ACTIVATIONS
+    from aiolm.model.layers.context import BuildContext
+    from aiolm.model.layers.linear import ColumnParallelLinear
+    from aiolm.platforms.cpu import bfloat16_matmuls
+    from aiolm.quant import quant_config
+
+    if matmul_dtype == torch.bfloat16 and not bfloat16_matmuls():
+        pytest.skip("this CPU has no bfloat16 matmuls")
+    quant = quant_config("cpu_packed", matmul_dtype=matmul_dtype, hand_over_bf16=False)
+    ctx = BuildContext(ops=CpuKernelOps(), attention_backend=TorchAttention, quant=quant, tp_group=TPGroup())
+    layer = ColumnParallelLinear(ctx, 96, [160], bias=True)
+    g = torch.Generator().manual_seed(7)
+    layer.weight.data.copy_(torch.randn(160, 96, generator=g) / 8)
+    layer.bias.data.copy_(torch.randn(160, generator=g))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(37, 96, generator=g)
+    fused = {"float32": {"gelu"}, "bfloat16": {"gelu", "gelu_pytorch_tanh"}}[str(matmul_dtype).split(".")[1]]
+    assert layer.quant_method.fuses(layer, act) == (act in fused)
+    got, plain = layer(x, activation=act), layer(x)
+    assert got.dtype == plain.dtype == torch.float32
+    # bfloat16: the fused kernel rounds y once, after the activation, where the unfused
+    # path rounds y, then computes the activation of the rounded value
+    tol = dict(rtol=1e-5, atol=1e-5) if matmul_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, ACTIVATIONS[act](plain), **tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
+def test_other_isa_builds_match_the_references(isa):
+    """The panel GEMM's AVX2 and scalar paths with their bias and GELU epilogue, and the
+    fused add + LayerNorm, on builds this CPU's own does not reach."""
+    isa_builds.check_build_flags(isa)
+    lib = isa_builds.isa_library("panel", ["panel_gemm.cpp", "fused_ops.cpp"], isa)
+    here = __file__.rsplit("/", 1)[0]
+    isa_builds.run_tests_with(
+        lib,
+        [__file__, f"{here}/test_fused_ops.py"],
+        "matches_float64 or bias_and_gelu or negative_tail or add_layer_norm",
+    )

@@ -26,6 +26,7 @@ from torch import nn
 from aiolm.distributed.sharding import kv_head_for_rank
 from aiolm.lora.adapter import TARGETS
 from aiolm.lora.layers import LoRASlots
+from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
 from aiolm.quant.base import LinearMethod, LinearSpec
 
@@ -48,11 +49,16 @@ class LinearBase(nn.Module):
         if ctx.lora is not None and targetable and not spec.lm_head:
             self.lora = LoRASlots(ctx.lora, in_features, slices, spec.names)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+        """activation(x W^T + b (+ the LoRA term)), ``activation`` a hidden_act name: inside
+        the kernel where the method can and no adapter's term comes between."""
+        lora = self.lora is not None and self.lora.ctx.active
+        if activation is not None and not lora and self.quant_method.fuses(self, activation):
+            return self.quant_method.apply(self, x, bias, activation=activation)
         y = self.quant_method.apply(self, x, bias)
-        if self.lora is not None and self.lora.ctx.active:
+        if lora:
             self.lora.add_to(y, x)
-        return y
+        return y if activation is None else ACTIVATIONS[activation](y)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -82,8 +88,9 @@ class ColumnParallelLinear(LinearBase):
         self._take_method(ctx, spec, in_features, self.local_sizes)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """This rank's outputs, through ``activation`` (a hidden_act name) if given."""
+        return self._matmul(x, self.bias, activation)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's part of Hugging Face tensor ``shard`` into its slice."""
@@ -159,8 +166,9 @@ class RowParallelLinear(LinearBase):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._matmul(x))
-        return y if self.bias is None else y + self.bias
+        # the bias goes into one rank's partial sum, so the all-reduce adds it once, and
+        # the kernel adds it where it writes y instead of in a pass of its own
+        return self.tp.all_reduce(self._matmul(x, self.bias if self.tp.rank == 0 else None))
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if name == "bias":

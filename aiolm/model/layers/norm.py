@@ -30,13 +30,19 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a bias (encoders and vision towers), in the weight's dtype; replicated."""
+    """LayerNorm with a bias (encoders and vision towers), in the weight's dtype; replicated.
 
-    def __init__(self, size: int, eps: float) -> None:
+    With a ``residual`` it normalises x + residual (a post-norm encoder's sublayer output
+    and its input) through ``ops``, which may do both in one pass."""
+
+    def __init__(self, size: int, eps: float, ops: TorchOps | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops or TorchOps()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
         return F.layer_norm(x.to(self.weight.dtype), self.weight.shape, self.weight, self.bias, self.eps)
