@@ -4,9 +4,10 @@ The kernel reads K/V pages in place for decode rows and prefill chunks in one
 call; the torch reference gathers pages into contiguous tensors first, which on
 a many-request decode step costs more than the attention itself.
 
-An encoder's step (``forward_encoder``) has no pages: each request's queries meet its
-keys in two batched matmuls over the kv heads with a softmax between, which on short
-sequences (a sentence to embed) costs a fraction of SDPA's per-call overhead.
+An encoder's step (``forward_encoder``) has no pages: every request's queries meet its
+keys in one C++ call over the flat batch (``aiolm::encoder_attention``, float32 or
+bfloat16 in, float32 arithmetic); without the kernels, two batched matmuls a request with
+a softmax between, which on short sequences costs a fraction of SDPA's per-call overhead.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class CpuPagedAttention(TorchAttention):
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hk, D], requests back to back. Returns [T, H * D]."""
         self.check_encoder()
+        if cpu_kernels.ready(q, bf16_too=True) and q.dtype == k.dtype == v.dtype:
+            out = torch.empty(q.shape, dtype=q.dtype)
+            torch.ops.aiolm.encoder_attention(out, q, k, v, meta.query_start_loc, self.scale)
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         t, hk, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         out = torch.empty(t, hk, g, d, dtype=q.dtype, device=q.device)
         s0 = 0

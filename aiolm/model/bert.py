@@ -59,6 +59,7 @@ class EncoderLayer(nn.Module):
             cfg.num_heads,
             bias=True,
             names=tuple(f"{prefix}.attention.self.{x}" for x in ("query", "key", "value")),
+            output_to_kernel=True,  # no RoPE: q, k, v go straight to the attention
         )
         self.o_proj = RowParallelLinear(
             ctx, cfg.num_heads * cfg.head_dim, h, bias=True, names=(f"{prefix}.attention.output.dense",)

@@ -116,8 +116,6 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; KV heads are replicated when there are fewer than ranks
     (distributed/sharding.py says which one a rank holds)."""
 
-    output_to_kernel = False  # q, k, v go to RoPE and attention
-
     def __init__(
         self,
         ctx: BuildContext,
@@ -127,7 +125,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         names: tuple[str, ...] = (),
+        output_to_kernel: bool = False,
     ) -> None:
+        # q, k, v usually go to RoPE first; an encoder without it hands them straight to
+        # its attention (output_to_kernel)
+        self.output_to_kernel = output_to_kernel
         tp = ctx.tp_group.world_size
         if num_kv_heads < tp and tp % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over tensor parallel size {tp}")
