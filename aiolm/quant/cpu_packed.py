@@ -47,24 +47,32 @@ class PackedWeight:
     hand_over_bf16: bool = False  # a bfloat16 matmul's y as it comes (the next op reads bfloat16)
 
     def fuses(self, activation: str) -> bool:
-        """Whether the kernel applies ``activation`` to y as it writes it."""
-        return activation in (_PANEL_ACTS if self.panels else _ONEDNN_ACTS)
+        """Whether the kernel applies ``activation`` to y as it writes it: not a bfloat16
+        matmul whose y comes back as float32 (its bias is added after the rounding)."""
+        if self.panels:
+            return activation in _PANEL_ACTS
+        return activation in _ONEDNN_ACTS and (self.data.dtype != torch.bfloat16 or self.hand_over_bf16)
 
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
     ) -> torch.Tensor:
         """act(x W^T + b) in float32, or in bfloat16 for a bfloat16 matmul that hands its
         output over; ``activation`` only one that ``fuses`` names."""
-        # the bias and activation are applied inside each kernel, to the float32 sums: no
-        # pass of their own over y, and a bfloat16 y is rounded once, after them
+        # The bias and activation are applied inside each kernel, to the float32 sums: no
+        # pass of their own over y, and a handed-over bfloat16 y is rounded once, after
+        # them. A bfloat16 y that comes back as float32 gets its bias after the rounding
+        # instead, exactly: a large bias (Qwen2's on k) would otherwise round y's own bits away.
         if self.panels:
             return torch.ops.aiolm.panel_linear(
                 x, self.data, self.out_features, bias, _PANEL_ACTS.get(activation, "none")
             )
         attr, algorithm = _ONEDNN_ACTS.get(activation, ("none", ""))
         if self.data.dtype == torch.bfloat16:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.data, bias, attr, [], algorithm)
-            return y if self.hand_over_bf16 else y.float()
+            x = x.to(torch.bfloat16)
+            if self.hand_over_bf16:
+                return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, attr, [], algorithm)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.data, None, "none", [], "").float()
+            return y if bias is None else y.add_(bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, attr, [], algorithm)
 
 

@@ -104,12 +104,15 @@ def test_each_shape_is_probed_once_and_every_weight_still_multiplies_right():
     assert cpu_packed._PROBED[((40, 24), torch.float32, True, torch.float32)]
 
 
-@pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "matmul_dtype,hand_over", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "quick_gelu"])
-def test_a_linear_layer_applies_its_activation_in_the_kernel_where_it_can(matmul_dtype, act):
+def test_a_linear_layer_applies_its_activation_in_the_kernel_where_it_can(matmul_dtype, hand_over, act):
     """ColumnParallelLinear(x, activation=...) equals the activation applied after it, on
     every packed layout: inside the kernel where that kernel has the activation (exact GELU
-    in the float32 panels; GELU, either form, in oneDNN's bfloat16 matmul), after it otherwise."""
+    in the float32 panels; GELU, either form, in oneDNN's bfloat16 matmul when its y is
+    handed over in bfloat16), after it otherwise."""
     from aiolm.attention.torch_backend import TorchAttention
     from aiolm.distributed.parallel_state import TPGroup
     from aiolm.kernels.cpu_ops import CpuKernelOps
@@ -121,22 +124,27 @@ def test_a_linear_layer_applies_its_activation_in_the_kernel_where_it_can(matmul
 
     if matmul_dtype == torch.bfloat16 and not bfloat16_matmuls():
         pytest.skip("this CPU has no bfloat16 matmuls")
-    quant = quant_config("cpu_packed", matmul_dtype=matmul_dtype, hand_over_bf16=False)
+    quant = quant_config("cpu_packed", matmul_dtype=matmul_dtype, hand_over_bf16=hand_over)
     ctx = BuildContext(ops=CpuKernelOps(), attention_backend=TorchAttention, quant=quant, tp_group=TPGroup())
     layer = ColumnParallelLinear(ctx, 96, [160], bias=True)
     g = torch.Generator().manual_seed(7)
-    layer.weight.data.copy_(torch.randn(160, 96, generator=g) / 8)
-    layer.bias.data.copy_(torch.randn(160, generator=g))
+    w = torch.randn(160, 96, generator=g) / 8
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(torch.randn(160, generator=g) * 20)  # large, as Qwen2's k bias
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(37, 96, generator=g)
-    fused = {"float32": {"gelu"}, "bfloat16": {"gelu", "gelu_pytorch_tanh"}}[str(matmul_dtype).split(".")[1]]
+    fused = {"gelu"} if matmul_dtype == torch.float32 else {"gelu", "gelu_pytorch_tanh"} if hand_over else set()
     assert layer.quant_method.fuses(layer, act) == (act in fused)
     got, plain = layer(x, activation=act), layer(x)
-    assert got.dtype == plain.dtype == torch.float32
-    # bfloat16: the fused kernel rounds y once, after the activation, where the unfused
-    # path rounds y, then computes the activation of the rounded value
-    tol = dict(rtol=1e-5, atol=1e-5) if matmul_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got, ACTIVATIONS[act](plain), **tol)
+    assert got.dtype == plain.dtype == (torch.bfloat16 if hand_over else torch.float32)
+    if matmul_dtype == torch.float32:
+        torch.testing.assert_close(got, ACTIVATIONS[act](plain), rtol=1e-5, atol=1e-5)
+        return
+    # bfloat16: against the product of the bfloat16-rounded operands, in float64
+    exact = x.bfloat16().double() @ w.bfloat16().double().t() + layer.bias.double()
+    if not hand_over:  # y rounded to bfloat16, the bias added after it in float32: no bias-sized steps
+        assert float((plain.double() - exact).abs().max()) < 0.05  # bfloat16's step at 20-32: 0.125
+    torch.testing.assert_close(got.double(), ACTIVATIONS[act](exact).to(got.dtype).double(), rtol=2e-2, atol=0.13)
 
 
 @pytest.mark.slow
