@@ -260,10 +260,20 @@ def child(a: argparse.Namespace) -> None:
 
 # profiler op names -> the part of a layer they are (self time); the rest is "other ops"
 PARTS = (
-    ("linear layers", ("aiolm::panel_linear", "aten::addmm", "aten::mm")),
-    ("attention", ("aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu")),
+    # aiolm's matmuls add the bias and apply GELU in their kernels, and its add_layer_norm
+    # does a residual add and LayerNorm in one pass: counted as linear layers and LayerNorm
+    ("linear layers", ("aiolm::panel_linear", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm")),
+    (
+        "attention",
+        (
+            "aiolm::encoder_attention",
+            "aten::bmm",
+            "aten::_softmax",
+            "aten::_scaled_dot_product_flash_attention_for_cpu",
+        ),
+    ),
     ("GELU", ("aten::gelu",)),
-    ("LayerNorm", ("aten::native_layer_norm",)),
+    ("LayerNorm", ("aten::native_layer_norm", "aiolm::add_layer_norm")),
     ("residual adds", ("aten::add", "aten::add_")),
     (
         "copies and views",
