@@ -10,9 +10,9 @@
 // 6 x 16 block in twelve ymm (per k one panel row, two vectors, and six
 // broadcasts of x feed 12 FMAs); with AVX-512 a 12 x 32 block over two panels
 // side by side in 24 zmm (two loads and twelve broadcasts feed 24 FMAs). Each
-// thread takes a contiguous range of panel groups and runs each of them over
-// all rows: up to PACK_ROWS rows read in place (they stay in L2), above that
-// packed into MR-row tiles, CHUNK_ROWS rows at a time. Sums run over k in
+// thread takes a contiguous range of panel groups and runs each of them over the
+// rows, CHUNK_ROWS at a time (a chunk stays in L2): read in place with AVX-512, and
+// with AVX2 up to PACK_ROWS rows, above that packed into MR-row tiles. Sums run over k in
 // order, one accumulator per output, in both builds: only the order differs
 // from a naive dot product, and the two builds give the same bits.
 
@@ -47,7 +47,14 @@ constexpr int64_t NP = 2;   // panels per micro-kernel call
 constexpr int64_t MR = 6;
 constexpr int64_t NP = 1;
 #endif
+#if defined(AIOLM_AVX512)
+// Twelve rows read in place cost the AVX-512 tile nothing against a packed tile, and the
+// packing is a pass over x a call that a layer with few output columns does not earn
+// back: never packed (docs/benchmarks/log.md, 2026-12-06).
+constexpr int64_t PACK_ROWS = INT64_MAX;
+#else
 constexpr int64_t PACK_ROWS = 128;   // above this many rows x is packed first
+#endif
 constexpr int64_t CHUNK_ROWS = 252;  // rows packed and run at a time (a multiple of MR)
 static_assert(CHUNK_ROWS % MR == 0, "CHUNK_ROWS must hold whole tiles");
 
@@ -255,12 +262,16 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   const float* wp = panels.data_ptr<float>();
   float* yp = io.y.data_ptr<float>();
   const int64_t G = (P + NP - 1) / NP;  // groups of panels, the unit the threads split
-  // Threads split the panels and run each over every row. Up to PACK_ROWS rows,
-  // x stays in L2 as it is; above, it is first packed into MR-row tiles so the
-  // stream a micro-kernel reads from L3 is contiguous.
+  // Threads split the panels and run each over every row of a chunk of CHUNK_ROWS. Up to
+  // PACK_ROWS rows x is read where it is; above, a chunk is first packed into MR-row
+  // tiles, so the stream a micro-kernel reads from L3 is contiguous.
   if (M <= PACK_ROWS) {
-    const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<false>(xp, M, K, wp, P, N, ep, yp, g0, g1); });
+    for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
+      const int64_t rows_c = std::min(CHUNK_ROWS, M - c0);
+      const float* xs = x.data_ptr<float>() + c0 * K;
+      float* yc = yp + c0 * N;
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels_range<false>(xs, rows_c, K, wp, P, N, ep, yc, g0, g1); });
+    }
   } else {
     // In chunks of rows, so a chunk's packed x (CHUNK_ROWS * K floats) stays in L3
     // next to the panels: 30 layers at 2048 rows took ~10% longer as one chunk.
