@@ -18,7 +18,6 @@ from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.vision import VisionConfig
-from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import LayerNorm
@@ -42,12 +41,13 @@ class VisionEncoderLayer(nn.Module):
             cfg.num_heads,
             bias=True,
             names=tuple(f"{prefix}.self_attn.{x}_proj" for x in "qkv"),
+            output_to_kernel=True,  # no RoPE: q, k, v go straight to the attention
         )
         self.out_proj = RowParallelLinear(ctx, h, h, bias=True, names=(f"{prefix}.self_attn.out_proj",))
         self.layer_norm2 = LayerNorm(h, cfg.layer_norm_eps)
         self.fc1 = ColumnParallelLinear(ctx, h, [cfg.intermediate_size], bias=True, names=(f"{prefix}.mlp.fc1",))
         self.fc2 = RowParallelLinear(ctx, cfg.intermediate_size, h, bias=True, names=(f"{prefix}.mlp.fc2",))
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = cfg.hidden_act  # a name of layers/activation.py, checked by checkpoint/vision.py
         self.attn = ctx.attention_backend(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -55,8 +55,10 @@ class VisionEncoderLayer(nn.Module):
         q, k, v = self.qkv_proj(self.layer_norm1(x)).split([size, size, size], dim=-1)
         shape = (t, self.num_heads, self.head_dim)
         a = self.attn.forward_encoder(q.reshape(shape), k.reshape(shape), v.reshape(shape), meta)
-        x = x + self.out_proj(a).to(x.dtype)  # the residual stream stays in x's dtype
-        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x)))).to(x.dtype)
+        # a matmul's output may come in a lower precision: the residual stream stays in
+        # x's dtype (the adds promote)
+        x = x + self.out_proj(a)
+        return x + self.fc2(self.fc1(self.layer_norm2(x), activation=self.act))
 
 
 class CLIPVisionTower(nn.Module):
