@@ -308,12 +308,13 @@ def _split(fn: Any, runs: int) -> tuple[float, dict[str, float], list[tuple[str,
         for _ in range(runs):
             fn()
         wall = (time.perf_counter() - t) / runs
+    averages = prof.key_averages()
     parts = {name: 0.0 for name, _ in PARTS} | {"other ops": 0.0}
-    for ev in prof.key_averages():
+    for ev in averages:
         part = next((name for name, ops in PARTS if ev.key in ops), "other ops")
         parts[part] += ev.self_cpu_time_total / 1e3 / runs
     parts["outside torch ops"] = max(0.0, 1e3 * wall - sum(parts.values()))
-    ops = sorted(((ev.key, ev.self_cpu_time_total / 1e3 / runs) for ev in prof.key_averages()), key=lambda o: -o[1])
+    ops = sorted(((ev.key, ev.self_cpu_time_total / 1e3 / runs) for ev in averages), key=lambda o: -o[1])
     return 1e3 * wall, parts, ops
 
 

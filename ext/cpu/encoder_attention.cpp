@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -45,21 +46,10 @@ inline v16f load16(const float* p) {
 
 inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using aiolm_bf16::widen;
 
-// Round to nearest even, as torch's float -> bfloat16 cast does; NaN stays NaN.
-inline void from_float(float f, float* out) { *out = f; }
-inline void from_float(float f, uint16_t* out) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  *out = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+inline void store(float f, float* out) { *out = f; }
+inline void store(float f, uint16_t* out) { *out = aiolm_bf16::narrow(f); }
 
 // exp on 16 lanes: vec.h's exp16, or its exp8 on each half (the same arithmetic), or libm.
 inline v16f vexp(v16f x) {
@@ -181,8 +171,8 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
   for (int64_t j = 0; j < n; ++j) {
     const T* kj = k + (r0 + j) * ks0 + h * ks1;
     const T* vj = v + (r0 + j) * vs0 + h * vs1;
-    for (int64_t c = 0; c < D; ++c) b.kt[c * n16 + j] = to_float(kj[c]);
-    for (int64_t c = 0; c < D; ++c) b.v[j * d16 + c] = to_float(vj[c]);
+    for (int64_t c = 0; c < D; ++c) b.kt[c * n16 + j] = widen(kj[c]);
+    for (int64_t c = 0; c < D; ++c) b.v[j * d16 + c] = widen(vj[c]);
   }
   const float* kt = b.kt.data();
   const float* vv = b.v.data();
@@ -191,7 +181,7 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
       const int64_t rows = std::min(kRows, i1 - i);
       for (int64_t r = 0; r < rows; ++r) {
         const T* qr = q + (r0 + i + r) * qs0 + hq * qs1;
-        for (int64_t c = 0; c < D; ++c) b.q[r * D + c] = to_float(qr[c]);
+        for (int64_t c = 0; c < D; ++c) b.q[r * D + c] = widen(qr[c]);
       }
       for (int64_t r = rows; r < kRows; ++r) std::memcpy(&b.q[r * D], &b.q[0], D * sizeof(float));
       scores(b.q.data(), kt, n16, D, scale, b.s.data());
@@ -208,7 +198,7 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
       }
       for (int64_t r = 0; r < rows; ++r) {
         T* orow = out + ((r0 + i + r) * H + hq) * D;
-        for (int64_t c = 0; c < D; ++c) from_float(b.o[r * d16 + c], orow + c);
+        for (int64_t c = 0; c < D; ++c) store(b.o[r * d16 + c], orow + c);
       }
     }
   }

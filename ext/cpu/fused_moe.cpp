@@ -36,7 +36,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -46,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
@@ -107,14 +107,8 @@ struct Type {
   using type = T;
 };
 
-inline float widen(float v) { return v; }
-inline float widen(bf16 v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline bf16 narrow(float f) { return c10::BFloat16(f).x; }  // round to nearest even, NaN kept
+using aiolm_bf16::narrow;
+using aiolm_bf16::widen;
 
 // Weight element (k, c) of a panel: [k][16] for float32, [k / 2][16][2] for bfloat16.
 inline float weight_at(const float* p, int64_t k, int64_t c) { return p[k * NR + c]; }

@@ -20,9 +20,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
+#include "bf16.h"
 #include "vec.h"
 
 namespace {
@@ -58,20 +58,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// Round to nearest even, as torch's own float -> bfloat16 conversion does; NaN stays NaN.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using aiolm_bf16::narrow;
+using aiolm_bf16::widen;
 
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -94,10 +82,10 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
         uint16_t* xr = xp + r * xs;
         float* rr = rp + r * rs;
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) rr[i] += bf16_to_float(xr[i]);
+        for (int64_t i = 0; i < n; ++i) rr[i] += widen(xr[i]);
         norm_row(rr, h.data(), wp, n, static_cast<float>(eps));
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) xr[i] = float_to_bf16(h[i]);
+        for (int64_t i = 0; i < n; ++i) xr[i] = narrow(h[i]);
       }
     });
     return;
@@ -128,12 +116,7 @@ void add_norm_rows(const X* xp, int64_t xs, const float* rp, int64_t rs, const f
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
-        float v;
-        if constexpr (std::is_same_v<X, uint16_t>) {
-          v = bf16_to_float(xr[i]) + rr[i];
-        } else {
-          v = xr[i] + rr[i];
-        }
+        const float v = widen(xr[i]) + rr[i];
         orow[i] = v;
         sum += v;
       }
@@ -254,13 +237,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         const uint16_t* xr = xp + r * xs;
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
-          g[i] = bf16_to_float(xr[i]);
-          u[i] = bf16_to_float(xr[n + i]);
+          g[i] = widen(xr[i]);
+          u[i] = widen(xr[n + i]);
         }
         silu_mul_row(g, u, o, n);
         uint16_t* orow = op + r * n;
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) orow[i] = float_to_bf16(o[i]);
+        for (int64_t i = 0; i < n; ++i) orow[i] = narrow(o[i]);
       }
     });
     return out;

@@ -204,9 +204,9 @@ inline void finish_tile(float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t
 }
 
 // All M rows against the groups of NP panels [g0, g1) (the last group may hold
-// fewer), each tile finished by ``ep``. With PACKED, x is in tiles of MR rows laid out k-major (tile t, k, r at
-// [(t * K + k) * MR + r]), so a micro-kernel call streams one contiguous block
-// instead of MR rows.
+// fewer), each tile finished by ``ep``. With PACKED, x is in tiles of MR rows laid
+// out k-major (tile t, k, r at [(t * K + k) * MR + r]), so a micro-kernel call
+// streams one contiguous block instead of MR rows.
 template <bool PACKED>
 void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N,
                   const Epilogue& ep, float* y, int64_t g0, int64_t g1) {
