@@ -87,18 +87,17 @@ inline void unpack16(const uint8_t* qg, int64_t b, int64_t i, __m512 f[2]) {
     f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
     f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    if constexpr (T == Q4_0) {
-      const __m128i eight = _mm_set1_epi8(8);
-      f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(lo, eight)));
-      f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(hi, eight)));
-    } else {
-      f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-      f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-    }
+    // The 16 bytes in all four 128-bit lanes; lane 4k + w (dword w of copy k) shifted right
+    // by 4k bits has nibble k of dword w in its low 4 bits, and by 4k + 16 nibble k + 4:
+    // vpermps reads only those 4 bits, so it looks the code's weight value up in a table of
+    // 16 floats (Q4_0's u - 8, else u). Two shifts and two lookups, where widening the bytes
+    // and converting them took twice the vector-port work; kernel_x puts x in this order.
+    const __m512i c = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m512i s0 = _mm512_srlv_epi32(c, _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    const __m512 table = T == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    f[0] = _mm512_permutexvar_ps(s0, table);
+    f[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(s0, 16), table);
   }
 }
 
@@ -262,10 +261,10 @@ inline float block_sum(const float* x) {
 #endif
 }
 
-// Whether the group kernels read x reordered for blocks of type qtype (AVX2's 4-bit tiles:
-// see unpack; Q5_0's fifth bits would carry into the next lane's code).
+// Whether the group kernels read x reordered for blocks of type qtype (the 4-bit tiles: see
+// unpack and unpack16; Q5_0's fifth bits would carry into the next lane's code).
 constexpr bool reorders_x(int64_t qtype) {
-#if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
+#if defined(AIOLM_AVX2)
   return !int8_codes(qtype) && qtype != Q5_0;
 #else
   (void)qtype;
@@ -274,8 +273,14 @@ constexpr bool reorders_x(int64_t qtype) {
 }
 
 // Whether run_groups needs x's block sums for blocks of type qtype: the mins' m * sum(x)
-// and, where its codes convert unsigned (reorders_x), Q4_0's -8 d * sum(x).
-constexpr bool needs_block_sums(int64_t qtype) { return has_min(qtype) || reorders_x(qtype); }
+// and, where its codes convert unsigned (AVX2's reordering tiles), Q4_0's -8 d * sum(x).
+constexpr bool needs_block_sums(int64_t qtype) {
+#if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
+  return has_min(qtype) || reorders_x(qtype);
+#else
+  return has_min(qtype);
+#endif
+}
 
 // x's block sums (M rows of K / QK) in buf where run_groups needs them for blocks of type
 // qtype (needs_block_sums), else nullptr. Made once per call, from x's own order.
@@ -327,6 +332,29 @@ struct KernelX {
 // to scale down far enough).
 inline KernelX kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
   if (!reorders_x(qtype)) return {x, 0.f};
+#ifdef AIOLM_AVX512
+  // unpack16's order: lane 4k + w of vector v holds nibble n = 4v + k of dword w, which is
+  // byte 4w + n / 2's low nibble (weight 4w + n / 2) for even n, its high nibble (weight
+  // 4w + n / 2 + 16) for odd n. The codes are the weights' own values: x is not scaled.
+  struct Lanes512 {
+    int weight[QK];
+    Lanes512() {
+      for (int lane = 0; lane < QK; ++lane) {
+        const int n = 4 * (lane / 16) + (lane % 16) / 4, w = lane % 4;
+        weight[lane] = 4 * w + n / 2 + (n % 2) * 16;
+      }
+    }
+  };
+  static const Lanes512 order;
+  buf.resize(M * K);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const float* s = x + r * K + b * QK;
+      float* d = buf.data() + r * K + b * QK;
+      for (int lane = 0; lane < QK; ++lane) d[lane] = s[order.weight[lane]];
+    }
+  return {buf.data(), 0.f};
+#else
   struct Lanes {
     int weight[QK];
     float factor[QK];
@@ -367,6 +395,7 @@ inline KernelX kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std
       for (int lane = 0; lane < QK; ++lane) d[lane] = s[lanes.weight[lane]] * factor[lane] * extra;
     }
   return {buf.data(), unscale};
+#endif
 }
 
 // Scalar reference for CPUs without AVX2/FMA: row i of a group against one row of x.
