@@ -116,7 +116,13 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
   for (int64_t b = 0; b < nblocks; ++b) {
     if (lead) prefetch_ahead(qs, b, 8 * QB);
     alignas(32) float d8[8];
-    if constexpr (T != Q6_K) _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
+    if constexpr (T != Q6_K) {
+      _mm256_store_ps(d8, scales8<T>(scale, nblocks, b));
+      // Each row's d is then a broadcast load (a load port's work): left to itself, the
+      // compiler keeps the 8 scales in a register and spreads them with two shuffles a row,
+      // on the port that the code lookups need.
+      asm volatile("" : : "r"(d8) : "memory");
+    }
     for (int i = 0; i < NR; ++i) {
       __m512 f[2];
       unpack16<T>(qs, b, i, f);
