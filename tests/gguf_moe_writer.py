@@ -85,11 +85,13 @@ def tiny_moe_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
             **common,
             intermediate_size=96,
             moe_intermediate_size=32,
-            num_experts=8,
-            mlp_only_layers=[1],
-            decoder_sparse_step=1,
-            norm_topk_prob=True,  # as in Qwen3's checkpoints (transformers' default is False)
-            **overrides,
+            **{
+                "num_experts": 8,
+                "mlp_only_layers": [1],
+                "decoder_sparse_step": 1,
+                "norm_topk_prob": True,  # as in Qwen3's checkpoints (transformers' default is False)
+                **overrides,
+            },
         )
         cls: Any = transformers.Qwen3MoeForCausalLM
     elif model_type == "qwen2_moe":

@@ -9,7 +9,8 @@
 // router's float32 logits, softmax, top-k and renormalisation through the same ATen ops as
 // the Router module); one the call does not take (a shared expert beside the routed ones)
 // takes the attention half only: the call returns the post-attention norm's output, and
-// the experts run after it.
+// the experts run after it. decode_layers runs a decode-sized step of dense layers in one
+// parallel region of torch's threads (decode_team), with the same bits.
 //
 // weights: the two norm weights, then (qs, scale, mins) of the six linear slots: qkv in up to
 //          three parts (a Q4_K_M file keeps q and k in one block type, v in another: each run
@@ -26,6 +27,7 @@
 //          in the call) and 1 to renormalise the top-k weights
 // floats:  the norms' eps, the attention scale, the logit soft-cap (0: none)
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -38,8 +40,19 @@
 #include <ATen/ops/topk.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
 #include <tuple>
 #include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_int8.h"
+#include "gguf_linear.h"
+#include "paged_attention.h"
 
 namespace {
 
@@ -165,6 +178,177 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
   return {linear(o, o.silu_and_mul.call(gate_up), w, ints, DOWN, int8), residual};
 }
 
+// One linear slot's product in a team (decode_team): thread 0 readies x as the slot's kernels
+// read it and allocates y (prepare), then every thread of the team computes its share of
+// y's groups of 8 rows (run). These are the functions and the data that aiolm::gguf_linear
+// and aiolm::gguf_int8_linear hand their threads (gguf_linear.cpp, gguf_int8.cpp), and each
+// group's sums do not depend on which thread makes them: the same bits.
+struct TeamLinear {
+  at::Tensor x, y, qs, scale, mins;
+  int64_t qtype = 0, n = 0, groups = 0, m = 0, k = 0, isa = 0;
+  bool int8 = false;
+  std::vector<float> sums, reordered;
+  const float* xsum = nullptr;
+  aiolm_gguf_float::KernelX kx{nullptr, 0.f};
+  aiolm_gguf_int8::Scratch scratch;
+  aiolm_gguf_int8::QRows qx{};
+
+  void prepare(const at::Tensor& x_in, at::TensorList w, at::IntArrayRef ints, int l, bool int8_) {
+    qs = w[2 + 3 * l], scale = w[3 + 3 * l], mins = w[4 + 3 * l];
+    qtype = ints[2 * l], n = ints[2 * l + 1], int8 = int8_;
+    groups = qs.size(0);
+    k = aiolm_gguf::check_blocks("aiolm::decode_layers", x_in, qs, scale, mins, qtype, n) * aiolm_gguf::QK;
+    x = x_in.reshape({-1, k}).contiguous();
+    m = x.size(0);
+    y = at::empty({m, n}, x.options());
+    const float* xp = x.data_ptr<float>();
+    if (int8) {
+      isa = aiolm_gguf_int8::pick_isa(-1);
+      qx = scratch.rows(xp, m, k, isa, qtype);
+    } else {
+      xsum = aiolm_gguf_float::block_sums(qtype, xp, m, k, sums);
+      kx = aiolm_gguf_float::kernel_x(qtype, xp, m, k, reordered);
+    }
+  }
+
+  // Thread `tid` of `team`: an even share of the groups (of pairs of groups, with int8 x,
+  // whose kernels start a pair on an even group).
+  void run(int64_t tid, int64_t team) {
+    const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+    float* yp = y.data_ptr<float>();
+    aiolm_gguf::with_type(qtype, [&](auto type) {
+      constexpr int64_t T = decltype(type)::value;
+      using S = aiolm_gguf::Scale<T>;
+      const auto* sp = static_cast<const S*>(scale.data_ptr());
+      const auto* mp = aiolm_gguf::has_min(T) ? static_cast<const S*>(mins.data_ptr()) : nullptr;
+      if (int8) {
+        const int64_t pairs = (groups + 1) / 2, p0 = pairs * tid / team, p1 = pairs * (tid + 1) / team;
+        if (p0 < p1) aiolm_gguf_int8::run_groups<T>(qp, sp, mp, qx, m, yp, n, isa, 2 * p0, std::min(2 * p1, groups));
+      } else {
+        const int64_t g0 = groups * tid / team, g1 = groups * (tid + 1) / team;
+        if (g0 < g1)
+          aiolm_gguf_float::run_groups<T>(qp, sp, mp, xsum, k / aiolm_gguf::QK, kx.x, kx.unscale, k, m, yp, n, g0, g1);
+      }
+    });
+  }
+};
+
+constexpr int64_t TEAM_ROWS = 8;  // the most rows (decode tokens) a step takes as a team
+
+// Whether decode_layers runs these layers as one team: a decode-sized step, and every layer
+// whole and dense (no experts, not the attention half).
+bool team_fits(const at::Tensor& x, at::IntArrayRef ints, size_t n) {
+  if (x.size(0) > TEAM_ROWS || at::in_parallel_region()) return false;
+  for (size_t l = 0; l < n; ++l) {
+    const at::IntArrayRef li = ints.slice(INTS * l, INTS);
+    if (li[TOP_K] > 0 || li[2 * GATE_UP + 1] == 0) return false;
+  }
+  return true;
+}
+
+// decode_layers' layers in one parallel region of torch's threads, which stays up for the
+// whole step: where a layer's kernels each forked and joined the threads (about a dozen
+// times a layer, each a wake-up and a wait), a step now waits at barriers between its phases.
+// The linears and the attention run on every thread (TeamLinear, aiolm_attention::share);
+// the small row-wise ops between them run on thread 0 through the same ops as decode_layer,
+// in the same order, while the others wait at the next barrier. So the bits are
+// decode_layer's. An exception on any thread ends the work of every thread (each still meets
+// every barrier) and is raised after the region.
+std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                               const at::Tensor& positions, at::TensorList kv_caches,
+                                               at::TensorList k_pages, at::TensorList v_pages,
+                                               const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                                               const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                                               const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
+                                               at::IntArrayRef ints, at::ArrayRef<double> floats) {
+  const Ops& o = ops();
+  const size_t n = kv_caches.size();
+  const int64_t t = x.size(0);
+  TeamLinear qkv_parts[QKV_PARTS], out, gate_up, down;
+  int parts = 0;
+  at::Tensor h = x, residual = residual_in.has_value() ? *residual_in : at::Tensor(), q, attn;
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    // f on thread 0 (all: on every thread), then every thread waits for the others.
+    auto phase = [&](bool all, auto&& f) {
+      if ((all || tid == 0) && !failed.load()) {
+        try {
+          f();
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!error) error = std::current_exception();
+          failed = true;
+        }
+      }
+#pragma omp barrier
+    };
+    for (size_t l = 0; l < n; ++l) {
+      const at::TensorList lw = w.slice(WEIGHTS * l, WEIGHTS);
+      const at::IntArrayRef li = ints.slice(INTS * l, INTS);
+      const double eps = floats[3 * l];
+      const bool int8 = li[INT8] != 0;
+      phase(false, [&] {  // the input norm; QKV's inputs
+        if (l > 0) h = down.y;
+        if (residual.defined()) {
+          o.add_rms_norm.call(h, residual, lw[0], eps);
+        } else {
+          residual = h;
+          h = o.rms_norm.call(h, lw[0], eps);
+        }
+        parts = 0;
+        for (int p = QKV; p < QKV + QKV_PARTS && (p == QKV || li[2 * p + 1] > 0); ++p)
+          qkv_parts[parts++].prepare(h, lw, li, p, int8);
+      });
+      phase(true, [&] {
+        for (int p = 0; p < parts; ++p) qkv_parts[p].run(tid, team);
+      });
+      phase(false, [&] {  // q, k and v: bias, norms, rotary, the cache
+        at::Tensor qkv = qkv_parts[0].y;
+        if (parts > 1) {
+          std::vector<at::Tensor> ys;
+          for (int p = 0; p < parts; ++p) ys.push_back(qkv_parts[p].y);
+          qkv = at::cat(ys, -1);
+        }
+        if (lw[BIAS].numel() > 0) qkv = at::add(qkv, lw[BIAS]);
+        const int64_t H = li[HEADS], Hk = li[KV_HEADS], D = li[HEAD_DIM];
+        q = qkv.narrow(1, 0, H * D).view({t, H, D});
+        at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
+        const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
+        if (lw[Q_NORM].numel() > 0) {
+          q = o.rms_norm.call(q.reshape({t * H, D}), lw[Q_NORM], eps).view({t, H, D});
+          k = o.rms_norm.call(k.reshape({t * Hk, D}), lw[K_NORM], eps).view({t, Hk, D});
+        }
+        o.rotary.call(q, k, positions, cos, sin);
+        at::Tensor cache = kv_caches[l];
+        o.write_kv.call(cache, k, v, slot_mapping);
+        attn = at::empty({t, H, D}, x.options());
+        next = 0;
+      });
+      phase(true, [&] {
+        aiolm_attention::share(attn, q, k_pages[l], v_pages[l], block_table, query_start_loc, seq_lens,
+                               floats[3 * l + 1], li[WINDOW], floats[3 * l + 2], next, team);
+      });
+      phase(false, [&] { out.prepare(attn.view({t, attn.size(1) * attn.size(2)}), lw, li, O, int8); });
+      phase(true, [&] { out.run(tid, team); });
+      phase(false, [&] {
+        o.add_rms_norm.call(out.y, residual, lw[1], eps);
+        gate_up.prepare(out.y, lw, li, GATE_UP, int8);
+      });
+      phase(true, [&] { gate_up.run(tid, team); });
+      phase(false, [&] { down.prepare(o.silu_and_mul.call(gate_up.y), lw, li, DOWN, int8); });
+      phase(true, [&] { down.run(tid, team); });
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return {down.y, residual};
+}
+
 // A stage's layers one after another, each exactly as decode_layer computes it: one call
 // per step instead of one per layer. kv_caches, k_pages and v_pages hold one entry per
 // layer; weights, ints and floats are the layers' own lists one after another (a layer of
@@ -184,6 +368,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optio
   for (size_t l = 0; l < n; ++l) nw += weights_of(ints.slice(INTS * l, INTS));
   TORCH_CHECK(w.size() == nw, "aiolm::decode_layers: ", nw, " weights expected (", WEIGHTS, " a layer, ",
               WEIGHTS + EXPERT_WEIGHTS, " a layer of experts), got ", w.size());
+  if (team_fits(x, ints, n))
+    return decode_team(x, residual_in, positions, kv_caches, k_pages, v_pages, block_table, query_start_loc, seq_lens,
+                       slot_mapping, cos, sin, w, ints, floats);
   at::Tensor h = x;
   c10::optional<at::Tensor> residual = residual_in;
   size_t w0 = 0;

@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "paged_attention.h"
 #include "vec.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -734,13 +735,16 @@ void attend_tile(const Shapes& s, const float* q_tile, float* out_tile, const in
   }
 }
 
-// Every work item, on torch's threads: K and V of element type KV.
+// Every work item, on torch's threads: K and V of element type KV. With `team` (a thread of
+// a team that runs this call on each of its `threads` threads, aiolm_attention::share), this
+// thread takes units from the team's counter instead.
 template <typename KV>
 void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std::vector<int64_t>& item_row0,
                const int64_t* qsl, const int64_t* slen, const int64_t* table, const float* qp, float* op,
-               const KV* kc, const KV* vc, float fscale) {
+               const KV* kc, const KV* vc, float fscale, std::atomic<int64_t>* team = nullptr,
+               int64_t team_threads = 0) {
   const int64_t n_items = static_cast<int64_t>(item_req.size());
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = team ? team_threads : at::get_num_threads();
   // Fewer items than threads (a step of one or a few decode rows): each item's kv heads are
   // split into `parts` ranges, so that every thread has some. A prefill tile stays whole (its
   // part 0 runs it).
@@ -749,11 +753,12 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
   const int64_t n_units = n_items * parts;
   // Items differ in cost (a decode row vs. a prefill tile), so threads take them
   // one at a time from a shared counter rather than in fixed, equal ranges.
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> own{0};
+  std::atomic<int64_t>& next = team ? *team : own;
   const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(threads, n_units));
   // Prefill tiles of several rows take attend_tile where it has a kernel for the shape.
   const bool tiles = s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
-  at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
+  auto work = [&] {
     const int64_t R = kTile * s.group;
     std::vector<float> scratch(std::max(s.num_heads * (s.head_dim + s.block_size + 3),
                                         R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
@@ -796,13 +801,17 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
         attend_row(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
       }
     }
-  });
+  };
+  if (team)
+    work();
+  else
+    at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) { work(); });
 }
 
-void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& block_table,
-                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t window, double softcap) {
+void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                    double scale, int64_t window, double softcap, std::atomic<int64_t>* team,
+                    int64_t team_threads) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "aiolm::paged_attention: float32 q and out expected");
   TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf ||
@@ -865,14 +874,21 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const float fscale = static_cast<float>(scale);
   if (k_cache.scalar_type() == at::kHalf) {
     run_items(s, item_req, item_row0, qsl, slen, table, qp, op, reinterpret_cast<const half*>(k_cache.data_ptr()),
-              reinterpret_cast<const half*>(v_cache.data_ptr()), fscale);
+              reinterpret_cast<const half*>(v_cache.data_ptr()), fscale, team, team_threads);
   } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     run_items(s, item_req, item_row0, qsl, slen, table, qp, op, reinterpret_cast<const fp8*>(k_cache.data_ptr()),
-              reinterpret_cast<const fp8*>(v_cache.data_ptr()), fscale);
+              reinterpret_cast<const fp8*>(v_cache.data_ptr()), fscale, team, team_threads);
   } else {
     run_items(s, item_req, item_row0, qsl, slen, table, qp, op, k_cache.data_ptr<float>(),
-              v_cache.data_ptr<float>(), fscale);
+              v_cache.data_ptr<float>(), fscale, team, team_threads);
   }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                     int64_t window, double softcap) {
+  attention_impl(out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, window, softcap, nullptr, 0);
 }
 
 // The new tokens' K and V into their cache slots: k, v [tokens, kv_heads, head_dim]
@@ -936,6 +952,17 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, c
 }
 
 }  // namespace
+
+namespace aiolm_attention {
+
+void share(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+           const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+           int64_t window, double softcap, std::atomic<int64_t>& next, int64_t threads) {
+  attention_impl(out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, window, softcap, &next,
+                 threads);
+}
+
+}  // namespace aiolm_attention
 
 TORCH_LIBRARY(aiolm, m) {
   m.def(

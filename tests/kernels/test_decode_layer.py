@@ -119,3 +119,29 @@ def test_layers_of_another_shape_keep_their_modules(model):
         assert gguf_blocks.FusedDecodeLayer.of(layer) is None  # the C++ step adds no o bias
     finally:
         layer.self_attn.o_proj.bias = o_bias
+
+
+def test_an_error_inside_the_step_s_team_is_raised_and_the_team_recovers(model):
+    """A decode step's layers run as one team of threads (ext/cpu/decode_layer.cpp,
+    decode_team); an op that fails on one of them ends the step with the op's error, not a
+    crash or a hang, and later steps run as before."""
+    stack = model.fused_stack
+    prompt = list(range(100, 120))
+    expected = PagedHarness(model, num_blocks=16)
+    expected.step({0: prompt})
+    expected = expected.step({0: [5]})[0]
+
+    def narrower(positions, x, residual, kv_caches, meta):  # x no longer the norm's width
+        return stack(positions, x[:, :-32].contiguous(), residual, kv_caches, meta)
+
+    h = PagedHarness(model, num_blocks=16)
+    h.step({0: prompt})
+    try:
+        model.fused_stack = narrower
+        with pytest.raises(RuntimeError, match="rms_norm: weight must be float32"):
+            h.step({0: [5]})
+    finally:
+        model.fused_stack = stack
+    h = PagedHarness(model, num_blocks=16)
+    h.step({0: prompt})
+    assert torch.equal(h.step({0: [5]})[0], expected)

@@ -57,7 +57,9 @@ def q8_models(tmp_path_factory):
         if kind not in built:
             tmp = tmp_path_factory.mktemp(kind)
             path = tmp / "m.gguf"
-            write_moe_gguf(tiny_moe_model(kind), path, "Q8_0")
+            family, _, dense = kind.partition("-")
+            # "qwen3_moe-dense": every layer dense (QK-norm attention, no experts)
+            write_moe_gguf(tiny_moe_model(family, **({"mlp_only_layers": [0, 1, 2]} if dense else {})), path, "Q8_0")
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("AIOLM_CACHE_DIR", str(tmp / "cache"))
                 source = resolve_model(path)
@@ -69,14 +71,15 @@ def q8_models(tmp_path_factory):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
 @pytest.mark.parametrize("how", ["per-layer", "one-call"])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe-dense"])
 def test_fused_layers_give_the_modules_bits(kind, how, int8, q8_models, monkeypatch):
     """A decode step of a layer of experts runs as one C++ call (ext/cpu/decode_layer.cpp):
     attention with QK-norm, the router's float32 logits, top-k and renormalisation, and the
     experts' blocks (Qwen3-MoE's dense layer as a dense one); the model's layers as one call
     per step. Qwen2-MoE's shared expert keeps its layers' experts in the modules, after the
     call's attention half, and the model without the one call. Either way the logits and
-    the per-expert token counts are those of the modules run one by one, bit for bit."""
+    the per-expert token counts are those of the modules run one by one, bit for bit. With
+    every layer dense, the one call runs the step's layers as one team of threads."""
     from aiolm.quant import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "INT8", int8)
@@ -129,7 +132,9 @@ def test_fused_layers_give_the_modules_bits(kind, how, int8, q8_models, monkeypa
         for layer, plan in zip(model.layers, plans):
             layer.fused = plan
         model.fused_stack = stack
-    assert fused_counts.sum() == module_counts.sum() > 0 and torch.equal(fused_counts, module_counts)
+    dense = kind.endswith("-dense")
+    assert fused_counts.sum() == module_counts.sum() and (fused_counts.sum() > 0) != dense
+    assert torch.equal(fused_counts, module_counts)
     for step, (a, b) in enumerate(zip(fused, modules)):
         for seq in a:
             assert torch.equal(a[seq], b[seq]), f"step {step}, sequence {seq}: the fused layers' logits differ"
