@@ -15,6 +15,7 @@ Cases (the real model's shapes where it has them):
                 --rows (default 11), int8 x (ext/cpu/gguf_int8.cpp)
   moe-head      the benchmark MoE's LM head (its Q4_K_M file's Q6_K 49152 x 1024, 63 MB as
                 the kernels keep it) at --rows (default 16), int8 x
+  moe-head-float  the same with float x (ext/cpu/gguf_linear.cpp and gguf_linear.h)
   prompt-layer  a 2048-row prompt through one layer's four linears (Q4_1 blocks of random
                 codes in the embedded model's shapes), int8 x
   model         every linear of the embedded model (30 layers' and the head, its own GGUF
@@ -61,6 +62,7 @@ from aiolm.kernels import cpu  # noqa: E402
 SOURCES = {
     "head": "gguf_int8.cpp",
     "moe-head": "gguf_int8.cpp",
+    "moe-head-float": "gguf_linear.cpp",
     "prompt-layer": "gguf_int8.cpp",
     "tinyllama": "gguf_int8.cpp",
     "model": "gguf_int8.cpp",
@@ -134,7 +136,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     a = ap.parse_args()
     if a.rows is None:
-        a.rows = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-head": 16, "moe-bf16": 2048}.get(a.case, 11)
+        a.rows = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-head": 16, "moe-head-float": 16, "moe-bf16": 2048}.get(a.case, 11)
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
@@ -154,7 +156,7 @@ def main() -> None:
         def call(ns: str):
             op = getattr(torch.ops, ns).panel_linear
             return [op(x, w.data, w.out_features) for w, x in zip(ws, xs)]
-    elif a.case.endswith("-float") and not a.case.startswith("moe"):
+    elif a.case.endswith("-float") and a.case != "moe-float":
         ws, xs = linear_case(a.case.removesuffix("-float"), a.rows)
 
         def call(ns: str):

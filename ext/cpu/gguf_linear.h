@@ -135,11 +135,14 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
       }
       for (int r = 0; r < MR; ++r) {
         const float* xb = x + r * K + b * QK;
-        const __m512 t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
-        if constexpr (T == Q6_K)
-          acc[i][r] = _mm512_add_ps(t, acc[i][r]);
-        else
+        if constexpr (T == Q6_K) {  // the weights themselves: straight into the sum, two FMAs
+          acc[i][r] = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16),
+                                      _mm512_fmadd_ps(f[0], _mm512_loadu_ps(xb), acc[i][r]));
+        } else {
+          const __m512 t =
+              _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
           acc[i][r] = _mm512_fmadd_ps(d, t, acc[i][r]);
+        }
       }
     }
   }
