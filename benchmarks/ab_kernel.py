@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     a = ap.parse_args()
     if a.rows is None:
-        a.rows = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-head": 16, "moe-head-float": 16, "moe-bf16": 2048}.get(a.case, 11)
+        sizes = {"decode-attn": 64, "moe": 16, "moe-float": 16, "moe-head": 16, "moe-head-float": 16, "moe-bf16": 2048}
+        a.rows = sizes.get(a.case, 11)
     torch.set_num_threads(a.threads)
     assert cpu.load(), "the CPU kernels did not build"
     path = f"ext/cpu/{SOURCES[a.case]}"
