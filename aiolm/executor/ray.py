@@ -447,8 +447,10 @@ class RayExecutor(MultiprocExecutor):
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            try:
-                await asyncio.to_thread(remove_placement_group, self._pg)
+            try:  # a call to Ray's control store, bounded: an unreachable store must not hold up shutdown
+                await asyncio.wait_for(asyncio.to_thread(remove_placement_group, self._pg), max(grace, 10.0))
+            except asyncio.TimeoutError:
+                log.warning("removing the placement group took over %g s; left to Ray", max(grace, 10.0))
             except Exception as e:
                 log.warning("removing the placement group failed: %s", e)
             self._pg = None
