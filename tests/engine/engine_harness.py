@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import os
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -80,11 +82,19 @@ class LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        """Run a coroutine on the loop and wait for its result (cancelled on timeout)."""
+        """Run a coroutine on the loop and wait for its result (cancelled on timeout, after
+        the loop's tasks and the process's threads are printed to stderr: where it waited)."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
         except TimeoutError:
+            print(f"\n{timeout:g} s passed: the loop's tasks and the threads, as they stand", file=sys.stderr)
+            try:  # read from this thread while the loop runs: a diagnosis, so best effort
+                for task in list(asyncio.all_tasks(self.loop)):
+                    task.print_stack(file=sys.stderr)
+            except RuntimeError:
+                pass
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             fut.cancel()
             raise
 
