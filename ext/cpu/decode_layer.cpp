@@ -125,6 +125,38 @@ at::Tensor experts(const Ops& o, const at::Tensor& a, at::TensorList w, at::IntA
                          -1);
 }
 
+// The layer's input norm, as the modules run it: with a residual stream, x is added to it
+// and normed in place (and returned); without one (layer 0), x becomes the stream and its
+// norm is a new tensor.
+at::Tensor input_norm(const Ops& o, at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  if (residual.defined()) {
+    o.add_rms_norm.call(x, residual, w, eps);
+    return x;
+  }
+  residual = x;
+  return o.rms_norm.call(x, w, eps);
+}
+
+// q, k and v from QKV's outputs (its parts side by side): the bias, Qwen3's per-head norms,
+// rotary, and k and v written to the cache. Returns q [t, heads, head_dim].
+at::Tensor rope_and_cache(const Ops& o, const std::vector<at::Tensor>& parts, at::TensorList w, at::IntArrayRef ints,
+                          double eps, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  at::Tensor qkv = parts.size() > 1 ? at::cat(parts, -1) : parts[0];
+  if (w[BIAS].numel() > 0) qkv = at::add(qkv, w[BIAS]);
+  const int64_t t = qkv.size(0), H = ints[HEADS], Hk = ints[KV_HEADS], D = ints[HEAD_DIM];
+  at::Tensor q = qkv.narrow(1, 0, H * D).view({t, H, D});
+  at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
+  const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
+  if (w[Q_NORM].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
+    q = o.rms_norm.call(q.reshape({t * H, D}), w[Q_NORM], eps).view({t, H, D});
+    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[K_NORM], eps).view({t, Hk, D});
+  }
+  o.rotary.call(q, k, positions, cos, sin);
+  o.write_kv.call(kv_cache, k, v, slot_mapping);
+  return q;
+}
+
 // x: the previous layer's output; residual: the stream before it (none at layer 0, when
 // x is the stream). Returns this layer's output and the stream it is to be added to;
 // x and the residual are updated in place on the way, as the modules update them.
@@ -142,32 +174,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& x, const c10::option
   const Ops& o = ops();
   const bool int8 = ints[INT8] != 0;
   const double eps = floats[0];
-  at::Tensor residual, h;
-  if (residual_in.has_value()) {
-    residual = *residual_in;
-    o.add_rms_norm.call(x, residual, w[0], eps);
-    h = x;
-  } else {
-    residual = x;
-    h = o.rms_norm.call(x, w[0], eps);
-  }
-  at::Tensor qkv = linear(o, h, w, ints, QKV, int8);
-  if (ints[2 * (QKV + 1) + 1] > 0) {  // parts
-    std::vector<at::Tensor> parts{qkv};
-    for (int l = QKV + 1; l < QKV + QKV_PARTS && ints[2 * l + 1] > 0; ++l) parts.push_back(linear(o, h, w, ints, l, int8));
-    qkv = at::cat(parts, -1);
-  }
-  if (w[BIAS].numel() > 0) qkv = at::add(qkv, w[BIAS]);
-  const int64_t t = x.size(0), H = ints[HEADS], Hk = ints[KV_HEADS], D = ints[HEAD_DIM];
-  at::Tensor q = qkv.narrow(1, 0, H * D).view({t, H, D});
-  at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
-  const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
-  if (w[Q_NORM].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3), as CpuKernelOps.rms_norm runs it
-    q = o.rms_norm.call(q.reshape({t * H, D}), w[Q_NORM], eps).view({t, H, D});
-    k = o.rms_norm.call(k.reshape({t * Hk, D}), w[K_NORM], eps).view({t, Hk, D});
-  }
-  o.rotary.call(q, k, positions, cos, sin);
-  o.write_kv.call(kv_cache, k, v, slot_mapping);
+  at::Tensor residual = residual_in.value_or(at::Tensor());
+  const at::Tensor h = input_norm(o, x, residual, w[0], eps);
+  std::vector<at::Tensor> parts;
+  for (int l = QKV; l < QKV + QKV_PARTS && (l == QKV || ints[2 * l + 1] > 0); ++l)
+    parts.push_back(linear(o, h, w, ints, l, int8));
+  const at::Tensor q = rope_and_cache(o, parts, w, ints, eps, positions, cos, sin, kv_cache, slot_mapping);
+  const int64_t t = x.size(0), H = ints[HEADS], D = ints[HEAD_DIM];
   at::Tensor attn = at::empty({t, H, D}, x.options());
   o.attention.call(attn, q, k_pages, v_pages, block_table, query_start_loc, seq_lens, floats[1], ints[WINDOW], floats[2]);
   at::Tensor a = linear(o, attn.view({t, H * D}), w, ints, O, int8);
@@ -295,12 +308,7 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
       const bool int8 = li[INT8] != 0;
       phase(false, [&] {  // the input norm; QKV's inputs
         if (l > 0) h = down.y;
-        if (residual.defined()) {
-          o.add_rms_norm.call(h, residual, lw[0], eps);
-        } else {
-          residual = h;
-          h = o.rms_norm.call(h, lw[0], eps);
-        }
+        h = input_norm(o, h, residual, lw[0], eps);
         parts = 0;
         for (int p = QKV; p < QKV + QKV_PARTS && (p == QKV || li[2 * p + 1] > 0); ++p)
           qkv_parts[parts++].prepare(h, lw, li, p, int8);
@@ -309,25 +317,11 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
         for (int p = 0; p < parts; ++p) qkv_parts[p].run(tid, team);
       });
       phase(false, [&] {  // q, k and v: bias, norms, rotary, the cache
-        at::Tensor qkv = qkv_parts[0].y;
-        if (parts > 1) {
-          std::vector<at::Tensor> ys;
-          for (int p = 0; p < parts; ++p) ys.push_back(qkv_parts[p].y);
-          qkv = at::cat(ys, -1);
-        }
-        if (lw[BIAS].numel() > 0) qkv = at::add(qkv, lw[BIAS]);
-        const int64_t H = li[HEADS], Hk = li[KV_HEADS], D = li[HEAD_DIM];
-        q = qkv.narrow(1, 0, H * D).view({t, H, D});
-        at::Tensor k = qkv.narrow(1, H * D, Hk * D).view({t, Hk, D});
-        const at::Tensor v = qkv.narrow(1, (H + Hk) * D, Hk * D).view({t, Hk, D});
-        if (lw[Q_NORM].numel() > 0) {
-          q = o.rms_norm.call(q.reshape({t * H, D}), lw[Q_NORM], eps).view({t, H, D});
-          k = o.rms_norm.call(k.reshape({t * Hk, D}), lw[K_NORM], eps).view({t, Hk, D});
-        }
-        o.rotary.call(q, k, positions, cos, sin);
+        std::vector<at::Tensor> ys;
+        for (int p = 0; p < parts; ++p) ys.push_back(qkv_parts[p].y);
         at::Tensor cache = kv_caches[l];
-        o.write_kv.call(cache, k, v, slot_mapping);
-        attn = at::empty({t, H, D}, x.options());
+        q = rope_and_cache(o, ys, lw, li, eps, positions, cos, sin, cache, slot_mapping);
+        attn = at::empty(q.sizes(), q.options());
         next = 0;
       });
       phase(true, [&] {
