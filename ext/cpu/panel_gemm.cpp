@@ -62,9 +62,10 @@ static_assert(CHUNK_ROWS % MR == 0, "CHUNK_ROWS must hold whole tiles");
 // y[r][0:16 * NPC] = sum_k x[r * ldx + k * KS] * panel_j[k][0:16] for R <= 12 rows and
 // NPC <= 2 panels (panel j at panel + j * pstride). GCC keeps these fixed-size
 // arrays in registers once every loop over them is unrolled.
-template <int R, int KS, int NPC>
+template <int R, int KS, int NPC, int PF>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
-                                                  int64_t pstride, int64_t K, float* y, int64_t ldy) {
+                                                  int64_t pstride, int64_t K, float* y, int64_t ldy,
+                                                  const float* pf) {
   __m512 c[R][NPC];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
@@ -74,6 +75,8 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
     __m512 b[NPC];
 #pragma GCC unroll 2
     for (int j = 0; j < NPC; ++j) b[j] = _mm512_loadu_ps(panel + j * pstride + k * NR);
+    if constexpr (PF > 0) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), _MM_HINT_T1);
+    if constexpr (PF > 1) _mm_prefetch(reinterpret_cast<const char*>(pf + pstride + k * NR), _MM_HINT_T1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k * KS]);
@@ -91,9 +94,9 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
 // rows of x in place, KS = 6 a tile packed k-major; ldy is y's row stride. The rows are
 // spelled out one by one: written as arrays and loops, GCC 12 spilled the accumulators
 // to the stack and the kernel ran at half speed.
-template <int R, int KS, int NPC>
+template <int R, int KS, int NPC, int PF>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
-                                                  int64_t, int64_t K, float* y, int64_t ldy) {
+                                                  int64_t, int64_t K, float* y, int64_t ldy, const float*) {
   static_assert(NPC == 1, "one panel per call with AVX2");
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -139,8 +142,9 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
   if constexpr (R > 5) { _mm256_storeu_ps(y + 5 * ldy, c50); _mm256_storeu_ps(y + 5 * ldy + 8, c51); }
 }
 #else
-template <int R, int KS, int NPC>
-inline void micro(const float* x, int64_t ldx, const float* panel, int64_t, int64_t K, float* y, int64_t ldy) {
+template <int R, int KS, int NPC, int PF>
+inline void micro(const float* x, int64_t ldx, const float* panel, int64_t, int64_t K, float* y, int64_t ldy,
+                  const float*) {
   static_assert(NPC == 1, "one panel per call without AVX2");
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K; ++k)
@@ -150,24 +154,24 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t, int6
 }
 #endif
 
-template <int KS, int NPC>
+template <int KS, int NPC, int PF>
 inline void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t K,
-                       float* y, int64_t ldy) {
+                       float* y, int64_t ldy, const float* pf) {
   switch (rows) {
 #if defined(AIOLM_AVX512)
-    case 12: micro<12, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 11: micro<11, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 10: micro<10, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 9: micro<9, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 8: micro<8, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 7: micro<7, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 12: micro<12, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 11: micro<11, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 10: micro<10, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 9: micro<9, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 8: micro<8, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 7: micro<7, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
 #endif
-    case 6: micro<6, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 5: micro<5, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 4: micro<4, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 3: micro<3, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    case 2: micro<2, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
-    default: micro<1, KS, NPC>(x, ldx, panel, pstride, K, y, ldy); break;
+    case 6: micro<6, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 5: micro<5, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 4: micro<4, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 3: micro<3, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 2: micro<2, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    default: micro<1, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
   }
 }
 
@@ -219,15 +223,38 @@ void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int
     const float* panel = panels + p * pstride;
     const int64_t n0 = p * NR, cols = std::min(np * NR, N - n0);
     const bool whole = cols == NP * NR;  // else the last group: through a buffer
+    // The next group's panels are fetched into L2 while this one runs: the first tile over a
+    // group would otherwise read it from memory at one core's rate. One tile asks for both
+    // panels (a row of a panel is a cache line), or with three tiles or more, tiles 1 and 2
+    // one each, so the fetches are spread over the time they have.
+    const int64_t next_np = g + 1 < g1 ? std::min(NP, P - p - NP) : 0;
+    const float* next = panel + NP * pstride;
+    const int64_t tiles = (M + MR - 1) / MR;
     for (int64_t m = 0; m < M; m += MR) {
-      const int64_t rows = std::min(MR, M - m);
+      const int64_t rows = std::min(MR, M - m), t = m / MR;
       const float* xt = x + m * K;  // tile m / MR starts at (m / MR) * K * MR when packed
       float* yt = whole ? y + m * N + n0 : tail;
       const int64_t ldy = whole ? N : NP * NR;
+      int pf = 0;  // panels of the next group this tile fetches
+      const float* pfp = next;
+      if (next_np > 0) {
+        if (tiles <= 2 && t == tiles - 1) {
+          pf = static_cast<int>(next_np);
+        } else if (tiles > 2 && t >= 1 && t <= next_np) {
+          pf = 1;
+          pfp = next + (t - 1) * pstride;
+        }
+      }
       if (np == NP) {
-        micro_rows<KS, NP>(rows, xt, ldx, panel, pstride, K, yt, ldy);
+        if (pf == 2) {
+          micro_rows<KS, NP, 2>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+        } else if (pf == 1) {
+          micro_rows<KS, NP, 1>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+        } else {
+          micro_rows<KS, NP, 0>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+        }
       } else {
-        micro_rows<KS, 1>(rows, xt, ldx, panel, pstride, K, yt, ldy);
+        micro_rows<KS, 1, 0>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
       }
       if (ep.any()) finish_tile(yt, ldy, rows, n0, cols, ep);
       if (!whole)
