@@ -27,6 +27,7 @@
 // kernels over 8 output rows and the block sums (aiolm::gguf_moe, fused_moe.cpp).
 #pragma once
 
+#include "cpu_vendor.h"
 #include "gguf_blocks.h"
 
 #include <algorithm>
@@ -36,7 +37,6 @@
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <cpuid.h>
 #include <immintrin.h>
 #define AIOLM_AVX2 1
 #endif
@@ -309,12 +309,7 @@ inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t
 // the codes convert.
 inline bool raw_codes() {
 #if defined(AIOLM_AVX2) && !defined(AIOLM_AVX512)
-  static const bool amd = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    __cpuid(0, a, b, c, d);
-    return b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "Auth" "enti" "cAMD"
-  }();
-  return amd;
+  return aiolm_cpu::amd();
 #else
   return false;
 #endif

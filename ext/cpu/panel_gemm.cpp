@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_vendor.h"
 #include "linear_rows.h"
 #include "vec.h"
 
@@ -226,8 +227,11 @@ void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int
     // The next group's panels are fetched into L2 while this one runs: the first tile over a
     // group would otherwise read it from memory at one core's rate. One tile asks for both
     // panels (a row of a panel is a cache line), or with three tiles or more, tiles 1 and 2
-    // one each, so the fetches are spread over the time they have.
-    const int64_t next_np = g + 1 < g1 ? std::min(NP, P - p - NP) : 0;
+    // one each, so the fetches are spread over the time they have. Not on AMD's cores: on a
+    // Zen 4 a prefetch of this kind measured 1.02-1.07x slower (docs/benchmarks/log.md,
+    // "Issue 17, continued"), where an AMX Xeon runs 12-64 rows in 0.79-0.87x the time.
+    static const bool ask_ahead = !aiolm_cpu::amd();
+    const int64_t next_np = ask_ahead && g + 1 < g1 ? std::min(NP, P - p - NP) : 0;
     const float* next = panel + NP * pstride;
     const int64_t tiles = (M + MR - 1) / MR;
     for (int64_t m = 0; m < M; m += MR) {
