@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_vendor.h"
 #include "paged_attention.h"
 #include "vec.h"
 
@@ -305,14 +306,18 @@ struct RowState {
   }
 };
 
-// Pages lie anywhere: fetch page b + 1 of a row's n_keys keys while page b is used. With
-// plain loads of a byte per cache line, not prefetch instructions: a core may drop a
-// prefetch, but it must finish a load, and the page is read from cache right after.
-// benchmarks/ab_kernel.py decode-attn compares the two (docs/benchmarks/log.md has the figures).
+// Pages lie anywhere: fetch page b + 1 of a row's n_keys keys while page b is used, a cache
+// line at a time. On AMD's cores with plain loads of a byte per line: a core may drop a
+// prefetch, but it must finish a load, and on a Zen 4 the loads took 0.73x the time of
+// prefetch instructions, which did nothing there. On Intel's with prefetcht0: a load that
+// misses holds up retirement where a prefetch does not, and on an AMX Xeon the prefetches
+// take 0.93-0.94x the loads' time. benchmarks/ab_kernel.py decode-attn compares them
+// (docs/benchmarks/log.md has the figures).
 // Only kv heads [kh0, kh1) of each key are fetched: a row's heads may be split over threads.
 template <typename KV>
 inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b, int64_t n_keys, const KV* kc,
                                const KV* vc, int64_t kh0, int64_t kh1) {
+  static const bool loads = aiolm_cpu::amd();
   const int64_t bs = s.block_size;
   if ((b + 1) * bs >= n_keys) return;
   const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * s.kv_block_stride);
@@ -320,11 +325,19 @@ inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b,
   const int64_t keys = std::min(bs, n_keys - (b + 1) * bs), row = s.kv_row_stride * int64_t(sizeof(KV));
   const int64_t first = kh0 * s.head_dim * int64_t(sizeof(KV)), last = kh1 * s.head_dim * int64_t(sizeof(KV));
   int sum = 0;
+  auto fetch = [&](int64_t off) {
+    if (loads) {
+      sum += kn[off] + vn[off];
+    } else {
+      __builtin_prefetch(kn + off, 0, 3);
+      __builtin_prefetch(vn + off, 0, 3);
+    }
+  };
   if (kh0 == 0 && kh1 == s.num_kv_heads) {  // whole keys: the page is one stretch
-    for (int64_t off = 0; off < keys * row; off += 64) sum += kn[off] + vn[off];
+    for (int64_t off = 0; off < keys * row; off += 64) fetch(off);
   } else {
     for (int64_t t = 0; t < keys; ++t)
-      for (int64_t off = t * row + first; off < t * row + last; off += 64) sum += kn[off] + vn[off];
+      for (int64_t off = t * row + first; off < t * row + last; off += 64) fetch(off);
   }
   asm volatile("" : : "r"(sum));  // keeps the loads: nothing else reads their sum
 }
