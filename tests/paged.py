@@ -42,6 +42,24 @@ class PagedHarness:
     def step(self, chunks: dict[int, list[int]], every: bool = False) -> dict[int, torch.Tensor]:
         """Run one flat batch: seq id -> new token ids. Returns seq id -> last-token logits
         (``every``: the logits after each new token, [tokens, vocab])."""
+        ids, pos, meta = self._batch(chunks)
+        hidden = self.model(ids, pos, self.caches, meta)
+        if every:
+            logits = self.model.compute_logits(hidden).float().cpu()
+            starts = meta.query_start_loc.tolist()
+            return {seq: logits[starts[i] : starts[i + 1]] for i, seq in enumerate(chunks)}
+        last = meta.query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden[last]).float()
+        return {seq: logits[i].cpu() for i, seq in enumerate(chunks)}
+
+    def greedy_tokens(self, chunks: dict[int, list[int]]) -> torch.Tensor | None:
+        """A decode step (one new token a sequence) through the model's ``greedy_tokens``:
+        each sequence's greedy token, or None where the model does not take the step."""
+        ids, pos, meta = self._batch(chunks)
+        return self.model.greedy_tokens(ids, pos, self.caches, meta)
+
+    def _batch(self, chunks: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The flat batch's token ids, positions and attention metadata, blocks given out."""
         ids, pos, qlens, slens, tables = [], [], [], [], []
         for seq, toks in chunks.items():
             start = self.lens.get(seq, 0)
@@ -53,16 +71,7 @@ class PagedHarness:
             tables.append(self._ensure(seq, end))
             self.lens[seq] = end
         meta = AttentionMetadata.build(qlens, slens, tables, self.block_size, self.device)
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), self.caches, meta
-        )
-        if every:
-            logits = self.model.compute_logits(hidden).float().cpu()
-            starts = meta.query_start_loc.tolist()
-            return {seq: logits[starts[i] : starts[i + 1]] for i, seq in enumerate(chunks)}
-        last = meta.query_start_loc[1:] - 1
-        logits = self.model.compute_logits(hidden[last]).float()
-        return {seq: logits[i].cpu() for i, seq in enumerate(chunks)}
+        return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
 
     def greedy(self, prompts: list[list[int]], max_new: int, split: int | None = None) -> list[list[int]]:
         """Greedy-decode all prompts together; ``split`` prefills in two passes."""

@@ -190,13 +190,38 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.quant, self.lora = ctx.quant, ctx.lora
-        # the stage's layers as one step, where the quant method offers it
+        # the stage's layers as one step, where the quant method offers it; and with the
+        # model's end (final norm, LM head, argmax) too, for decode steps that sample greedily
         self.fused_stack: Callable[..., Any] | None = None
+        self.greedy_step: Callable[..., Any] | None = None
 
     def process_weights_after_loading(self) -> None:
         """After every layer's own step: the stage's fused steps as one call, if offered."""
         steps = [getattr(self.layers[i], "fused", None) for i in self.local_layers]
         self.fused_stack = self.quant.fused_decoder_stack(steps) if all(f is not None for f in steps) else None
+        plain_end = (
+            type(self).forward is LlamaForCausalLM.forward
+            and type(self).compute_logits is LlamaForCausalLM.compute_logits
+        )
+        whole = self.embed_tokens is not None and self.lm_head is not None  # one stage: the tokens to the logits
+        self.greedy_step = (
+            self.quant.fused_greedy_step(self.fused_stack, self.norm, self.lm_head)
+            if self.fused_stack is not None and plain_end and whole
+            else None
+        )
+
+    @torch.inference_mode()
+    def greedy_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """For a decode step (one token a request) whose every row samples greedily: each
+        row's token as forward, compute_logits and the sampler's argmax would give it, from one
+        call where the quant method offers it (its layers, final norm, LM head and argmax);
+        None where it does not take the step."""
+        step = self.greedy_step
+        if step is None or (self.lora is not None and self.lora.active):
+            return None
+        return step(positions, input_ids, self.embed_tokens, kv_caches, meta)
 
     def make_mlp(self, cfg: ModelConfig, ctx: BuildContext, layer: int, prefix: str) -> nn.Module | None:
         """Layer ``layer``'s feed-forward block where it is not the dense MLP; None here."""

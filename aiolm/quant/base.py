@@ -110,5 +110,11 @@ class QuantConfig:
         call taking the stage's KV caches; None here."""
         return None
 
+    def fused_greedy_step(self, stack: Any, norm: Any, lm_head: Any) -> Callable[..., Any] | None:
+        """``stack`` (from ``fused_decoder_stack``) with the model's final ``norm``, its
+        ``lm_head`` and the argmax in the same call, returning a decode step's greedy tokens;
+        None here."""
+        return None
+
     def release(self) -> None:
         """The model is ready: drop what only its preparation needed."""

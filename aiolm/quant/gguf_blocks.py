@@ -595,24 +595,28 @@ class FusedDecodeStack:
             self._pages_of, self._pages = list(kv_caches), ([k for k, _ in pages], [v for _, v in pages])
         return self._pages
 
-    def __call__(
+    def takes(self, rows: int, dtype: torch.dtype, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether a step of ``rows`` rows in ``dtype`` goes through the one call."""
+        int8 = all(INT8 and rows <= f.int8_rows for f in self.layers)
+        return (
+            (int8 or rows <= MAX_ROWS)
+            and dtype == torch.float32
+            and kv_caches[0].dtype in (torch.float32, torch.float16)
+        )
+
+    def args(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_caches: list[torch.Tensor],
         meta: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> list[Any]:
+        """decode_layers' arguments for a step the call takes."""
         rows = x.shape[0]
         int8 = tuple(INT8 and rows <= f.int8_rows for f in self.layers)
-        if (
-            not (all(int8) or rows <= MAX_ROWS)
-            or x.dtype != torch.float32
-            or kv_caches[0].dtype not in (torch.float32, torch.float16)
-        ):
-            return None
         k_pages, v_pages = self._page_args(kv_caches)
-        h, residual = torch.ops.aiolm.decode_layers(
+        return [
             x,
             residual,
             positions,
@@ -625,8 +629,65 @@ class FusedDecodeStack:
             self.weights,
             self._int_args(int8),
             self.floats,
-        )
+        ]
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.takes(x.shape[0], x.dtype, kv_caches):
+            return None
+        h, residual = torch.ops.aiolm.decode_layers(*self.args(positions, x, residual, kv_caches, meta))
         return h, residual
+
+
+class FusedGreedyStep:
+    """The stage's fused layers with the model's end in the same call (``decode_greedy``):
+    the final norm, the LM head's blocks and each row's argmax, so a decode step whose rows
+    all sample greedily comes back from C++ as its tokens. The ops are the ones the model's
+    forward, its compute_logits and the sampler's argmax run, so the tokens are theirs."""
+
+    def __init__(self, stack: FusedDecodeStack, norm: Any, head: GGUFLinear, vocab_size: int) -> None:
+        self.stack, self.head = stack, head
+        b = head.blocks
+        self.weights = [norm.weight.data, b.qs, b.scale, b.mins]
+        self.eps, self.qtype, self.n, self.vocab = norm.eps, b.qtype, b.n, vocab_size
+
+    @classmethod
+    def of(cls, stack: Any, norm: Any, lm_head: Any) -> FusedGreedyStep | None:
+        """The step for a model whose layers are ``stack`` and whose end is the RMSNorm
+        ``norm`` and ``lm_head`` (a ParallelLMHead), or None where the head has no blocks the
+        kernels take or is split over ranks."""
+        g = getattr(lm_head, "gguf", None)
+        if (
+            not isinstance(stack, FusedDecodeStack)
+            or not isinstance(g, GGUFLinear)
+            or not isinstance(g.blocks, GGUFWeight)
+            or lm_head.tp.world_size != 1
+            or norm.weight.dtype != torch.float32
+        ):
+            return None
+        return cls(stack, norm, g, lm_head.vocab_size)
+
+    def __call__(
+        self, positions: torch.Tensor, input_ids: torch.Tensor, embed: Any, kv_caches: list[torch.Tensor], meta: Any
+    ) -> torch.Tensor | None:
+        """Each row's greedy token ([rows] int64), or None where the call does not take the
+        step (then the model's own way runs it)."""
+        rows = input_ids.shape[0]
+        int8 = INT8 and rows <= self.head.int8_rows
+        if not (int8 or rows <= MAX_ROWS) or not self.stack.takes(rows, torch.float32, kv_caches):
+            return None
+        x = embed(input_ids)
+        if x.dtype != torch.float32:
+            return None
+        head_ints = [self.qtype, self.n, self.vocab, int(int8)]
+        args = self.stack.args(positions, x, None, kv_caches, meta)
+        return torch.ops.aiolm.decode_greedy(*args, self.weights, head_ints, self.eps)
 
 
 class GGUFBlocksMethod(LinearMethod):
@@ -723,6 +784,9 @@ class GGUFBlocksConfig(QuantConfig):
 
     def fused_decoder_stack(self, steps: list[Any]) -> FusedDecodeStack | None:
         return FusedDecodeStack.of(steps)
+
+    def fused_greedy_step(self, stack: Any, norm: Any, lm_head: Any) -> FusedGreedyStep | None:
+        return FusedGreedyStep.of(stack, norm, lm_head)
 
     def _tensors(self) -> dict[str, tuple[np.ndarray, str]]:
         if self._raw is None:

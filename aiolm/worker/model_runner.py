@@ -221,7 +221,15 @@ class ModelRunner:
             return self._execute_pooling(scheduler_output, step, meta, t0, t1)
         mm = self._image_embeds(step) if self.images_of else None
         plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
-        if self.stage.size > 1:
+        sample_idx = [i for i, s in enumerate(step.sample_mask) if s]
+        metadata, greedy = None, None
+        if self._may_end_in_the_call(step, meta, sample_idx, plan, mm):
+            metadata = self._sampling_metadata([int(r) for r in step.rows])
+            if metadata.all_greedy and not metadata.processors and not metadata.logprob_row_list:
+                greedy = self.model.greedy_tokens(step.input_ids, step.positions, self.kv_caches, meta)
+        if greedy is not None:
+            hidden = None
+        elif self.stage.size > 1:
             out = self._run_stage(scheduler_output.step, step, meta)
             if out is None:
                 return None  # handed on to the next stage, which answers
@@ -233,18 +241,26 @@ class ModelRunner:
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         t2 = time.perf_counter()
-        sample_idx = [i for i, s in enumerate(step.sample_mask) if s]
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        if sample_idx and step.num_drafts is not None:
+        if greedy is not None:  # every row's token came from the call: nothing else to take
+            tokens = greedy.tolist()
+            self._last_sampled = [[t] for t in tokens]
+            if self.cfg.async_scheduling:
+                self.batch.append_sampled([int(r) for r in step.rows], tokens)
+            sampled_ids = [[t] for t in tokens]
+        elif sample_idx and step.num_drafts is not None:
+            assert hidden is not None
             self._verify(scheduler_output, step, hidden, sample_idx, sampled_ids, logprobs)
         elif sample_idx:
+            assert hidden is not None
             last = step.query_start_loc[1:] - 1
             if len(sample_idx) != len(step.req_ids):
                 last = last[torch.tensor(sample_idx, device=self.device)]
             logits = self.model.compute_logits(hidden.index_select(0, last))
             rows = [int(step.rows[i]) for i in sample_idx]
-            metadata = self._sampling_metadata(rows)
+            if metadata is None:
+                metadata = self._sampling_metadata(rows)
             result = self.sampler(logits, metadata)
             tokens = result.sampled.tolist()
             self._last_sampled = [[t] for t in tokens]
@@ -257,7 +273,7 @@ class ModelRunner:
                     logprobs[step.req_ids[i]] = lp
         else:
             self._meta_key = None
-        prompt_lps = self._prompt_logprobs(step, hidden)
+        prompt_lps = self._prompt_logprobs(step, hidden) if hidden is not None else {}
         ready, errors = self.grammars.collect()
         loaded, sent = self._kv_done()
         t3 = time.perf_counter()
@@ -273,6 +289,26 @@ class ModelRunner:
             kv_loaded=loaded,
             kv_sent=sent,
         )
+
+    def _may_end_in_the_call(
+        self, step: Any, meta: AttentionMetadata, sample_idx: list[int], plan: Any, mm: Any
+    ) -> bool:
+        """Whether the model may run this step's sampling inside its forward call
+        (``greedy_tokens``): a decode step on one stage, one token a request and every request
+        sampling, with no drafts, images, graphs or prompt logprobs; the caller still checks
+        that every row samples greedily."""
+        if (
+            getattr(self.model, "greedy_step", None) is None
+            or self.stage.size > 1
+            or mm is not None
+            or (plan is not None and not plan.eager)
+            or step.num_drafts is not None
+            or len(sample_idx) != len(step.req_ids)
+            or meta.num_tokens != len(step.req_ids)
+        ):
+            return False
+        params = self.batch.params
+        return all((p := params[int(r)]) is not None and p.prompt_logprobs is None for r in step.rows)
 
     def _run_stage(self, step_no: int, step: Any, meta: AttentionMetadata) -> torch.Tensor | None:
         """This pipeline stage's layers over the step: from the tokens on the first stage, else

@@ -10,7 +10,9 @@
 // the Router module); one the call does not take (a shared expert beside the routed ones)
 // takes the attention half only: the call returns the post-attention norm's output, and
 // the experts run after it. decode_layers runs a decode-sized step of dense layers in one
-// parallel region of torch's threads (decode_team), with the same bits.
+// parallel region of torch's threads (decode_team), with the same bits. decode_greedy is
+// decode_layers with the step's end in the call too: the model's final norm, its LM head's
+// blocks and each row's argmax, the token greedy sampling takes (the same ops again).
 //
 // weights: the two norm weights, then (qs, scale, mins) of the six linear slots: qkv in up to
 //          three parts (a Q4_K_M file keeps q and k in one block type, v in another: each run
@@ -49,6 +51,7 @@
 #include <tuple>
 #include <vector>
 
+#include "argmax.h"
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
@@ -207,8 +210,13 @@ struct TeamLinear {
   aiolm_gguf_int8::QRows qx{};
 
   void prepare(const at::Tensor& x_in, at::TensorList w, at::IntArrayRef ints, int l, bool int8_) {
-    qs = w[2 + 3 * l], scale = w[3 + 3 * l], mins = w[4 + 3 * l];
-    qtype = ints[2 * l], n = ints[2 * l + 1], int8 = int8_;
+    prepare(x_in, w[2 + 3 * l], w[3 + 3 * l], w[4 + 3 * l], ints[2 * l], ints[2 * l + 1], int8_);
+  }
+
+  void prepare(const at::Tensor& x_in, const at::Tensor& qs_, const at::Tensor& scale_, const at::Tensor& mins_,
+               int64_t qtype_, int64_t n_, bool int8_) {
+    qs = qs_, scale = scale_, mins = mins_;
+    qtype = qtype_, n = n_, int8 = int8_;
     groups = qs.size(0);
     k = aiolm_gguf::check_blocks("aiolm::decode_layers", x_in, qs, scale, mins, qtype, n) * aiolm_gguf::QK;
     x = x_in.reshape({-1, k}).contiguous();
@@ -246,6 +254,16 @@ struct TeamLinear {
   }
 };
 
+// The step's end (decode_greedy): the model's final norm weight, its LM head's blocks, and
+// how they run: the head's block type and rows (n, the vocabulary maybe padded), the
+// vocabulary the argmax reads, and whether x goes in as int8.
+struct Head {
+  at::Tensor norm, qs, scale, mins;
+  int64_t qtype = 0, n = 0, vocab = 0;
+  bool int8 = false;
+  double eps = 0;
+};
+
 constexpr int64_t TEAM_ROWS = 8;  // the most rows (decode tokens) a step takes as a team
 
 // Whether decode_layers runs these layers as one team: a decode-sized step, and every layer
@@ -266,18 +284,20 @@ bool team_fits(const at::Tensor& x, at::IntArrayRef ints, size_t n) {
 // the small row-wise ops between them run on thread 0 through the same ops as decode_layer,
 // in the same order, while the others wait at the next barrier. So the bits are
 // decode_layer's. An exception on any thread ends the work of every thread (each still meets
-// every barrier) and is raised after the region.
+// every barrier) and is raised after the region. With a head, the team ends the step too and
+// puts each row's greedy token in `tokens`.
 std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
                                                const at::Tensor& positions, at::TensorList kv_caches,
                                                at::TensorList k_pages, at::TensorList v_pages,
                                                const at::Tensor& block_table, const at::Tensor& query_start_loc,
                                                const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                                                const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
-                                               at::IntArrayRef ints, at::ArrayRef<double> floats) {
+                                               at::IntArrayRef ints, at::ArrayRef<double> floats,
+                                               const Head* head = nullptr, at::Tensor* tokens = nullptr) {
   const Ops& o = ops();
   const size_t n = kv_caches.size();
   const int64_t t = x.size(0);
-  TeamLinear qkv_parts[QKV_PARTS], out, gate_up, down;
+  TeamLinear qkv_parts[QKV_PARTS], out, gate_up, down, logits;
   int parts = 0;
   at::Tensor h = x, residual = residual_in.has_value() ? *residual_in : at::Tensor(), q, attn;
   std::atomic<int64_t> next{0};
@@ -338,9 +358,38 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
       phase(false, [&] { down.prepare(o.silu_and_mul.call(gate_up.y), lw, li, DOWN, int8); });
       phase(true, [&] { down.run(tid, team); });
     }
+    if (head != nullptr) {
+      phase(false, [&] {  // the final norm, as the model's forward ends; the head's input
+        h = down.y;
+        h = input_norm(o, h, residual, head->norm, head->eps);
+        logits.prepare(h, head->qs, head->scale, head->mins, head->qtype, head->n, head->int8);
+        *tokens = at::empty({t}, x.options().dtype(at::kLong));
+      });
+      phase(true, [&] { logits.run(tid, team); });
+      phase(true, [&] {
+        const float* y = logits.y.data_ptr<float>();
+        int64_t* tk = tokens->data_ptr<int64_t>();
+        for (int64_t r = tid; r < t; r += team) tk[r] = aiolm_argmax::argmax_row(y + r * head->n, head->vocab);
+      });
+    }
   }
   if (error) std::rethrow_exception(error);
-  return {down.y, residual};
+  return {head != nullptr ? h : down.y, residual};
+}
+
+// decode_layers' lists, checked: per layer a cache, its pages, its ints and floats, and its
+// weights. Returns the number of layers.
+size_t check_stack(at::TensorList kv_caches, at::TensorList k_pages, at::TensorList v_pages, at::TensorList w,
+                   at::IntArrayRef ints, at::ArrayRef<double> floats) {
+  const size_t n = kv_caches.size();
+  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && ints.size() == INTS * n &&
+                  floats.size() == 3 * n,
+              "aiolm::decode_layers: per layer a cache, its pages, ", INTS, " ints and 3 floats expected");
+  size_t nw = 0;
+  for (size_t l = 0; l < n; ++l) nw += weights_of(ints.slice(INTS * l, INTS));
+  TORCH_CHECK(w.size() == nw, "aiolm::decode_layers: ", nw, " weights expected (", WEIGHTS, " a layer, ",
+              WEIGHTS + EXPERT_WEIGHTS, " a layer of experts), got ", w.size());
+  return n;
 }
 
 // A stage's layers one after another, each exactly as decode_layer computes it: one call
@@ -354,14 +403,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optio
                                                  const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                                                  const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                  at::IntArrayRef ints, at::ArrayRef<double> floats) {
-  const size_t n = kv_caches.size();
-  TORCH_CHECK(n > 0 && k_pages.size() == n && v_pages.size() == n && ints.size() == INTS * n &&
-                  floats.size() == 3 * n,
-              "aiolm::decode_layers: per layer a cache, its pages, ", INTS, " ints and 3 floats expected");
-  size_t nw = 0;
-  for (size_t l = 0; l < n; ++l) nw += weights_of(ints.slice(INTS * l, INTS));
-  TORCH_CHECK(w.size() == nw, "aiolm::decode_layers: ", nw, " weights expected (", WEIGHTS, " a layer, ",
-              WEIGHTS + EXPERT_WEIGHTS, " a layer of experts), got ", w.size());
+  const size_t n = check_stack(kv_caches, k_pages, v_pages, w, ints, floats);
   if (team_fits(x, ints, n))
     return decode_team(x, residual_in, positions, kv_caches, k_pages, v_pages, block_table, query_start_loc, seq_lens,
                        slot_mapping, cos, sin, w, ints, floats);
@@ -382,6 +424,46 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optio
   return {h, *residual};
 }
 
+// decode_layers, then the model's final norm, its LM head and each row's argmax over the
+// vocabulary: the greedy tokens [rows] of a decode step whose rows all sample greedily (one
+// row a request), as LlamaForCausalLM's forward, compute_logits and the sampler's argmax_rows give
+// them. head: the final norm's weight and the head's (qs, scale, mins); head_ints: the head's
+// block type, its rows, the vocabulary and 1 to multiply with int8 activations.
+at::Tensor decode_greedy(at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
+                         at::TensorList kv_caches, at::TensorList k_pages, at::TensorList v_pages,
+                         const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList w, at::IntArrayRef ints, at::ArrayRef<double> floats, at::TensorList head_w,
+                         at::IntArrayRef head_ints, double head_eps) {
+  TORCH_CHECK(head_w.size() == 4 && head_ints.size() == 4,
+              "aiolm::decode_greedy: the head is (norm, qs, scale, mins) and (type, rows, vocabulary, int8)");
+  const Head head{head_w[0], head_w[1], head_w[2],  head_w[3],        head_ints[0],
+                  head_ints[1], head_ints[2], head_ints[3] != 0, head_eps};
+  TORCH_CHECK(head.vocab > 0 && head.vocab <= head.n, "aiolm::decode_greedy: a vocabulary of ", head.vocab,
+              " in a head of ", head.n, " rows");
+  const size_t n = check_stack(kv_caches, k_pages, v_pages, w, ints, floats);
+  if (team_fits(x, ints, n)) {
+    at::Tensor tokens;
+    decode_team(x, residual_in, positions, kv_caches, k_pages, v_pages, block_table, query_start_loc, seq_lens,
+                slot_mapping, cos, sin, w, ints, floats, &head, &tokens);
+    return tokens;
+  }
+  auto [h, residual] = decode_layers(x, residual_in, positions, kv_caches, k_pages, v_pages, block_table,
+                                     query_start_loc, seq_lens, slot_mapping, cos, sin, w, ints, floats);
+  const Ops& o = ops();
+  const at::Tensor hn = input_norm(o, h, residual, head.norm, head.eps);
+  const at::Tensor y = head.int8 ? o.int8_linear.call(hn, head.qs, head.scale, head.mins, head.qtype, head.n, -1)
+                                 : o.float_linear.call(hn, head.qs, head.scale, head.mins, head.qtype, head.n);
+  const int64_t rows = y.size(0);
+  at::Tensor tokens = at::empty({rows}, y.options().dtype(at::kLong));
+  const float* yp = y.data_ptr<float>();
+  int64_t* tk = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) tk[r] = aiolm_argmax::argmax_row(yp + r * head.n, head.vocab);
+  });
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aiolm, m) {
@@ -393,9 +475,15 @@ TORCH_LIBRARY_FRAGMENT(aiolm, m) {
       "decode_layers(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!)[] kv_caches, "
       "Tensor[] k_pages, Tensor[] v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor slot_mapping, Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats) -> (Tensor, Tensor)");
+  m.def(
+      "decode_greedy(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!)[] kv_caches, "
+      "Tensor[] k_pages, Tensor[] v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor slot_mapping, Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats, "
+      "Tensor[] head, int[] head_ints, float head_eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_greedy", &decode_greedy);
 }

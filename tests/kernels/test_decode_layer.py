@@ -1,7 +1,8 @@
 """aiolm::decode_layer, a decoder layer's small steps as one C++ call, and
 aiolm::decode_layers, all the layers of a step as one call, against the layers' own
 modules on the real model: the same bits, with float or int8 activations, a float32 or
-float16 cache, a sliding window and a QKV bias."""
+float16 cache, a sliding window and a QKV bias. aiolm::decode_greedy, the same call with
+the final norm, the LM head and the argmax: the tokens greedy sampling takes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
+from aiolm.kernels.sampling_ops import argmax_rows
 from aiolm.model.registry import build_model
 from aiolm.quant import gguf_blocks
 from paged import PagedHarness
@@ -145,3 +147,50 @@ def test_an_error_inside_the_step_s_team_is_raised_and_the_team_recovers(model):
     h = PagedHarness(model, num_blocks=16)
     h.step({0: prompt})
     assert torch.equal(h.step({0: [5]})[0], expected)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+@pytest.mark.parametrize("rows", [1, 3, "most"])
+def test_a_decode_step_s_greedy_tokens_come_from_one_call_as_the_model_and_the_sampler_give_them(
+    model, int8, rows, monkeypatch
+):
+    """model.greedy_tokens (the layers, the final norm, the LM head and the argmax in one
+    C++ call) against forward, compute_logits and the sampler's argmax on a twin cache: the
+    same tokens step after step, and the same cache after, for every step size it takes."""
+    monkeypatch.setattr(gguf_blocks, "INT8", int8)
+    n = gguf_blocks.MAX_ROWS if rows == "most" else rows
+    assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
+    ref, fused = PagedHarness(model, num_blocks=64), PagedHarness(model, num_blocks=64)
+    prompts = {i: list(range(100 + 11 * i, 121 + 13 * i)) for i in range(n)}
+    logits = ref.step(prompts)
+    fused.step(prompts)
+    nxt = {i: [int(logits[i].argmax())] for i in logits}
+    for _ in range(5):
+        logits = ref.step(nxt)
+        want = argmax_rows(torch.stack([logits[i] for i in nxt])).tolist()
+        got = fused.greedy_tokens(nxt)
+        assert got is not None, "the one call should take a decode step of this size"
+        assert got.dtype == torch.int64 and got.tolist() == want
+        nxt = {i: [t] for i, t in zip(nxt, want)}
+    after_ref, after_fused = ref.step(nxt), fused.step(nxt)  # the caches the calls wrote agree
+    for i in nxt:
+        assert torch.equal(after_ref[i], after_fused[i])
+
+
+def test_the_greedy_call_declines_steps_it_does_not_take(model, monkeypatch):
+    """Steps the blocks do not take (more rows than the float kernels' limit) go the model's
+    own way (None, not a guess), and a model whose LM head has no blocks has no such call."""
+    monkeypatch.setattr(gguf_blocks, "INT8", False)
+    h = PagedHarness(model, num_blocks=64)
+    too_many = {i: list(range(100 + i, 110 + i)) for i in range(gguf_blocks.MAX_ROWS + 1)}
+    h.step(too_many)
+    assert h.greedy_tokens({i: [5] for i in too_many}) is None
+    head, blocks = model.lm_head, model.lm_head.gguf
+    try:
+        head.gguf = None  # a head in a block type the kernels do not take
+        model.process_weights_after_loading()
+        assert model.greedy_step is None
+    finally:
+        head.gguf = blocks
+        model.process_weights_after_loading()
+    assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)

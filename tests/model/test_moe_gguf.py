@@ -138,3 +138,28 @@ def test_fused_layers_give_the_modules_bits(kind, how, int8, q8_models, monkeypa
     for step, (a, b) in enumerate(zip(fused, modules)):
         for seq in a:
             assert torch.equal(a[seq], b[seq]), f"step {step}, sequence {seq}: the fused layers' logits differ"
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen3_moe-dense"])
+def test_a_greedy_decode_step_ends_in_the_one_call(kind, int8, q8_models, monkeypatch):
+    """model.greedy_tokens, the layers, the final norm, the LM head and the argmax in one C++
+    call: with layers of experts (run one by one in the call) and with every layer dense (as
+    one team of threads), each step's tokens are the argmax of the modules' logits."""
+    from aiolm.kernels.sampling_ops import argmax_rows
+    from aiolm.quant import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "INT8", int8)
+    _, model = q8_models(kind)
+    assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
+    prompts = {0: list(range(3, 20)), 1: list(range(40, 49)), 2: list(range(70, 75))}
+    ref, fused = PagedHarness(model, block_size=4), PagedHarness(model, block_size=4)
+    logits = ref.step(prompts)
+    fused.step(prompts)
+    nxt = {i: [int(logits[i].argmax())] for i in prompts}
+    for _ in range(4):
+        logits = ref.step(nxt)
+        want = argmax_rows(torch.stack([logits[i] for i in nxt])).tolist()
+        got = fused.greedy_tokens(nxt)
+        assert got is not None and got.tolist() == want
+        nxt = {i: [t] for i, t in zip(nxt, want)}

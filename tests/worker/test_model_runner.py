@@ -176,9 +176,12 @@ def test_multiproc_greedy_matches_transformers_with_chunking_prefix_hits_and_pre
 
 
 def test_local_executor_same_scenario(loop, real_source, prompts, expected):
+    """In process, the same; its decode steps (all greedy) take their tokens from the model's
+    one call that ends with the argmax (greedy_tokens), and still give transformers' tokens."""
     from aiolm.executor.local import LocalExecutor
 
     ex = LocalExecutor(runner_config(real_source))
+    ended_in_the_call = [0]
 
     async def run():
         await ex.start()
@@ -187,11 +190,23 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
             assert await ex.collective_rpc("kv_cache_info") == [
                 {"num_blocks": KV_BLOCKS, "block_size": BLOCK, "block_bytes": BLOCK_BYTES}
             ]
+            model = ex.runner.model
+            step = model.greedy_step
+            assert step is not None, "the embedded model's decode steps should end in its one call"
+
+            def counted(*args):
+                out = step(*args)
+                ended_in_the_call[0] += out is not None
+                return out
+
+            model.greedy_step = counted
             return await drive(ex, prompts)
         finally:
             await ex.shutdown()
 
-    _check_run(loop.run_until_complete(run()), expected)
+    res = loop.run_until_complete(run())
+    _check_run(res, expected)
+    assert ended_in_the_call[0] > 0
 
 
 def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks_where_the_cpu_has_them(real_source):
