@@ -91,6 +91,8 @@ struct Ops {
   using Moe = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, const at::Tensor&, const at::Tensor&,
                          int64_t, bool, int64_t);
   TypedOperatorHandle<Moe> gguf_moe = find<Moe>("aiolm::gguf_moe");
+  TypedOperatorHandle<at::Tensor(const at::Tensor&)> argmax_rows =
+      find<at::Tensor(const at::Tensor&)>("aiolm::argmax_rows");
 };
 
 const Ops& ops() {
@@ -454,14 +456,7 @@ at::Tensor decode_greedy(at::Tensor& x, const c10::optional<at::Tensor>& residua
   const at::Tensor hn = input_norm(o, h, residual, head.norm, head.eps);
   const at::Tensor y = head.int8 ? o.int8_linear.call(hn, head.qs, head.scale, head.mins, head.qtype, head.n, -1)
                                  : o.float_linear.call(hn, head.qs, head.scale, head.mins, head.qtype, head.n);
-  const int64_t rows = y.size(0);
-  at::Tensor tokens = at::empty({rows}, y.options().dtype(at::kLong));
-  const float* yp = y.data_ptr<float>();
-  int64_t* tk = tokens.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) tk[r] = aiolm_argmax::argmax_row(yp + r * head.n, head.vocab);
-  });
-  return tokens;
+  return o.argmax_rows.call(y.narrow(1, 0, head.vocab));
 }
 
 }  // namespace
