@@ -91,6 +91,28 @@ class PagedHarness:
         return outs
 
 
+def check_greedy_call(model, prompts: dict[int, list[int]], steps: int, **harness) -> None:
+    """model.greedy_tokens (a decode step ending in one call) against forward, compute_logits
+    and the sampler's argmax on a twin cache: the same int64 tokens step after step, and the
+    same logits from the caches the two ways wrote. ``harness``: PagedHarness's arguments."""
+    from aiolm.kernels.sampling_ops import argmax_rows
+
+    ref, fused = PagedHarness(model, **harness), PagedHarness(model, **harness)
+    logits = ref.step(prompts)
+    fused.step(prompts)
+    nxt = {i: [int(logits[i].argmax())] for i in prompts}
+    for _ in range(steps):
+        logits = ref.step(nxt)
+        want = argmax_rows(torch.stack([logits[i] for i in nxt])).tolist()
+        got = fused.greedy_tokens(nxt)
+        assert got is not None, "the one call should take a decode step of this size"
+        assert got.dtype == torch.int64 and got.tolist() == want
+        nxt = {i: [t] for i, t in zip(nxt, want)}
+    after_ref, after_fused = ref.step(nxt), fused.step(nxt)  # the caches the calls wrote agree
+    for i in nxt:
+        assert torch.equal(after_ref[i], after_fused[i])
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new: int, device: str = "cpu") -> list[int]:
     """A plain greedy loop with an explicit all-ones mask (pad id == eos id in SmolLM2);
     ``device``: where ``model`` is."""

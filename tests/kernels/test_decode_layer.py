@@ -12,10 +12,9 @@ from torch import nn
 
 from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
-from aiolm.kernels.sampling_ops import argmax_rows
 from aiolm.model.registry import build_model
 from aiolm.quant import gguf_blocks
-from paged import PagedHarness
+from paged import PagedHarness, check_greedy_call
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -160,21 +159,8 @@ def test_a_decode_step_s_greedy_tokens_come_from_one_call_as_the_model_and_the_s
     monkeypatch.setattr(gguf_blocks, "INT8", int8)
     n = gguf_blocks.MAX_ROWS if rows == "most" else rows
     assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
-    ref, fused = PagedHarness(model, num_blocks=64), PagedHarness(model, num_blocks=64)
     prompts = {i: list(range(100 + 11 * i, 121 + 13 * i)) for i in range(n)}
-    logits = ref.step(prompts)
-    fused.step(prompts)
-    nxt = {i: [int(logits[i].argmax())] for i in logits}
-    for _ in range(5):
-        logits = ref.step(nxt)
-        want = argmax_rows(torch.stack([logits[i] for i in nxt])).tolist()
-        got = fused.greedy_tokens(nxt)
-        assert got is not None, "the one call should take a decode step of this size"
-        assert got.dtype == torch.int64 and got.tolist() == want
-        nxt = {i: [t] for i, t in zip(nxt, want)}
-    after_ref, after_fused = ref.step(nxt), fused.step(nxt)  # the caches the calls wrote agree
-    for i in nxt:
-        assert torch.equal(after_ref[i], after_fused[i])
+    check_greedy_call(model, prompts, 5, num_blocks=64)
 
 
 def test_the_greedy_call_declines_steps_it_does_not_take(model, monkeypatch):

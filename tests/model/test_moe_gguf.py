@@ -12,7 +12,7 @@ import torch
 from aiolm.checkpoint.source import resolve_model
 from aiolm.model.registry import build_model
 from gguf_moe_writer import VOCAB, tiny_moe_model, write_moe_gguf
-from paged import PagedHarness, hf_greedy
+from paged import PagedHarness, check_greedy_call, hf_greedy
 
 NEW = 10
 
@@ -146,20 +146,10 @@ def test_a_greedy_decode_step_ends_in_the_one_call(kind, int8, q8_models, monkey
     """model.greedy_tokens, the layers, the final norm, the LM head and the argmax in one C++
     call: with layers of experts (run one by one in the call) and with every layer dense (as
     one team of threads), each step's tokens are the argmax of the modules' logits."""
-    from aiolm.kernels.sampling_ops import argmax_rows
     from aiolm.quant import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "INT8", int8)
     _, model = q8_models(kind)
     assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
     prompts = {0: list(range(3, 20)), 1: list(range(40, 49)), 2: list(range(70, 75))}
-    ref, fused = PagedHarness(model, block_size=4), PagedHarness(model, block_size=4)
-    logits = ref.step(prompts)
-    fused.step(prompts)
-    nxt = {i: [int(logits[i].argmax())] for i in prompts}
-    for _ in range(4):
-        logits = ref.step(nxt)
-        want = argmax_rows(torch.stack([logits[i] for i in nxt])).tolist()
-        got = fused.greedy_tokens(nxt)
-        assert got is not None and got.tolist() == want
-        nxt = {i: [t] for i, t in zip(nxt, want)}
+    check_greedy_call(model, prompts, 4, block_size=4)
