@@ -52,11 +52,12 @@ class PagedHarness:
         logits = self.model.compute_logits(hidden[last]).float()
         return {seq: logits[i].cpu() for i, seq in enumerate(chunks)}
 
-    def greedy_tokens(self, chunks: dict[int, list[int]]) -> torch.Tensor | None:
-        """A decode step (one new token a sequence) through the model's ``greedy_tokens``:
-        each sequence's greedy token, or None where the model does not take the step."""
+    def sampled_tokens(self, chunks: dict[int, list[int]], sampling=None) -> torch.Tensor | None:
+        """A decode step (one new token a sequence) through the model's ``sampled_tokens``:
+        each sequence's token (its argmax, or drawn with the SamplingMetadata ``sampling``),
+        or None where the model does not take the step."""
         ids, pos, meta = self._batch(chunks)
-        return self.model.greedy_tokens(ids, pos, self.caches, meta)
+        return self.model.sampled_tokens(ids, pos, self.caches, meta, sampling)
 
     def _batch(self, chunks: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The flat batch's token ids, positions and attention metadata, blocks given out."""
@@ -91,23 +92,37 @@ class PagedHarness:
         return outs
 
 
-def check_greedy_call(model, prompts: dict[int, list[int]], steps: int, **harness) -> None:
-    """model.greedy_tokens (a decode step ending in one call) against forward, compute_logits
-    and the sampler's argmax on a twin cache: the same int64 tokens step after step, and the
-    same logits from the caches the two ways wrote. ``harness``: PagedHarness's arguments."""
+def check_sample_call(model, prompts: dict[int, list[int]], steps: int, params=None, **harness) -> None:
+    """model.sampled_tokens (a decode step ending in one call) against forward, compute_logits
+    and the sampler on a twin cache: the same int64 tokens step after step, and the same
+    logits from the caches the two ways wrote. ``params``: per prompt, SamplingParams (a
+    seeded one gets a generator of its seed on each side, the rest share one seeded default);
+    None: every row greedy, through the call's argmax. ``harness``: PagedHarness's arguments."""
     from aiolm.kernels.sampling_ops import argmax_rows
+    from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
+
+    def metadata():
+        gens = [None if p.seed is None else make_generator(p.seed) for p in params]
+        empty = [[] for _ in params]
+        return SamplingMetadata.build(params, empty, empty, model.config.vocab_size, "cpu", gens, make_generator(0))
 
     ref, fused = PagedHarness(model, **harness), PagedHarness(model, **harness)
+    ref_meta, fused_meta = (None, None) if params is None else (metadata(), metadata())
     logits = ref.step(prompts)
     fused.step(prompts)
     nxt = {i: [int(logits[i].argmax())] for i in prompts}
+    off_argmax = 0
     for _ in range(steps):
         logits = ref.step(nxt)
-        want = argmax_rows(torch.stack([logits[i] for i in nxt])).tolist()
-        got = fused.greedy_tokens(nxt)
+        rows = torch.stack([logits[i] for i in nxt])
+        want = (argmax_rows(rows) if ref_meta is None else Sampler()(rows, ref_meta).sampled).tolist()
+        got = fused.sampled_tokens(nxt, fused_meta)
         assert got is not None, "the one call should take a decode step of this size"
         assert got.dtype == torch.int64 and got.tolist() == want
+        off_argmax += sum(t != int(logits[i].argmax()) for i, t in zip(nxt, want))
         nxt = {i: [t] for i, t in zip(nxt, want)}
+    if params is not None and any(not p.greedy for p in params):
+        assert off_argmax, "the random rows should not all have taken their argmax"
     after_ref, after_fused = ref.step(nxt), fused.step(nxt)  # the caches the calls wrote agree
     for i in nxt:
         assert torch.equal(after_ref[i], after_fused[i])

@@ -1,7 +1,8 @@
 """Sampling's native kernels behind plain functions.
 
 The sampler calls these and never asks which implementation runs: the C++ op
-where it can take the tensor, torch otherwise, with the same results.
+where it can take the tensor, torch otherwise, with the same results (for a random
+draw, the same distribution: see :func:`sample_rows`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if cpu_kernels.ready(x) and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return torch.ops.aiolm.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def sample_rows(x: torch.Tensor, uniforms: torch.Tensor, knobs: torch.Tensor) -> torch.Tensor | None:
+    """Each row's token drawn from logits ``x`` [rows, vocab] with its uniform number
+    (float64 [rows]) and its knobs (float64 [rows, 4]: temperature, 0 for the argmax; top_k,
+    0 for none; top_p; min_p), by ``aiolm::sample_rows`` (ext/cpu/sample.h), the function the
+    whole-step call samples with too; None where the op does not take ``x`` (the sampler's
+    torch path then draws from the same distribution, with its own rounding).
+    """
+    if cpu_kernels.ready(x) and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
+        return torch.ops.aiolm.sample_rows(x, uniforms, knobs)
+    return None
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None = None) -> None:

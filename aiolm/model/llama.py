@@ -191,9 +191,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.quant, self.lora = ctx.quant, ctx.lora
         # the stage's layers as one step, where the quant method offers it; and with the
-        # model's end (final norm, LM head, argmax) too, for decode steps that sample greedily
+        # model's end (final norm, LM head, sampling) too, for decode steps
         self.fused_stack: Callable[..., Any] | None = None
-        self.greedy_step: Callable[..., Any] | None = None
+        self.sample_step: Callable[..., Any] | None = None
 
     def process_weights_after_loading(self) -> None:
         """After every layer's own step: the stage's fused steps as one call, if offered."""
@@ -204,24 +204,30 @@ class LlamaForCausalLM(nn.Module):
             and type(self).compute_logits is LlamaForCausalLM.compute_logits
         )
         whole = self.embed_tokens is not None and self.lm_head is not None  # one stage: the tokens to the logits
-        self.greedy_step = (
-            self.quant.fused_greedy_step(self.fused_stack, self.norm, self.lm_head)
+        self.sample_step = (
+            self.quant.fused_sample_step(self.fused_stack, self.norm, self.lm_head)
             if self.fused_stack is not None and plain_end and whole
             else None
         )
 
     @torch.inference_mode()
-    def greedy_tokens(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    def sampled_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        sampling: Any = None,
     ) -> torch.Tensor | None:
-        """For a decode step (one token a request) whose every row samples greedily: each
-        row's token as forward, compute_logits and the sampler's argmax would give it, from one
-        call where the quant method offers it (its layers, final norm, LM head and argmax);
-        None where it does not take the step."""
-        step = self.greedy_step
+        """For a decode step (one token a request): each row's token as forward,
+        compute_logits and the sampler would give it (the argmax where ``sampling`` is None;
+        else the sampler's draw with that SamplingMetadata, which has no processors or
+        logprobs), from one call where the quant method offers it (its layers, final norm, LM
+        head and sampling); None where it does not take the step."""
+        step = self.sample_step
         if step is None or (self.lora is not None and self.lora.active):
             return None
-        return step(positions, input_ids, self.embed_tokens, kv_caches, meta)
+        return step(positions, input_ids, self.embed_tokens, kv_caches, meta, sampling)
 
     def make_mlp(self, cfg: ModelConfig, ctx: BuildContext, layer: int, prefix: str) -> nn.Module | None:
         """Layer ``layer``'s feed-forward block where it is not the dense MLP; None here."""

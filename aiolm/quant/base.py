@@ -110,9 +110,9 @@ class QuantConfig:
         call taking the stage's KV caches; None here."""
         return None
 
-    def fused_greedy_step(self, stack: Any, norm: Any, lm_head: Any) -> Callable[..., Any] | None:
+    def fused_sample_step(self, stack: Any, norm: Any, lm_head: Any) -> Callable[..., Any] | None:
         """``stack`` (from ``fused_decoder_stack``) with the model's final ``norm``, its
-        ``lm_head`` and the argmax in the same call, returning a decode step's greedy tokens;
+        ``lm_head`` and the sampling in the same call, returning a decode step's tokens;
         None here."""
         return None
 

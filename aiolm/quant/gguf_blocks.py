@@ -645,11 +645,12 @@ class FusedDecodeStack:
         return h, residual
 
 
-class FusedGreedyStep:
-    """The stage's fused layers with the model's end in the same call (``decode_greedy``):
-    the final norm, the LM head's blocks and each row's argmax, so a decode step whose rows
-    all sample greedily comes back from C++ as its tokens. The ops are the ones the model's
-    forward, its compute_logits and the sampler's argmax run, so the tokens are theirs."""
+class FusedSampleStep:
+    """The stage's fused layers with the model's end in the same call (``decode_sample``):
+    the final norm, the LM head's blocks and each row's token, so a decode step comes back
+    from C++ as its tokens. The ops are the ones the model's forward and its compute_logits
+    run, and the draw is the sampler's CPU one (each row's argmax, or ``aiolm::sample_rows``'s
+    row sampler with the uniform number the sampler would take), so the tokens are theirs."""
 
     def __init__(self, stack: FusedDecodeStack, norm: Any, head: GGUFLinear, vocab_size: int) -> None:
         self.stack, self.head = stack, head
@@ -658,7 +659,7 @@ class FusedGreedyStep:
         self.eps, self.qtype, self.n, self.vocab = norm.eps, b.qtype, b.n, vocab_size
 
     @classmethod
-    def of(cls, stack: Any, norm: Any, lm_head: Any) -> FusedGreedyStep | None:
+    def of(cls, stack: Any, norm: Any, lm_head: Any) -> FusedSampleStep | None:
         """The step for a model whose layers are ``stack`` and whose end is the RMSNorm
         ``norm`` and ``lm_head`` (a ParallelLMHead), or None where the head has no blocks the
         kernels take or is split over ranks."""
@@ -674,10 +675,18 @@ class FusedGreedyStep:
         return cls(stack, norm, g, lm_head.vocab_size)
 
     def __call__(
-        self, positions: torch.Tensor, input_ids: torch.Tensor, embed: Any, kv_caches: list[torch.Tensor], meta: Any
+        self,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: Any,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+        sampling: Any = None,
     ) -> torch.Tensor | None:
-        """Each row's greedy token ([rows] int64), or None where the call does not take the
-        step (then the model's own way runs it)."""
+        """Each row's token ([rows] int64): its argmax where ``sampling`` is None, else as the
+        sampler draws it with ``sampling`` (a SamplingMetadata without processors or logprobs,
+        whose ``draws`` are taken only once the call takes the step); None where the call does
+        not take the step (then the model's own way runs it)."""
         rows = input_ids.shape[0]
         int8 = INT8 and rows <= self.head.int8_rows
         if not (int8 or rows <= MAX_ROWS) or not self.stack.takes(rows, torch.float32, kv_caches):
@@ -687,7 +696,8 @@ class FusedGreedyStep:
             return None
         head_ints = [self.qtype, self.n, self.vocab, int(int8)]
         args = self.stack.args(positions, x, None, kv_caches, meta)
-        return torch.ops.aiolm.decode_greedy(*args, self.weights, head_ints, self.eps)
+        uniforms, knobs = (None, None) if sampling is None else sampling.draws()
+        return torch.ops.aiolm.decode_sample(*args, self.weights, head_ints, self.eps, uniforms, knobs)
 
 
 class GGUFBlocksMethod(LinearMethod):
@@ -785,8 +795,8 @@ class GGUFBlocksConfig(QuantConfig):
     def fused_decoder_stack(self, steps: list[Any]) -> FusedDecodeStack | None:
         return FusedDecodeStack.of(steps)
 
-    def fused_greedy_step(self, stack: Any, norm: Any, lm_head: Any) -> FusedGreedyStep | None:
-        return FusedGreedyStep.of(stack, norm, lm_head)
+    def fused_sample_step(self, stack: Any, norm: Any, lm_head: Any) -> FusedSampleStep | None:
+        return FusedSampleStep.of(stack, norm, lm_head)
 
     def _tensors(self) -> dict[str, tuple[np.ndarray, str]]:
         if self._raw is None:

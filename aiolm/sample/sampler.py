@@ -28,6 +28,9 @@ Choices made for CPU speed (vLLM's sampler targets GPUs):
   tensor costs page faults that can exceed the arithmetic done on it.
 - The argmax is :func:`aiolm.kernels.sampling_ops.argmax_rows`, which uses
   aiolm's kernel where it applies (the same indices as ``torch.argmax``).
+- On the CPU the random rows draw in one op, :func:`aiolm.kernels.sampling_ops.sample_rows`,
+  the function the model's whole-step call draws with: the same distribution as the torch
+  path here (which serves other devices), with the same uniform number per row.
 
 All per-batch state lives in :class:`SamplingMetadata`, built once per batch
 composition and advanced cheaply after each step; :class:`Sampler` is stateless.
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from aiolm.core.step import LogprobsLists
-from aiolm.kernels.sampling_ops import argmax_rows
+from aiolm.kernels.sampling_ops import argmax_rows, sample_rows
 from aiolm.params import SamplingParams
 from aiolm.sample import logits_processors
 from aiolm.sample.logits_processors import BatchRows, LogitsProcessor
@@ -113,6 +116,7 @@ class RandomRows:
     cand_knobs: Knobs | None
     cand_widths: list[int]  # candidate counts to try in turn (first covers every top_k)
     plain_pos: torch.Tensor | None  # positions without either; None: none
+    knob_rows: torch.Tensor  # float64 [n, 4]: temperature, top_k (0: none), top_p, min_p (sampling_ops)
 
     @classmethod
     def build(
@@ -145,7 +149,27 @@ class RandomRows:
             cand_knobs=None if cand_pos is None else knobs.select(cand_pos),
             cand_widths=[first] + ([_WIDE_CANDIDATES] if first < _WIDE_CANDIDATES < vocab_size else []),
             plain_pos=long_tensor(plain, device) if plain else None,
+            knob_rows=knob_rows(ps, vocab_size, device),
         )
+
+
+def knob_rows(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Per row (temperature, top_k, top_p, min_p) as float64 [rows, 4], as
+    :func:`aiolm.kernels.sampling_ops.sample_rows` takes them: a greedy row gets temperature 0
+    (its argmax), a top_k that keeps the whole vocabulary 0."""
+    return torch.tensor(
+        [
+            (
+                0.0 if p.greedy or p.top_k == 1 else p.temperature,
+                p.top_k if 0 < p.top_k < vocab_size else 0,
+                min(p.top_p, 1.0),
+                p.min_p,
+            )
+            for p in params
+        ],
+        dtype=torch.float64,
+        device=device,
+    ).reshape(len(params), 4)
 
 
 @dataclass
@@ -174,6 +198,7 @@ class SamplingMetadata:
     logprob_row_list: list[int]
     max_num_logprobs: int
     named_logprob_ids: list[list[int] | None] | None  # per row (logprob_token_ids); None: no row has any
+    knobs: torch.Tensor  # every row's, as knob_rows gives them (greedy rows: temperature 0)
 
     @classmethod
     def build(
@@ -228,7 +253,24 @@ class SamplingMetadata:
             logprob_row_list=lp_rows,
             max_num_logprobs=max((num_logprobs[i] or 0 for i in lp_rows), default=0),
             named_logprob_ids=named if any(named) else None,
+            knobs=knob_rows(params, vocab_size, dev),
         )
+
+    def draws(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's uniform number (float64 [rows]; 0 for greedy rows) and knobs, for a call
+        that samples the rows itself (the model's whole-step call, with the row sampler of
+        ``sample_rows``): the numbers the sampler would draw for this step, from the same
+        generators in the same order, so a seeded request's tokens do not depend on which ran.
+        Take them once a step, in place of the sampler."""
+        u = torch.zeros(self.num_reqs, dtype=torch.float64, device=self.device)
+        rnd = self.random
+        if rnd is not None:
+            drawn = _draw_uniforms(rnd, self.default_generator, set(), self.device)
+            if rnd.rows is None:
+                u = drawn
+            else:
+                u[rnd.rows] = drawn
+        return u, self.knobs
 
     def advance(self, new_token_ids: Sequence[Sequence[int]]) -> None:
         """Record tokens appended to each row (empty list: none) since the last step."""
@@ -321,7 +363,9 @@ def _sample(x: torch.Tensor, m: SamplingMetadata, skip: set[int]) -> torch.Tenso
     uniforms = _draw_uniforms(rnd, m.default_generator, skip, x.device)
     # index_select copies whole rows faster than x[rows] on CPU.
     xr = x if rnd.rows is None else x.index_select(0, rnd.rows)
-    drawn = _sample_random(xr, rnd, uniforms)
+    drawn = sample_rows(xr, uniforms, rnd.knob_rows)
+    if drawn is None:
+        drawn = _sample_random(xr, rnd, uniforms)
     if greedy is None:
         return drawn
     greedy[rnd.rows] = drawn

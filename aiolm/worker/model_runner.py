@@ -222,12 +222,13 @@ class ModelRunner:
         mm = self._image_embeds(step) if self.images_of else None
         plan = plan_step(meta.num_reqs, meta.num_tokens, self.graphs.sizes) if self.graphs else None
         sample_idx = [i for i, s in enumerate(step.sample_mask) if s]
-        metadata, greedy = None, None
+        metadata, drawn = None, None
         if self._may_end_in_the_call(step, meta, sample_idx, plan, mm):
             metadata = self._sampling_metadata([int(r) for r in step.rows])
-            if metadata.all_greedy and not metadata.processors and not metadata.logprob_row_list:
-                greedy = self.model.greedy_tokens(step.input_ids, step.positions, self.kv_caches, meta)
-        if greedy is not None:
+            if not metadata.processors and not metadata.logprob_row_list:
+                sampling = None if metadata.all_greedy else metadata
+                drawn = self.model.sampled_tokens(step.input_ids, step.positions, self.kv_caches, meta, sampling)
+        if drawn is not None:
             hidden = None
         elif self.stage.size > 1:
             out = self._run_stage(scheduler_output.step, step, meta)
@@ -243,8 +244,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        if greedy is not None:  # every row's token came from the call: nothing else to take
-            tokens = greedy.tolist()
+        if drawn is not None:  # every row's token came from the call: nothing else to take
+            tokens = drawn.tolist()
             self._last_sampled = [[t] for t in tokens]
             if self.cfg.async_scheduling:
                 self.batch.append_sampled([int(r) for r in step.rows], tokens)
@@ -294,11 +295,11 @@ class ModelRunner:
         self, step: Any, meta: AttentionMetadata, sample_idx: list[int], plan: Any, mm: Any
     ) -> bool:
         """Whether the model may run this step's sampling inside its forward call
-        (``greedy_tokens``): a decode step on one stage, one token a request and every request
+        (``sampled_tokens``): a decode step on one stage, one token a request and every request
         sampling, with no drafts, images, graphs or prompt logprobs; the caller still checks
-        that every row samples greedily."""
+        that no logits processor or logprobs apply."""
         if (
-            getattr(self.model, "greedy_step", None) is None
+            getattr(self.model, "sample_step", None) is None
             or self.stage.size > 1
             or mm is not None
             or (plan is not None and not plan.eager)

@@ -10,9 +10,10 @@
 // the Router module); one the call does not take (a shared expert beside the routed ones)
 // takes the attention half only: the call returns the post-attention norm's output, and
 // the experts run after it. decode_layers runs a decode-sized step of dense layers in one
-// parallel region of torch's threads (decode_team), with the same bits. decode_greedy is
+// parallel region of torch's threads (decode_team), with the same bits. decode_sample is
 // decode_layers with the step's end in the call too: the model's final norm, its LM head's
-// blocks and each row's argmax, the token greedy sampling takes (the same ops again).
+// blocks and each row's token, its argmax or the sampler's draw (the same ops and the same
+// row sampler, sample.h, as the sampler's CPU path).
 //
 // weights: the two norm weights, then (qs, scale, mins) of the six linear slots: qkv in up to
 //          three parts (a Q4_K_M file keeps q and k in one block type, v in another: each run
@@ -52,6 +53,7 @@
 #include <vector>
 
 #include "argmax.h"
+#include "sample.h"
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
@@ -93,6 +95,8 @@ struct Ops {
   TypedOperatorHandle<Moe> gguf_moe = find<Moe>("aiolm::gguf_moe");
   TypedOperatorHandle<at::Tensor(const at::Tensor&)> argmax_rows =
       find<at::Tensor(const at::Tensor&)>("aiolm::argmax_rows");
+  TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> sample_rows =
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("aiolm::sample_rows");
 };
 
 const Ops& ops() {
@@ -256,14 +260,16 @@ struct TeamLinear {
   }
 };
 
-// The step's end (decode_greedy): the model's final norm weight, its LM head's blocks, and
+// The step's end (decode_sample): the model's final norm weight, its LM head's blocks, and
 // how they run: the head's block type and rows (n, the vocabulary maybe padded), the
-// vocabulary the argmax reads, and whether x goes in as int8.
+// vocabulary the draw reads, and whether x goes in as int8; then each row's uniform number
+// and knobs (sample_rows.cpp), or none where every row takes its argmax.
 struct Head {
   at::Tensor norm, qs, scale, mins;
   int64_t qtype = 0, n = 0, vocab = 0;
   bool int8 = false;
   double eps = 0;
+  c10::optional<at::Tensor> uniforms, knobs;
 };
 
 constexpr int64_t TEAM_ROWS = 8;  // the most rows (decode tokens) a step takes as a team
@@ -287,7 +293,7 @@ bool team_fits(const at::Tensor& x, at::IntArrayRef ints, size_t n) {
 // in the same order, while the others wait at the next barrier. So the bits are
 // decode_layer's. An exception on any thread ends the work of every thread (each still meets
 // every barrier) and is raised after the region. With a head, the team ends the step too and
-// puts each row's greedy token in `tokens`.
+// puts each row's token in `tokens`.
 std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
                                                const at::Tensor& positions, at::TensorList kv_caches,
                                                at::TensorList k_pages, at::TensorList v_pages,
@@ -371,7 +377,15 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
       phase(true, [&] {
         const float* y = logits.y.data_ptr<float>();
         int64_t* tk = tokens->data_ptr<int64_t>();
-        for (int64_t r = tid; r < t; r += team) tk[r] = aiolm_argmax::argmax_row(y + r * head->n, head->vocab);
+        if (!head->knobs.has_value()) {
+          for (int64_t r = tid; r < t; r += team) tk[r] = aiolm_argmax::argmax_row(y + r * head->n, head->vocab);
+          return;
+        }
+        thread_local aiolm_sample::Scratch scratch;
+        const double* u = head->uniforms->data_ptr<double>();
+        const double* kn = head->knobs->data_ptr<double>();
+        for (int64_t r = tid; r < t; r += team)
+          tk[r] = aiolm_sample::token(y + r * head->n, head->vocab, u[r], kn + 4 * r, scratch);
       });
     }
   }
@@ -426,22 +440,32 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor& x, const c10::optio
   return {h, *residual};
 }
 
-// decode_layers, then the model's final norm, its LM head and each row's argmax over the
-// vocabulary: the greedy tokens [rows] of a decode step whose rows all sample greedily (one
-// row a request), as LlamaForCausalLM's forward, compute_logits and the sampler's argmax_rows give
-// them. head: the final norm's weight and the head's (qs, scale, mins); head_ints: the head's
-// block type, its rows, the vocabulary and 1 to multiply with int8 activations.
-at::Tensor decode_greedy(at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
+// decode_layers, then the model's final norm, its LM head and each row's token: the tokens
+// [rows] of a decode step (one row a request) as LlamaForCausalLM's forward, compute_logits
+// and the sampler give them where no logits processor runs: each row's argmax where knobs is
+// None, else per row the sampler's draw with its uniform number (sample_rows.cpp: the argmax
+// for a row of temperature 0). head: the final norm's weight and the head's (qs, scale,
+// mins); head_ints: the head's block type, its rows, the vocabulary and 1 to multiply with
+// int8 activations; uniforms float64 [rows], knobs float64 [rows, 4].
+at::Tensor decode_sample(at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
                          at::TensorList kv_caches, at::TensorList k_pages, at::TensorList v_pages,
                          const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList w, at::IntArrayRef ints, at::ArrayRef<double> floats, at::TensorList head_w,
-                         at::IntArrayRef head_ints, double head_eps) {
+                         at::IntArrayRef head_ints, double head_eps, const c10::optional<at::Tensor>& uniforms,
+                         const c10::optional<at::Tensor>& knobs) {
   TORCH_CHECK(head_w.size() == 4 && head_ints.size() == 4,
-              "aiolm::decode_greedy: the head is (norm, qs, scale, mins) and (type, rows, vocabulary, int8)");
-  const Head head{head_w[0], head_w[1], head_w[2],  head_w[3],        head_ints[0],
-                  head_ints[1], head_ints[2], head_ints[3] != 0, head_eps};
-  TORCH_CHECK(head.vocab > 0 && head.vocab <= head.n, "aiolm::decode_greedy: a vocabulary of ", head.vocab,
+              "aiolm::decode_sample: the head is (norm, qs, scale, mins) and (type, rows, vocabulary, int8)");
+  const int64_t t = x.size(0);
+  TORCH_CHECK(uniforms.has_value() == knobs.has_value(), "aiolm::decode_sample: uniforms and knobs go together");
+  if (knobs.has_value())
+    TORCH_CHECK(uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() && uniforms->numel() == t &&
+                    knobs->scalar_type() == at::kDouble && knobs->is_contiguous() && knobs->dim() == 2 &&
+                    knobs->size(0) == t && knobs->size(1) == 4,
+                "aiolm::decode_sample: uniforms must be float64 [", t, "] and knobs float64 [", t, ", 4]");
+  const Head head{head_w[0],    head_w[1],    head_w[2],          head_w[3], head_ints[0], head_ints[1],
+                  head_ints[2], head_ints[3] != 0, head_eps, uniforms, knobs};
+  TORCH_CHECK(head.vocab > 0 && head.vocab <= head.n, "aiolm::decode_sample: a vocabulary of ", head.vocab,
               " in a head of ", head.n, " rows");
   const size_t n = check_stack(kv_caches, k_pages, v_pages, w, ints, floats);
   if (team_fits(x, ints, n)) {
@@ -456,7 +480,8 @@ at::Tensor decode_greedy(at::Tensor& x, const c10::optional<at::Tensor>& residua
   const at::Tensor hn = input_norm(o, h, residual, head.norm, head.eps);
   const at::Tensor y = head.int8 ? o.int8_linear.call(hn, head.qs, head.scale, head.mins, head.qtype, head.n, -1)
                                  : o.float_linear.call(hn, head.qs, head.scale, head.mins, head.qtype, head.n);
-  return o.argmax_rows.call(y.narrow(1, 0, head.vocab));
+  const at::Tensor vocab = y.narrow(1, 0, head.vocab);
+  return knobs.has_value() ? o.sample_rows.call(vocab, *uniforms, *knobs) : o.argmax_rows.call(vocab);
 }
 
 }  // namespace
@@ -471,14 +496,14 @@ TORCH_LIBRARY_FRAGMENT(aiolm, m) {
       "Tensor[] k_pages, Tensor[] v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor slot_mapping, Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats) -> (Tensor, Tensor)");
   m.def(
-      "decode_greedy(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!)[] kv_caches, "
+      "decode_sample(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor(c!)[] kv_caches, "
       "Tensor[] k_pages, Tensor[] v_pages, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor slot_mapping, Tensor cos, Tensor sin, Tensor[] weights, int[] ints, float[] floats, "
-      "Tensor[] head, int[] head_ints, float head_eps) -> Tensor");
+      "Tensor[] head, int[] head_ints, float head_eps, Tensor? uniforms, Tensor? knobs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aiolm, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);
-  m.impl("decode_greedy", &decode_greedy);
+  m.impl("decode_sample", &decode_sample);
 }

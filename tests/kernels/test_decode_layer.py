@@ -1,8 +1,8 @@
 """aiolm::decode_layer, a decoder layer's small steps as one C++ call, and
 aiolm::decode_layers, all the layers of a step as one call, against the layers' own
 modules on the real model: the same bits, with float or int8 activations, a float32 or
-float16 cache, a sliding window and a QKV bias. aiolm::decode_greedy, the same call with
-the final norm, the LM head and the argmax: the tokens greedy sampling takes."""
+float16 cache, a sliding window and a QKV bias. aiolm::decode_sample, the same call with
+the final norm, the LM head and each row's argmax or draw: the tokens the sampler takes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from torch import nn
 from aiolm.checkpoint.source import resolve_model
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.registry import build_model
+from aiolm.params import SamplingParams
 from aiolm.quant import gguf_blocks
-from paged import PagedHarness, check_greedy_call
+from paged import PagedHarness, check_sample_call
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 
@@ -148,19 +149,32 @@ def test_an_error_inside_the_step_s_team_is_raised_and_the_team_recovers(model):
     assert torch.equal(h.step({0: [5]})[0], expected)
 
 
+# Per row in turn: greedy, plain temperature, top-k, top-p (seeded), all the filters (seeded).
+SAMPLED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=20),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=5),
+    SamplingParams(temperature=1.2, top_k=50, top_p=0.95, min_p=0.02, seed=9),
+]
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
 @pytest.mark.parametrize("rows", [1, 3, "most"])
-def test_a_decode_step_s_greedy_tokens_come_from_one_call_as_the_model_and_the_sampler_give_them(
-    model, int8, rows, monkeypatch
+@pytest.mark.parametrize("draw", ["greedy", "sampled"])
+def test_a_decode_step_s_tokens_come_from_one_call_as_the_model_and_the_sampler_give_them(
+    model, int8, rows, draw, monkeypatch
 ):
-    """model.greedy_tokens (the layers, the final norm, the LM head and the argmax in one
-    C++ call) against forward, compute_logits and the sampler's argmax on a twin cache: the
-    same tokens step after step, and the same cache after, for every step size it takes."""
+    """model.sampled_tokens (the layers, the final norm, the LM head and each row's argmax or
+    draw in one C++ call) against forward, compute_logits and the sampler on a twin cache:
+    the same tokens step after step, and the same cache after, for every step size it takes.
+    Drawn rows take the sampler's uniform numbers from the same generators."""
     monkeypatch.setattr(gguf_blocks, "INT8", int8)
     n = gguf_blocks.MAX_ROWS if rows == "most" else rows
-    assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
+    assert isinstance(model.sample_step, gguf_blocks.FusedSampleStep)
     prompts = {i: list(range(100 + 11 * i, 121 + 13 * i)) for i in range(n)}
-    check_greedy_call(model, prompts, 5, num_blocks=64)
+    params = None if draw == "greedy" else [SAMPLED[(i + 1) % len(SAMPLED)] for i in range(n)]
+    check_sample_call(model, prompts, 5, params, num_blocks=64)
 
 
 def test_the_greedy_call_declines_steps_it_does_not_take(model, monkeypatch):
@@ -170,13 +184,13 @@ def test_the_greedy_call_declines_steps_it_does_not_take(model, monkeypatch):
     h = PagedHarness(model, num_blocks=64)
     too_many = {i: list(range(100 + i, 110 + i)) for i in range(gguf_blocks.MAX_ROWS + 1)}
     h.step(too_many)
-    assert h.greedy_tokens({i: [5] for i in too_many}) is None
+    assert h.sampled_tokens({i: [5] for i in too_many}) is None
     head, blocks = model.lm_head, model.lm_head.gguf
     try:
         head.gguf = None  # a head in a block type the kernels do not take
         model.process_weights_after_loading()
-        assert model.greedy_step is None
+        assert model.sample_step is None
     finally:
         head.gguf = blocks
         model.process_weights_after_loading()
-    assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
+    assert isinstance(model.sample_step, gguf_blocks.FusedSampleStep)

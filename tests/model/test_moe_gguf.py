@@ -11,8 +11,9 @@ import torch
 
 from aiolm.checkpoint.source import resolve_model
 from aiolm.model.registry import build_model
+from aiolm.params import SamplingParams
 from gguf_moe_writer import VOCAB, tiny_moe_model, write_moe_gguf
-from paged import PagedHarness, check_greedy_call, hf_greedy
+from paged import PagedHarness, check_sample_call, hf_greedy
 
 NEW = 10
 
@@ -142,14 +143,17 @@ def test_fused_layers_give_the_modules_bits(kind, how, int8, q8_models, monkeypa
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen3_moe-dense"])
-def test_a_greedy_decode_step_ends_in_the_one_call(kind, int8, q8_models, monkeypatch):
-    """model.greedy_tokens, the layers, the final norm, the LM head and the argmax in one C++
-    call: with layers of experts (run one by one in the call) and with every layer dense (as
-    one team of threads), each step's tokens are the argmax of the modules' logits."""
+def test_a_decode_step_ends_in_the_one_call(kind, int8, q8_models, monkeypatch):
+    """model.sampled_tokens, the layers, the final norm, the LM head and the sampling in one
+    C++ call: with layers of experts (run one by one in the call) and with every layer dense
+    (as one team of threads), each step's tokens are the sampler's on the modules' logits,
+    greedy rows and drawn ones."""
     from aiolm.quant import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "INT8", int8)
     _, model = q8_models(kind)
-    assert isinstance(model.greedy_step, gguf_blocks.FusedGreedyStep)
+    assert isinstance(model.sample_step, gguf_blocks.FusedSampleStep)
     prompts = {0: list(range(3, 20)), 1: list(range(40, 49)), 2: list(range(70, 75))}
-    check_greedy_call(model, prompts, 4, block_size=4)
+    check_sample_call(model, prompts, 4, block_size=4)
+    drawn = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=3), SamplingParams(top_k=8)]
+    check_sample_call(model, prompts, 4, drawn, block_size=4)

@@ -8,9 +8,19 @@ import pytest
 import torch
 
 from aiolm.params import SamplingParams
+from aiolm.sample import sampler as sampler_module
 from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
 
 sampler = Sampler()
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def draw_path(request, monkeypatch):
+    """Every test runs twice: random rows through the CPU op (aiolm::sample_rows), and through
+    the torch path the sampler takes where the op does not apply (other devices)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "sample_rows", lambda *a: None)
+    return request.param
 
 
 def meta(params, outputs=None, prompts=None, vocab=8, generators=None, default_seed=0):

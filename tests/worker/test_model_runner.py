@@ -86,8 +86,9 @@ def expected(prompts, hf_reference) -> dict[str, list[int]]:
         torch.set_num_threads(threads)
 
 
-async def drive(executor, prompts: dict[str, list[int]]) -> dict:
-    """The engine core's loop, with arrivals at fixed steps and bookkeeping for the asserts."""
+async def drive(executor, prompts: dict[str, list[int]], params=None) -> dict:
+    """The engine core's loop, with arrivals at fixed steps and bookkeeping for the asserts.
+    ``params``: request id -> SamplingParams (default: greedy, MAX_NEW tokens)."""
     sched = Scheduler(
         SchedulerConfig(
             num_blocks=executor.num_blocks,
@@ -108,7 +109,7 @@ async def drive(executor, prompts: dict[str, list[int]]) -> dict:
         for rid, at in ARRIVAL.items():
             if at == step:
                 sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-                sched.add_request(Request(rid, prompts[rid], sp))
+                sched.add_request(Request(rid, prompts[rid], params[rid] if params else sp))
         so = sched.schedule()
         stats["preempted"] += sum(1 for rid in so.finished_req_ids if rid in sched.requests)
         stats["resumed_with_outputs"] += sum(1 for nr in so.scheduled_new_reqs if nr.output_token_ids)
@@ -177,7 +178,7 @@ def test_multiproc_greedy_matches_transformers_with_chunking_prefix_hits_and_pre
 
 def test_local_executor_same_scenario(loop, real_source, prompts, expected):
     """In process, the same; its decode steps (all greedy) take their tokens from the model's
-    one call that ends with the argmax (greedy_tokens), and still give transformers' tokens."""
+    one call that ends with the argmax (sampled_tokens), and still give transformers' tokens."""
     from aiolm.executor.local import LocalExecutor
 
     ex = LocalExecutor(runner_config(real_source))
@@ -191,7 +192,7 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
                 {"num_blocks": KV_BLOCKS, "block_size": BLOCK, "block_bytes": BLOCK_BYTES}
             ]
             model = ex.runner.model
-            step = model.greedy_step
+            step = model.sample_step
             assert step is not None, "the embedded model's decode steps should end in its one call"
 
             def counted(*args):
@@ -199,7 +200,7 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
                 ended_in_the_call[0] += out is not None
                 return out
 
-            model.greedy_step = counted
+            model.sample_step = counted
             return await drive(ex, prompts)
         finally:
             await ex.shutdown()
@@ -207,6 +208,54 @@ def test_local_executor_same_scenario(loop, real_source, prompts, expected):
     res = loop.run_until_complete(run())
     _check_run(res, expected)
     assert ended_in_the_call[0] > 0
+
+
+def test_seeded_draws_are_the_same_whether_a_step_ends_in_the_models_call_or_not(loop, real_source, prompts):
+    """Decode steps whose rows draw (temperature, top-k, top-p, min-p) end in the model's one
+    call, which takes the sampler's uniform numbers from the request's own generator; asking
+    for logprobs sends every step through compute_logits and the sampler instead. Seeded
+    requests get the same tokens both ways, through chunking, prefix hits and preemption."""
+    from aiolm.executor.local import LocalExecutor
+
+    kinds = [
+        dict(temperature=1.0),
+        dict(temperature=0.8, top_k=40),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.1, top_k=30, top_p=0.95, min_p=0.05),
+    ]
+
+    def params(logprobs):
+        return {
+            rid: SamplingParams(
+                **kinds[i % len(kinds)], seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True, logprobs=logprobs
+            )
+            for i, rid in enumerate(sorted(prompts))
+        }
+
+    async def run(logprobs):
+        ex = LocalExecutor(runner_config(real_source))
+        ended_in_the_call = [0]
+        await ex.start()
+        try:
+            model = ex.runner.model
+            step = model.sample_step
+
+            def counted(*args):
+                out = step(*args)
+                ended_in_the_call[0] += out is not None
+                return out
+
+            model.sample_step = counted
+            res = await drive(ex, prompts, params(logprobs))
+        finally:
+            await ex.shutdown()
+        return res, ended_in_the_call[0]
+
+    (in_call, taken), (outside, not_taken) = (loop.run_until_complete(run(lp)) for lp in (None, 0))
+    assert taken > 0 and not_taken == 0
+    assert outside["stats"]["preempted"] > 0 and outside["stats"]["partial_prefills"] > 0
+    assert in_call["tokens"] == outside["tokens"]
+    assert all(len(t) == MAX_NEW for t in in_call["tokens"].values())
 
 
 def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks_where_the_cpu_has_them(real_source):
