@@ -3,6 +3,7 @@
 Scenarios (each row's settings cycle through the list of the scenario):
 * greedy: every row temperature 0 (the argmax fast path);
 * random: temperature 0.8 only;
+* top_k: temperature 0.7, top-k 40; top_p: temperature 0.8, top-p 0.95;
 * mixed: greedy, top-p + seed, top-k + frequency penalty + logprobs,
   min-p + repetition penalty, logit_bias, min_tokens with a stop id;
 * constrained: the mixed rows with allowed_token_ids (1000 ids) on one row in
@@ -39,6 +40,8 @@ from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
 SCENARIOS: dict[str, list[SamplingParams]] = {
     "greedy": [SamplingParams(temperature=0.0)],
     "random": [SamplingParams(temperature=0.8)],
+    "top_k": [SamplingParams(temperature=0.7, top_k=40)],
+    "top_p": [SamplingParams(temperature=0.8, top_p=0.95)],
     "mixed": [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, top_p=0.9, seed=1),
