@@ -467,7 +467,8 @@ def _softmax_normaliser(
 
 
 def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
-    """Sample over the whole vocabulary. Top-k rows never get here.
+    """Sample over the whole vocabulary. Top-k rows never get here; a top-p row draws over its
+    nucleus in order of likelihood (as its candidates would), the others in index order.
 
     Works in place on ``x`` (owned): large fresh allocations are costly on CPU
     (page faults), and the draw does not need normalised probabilities.
@@ -475,21 +476,36 @@ def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
     if kn.temperature is not None:
         x.div_(kn.temperature)
     probs = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # unnormalised; each row's max is 1
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    rest: torch.Tensor | None = None  # rows drawn in index order (None: all)
     if kn.top_p is not None:
-        rows = (kn.top_p < 1.0).squeeze(1).nonzero().squeeze(1)
+        nucleus = (kn.top_p < 1.0).squeeze(1)
+        rows = nucleus.nonzero().squeeze(1)
         if rows.numel():
             sub = probs.index_select(0, rows)
             sub.div_(sub.sum(dim=-1, keepdim=True))
-            sorted_p, sorted_idx = sub.sort(dim=-1, descending=True)
+            sorted_p, sorted_idx = sub.sort(dim=-1, descending=True, stable=True)
             cum = sorted_p.cumsum(dim=-1)
             drop = (cum - sorted_p) >= kn.top_p[rows]
             drop[:, 0] = False
-            remove = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
-            probs.index_copy_(0, rows, sub.masked_fill_(remove, 0.0))
+            sorted_p.masked_fill_(drop, 0.0)
+            if kn.min_p is not None:  # relative to the row's most likely token, column 0
+                sorted_p.masked_fill_(sorted_p < sorted_p[:, :1] * kn.min_p[rows], 0.0)
+            choice = _inverse_cdf(sorted_p, u[rows])
+            out[rows] = sorted_idx.gather(1, choice.unsqueeze(1)).squeeze(1)
+            rest = (~nucleus).nonzero().squeeze(1)
+            if not rest.numel():
+                return out
+    p = probs if rest is None else probs.index_select(0, rest)
     if kn.min_p is not None:
-        # Relative to each row's max (1 here, or unchanged by the top-p rescale).
-        probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * kn.min_p, 0.0)
-    return _inverse_cdf(probs, u)
+        # Relative to each row's max (1 here).
+        min_p = kn.min_p if rest is None else kn.min_p[rest]
+        p.masked_fill_(p < p.amax(dim=-1, keepdim=True) * min_p, 0.0)
+    drawn = _inverse_cdf(p, u if rest is None else u[rest])
+    if rest is None:
+        return drawn
+    out[rest] = drawn
+    return out
 
 
 def _draw_uniforms(

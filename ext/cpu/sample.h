@@ -12,11 +12,13 @@
 // torch's, so a token may differ from the torch path's where u falls within rounding of a
 // boundary between two tokens.
 //
-// Where the cost goes on a 50k vocabulary: every random row reads its logits twice (max,
-// then exp and block sums), with vector exps (vec.h); the candidates of top-k/top-p come from
-// one pass that keeps the best W seen, rejecting a vector of values at once against the
-// worst one kept, so a full sort happens only for a top-p nucleus wider than 4096 tokens
-// (whose draw then goes in index order over the kept tokens, as the torch path's does).
+// Top-k and top-p draw over their candidates in order of likelihood; plain rows over the
+// vocabulary in index order. Where the cost goes on a 50k vocabulary: every random row
+// reads its logits twice (max, then exp and block sums), with vector exps (vec.h); the
+// candidates come from one pass that keeps the best 256 seen, rejecting a vector of values at
+// once against the worst one kept; a top-p nucleus wider than that takes the tokens within
+// the bucket of distance from the top where the mass reaches p (one more pass), and sorts
+// only those.
 #pragma once
 
 #include <algorithm>
@@ -52,7 +54,7 @@ struct Scratch {
 };
 
 constexpr int64_t BLOCK = 16;
-constexpr int64_t FIRST_WIDTH = 256, WIDE_WIDTH = 4096;  // top-p candidates tried in turn
+constexpr int64_t FIRST_WIDTH = 256;  // top-p's first candidates
 
 // y[i] = exp(s[i] - m), 0 where s[i] is -inf; n a multiple of BLOCK (callers pad with -inf).
 inline void exp_shifted(const float* s, int64_t n, float m, float* y) {
@@ -132,15 +134,17 @@ inline float target(double u, float total) {
   return std::min(t, std::nextafter(total, 0.f));
 }
 
+// Candidates' order: higher values first, and of equal values the lower index.
+inline bool better(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
 // The best `width` values of s[0, n) (no NaN) as (value, index), best first: higher values,
 // and of equal values the lower index. A narrow set comes from one pass that keeps a heap of
 // the best seen, skipping at once a vector of values none of which beats the worst kept; a
 // wide one from the width-th largest value (nth_element on a copy), then one pass.
 inline void best(const float* s, int64_t n, int64_t width, std::vector<std::pair<float, int32_t>>& top,
                  std::vector<float>& tmp) {
-  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
   top.clear();
   width = std::min(width, n);
   if (width > FIRST_WIDTH) {
@@ -257,35 +261,54 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
   const int64_t nb = padded / BLOCK;
   w.blocks.resize(nb + 1);
   block_sums(e, nb, w.blocks.data());
-  float min_p = k.min_p;
+  const float min_p = k.min_p;
 
-  if (k.top_p < 1.f) {  // the nucleus among the best candidates, widened until it fits
+  if (k.top_p < 1.f) {  // the nucleus: among the best 256, else among the tokens near enough the top
     float z = 0.f;
     for (int64_t i = 0; i < nb; ++i) z += w.blocks[i];
-    std::vector<float>& p = w.cand;
-    for (int64_t width = FIRST_WIDTH;; width = width < WIDE_WIDTH ? WIDE_WIDTH : n) {
-      best(s, n, width, w.top, w.tmp);
+    std::vector<float>& q = w.cand;
+    auto nucleus = [&]() -> int64_t {  // the candidates' probabilities; -1 where they miss mass
       const int64_t c = static_cast<int64_t>(w.top.size());
-      const int64_t cp = (c + BLOCK - 1) / BLOCK * BLOCK;
-      p.assign(2 * cp, ninf);
-      for (int64_t j = 0; j < c; ++j) p[j] = w.top[j].first;
-      float* q = p.data() + cp;
-      exp_shifted(p.data(), cp, m, q);
+      q.resize(c);
       float mass = 0.f;
       for (int64_t j = 0; j < c; ++j) {
-        q[j] /= z;
+        q[j] = e[w.top[j].second] / z;
         mass += q[j];
       }
-      if (c < n && mass >= k.top_p) return w.top[draw_candidates(q, c, k.top_p, k.min_p, u)].second;
-      if (c == n) {  // the whole row sorted: its nucleus, then the draw in index order below
-        filter(q, c, k.top_p, k.min_p);
-        for (int64_t j = 0; j < c; ++j)
-          if (q[j] == 0.f) e[w.top[j].second] = 0.f;
-        block_sums(e, nb, w.blocks.data());
-        min_p = 0.f;
-        break;
+      return mass >= k.top_p || c == n ? c : -1;
+    };
+    best(s, n, FIRST_WIDTH, w.top, w.tmp);
+    int64_t c = nucleus();
+    if (c < 0) {
+      // Each token's distance below the top, in buckets of 1/32 (the last: all from 32 on):
+      // the buckets' mass from the top reaches p at some bucket; the nucleus lies within it
+      // and the one after (a margin for the sums' order), unless the candidates come short.
+      constexpr int NB = 1025;
+      constexpr float PER = 32.f;
+      float mass[NB] = {};
+      auto bucket = [&](int64_t i) {
+        const float d = (m - s[i]) * PER;
+        return d < NB - 1 ? static_cast<int>(d) : NB - 1;
+      };
+      for (int64_t i = 0; i < n; ++i) mass[bucket(i)] += e[i];
+      float cum = 0.f;
+      int last = NB - 1;
+      for (int b = 0; b < NB; ++b) {
+        cum += mass[b];
+        if (cum >= k.top_p * z) {
+          last = std::min(b + 1, NB - 1);
+          break;
+        }
+      }
+      for (; c < 0; last = NB - 1) {
+        w.top.clear();
+        for (int64_t i = 0; i < n; ++i)
+          if (bucket(i) <= last) w.top.emplace_back(s[i], static_cast<int32_t>(i));
+        std::sort(w.top.begin(), w.top.end(), better);
+        c = nucleus();
       }
     }
+    return w.top[draw_candidates(q.data(), c, k.top_p, k.min_p, u)].second;
   }
 
   // The whole vocabulary in index order. The most likely token's exp is 1.
