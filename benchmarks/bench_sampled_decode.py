@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+# and so do the engine's worker processes, which import aiolm afresh
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 PROMPT_LEN = OUTPUT_LEN = 128
 
@@ -30,6 +34,7 @@ def main() -> None:
     import aiolm
     from aiolm.params import SamplingParams
 
+    assert aiolm.__file__.startswith(str(ROOT)), f"aiolm from {aiolm.__file__}, not this checkout"
     knobs = json.loads(args.knobs)
     llm = aiolm.LLM()
     prompt = {"prompt_token_ids": list(range(1000, 1000 + PROMPT_LEN))}

@@ -22,8 +22,8 @@ Choices made for CPU speed (vLLM's sampler targets GPUs):
   slower over a large vocabulary). A seeded row takes exactly one number from its own
   generator per step, so its tokens do not depend on the rest of the batch.
 - Rows with top-k or top-p sample among their top candidates (a partial
-  top-k: 256, then 4096), not a full sort, which costs many times more; only a row
-  whose top-p nucleus is wider than that sorts its whole row.
+  top-k, 256 or the largest top-k), not a full sort, which costs many times more; a
+  row whose top-p nucleus is wider than 256 sorts its whole row and draws in index order.
 - Full-size temporaries are avoided where it is easy: a fresh batch-by-vocabulary
   tensor costs page faults that can exceed the arithmetic done on it.
 - The argmax is :func:`aiolm.kernels.sampling_ops.argmax_rows`, which uses
@@ -51,11 +51,10 @@ from aiolm.sample.logits_processors import BatchRows, LogitsProcessor
 from aiolm.sample.tensors import float_column, long_tensor
 
 _NEG_INF = float("-inf")
-# Candidates searched for a top-p nucleus before falling back to a full sort: a
-# partial top-k over a vocabulary-sized row costs a small multiple of a softmax, a
-# full sort many times more.
+# Candidates searched for a top-p nucleus: a nucleus within them draws in order of
+# likelihood, a wider one over the vocabulary in index order (a full sort), as
+# aiolm::sample_rows does (ext/cpu/sample.h).
 _TOP_P_CANDIDATES = 256
-_WIDE_CANDIDATES = 4096
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -114,7 +113,7 @@ class RandomRows:
     knobs: Knobs  # aligned to row_list
     cand_pos: torch.Tensor | None  # positions (in row_list) with top-k or top-p; None: none
     cand_knobs: Knobs | None
-    cand_widths: list[int]  # candidate counts to try in turn (first covers every top_k)
+    cand_width: int  # candidates drawn among (covers every top_k)
     plain_pos: torch.Tensor | None  # positions without either; None: none
     knob_rows: torch.Tensor  # float64 [n, 4]: temperature, top_k (0: none), top_p, min_p (sampling_ops)
 
@@ -147,7 +146,7 @@ class RandomRows:
             knobs=knobs,
             cand_pos=cand_pos,
             cand_knobs=None if cand_pos is None else knobs.select(cand_pos),
-            cand_widths=[first] + ([_WIDE_CANDIDATES] if first < _WIDE_CANDIDATES < vocab_size else []),
+            cand_width=first,
             plain_pos=long_tensor(plain, device) if plain else None,
             knob_rows=knob_rows(ps, vocab_size, device),
         )
@@ -375,31 +374,21 @@ def _sample(x: torch.Tensor, m: SamplingMetadata, skip: set[int]) -> torch.Tenso
 def _sample_random(xr: torch.Tensor, rnd: RandomRows, u: torch.Tensor) -> torch.Tensor:
     """Draw for every random row; ``xr`` is owned and may be modified.
 
-    Rows with top-k/top-p try each candidate width in turn; rows whose nucleus
-    is wider than the last one, and plain rows, sample over the full vocabulary.
+    Rows with top-k/top-p draw among their candidates; rows whose nucleus is wider than
+    the first candidates, and plain rows, sample over the full vocabulary.
     """
     if rnd.cand_pos is None:
         return _sample_full(xr, rnd.knobs, u)
     assert rnd.cand_knobs is not None
-    pos: torch.Tensor | None = rnd.cand_pos
-    kn = rnd.cand_knobs
-    out: torch.Tensor | None = None
-    for width in rnd.cand_widths:
-        assert pos is not None
-        whole = out is None and rnd.plain_pos is None  # pos is every random row
-        tok, fits = _sample_candidates(xr if whole else xr.index_select(0, pos), kn, width, u[pos])
-        missing = (~fits).nonzero().squeeze(1)
-        if whole and not missing.numel():
-            return tok
-        if out is None:
-            out = torch.empty(xr.shape[0], dtype=torch.long, device=xr.device)
-        out[pos] = tok  # rows that did not fit are overwritten below
-        if not missing.numel():
-            pos = None
-            break
-        pos, kn = pos[missing], kn.select(missing)
-    assert out is not None
-    full = [t for t in (rnd.plain_pos, pos) if t is not None]
+    pos = rnd.cand_pos
+    whole = rnd.plain_pos is None  # pos is every random row
+    tok, fits = _sample_candidates(xr if whole else xr.index_select(0, pos), rnd.cand_knobs, rnd.cand_width, u[pos])
+    missing = (~fits).nonzero().squeeze(1)
+    if whole and not missing.numel():
+        return tok
+    out = torch.empty(xr.shape[0], dtype=torch.long, device=xr.device)
+    out[pos] = tok  # rows that did not fit are overwritten below
+    full = [t for t in (rnd.plain_pos, pos[missing] if missing.numel() else None) if t is not None]
     if full:
         rows = torch.cat(full)
         out[rows] = _sample_full(xr.index_select(0, rows), rnd.knobs.select(rows), u[rows])
@@ -434,9 +423,12 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int, u: torch.Tensor) 
     if kn.top_p is not None:
         top_p = kn.top_p
         cum = probs.cumsum(dim=-1)
-        fits = has_k | (top_p >= 1.0) | (cum[:, -1:] >= top_p)
         drop = ((cum - probs) >= top_p) & (top_p < 1.0)  # mass before already reaches top_p
         drop[:, 0] = False
+        # a nucleus ends within the first _TOP_P_CANDIDATES, or the row draws in index order
+        # over the vocabulary (_sample_full), as aiolm::sample_rows does, whatever the width
+        narrow = (cum[:, -1:] >= top_p) & ((~drop).sum(dim=-1, keepdim=True) <= _TOP_P_CANDIDATES)
+        fits = has_k | (top_p >= 1.0) | narrow
         probs.masked_fill_(drop, 0.0)
     if kn.min_p is not None:
         probs.masked_fill_(probs < probs[:, :1] * kn.min_p, 0.0)  # column 0 is the max
@@ -467,8 +459,8 @@ def _softmax_normaliser(
 
 
 def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
-    """Sample over the whole vocabulary. Top-k rows never get here; a top-p row draws over its
-    nucleus in order of likelihood (as its candidates would), the others in index order.
+    """Sample over the whole vocabulary, in index order. Top-k rows never get here; top-p
+    rows do where their nucleus is wider than the first candidates.
 
     Works in place on ``x`` (owned): large fresh allocations are costly on CPU
     (page faults), and the draw does not need normalised probabilities.
@@ -476,36 +468,21 @@ def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
     if kn.temperature is not None:
         x.div_(kn.temperature)
     probs = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # unnormalised; each row's max is 1
-    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    rest: torch.Tensor | None = None  # rows drawn in index order (None: all)
     if kn.top_p is not None:
-        nucleus = (kn.top_p < 1.0).squeeze(1)
-        rows = nucleus.nonzero().squeeze(1)
+        rows = (kn.top_p < 1.0).squeeze(1).nonzero().squeeze(1)
         if rows.numel():
             sub = probs.index_select(0, rows)
             sub.div_(sub.sum(dim=-1, keepdim=True))
-            sorted_p, sorted_idx = sub.sort(dim=-1, descending=True, stable=True)
+            sorted_p, sorted_idx = sub.sort(dim=-1, descending=True)
             cum = sorted_p.cumsum(dim=-1)
             drop = (cum - sorted_p) >= kn.top_p[rows]
             drop[:, 0] = False
-            sorted_p.masked_fill_(drop, 0.0)
-            if kn.min_p is not None:  # relative to the row's most likely token, column 0
-                sorted_p.masked_fill_(sorted_p < sorted_p[:, :1] * kn.min_p[rows], 0.0)
-            choice = _inverse_cdf(sorted_p, u[rows])
-            out[rows] = sorted_idx.gather(1, choice.unsqueeze(1)).squeeze(1)
-            rest = (~nucleus).nonzero().squeeze(1)
-            if not rest.numel():
-                return out
-    p = probs if rest is None else probs.index_select(0, rest)
+            remove = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
+            probs.index_copy_(0, rows, sub.masked_fill_(remove, 0.0))
     if kn.min_p is not None:
-        # Relative to each row's max (1 here).
-        min_p = kn.min_p if rest is None else kn.min_p[rest]
-        p.masked_fill_(p < p.amax(dim=-1, keepdim=True) * min_p, 0.0)
-    drawn = _inverse_cdf(p, u if rest is None else u[rest])
-    if rest is None:
-        return drawn
-    out[rest] = drawn
-    return out
+        # Relative to each row's max (1 here, or unchanged by the top-p rescale).
+        probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * kn.min_p, 0.0)
+    return _inverse_cdf(probs, u)
 
 
 def _draw_uniforms(

@@ -12,13 +12,13 @@
 // torch's, so a token may differ from the torch path's where u falls within rounding of a
 // boundary between two tokens.
 //
-// Top-k and top-p draw over their candidates in order of likelihood; plain rows over the
-// vocabulary in index order. Where the cost goes on a 50k vocabulary: every random row
-// reads its logits twice (max, then exp and block sums), with vector exps (vec.h); the
-// candidates come from one pass that keeps the best 256 seen, rejecting a vector of values at
-// once against the worst one kept; a top-p nucleus wider than that takes the tokens within
-// the bucket of distance from the top where the mass reaches p (one more pass), and sorts
-// only those.
+// Top-k rows, and top-p rows whose nucleus is within the 256 most likely tokens, draw over
+// their candidates in order of likelihood; plain rows and wider nuclei over the vocabulary in
+// index order. Where the cost goes on a 50k vocabulary: every random row reads its logits
+// twice (max, then exp and block sums), with vector exps (vec.h); the candidates come from
+// one pass that keeps the best 256 seen, rejecting a vector of values at once against the
+// worst one kept; a wider nucleus from buckets of distance below the top (one pass for their
+// mass), sorting only the tokens of the bucket where the mass reaches p.
 #pragma once
 
 #include <algorithm>
@@ -262,6 +262,7 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
   w.blocks.resize(nb + 1);
   block_sums(e, nb, w.blocks.data());
   const float min_p = k.min_p;
+  bool narrowed = false;  // exps zeroed outside a top-p nucleus: the block sums are stale
 
   if (k.top_p < 1.f) {  // the nucleus: among the best 256, else among the tokens near enough the top
     float z = 0.f;
@@ -278,45 +279,51 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
       return mass >= k.top_p || c == n ? c : -1;
     };
     best(s, n, FIRST_WIDTH, w.top, w.tmp);
-    int64_t c = nucleus();
-    if (c < 0) {
-      // Each token's distance below the top, in buckets of 1/32 (the last: all from 32 on):
-      // the buckets' mass from the top reaches p at some bucket; the nucleus lies within it
-      // and the one after (a margin for the sums' order), unless the candidates come short.
-      constexpr int NB = 1025;
-      constexpr float PER = 32.f;
-      float mass[NB] = {};
-      auto bucket = [&](int64_t i) {
-        const float d = (m - s[i]) * PER;
-        return d < NB - 1 ? static_cast<int>(d) : NB - 1;
-      };
-      for (int64_t i = 0; i < n; ++i) mass[bucket(i)] += e[i];
-      float cum = 0.f;
-      int last = NB - 1;
-      for (int b = 0; b < NB; ++b) {
-        cum += mass[b];
-        if (cum >= k.top_p * z) {
-          last = std::min(b + 1, NB - 1);
-          break;
-        }
+    const int64_t c = nucleus();
+    if (c >= 0) return w.top[draw_candidates(q.data(), c, k.top_p, k.min_p, u)].second;
+    // A nucleus wider than the candidates: each token's distance below the top, in buckets of
+    // 1/32 (the last: all from 32 on). The buckets above the one where their mass reaches p
+    // are kept whole; that bucket's tokens, in order of likelihood, while the mass before them
+    // is short of p. Then the draw over the kept tokens in index order, as a plain row's.
+    constexpr int NB = 1025;
+    constexpr float PER = 32.f;
+    auto bucket = [&](int64_t i) {
+      const float d = (m - s[i]) * PER;
+      return d < NB - 1 ? static_cast<int>(d) : NB - 1;
+    };
+    float mass[NB] = {};
+    for (int64_t i = 0; i < n; ++i) mass[bucket(i)] += e[i];
+    const float pz = k.top_p * z;
+    float before = 0.f;
+    int cross = NB - 1;
+    for (int b = 0; b < NB; ++b) {
+      if (before + mass[b] >= pz) {
+        cross = b;
+        break;
       }
-      for (; c < 0; last = NB - 1) {
-        w.top.clear();
-        for (int64_t i = 0; i < n; ++i)
-          if (bucket(i) <= last) w.top.emplace_back(s[i], static_cast<int32_t>(i));
-        std::sort(w.top.begin(), w.top.end(), better);
-        c = nucleus();
-      }
+      before += mass[b];
     }
-    return w.top[draw_candidates(q.data(), c, k.top_p, k.min_p, u)].second;
+    w.top.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      const int b = bucket(i);
+      if (b == cross) w.top.emplace_back(s[i], static_cast<int32_t>(i));
+      if (b > cross) e[i] = 0.f;
+    }
+    std::sort(w.top.begin(), w.top.end(), better);
+    for (const auto& t : w.top) {  // the most likely token is in bucket 0, with 0 before it
+      if (before >= pz)
+        e[t.second] = 0.f;
+      else
+        before += e[t.second];
+    }
+    narrowed = true;
   }
 
   // The whole vocabulary in index order. The most likely token's exp is 1.
   float* b = w.blocks.data();
-  if (min_p > 0.f) {
+  if (min_p > 0.f)
     for (int64_t i = 0; i < padded; ++i) e[i] = e[i] < min_p ? 0.f : e[i];
-    block_sums(e, nb, b);
-  }
+  if (min_p > 0.f || narrowed) block_sums(e, nb, b);
   // prefix sums over the blocks; a block's own values are summed in the same order as its
   // sum, so the cumulative value at a block's end is the next block's start, exactly
   float c = 0.f;

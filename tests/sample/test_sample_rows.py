@@ -21,8 +21,8 @@ def torch_tokens(logits: torch.Tensor, params: list[SamplingParams], u: torch.Te
 
 def near_a_boundary(logits: torch.Tensor, p: SamplingParams, u: float, got: int, want: int) -> bool:
     """Whether u lies within 1e-5 of the cumulative mass (float64, in the draw's order) where
-    the two tokens meet: a difference of rounding, not of distribution. Top-k and top-p rows
-    draw in order of likelihood, the rest in index order."""
+    the two tokens meet: a difference of rounding, not of distribution. Top-k rows and top-p
+    nuclei of up to 256 tokens draw in order of likelihood, the rest in index order."""
     x = logits.double() / p.temperature
     probs = torch.softmax(x, -1)
     ranked = torch.argsort(-x, stable=True)
@@ -35,7 +35,7 @@ def near_a_boundary(logits: torch.Tensor, p: SamplingParams, u: float, got: int,
         keep[ranked[1:][(torch.cumsum(sp, 0) - sp)[1:] >= p.top_p]] = False
     if p.min_p > 0:
         keep &= probs >= probs.max() * p.min_p
-    by_rank = 0 < p.top_k < x.numel() or p.top_p < 1
+    by_rank = 0 < p.top_k < x.numel() or (p.top_p < 1 and int(keep.sum()) <= 256)
     order = ranked if by_rank else torch.arange(x.numel())
     cdf = torch.cumsum(torch.where(keep, probs, 0.0)[order], 0)
     cdf /= cdf[-1].clone()

@@ -128,9 +128,9 @@ def test_top_p_never_returns_tokens_outside_nucleus():
 @pytest.mark.parametrize(
     "vocab,slope,top_p,lo,hi",
     [
-        (1200, 0.001, 0.6, 256, 1200),  # wider than 256 candidates: full sort
-        (8000, 0.0005, 0.6, 256, 4096),  # fits the second, 4096-candidate pass
-        (8000, 0.0001, 0.7, 4096, 8000),  # wider than both: full sort
+        (1200, 0.001, 0.6, 256, 1200),  # wider than the 256 candidates
+        (8000, 0.0005, 0.6, 256, 4096),  # some thousands of tokens
+        (8000, 0.0001, 0.7, 4096, 8000),  # most of the vocabulary
     ],
 )
 def test_wide_top_p_nucleus_stays_exact(vocab, slope, top_p, lo, hi):
