@@ -399,8 +399,8 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int, u: torch.Tensor) 
     """Sample rows with top-k/top-p among their ``width`` most likely tokens.
 
     Returns the tokens and, per row, whether the candidates held the whole
-    kept set; rows where they did not (a top-p nucleus wider than ``width``)
-    must be redone by :func:`_sample_full`. Top-k keeps exactly k tokens (ties
+    kept set; rows where they did not (a top-p nucleus wider than
+    ``_TOP_P_CANDIDATES``) must be redone by :func:`_sample_full`. Top-k keeps exactly k tokens (ties
     at the k-th value are broken by position).
     """
     vocab = x.shape[1]

@@ -461,8 +461,9 @@ at::Tensor decode_sample(at::Tensor& x, const c10::optional<at::Tensor>& residua
   if (knobs.has_value())
     TORCH_CHECK(uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() && uniforms->numel() == t &&
                     knobs->scalar_type() == at::kDouble && knobs->is_contiguous() && knobs->dim() == 2 &&
-                    knobs->size(0) == t && knobs->size(1) == 4,
-                "aiolm::decode_sample: uniforms must be float64 [", t, "] and knobs float64 [", t, ", 4]");
+                    knobs->size(0) == t && knobs->size(1) == 4 && uniforms->device().is_cpu() &&
+                    knobs->device().is_cpu(),
+                "aiolm::decode_sample: uniforms must be float64 [", t, "] and knobs float64 [", t, ", 4], on the CPU");
   const Head head{head_w[0],    head_w[1],    head_w[2],          head_w[3], head_ints[0], head_ints[1],
                   head_ints[2], head_ints[3] != 0, head_eps, uniforms, knobs};
   TORCH_CHECK(head.vocab > 0 && head.vocab <= head.n, "aiolm::decode_sample: a vocabulary of ", head.vocab,

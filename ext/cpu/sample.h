@@ -297,7 +297,7 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
     float before = 0.f;
     int cross = NB - 1;
     for (int b = 0; b < NB; ++b) {
-      if (before + mass[b] >= pz) {
+      if (b == NB - 1 || before + mass[b] >= pz) {  // the last bucket takes what rounding left
         cross = b;
         break;
       }
@@ -333,6 +333,7 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
     c = next;
   }
   b[nb] = c;
+  if (!(c > 0.f)) return aiolm_argmax::argmax_row(x, n);  // min_p over 1 dropped every token
   const float t = target(u, c);
   const int64_t blk = std::upper_bound(b + 1, b + nb + 1, t) - (b + 1);  // first block ending above t
   float a = 0.f;

@@ -25,6 +25,7 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& uniforms, const at
               "aiolm::sample_rows: uniforms must be float64 [", rows, "]");
   TORCH_CHECK(knobs.scalar_type() == at::kDouble && knobs.dim() == 2 && knobs.size(0) == rows && knobs.size(1) == 4,
               "aiolm::sample_rows: knobs must be float64 [", rows, ", 4]");
+  TORCH_CHECK(uniforms.device().is_cpu() && knobs.device().is_cpu(), "aiolm::sample_rows: uniforms and knobs must be on the CPU");
   const at::Tensor u = uniforms.contiguous(), kn = knobs.contiguous();
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();

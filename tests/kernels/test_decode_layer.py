@@ -177,14 +177,25 @@ def test_a_decode_step_s_tokens_come_from_one_call_as_the_model_and_the_sampler_
     check_sample_call(model, prompts, 5, params, num_blocks=64)
 
 
-def test_the_greedy_call_declines_steps_it_does_not_take(model, monkeypatch):
+def test_the_call_declines_steps_it_does_not_take(model, monkeypatch):
     """Steps the blocks do not take (more rows than the float kernels' limit) go the model's
-    own way (None, not a guess), and a model whose LM head has no blocks has no such call."""
+    own way (None, not a guess) without drawing from the rows' generators (the sampler draws
+    next), and a model whose LM head has no blocks has no such call."""
+    from aiolm.sample.sampler import SamplingMetadata, make_generator
+
     monkeypatch.setattr(gguf_blocks, "INT8", False)
     h = PagedHarness(model, num_blocks=64)
     too_many = {i: list(range(100 + i, 110 + i)) for i in range(gguf_blocks.MAX_ROWS + 1)}
     h.step(too_many)
     assert h.sampled_tokens({i: [5] for i in too_many}) is None
+    n = len(too_many)
+    gens = [make_generator(i) for i in range(n)]
+    default = make_generator(99)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    meta = SamplingMetadata.build(params, [[]] * n, [[]] * n, model.config.vocab_size, "cpu", gens, default)
+    states = [g.get_state() for g in (*gens, default)]
+    assert h.sampled_tokens({i: [6] for i in too_many}, meta) is None
+    assert all(torch.equal(g.get_state(), s) for g, s in zip((*gens, default), states))
     head, blocks = model.lm_head, model.lm_head.gguf
     try:
         head.gguf = None  # a head in a block type the kernels do not take

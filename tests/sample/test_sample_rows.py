@@ -33,9 +33,9 @@ def near_a_boundary(logits: torch.Tensor, p: SamplingParams, u: float, got: int,
     if p.top_p < 1:
         sp = probs[ranked]
         keep[ranked[1:][(torch.cumsum(sp, 0) - sp)[1:] >= p.top_p]] = False
+    by_rank = 0 < p.top_k < x.numel() or (p.top_p < 1 and int(keep.sum()) <= 256)  # the nucleus's size
     if p.min_p > 0:
         keep &= probs >= probs.max() * p.min_p
-    by_rank = 0 < p.top_k < x.numel() or (p.top_p < 1 and int(keep.sum()) <= 256)
     order = ranked if by_rank else torch.arange(x.numel())
     cdf = torch.cumsum(torch.where(keep, probs, 0.0)[order], 0)
     cdf /= cdf[-1].clone()
@@ -90,6 +90,21 @@ def test_greedy_rows_masked_tokens_ties_and_small_rows():
         for r, t in enumerate(tok.tolist()):
             seen[r].add(t)
     assert seen == [{1}, {1}, {1, 3}, {0}, {0, 1}]
+
+
+def test_wide_top_k_and_knobs_outside_the_params_range():
+    """A top-k wider than the first candidates (its own selection path) keeps exactly the k
+    best; a min_p over 1 (which SamplingParams refuses, but the op may be called with) drops
+    every token, and the row takes its argmax rather than reading past the row."""
+    x = torch.arange(1000, dtype=torch.float32).flip(0).unsqueeze(0) / 100  # token 0 best
+    knobs = torch.tensor([[1.0, 300, 1, 0]], dtype=torch.float64)
+    got = {
+        int(sampling_ops.sample_rows(x, torch.tensor([u], dtype=torch.float64), knobs)[0])
+        for u in torch.linspace(0, 1 - 1e-9, 400, dtype=torch.float64).tolist()
+    }
+    assert max(got) == 299 and min(got) == 0
+    over = torch.tensor([[1.0, 0, 1, 1.5]], dtype=torch.float64)
+    assert int(sampling_ops.sample_rows(x, torch.tensor([0.7], dtype=torch.float64), over)[0]) == 0
 
 
 def test_u_splits_the_mass_in_order():
