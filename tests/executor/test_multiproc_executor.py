@@ -11,6 +11,7 @@ remains.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import random
 import signal
@@ -324,14 +325,29 @@ def test_tensor_parallel_2_matches_one_rank_and_transformers_then_a_rank_dies(ti
 # -- the worker process's allocator ---------------------------------------------------------
 
 
+def _heap_free_bytes() -> int:
+    """The bytes in glibc's free chunks, over every arena (mallinfo2's fordblks)."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+        ]
+
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = MallInfo2
+    return int(mallinfo2().fordblks)
+
+
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's mallopt")
 def test_cpu_worker_reuses_freed_step_memory_and_the_callers_process_is_left_alone(tiny):
     """A CPU worker process keeps freed large allocations on its heap (CpuPlatform.
     tune_worker_process), so a step's big activations do not fault fresh pages in every
     step; the process that started it keeps glibc's defaults (a fresh mapping each time)."""
 
-    def faults_of_large_allocations(runner=None) -> list[int]:  # nested: cloudpickle ships it by value
-        """Minor page faults while each of 6 tensors of 64 MiB is written, one after another."""
+    # nested: cloudpickle ships it by value
+    def faults_of_large_allocations(runner=None, nbytes: int = 64 << 20) -> list[int]:
+        """Minor page faults while each of 6 tensors of ``nbytes`` is written, one after another."""
         import resource as _resource
 
         import torch as _torch
@@ -339,12 +355,17 @@ def test_cpu_worker_reuses_freed_step_memory_and_the_callers_process_is_left_alo
         faults = []
         for _ in range(6):
             before = _resource.getrusage(_resource.RUSAGE_SELF).ru_minflt
-            _torch.ones(16 << 20).sum()
+            _torch.ones(nbytes // 4).sum()
             faults.append(_resource.getrusage(_resource.RUSAGE_SELF).ru_minflt - before)
         return faults
 
-    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert min(faults_of_large_allocations()) > pages // 2  # glibc's default, here: a fresh mapping each
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = (64 << 20) // page
+    # glibc serves a request from its free chunks before it maps anything, whatever the size,
+    # and after the suite's earlier tests this process's heap may hold more than 64 MiB free:
+    # the probe here is larger than all of it, so only a mapping (glibc's default) can serve it
+    probe = (_heap_free_bytes() + (64 << 20)) // page * page
+    assert min(faults_of_large_allocations(nbytes=probe)) > probe // page // 2  # a fresh mapping each
     before = _our_segments()
     ex = MultiprocExecutor(_cfg(tiny[0]), startup_timeout=180)
 
