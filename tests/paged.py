@@ -78,6 +78,7 @@ class PagedHarness:
         """Greedy-decode all prompts together; ``split`` prefills in two passes."""
         outs: list[list[int]] = [[] for _ in prompts]
         if split:
+            assert all(len(p) > split for p in prompts), "a prompt of `split` tokens would have no second pass"
             self.step({i: p[:split] for i, p in enumerate(prompts)})
             logits = self.step({i: p[split:] for i, p in enumerate(prompts)})
         else:

@@ -61,6 +61,18 @@ def _cpu_flags() -> str:
     return ""
 
 
+def is_amd() -> bool:
+    """Whether AMD made this CPU: a few kernel choices were measured to go opposite ways on
+    AMD's and Intel's cores (ext/cpu/cpu_vendor.h is the kernels' side of it)."""
+    try:
+        return any(
+            line.startswith("vendor_id") and "AuthenticAMD" in line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+        )
+    except OSError:
+        return False
+
+
 def has_avx512() -> bool:
     """Whether the kernels are built with AVX-512 here (-march=native), which moves the
     batch sizes at which one kernel beats another."""

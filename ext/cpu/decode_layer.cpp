@@ -233,7 +233,7 @@ struct TeamLinear {
       isa = aiolm_gguf_int8::pick_isa(-1);
       qx = scratch.rows(xp, m, k, isa, qtype);
     } else {
-      xsum = aiolm_gguf_float::block_sums(qtype, xp, m, k, sums);
+      xsum = aiolm_gguf_float::takes_wide(m) ? nullptr : aiolm_gguf_float::block_sums(qtype, xp, m, k, sums);
       kx = aiolm_gguf_float::kernel_x(qtype, xp, m, k, reordered);
     }
   }

@@ -28,7 +28,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   if (M == 0 || N == 0) return io.result();
   const float* xp = x.data_ptr<float>();
   std::vector<float> sums, reordered;
-  const float* xs = block_sums(qtype, xp, M, K, sums);
+  const float* xs = takes_wide(M) ? nullptr : block_sums(qtype, xp, M, K, sums);
   const KernelX xk = kernel_x(qtype, xp, M, K, reordered);
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   float* yp = io.y.data_ptr<float>();

@@ -149,6 +149,157 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
 }
+
+// Steps of many rows convert a group's codes once into float32 weights and run all of x's
+// rows over them (wide_tile), where the group tiles above convert them again for every three
+// rows. The weights go to L1 a chunk of WIDE_K at a time: a group's 8 rows of it are 8 KiB.
+constexpr int64_t WIDE_K = 256;
+
+// Blocks [b0, b1) of a group's 8 rows as float32 weights, w[i * WIDE_K + (b - b0) * 32 + lane], in
+// unpack16's lane order (kernel_x puts x in it): d * u, plus m where the type has mins. For a
+// GGUF file's types d * u is exact but for Q6_K's (an 11-bit scale, or Q4_K's factor times its
+// code, times a code of at most 8 bits), and Q6_K's rounds once as gguf's does, so one FMA with
+// m gives the weights gguf dequantizes to: the float32 path's.
+template <int64_t T>
+inline void unpack_chunk(const uint8_t* qg, const Scale<T>* sg, const Scale<T>* mg, int64_t nblocks, int64_t b0,
+                         int64_t b1, float* w) {
+  for (int64_t b = b0; b < b1; ++b) {
+    alignas(32) float d8[8], m8[8];
+    if constexpr (T != Q6_K) _mm256_store_ps(d8, scales8<T>(sg, nblocks, b));
+    if constexpr (has_min(T)) _mm256_store_ps(m8, scales8<T>(mg, nblocks, b));
+    for (int i = 0; i < 8; ++i) {
+      __m512 f[2];
+      unpack16<T>(qg, b, i, f);
+      if constexpr (T == Q6_K) {
+        f[0] = _mm512_mul_ps(f[0], _mm512_set1_ps(sg[(b * 8 + i) * 2]));
+        f[1] = _mm512_mul_ps(f[1], _mm512_set1_ps(sg[(b * 8 + i) * 2 + 1]));
+      } else if constexpr (has_min(T)) {
+        const __m512 d = _mm512_set1_ps(d8[i]), m = _mm512_set1_ps(m8[i]);
+        f[0] = _mm512_fmadd_ps(f[0], d, m);
+        f[1] = _mm512_fmadd_ps(f[1], d, m);
+      } else {
+        const __m512 d = _mm512_set1_ps(d8[i]);
+        f[0] = _mm512_mul_ps(f[0], d);
+        f[1] = _mm512_mul_ps(f[1], d);
+      }
+      float* wb = w + i * WIDE_K + (b - b0) * QK;
+      _mm512_store_ps(wb, f[0]);
+      _mm512_store_ps(wb + 16, f[1]);
+    }
+  }
+}
+
+// The sums of 8 vectors' lanes, as 8 floats: pairs of vectors fold their halves together, and
+// so on down, so the 8 results take 15 shuffles and 8 adds rather than 8 whole reductions.
+inline void reduce8(const __m512 v[8], float out[8]) {
+  __m512 a[4];
+  for (int j = 0; j < 4; ++j)  // 256-bit halves: lanes 0-7 of v[2j], then of v[2j + 1]
+    a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xee));
+  __m512 b[2];
+  for (int j = 0; j < 2; ++j)  // 128-bit quarters: 4 lanes each of v[4j .. 4j + 3]
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xdd));
+  // each 128-bit lane of b[j] holds 4 partial sums of one vector: fold them to 2, then 1
+  const __m512 c = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const __m512 e = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4e));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, e);
+  // lane 4q of e is the sum of v[q], lane 4q + 1 that of v[4 + q]
+  for (int q = 0; q < 4; ++q) {
+    out[q] = lanes[4 * q];
+    out[4 + q] = lanes[4 * q + 1];
+  }
+}
+
+// From this many rows of x on, the float path takes a group wide (unpack_chunk, wide_tile)
+// on Intel's cores: a step of the embedded model's linears took 0.95x the group tiles' time
+// at 4 rows, 0.86x at 6 (benchmarks/ab_kernel.py model-float on an AMX Xeon). AMD's AVX-512
+// cores were not measured, and keep the tiles.
+constexpr int64_t WIDE_ROWS = 4;
+
+// MR rows of x (row stride ldx) against one chunk (kc weights) of a group's 8 rows w
+// (unpack_chunk's): the sums run over k in 16 lanes, in `acc` between chunks (the first
+// starts from zero), and the last chunk reduces them into out[r][i]. pf: the next group's
+// codes, pf_lines cache lines for each 16 k, asked for while this tile runs (nullptr: none).
+template <int MR>
+inline void wide_tile(const float* w, const float* x, int64_t ldx, int64_t kc, __m512* acc_mem, bool first,
+                      bool last, float out[][8], const uint8_t* pf, int64_t pf_lines) {
+  __m512 acc[MR][8];
+#pragma GCC unroll 3
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[r][i] = first ? _mm512_setzero_ps() : _mm512_load_ps(&acc_mem[r * 8 + i]);
+  for (int64_t k = 0; k < kc; k += 16) {
+    if (pf != nullptr)
+      for (int64_t l = 0; l < pf_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 16 * pf_lines + l) * 64), _MM_HINT_T1);
+    __m512 xv[MR];
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; ++r) xv[r] = _mm512_loadu_ps(x + r * ldx + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      __m512 wv = _mm512_load_ps(w + i * WIDE_K + k);
+      // One load a weight vector, kept in a register for its MR FMAs: left to itself GCC folds
+      // the load into each FMA, MR loads where one does, and the tile becomes load-bound.
+      asm("" : "+v"(wv));
+#pragma GCC unroll 3
+      for (int r = 0; r < MR; ++r) acc[r][i] = _mm512_fmadd_ps(wv, xv[r], acc[r][i]);
+    }
+  }
+  if (last) {
+    for (int r = 0; r < MR; ++r) reduce8(acc[r], out[r]);
+  } else {
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) _mm512_store_ps(&acc_mem[r * 8 + i], acc[r][i]);
+  }
+}
+
+// A group's 8 output rows for all M rows of x, wide: chunk by chunk of k, the chunk's weights
+// converted once and every three rows of x run over them (24 accumulators). Its first tile
+// asks for the next group's codes (next: nullptr where there is none), which the conversion
+// would otherwise read from memory in a burst; the scales and mins, a few lines, are asked
+// for at once.
+template <int64_t T>
+inline void wide_group(const uint8_t* qg, const Scale<T>* sg, const Scale<T>* mg, int64_t nblocks, const float* x,
+                       int64_t M, float* y, int64_t N, int64_t nn, const uint8_t* next) {
+  constexpr int64_t QB = quant_bytes(T);
+  const int64_t K = nblocks * QK, tiles = (M + 2) / 3, pf_lines = (QB + 15) / 16;
+  thread_local std::vector<float> wbuf;
+  thread_local std::vector<__m512> accs;
+  wbuf.resize(8 * WIDE_K + 16);
+  float* wp = wbuf.data() + (16 - reinterpret_cast<uintptr_t>(wbuf.data()) / 4 % 16) % 16;  // 64-byte aligned
+  if (static_cast<int64_t>(accs.size()) < tiles * 24) accs.resize(tiles * 24);
+  if (next != nullptr) {
+    const int64_t gs = group_scales(T, nblocks), bytes = gs * static_cast<int64_t>(sizeof(Scale<T>));
+    for (int64_t l = 0; l < bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(sg + gs) + l, _MM_HINT_T1);
+      if (mg != nullptr) _mm_prefetch(reinterpret_cast<const char*>(mg + gs) + l, _MM_HINT_T1);
+    }
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += WIDE_K) {
+    const int64_t kc = std::min(WIDE_K, K - k0);
+    unpack_chunk<T>(qg, sg, mg, nblocks, k0 / QK, (k0 + kc) / QK, wp);
+    const bool first = k0 == 0, last = k0 + kc == K;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = 3 * t, rows = std::min<int64_t>(3, M - r0);
+      const uint8_t* pf = t == 0 && next != nullptr ? next + k0 / 16 * pf_lines * 64 : nullptr;
+      const float* xt = x + r0 * K + k0;
+      __m512* acc = accs.data() + t * 24;
+      float out[3][8];
+      if (rows == 3)
+        wide_tile<3>(wp, xt, K, kc, acc, first, last, out, pf, pf_lines);
+      else if (rows == 2)
+        wide_tile<2>(wp, xt, K, kc, acc, first, last, out, pf, pf_lines);
+      else
+        wide_tile<1>(wp, xt, K, kc, acc, first, last, out, pf, pf_lines);
+      if (last)
+        for (int64_t r = 0; r < rows; ++r) std::copy(out[r], out[r] + nn, y + (r0 + r) * N);
+    }
+  }
+}
 #elif defined(AIOLM_AVX2)
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -291,6 +442,16 @@ constexpr bool needs_block_sums(int64_t qtype) {
 #endif
 }
 
+// Whether run_groups takes a step of M rows wide (wide_group), which needs no block sums.
+inline bool takes_wide(int64_t M) {
+#if defined(AIOLM_AVX512)
+  return M >= WIDE_ROWS && !aiolm_cpu::amd();
+#else
+  (void)M;
+  return false;
+#endif
+}
+
 // x's block sums (M rows of K / QK) in buf where run_groups needs them for blocks of type
 // qtype (needs_block_sums), else nullptr. Made once per call, from x's own order.
 inline const float* block_sums(int64_t qtype, const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
@@ -350,14 +511,15 @@ inline KernelX kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std
     }
   };
   static const Lanes512 order;
-  buf.resize(M * K);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < K / QK; ++b) {
-      const float* s = x + r * K + b * QK;
-      float* d = buf.data() + r * K + b * QK;
-      for (int lane = 0; lane < QK; ++lane) d[lane] = s[order.weight[lane]];
-    }
-  return {buf.data(), 0.f};
+  const __m512i lo = _mm512_loadu_si512(order.weight), hi = _mm512_loadu_si512(order.weight + 16);
+  buf.resize(M * K + 16);
+  float* out = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / 4 % 16) % 16;  // rows on cache lines
+  for (int64_t i = 0; i < M * K; i += QK) {  // each block's 32 values, two lookups into both halves
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+    _mm512_store_ps(out + i, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_store_ps(out + i + 16, _mm512_permutex2var_ps(a, hi, b));
+  }
+  return {out, 0.f};
 #else
   struct Lanes {
     int weight[QK];
@@ -471,6 +633,11 @@ void run_groups_as(const uint8_t* qs, const Scale<T>* scale, const Scale<T>* min
 #ifdef AIOLM_AVX2
     int64_t r0 = 0;
 #ifdef AIOLM_AVX512
+    if (takes_wide(M)) {  // the mins are in the weights: no mterm
+      const Scale<T>* mg = has_min(T) ? mins + g * group_scales(T, nblocks) : nullptr;
+      wide_group<T>(qg, sg, mg, nblocks, x, M, y + n0, N, nn, g + 1 < g1 ? qg + nblocks * 8 * QB : nullptr);
+      continue;
+    }
     // Threes, then pairs, of x rows against all 8 rows of the group (24 or 16 accumulators in
     // the 32 zmm registers): each pass converts the group's codes again, so the fewer passes
     // the better (4 rows go as two pairs: a three and a one convert as often, and were no

@@ -288,7 +288,8 @@ def test_gguf_moe_model_decodes_from_its_blocks(kind, stacked, tmp_path, monkeyp
     g = torch.Generator().manual_seed(3)
     # The first prefill step has more tokens than MAX_ROWS but routes no more than that to an
     # expert on average (top-2 of 4 or 8): the blocks; the second routes more: float32.
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 13, 8 * MAX_ROWS)]
+    lens = (MAX_ROWS + 8, MAX_ROWS // 2 + 5, 8 * MAX_ROWS)  # all longer than the split
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
     assert len({t for e in expected for t in e}) > 5
     assert PagedHarness(model, block_size=4).greedy(prompts, NEW, split=MAX_ROWS // 2 + 1) == expected

@@ -15,16 +15,17 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler 
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_matches_dequantized_matmul(qtype, rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 20, 40])
+@pytest.mark.parametrize("cols", [96, 608])  # 608: two of the wide path's chunks of 256 and a part
+def test_matches_dequantized_matmul(qtype, rows, cols):
     rng = np.random.default_rng(rows)
-    w = rng.standard_normal((43, 96)).astype(np.float32)  # 5 groups of 8 rows and a padded one
+    w = rng.standard_normal((43, cols)).astype(np.float32)  # 5 groups of 8 rows and a padded one
     w[3] *= 1e-3  # tiny scales
     w[5] = np.abs(w[5]) + 2  # all positive: Q4_1's minimum is far from 0
     t = getattr(gguf.GGMLQuantizationType, qtype)
     blocks = gguf.quants.quantize(w, t)
     deq = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, t), dtype=np.float32).reshape(w.shape))
-    x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
     got = gguf_blocks.GGUFWeight.from_blocks(blocks, qtype).linear(x)
     want = (x.double() @ deq.double().t()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
@@ -160,11 +161,17 @@ def test_a_thread_that_flushes_subnormals_gets_the_same_results(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(qtype):
     """The tiles take x's rows in eights, threes, pairs or one at a time (by ISA and step size), each
-    row with the same arithmetic: a row's result has the same bits alone as in a step of 2-9
-    rows, at any place in it, so a request's tokens do not depend on who shares its steps."""
+    row with the same arithmetic; from 4 rows on, Intel's AVX-512 cores convert a group's blocks
+    once and sum in 16 lanes for every row (gguf_linear.h, WIDE_ROWS). So a row's result has the
+    same bits in every step of 1-3 rows, and in every step of 4 or more, at any place in it: a
+    request's tokens do not depend on who shares its steps, only on how many do (as between the
+    blocks and the float32 panels, which steps of more than gguf_blocks.MAX_ROWS rows take)."""
     g, _ = _q4_weight(qtype, seed=4)
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((9, 2048)).astype(np.float32))
     alone = torch.cat([g.linear(x[r : r + 1]) for r in range(9)])
+    full = g.linear(x)
+    torch.testing.assert_close(full, alone, rtol=1e-5, atol=1e-4)
     for rows in range(2, 10):
+        want = alone if rows < 4 else full
         for r0 in (0, 9 - rows):
-            assert torch.equal(g.linear(x[r0 : r0 + rows]), alone[r0 : r0 + rows]), (rows, r0)
+            assert torch.equal(g.linear(x[r0 : r0 + rows]), want[r0 : r0 + rows]), (rows, r0)
