@@ -480,6 +480,12 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
   RowState st(s, scratch);
   float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l, *c = st.c;
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
+  // Head h's scaled scores of n keys k (rows `stride` apart), into its scores from key t0; their max.
+  auto head_scores = [&](int64_t h, const auto* k, int64_t stride, int64_t n, int64_t t0) {
+    __m512 qv[NZ];
+    for (int i = 0; i < NZ; ++i) qv[i] = _mm512_loadu_ps(q_row + h * s.q_head_stride + 16 * i);
+    return scores16<NZ>(qv, k, stride, n, scale, scores + h * bs + t0);
+  };
   for (int64_t b = key0 / bs; b < n_blocks; ++b) {
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
@@ -488,17 +494,30 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
+      // The scores of the kv head's query heads, 16 keys at a time: a narrower cache's 16 keys
+      // convert once, into float32 in L1, for all of those heads (each would convert them again).
+      float* bmax = c + kh * G;  // the heads' score maxima, until their corrections take the place
+      std::fill(bmax, bmax + G, -std::numeric_limits<float>::infinity());
+      for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, rows - t0);
+        const KV* kt = kb + t0 * s.kv_row_stride;
+        if constexpr (!std::is_same_v<KV, float>) {
+          alignas(64) float keys[16 * d];
+          for (int64_t t = 0; t < n; ++t)
+#pragma GCC unroll 8
+            for (int i = 0; i < NZ; ++i)
+              _mm512_store_ps(keys + t * d + 16 * i, load16(kt + t * s.kv_row_stride + 16 * i));
+          for (int64_t g = 0; g < G; ++g) bmax[g] = std::max(bmax[g], head_scores(kh * G + g, keys, d, n, t0));
+        } else {
+          for (int64_t g = 0; g < G; ++g)
+            bmax[g] = std::max(bmax[g], head_scores(kh * G + g, kt, s.kv_row_stride, n, t0));
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
-        __m512 qv[NZ];
-        for (int i = 0; i < NZ; ++i) qv[i] = _mm512_loadu_ps(q_row + h * s.q_head_stride + 16 * i);
         float* sh = scores + h * bs;
-        float bmax = -std::numeric_limits<float>::infinity();
-        for (int64_t t0 = 0; t0 < rows; t0 += 16)
-          bmax = std::max(bmax, scores16<NZ>(qv, kb + t0 * s.kv_row_stride, s.kv_row_stride,
-                                             std::min<int64_t>(16, rows - t0), scale, sh + t0));
-        if (s.softcap > 0.f) bmax = softcap_page(sh, rows, bmax, s.softcap);
-        c[h] = softmax_page(sh, rows, bmax, m[h], l[h]);
+        const float hmax = s.softcap > 0.f ? softcap_page(sh, rows, bmax[g], s.softcap) : bmax[g];
+        c[h] = softmax_page(sh, rows, hmax, m[h], l[h]);
       }
       int64_t g = 0;
       for (; g + GC <= G; g += GC) {
