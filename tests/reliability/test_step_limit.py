@@ -20,7 +20,16 @@ FLOOR = 1.0  # --step-timeout: the limit of a step that the measured rate predic
 def server(tmp_path_factory):
     port = free_port()
     srv = ServerProcess(
-        serve_cmd(port, "--step-timeout", str(FLOOR), "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching"),
+        serve_cmd(
+            port,
+            "--step-timeout",
+            str(FLOOR),
+            "--max-model-len",
+            "2048",
+            "--max-num-batched-tokens",
+            "2048",
+            "--no-enable-prefix-caching",
+        ),
         port,
         tmp_path_factory.mktemp("step_limit") / "server.log",
     )
@@ -36,12 +45,13 @@ def test_a_long_prefill_step_is_not_a_hang(server):
         # A few short steps first, so the rate is measured (the first steps get a fixed allowance).
         r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
-        prompt = np.random.default_rng(0).integers(100, 40000, size=1000).tolist()  # one 1000-token step
+        # one 2000-token step (a 1000-token one took 1.3 s on an AMX Xeon, under the test's 1.5 s)
+        prompt = np.random.default_rng(0).integers(100, 40000, size=2000).tolist()
         t0 = time.monotonic()
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
         took = time.monotonic() - t0
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] == 1000
+    assert r.json()["usage"]["prompt_tokens"] == 2000
     log = server.log_path.read_text(errors="replace")
     assert "is hung" not in log and "restarting the workers" not in log, log
     # It did run past the floor: a fixed limit of FLOOR seconds would have replaced the worker.
