@@ -51,26 +51,25 @@ def cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(key: str) -> str:
+    """/proc/cpuinfo's first line for ``key`` (flags, vendor_id), or "" where it has none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(key):
                 return line
     except OSError:
         pass
     return ""
 
 
+def _cpu_flags() -> str:
+    return _cpuinfo("flags")
+
+
 def is_amd() -> bool:
     """Whether AMD made this CPU: a few kernel choices were measured to go opposite ways on
     AMD's and Intel's cores (ext/cpu/cpu_vendor.h is the kernels' side of it)."""
-    try:
-        return any(
-            line.startswith("vendor_id") and "AuthenticAMD" in line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-        )
-    except OSError:
-        return False
+    return "AuthenticAMD" in _cpuinfo("vendor_id")
 
 
 def has_avx512() -> bool:

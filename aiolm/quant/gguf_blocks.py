@@ -68,8 +68,8 @@ BLOCK_TYPES = tuple(TYPE_IDS)
 # Above this many rows the float32 panel GEMM beats the blocks in float arithmetic
 # (benchmarks/bench_linear.py): 16 on an AVX2 CPU, 6 where the panels run on AVX-512. On
 # Intel's AVX-512 cores the blocks convert once for all the rows of a step (gguf_linear.h,
-# wide_group), and the embedded model's linears took 0.64-0.85x the panels' time at 8-16
-# rows, the same at 24 and 1.1x at 32 (docs/benchmarks/log.md, 2026-12-06, eighth sitting).
+# wide_group), which keeps them ahead of the panels until past 24 rows (docs/benchmarks.md,
+# issue 43, "float32 steps of 4-24 rows").
 MAX_ROWS = (6 if cpu_kernels.is_amd() else 24) if cpu_kernels.has_avx512() else 16
 # With AIOLM_GGUF_INT8=1 (INT8), steps of up to GGUFWeight.int8_rows rows quantize x to int8
 # per block of 32 and use integer dot products (GGUFWeight.linear_int8): one instruction

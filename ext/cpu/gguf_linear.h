@@ -48,6 +48,12 @@ namespace aiolm_gguf_float {
 
 using namespace aiolm_gguf;  // QK, the type ids, what they are (has_min, Scale, ...), quant_bytes
 
+// n floats of buf from a cache line's start (buf grows to hold them), for aligned vector loads.
+inline float* line_aligned(std::vector<float>& buf, int64_t n) {
+  buf.resize(n + 16);
+  return buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / 4 % 16) % 16;
+}
+
 #ifdef AIOLM_AVX2
 // Q5_0: the 16 bytes of row i's block b as its signed codes u - 16, in x's order (lo: weights
 // 0-15, hi: 16-31). A fifth bit adds 16 to its nibble: a masked add where AVX-512 has byte
@@ -156,9 +162,9 @@ inline void tile(const uint8_t* qs, const Scale<T>* scale, int i0, int64_t nbloc
 constexpr int64_t WIDE_K = 256;
 
 // Blocks [b0, b1) of a group's 8 rows as float32 weights, w[i * WIDE_K + (b - b0) * 32 + lane], in
-// unpack16's lane order (kernel_x puts x in it): d * u, plus m where the type has mins. For a
-// GGUF file's types d * u is exact but for Q6_K's (an 11-bit scale, or Q4_K's factor times its
-// code, times a code of at most 8 bits), and Q6_K's rounds once as gguf's does, so one FMA with
+// unpack16's lane order (kernel_x puts x in it): d * u, plus m where the type has mins. For the
+// GGUF types d * u is exact (an 11-bit scale, or Q4_K's factor times its code, times a code of
+// at most 8 bits), but for Q6_K's, which rounds once as gguf's own product does; so one FMA with
 // m gives the weights gguf dequantizes to: the float32 path's.
 template <int64_t T>
 inline void unpack_chunk(const uint8_t* qg, const Scale<T>* sg, const Scale<T>* mg, int64_t nblocks, int64_t b0,
@@ -213,9 +219,9 @@ inline void reduce8(const __m512 v[8], float out[8]) {
 }
 
 // From this many rows of x on, the float path takes a group wide (unpack_chunk, wide_tile)
-// on Intel's cores: a step of the embedded model's linears took 0.95x the group tiles' time
-// at 4 rows, 0.86x at 6 (benchmarks/ab_kernel.py model-float on an AMX Xeon). AMD's AVX-512
-// cores were not measured, and keep the tiles.
+// on Intel's cores, where one conversion for all rows beats the tiles' one for every three
+// (benchmarks/ab_kernel.py model-float; docs/benchmarks.md, issue 43). AMD's AVX-512 cores
+// were not measured, and keep the tiles.
 constexpr int64_t WIDE_ROWS = 4;
 
 // MR rows of x (row stride ldx) against one chunk (kc weights) of a group's 8 rows w
@@ -269,8 +275,7 @@ inline void wide_group(const uint8_t* qg, const Scale<T>* sg, const Scale<T>* mg
   const int64_t K = nblocks * QK, tiles = (M + 2) / 3, pf_lines = (QB + 15) / 16;
   thread_local std::vector<float> wbuf;
   thread_local std::vector<__m512> accs;
-  wbuf.resize(8 * WIDE_K + 16);
-  float* wp = wbuf.data() + (16 - reinterpret_cast<uintptr_t>(wbuf.data()) / 4 % 16) % 16;  // 64-byte aligned
+  float* wp = line_aligned(wbuf, 8 * WIDE_K);
   if (static_cast<int64_t>(accs.size()) < tiles * 24) accs.resize(tiles * 24);
   if (next != nullptr) {
     const int64_t gs = group_scales(T, nblocks), bytes = gs * static_cast<int64_t>(sizeof(Scale<T>));
@@ -512,8 +517,7 @@ inline KernelX kernel_x(int64_t qtype, const float* x, int64_t M, int64_t K, std
   };
   static const Lanes512 order;
   const __m512i lo = _mm512_loadu_si512(order.weight), hi = _mm512_loadu_si512(order.weight + 16);
-  buf.resize(M * K + 16);
-  float* out = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / 4 % 16) % 16;  // rows on cache lines
+  float* out = line_aligned(buf, M * K);  // rows on cache lines
   for (int64_t i = 0; i < M * K; i += QK) {  // each block's 32 values, two lookups into both halves
     const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
     _mm512_store_ps(out + i, _mm512_permutex2var_ps(a, lo, b));
