@@ -66,7 +66,7 @@ static_assert(CHUNK_ROWS % MR == 0, "CHUNK_ROWS must hold whole tiles");
 template <int R, int KS, int NPC, int PF>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
                                                   int64_t pstride, int64_t K, float* y, int64_t ldy,
-                                                  const float* pf) {
+                                                  const float* pf, int64_t pstep) {
   __m512 c[R][NPC];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
@@ -76,8 +76,8 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
     __m512 b[NPC];
 #pragma GCC unroll 2
     for (int j = 0; j < NPC; ++j) b[j] = _mm512_loadu_ps(panel + j * pstride + k * NR);
-    if constexpr (PF > 0) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), _MM_HINT_T1);
-    if constexpr (PF > 1) _mm_prefetch(reinterpret_cast<const char*>(pf + pstride + k * NR), _MM_HINT_T1);
+    if constexpr (PF > 0) _mm_prefetch(reinterpret_cast<const char*>(pf + k * pstep), _MM_HINT_T1);
+    if constexpr (PF > 1) _mm_prefetch(reinterpret_cast<const char*>(pf + k * pstep + NR), _MM_HINT_T1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k * KS]);
@@ -97,7 +97,8 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
 // to the stack and the kernel ran at half speed.
 template <int R, int KS, int NPC, int PF>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, const float* panel,
-                                                  int64_t, int64_t K, float* y, int64_t ldy, const float*) {
+                                                  int64_t, int64_t K, float* y, int64_t ldy, const float*,
+                                                  int64_t) {
   static_assert(NPC == 1, "one panel per call with AVX2");
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -145,7 +146,7 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t ldx, co
 #else
 template <int R, int KS, int NPC, int PF>
 inline void micro(const float* x, int64_t ldx, const float* panel, int64_t, int64_t K, float* y, int64_t ldy,
-                  const float*) {
+                  const float*, int64_t) {
   static_assert(NPC == 1, "one panel per call without AVX2");
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K; ++k)
@@ -157,22 +158,22 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t, int6
 
 template <int KS, int NPC, int PF>
 inline void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t K,
-                       float* y, int64_t ldy, const float* pf) {
+                       float* y, int64_t ldy, const float* pf, int64_t pstep) {
   switch (rows) {
 #if defined(AIOLM_AVX512)
-    case 12: micro<12, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 11: micro<11, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 10: micro<10, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 9: micro<9, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 8: micro<8, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 7: micro<7, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 12: micro<12, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 11: micro<11, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 10: micro<10, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 9: micro<9, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 8: micro<8, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 7: micro<7, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
 #endif
-    case 6: micro<6, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 5: micro<5, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 4: micro<4, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 3: micro<3, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    case 2: micro<2, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
-    default: micro<1, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf); break;
+    case 6: micro<6, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 5: micro<5, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 4: micro<4, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 3: micro<3, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    case 2: micro<2, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
+    default: micro<1, KS, NPC, PF>(x, ldx, panel, pstride, K, y, ldy, pf, pstep); break;
   }
 }
 
@@ -225,44 +226,48 @@ void panels_range(const float* x, int64_t M, int64_t K, const float* panels, int
     const int64_t n0 = p * NR, cols = std::min(np * NR, N - n0);
     const bool whole = cols == NP * NR;  // else the last group: through a buffer
     // The next group's panels are fetched into L2 while this one runs: the first tile over a
-    // group would otherwise read it from memory at one core's rate. One tile asks for both
-    // panels (a row of a panel is a cache line), or with three tiles or more, tiles 1 and 2
-    // one each, so the fetches are spread over the time they have. Not on AMD's cores: on a
+    // group would otherwise read it from memory at one core's rate. Not on AMD's cores: on a
     // Zen 4 a prefetch of this kind measured 1.02-1.07x slower (docs/benchmarks/log.md,
     // "Issue 17, continued"), where an AMX Xeon runs 12-64 rows in 0.79-0.87x the time.
     static const bool ask_ahead = !aiolm_cpu::amd();
     const int64_t next_np = ask_ahead && g + 1 < g1 ? std::min(NP, P - p - NP) : 0;
     const float* next = panel + NP * pstride;
-    const int64_t tiles = (M + MR - 1) / MR;
-    for (int64_t m = 0; m < M; m += MR) {
-      const int64_t rows = std::min(MR, M - m), t = m / MR;
-      const float* xt = x + m * K;  // tile m / MR starts at (m / MR) * K * MR when packed
+    // As few tiles as MR allows, their rows as even as can be: 38 rows run as 10 + 10 + 9 + 9,
+    // not 12 + 12 + 12 + 2, whose last tile's few accumulators wait on the FMA latency every
+    // k. A packed x comes in whole MR-row tiles.
+    const int64_t tiles = (M + MR - 1) / MR, base = PACKED ? MR : M / tiles, extra = PACKED ? 0 : M % tiles;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+      const int64_t rows = std::min(base + (t < extra ? 1 : 0), M - m);
+      const float* xt = x + m * K;  // tile t starts at t * K * MR when packed
       float* yt = whole ? y + m * N + n0 : tail;
       const int64_t ldy = whole ? N : NP * NR;
-      int pf = 0;  // panels of the next group this tile fetches
-      const float* pfp = next;
-      if (next_np > 0) {
-        if (tiles <= 2 && t == tiles - 1) {
-          pf = static_cast<int>(next_np);
-        } else if (tiles > 2 && t >= 1 && t <= next_np) {
-          pf = 1;
-          pfp = next + (t - 1) * pstride;
-        }
-      }
+      // The first tiles, up to four, ask for the next group's lines (a line: one k of a panel;
+      // the group's panels lie one after the other) in even shares, each spread over its K
+      // steps: two lines a step, or one every 16 / pstep steps (`pstep` floats on from step
+      // to step; rounded down, so a share of three tiles' ends a few lines short). Asked for a
+      // panel a tile by tiles 1 and 2 only, the lines came in bursts, and at 25-64 rows the
+      // tiles waited on them; a prompt's many tiles still have their group's lines early.
+      const int64_t askers = std::min<int64_t>(tiles, 4), lines = next_np * K;
+      const bool asks = t < askers;
+      const int64_t l0 = asks ? t * lines / askers : 0, share = asks ? (t + 1) * lines / askers - l0 : 0;
+      const int pf = share == 0 ? 0 : share > K ? 2 : 1;
+      const int64_t pstep = pf == 2 ? 2 * NR : share * NR / K;  // floats; a share over K lines is 2K
+      const float* pfp = next + l0 * NR;
       if (np == NP) {
         if (pf == 2) {
-          micro_rows<KS, NP, 2>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+          micro_rows<KS, NP, 2>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp, pstep);
         } else if (pf == 1) {
-          micro_rows<KS, NP, 1>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+          micro_rows<KS, NP, 1>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp, pstep);
         } else {
-          micro_rows<KS, NP, 0>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+          micro_rows<KS, NP, 0>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp, pstep);
         }
       } else {
-        micro_rows<KS, 1, 0>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp);
+        micro_rows<KS, 1, 0>(rows, xt, ldx, panel, pstride, K, yt, ldy, pfp, pstep);
       }
       if (ep.any()) finish_tile(yt, ldy, rows, n0, cols, ep);
       if (!whole)
         for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m + r) * N + n0, tail + r * ldy, cols * sizeof(float));
+      m += rows;
     }
   }
 }
