@@ -490,8 +490,10 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
     const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
-    prefetch_next_page(s, table, b, n_keys, kc, vc, kh0, kh1);
     for (int64_t kh = kh0; kh < kh1; ++kh) {
+      // Each kv head asks for its part of the next page before its own pass: a float32 page's
+      // K and V at once (24 KB with 3 kv heads of 64) held up the first head's pass.
+      prefetch_next_page(s, table, b, n_keys, kc, vc, kh, kh + 1);
       const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       // The scores of the kv head's query heads, 16 keys at a time: a narrower cache's 16 keys
