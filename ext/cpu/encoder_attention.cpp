@@ -37,6 +37,11 @@ namespace {
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;  // query rows whose scores share each key vector loaded
+#if defined(__AVX512F__)
+constexpr bool kVector = true;  // the copies in and out go 16 values at a time
+#else
+constexpr bool kVector = false;
+#endif
 
 inline v16f load16(const float* p) {
   v16f v;
@@ -82,8 +87,12 @@ inline float softmax_row(float* s, int64_t n, int64_t n16) {
     if (j + kLanes > n) x = lane < static_cast<int32_t>(n - j) ? x : neg_inf;
     mv = x > mv ? x : mv;
   }
+#if defined(__AVX512F__)
+  const float m = _mm512_reduce_max_ps((__m512)mv);
+#else
   float m = mv[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, mv[i]);
+#endif
   v16f acc = {};
   for (int64_t j = 0; j < n16; j += kLanes) {
     v16f e = vexp(load16(s + j) - m);
@@ -91,8 +100,12 @@ inline float softmax_row(float* s, int64_t n, int64_t n16) {
     store16(s + j, e);
     acc += e;
   }
+#if defined(__AVX512F__)
+  const float sum = _mm512_reduce_add_ps((__m512)acc);  // a tree of adds: 4 steps, not 15
+#else
   float sum = 0.f;
   for (int i = 0; i < kLanes; ++i) sum += acc[i];
+#endif
   return 1.f / sum;
 }
 
@@ -151,6 +164,26 @@ inline void weigh(const float* p, int64_t n16, int64_t n, const float* v, int64_
     for (int u = 0; u < NV; ++u) store16(o + r * d16 + u * kLanes, acc[r][u] * inv[r]);
 }
 
+#if defined(__AVX512F__)
+// 16 of a row's values as float32 (bfloat16 widened: its bits are float32's upper half).
+inline __m512 row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 row16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+// 16 results stored in the output's dtype: aiolm_bf16::narrow's rounding on 16 lanes.
+inline void put16(const float* src, float* dst) { _mm512_storeu_ps(dst, _mm512_loadu_ps(src)); }
+inline void put16(const float* src, uint16_t* dst) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 struct Buffers {
   std::vector<float> kt, v, q, s, o;
 };
@@ -168,11 +201,32 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
   b.q.resize(kRows * D);
   b.s.resize(kRows * n16);
   b.o.resize(kRows * d16);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kj = k + (r0 + j) * ks0 + h * ks1;
-    const T* vj = v + (r0 + j) * vs0 + h * vs1;
-    for (int64_t c = 0; c < D; ++c) b.kt[c * n16 + j] = widen(kj[c]);
-    for (int64_t c = 0; c < D; ++c) b.v[j * d16 + c] = widen(vj[c]);
+  // With AVX-512 and whole vectors of D, 16 keys at a time transposed in registers: one key
+  // value at a time, these copies took as long as the item's arithmetic at a sentence's length.
+  const bool whole = kVector && D % kLanes == 0;
+  if (whole) {
+#if defined(__AVX512F__)
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      const int64_t keys = std::min(kLanes, n - j0);
+      for (int64_t c0 = 0; c0 < D; c0 += kLanes) {
+        __m512 r[kLanes], t[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j)
+          r[j] = j < keys ? row16(k + (r0 + j0 + j) * ks0 + h * ks1 + c0) : _mm512_setzero_ps();
+        aiolm_vec::transpose16(r, t);
+        for (int64_t c = 0; c < kLanes; ++c) _mm512_storeu_ps(&b.kt[(c0 + c) * n16 + j0], t[c]);
+      }
+      for (int64_t j = j0; j < j0 + keys; ++j)
+        for (int64_t c0 = 0; c0 < D; c0 += kLanes)
+          _mm512_storeu_ps(&b.v[j * d16 + c0], row16(v + (r0 + j) * vs0 + h * vs1 + c0));
+    }
+#endif
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kj = k + (r0 + j) * ks0 + h * ks1;
+      const T* vj = v + (r0 + j) * vs0 + h * vs1;
+      for (int64_t c = 0; c < D; ++c) b.kt[c * n16 + j] = widen(kj[c]);
+      for (int64_t c = 0; c < D; ++c) b.v[j * d16 + c] = widen(vj[c]);
+    }
   }
   const float* kt = b.kt.data();
   const float* vv = b.v.data();
@@ -181,6 +235,12 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
       const int64_t rows = std::min(kRows, i1 - i);
       for (int64_t r = 0; r < rows; ++r) {
         const T* qr = q + (r0 + i + r) * qs0 + hq * qs1;
+#if defined(__AVX512F__)
+        if (whole) {
+          for (int64_t c0 = 0; c0 < D; c0 += kLanes) _mm512_storeu_ps(&b.q[r * D + c0], row16(qr + c0));
+          continue;
+        }
+#endif
         for (int64_t c = 0; c < D; ++c) b.q[r * D + c] = widen(qr[c]);
       }
       for (int64_t r = rows; r < kRows; ++r) std::memcpy(&b.q[r * D], &b.q[0], D * sizeof(float));
@@ -198,6 +258,12 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
       }
       for (int64_t r = 0; r < rows; ++r) {
         T* orow = out + ((r0 + i + r) * H + hq) * D;
+#if defined(__AVX512F__)
+        if (whole) {
+          for (int64_t c0 = 0; c0 < D; c0 += kLanes) put16(&b.o[r * d16 + c0], orow + c0);
+          continue;
+        }
+#endif
         for (int64_t c = 0; c < D; ++c) store(b.o[r * d16 + c], orow + c);
       }
     }

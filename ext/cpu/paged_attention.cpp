@@ -648,26 +648,8 @@ inline void transpose_page(const KV* kb, int64_t stride, int64_t rows, float* kt
   for (int64_t c = 0; c < d; c += 16) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; ++i) r[i] = i < rows ? load16(kb + i * stride + c) : _mm512_setzero_ps();
-    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
-      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // u[4g + e]: lane L holds column 4L + e of rows 4g..4g+3
-      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    }
-    for (int e = 0; e < 4; ++e) {  // column 4L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
-      const __m512 x0 = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512 x1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512 x2 = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
-      const __m512 x3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
-      _mm512_storeu_ps(kt + (c + e) * bs, _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)));
-      _mm512_storeu_ps(kt + (c + 4 + e) * bs, _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
-      _mm512_storeu_ps(kt + (c + 8 + e) * bs, _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(2, 0, 2, 0)));
-      _mm512_storeu_ps(kt + (c + 12 + e) * bs, _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(3, 1, 3, 1)));
-    }
+    aiolm_vec::transpose16(r, t);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * bs, t[i]);
   }
 #else
   for (int64_t t = 0; t < rows; ++t)

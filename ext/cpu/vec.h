@@ -101,5 +101,32 @@ inline void gelu_inplace(float* y, int64_t n) {
   }
 }
 
+#if defined(__AVX512F__)
+// out[c] = column c of the 16 x 16 block whose rows are r[0..15]: 64 shuffles, no stores.
+inline void transpose16(const __m512 r[16], __m512 out[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[4g + e]: lane L holds column 4L + e of rows 4g..4g+3
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int e = 0; e < 4; ++e) {  // column 4L + e: lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512 x0 = _mm512_shuffle_f32x4(u[e], u[4 + e], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 x1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 x2 = _mm512_shuffle_f32x4(u[e], u[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 x3 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
+    out[e] = _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+    out[4 + e] = _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+    out[8 + e] = _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(2, 0, 2, 0));
+    out[12 + e] = _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+#endif
+
 }  // namespace aiolm_vec
 #endif
