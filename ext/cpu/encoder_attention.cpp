@@ -36,10 +36,16 @@ namespace {
 
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
-constexpr int64_t kRows = 4;  // query rows whose scores share each key vector loaded
 #if defined(__AVX512F__)
+// Query rows whose scores share each key vector loaded, and value vectors a pass holds:
+// 8 x 2 sums, 16 of the 32 zmm registers (with 4 rows a tail vector of keys left its FMAs
+// waiting on their latency).
+constexpr int64_t kRows = 8;
+constexpr int kValueVectors = 2;
 constexpr bool kVector = true;  // the copies in and out go 16 values at a time
 #else
+constexpr int64_t kRows = 4;
+constexpr int kValueVectors = 4;
 constexpr bool kVector = false;
 #endif
 
@@ -118,13 +124,13 @@ inline void scores(const float* q, const float* kt, int64_t n16, int64_t D, floa
     v16f a[kRows][2] = {};
     for (int64_t c = 0; c < D; ++c) {
       const v16f k0 = load16(kt + c * n16 + j), k1 = load16(kt + c * n16 + j + kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         a[r][0] += q[r * D + c] * k0;
         a[r][1] += q[r * D + c] * k1;
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       store16(s + r * n16 + j, a[r][0] * scale);
       store16(s + r * n16 + j + kLanes, a[r][1] * scale);
@@ -134,10 +140,10 @@ inline void scores(const float* q, const float* kt, int64_t n16, int64_t D, floa
     v16f a[kRows] = {};
     for (int64_t c = 0; c < D; ++c) {
       const v16f k0 = load16(kt + c * n16 + j);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) a[r] += q[r * D + c] * k0;
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) store16(s + r * n16 + j, a[r] * scale);
   }
 }
@@ -151,14 +157,14 @@ inline void weigh(const float* p, int64_t n16, int64_t n, const float* v, int64_
     v16f x[NV];
 #pragma GCC unroll 4
     for (int u = 0; u < NV; ++u) x[u] = load16(v + j * d16 + u * kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const float pr = p[r * n16 + j];
 #pragma GCC unroll 4
       for (int u = 0; u < NV; ++u) acc[r][u] += pr * x[u];
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 4
     for (int u = 0; u < NV; ++u) store16(o + r * d16 + u * kLanes, acc[r][u] * inv[r]);
@@ -247,9 +253,9 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
       scores(b.q.data(), kt, n16, D, scale, b.s.data());
       float inv[kRows];
       for (int64_t r = 0; r < kRows; ++r) inv[r] = softmax_row(&b.s[r * n16], n, n16);
-      for (int64_t c0 = 0; c0 < d16; c0 += 4 * kLanes) {
+      for (int64_t c0 = 0; c0 < d16; c0 += kValueVectors * kLanes) {
         float* o = &b.o[c0];
-        switch (std::min<int64_t>(4, (d16 - c0) / kLanes)) {
+        switch (std::min<int64_t>(kValueVectors, (d16 - c0) / kLanes)) {
           case 4: weigh<4>(b.s.data(), n16, n, vv + c0, d16, inv, o); break;
           case 3: weigh<3>(b.s.data(), n16, n, vv + c0, d16, inv, o); break;
           case 2: weigh<2>(b.s.data(), n16, n, vv + c0, d16, inv, o); break;
