@@ -42,11 +42,9 @@ constexpr int64_t kLanes = 16;
 // waiting on their latency).
 constexpr int64_t kRows = 8;
 constexpr int kValueVectors = 2;
-constexpr bool kVector = true;  // the copies in and out go 16 values at a time
 #else
 constexpr int64_t kRows = 4;
 constexpr int kValueVectors = 4;
-constexpr bool kVector = false;
 #endif
 
 inline v16f load16(const float* p) {
@@ -171,23 +169,11 @@ inline void weigh(const float* p, int64_t n16, int64_t n, const float* v, int64_
 }
 
 #if defined(__AVX512F__)
-// 16 of a row's values as float32 (bfloat16 widened: its bits are float32's upper half).
+// 16 of a row's values as float32, and 16 results stored in the output's dtype.
 inline __m512 row16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 row16(const uint16_t* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-// 16 results stored in the output's dtype: aiolm_bf16::narrow's rounding on 16 lanes.
+inline __m512 row16(const uint16_t* p) { return aiolm_bf16::widen16(p); }
 inline void put16(const float* src, float* dst) { _mm512_storeu_ps(dst, _mm512_loadu_ps(src)); }
-inline void put16(const float* src, uint16_t* dst) {
-  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
+inline void put16(const float* src, uint16_t* dst) { aiolm_bf16::narrow16(_mm512_loadu_ps(src), dst); }
 #endif
 
 struct Buffers {
@@ -209,7 +195,11 @@ void attend(const T* q, int64_t qs0, int64_t qs1, const T* k, int64_t ks0, int64
   b.o.resize(kRows * d16);
   // With AVX-512 and whole vectors of D, 16 keys at a time transposed in registers: one key
   // value at a time, these copies took as long as the item's arithmetic at a sentence's length.
-  const bool whole = kVector && D % kLanes == 0;
+#if defined(__AVX512F__)
+  const bool whole = D % kLanes == 0;
+#else
+  const bool whole = false;
+#endif
   if (whole) {
 #if defined(__AVX512F__)
     for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
