@@ -47,6 +47,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <tuple>
@@ -58,6 +59,7 @@
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 
 namespace {
 
@@ -225,9 +227,11 @@ struct TeamLinear {
     qtype = qtype_, n = n_, int8 = int8_;
     groups = qs.size(0);
     k = aiolm_gguf::check_blocks("aiolm::decode_layers", x_in, qs, scale, mins, qtype, n) * aiolm_gguf::QK;
-    x = x_in.reshape({-1, k}).contiguous();
+    x = x_in.dim() == 2 && x_in.is_contiguous() ? x_in : x_in.reshape({-1, k}).contiguous();
     m = x.size(0);
-    y = at::empty({m, n}, x.options());
+    // The slot's y of the layer before, if it has this shape: nothing reads it once this
+    // layer's slot runs (the next layer's input is read by its QKV before its down runs).
+    if (!(y.defined() && y.size(0) == m && y.size(1) == n)) y = at::empty({m, n}, x.options());
     const float* xp = x.data_ptr<float>();
     if (int8) {
       isa = aiolm_gguf_int8::pick_isa(-1);
@@ -260,6 +264,134 @@ struct TeamLinear {
   }
 };
 
+// The row-wise steps between a team's linears (decode_team), on thread 0: the arithmetic of
+// the ops decode_layer calls for them (row_ops.h: the same functions), on a decode step's few
+// raw rows, without the ops' dispatch, their tensors and views, which cost more than the
+// arithmetic. The buffers they fill are made once a step.
+struct TeamRows {
+  at::Tensor qkv, q, attn, attn_rows, act;  // q: qkv's queries [t, H, D]; attn_rows: attn as [t, H * D]
+
+  // x's rows as the layer's input norm leaves them (input_norm): residual += x and x normed
+  // from it, in place; at layer 0 (no residual yet) x becomes the stream and its norm a new
+  // tensor.
+  static at::Tensor input_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+    const int64_t t = x.size(0), n = x.size(1);
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+                "aiolm::decode_layers: x must be float32 [tokens, hidden] with dense rows");
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == n,
+                "aiolm::decode_layers: a norm's weights must be float32, one per feature of the rows (", n,
+                "), not ", w.numel());
+    const float* wp = w.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    if (!residual.defined()) {
+      residual = x;
+      at::Tensor h = at::empty({t, n}, x.options());
+      for (int64_t r = 0; r < t; ++r) aiolm_rows::norm_row(x.data_ptr<float>() + r * x.stride(0), h.data_ptr<float>() + r * n, wp, n, e);
+      return h;
+    }
+    TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.sizes() == x.sizes() && residual.stride(1) == 1,
+                "aiolm::decode_layers: the residual must be float32 like x, with dense rows");
+    for (int64_t r = 0; r < t; ++r)
+      aiolm_rows::add_norm_row(x.data_ptr<float>() + r * x.stride(0), residual.data_ptr<float>() + r * residual.stride(0),
+                               wp, n, e);
+    return x;
+  }
+
+  // rope_and_cache on raw rows: QKV's parts side by side in qkv, then the bias, Qwen3's
+  // per-head norms, rotary and k and v into the cache, in that order. Returns q [t, H, D], a
+  // view of qkv.
+  const at::Tensor& rope_and_cache(const std::vector<const at::Tensor*>& parts, at::TensorList w,
+                                   at::IntArrayRef ints, double eps, const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+    const int64_t t = parts[0]->size(0), H = ints[HEADS], Hk = ints[KV_HEADS], D = ints[HEAD_DIM];
+    const int64_t Q = H * D, K = Hk * D, W = Q + 2 * K, half = D / 2;
+    int64_t cols = 0;
+    for (const at::Tensor* p : parts) cols += p->size(1);
+    TORCH_CHECK(cols == W, "aiolm::decode_layers: QKV gives ", cols, " columns for ", H, " + 2 x ", Hk, " heads of ", D);
+    if (!(q.defined() && qkv.size(0) == t && qkv.size(1) == W && q.size(1) == H)) {
+      qkv = at::empty({t, W}, parts[0]->options());
+      q = qkv.narrow(1, 0, Q).view({t, H, D});
+      attn = at::empty({t, H, D}, qkv.options());
+      attn_rows = attn.view({t, Q});
+    }
+    float* base = qkv.data_ptr<float>();
+    for (int64_t r = 0, c = 0; r < t; ++r, c = 0)
+      for (const at::Tensor* p : parts) {
+        std::memcpy(base + r * W + c, p->data_ptr<float>() + r * p->size(1), p->size(1) * sizeof(float));
+        c += p->size(1);
+      }
+    if (w[BIAS].numel() > 0) {
+      TORCH_CHECK(w[BIAS].scalar_type() == at::kFloat && w[BIAS].is_contiguous() && w[BIAS].numel() == W,
+                  "aiolm::decode_layers: the QKV bias must be float32 [", W, "]");
+      const float* b = w[BIAS].data_ptr<float>();
+      for (int64_t r = 0; r < t; ++r) {
+        float* row = base + r * W;
+#pragma omp simd
+        for (int64_t i = 0; i < W; ++i) row[i] = row[i] + b[i];
+      }
+    }
+    if (w[Q_NORM].numel() > 0) {  // per-head RMSNorm of q and k (Qwen3)
+      for (const at::Tensor* nw : {&w[Q_NORM], &w[K_NORM]})
+        TORCH_CHECK(nw->scalar_type() == at::kFloat && nw->is_contiguous() && nw->numel() == D,
+                    "aiolm::decode_layers: a q or k norm's weight must be float32 [", D, "]");
+      const float *qn = w[Q_NORM].data_ptr<float>(), *kn = w[K_NORM].data_ptr<float>();
+      const float e = static_cast<float>(eps);
+      for (int64_t r = 0; r < t; ++r) {
+        float* row = base + r * W;
+        for (int64_t h = 0; h < H; ++h) aiolm_rows::norm_row(row + h * D, row + h * D, qn, D, e);
+        for (int64_t h = 0; h < Hk; ++h) aiolm_rows::norm_row(row + Q + h * D, row + Q + h * D, kn, D, e);
+      }
+    }
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == t,
+                "aiolm::decode_layers: positions must be int64 [tokens]");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == D,
+                "aiolm::decode_layers: cos, sin must be float32 [positions, head_dim]");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t r = 0; r < t; ++r) {
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "aiolm::decode_layers: position ", pos[r], " outside [0, ",
+                  cos.size(0), ")");
+      const float *c = cos.data_ptr<float>() + pos[r] * D, *sn = sin.data_ptr<float>() + pos[r] * D;
+      float* row = base + r * W;
+      for (int64_t h = 0; h < H + Hk; ++h) aiolm_rows::rotate(row + h * D, c, sn, half);
+    }
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && kv_cache.size(3) == Hk &&
+                    kv_cache.size(4) == D &&
+                    (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf),
+                "aiolm::decode_layers: a float32 or float16 cache [2, blocks, block_size, ", Hk, ", ", D,
+                "] expected");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
+                "aiolm::decode_layers: slot_mapping must be int64 [tokens]");
+    const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
+    auto write = [&](auto* cache) {
+      for (int64_t r = 0; r < t; ++r) {
+        TORCH_CHECK(slot[r] < slots, "aiolm::decode_layers: slot ", slot[r], " is past the cache's ", slots, " slots");
+        if (slot[r] < 0) continue;  // a padding row
+        aiolm_rows::write_row(cache + slot[r] * K, base + r * W + Q, K);
+        aiolm_rows::write_row(cache + (slots + slot[r]) * K, base + r * W + Q + K, K);
+      }
+    };
+    if (kv_cache.scalar_type() == at::kHalf) {
+      write(kv_cache.data_ptr<at::Half>());
+    } else {
+      write(kv_cache.data_ptr<float>());
+    }
+    return q;
+  }
+
+  // silu(gate) * up of each row of gate_up [t, 2I], into act [t, I].
+  const at::Tensor& silu(const at::Tensor& gate_up) {
+    const int64_t t = gate_up.size(0), I = gate_up.size(1) / 2;
+    if (!(act.defined() && act.size(0) == t && act.size(1) == I)) act = at::empty({t, I}, gate_up.options());
+    for (int64_t r = 0; r < t; ++r) {
+      const float* g = gate_up.data_ptr<float>() + r * 2 * I;
+      aiolm_rows::silu_mul_row(g, g + I, act.data_ptr<float>() + r * I, I);
+    }
+    return act;
+  }
+};
+
 // The step's end (decode_sample): the model's final norm weight, its LM head's blocks, and
 // how they run: the head's block type and rows (n, the vocabulary maybe padded), the
 // vocabulary the draw reads, and whether x goes in as int8; then each row's uniform number
@@ -289,9 +421,9 @@ bool team_fits(const at::Tensor& x, at::IntArrayRef ints, size_t n) {
 // whole step: where a layer's kernels each forked and joined the threads (about a dozen
 // times a layer, each a wake-up and a wait), a step now waits at barriers between its phases.
 // The linears and the attention run on every thread (TeamLinear, aiolm_attention::share);
-// the small row-wise ops between them run on thread 0 through the same ops as decode_layer,
-// in the same order, while the others wait at the next barrier. So the bits are
-// decode_layer's. An exception on any thread ends the work of every thread (each still meets
+// the small row-wise steps between them run on thread 0 with the functions of the ops that
+// decode_layer calls (TeamRows), in the same order, while the others wait at the next
+// barrier. So the bits are decode_layer's. An exception on any thread ends the work of every thread (each still meets
 // every barrier) and is raised after the region. With a head, the team ends the step too and
 // puts each row's token in `tokens`.
 std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
@@ -302,12 +434,12 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
                                                const at::Tensor& cos, const at::Tensor& sin, at::TensorList w,
                                                at::IntArrayRef ints, at::ArrayRef<double> floats,
                                                const Head* head = nullptr, at::Tensor* tokens = nullptr) {
-  const Ops& o = ops();
   const size_t n = kv_caches.size();
   const int64_t t = x.size(0);
   TeamLinear qkv_parts[QKV_PARTS], out, gate_up, down, logits;
+  TeamRows rows;
   int parts = 0;
-  at::Tensor h = x, residual = residual_in.has_value() ? *residual_in : at::Tensor(), q, attn;
+  at::Tensor h = x, residual = residual_in.has_value() ? *residual_in : at::Tensor();
   std::atomic<int64_t> next{0};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
@@ -336,7 +468,7 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
       const bool int8 = li[INT8] != 0;
       phase(false, [&] {  // the input norm; QKV's inputs
         if (l > 0) h = down.y;
-        h = input_norm(o, h, residual, lw[0], eps);
+        h = TeamRows::input_norm(h, residual, lw[0], eps);
         parts = 0;
         for (int p = QKV; p < QKV + QKV_PARTS && (p == QKV || li[2 * p + 1] > 0); ++p)
           qkv_parts[parts++].prepare(h, lw, li, p, int8);
@@ -345,31 +477,29 @@ std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optiona
         for (int p = 0; p < parts; ++p) qkv_parts[p].run(tid, team);
       });
       phase(false, [&] {  // q, k and v: bias, norms, rotary, the cache
-        std::vector<at::Tensor> ys;
-        for (int p = 0; p < parts; ++p) ys.push_back(qkv_parts[p].y);
-        at::Tensor cache = kv_caches[l];
-        q = rope_and_cache(o, ys, lw, li, eps, positions, cos, sin, cache, slot_mapping);
-        attn = at::empty(q.sizes(), q.options());
+        std::vector<const at::Tensor*> ys;
+        for (int p = 0; p < parts; ++p) ys.push_back(&qkv_parts[p].y);
+        rows.rope_and_cache(ys, lw, li, eps, positions, cos, sin, kv_caches[l], slot_mapping);
         next = 0;
       });
       phase(true, [&] {
-        aiolm_attention::share(attn, q, k_pages[l], v_pages[l], block_table, query_start_loc, seq_lens,
+        aiolm_attention::share(rows.attn, rows.q, k_pages[l], v_pages[l], block_table, query_start_loc, seq_lens,
                                floats[3 * l + 1], li[WINDOW], floats[3 * l + 2], next, team);
       });
-      phase(false, [&] { out.prepare(attn.view({t, attn.size(1) * attn.size(2)}), lw, li, O, int8); });
+      phase(false, [&] { out.prepare(rows.attn_rows, lw, li, O, int8); });
       phase(true, [&] { out.run(tid, team); });
       phase(false, [&] {
-        o.add_rms_norm.call(out.y, residual, lw[1], eps);
+        TeamRows::input_norm(out.y, residual, lw[1], eps);
         gate_up.prepare(out.y, lw, li, GATE_UP, int8);
       });
       phase(true, [&] { gate_up.run(tid, team); });
-      phase(false, [&] { down.prepare(o.silu_and_mul.call(gate_up.y), lw, li, DOWN, int8); });
+      phase(false, [&] { down.prepare(rows.silu(gate_up.y), lw, li, DOWN, int8); });
       phase(true, [&] { down.run(tid, team); });
     }
     if (head != nullptr) {
       phase(false, [&] {  // the final norm, as the model's forward ends; the head's input
         h = down.y;
-        h = input_norm(o, h, residual, head->norm, head->eps);
+        h = TeamRows::input_norm(h, residual, head->norm, head->eps);
         logits.prepare(h, head->qs, head->scale, head->mins, head->qtype, head->n, head->int8);
         *tokens = at::empty({t}, x.options().dtype(at::kLong));
       });

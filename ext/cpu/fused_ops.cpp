@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "bf16.h"
-#include "vec.h"
+#include "row_ops.h"
 
 namespace {
 
@@ -34,14 +34,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
 
-inline void norm_row(const float* in, float* out, const float* w, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += in[i] * in[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * inv);
-}
+using aiolm_rows::norm_row;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, "x");
@@ -93,11 +86,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
   float* xp = x.data_ptr<float>();
   at::parallel_for(0, x.size(0), grain_for(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      float* xr = xp + r * xs;
-      float* rr = rp + r * rs;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
-      norm_row(rr, xr, wp, n, static_cast<float>(eps));
+      aiolm_rows::add_norm_row(xp + r * xs, rp + r * rs, wp, n, static_cast<float>(eps));
     }
   });
 }
@@ -155,14 +144,7 @@ at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const
   return out;
 }
 
-void rotate(float* x, const float* c, const float* s, int64_t half) {
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    x[i] = a * c[i] - b * s[i];
-    x[i + half] = b * c[i + half] + a * s[i + half];
-  }
-}
+using aiolm_rows::rotate;
 
 void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
              const at::Tensor& sin) {
@@ -195,28 +177,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
   });
 }
 
-// silu(g) * u over n floats, sixteen or eight at a time (the same bits either way).
-inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 one16 = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 e = aiolm_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one16, e)), _mm512_loadu_ps(u + i)));
-  }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = aiolm_vec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-  }
-#endif
-  for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
+using aiolm_rows::silu_mul_row;
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,

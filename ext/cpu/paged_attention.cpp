@@ -29,6 +29,7 @@
 
 #include "cpu_vendor.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 #include "vec.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -912,23 +913,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 // [2, blocks, block_size, kv_heads, head_dim] of float32 or float16 (rounded to nearest
 // even, as Tensor.to does). One call for both, where index_copy_ took two dispatches each.
 // A negative slot is a padding row: nothing is written for it.
-template <typename KV>
-void write_rows(KV* dst, const float* src, int64_t n) {
-  if constexpr (std::is_same_v<KV, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    int64_t i = 0;
-#if defined(__F16C__)
-    // Eight at a time, rounded to nearest even as c10::Half rounds one at a time: the same
-    // bits, where the scalar conversion took 2% of a prompt step.
-    for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-    for (; i < n; ++i) dst[i] = static_cast<KV>(src[i]);
-  }
-}
-
 void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "aiolm::write_kv_: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
@@ -955,8 +939,8 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, c
     at::parallel_for(0, n, 256, [&](int64_t t0, int64_t t1) {  // a prompt's tokens on every thread
       for (int64_t t = t0; t < t1; ++t) {
         if (sl[t] < 0) continue;
-        write_rows(cache + sl[t] * row, kp + t * k.stride(0), row);
-        write_rows(vcache + sl[t] * row, vp + t * v.stride(0), row);
+        aiolm_rows::write_row(cache + sl[t] * row, kp + t * k.stride(0), row);
+        aiolm_rows::write_row(vcache + sl[t] * row, vp + t * v.stride(0), row);
       }
     });
   };
