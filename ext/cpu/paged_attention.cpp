@@ -343,7 +343,7 @@ inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b,
   asm volatile("" : : "r"(sum));  // keeps the loads: nothing else reads their sum
 }
 
-// One query row, the query heads of kv heads [kh0, kh1): softmax(q K^T * scale) V over keys
+// One query row, query heads [h0, h1) (whole kv heads or not): softmax(q K^T * scale) V over keys
 // [key0, n_keys), reading the pages listed in the block table. Every head is done page by
 // page so that a page (its kv heads of block_size tokens) comes from memory once and is then
 // reused from cache by every query head. A head's arithmetic does not depend on the range,
@@ -351,21 +351,23 @@ inline void prefetch_next_page(const Shapes& s, const int64_t* table, int64_t b,
 // window: the row's first page is then read from key0's offset.
 template <typename KV>
 void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t key0,
-                int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch, int64_t kh0,
-                int64_t kh1) {
+                int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch, int64_t h0,
+                int64_t h1) {
   const int64_t d = s.head_dim, bs = s.block_size, G = s.group;
   RowState st(s, scratch);
   float *acc = st.acc, *scores = st.scores, *m = st.m, *l = st.l;
   const int64_t n_blocks = (n_keys + bs - 1) / bs;
+  const int64_t kh0 = h0 / G, kh1 = (h1 + G - 1) / G;  // the kv heads of those query heads
   for (int64_t b = key0 / bs; b < n_blocks; ++b) {
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
     const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
     prefetch_next_page(s, table, b, n_keys, kc, vc, kh0, kh1);
     for (int64_t kh = kh0; kh < kh1; ++kh) {
+      const int64_t g0 = std::max(h0 - kh * G, int64_t(0)), g1 = std::min(h1 - kh * G, G);  // its heads here
       const KV* kb = kc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
       const KV* vb = vc + block * s.kv_block_stride + skip * s.kv_row_stride + kh * d;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const int64_t h = kh * G + g;
         const float* qh = q_row + h * s.q_head_stride;
         float* sh = scores + h * bs;
@@ -396,7 +398,7 @@ void attend_row(const Shapes& s, const float* q_row, float* out_row, const int64
       }
     }
   }
-  st.write(s, out_row, kh0 * G, kh1 * G);
+  st.write(s, out_row, h0, h1);
 }
 
 #if defined(__AVX512F__)
@@ -468,13 +470,13 @@ inline void accumulate_heads(float* acc, const float* c, const float* p, int64_t
     for (int i = 0; i < NZ; ++i) _mm512_storeu_ps(acc + g * d + 16 * i, a[g][i]);
 }
 
-// One query row (a decode step), the query heads of kv heads [kh0, kh1), head_dim = 16 * NZ:
+// One query row (a decode step), query heads [h0, h1) (whole kv heads or not), head_dim = 16 * NZ:
 // page by page as attend_row does, with the scores of 16 keys reduced together and each V
 // row loaded once for the query heads that share it (up to 12 accumulators in zmm registers).
 template <int NZ, typename KV>
 void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int64_t* table, int64_t key0,
-                  int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch, int64_t kh0,
-                  int64_t kh1) {
+                  int64_t n_keys, const KV* kc, const KV* vc, float scale, std::vector<float>& scratch, int64_t h0,
+                  int64_t h1) {
   constexpr int64_t d = 16 * NZ;
   constexpr int GC = NZ == 4 ? 3 : 1;  // query heads per V pass
   const int64_t bs = s.block_size, G = s.group;
@@ -491,7 +493,8 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
     const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
+    for (int64_t kh = h0 / G; kh * G < h1; ++kh) {
+      const int64_t g0 = std::max(h0 - kh * G, int64_t(0)), g1 = std::min(h1 - kh * G, G);  // its heads here
       // Each kv head asks for its part of the next page before its own pass: a float32 page's
       // K and V at once (24 KB with 3 kv heads of 64) held up the first head's pass.
       prefetch_next_page(s, table, b, n_keys, kc, vc, kh, kh + 1);
@@ -510,30 +513,30 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
 #pragma GCC unroll 8
             for (int i = 0; i < NZ; ++i)
               _mm512_store_ps(keys + t * d + 16 * i, load16(kt + t * s.kv_row_stride + 16 * i));
-          for (int64_t g = 0; g < G; ++g) bmax[g] = std::max(bmax[g], head_scores(kh * G + g, keys, d, n, t0));
+          for (int64_t g = g0; g < g1; ++g) bmax[g] = std::max(bmax[g], head_scores(kh * G + g, keys, d, n, t0));
         } else {
-          for (int64_t g = 0; g < G; ++g)
+          for (int64_t g = g0; g < g1; ++g)
             bmax[g] = std::max(bmax[g], head_scores(kh * G + g, kt, s.kv_row_stride, n, t0));
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const int64_t h = kh * G + g;
         float* sh = scores + h * bs;
         const float hmax = s.softcap > 0.f ? softcap_page(sh, rows, bmax[g], s.softcap) : bmax[g];
         c[h] = softmax_page(sh, rows, hmax, m[h], l[h]);
       }
-      int64_t g = 0;
-      for (; g + GC <= G; g += GC) {
+      int64_t g = g0;
+      for (; g + GC <= g1; g += GC) {
         const int64_t h = kh * G + g;
         accumulate_heads<NZ, GC>(acc + h * d, c + h, scores + h * bs, bs, vb, s.kv_row_stride, rows);
       }
-      for (; g < G; ++g) {
+      for (; g < g1; ++g) {
         const int64_t h = kh * G + g;
         accumulate_heads<NZ, 1>(acc + h * d, c + h, scores + h * bs, bs, vb, s.kv_row_stride, rows);
       }
     }
   }
-  st.write(s, out_row, kh0 * G, kh1 * G);
+  st.write(s, out_row, h0, h1);
 }
 #endif
 
@@ -762,11 +765,13 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
                int64_t team_threads = 0) {
   const int64_t n_items = static_cast<int64_t>(item_req.size());
   const int64_t threads = team ? team_threads : at::get_num_threads();
-  // Fewer items than threads (a step of one or a few decode rows): each item's kv heads are
-  // split into `parts` ranges, so that every thread has some. A prefill tile stays whole (its
-  // part 0 runs it).
+  // Fewer items than threads (a step of one or a few decode rows): each item's query heads are
+  // split into `parts` even ranges, so that every thread has as much. A range may end inside a
+  // kv head's group (9 heads over two threads: 4 and 5, where whole kv heads gave 3 and 6):
+  // both ranges then read that kv head's pages. A head's sums do not depend on its range. A
+  // prefill tile stays whole (its part 0 runs it).
   const int64_t parts =
-      n_items > 0 && n_items < threads ? std::min(s.num_kv_heads, (threads + n_items - 1) / n_items) : 1;
+      n_items > 0 && n_items < threads ? std::min(s.num_heads, (threads + n_items - 1) / n_items) : 1;
   const int64_t n_units = n_items * parts;
   // Items differ in cost (a decode row vs. a prefill tile), so threads take them
   // one at a time from a shared counter rather than in fixed, equal ranges.
@@ -781,7 +786,7 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
                                         R * (2 * s.head_dim + s.block_size + 3) + s.head_dim * s.block_size));
     for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
       const int64_t w = u / parts, part = u % parts;
-      const int64_t kh0 = part * s.num_kv_heads / parts, kh1 = (part + 1) * s.num_kv_heads / parts;
+      const int64_t h0 = part * s.num_heads / parts, h1 = (part + 1) * s.num_heads / parts;  // query heads
       const int64_t r = item_req[w];
       const int64_t n = qsl[r + 1] - qsl[r];
       const int64_t ctx = slen[r] - n;
@@ -807,15 +812,15 @@ void run_items(const Shapes& s, const std::vector<int64_t>& item_req, const std:
         const int64_t key0 = window_start(ctx + i, s.window);
 #if defined(__AVX512F__)
         if (s.head_dim == 64) {
-          attend_row_z<4>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
+          attend_row_z<4>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, h0, h1);
           continue;
         }
         if (s.head_dim == 128) {
-          attend_row_z<8>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
+          attend_row_z<8>(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, h0, h1);
           continue;
         }
 #endif
-        attend_row(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, kh0, kh1);
+        attend_row(s, qr, orow, tr, key0, ctx + i + 1, kc, vc, fscale, scratch, h0, h1);
       }
     }
   };
