@@ -283,17 +283,19 @@ struct TeamRows {
                 "), not ", w.numel());
     const float* wp = w.data_ptr<float>();
     const float e = static_cast<float>(eps);
+    float* xp = x.data_ptr<float>();
     if (!residual.defined()) {
       residual = x;
       at::Tensor h = at::empty({t, n}, x.options());
-      for (int64_t r = 0; r < t; ++r) aiolm_rows::norm_row(x.data_ptr<float>() + r * x.stride(0), h.data_ptr<float>() + r * n, wp, n, e);
+      float* hp = h.data_ptr<float>();
+      for (int64_t r = 0; r < t; ++r) aiolm_rows::norm_row(xp + r * x.stride(0), hp + r * n, wp, n, e);
       return h;
     }
     TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.sizes() == x.sizes() && residual.stride(1) == 1,
                 "aiolm::decode_layers: the residual must be float32 like x, with dense rows");
+    float* rp = residual.data_ptr<float>();
     for (int64_t r = 0; r < t; ++r)
-      aiolm_rows::add_norm_row(x.data_ptr<float>() + r * x.stride(0), residual.data_ptr<float>() + r * residual.stride(0),
-                               wp, n, e);
+      aiolm_rows::add_norm_row(xp + r * x.stride(0), rp + r * residual.stride(0), wp, n, e);
     return x;
   }
 
@@ -307,7 +309,8 @@ struct TeamRows {
     const int64_t Q = H * D, K = Hk * D, W = Q + 2 * K, half = D / 2;
     int64_t cols = 0;
     for (const at::Tensor* p : parts) cols += p->size(1);
-    TORCH_CHECK(cols == W, "aiolm::decode_layers: QKV gives ", cols, " columns for ", H, " + 2 x ", Hk, " heads of ", D);
+    TORCH_CHECK(cols == W, "aiolm::decode_layers: QKV gives ", cols, " columns for ", H, " + 2 x ", Hk, " heads of ",
+                D);
     if (!(q.defined() && qkv.size(0) == t && qkv.size(1) == W && q.size(1) == H)) {
       qkv = at::empty({t, W}, parts[0]->options());
       q = qkv.narrow(1, 0, Q).view({t, H, D});
@@ -367,9 +370,7 @@ struct TeamRows {
     auto write = [&](auto* cache) {
       for (int64_t r = 0; r < t; ++r) {
         TORCH_CHECK(slot[r] < slots, "aiolm::decode_layers: slot ", slot[r], " is past the cache's ", slots, " slots");
-        if (slot[r] < 0) continue;  // a padding row
-        aiolm_rows::write_row(cache + slot[r] * K, base + r * W + Q, K);
-        aiolm_rows::write_row(cache + (slots + slot[r]) * K, base + r * W + Q + K, K);
+        aiolm_rows::write_slot(cache, slots, K, slot[r], base + r * W + Q, base + r * W + Q + K);
       }
     };
     if (kv_cache.scalar_type() == at::kHalf) {
@@ -423,9 +424,9 @@ bool team_fits(const at::Tensor& x, at::IntArrayRef ints, size_t n) {
 // The linears and the attention run on every thread (TeamLinear, aiolm_attention::share);
 // the small row-wise steps between them run on thread 0 with the functions of the ops that
 // decode_layer calls (TeamRows), in the same order, while the others wait at the next
-// barrier. So the bits are decode_layer's. An exception on any thread ends the work of every thread (each still meets
-// every barrier) and is raised after the region. With a head, the team ends the step too and
-// puts each row's token in `tokens`.
+// barrier. So the bits are decode_layer's. An exception on any thread ends the work of every
+// thread (each still meets every barrier) and is raised after the region. With a head, the
+// team ends the step too and puts each row's token in `tokens`.
 std::tuple<at::Tensor, at::Tensor> decode_team(at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
                                                const at::Tensor& positions, at::TensorList kv_caches,
                                                at::TensorList k_pages, at::TensorList v_pages,

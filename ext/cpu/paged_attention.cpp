@@ -493,7 +493,7 @@ void attend_row_z(const Shapes& s, const float* q_row, float* out_row, const int
     const int64_t block = table[b];
     const int64_t skip = std::max<int64_t>(0, key0 - b * bs);  // keys of this page before the window
     const int64_t rows = std::min(bs, n_keys - b * bs) - skip;
-    for (int64_t kh = h0 / G; kh * G < h1; ++kh) {
+    for (int64_t kh = h0 / G; kh < (h1 + G - 1) / G; ++kh) {  // the kv heads of those query heads
       const int64_t g0 = std::max(h0 - kh * G, int64_t(0)), g1 = std::min(h1 - kh * G, G);  // its heads here
       // Each kv head asks for its part of the next page before its own pass: a float32 page's
       // K and V at once (24 KB with 3 kv heads of 64) held up the first head's pass.
@@ -938,15 +938,11 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, c
     TORCH_CHECK(sl[t] < slots, "aiolm::write_kv_: slot ", sl[t], " is past the cache's ", slots, " slots");
   auto run = [&](auto* cache) {
     using KV = std::remove_pointer_t<decltype(cache)>;
-    KV* vcache = cache + slots * row;
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
     at::parallel_for(0, n, 256, [&](int64_t t0, int64_t t1) {  // a prompt's tokens on every thread
-      for (int64_t t = t0; t < t1; ++t) {
-        if (sl[t] < 0) continue;
-        aiolm_rows::write_row(cache + sl[t] * row, kp + t * k.stride(0), row);
-        aiolm_rows::write_row(vcache + sl[t] * row, vp + t * v.stride(0), row);
-      }
+      for (int64_t t = t0; t < t1; ++t)
+        aiolm_rows::write_slot(cache, slots, row, sl[t], kp + t * k.stride(0), vp + t * v.stride(0));
     });
   };
   if (kv_cache.scalar_type() == at::kHalf) {

@@ -89,4 +89,13 @@ inline void write_row(KV* dst, const float* src, int64_t n) {
   }
 }
 
+// A token's K and V rows (`row` values each) into slot `slot` of a cache laid out as
+// [2, slots, row], K's half first. A negative slot is a padding row: nothing is written.
+template <typename KV>
+inline void write_slot(KV* cache, int64_t slots, int64_t row, int64_t slot, const float* k, const float* v) {
+  if (slot < 0) return;
+  write_row(cache + slot * row, k, row);
+  write_row(cache + (slots + slot) * row, v, row);
+}
+
 }  // namespace aiolm_rows
