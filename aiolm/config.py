@@ -178,12 +178,12 @@ class EngineArgs:
         "prefix of the Prometheus metric names (<prefix>:num_requests_running, ...); "
         "vllm gives vLLM's names, so its Grafana dashboards work unchanged",
     )
-    async_scheduling: bool = _f(
-        False,
+    async_scheduling: bool | None = _f(
+        None,
         "overlap scheduling: schedule the next step while the workers run this "
-        "one (at most two steps in flight); greedy outputs are the same either "
-        "way. Off by default: where the engine shares its cores with the workers, "
-        "the overlapped work competes with the forward pass (docs/benchmarks.md)",
+        "one (at most two steps in flight); outputs are the same token for token. "
+        "Default: on, except with speculative decoding, pipeline parallelism and "
+        "pooling models, which it cannot serve yet; --no-async-scheduling turns it off",
     )
     log_step_costs: bool = _f(
         False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating"
@@ -421,6 +421,15 @@ class EngineArgs:
             raise ValueError(f"limit_mm_per_prompt: image={n} must be >= 0")
         return n
 
+    def overlap_scheduling(self, pooling: bool) -> bool:
+        """Whether steps overlap (``async_scheduling``): as asked, else wherever it can run.
+        A pooling step samples nothing, so it has no token to overlap on."""
+        if pooling:
+            return False
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.speculative is None and self.pipeline_parallel_size == 1
+
     def spec_config(self) -> SpecConfig | None:
         """The speculative-decoding settings, or None when ``speculative`` is off."""
         if self.speculative is None:
@@ -495,7 +504,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             elif str(f.type) == "list[str] | None":
                 parser.add_argument(flag, nargs="+", default=f.default, help=help_text)

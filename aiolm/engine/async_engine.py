@@ -271,6 +271,7 @@ class AsyncEngine:
     async def _start(self, inputs: asyncio.Future[None] | None) -> None:
         a, mc, pc = self.args, self.source.config, self.pooling_config
         pooling = pc is not None
+        overlap = a.overlap_scheduling(pooling)
         # Prefix hits skip computing the prompt's first tokens: only last-token pooling of a
         # decoder can use them (an encoder's every state depends on the whole prompt).
         prefix_caching = a.enable_prefix_caching and (pc is None or (not mc.encoder_only and pc.pooling_type == "last"))
@@ -296,7 +297,7 @@ class AsyncEngine:
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_batched_tokens=a.max_num_batched_tokens,
             structured_outputs=a.structured_outputs_backend != "none",
-            async_scheduling=a.async_scheduling and not pooling,
+            async_scheduling=overlap,
             enable_expert_parallel=a.enable_expert_parallel,
             runner=self.runner,
             max_loras=a.max_loras if a.enable_lora else 0,
@@ -328,7 +329,7 @@ class AsyncEngine:
                 policy=cast(Literal["fcfs", "priority"], a.scheduling_policy),
                 enable_prefix_caching=prefix_caching,
                 speculative=None if pooling else a.spec_config(),
-                async_scheduling=a.async_scheduling and not pooling,
+                async_scheduling=overlap,
                 pipeline_depth=a.pipeline_parallel_size,
                 chunked_prefill=not mc.encoder_only,
                 max_loras=a.max_loras if a.enable_lora else 0,
@@ -354,7 +355,7 @@ class AsyncEngine:
             log_steps=a.log_step_costs,
             supervisor=self.supervisor,
             metrics=self.metrics,
-            overlap=a.async_scheduling and not pooling,
+            overlap=overlap,
             pipeline_depth=a.pipeline_parallel_size,
         )
         self.metrics.configure(self.model_name, self.max_model_len)

@@ -1,7 +1,8 @@
 """Overlap (async) scheduling end to end: the real model through real worker processes.
 
 Two engines with the same small configuration serve the module, one scheduling
-serially and one with overlap (two steps in flight). A 16 MiB KV cache and a
+serially (``async_scheduling=False``) and one with overlap (two steps in flight),
+which is the default. A 16 MiB KV cache and a
 64-token step budget make the mixed workload hit chunked prefill, prefix-cache
 hits and preemption; greedy outputs must match token for token, including stop
 strings, n > 1, min_tokens, logprobs and a grammar. Aborts mid-flight and a worker
@@ -20,6 +21,7 @@ import pytest
 from engine_harness import ENGINE_ARGS, LoopThread
 
 from aiolm import AsyncEngine, RequestOutput, SamplingParams
+from aiolm.config import EngineArgs
 from aiolm.structured.spec import StructuredOutputs
 
 pytestmark = pytest.mark.slow
@@ -44,7 +46,7 @@ def loop_thread():
 
 
 def _start(loop_thread: LoopThread, overlap: bool) -> AsyncEngine:
-    eng = AsyncEngine(**SMALL, async_scheduling=overlap)
+    eng = AsyncEngine(**SMALL) if overlap else AsyncEngine(**SMALL, async_scheduling=False)
     loop_thread.run(eng.start(), timeout=600)
     preempted = [0]
     real = eng.scheduler._preempt
@@ -121,6 +123,18 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> None:
     while not (engine.num_requests() == (0, 0) and engine.kv_cache_usage() == 0.0 and not engine.output.requests):
         assert loop.time() < deadline, f"not idle: {engine.num_requests()}, KV {engine.kv_cache_usage():.3f}"
         await asyncio.sleep(0.02)
+
+
+def test_overlap_is_the_default_wherever_it_can_run(engines):
+    assert engines[True].core.depth == 2 and engines[True].scheduler.config.async_scheduling
+    assert engines[False].core.depth == 1 and not engines[False].scheduler.config.async_scheduling
+    assert EngineArgs().overlap_scheduling(pooling=False)
+    # what it cannot serve yet turns it off by default, and refuses it when asked for
+    assert not EngineArgs().overlap_scheduling(pooling=True)
+    assert not EngineArgs(speculative="ngram").overlap_scheduling(pooling=False)
+    assert not EngineArgs(pipeline_parallel_size=2).overlap_scheduling(pooling=False)
+    with pytest.raises(ValueError, match="speculative"):
+        EngineArgs(speculative="ngram", async_scheduling=True)
 
 
 def test_greedy_outputs_match_serial_scheduling(engines, loop_thread):
