@@ -181,9 +181,10 @@ class EngineArgs:
     async_scheduling: bool | None = _f(
         None,
         "overlap scheduling: schedule the next step while the workers run this "
-        "one (at most two steps in flight); outputs are the same token for token. "
-        "Default: on, except with speculative decoding, pipeline parallelism and "
-        "pooling models, which it cannot serve yet; --no-async-scheduling turns it off",
+        "one (at most two steps in flight); greedy and seeded outputs are the same "
+        "token for token. Default: on, except with speculative decoding, pipeline "
+        "parallelism, pooling models and a prefill instance's KV producer; "
+        "--no-async-scheduling turns it off",
     )
     log_step_costs: bool = _f(
         False, "log per step the time spent scheduling, executing (IPC + forward + sampling) and updating"
@@ -423,11 +424,17 @@ class EngineArgs:
 
     def overlap_scheduling(self, pooling: bool) -> bool:
         """Whether steps overlap (``async_scheduling``): as asked, else wherever it can run.
-        A pooling step samples nothing, so it has no token to overlap on."""
+        A pooling step samples nothing, so it has no token to overlap on. A prefill instance
+        (a TcpConnector producer) runs prompt-sized steps that overlap gains nothing on, and
+        would start serving a finished prompt's blocks only after the step in flight, while
+        its consumer already asks for them."""
         if pooling:
             return False
         if self.async_scheduling is not None:
             return self.async_scheduling
+        kv = self.kv_transfer()
+        if kv is not None and kv.kv_connector == "TcpConnector" and kv.produces:
+            return False
         return self.speculative is None and self.pipeline_parallel_size == 1
 
     def spec_config(self) -> SpecConfig | None:

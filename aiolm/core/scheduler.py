@@ -994,6 +994,10 @@ class Scheduler:
         overlap = self.config.async_scheduling or self.config.pipeline_depth > 1
         appended = self.config.async_scheduling  # the workers appended their token themselves
         worker_tokens = self._worker_num_tokens
+        # Under overlap a block's last token was a placeholder when the step that computes its
+        # KV was scheduled (_advance), so the block is hashed only now, when that token lands.
+        kv = self.kv_cache_manager
+        late_hashes = overlap and kv.block_hasher is not None
         any_finished = False
         for req_id, plp in model_runner_output.prompt_logprobs.items():
             req = requests.get(req_id)
@@ -1021,6 +1025,7 @@ class Scheduler:
                     worker_tokens[req_id] += len(tokens)  # the workers appended it themselves
             new_tokens = tokens
             status = None
+            hashed = len(req.block_hashes)
             for k, tok in enumerate(tokens):
                 req.append_output_token_ids(tok)
                 # Cheap "could it stop?" filter; _check_stop decides.
@@ -1033,6 +1038,8 @@ class Scheduler:
                     if status is not None:
                         new_tokens = tokens[: k + 1]
                         break
+            if late_hashes and len(req.block_hashes) > hashed:
+                kv.cache_blocks(req, req.num_computed_tokens)  # before _finish frees them
             lp = logprobs.get(req_id) if logprobs else None
             if lp is not None and len(new_tokens) < len(tokens):
                 lp = lp.slice(0, len(new_tokens))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -230,6 +231,25 @@ def test_max_tokens_reached_by_placeholders_is_not_scheduled_again():
     (o2,) = sched.update_from_output(so2, ModelRunnerOutput(["r"], [[8]]))
     assert (o1.new_token_ids, o1.finish_reason) == ([7], None)
     assert (o2.new_token_ids, o2.finish_reason) == ([8], "length")
+
+
+@pytest.mark.parametrize("max_tokens", [5, 8, 9, 13])
+def test_a_finished_output_leaves_as_many_blocks_in_the_prefix_cache_as_serial(max_tokens):
+    """The block that an output's last known token fills is published under overlap too,
+    where that token was still a placeholder when the step computing its KV was scheduled:
+    the next turn of a chat (the prompt plus the answer) hits as many cached tokens."""
+    cached = {}
+    for overlap in (False, True):
+        sched = make_scheduler(async_scheduling=overlap)
+        first = make_request("a", [3, 4, 5], max_tokens=max_tokens, ignore_eos=True)
+        out = run_program(sched, overlap, {0: [first]}, {})
+        turn = make_request("b", first.all_token_ids + [6], max_tokens=1, ignore_eos=True)
+        run_program(sched, overlap, {0: [turn]}, {})
+        cached[overlap] = turn.num_cached_tokens
+        assert out["a"][0] == first.output_token_ids and len(first.output_token_ids) == max_tokens
+    # KV exists for the prompt and every output token but the last (sampled, never computed)
+    assert cached[False] == (3 + max_tokens - 1) // 4 * 4
+    assert cached[True] == cached[False]
 
 
 def test_preempted_while_in_flight_keeps_its_token():

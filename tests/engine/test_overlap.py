@@ -133,6 +133,10 @@ def test_overlap_is_the_default_wherever_it_can_run(engines):
     assert not EngineArgs().overlap_scheduling(pooling=True)
     assert not EngineArgs(speculative="ngram").overlap_scheduling(pooling=False)
     assert not EngineArgs(pipeline_parallel_size=2).overlap_scheduling(pooling=False)
+    producer = '{"kv_connector": "TcpConnector", "kv_role": "kv_producer"}'
+    consumer = '{"kv_connector": "TcpConnector", "kv_role": "kv_consumer"}'
+    assert not EngineArgs(kv_transfer_config=producer).overlap_scheduling(pooling=False)
+    assert EngineArgs(kv_transfer_config=consumer).overlap_scheduling(pooling=False)
     with pytest.raises(ValueError, match="speculative"):
         EngineArgs(speculative="ngram", async_scheduling=True)
 

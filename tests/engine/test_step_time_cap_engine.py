@@ -50,8 +50,14 @@ def test_a_prompt_beside_decoding_streams_is_capped_and_answers_do_not_change():
         schedule = sched.schedule
 
         def recording():
-            # who decodes going into this step (prompt done), and what the step scheduled
-            decoding = {r.req_id for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens}
+            # who decodes going into this step (prompt done, and a token still to schedule: under
+            # overlap a stream whose last token is in flight has none), and what the step scheduled
+            decoding = {
+                r.req_id
+                for r in sched.running
+                if r.num_computed_tokens >= r.num_prompt_tokens
+                and len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens
+            }
             so = schedule()
             steps.append((dict(so.num_scheduled_tokens), decoding))
             return so
