@@ -5,7 +5,8 @@
 
 Workloads (greedy, ignore_eos, seeded token-id prompts):
   offline  64 requests (--num-requests), prompts 64-256, outputs 32-128, all submitted at once
-  single   1 request, 128-token prompt, 128 output tokens (single-stream decode)
+  single   1 request, 128-token prompt, 128 output tokens (single-stream decode);
+           --single-prompt-len N for a long prompt (a chat's history, a retrieved document)
   serve    each engine's OpenAI server on 127.0.0.1, 64 streamed requests from 16
            concurrent clients (`aiolm bench serve --max-concurrency 16`)
 
@@ -155,8 +156,10 @@ def _aiolm_env(label: str) -> dict[str, str]:
 
 
 def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[str, Any]]:
+    plen = a.single_prompt_len
+    context = ["--max-model-len", str(plen + 128)] if plen + 128 > 2048 else []
     work = (
-        ["latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128"]
+        ["latency", "--batch-size", "1", "--input-len", str(plen), "--output-len", "128", *context]
         if single
         else ["throughput", "--num-requests", str(a.num_requests)]
     )
@@ -166,7 +169,7 @@ def offline_rows(a: argparse.Namespace, single: bool, m: Models) -> list[dict[st
         (label, _aiolm_bench([*work, *one, *_aiolm_row(label, model), "--json"]))
         for label, model in m.aiolm_model.items()
     ]
-    flag = ["--single"] if single else []
+    flag = ["--single", "--prompt-len", str(plen)] if single else []
     n = ["--num-requests", str(a.num_requests)]
     tf_dtype = "bfloat16" if has_bf16_units() else "float32"
     tf = [str(PEERS / "transformers/bin/python"), str(HERE / "run_transformers.py"), m.transformers_input]
@@ -593,6 +596,12 @@ def main() -> None:
     ap.add_argument("--serve-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument(
+        "--single-prompt-len",
+        type=int,
+        default=128,
+        help="the single stream's prompt tokens (default 128); its output is 128 tokens",
+    )
+    ap.add_argument(
         "--model",
         help="a benchmarks/make_model.py output folder, a Hugging Face folder or a .gguf "
         "file (default: the embedded SmolLM2-135M-Instruct)",
@@ -666,12 +675,14 @@ def main() -> None:
             )
         elif w == "single":
             rows = offline_rows(a, True, m)
+            plen = a.single_prompt_len
             tables.append(
                 offline_table(
                     rows,
-                    "Single stream: 128-token prompt, 128 output tokens (end to end, prefill included)",
+                    f"Single stream: {plen}-token prompt, 128 output tokens (end to end, prefill included)",
                     a.repeats,
-                    decode_bound,
+                    # the bound counts a token's weight reads: a long prompt's prefill and KV are outside it
+                    decode_bound if plen == 128 else None,
                 )
             )
         elif w == "serve":
@@ -685,6 +696,7 @@ def main() -> None:
         f"Measured {started} on {platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or 'x86_64'}), "
         f"`python benchmarks/compare.py --workloads {a.workloads} --repeats {a.repeats}"
         + (f" --num-requests {a.num_requests}" if a.num_requests != 64 else "")
+        + (f" --single-prompt-len {a.single_prompt_len}" if a.single_prompt_len != 128 else "")
         + (f" --model {m.arg}" if m.arg else "")
         + "`."
     )

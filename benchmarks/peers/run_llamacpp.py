@@ -15,12 +15,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="q4_1", help="the GGUF's weight type, as the result's label")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--single", action="store_true")
+    ap.add_argument("--single", action="store_true", help="one prompt of --prompt-len tokens, 128 outputs")
+    ap.add_argument("--prompt-len", type=int, default=128, help="with --single")
     a = ap.parse_args()
     from llama_cpp import Llama
 
-    llm = Llama(model_path=a.gguf, n_ctx=2048, n_threads=2, n_batch=512, verbose=False, seed=0)
-    items = workload(1, (128, 128), (128, 128), seed=1) if a.single else workload(a.num_requests)
+    llm = Llama(model_path=a.gguf, n_ctx=max(2048, a.prompt_len + 128), n_threads=2, n_batch=512, verbose=False, seed=0)
+    items = workload(1, (a.prompt_len, a.prompt_len), (128, 128), seed=1) if a.single else workload(a.num_requests)
 
     def one(prompt: list[int], n: int) -> None:
         llm.reset()

@@ -19,7 +19,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--single", action="store_true", help="one 128-token prompt, 128 outputs")
+    ap.add_argument("--single", action="store_true", help="one prompt of --prompt-len tokens, 128 outputs")
+    ap.add_argument("--prompt-len", type=int, default=128, help="with --single")
     ap.add_argument("--continuous", action="store_true", help="continuous batching instead of static batches")
     a = ap.parse_args()
     import torch
@@ -34,7 +35,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dt
         ).eval()
-    items = workload(1, (128, 128), (128, 128), seed=1) if a.single else workload(a.num_requests)
+    items = workload(1, (a.prompt_len, a.prompt_len), (128, 128), seed=1) if a.single else workload(a.num_requests)
     pad = 0
 
     def run() -> None:
