@@ -33,9 +33,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--decodes", type=int, default=64, help="sequences in a decode step")
     ap.add_argument("--model", default=None, help="a model folder or .gguf file (default: the embedded model)")
+    ap.add_argument(
+        "--prompt-len", type=int, default=None, help="prefill: one prompt this long (default: 13 prompts, 2,048 tokens)"
+    )
     a = ap.parse_args()
     src = resolve_model(a.model)
-    model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=2048)
+    model = build_model(src, getattr(torch, a.dtype), "cpu", max_positions=max(2048, a.prompt_len or 0))
     cfg, bs = src.config, 16
     kv_heads = model.layers[0].self_attn.num_kv_heads
     platform = get_platform("cpu")
@@ -44,7 +47,8 @@ def main() -> None:
         torch.zeros(kv_cache_shape(2000, bs, kv_heads, cfg.head_dim), dtype=kv_dtype) for _ in range(cfg.num_layers)
     ]
     platform.tune_worker_process()  # the heap settings a worker process steps under
-    qlens, slens = ([160] * 12 + [128],) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
+    prompts = [a.prompt_len] if a.prompt_len else [160] * 12 + [128]
+    qlens, slens = (prompts,) * 2 if a.step == "prefill" else ([1] * a.decodes, [200] * a.decodes)
     tables, nxt = [], 1
     for s in slens:
         n = -(-s // bs)
