@@ -24,6 +24,20 @@ _LARGE_PROMPT_CHARS = 8192  # tokenize, and render chat templates, off the loop 
 _LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, whatever their size
 
 
+def _truncation(truncate: int | None, max_tokens: int) -> int | None:
+    """A pooling request's ``truncate_prompt_tokens`` as the number of tokens to keep (None:
+    no cut; -1: ``max_tokens``), refused unless it is a positive integer within ``max_tokens``."""
+    if truncate is None:
+        return None
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or (truncate < 1 and truncate != -1):
+        raise ParamError("truncate_prompt_tokens", f"must be a positive integer or -1, got {truncate!r}")
+    if truncate > max_tokens:
+        raise ParamError(
+            "truncate_prompt_tokens", f"{truncate} is more than this model takes in one input ({max_tokens})"
+        )
+    return max_tokens if truncate == -1 else truncate
+
+
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
@@ -238,14 +252,7 @@ class InputProcessor:
         token ids, or ``{"prompt_token_ids": ..., "token_type_ids": ...}``. The whole prompt
         is pooled, so it may fill the context (``max_tokens``) but not pass it, unless
         ``truncate`` (-1: ``max_tokens``) asks to keep only its first tokens."""
-        if truncate is not None:
-            if isinstance(truncate, bool) or not isinstance(truncate, int) or (truncate < 1 and truncate != -1):
-                raise ParamError("truncate_prompt_tokens", f"must be a positive integer or -1, got {truncate!r}")
-            if truncate > max_tokens:
-                raise ParamError(
-                    "truncate_prompt_tokens", f"{truncate} is more than this model takes in one input ({max_tokens})"
-                )
-            truncate = max_tokens if truncate == -1 else truncate
+        truncate = _truncation(truncate, max_tokens)
         types = None
         text: str | None = None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -300,7 +307,11 @@ class InputProcessor:
         for name, value in (("text_1", text), ("text_2", pair)):
             if not isinstance(value, str):
                 raise ParamError(name, f"must be a string, got {type(value).__name__}")
-        limit = max_tokens if truncate == -1 else truncate
+        limit = _truncation(truncate, max_tokens)  # checked before the tokenizer sees it
+        if limit is None:
+            why = self.too_long(text + pair)
+            if why is not None:
+                raise ParamError("input", why.replace("the prompt", "the pair", 1))
         enc = self.tokenizer(text, pair, truncation=limit is not None, max_length=limit)
         out: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
         if "token_type_ids" in enc:

@@ -33,3 +33,5 @@ class PoolingParams(msgspec.Struct, array_like=True, gc=False):
             raise ParamError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
             raise ParamError("dimensions", f"must be a positive integer, got {self.dimensions!r}")
+        if self.normalize is not None and self.task != "embed":  # logits are never normalised
+            raise ParamError("normalize", f"applies to embeddings only; a {self.task} output is the model's logits")

@@ -25,6 +25,11 @@ _TYPES = {
 }
 
 
+def clip(text: str, most: int = 100) -> str:
+    """A client's string as an error message quotes it: at most ``most`` characters of it."""
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
 class APIError(Exception):
     """A request the server refuses; carries everything the error body needs."""
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from aiolm.lora.request import LoRARequest
 from aiolm.server import client_json
 from aiolm.server.context import ServingContext
-from aiolm.server.errors import APIError, bad_request
+from aiolm.server.errors import APIError, bad_request, clip
 from aiolm.server.middleware import LOG_EXTRA_KEY
 
 _OFFLOAD_BYTES = 64 << 10  # parse bodies above this off the event loop
@@ -114,7 +114,7 @@ def check_model(ctx: ServingContext, model: str | None) -> LoRARequest | None:
     served = ", ".join(f"'{n}'" for n in [ctx.model_name, *adapters])
     raise APIError(
         404,
-        f"The model '{model}' does not exist; this server serves {served}.",
+        f"The model '{clip(model)}' does not exist; this server serves {served}.",
         param="model",
         code="model_not_found",
     )

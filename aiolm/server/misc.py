@@ -9,7 +9,7 @@ import aiolm
 from aiolm.lora.request import LoRARequest
 from aiolm.metrics import CONTENT_TYPE
 from aiolm.params import ParamError
-from aiolm.server.errors import APIError, bad_request, json_response
+from aiolm.server.errors import APIError, bad_request, clip, json_response
 from aiolm.server.generation import tokenize as encode
 from aiolm.server.http import check_model, context, read_json
 from aiolm.server.protocol import (
@@ -49,7 +49,7 @@ async def get_model(request: Request) -> Response:
     name = request.path_params["model"]
     lora = ctx.engine.lora(name) if name != ctx.model_name else None
     if name != ctx.model_name and lora is None:
-        raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        raise APIError(404, f"The model '{clip(name)}' does not exist.", param="model", code="model_not_found")
     return json_response(_model_card(request, lora))
 
 

@@ -49,7 +49,7 @@ from aiolm.server.sse import until_disconnect
 
 Prompt = str | dict[str, Any]  # a text, or {"prompt_token_ids": ...[, "token_type_ids": ...]}
 M = TypeVar("M", bound=PoolingFields)
-_OFFLOAD_CHARS = 8192  # tokenize a pair off the event loop above this
+_OFFLOAD_CHARS = 8192  # tokenize a request's pairs off the event loop above this many characters
 # ParamError fields that are the request's, not one input's; any other names the input.
 _REQUEST_FIELDS = frozenset({"dimensions", "normalize", "truncate_prompt_tokens", "model"})
 
@@ -294,16 +294,19 @@ async def _pair_scores(
             )
         params = _params("score")
         truncate = req.truncate_prompt_tokens
-        jobs = []
-        for (a, _), (b, where) in pairs:
-            try:
-                if len(a) + len(b) > _OFFLOAD_CHARS:
-                    pair = await asyncio.to_thread(engine.tokenize_pair, a, b, truncate)
-                else:
-                    pair = engine.tokenize_pair(a, b, truncate)
-            except ParamError as e:
-                raise _input_error(e, where) from None
-            jobs.append(Job(pair, params, where))
+
+        def tokenized() -> list[Job]:
+            jobs = []
+            for (a, _), (b, where) in pairs:
+                try:
+                    jobs.append(Job(engine.tokenize_pair(a, b, truncate), params, where))
+                except ParamError as e:
+                    raise _input_error(e, where) from None
+            return jobs
+
+        # the pairs are tokenized together, off the event loop when they are long in all
+        chars = sum(len(a) + len(b) for (a, _), (b, _) in pairs)
+        jobs = await asyncio.to_thread(tokenized) if chars > _OFFLOAD_CHARS else tokenized()
         rid, outs = await _run(ctx, request, prefix, jobs, req)
         scores = [cross_encoder_score(o.outputs.data) for o in outs]
         return rid, scores, sum(len(o.prompt_token_ids) for o in outs)

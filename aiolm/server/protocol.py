@@ -39,7 +39,7 @@ from aiolm.config import EngineArgs
 from aiolm.engine.client import EngineClient
 from aiolm.params import MAX_LOGPROB_TOKEN_IDS, OutputKind, ParamError, SamplingParams
 from aiolm.server import client_json
-from aiolm.server.errors import APIError, bad_request
+from aiolm.server.errors import APIError, bad_request, clip
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
 log = logging.getLogger("aiolm.server")
@@ -599,6 +599,14 @@ def parse(model: type[M], body: Any, limits: Limits) -> M:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")
     cls = bounded(model, limits)
+    if cls.model_config.get("extra") == "forbid":
+        # Unknown top-level keys are found here, in one pass: pydantic's error for each of
+        # thousands of them would cost the event loop seconds.
+        known = _keys(model)  # bounded() re-types fields, never adds or renames them
+        extra = [k for k in body if k not in known]
+        if extra:
+            _unrecognized(extra, limits)
+            body = {k: v for k, v in body.items() if k in known}
     while True:
         try:
             return cls.model_validate(body)
@@ -607,21 +615,31 @@ def parse(model: type[M], body: Any, limits: Limits) -> M:
         unknown = [_steps(body, err["loc"]) for err in errors if err["type"] == "extra_forbidden"]
         if not unknown:
             raise _first_error(errors[0], body)
-        paths = list(dict.fromkeys(_path(steps) for steps in unknown))
-        listed = ", ".join(repr(p) for p in paths)
-        if not limits.lenient:
-            raise bad_request(
-                f"Unrecognized request argument supplied: {listed} (this server does not "
-                f"implement {'it' if len(paths) == 1 else 'them'})",
-                param=paths[0],
-                code="unrecognized_argument",
-            )
-        log.warning("ignoring request fields this server does not implement: %s", listed)
+        _unrecognized(list(dict.fromkeys(_path(steps) for steps in unknown)), limits)
         for steps in unknown:
             where = body
             for step in steps[:-1]:
                 where = where[step]
             where.pop(steps[-1], None)
+
+
+_LISTED = 8  # unknown fields an error names; the rest are counted
+
+
+def _unrecognized(paths: list[str], limits: Limits) -> None:
+    """Refuse the request's unknown fields (``paths``) with a 400 naming them, or, on a lenient
+    server, log them and return (the caller drops them)."""
+    listed = ", ".join(repr(clip(p)) for p in paths[:_LISTED])
+    if len(paths) > _LISTED:
+        listed += f" and {len(paths) - _LISTED} more"
+    if not limits.lenient:
+        raise bad_request(
+            f"Unrecognized request argument supplied: {listed} (this server does not "
+            f"implement {'it' if len(paths) == 1 else 'them'})",
+            param=clip(paths[0]),
+            code="unrecognized_argument",
+        )
+    log.warning("ignoring request fields this server does not implement: %s", listed)
 
 
 def _is_tag(part: int | str) -> bool:

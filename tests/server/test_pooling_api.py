@@ -374,13 +374,77 @@ def test_bad_embedding_inputs_are_400s_naming_the_field(embedder, embedder_dir):
         r = _post(embedder, "/v1/embeddings", body)
         assert 400 <= r.status_code < 500, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
-    # over the context length, truncation only when asked: the last N tokens are kept
+    # over the context length, truncation only when asked: the first N tokens are kept
     r = _post(embedder, "/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": 16})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16, r.text
     r = _post(embedder, "/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": -1})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == max_len, r.text
     _refused(_post(embedder, "/classify", {"input": "x"}), "model")
     _refused(_post(embedder, "/rerank", {"query": "q", "documents": []}), "documents")
+
+
+def test_bad_cross_encoder_inputs_are_400s_naming_the_field(cross):
+    """A pair's truncate_prompt_tokens is checked before the tokenizer sees it (a negative or
+    huge one was a 500 there), logits are never normalised, and a pair too long for the
+    context is refused before it is tokenized. The server serves on afterwards."""
+    bodies = {
+        "/score": {"text_1": QUERY, "text_2": DOCS[:2]},
+        "/rerank": {"query": QUERY, "documents": DOCS[:2]},
+        "/invocations": {"query": QUERY, "documents": DOCS[:2]},
+    }
+    for path, body in bodies.items():
+        for value in (-3, 0, 2**64, 10**20, True, "5"):
+            _refused(_post(cross, path, {**body, "truncate_prompt_tokens": value}), "truncate_prompt_tokens")
+    err = _refused(_post(cross, "/pooling", {"input": "x", "normalize": True}), "normalize")
+    assert "logits" in err["message"]
+    long_doc = " ".join(["paris"] * 5000)
+    err = _refused(_post(cross, "/rerank", {"query": QUERY, "documents": [DOCS[0], long_doc]}), "documents[1]")
+    assert "characters" in err["message"]
+    r = _post(cross, "/rerank", {"query": QUERY, "documents": [DOCS[0], long_doc], "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    r = _post(cross, "/score", {"text_1": QUERY, "text_2": DOCS[0]})
+    assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+    _idle(cross)
+
+
+def test_many_pairs_are_tokenized_off_the_event_loop(cross):
+    """2,000 pairs of a few thousand characters each take the tokenizer a second or more;
+    /health, polled meanwhile, must not wait for them (it did, for the whole batch)."""
+    import asyncio
+
+    words = [WORDS[(i * 7) % len(WORDS)] for i in range(400)]
+    docs = [" ".join(words[i % 7 :] + words[: i % 7]) for i in range(2000)]  # each too long once tokenized
+    body = json.dumps({"query": QUERY, "documents": docs}).encode()
+
+    async def run() -> tuple[httpx.Response, float, float]:
+        async with httpx.AsyncClient(base_url=cross.base_url, timeout=TIMEOUT) as c:
+            worst, done = 0.0, asyncio.Event()
+
+            async def probe() -> None:
+                nonlocal worst
+                for _ in range(2000):  # bounded: about 20 ms a round
+                    if done.is_set():
+                        return
+                    t0 = time.monotonic()
+                    assert (await c.get("/health")).status_code == 200
+                    worst = max(worst, time.monotonic() - t0)
+                    await asyncio.sleep(0.02)
+
+            prober = asyncio.create_task(probe())
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            r = await c.post("/rerank", content=body, headers={"content-type": "application/json"})
+            took = time.monotonic() - t0
+            done.set()
+            await prober
+            return r, took, worst
+
+    r, took, worst = asyncio.run(run())
+    err = _refused(r, r.json()["error"]["param"])
+    assert err["param"].startswith("documents[") and "tokens" in err["message"], err
+    assert took > 0.5, f"the pairs tokenized in {took:.2f}s: too fast to show a stall"
+    assert worst < took / 3, f"/health waited {worst:.2f}s while {len(docs)} pairs took {took:.2f}s"
+    _idle(cross)
 
 
 def test_every_documented_field_is_read(embedder):

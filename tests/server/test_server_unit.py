@@ -148,6 +148,21 @@ def test_json_at_the_nesting_bound_is_parsed(fake_engine):
         assert r.status_code == 400 and "nested too deeply" in r.text, r.text
 
 
+def test_thousands_of_unknown_fields_are_one_short_400(fake_engine):
+    """An error names the first few unknown fields and counts the rest (it listed all 200,000,
+    megabytes of message), and a client's long model name comes back clipped."""
+    body = {"prompt": "hi", **{f"k{i}": 1 for i in range(200_000)}}
+    with _client(fake_engine) as c:
+        r = c.post("/v1/completions", json=body)
+        err = _assert_error(r, 400, "k0")
+        assert err["code"] == "unrecognized_argument" and "'k7' and 199992 more" in err["message"], err
+        assert len(r.content) < 1000
+        r = c.post("/v1/completions", json={"prompt": "hi", "model": "m" * 100_000})
+        err = _assert_error(r, 404, "model")
+        assert "(100000 characters)" in err["message"] and len(r.content) < 1000, err
+    assert not fake_engine.live
+
+
 BAD_COMPLETION = [
     ({}, "prompt"),
     ({"prompt": 5}, "prompt"),
