@@ -45,6 +45,7 @@ _INT32_MAX = 2**31 - 1  # counts stay in a fixed-width integer wherever they tra
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROB_TOKEN_IDS = 1024  # logprob_token_ids per request: each costs a gather per generated token
 
 
@@ -148,10 +149,16 @@ class SamplingParams:
             check(isinstance(self.logit_bias, dict), "logit_bias", "must be a map of token id to bias")
             clean: dict[int, float] = {}
             for k, v in self.logit_bias.items():
-                try:
+                # a token id, or its decimal digits as a JSON key carries it ("5", not "05", " 5",
+                # "+5" or "1_0", which int() reads too and which could name one token twice)
+                if is_int(k):
+                    tok = k
+                elif isinstance(k, str) and k.isascii() and k.isdigit() and str(int(k)) == k:
                     tok = int(k)
-                except (TypeError, ValueError):
-                    raise ParamError("logit_bias", f"key {k!r} is not a token id") from None
+                else:
+                    raise ParamError("logit_bias", f"key {k!r} is not a token id")
+                check(tok >= 0, "logit_bias", f"key {tok} is not a token id")
+                check(tok not in clean, "logit_bias", f"token {tok} is given twice")
                 check(
                     is_num(v) and -100 <= v <= 100,
                     "logit_bias",
@@ -216,6 +223,11 @@ class SamplingParams:
             isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "must be a list of non-negative integers",
+        )
+        check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}",
         )
         # The upper bound is the engine's --max-logprobs, checked where the engine is known
         # (engine/input.py), so one flag sets it for the server and the library alike.

@@ -20,6 +20,7 @@ here: the search runs ``max_tokens`` steps (fewer only where the context ends).
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,8 +64,12 @@ class BeamSearchOutput:
 
 def beam_score(length: int, cum_logprob: float, length_penalty: float) -> float:
     """vLLM's ``get_beam_search_score``: ``cum_logprob / length ** length_penalty``, where
-    ``length`` counts the prompt and the generated tokens but not a final end token."""
-    return cum_logprob / (length**length_penalty)
+    ``length`` counts the prompt and the generated tokens but not a final end token. A
+    penalty so large that the power overflows (or underflows to 0) scores 0 (or -inf)."""
+    try:
+        return cum_logprob / (length**length_penalty)
+    except (OverflowError, ZeroDivisionError):  # length >= 2 here: 1 ** anything is 1
+        return cum_logprob * (0.0 if length_penalty > 0 else math.inf) if cum_logprob else 0.0
 
 
 @dataclass
@@ -99,6 +104,9 @@ async def beam_search(
     rid = request_id or f"beam-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
+    bad = next((t for t in params.stop_token_ids if t >= engine.vocab_size), None)
+    if bad is not None:
+        raise ParamError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {engine.vocab_size})")
     end_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         end_ids.update(engine.eos_token_ids)

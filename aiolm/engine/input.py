@@ -374,7 +374,18 @@ class InputProcessor:
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise ParamError("stop_token_ids", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
-        return params.clone(eos_token_ids=self.eos_token_ids)
+        params = params.clone(eos_token_ids=self.eos_token_ids)
+        if params.allowed_token_ids is not None:  # a step with every token masked would emit token 0
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            if all(t in banned for t in params.allowed_token_ids):
+                raise ParamError("allowed_token_ids", "no token can be generated: every allowed token is a bad word")
+            ends = params.stop_ids() if params.min_tokens > 0 else set()
+            if all(t in banned or t in ends for t in params.allowed_token_ids):
+                raise ParamError(
+                    "allowed_token_ids",
+                    "no token can be generated before min_tokens: each allowed one ends the sequence or is a bad word",
+                )
+        return params
 
 
 def image_parts(messages: Sequence[Any]) -> list[tuple[dict[str, Any], str]]:

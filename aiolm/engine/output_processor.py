@@ -332,6 +332,8 @@ class OutputProcessor(Actor[StepOutputs]):
                 if stop_str is not None and o.finish_reason is None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     stopped.append(seq.child_id)
+                elif stop_str is not None and o.finish_reason == "length":  # the last token allowed
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str  # made the stop: vLLM says stop
             if o.pooled is not None:
                 state.pooled = o.pooled
                 state.first_token_time = state.last_token_time = now

@@ -102,9 +102,12 @@ def check_lengths(
             code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt + max_tokens > limit:
+        # a client's integer may have thousands of digits: past what str() takes once summed
+        total = f"{num_prompt + max_tokens}" if max_tokens < 2**63 else "more than 2**63"
+        asked = f"{max_tokens}" if max_tokens < 2**63 else "more than 2**63"
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in the "
+            f"{total} tokens ({num_prompt} in the input, {asked} in the "
             f"completion). Please reduce the length of the input or completion.",
             param=max_tokens_param,
             code="context_length_exceeded",

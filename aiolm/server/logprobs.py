@@ -107,6 +107,15 @@ class CompletionLogprobs:
         self.offset = offset
         self.as_ids = as_ids
 
+    def _top(self, tid: int, entry: dict[int, Logprob], named: list[int] | None) -> dict[str, float]:
+        """A token's top logprobs; as OpenAI's completions give them, the token's own is there
+        too ("up to logprobs + 1 elements"), so logprobs 0 still names it. Named tokens
+        (``logprob_token_ids``) are those alone."""
+        top = _top(entry, self.top_n, named)
+        if named is None and tid in entry and all(t != tid for t, _ in top):
+            top.append((tid, entry[tid]))
+        return {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in top}
+
     def prompt(self, token_ids: list[int], plp: list[dict[int, Logprob] | None] | None) -> dict[str, Any]:
         """Echoed prompt tokens with their prompt logprobs (the first token has none: null)."""
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -117,7 +126,7 @@ class CompletionLogprobs:
                 value, top = None, None
             else:
                 value = _token(tid, entry, self.tokenizer)[1]
-                top = {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in _top(entry, self.top_n)}
+                top = self._top(tid, entry, None)
             out["tokens"].append(_as_id(tid) if self.as_ids else text)
             out["token_logprobs"].append(value)
             out["top_logprobs"].append(top)
@@ -131,9 +140,7 @@ class CompletionLogprobs:
             text, value = _token(tid, entry, self.tokenizer)
             out["tokens"].append(_as_id(tid) if self.as_ids else text)
             out["token_logprobs"].append(value)
-            out["top_logprobs"].append(
-                {_text(t, lp, self.as_ids): clamp(lp.logprob) for t, lp in _top(entry, self.top_n, self.named)}
-            )
+            out["top_logprobs"].append(self._top(tid, entry, self.named))
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

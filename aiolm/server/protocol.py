@@ -37,7 +37,7 @@ from pydantic.functional_validators import AfterValidator
 
 from aiolm.config import EngineArgs
 from aiolm.engine.client import EngineClient
-from aiolm.params import MAX_LOGPROB_TOKEN_IDS, OutputKind, ParamError, SamplingParams
+from aiolm.params import MAX_LOGPROB_TOKEN_IDS, MAX_STOP_TOKEN_IDS, OutputKind, ParamError, SamplingParams
 from aiolm.server import client_json
 from aiolm.server.errors import APIError, bad_request, clip
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
@@ -47,6 +47,8 @@ log = logging.getLogger("aiolm.server")
 MAX_TOOLS = 128
 MAX_CHOICES = 1024
 MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 1024  # each is tokenized twice on the event loop: bounded as stop strings are
+MAX_BAD_WORDS_TOTAL_CHARS = 4096
 _NOOP = "accepted for OpenAI compatibility; has no effect on this server"
 
 
@@ -115,6 +117,7 @@ def _one_of(what: str, **alternatives: Any) -> Any:
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 JsonSchema = dict[str, Any]
 # chat_template_kwargs: variables the template reads; the ones the server sets itself are not the client's
 TemplateKwargs = Annotated[dict[str, Any], Field(max_length=64)]
@@ -299,7 +302,7 @@ class SamplingRequest(NoopFields):
     min_p: float = 0.0
     seed: int | None = None
     stop: Stop | None = None  # type: ignore[valid-type]
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -327,7 +330,7 @@ class SamplingRequest(NoopFields):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)] | None = Field(
         None, description="vLLM's: only these tokens may be generated"
     )
-    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description="vLLM's: words never generated (each as tokenized with and without a leading space)"
     )
     prompt_logprobs: Annotated[int, Field(ge=-1, le=Limits.max_logprobs)] | None = Field(
@@ -763,6 +766,12 @@ def token_constraints(req: SamplingRequest, engine: EngineClient) -> dict[str, A
                 )
         out["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.bad_words:
+        total = sum(len(w) for w in req.bad_words)
+        if total > MAX_BAD_WORDS_TOTAL_CHARS:
+            raise bad_request(
+                f"the bad words may have at most {MAX_BAD_WORDS_TOTAL_CHARS} characters in all, got {total}",
+                param="bad_words",
+            )
         seqs: list[list[int]] = []
         for w in req.bad_words:
             for text in (w, " " + w) if not w.startswith(" ") else (w,):

@@ -85,10 +85,14 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
                 f"'tool_choice.function.name' {name!r} is not one of the tools ({', '.join(names)})",
                 param="tool_choice.function.name",
             )
-        schema = _call_schema(name, names[name])
+        schema = _call_schema(name, names[name], "")
         return ToolPlan(template_tools, StructuredOutputs("json", json.dumps(schema)), named=name, parallel=False)
-    options = [_call_schema(n, p) for n, p in names.items()]
-    one = options[0] if len(options) == 1 else {"anyOf": options}
+    at = "/items" if parallel else ""
+    if len(names) == 1:
+        ((n, p),) = names.items()
+        one = _call_schema(n, p, at)
+    else:
+        one = {"anyOf": [_call_schema(n, p, f"{at}/anyOf/{i}") for i, (n, p) in enumerate(names.items())]}
     schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
     return ToolPlan(template_tools, StructuredOutputs("json", json.dumps(schema)), parallel=parallel)
 
@@ -118,13 +122,39 @@ def _choice_text(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else "a named function"
 
 
-def _call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(name: str, params: dict[str, Any], at: str) -> dict[str, Any]:
+    """A call of function ``name``, as the schema at JSON pointer ``at`` of the whole one:
+    its parameters' own references ("#/$defs/...", "#") are moved to where they now sit."""
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": params},
+        "properties": {"name": {"const": name}, "arguments": _rebased(params, f"{at}/properties/arguments")},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # values there are data, not schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` ("#" and a JSON pointer) prefixed by ``base``, the
+    pointer of the place it is nested at. Recursion is bounded by the JSON depth limit."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = "#" + base + v[1:]
+        elif k in _NAMED_SCHEMAS and isinstance(v, dict):  # names (any, "const" too) -> schemas
+            out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
+        elif k in _DATA_KEYS:
+            out[k] = v
+        else:
+            out[k] = _rebased(v, base)
+    return out
 
 
 def _check_schema(s: Any, path: str, top: bool = False) -> None:

@@ -131,6 +131,8 @@ def test_chat_and_streams(client, server, offline, tokenizer):
         ("completions", {"n": 11}, "n"),  # 2 * 11 logprobs > --max-logprobs 20
         ("chat", {"length_penalty": "long"}, "length_penalty"),
         ("completions", {"early_stopping": "sometimes"}, "early_stopping"),
+        ("completions", {"stop_token_ids": [49152]}, "stop_token_ids"),  # past the vocabulary
+        ("chat", {"stop_token_ids": [2**70]}, "stop_token_ids"),
     ],
 )
 def test_bad_combinations_name_the_field(server, route, extra, field):
@@ -145,6 +147,19 @@ def test_bad_combinations_name_the_field(server, route, extra, field):
     assert err["param"] == field and field.split(".")[0] in err["message"]
     if field == "n":
         assert "--max-logprobs" in err["message"] and "20" in err["message"]
+
+
+@pytest.mark.parametrize("penalty", [500.0, 1e308, -1000.0])
+def test_an_extreme_length_penalty_ranks_without_failing(server, penalty):
+    """length ** length_penalty overflows (or underflows to 0) there: it was a 500."""
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 3, "n": 2, "length_penalty": penalty, **BEAM},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    assert settle(server) == 0
 
 
 def test_a_client_gone_mid_search_leaves_nothing(server):

@@ -63,13 +63,20 @@ def test_minus_one_is_the_whole_vocabulary(unbounded):
 
 
 def test_logprobs_zero_is_the_sampled_token_alone(unbounded):
+    """Completions' top logprobs always hold the sampled token, as OpenAI's and vLLM's do."""
     c = _client(unbounded)
     model = _model(c)
     zero = c.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
     one = c.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
     lp = zero.choices[0].logprobs
-    assert lp.top_logprobs == [{}, {}, {}] and len(lp.tokens) == 3
+    assert len(lp.tokens) == 3
     assert lp.token_logprobs == pytest.approx(one.choices[0].logprobs.token_logprobs, abs=1e-5)
+    # OpenAI's "up to logprobs + 1 elements": the sampled token's own, and with logprobs 0 that alone
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert [top[t] for top, t in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+    drawn = c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=3, logprobs=1)
+    lp = drawn.choices[0].logprobs
+    assert all(t in top and len(top) <= 2 for top, t in zip(lp.top_logprobs, lp.tokens))
 
 
 def test_named_tokens_logprobs_in_place_of_the_top_ones(unbounded):

@@ -301,3 +301,44 @@ def test_any_json_in_any_field_is_answered_never_a_500(path):
 
         check()
     assert not engine.live
+
+
+HUGE = int("9" * 4300)  # the most digits a JSON integer may have here (Python's int-to-str limit)
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": HUGE}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": HUGE}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": HUGE}, "max_completion_tokens"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": HUGE}, "max_output_tokens"),
+        (
+            "/v1/messages",
+            {"model": "fake-model", "max_tokens": HUGE, "messages": [{"role": "user", "content": "hi"}]},
+            "max_tokens",
+        ),
+        ("/v1/completions", {**COMPLETION, "bad_words": ["w" * 1025]}, "bad_words[0]"),
+        ("/v1/completions", {**COMPLETION, "bad_words": ["w" * 1000] * 5}, "bad_words"),
+        ("/v1/completions", {**COMPLETION, "stop_token_ids": [5] * 1025}, "stop_token_ids"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"05": 1}}, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {" 5": 1}}, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"1_0": 1}}, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"\u0663": 1}}, "logit_bias"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_client_sized_values_are_400s_naming_the_field(fake_engine, path, body, param):
+    """A 4,300-digit max_tokens was a 500 (its sum with the prompt's length is past what str()
+    takes); bad words are bounded as stop strings are (each was tokenized twice on the event
+    loop, seconds for megabytes); logit_bias keys are plain token ids ("05" and "5" would name
+    one token twice, the last value winning)."""
+    with _client(fake_engine) as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    if path == "/v1/messages":  # Anthropic's error body names no param
+        assert err["type"] == "invalid_request_error" and len(r.content) < 2000, err
+    else:
+        assert err["param"] == param and len(r.content) < 2000, err
+    assert not fake_engine.live

@@ -368,6 +368,17 @@ def test_allowed_token_ids_and_bad_words(client, model, server):
     assert "Paris" in client.completions.create(**kw).choices[0].text
     banned = client.completions.create(**kw, extra_body={"bad_words": ["Paris"]}).choices[0].text
     assert "Paris" not in banned and banned
+    # allowed tokens that are all banned leave a step nothing to draw (it drew token 0): a 400
+    (paris,) = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": "Paris", "add_special_tokens": False}, headers=auth, timeout=30
+    ).json()["tokens"]
+    for extra in (
+        {"allowed_token_ids": [paris], "bad_words": ["Paris"]},
+        {"allowed_token_ids": [paris], "stop_token_ids": [paris], "min_tokens": 2},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**kw, "max_tokens": 4}, extra_body=extra)
+        assert e.value.body["param"] == "allowed_token_ids" and "no token can be generated" in e.value.body["message"]
 
 
 def test_stop_sequences(client, model):
@@ -381,6 +392,30 @@ def test_stop_sequences(client, model):
     chat = client.chat.completions.create(model=model, messages=PARIS_Q, temperature=0, max_tokens=16, stop=" Paris")
     assert "Paris" not in chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
+
+
+def test_a_stop_string_made_by_the_last_token_allowed_is_a_stop(client, model):
+    """Where max_tokens and a stop string end the text at the same token, the stop is what is
+    reported (vLLM does so too): it was 'length' with the text cut at the stop."""
+    kw = dict(model=model, prompt="The history of Rome", max_tokens=12, temperature=0)
+    free = client.completions.create(**kw, logprobs=0).choices[0]
+    tokens = free.logprobs.tokens
+    assert free.finish_reason == "length" and len(tokens) == 12
+    # the shortest tail of the text, whole tokens, that first occurs at its very end
+    tails = ("".join(tokens[-k:]).lstrip() for k in range(1, 12))
+    stop = next(t for t in tails if t.strip() and free.text.find(t) == len(free.text) - len(t))
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            reason = next(
+                c.choices[0].model_extra.get("stop_reason") for c in chunks if c.choices and c.choices[0].finish_reason
+            )
+        else:
+            ch = client.completions.create(**kw, stop=[stop]).choices[0]
+            text, finish, reason = ch.text, [ch.finish_reason], ch.model_extra.get("stop_reason")
+        assert text == free.text[: free.text.rindex(stop)] and finish == ["stop"] and reason == stop, (text, finish)
 
 
 def test_seed_reproducible(client, model):

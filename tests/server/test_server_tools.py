@@ -504,6 +504,38 @@ def test_invalid_schema_for_an_enforced_call_is_a_400(client, model):
     assert e.value.body["param"] == "tools", e.value.body
 
 
+DEFS_PARAMS = {  # a schema with its own definitions, as pydantic writes one for nested models
+    "type": "object",
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    "properties": {"place": {"$ref": "#/$defs/Place"}, "days": {"type": "integer"}},
+    "required": ["place", "days"],
+}
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("forecast", None)])
+def test_parameters_with_their_own_definitions_are_enforced(client, model, choice, parallel):
+    """A tool's "#/$defs/..." references point into its parameters, which an enforced call nests
+    inside its own schema: they were a 400 ("Cannot find field '$defs'")."""
+    tools = [_fn(name="forecast", parameters=DEFS_PARAMS), *TOOLS]
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "The weather in Paris for 3 days?"}],
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=80,
+        temperature=0,
+        **extra,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls, r
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        params = DEFS_PARAMS if call.function.name == "forecast" else PARAMS[call.function.name]
+        jsonschema.validate(args, params)
+
+
 _PIECES = st.sampled_from(
     [
         "<tool_call>",
