@@ -56,10 +56,21 @@ _WHAT = {
 def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
     """Compile ``spec`` (the result stays in the process's cache); None, or why it failed."""
     try:
-        Compiler.compile(spec, vocab_size)
+        check_startable(Compiler.compile(spec, vocab_size))
     except Exception as e:
         return describe_error(spec, e)
     return None
+
+
+def check_startable(compiled: Any) -> None:
+    """Raise unless some token of the vocabulary may start the text (or end it at once): a
+    grammar whose language is empty, or whose first characters no token spells, leaves every
+    token masked at the first step, where a draw would take one it forbids."""
+    xgr = xgrammar_module()
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+    if not bool(mask.any()):
+        raise ValueError("no text this model's tokens can spell matches it")
 
 
 def describe_error(spec: StructuredOutputs, error: Exception) -> str:

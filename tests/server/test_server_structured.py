@@ -111,6 +111,7 @@ def test_validator_caches_and_refuses_off_the_loop(real_source):
             (StructuredOutputs("regex", "(ab"), "invalid regex"),
             (StructuredOutputs("grammar", "root ::= missing_rule"), "invalid grammar"),
             (StructuredOutputs("json", '{"type": "no-such-type"}'), "invalid JSON schema"),
+            (StructuredOutputs("regex", "[^\\s\\S]"), "invalid regex: no text"),
         ):
             with pytest.raises(ParamError) as e:
                 await v.check(spec)
@@ -307,6 +308,8 @@ name ::= [A-Z] [a-z]+"""
     "extra,param,words",
     [
         ({"guided_regex": "(ab"}, "guided_regex", "invalid regex"),
+        # grammars that match no text: every token was masked at the first step, token 0 drawn
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "invalid regex: no text"),
         (
             {"structured_outputs": {"grammar": "root ::= undefined_rule"}},
             "structured_outputs.grammar",
