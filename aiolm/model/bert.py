@@ -261,6 +261,8 @@ class BertForSequenceClassification(BertModel):
 
     @torch.inference_mode()
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Label logits [N, num_labels] in float32 of the first tokens' hidden states [N, hidden]."""
+        """Label logits [N, num_labels] in float32 of the first tokens' hidden states [N, hidden].
+        Row by row: a GEMM's sums for one row depend on how many rows it has (torch takes
+        another kernel for one), and a pair's score must not depend on the step it shared."""
         x = pooled.to(self.pooler.weight.dtype)
-        return self.classifier(torch.tanh(self.pooler(x))).float()
+        return torch.cat([self.classifier(torch.tanh(self.pooler(row))) for row in x.split(1)]).float()

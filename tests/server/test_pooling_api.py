@@ -308,6 +308,21 @@ def test_rerank_equals_cross_encoder_predict(cross, st_cross):
     assert top["index"] == max(range(len(DOCS)), key=lambda i: want[i]) and "document" not in top
 
 
+def test_identical_documents_score_alike_in_any_batch(cross):
+    """A pair's score does not depend on the batch it ran in: equal documents tie exactly and
+    keep the request's order, and each equals its pair scored alone."""
+    query = "where is paris"
+    for doc, others in (("a", []), (query, []), (DOCS[0], [DOCS[1], DOCS[2]])):
+        alone = _post(cross, "/score", {"text_1": query, "text_2": doc}).json()["data"][0]["score"]
+        for n in (2, 3, 5):
+            docs = [doc] * n + others
+            r = _post(cross, "/rerank", {"query": query, "documents": docs, "return_documents": False})
+            assert r.status_code == 200, r.text
+            ties = [x for x in r.json()["results"] if docs[x["index"]] == doc]
+            assert [x["index"] for x in ties] == list(range(n)), ties
+            assert {x["relevance_score"] for x in ties} == {alone}, (ties, alone)
+
+
 def test_score_pairs_equal_cross_encoder_predict(cross, st_cross):
     one_to_n = _post(cross, "/score", {"text_1": QUERY, "text_2": DOCS})
     n_to_n = _post(cross, "/v1/score", {"text_1": DOCS[:2], "text_2": DOCS[2:]})
