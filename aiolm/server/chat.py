@@ -232,7 +232,8 @@ async def _chat_events(
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
         if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
-            counts = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+            known = sum(cached.values()) if len(cached) == len(turns) else None  # every conversation's, or none
+            counts = usage(prompt_tokens, completion_tokens, known)
             out["usage"] = counts if continuous else None
         return out
 

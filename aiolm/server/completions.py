@@ -191,7 +191,8 @@ async def _events(
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**meta, "choices": choices, "system_fingerprint": None}
         if include_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
-            out["usage"] = usage(prompt_tokens, completion_tokens, sum(cached_of.values())) if continuous else None
+            known = sum(cached_of.values()) if len(cached_of) == len(prompts) else None  # every prompt's, or none
+            out["usage"] = usage(prompt_tokens, completion_tokens, known) if continuous else None
         return out
 
     builders: dict[int, CompletionLogprobs] = {}

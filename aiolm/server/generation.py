@@ -41,15 +41,18 @@ class Prompt:
     images: list[Any] = field(default_factory=list)  # a vision-language prompt's ImageInputs
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = 0) -> dict[str, Any]:
     """The OpenAI ``usage`` object of a chat or text completion; ``cached_tokens``: prompt
-    tokens whose KV came from the prefix cache, as OpenAI reports them."""
-    return {
+    tokens whose KV came from the prefix cache, as OpenAI reports them (None: not known yet,
+    a stream's chunk before the engine's first output: no details)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIError:

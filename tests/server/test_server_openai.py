@@ -418,6 +418,27 @@ def test_a_stop_string_made_by_the_last_token_allowed_is_a_stop(client, model):
         assert text == free.text[: free.text.rindex(stop)] and finish == ["stop"] and reason == stop, (text, finish)
 
 
+def test_continuous_usage_reports_cached_tokens_only_once_known(client, model):
+    """A stream's chunks before the engine's first output cannot know the prefix-cache hit:
+    they leave the details out (the role chunk said 0 cached, the next ones 32)."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Count from one to twenty, please. " * 4}])
+    client.chat.completions.create(**kw, max_tokens=1, temperature=0)  # the prompt's blocks now cached
+    chunks = list(
+        client.chat.completions.create(
+            **kw,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    final = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert final > 0
+    for c in chunks:
+        details = c.usage.prompt_tokens_details
+        assert details is None or details.cached_tokens == final, [x.usage for x in chunks]
+
+
 def test_seed_reproducible(client, model):
     kw = dict(
         model=model,
