@@ -56,10 +56,55 @@ _WHAT = {
 def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
     """Compile ``spec`` (the result stays in the process's cache); None, or why it failed."""
     try:
+        check_enforced(spec)
         check_startable(Compiler.compile(spec, vocab_size))
     except Exception as e:
         return describe_error(spec, e)
     return None
+
+
+# JSON schema keywords xgrammar (0.2.9) compiles but does not enforce: text breaking them was
+# measured to be accepted (allOf of two or more schemas, too: it does not merge them). oneOf is
+# taken as anyOf, the usual reading of a discriminated union, and is let through.
+_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else")
+_UNENFORCED += ("dependentRequired", "dependentSchemas")
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def check_enforced(spec: StructuredOutputs) -> None:
+    """Raise if a JSON schema uses a keyword the grammar would not enforce: generated text
+    could break it, and a constraint silently dropped is a field silently ignored."""
+    if spec.kind != "json":
+        return
+    import json
+
+    try:
+        root = json.loads(spec.text)
+    except ValueError:
+        return  # xgrammar's own message says what is wrong with the text
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:  # a stack, not recursion: a schema's text may nest deeper than Python recurses
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        where = f" (at {path})" if path else ""
+        for key in _UNENFORCED:
+            if key in node and not (key == "uniqueItems" and node[key] is False):
+                raise ValueError(f"'{key}'{where} is not enforced by this server's grammar backend; remove it")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            raise ValueError(f"'allOf' of more than one schema{where} is not enforced by this server's grammar backend")
+        for key in _SUBSCHEMA:
+            stack.append((node.get(key), f"{path}.{key}" if path else key))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((sub, f"{path}.{key}[{i}]" if path else f"{key}[{i}]") for i, sub in enumerate(node[key]))
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(
+                    (sub, f"{path}.{key}.{name}" if path else f"{key}.{name}") for name, sub in node[key].items()
+                )
 
 
 def check_startable(compiled: Any) -> None:

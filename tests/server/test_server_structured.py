@@ -310,6 +310,18 @@ name ::= [A-Z] [a-z]+"""
         ({"guided_regex": "(ab"}, "guided_regex", "invalid regex"),
         # grammars that match no text: every token was masked at the first step, token 0 drawn
         ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "invalid regex: no text"),
+        # keywords xgrammar compiles but does not enforce: the output could break them
+        (
+            {"guided_json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+            "guided_json",
+            "invalid JSON schema: 'uniqueItems' is not enforced",
+        ),
+        (
+            {"guided_json": {"type": "object", "properties": {"not": {"not": {"type": "string"}}}}},
+            "guided_json",
+            "invalid JSON schema: 'not' (at properties.not) is not enforced",
+        ),
+        ({"guided_json": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}, "guided_json", "'allOf' of more"),
         (
             {"structured_outputs": {"grammar": "root ::= undefined_rule"}},
             "structured_outputs.grammar",
