@@ -229,15 +229,25 @@ def _tool_use(call: ParsedCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": _tool_use_id(), "name": call.name}
 
 
+def _call_input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input: the call's arguments, or {} for a call cut short (max_tokens or
+    a stop sequence) before its JSON was whole; the stream sent what there was as partial_json."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _stop(c: CompletionOutput, out: RequestOutput, calls: list[ParsedCall]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished output; an engine failure is raised."""
     if c.finish_reason == "length":
         return "max_tokens", None
     if c.finish_reason == "stop":
-        if calls:
-            return "tool_use", None
         if isinstance(c.stop_reason, str):  # one of stop_sequences; a token id or None is the model's end
             return "stop_sequence", c.stop_reason
+        if calls:
+            return "tool_use", None
         return "end_turn", None
     if c.finish_reason == "abort":
         raise APIError(503, "the generation was aborted (the server is shutting down)", type="server_error")
@@ -285,7 +295,7 @@ async def create_message(request: Request) -> Response | EventStream:
     content, calls = read_output(plan, c.text) if plan.active else (c.text, [])
     stop_reason, stop_sequence = _stop(c, final, calls)
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
-    blocks += [{**_tool_use(call), "input": json.loads(call.arguments)} for call in calls]
+    blocks += [{**_tool_use(call), "input": _call_input(call.arguments)} for call in calls]
     return json_response(
         {
             **shell,

@@ -31,6 +31,9 @@ class AnthropicTextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: AnthropicCacheControl | None = Field(None, description=_CACHE)
+    citations: Annotated[list[Any], Field(max_length=0)] | None = Field(
+        None, description="null or empty (an earlier turn's block as the SDK dumps it): no citations are made"
+    )
 
 
 class AnthropicToolUseBlock(Strict):
@@ -41,6 +44,8 @@ class AnthropicToolUseBlock(Strict):
     name: ToolName
     input: dict[str, Any]
     cache_control: AnthropicCacheControl | None = Field(None, description=_CACHE)
+    caller: None = Field(None, description="null only (an earlier turn's block as the SDK dumps it)")
+    toolset_name: None = Field(None, description="null only (an earlier turn's block as the SDK dumps it)")
 
 
 class AnthropicToolResultBlock(Strict):

@@ -482,6 +482,7 @@ class InputItem(Strict):
     )
     id: Annotated[str, Field(max_length=256)] | None = Field(None, description=_NOOP + " (an earlier output item's id)")
     status: Literal["in_progress", "completed", "incomplete"] | None = Field(None, description=_NOOP)
+    phase: Annotated[str, Field(max_length=64)] | None = Field(None, description=_NOOP + " (an earlier output item's)")
 
 
 class TextFormat(Strict):
@@ -882,6 +883,13 @@ def structured_spec(req: SamplingRequest) -> tuple[StructuredOutputs | None, str
 
 def text_format_spec(fmt: TextFormat | None) -> StructuredOutputs | None:
     """The Responses API's ``text.format`` as the output constraint chat's ``response_format`` maps to."""
+    if fmt is not None and fmt.type != "json_schema":  # OpenAI's text and json_object take their type alone
+        extra = next((k for k in ("name", "description", "schema_", "strict") if getattr(fmt, k) is not None), None)
+        if extra is not None:
+            key = extra.rstrip("_")
+            raise bad_request(
+                f"'text.format.{key}' applies to type 'json_schema' only, not {fmt.type!r}", param=f"text.format.{key}"
+            )
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

@@ -324,11 +324,24 @@ def enforced_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:
     return calls or None
 
 
+def cut_calls(plan: ToolPlan, text: str) -> list[ParsedCall]:
+    """An enforced output cut short (max_tokens, a stop string): its calls as far as they were
+    written, each once its name is, the arguments a prefix of their JSON (as OpenAI returns a
+    call cut by its length)."""
+    reader = JsonCallsReader()
+    reader.feed(text)
+    calls = [] if reader.failed else [ParsedCall(c.name, c.arguments) for c in reader.calls if c.name is not None]
+    if not calls and plan.named is not None:  # a named call is that function's, before its name is written
+        first = reader.calls[0].arguments if reader.calls and not reader.failed else ""
+        calls = [ParsedCall(plan.named, first)]
+    return calls if plan.parallel else calls[:1]
+
+
 def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of one finished choice."""
-    if plan.enforced is not None:
+    if plan.enforced is not None:  # the text is the grammar's call format, never content
         calls = enforced_calls(plan, text)
-        return (None, calls) if calls else (text, [])
+        return None, calls if calls else cut_calls(plan, text)
     assert plan.parser is not None
     content, calls = plan.parser.extract(text)
     if calls and not plan.parallel:
@@ -410,6 +423,6 @@ class StreamState:
         """(content still to show, calls)."""
         content, calls = read_output(self.plan, self.text)
         if not calls:
-            return self.text[self.shown :], []
+            return ("" if self.plan.enforced is not None else self.text[self.shown :]), []
         rest = (content or "")[self.shown :] if content and len(content) > self.shown else ""
         return rest, calls

@@ -224,6 +224,44 @@ def test_tool_use_round_trip(client, model):
     assert counted.input_tokens > without.input_tokens  # the result's text is in the prompt
 
 
+@pytest.mark.parametrize("cut", [{"max_tokens": 12}, {"max_tokens": 80, "stop_sequences": ["}"]}])
+def test_a_forced_call_cut_short_is_a_tool_use_block_never_text(client, model, cut):
+    """A forced call that max_tokens or a stop sequence ends early is still a tool_use block,
+    streamed or not; the grammar's call format was shown as text (and the stream sent both)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": {"type": "any"}, **cut}
+    m = _ask(client, model, **kw)
+    assert [b.type for b in m.content] == ["tool_use"] and m.content[0].name == "get_weather", m
+    assert m.stop_reason == ("stop_sequence" if "stop_sequences" in cut else "max_tokens"), m
+    with client.messages.stream(model=model, extra_body=GREEDY, **kw) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name) for b in final.content] == [("tool_use", "get_weather")], final
+    assert final.stop_reason == m.stop_reason
+
+
+def test_an_answer_dumped_by_the_sdk_goes_back_as_history(client, model):
+    """model_dump() writes every field the SDK knows, null where unset (citations, caller,
+    toolset_name): those were refused as unknown fields."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    said = _ask(client, model, max_tokens=8, messages=FRANCE)
+    m = _ask(client, model, max_tokens=80, messages=ask, tools=[WEATHER], tool_choice={"type": "any"})
+    use = m.content[0]
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
+    for history in (
+        [*FRANCE, {"role": "assistant", "content": [b.model_dump() for b in said.content]}, *ask],
+        [
+            *ask,
+            {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+            {"role": "user", "content": [result]},
+        ],
+    ):
+        answer = _ask(client, model, max_tokens=4, messages=history, tools=[WEATHER], tool_choice={"type": "none"})
+        assert answer.content and answer.content[0].type == "text", answer
+    with pytest.raises(anthropic.BadRequestError):  # a citation itself is not taken
+        cited = {"type": "text", "text": "Paris", "citations": [{"type": "char_location", "cited_text": "x"}]}
+        _ask(client, model, max_tokens=4, messages=[*FRANCE, {"role": "assistant", "content": [cited]}, *ask])
+
+
 def test_any_tool_without_parallel_use_calls_exactly_one(client, model):
     m = _ask(
         client,

@@ -578,6 +578,25 @@ def test_responses_give_chat_text_streamed_or_not(client, model):
     assert (final.usage.input_tokens, final.usage.output_tokens) == (r.usage.input_tokens, r.usage.output_tokens)
 
 
+def test_responses_output_dumped_by_the_sdk_goes_back_as_input(client, model):
+    """model_dump() writes every field the SDK knows, null where unset (a message item's
+    phase): it was refused as unknown. text.format's fields beyond its type are a 400 for the
+    text and json_object types, which take none (they were dropped)."""
+    ask = [{"role": "user", "content": "Name a color."}]
+    r = client.responses.create(model=model, input=ask, max_output_tokens=4, temperature=0)
+    follow = [*ask, *(o.model_dump() for o in r.output), {"role": "user", "content": "Another."}]
+    again = client.responses.create(model=model, input=follow, max_output_tokens=4, temperature=0)
+    assert again.output_text
+    for fmt, param in (
+        ({"type": "json_object", "schema": {"type": "object"}}, "text.format.schema"),
+        ({"type": "text", "strict": True}, "text.format.strict"),
+        ({"type": "json_object", "name": "x"}, "text.format.name"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=model, input="hi", max_output_tokens=2, text={"format": fmt})
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_responses_items_instructions_and_incomplete(client, model):
     """Message items (string or text parts, earlier output_text included) and ``instructions``
     render as chat's system + messages; ``max_output_tokens`` cuts to ``incomplete``."""

@@ -504,6 +504,31 @@ def test_invalid_schema_for_an_enforced_call_is_a_400(client, model):
     assert e.value.body["param"] == "tools", e.value.body
 
 
+def test_an_enforced_call_cut_short_is_a_partial_call_never_content(client, model):
+    """Cut by max_tokens, a forced call is the call as far as it was written (OpenAI's 'length'
+    finish), streamed or not; the grammar's call format was returned as the message content."""
+    kw = dict(
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+    )
+    whole = client.chat.completions.create(model=model, max_tokens=80, **kw).choices[0].message.tool_calls[0]
+    ch = client.chat.completions.create(model=model, max_tokens=12, **kw).choices[0]
+    assert ch.finish_reason == "length" and ch.message.content is None, ch
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and whole.function.arguments.startswith(call.function.arguments)
+    content, names, args, finish = "", [], "", None
+    for chunk in client.chat.completions.create(model=model, max_tokens=12, stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            names += [d.function.name] if d.function.name else []
+            args += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (content, names, args, finish) == ("", ["get_weather"], call.function.arguments, "length")
+
+
 DEFS_PARAMS = {  # a schema with its own definitions, as pydantic writes one for nested models
     "type": "object",
     "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
