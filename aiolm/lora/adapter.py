@@ -90,6 +90,12 @@ def _header(path: Path) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ParamError("lora_path", f"{path}: not a safetensors file")
     header.pop("__metadata__", None)
+    # the data must be all there: a cut file fails only where the worker reads it, in a step
+    ends = [m.get("data_offsets", [0, 0])[-1] for m in header.values() if isinstance(m, dict)]
+    need = 8 + n + max((e for e in ends if isinstance(e, int)), default=0)
+    size = path.stat().st_size
+    if size < need:
+        raise ParamError("lora_path", f"{path}: cut short ({size} bytes; its header says {need})")
     return header
 
 
@@ -183,6 +189,9 @@ def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapter
             raise ParamError("lora_path", f"{module}: rank {r} is above --max-lora-rank {max_rank}")
         if r < 1:
             raise ParamError("lora_path", f"{module}: rank {r}")
+        said = _pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", r))
+        if said != r:  # PEFT refuses such a file too: the scaling would be alpha over the wrong rank
+            raise ParamError("lora_path", f"{module}: its tensors have rank {r}, {CONFIG_FILE} says {said}")
         a_m = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
         modules[module] = ModuleLoRA(r, a_m / (math.sqrt(r) if rslora else r))
     return AdapterInfo(str(folder), max(m.rank for m in modules.values()), modules)

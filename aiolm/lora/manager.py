@@ -23,7 +23,6 @@ from aiolm.checkpoint.config import ModelConfig
 from aiolm.lora.adapter import read_adapter
 from aiolm.lora.layers import LoRAContext, LoRASlots
 from aiolm.lora.request import LoRARequest
-from aiolm.params import ParamError
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +124,23 @@ class LoRAManager:
         try:
             info = read_adapter(req.lora_path, self.model_config, self.ctx.max_rank)
             tensors = load_file(str(info.weights_file))
-        except (ParamError, OSError, RuntimeError) as e:
+        except Exception as e:  # ParamError, OSError, safetensors' own: the request fails, not the worker
             raise LoRALoadError(f"adapter {req.lora_name!r} ({req.lora_path}) cannot be loaded: {e}") from None
+        bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())), None)
+        if bad is not None:
+            raise LoRALoadError(f"adapter {req.lora_name!r} ({req.lora_path}): tensor {bad} holds NaN or infinity")
         by_module = {k.removeprefix("base_model.model."): v for k, v in tensors.items()}
         out: Weights = {}
         for module, m in info.modules.items():
             if module not in self.target:
                 raise LoRALoadError(f"adapter {req.lora_name!r}: {module} has no LoRA slots in this model")
             layer, shard = self.target[module]
-            a = by_module[f"{module}.lora_A.weight"].float()
-            b = by_module[f"{module}.lora_B.weight"].float() * m.scaling
-            a, b = layer.lora_pair(shard, a, b)  # type: ignore[operator]
+            try:  # a file that changed since its header was checked: the request fails, not the worker
+                a = by_module[f"{module}.lora_A.weight"].float()
+                b = by_module[f"{module}.lora_B.weight"].float() * m.scaling
+                a, b = layer.lora_pair(shard, a, b)  # type: ignore[operator]
+            except (KeyError, RuntimeError, ValueError) as e:
+                raise LoRALoadError(f"adapter {req.lora_name!r}: {module} cannot be used: {e}") from None
             out[module] = (a.contiguous(), b.contiguous())
         self.loads += 1
         log.info("loaded LoRA adapter %r (id %d) from %s", req.lora_name, req.lora_int_id, req.lora_path)

@@ -221,6 +221,8 @@ class Generation:
         async for out in self.ctx.engine.stream(self.states[i]):
             if out.finished:
                 self._finished(i)
+            if any(c.finish_reason == "error" for c in out.outputs):  # not a finish a client can read:
+                raise RequestError(out.error or "the request failed")  # its reason, as an error
             yield out
 
     async def collect(self) -> list[RequestOutput]:

@@ -110,8 +110,8 @@ def check_model(ctx: ServingContext, model: str | None) -> LoRARequest | None:
     lora = ctx.engine.lora(model)
     if lora is not None:
         return lora
-    adapters = [a.lora_name for a in ctx.engine.list_loras()]
-    served = ", ".join(f"'{n}'" for n in [ctx.model_name, *adapters])
+    names = [ctx.model_name, *(a.lora_name for a in ctx.engine.list_loras())]
+    served = ", ".join(f"'{clip(n)}'" for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     raise APIError(
         404,
         f"The model '{clip(model)}' does not exist; this server serves {served}.",

@@ -544,8 +544,13 @@ class DetokenizeRequest(Strict):
 class LoadLoRAAdapterRequest(Strict):
     """vLLM's body: serve the PEFT folder ``lora_path`` as model ``lora_name``."""
 
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_name: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[^\x00-\x20\x7f](?:[^\x00-\x1f\x7f]*[^\x00-\x20\x7f])?$",
+        description="the model name requests use: printable, no leading or trailing space",
+    )
+    lora_path: str = Field(min_length=1, max_length=4096)
 
 
 class UnloadLoRAAdapterRequest(Strict):

@@ -152,7 +152,7 @@ def _finished(
 async def create_response(request: Request) -> Response | EventStream:
     ctx = context(request)
     req = parse(ResponsesRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)  # a LoRA adapter's name, or the base model
     structured = text_format_spec(req.text.format if req.text is not None else None)
     stream = req.stream
     max_tokens = req.max_output_tokens
@@ -181,10 +181,10 @@ async def create_response(request: Request) -> Response | EventStream:
     ids = given["prompt_token_ids"] if urls else await tokenize(engine, text, add_special_tokens=False, param="input")
     check_lengths(ctx, len(ids), max_tokens, "input", "max_output_tokens")
     response_id = ctx.new_id("resp", "_")
-    gen = Generation(ctx, [Prompt(text, ids, None, images)], params, response_id, rename=_RENAME)
+    gen = Generation(ctx, [Prompt(text, ids, None, images)], params, response_id, rename=_RENAME, lora_request=lora)
     await gen.start(request.receive)
     log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req.user)
-    shell = _shell(req, response_id, ctx.model_name)
+    shell = _shell(req, response_id, lora.lora_name if lora is not None else ctx.model_name)
     item_id = ctx.new_id("msg", "_")
     if stream:
         return EventStream(

@@ -99,6 +99,12 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
         }
         shutil.copytree(a1, bad["no_config"])
         (bad["no_config"] / "adapter_config.json").unlink()
+        bad["cut"] = shutil.copytree(a1, root / "cut")  # half its bytes: the header reads, the data is gone
+        weights = bad["cut"] / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        bad["rank_said"] = shutil.copytree(a1, root / "rank_said")  # rank-8 tensors, a config saying 4
+        cfg_file = bad["rank_said"] / "adapter_config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "r": 4}))
         adapters = {"a1": a1, "a2": a2, "a3": a3}
         refs = {None: hf_lora_greedy(base, None, PROMPTS, N)}
         refs.update({name: hf_lora_greedy(base, path, PROMPTS, N) for name, path in adapters.items()})
@@ -286,6 +292,10 @@ BAD_LOADS: dict[str, tuple[str | dict[str, Any], tuple[str, ...]]] = {
     "a layer the model lacks": ("three_layers", ("model.layers.2.", "not a layer of this model")),
     "another base's shapes": ("wide", ("features", "96", "another base model")),
     "modules_to_save": ("saves_head", ("modules_to_save", "lm_head")),
+    "a file cut short": ("cut", ("cut short",)),  # it loaded, then failed in a step: every worker died
+    "a rank the config does not say": ("rank_said", ("rank 8", "says 4")),
+    "a name with a control character": ({"lora_name": "a\u0000b", "lora_path": "A1"}, ("lora_name",)),
+    "a name padded with spaces": ({"lora_name": " a ", "lora_path": "A1"}, ("lora_name",)),
     "no lora_path": ({"lora_name": "x"}, ("lora_path",)),
     "no lora_name": ({"lora_path": "/tmp"}, ("lora_name",)),
     "unknown field": ({"lora_name": "x", "lora_path": "A1", "bogus": 1}, ("bogus",)),
@@ -308,6 +318,49 @@ def test_load_refuses(lab: Lab, client: openai.OpenAI, case: str):
     assert "x" not in {m.id for m in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         _complete(client, "x")
+
+
+def test_an_adapter_whose_folder_went_fails_its_requests_only(lab: Lab, client: openai.OpenAI, base_name: str):
+    """Loaded, then its folder removed before its first use: the worker cannot read it. Its
+    requests are an error naming why (they were a 200 with an empty text and finish_reason
+    'error'), streamed or not; the server and the other models serve on."""
+    gone = shutil.copytree(lab.adapters["a1"], lab.root / "gone")
+    assert _post(lab.main, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(gone)}).status_code == 200
+    shutil.rmtree(gone)
+    try:
+        for path, body in (
+            ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 4}),
+        ):
+            err = _error(_post(lab.main, path, {**body, "model": "gone"}), 400)
+            assert "no such folder" in err["message"], err
+        with httpx.stream(
+            "POST",
+            lab.main.base_url + "/v1/completions",
+            json={"model": "gone", "prompt": PROMPTS[0], "max_tokens": 4, "stream": True},
+            timeout=TIMEOUT,
+        ) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "no such folder" in events[-1]["error"]["message"], events
+        assert _complete(client, "a1") == ("a1", lab.refs["a1"])
+        assert _complete(client, base_name) == (base_name, lab.refs[None])
+    finally:
+        _post(lab.main, "/v1/unload_lora_adapter", {"lora_name": "gone"})
+
+
+def test_responses_use_the_adapter_named(lab: Lab, client: openai.OpenAI, base_name: str):
+    """/v1/responses runs the adapter its model names, as chat does (it ran the base model)."""
+    ask = [{"role": "user", "content": "hello there"}]
+    for model in ("a1", base_name):
+        r = client.responses.create(model=model, input=ask, max_output_tokens=N, temperature=0)
+        chat = client.chat.completions.create(model=model, messages=ask, max_tokens=N, temperature=0)
+        assert r.model == model and r.output_text == chat.choices[0].message.content, (model, r.output_text)
+    base = client.responses.create(model=base_name, input=ask, max_output_tokens=N, temperature=0)
+    assert (
+        base.output_text
+        != client.responses.create(model="a1", input=ask, max_output_tokens=N, temperature=0).output_text
+    )
 
 
 def test_unload_refuses(lab: Lab):
