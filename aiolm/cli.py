@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import functools
 import importlib.util
 import logging
 import os
@@ -17,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiolm.config import CliParser, EngineArgs, int_in
@@ -93,10 +94,13 @@ def serve(argv: list[str]) -> int:
         lifespan="on",
         access_log=False,
         log_level=ns.log_level,
-        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
+        # past our own drain (GracefulServer.shutdown), which ends what is left with an error event
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)) + _CANCEL_MARGIN_S,
         log_config=None,
     )
-    server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui))(config)
+    ctx = app.state.ctx
+    drain = functools.partial(ctx.drain, settings.shutdown_timeout)
+    server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui), drain)(config)
     server.run(sockets=[sock])
     return 0 if server.started and app.state.ctx.engine_died is None else 1
 
@@ -158,7 +162,10 @@ def _serving_lines(host: str, port: int, web_ui: bool) -> list[str]:
     return lines
 
 
-def _server_class(serving_lines: list[str]) -> Any:
+_CANCEL_MARGIN_S = 5  # uvicorn cancels the connections this long after the drain's deadline
+
+
+def _server_class(serving_lines: list[str], drain: Callable[[], Awaitable[None]] | None = None) -> Any:
     import uvicorn
 
     log = logging.getLogger("aiolm.server")
@@ -166,7 +173,17 @@ def _server_class(serving_lines: list[str]) -> Any:
     class GracefulServer(uvicorn.Server):
         """uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, which
         kills the process by signal; a clean drain should exit 0, so drop it. Once started,
-        it logs where it serves."""
+        it logs where it serves. ``drain`` starts with the shutdown, beside uvicorn's wait for
+        the connections: the requests still running at its deadline are aborted and their
+        streams end with an error event, before uvicorn would cancel them mid-response."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            draining = asyncio.ensure_future(drain()) if drain is not None else None
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if draining is not None:
+                    await draining
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)

@@ -223,6 +223,8 @@ class Generation:
                 self._finished(i)
             if any(c.finish_reason == "error" for c in out.outputs):  # not a finish a client can read:
                 raise RequestError(out.error or "the request failed")  # its reason, as an error
+            if self.ctx.draining and any(c.finish_reason == "abort" for c in out.outputs):  # the drain's deadline
+                raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
             yield out
 
     async def collect(self) -> list[RequestOutput]:

@@ -102,7 +102,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=seconds,
         default=d.shutdown_timeout,
-        help="seconds in-flight requests may finish after SIGTERM before they are aborted",
+        help=(
+            "seconds in-flight requests may finish after SIGTERM; then they are aborted, a stream "
+            "ending with a 'shutting_down' error event and a waiting client with a 503"
+        ),
     )
     g.add_argument(
         "--access-log",

@@ -36,3 +36,47 @@ def test_each_request_is_logged_once_under_uvicorn(tmp_path):
     log = srv.log_path.read_text()
     lines = [ln for ln in log.splitlines() if "/v1/models" in ln]
     assert len(lines) == 3 and all('"event": "http_request"' in ln for ln in lines), log[-3000:]
+
+
+def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tmp_path):
+    """SIGTERM with streams that cannot finish within --shutdown-timeout: each ends with an
+    in-band 'shutting down' error and [DONE] (uvicorn cut them mid-chunk at the same moment,
+    before the drain could say why), a short one finishes whole, and the server exits 0."""
+    import json
+    import threading
+    import time
+
+    from server_helpers import serve_cmd
+
+    port = free_port()
+    srv = ServerProcess(serve_cmd(port, "--shutdown-timeout", "2"), port, tmp_path / "server.log")
+    results: dict[str, list[str]] = {}
+
+    def stream(name: str, max_tokens: int) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+            results[name] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    try:
+        srv.wait_ready()
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 900)) for i in range(2)]
+        threads.append(threading.Thread(target=stream, args=("short", 8)))
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # every stream has begun
+        t0 = time.monotonic()
+        code = srv.stop(timeout=30)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+    finally:
+        srv.kill()
+    assert code == 0 and took < 2 + 5, (code, took, srv.log_path.read_text()[-3000:])
+    short = [json.loads(e) for e in results["short"][:-1]]
+    assert results["short"][-1] == "[DONE]" and short[-1]["choices"][0]["finish_reason"] == "length"
+    for name in ("long0", "long1"):
+        events = results[name]
+        assert events[-1] == "[DONE]", events[-3:]
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == "shutting_down", last
+    assert "Exception in ASGI application" not in srv.log_path.read_text()
