@@ -346,8 +346,9 @@ class Scheduler:
             self.awaiting_grammar[request.req_id] = request
             self._grammars_to_send[request.req_id] = grammar
 
-    def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Finish the given live requests now, freeing their blocks in this call."""
+    def abort_requests(self, req_ids: Iterable[str], error: str | None = None) -> list[EngineCoreOutput]:
+        """Finish the given live requests now, freeing their blocks in this call; with
+        ``error``, as failed (finish reason "error", the message saying why)."""
         outputs = []
         for req_id in req_ids:
             req = self.requests.get(req_id)
@@ -364,7 +365,9 @@ class Scheduler:
                 self.kv_cache_manager.lease(req, f"load-{self._load_of.pop(req_id)}")
             else:
                 self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            if error is not None:
+                req.error = f"request {req_id!r}: {error}"
+            self._finish(req, RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req, []))
         return outputs
 

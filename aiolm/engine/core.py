@@ -35,6 +35,7 @@ from aiolm.metrics import EngineMetrics
 from aiolm.params import ParamError
 
 log = logging.getLogger(__name__)
+_SUSPECT_FAILURES = 2  # worker failures a request's steps may be in before it is failed
 
 
 COST_PARTS = (
@@ -141,6 +142,7 @@ class EngineCore(Actor[CoreMessage]):
         self.scheduler = scheduler
         self.executor = executor
         self.supervisor = supervisor
+        self._failed_in: dict[str, int] = {}  # live request id -> worker failures its steps were in
         self._failure: BaseException | None = None  # reported by the monitor, handled before the next step
         self.output = output
         self.log_steps = log_steps
@@ -262,6 +264,23 @@ class EngineCore(Actor[CoreMessage]):
         self.scheduler.reset_workers(self.executor.num_blocks)
         for flight in lost:
             self._send_outputs(self.scheduler.update_from_output(flight.step, None))
+        self._fail_suspects({rid for flight in lost for rid in flight.step.num_scheduled_tokens}, error)
+
+    def _fail_suspects(self, stepped: set[str], error: BaseException) -> None:
+        """A request whose steps were in ``_SUSPECT_FAILURES`` worker failures is failed, not
+        requeued again: whatever in it breaks the workers (an input no check foresaw) would
+        spend the restart budget and end the engine for every other request."""
+        live = self.scheduler.requests
+        self._failed_in = {rid: n for rid, n in self._failed_in.items() if rid in live}
+        for rid in stepped & live.keys():
+            self._failed_in[rid] = self._failed_in.get(rid, 0) + 1
+        suspects = [rid for rid, n in self._failed_in.items() if n >= _SUSPECT_FAILURES]
+        if suspects:
+            log.error("failing request(s) %s: in the steps of %d worker failures", suspects, _SUSPECT_FAILURES)
+            why = f"its steps were in {_SUSPECT_FAILURES} worker failures (the last: {error})"
+            self._send_outputs(self.scheduler.abort_requests(suspects, error=why))
+            for rid in suspects:
+                self._failed_in.pop(rid, None)
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:

@@ -8,6 +8,10 @@ weights again from the local file, and the core puts every in-flight request
 back in the queue to be recomputed (Scheduler.reset_workers). A greedy stream
 therefore continues with the same text a fault-free run gives.
 
+A request whose steps were in two worker failures is failed instead of requeued a third
+time (EngineCore._fail_suspects): whatever in it breaks the workers would otherwise spend
+the whole budget below.
+
 Restarts are bounded: more than ``max_restarts`` within ``window`` seconds means
 the fault is not transient, and the supervisor gives up with EngineDeadError
 (the engine then stops cleanly and a process supervisor may restart the server).
