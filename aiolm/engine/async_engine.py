@@ -965,7 +965,7 @@ class AsyncEngine:
     async def prompt_with_images(self, text: str, urls: list[tuple[str, str]], field: str) -> dict[str, Any]:
         """A rendered chat and its image URLs ((url, where in the request)) as a prompt
         ``add_request`` takes: the ids with each image marker expanded, and the images."""
-        p = await self.inputs.with_images(text, await self.inputs.load_images(urls), field)
+        p = await self.inputs.with_image_urls(text, urls, field)
         return {"prompt_token_ids": p.token_ids, "prompt": p.prompt, "mm_inputs": p.images}
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 PromptType = str | dict[str, Any] | Sequence[dict[str, Any]]
 _LARGE_PROMPT_CHARS = 8192  # tokenize, and render chat templates, off the loop above this
 _LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, whatever their size
+_IMAGE_REQUESTS = 2  # requests holding decoded images at once (InputProcessor.image_slot)
 
 
 def _truncation(truncate: int | None, max_tokens: int) -> int | None:
@@ -64,6 +65,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.images = images  # a vision-language model's processor; None: text only
         self.media_limits = media_limits
+        self._image_slots: asyncio.Semaphore | None = None  # made on first use, in the serving loop
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -177,9 +179,10 @@ class InputProcessor:
         images = self._image_processor("messages")
         found = image_parts(messages)
         images.check_count(len(found), "messages")
-        pictures = [await self._load(part, where) for part, where in found]
+        fetched = [(await self._fetch(part, where), where) for part, where in found]
         text = await self.chat_prompt_async([_with_image_markers(m) for m in messages])
-        return await self.with_images(text, pictures, "messages")
+        async with self.image_slot():
+            return await self.with_images(text, [await self._decode(f, where) for f, where in fetched], "messages")
 
     async def with_images(self, text: str, pictures: list[Any], field: str, special: bool = False) -> ProcessedPrompt:
         """``text`` (a rendered chat, or a prompt with the model's image markers) and its
@@ -191,12 +194,23 @@ class InputProcessor:
         ids, inputs = await self._image_processor(field).encode(text, pictures, special)
         return self._check(ProcessedPrompt(text, ids, inputs))
 
-    async def load_images(self, urls: Sequence[tuple[str, str]]) -> list[Any]:
-        """The images at ``urls`` ((url, where it was in the request)), fetched and decoded
-        within the server's limits, refused unless this model takes that many."""
+    async def with_image_urls(self, text: str, urls: Sequence[tuple[str, str]], field: str) -> ProcessedPrompt:
+        """``with_images`` of the images at ``urls`` ((url, where it was in the request)),
+        fetched and decoded within the server's limits, refused unless this model takes that many."""
         if urls:
             self._image_processor(urls[0][1]).check_count(len(urls), "messages")
-        return [await self._load({"type": "image_url", "image_url": url}, where) for url, where in urls]
+        fetched = [(await self._fetch({"type": "image_url", "image_url": url}, where), where) for url, where in urls]
+        async with self.image_slot():
+            return await self.with_images(text, [await self._decode(f, where) for f, where in fetched], field)
+
+    def image_slot(self) -> asyncio.Semaphore:
+        """Held from a request's first image decode to its processor's output. Decoded images
+        (up to --max-image-pixels each, several a prompt) are the largest thing a client can
+        make the server hold, and requests decode before any admission: so only
+        ``_IMAGE_REQUESTS`` requests hold them at a time (their encoded bytes wait outside)."""
+        if self._image_slots is None:
+            self._image_slots = asyncio.Semaphore(_IMAGE_REQUESTS)
+        return self._image_slots
 
     async def _prompt_with_images(self, prompt: dict[str, Any]) -> ProcessedPrompt:
         """vLLM's offline form: {"prompt": text with the model's image markers,
@@ -211,31 +225,45 @@ class InputProcessor:
         text = prompt.get("prompt")
         if not isinstance(text, str):
             raise ParamError("prompt", "a prompt with multi_modal_data must be a string")
-        pictures = [
-            await self._load(
-                {"type": "image_url", "image_url": g} if isinstance(g, str) else {"type": "image_pil", "image_pil": g},
+        fetched = [
+            (
+                await self._fetch(
+                    {"type": "image_url", "image_url": g}
+                    if isinstance(g, str)
+                    else {"type": "image_pil", "image_pil": g},
+                    f"multi_modal_data.image[{i}]",
+                ),
                 f"multi_modal_data.image[{i}]",
             )
             for i, g in enumerate(given)
         ]
-        return await self.with_images(text, pictures, "prompt", special=True)
+        async with self.image_slot():
+            pictures = [await self._decode(f, where) for f, where in fetched]
+            return await self.with_images(text, pictures, "prompt", special=True)
 
-    async def _load(self, part: dict[str, Any], where: str) -> Any:
-        """The decoded image of one content part."""
-        from aiolm.multimodal.media import MediaLimits, load_image
+    async def _fetch(self, part: dict[str, Any], where: str) -> Any:
+        """One content part's image as its encoded bytes (a URL's), or an image given whole."""
+        from aiolm.multimodal.media import MediaLimits, fetch_image
 
         kind = part.get("type")
         value = part.get(kind) if isinstance(kind, str) else None
         if kind == "image_pil" or (kind == "image" and value is not None and not isinstance(value, str)):
-            convert = getattr(value, "convert", None)
-            if convert is None:
+            if getattr(value, "convert", None) is None:
                 raise ParamError(where, "must be a PIL image")
-            return convert("RGB")
+            return value
         if kind == "image_url" and isinstance(value, dict):
             value = value.get("url")
         if not isinstance(value, str) or not value:
             raise ParamError(where, "an image part needs a URL (data:, http(s): or file:)")
-        return await load_image(value, self.media_limits or MediaLimits(), where)
+        return await fetch_image(value, self.media_limits or MediaLimits(), where)
+
+    async def _decode(self, fetched: Any, where: str) -> Any:
+        """``_fetch``'s result as an RGB image."""
+        from aiolm.multimodal.media import MediaLimits, decode_image
+
+        if isinstance(fetched, bytes):
+            return await decode_image(fetched, self.media_limits or MediaLimits(), where)
+        return fetched.convert("RGB")
 
     async def _encode(self, text: str, special: bool) -> list[int]:
         why = self.too_long(text)

@@ -51,23 +51,29 @@ async def load_image(url: str, limits: MediaLimits, field: str) -> Image.Image:
     ``url`` is a ``data:image/...;base64,`` URL, an http(s) URL or a file URL; fetching and
     decoding stay within ``limits``.
     """
+    return await decode_image(await fetch_image(url, limits, field), limits, field)
+
+
+async def fetch_image(url: str, limits: MediaLimits, field: str) -> bytes:
+    """The encoded image at ``url`` (at most ``limits.max_bytes``), not decoded yet."""
     try:
         scheme = urlsplit(url).scheme.lower()
     except ValueError:  # e.g. an unclosed IPv6 bracket in the host
         raise ParamError(field, f"the image URL {_show(url)} is malformed") from None
-    if scheme == "data":  # base64 of up to max_bytes: decoded off the loop, with the image
-        return await asyncio.to_thread(
-            lambda: _decode(_data_url_bytes(url, limits.max_bytes, field), limits.max_pixels, field)
-        )
+    if scheme == "data":  # base64 of up to max_bytes: decoded off the loop
+        return await asyncio.to_thread(_data_url_bytes, url, limits.max_bytes, field)
     elif scheme in ("http", "https"):
-        data = await _fetch(url, limits, field)
+        return await _fetch(url, limits, field)
     elif scheme == "file":
-        data = await asyncio.to_thread(_read_file, url, limits, field)
+        return await asyncio.to_thread(_read_file, url, limits, field)
     elif not url:
         raise ParamError(field, "the image URL is empty")
-    else:
-        got = f"a {scheme}: URL" if scheme else f"{_show(url)}, which has no scheme"
-        raise ParamError(field, f"the image URL must be a data:image/...;base64, http(s) or file URL, not {got}")
+    got = f"a {scheme}: URL" if scheme else f"{_show(url)}, which has no scheme"
+    raise ParamError(field, f"the image URL must be a data:image/...;base64, http(s) or file URL, not {got}")
+
+
+async def decode_image(data: bytes, limits: MediaLimits, field: str) -> Image.Image:
+    """``data`` decoded to RGB off the event loop, its pixel count checked first."""
     return await asyncio.to_thread(_decode, data, limits.max_pixels, field)
 
 

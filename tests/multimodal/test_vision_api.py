@@ -69,13 +69,18 @@ def media(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(llava, media, tmp_path_factory) -> Iterator[openai.OpenAI]:
+def vl_server(llava, media, tmp_path_factory) -> Iterator[ServerProcess]:
     port = free_port()
     flags = [str(llava), "--allowed-local-media-path", str(media), "--limit-mm-per-prompt", "image=2"]
     flags += ["--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "0.5", "--max-image-pixels", "4000000"]
     srv = ServerProcess(serve_cmd(port, *flags), port, tmp_path_factory.mktemp("vl-server") / "server.log")
     with srv.serving("vision server"):
-        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(vl_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vl_server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def ask(client: openai.OpenAI, *urls: str) -> openai.types.chat.ChatCompletion:
@@ -217,3 +222,29 @@ def test_responses_input_image_answers_as_chat(client):
     )
     assert resp.output_text == chat.choices[0].message.content
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """The process's resident peak so far (VmHWM)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_burst_of_large_images_holds_few_decoded_at_once(client, vl_server):
+    """Sixteen requests of two 4-megapixel images each, at once: decoded images (and the
+    processor's float copies of them) are what a client can make the server hold before any
+    admission, so only two requests hold them at a time. The server's resident peak grows by
+    about 180 MB (by 700 MB when all sixteen held theirs, and by gigabytes at 20 MP)."""
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = "data:image/png;base64," + base64.b64encode(_png_of(1999, 2000)).decode()
+    ask(client, url, url)  # the processor and the kernels warmed up
+    before = _peak_rss_mb(vl_server.proc.pid)
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda _: ask(client, url, url), range(16)))
+    grew = _peak_rss_mb(vl_server.proc.pid) - before
+    assert all(o.choices[0].finish_reason == "length" for o in outs)
+    assert grew < 400, f"the resident peak grew by {grew:.0f} MB"
