@@ -282,10 +282,12 @@ def template_messages(messages: list[ChatMessage], where: str = "messages") -> l
 
 
 def message_text(content: str | list[Any] | None) -> str | None:
-    """OpenAI allows content as a list of text parts; the engine's template wants a string."""
+    """OpenAI allows content as a list of text parts; the engine's template wants a string:
+    the parts a line apart, as vLLM joins them (run together, "Hello" and "World" became
+    one word)."""
     if content is None or isinstance(content, str):
         return content
-    return "".join(part.text for part in content if getattr(part, "text", None) is not None)
+    return "\n".join(part.text for part in content if getattr(part, "text", None) is not None)
 
 
 def _has_images(content: str | list[Any] | None) -> bool:

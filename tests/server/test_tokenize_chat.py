@@ -140,3 +140,23 @@ def test_chat_echo_prepends_the_continued_assistant_message(server):
         model=model, messages=QUESTION, max_tokens=4, temperature=0, extra_body={"echo": True}
     )
     assert again.choices[0].message.content == asked.choices[0].message.content  # a new turn echoes nothing
+
+
+def test_text_parts_are_joined_a_line_apart_as_vllm_joins_them(server):
+    """A message's text parts render as their texts joined by newlines, on chat, /tokenize and
+    Anthropic's blocks alike (they ran together: "Hello" "World" was "HelloWorld")."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    for joined, content in (("Hello\nWorld", parts), ("Hello", parts[:1])):
+        want = _tokenize(server, {"messages": [{"role": "user", "content": joined}]}).json()["tokens"]
+        assert _tokenize(server, {"messages": [{"role": "user", "content": content}]}).json()["tokens"] == want
+        assert _chat_prompt_ids(server, messages=[{"role": "user", "content": content}]) == want
+    model = httpx.get(server.base_url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+    counted, plain = (
+        httpx.post(
+            server.base_url + "/v1/messages/count_tokens",
+            json={"model": model, "messages": [{"role": "user", "content": content}]},
+            timeout=TIMEOUT,
+        )
+        for content in (parts, "Hello\nWorld")
+    )
+    assert counted.status_code == 200 and counted.json() == plain.json(), (counted.text, plain.text)
