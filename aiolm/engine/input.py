@@ -184,7 +184,9 @@ class InputProcessor:
         async with self.image_slot():
             return await self.with_images(text, [await self._decode(f, where) for f, where in fetched], "messages")
 
-    async def with_images(self, text: str, pictures: list[Any], field: str, special: bool = False) -> ProcessedPrompt:
+    async def with_images(
+        self, text: str, pictures: list[Any], field: str, special: bool = False, length: bool = True
+    ) -> ProcessedPrompt:
         """``text`` (a rendered chat, or a prompt with the model's image markers) and its
         decoded images through the model's processor: ids with each marker expanded into
         its placeholders, and the images' inputs."""
@@ -192,16 +194,18 @@ class InputProcessor:
         if why is not None:
             raise ParamError(field, why)
         ids, inputs = await self._image_processor(field).encode(text, pictures, special)
-        return self._check(ProcessedPrompt(text, ids, inputs))
+        return self._check(ProcessedPrompt(text, ids, inputs), length)
 
     async def with_image_urls(self, text: str, urls: Sequence[tuple[str, str]], field: str) -> ProcessedPrompt:
         """``with_images`` of the images at ``urls`` ((url, where it was in the request)),
-        fetched and decoded within the server's limits, refused unless this model takes that many."""
+        fetched and decoded within the server's limits, refused unless this model takes that many.
+        The context length is the caller's to check (the server's routes do, with their wording)."""
         if urls:
             self._image_processor(urls[0][1]).check_count(len(urls), "messages")
         fetched = [(await self._fetch({"type": "image_url", "image_url": url}, where), where) for url, where in urls]
         async with self.image_slot():
-            return await self.with_images(text, [await self._decode(f, where) for f, where in fetched], field)
+            pictures = [await self._decode(f, where) for f, where in fetched]
+            return await self.with_images(text, pictures, field, length=False)
 
     def image_slot(self) -> asyncio.Semaphore:
         """Held from a request's first image decode to its processor's output. Decoded images
@@ -349,7 +353,9 @@ class InputProcessor:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def _check(self, p: ProcessedPrompt) -> ProcessedPrompt:
+    def _check(self, p: ProcessedPrompt, length: bool = True) -> ProcessedPrompt:
+        """``p``'s ids and images fit the model; with ``length``, its context too (a server
+        route checks that itself, naming its own fields)."""
         if self.images is not None:
             self.images.check_placeholders(p.token_ids, p.images, "prompt")
         n = len(p.token_ids)
@@ -358,7 +364,7 @@ class InputProcessor:
         bad = next((t for t in p.token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
+        if length and n >= self.max_model_len:
             raise ParamError(
                 "prompt",
                 f"the prompt has {n} tokens; this model's maximum context length is "

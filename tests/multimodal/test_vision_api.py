@@ -149,6 +149,19 @@ def test_bad_images_are_400s_naming_the_problem(client, media, image_host):
     assert ask(client, data_url(PNG)).choices[0].finish_reason == "length"
 
 
+def test_a_prompt_too_long_with_its_image_is_refused_as_a_text_one_is(client):
+    """The context-length refusal names 'messages' with OpenAI's code, images or not (with an
+    image it named 'prompt', without the code)."""
+    model = client.models.list().data[0].id
+    words = "word " * 1500
+    with_image = [{"type": "image_url", "image_url": {"url": data_url(PNG)}}, {"type": "text", "text": words}]
+    for content in (words, with_image):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=4)
+        body = e.value.body
+        assert body["param"] == "messages" and body["code"] == "context_length_exceeded", body
+
+
 def test_tokenize_counts_what_the_chat_runs(client):
     """/tokenize of a chat with an image: the ids a chat completion runs, placeholders expanded."""
     messages = [
