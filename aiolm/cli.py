@@ -183,7 +183,10 @@ def _server_class(serving_lines: list[str], drain: Callable[[], Awaitable[None]]
                 await super().shutdown(sockets)
             finally:
                 if draining is not None:
-                    await draining
+                    if self.force_exit:  # a second Ctrl+C: no waiting for the drain's deadline
+                        draining.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await draining
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)

@@ -142,7 +142,7 @@ class EngineCore(Actor[CoreMessage]):
         self.scheduler = scheduler
         self.executor = executor
         self.supervisor = supervisor
-        self._failed_in: dict[str, int] = {}  # live request id -> worker failures its steps were in
+        self._failed_in: dict[str, list[float]] = {}  # live request id -> when the failures its steps were in came
         self._failure: BaseException | None = None  # reported by the monitor, handled before the next step
         self.output = output
         self.log_steps = log_steps
@@ -267,14 +267,19 @@ class EngineCore(Actor[CoreMessage]):
         self._fail_suspects({rid for flight in lost for rid in flight.step.num_scheduled_tokens}, error)
 
     def _fail_suspects(self, stepped: set[str], error: BaseException) -> None:
-        """A request whose steps were in ``_SUSPECT_FAILURES`` worker failures is failed, not
-        requeued again: whatever in it breaks the workers (an input no check foresaw) would
-        spend the restart budget and end the engine for every other request."""
-        live = self.scheduler.requests
-        self._failed_in = {rid: n for rid, n in self._failed_in.items() if rid in live}
+        """A request whose steps were in ``_SUSPECT_FAILURES`` worker failures within the restart
+        budget's window is failed, not requeued again: whatever in it breaks the workers (an
+        input no check foresaw) would spend the budget and end the engine for every request,
+        later ones too. The requests that shared both steps with it fail with it (they would
+        have failed with the engine anyway): the engine serves on."""
+        live, now = self.scheduler.requests, time.monotonic()
+        window = self.supervisor.window if self.supervisor is not None else 0.0  # the restart budget's
+        self._failed_in = {
+            rid: [t for t in times if now - t <= window] for rid, times in self._failed_in.items() if rid in live
+        }
         for rid in stepped & live.keys():
-            self._failed_in[rid] = self._failed_in.get(rid, 0) + 1
-        suspects = [rid for rid, n in self._failed_in.items() if n >= _SUSPECT_FAILURES]
+            self._failed_in.setdefault(rid, []).append(now)
+        suspects = [rid for rid, times in self._failed_in.items() if len(times) >= _SUSPECT_FAILURES]
         if suspects:
             log.error("failing request(s) %s: in the steps of %d worker failures", suspects, _SUSPECT_FAILURES)
             why = f"its steps were in {_SUSPECT_FAILURES} worker failures (the last: {error})"

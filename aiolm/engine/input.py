@@ -7,8 +7,11 @@ the field, so the core and workers only ever see valid requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +69,8 @@ class InputProcessor:
         self.images = images  # a vision-language model's processor; None: text only
         self.media_limits = media_limits
         self._image_slots: asyncio.Semaphore | None = None  # made on first use, in the serving loop
+        self._truncate_lock = threading.Lock()
+        self._truncating_tokenizer: Any = None  # _truncating's copy, made on first use
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -332,7 +337,18 @@ class InputProcessor:
         """Truncated by the tokenizer, which keeps the special tokens (a BERT's [SEP]) in."""
         if truncate is None:
             return self.encode(text)
-        return list(self.tokenizer(text, truncation=True, max_length=truncate)["input_ids"])
+        with self._truncating() as tok:
+            return list(tok(text, truncation=True, max_length=truncate)["input_ids"])
+
+    @contextlib.contextmanager
+    def _truncating(self) -> Iterator[Any]:
+        """A copy of the tokenizer for calls that truncate, one at a time. A fast tokenizer
+        switches its truncation setting in place; done to the shared one in a thread while
+        the loop tokenizes, it fails ("Already borrowed"). The shared one never truncates."""
+        with self._truncate_lock:
+            if self._truncating_tokenizer is None:
+                self._truncating_tokenizer = copy.deepcopy(self.tokenizer)
+            yield self._truncating_tokenizer
 
     def encode_pair(self, text: str, pair: str, truncate: int | None, max_tokens: int) -> dict[str, Any]:
         """The ids (and token type ids, where the tokenizer makes segments) of a text pair."""
@@ -344,7 +360,11 @@ class InputProcessor:
             why = self.too_long(text + pair)
             if why is not None:
                 raise ParamError("input", why.replace("the prompt", "the pair", 1))
-        enc = self.tokenizer(text, pair, truncation=limit is not None, max_length=limit)
+        if limit is None:
+            enc = self.tokenizer(text, pair, truncation=False)
+        else:
+            with self._truncating() as tok:
+                enc = tok(text, pair, truncation=True, max_length=limit)
         out: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
         if "token_type_ids" in enc:
             out["token_type_ids"] = list(enc["token_type_ids"])

@@ -91,8 +91,13 @@ def _header(path: Path) -> dict[str, Any]:
         raise ParamError("lora_path", f"{path}: not a safetensors file")
     header.pop("__metadata__", None)
     # the data must be all there: a cut file fails only where the worker reads it, in a step
-    ends = [m.get("data_offsets", [0, 0])[-1] for m in header.values() if isinstance(m, dict)]
-    need = 8 + n + max((e for e in ends if isinstance(e, int)), default=0)
+    ends = []
+    for name, meta in header.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise ParamError("lora_path", f"{path}: not a safetensors file (tensor {name!r} has no data offsets)")
+        ends.append(offsets[1])
+    need = 8 + n + max(ends, default=0)
     size = path.stat().st_size
     if size < need:
         raise ParamError("lora_path", f"{path}: cut short ({size} bytes; its header says {need})")

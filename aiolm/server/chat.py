@@ -174,7 +174,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             message, calls = turn.reading.message(c.text)
             if turn.echo:
                 message["content"] = turn.echo + (message["content"] or "")
-            if calls and finish_reason == "stop":
+            if calls and finish_reason == "stop" and not isinstance(c.stop_reason, str):  # a stop string cut it
                 finish_reason = "tool_calls"
             choices.append(
                 {
@@ -262,7 +262,7 @@ async def _chat_events(
                 )
                 finish_reason = c.finish_reason
                 reasoning, text, call_deltas = streams[idx].feed(c.text, c.finished)
-                if streams[idx].called and finish_reason == "stop":
+                if streams[idx].called and finish_reason == "stop" and not isinstance(c.stop_reason, str):
                     finish_reason = "tool_calls"
                 head = {**(_reasoning_fields(reasoning) if reasoning else {}), **({"content": text} if text else {})}
                 deltas = ([head] if head else []) + call_deltas

@@ -221,8 +221,9 @@ class Generation:
         async for out in self.ctx.engine.stream(self.states[i]):
             if out.finished:
                 self._finished(i)
-            if any(c.finish_reason == "error" for c in out.outputs):  # not a finish a client can read:
-                raise RequestError(out.error or "the request failed")  # its reason, as an error
+            if any(c.finish_reason == "error" for c in out.outputs):  # the engine's or a worker's failure,
+                why = out.error or "no reason given"  # not a finish a client can act on: a 500 saying why
+                raise APIError(500, f"the request failed: {why}", code="request_failed", type="server_error")
             if self.ctx.draining and any(c.finish_reason == "abort" for c in out.outputs):  # the drain's deadline
                 raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
             yield out

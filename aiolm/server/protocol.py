@@ -40,6 +40,7 @@ from aiolm.engine.client import EngineClient
 from aiolm.params import MAX_LOGPROB_TOKEN_IDS, MAX_STOP_TOKEN_IDS, OutputKind, ParamError, SamplingParams
 from aiolm.server import client_json
 from aiolm.server.errors import APIError, bad_request, clip
+from aiolm.structured.backend import unenforced
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
 log = logging.getLogger("aiolm.server")
@@ -844,6 +845,9 @@ def _schema_text(value: Any, param: str) -> str:
             raise bad_request(f"'{param}' is not valid JSON: {e}", param=param) from None
     if not isinstance(value, (dict, bool)):
         raise bad_request(f"'{param}' must be a JSON schema object", param=param)
+    why = unenforced(value)
+    if why is not None:
+        raise bad_request(f"'{param}': invalid JSON schema: {why}", param=param)
     return json.dumps(value)  # key order kept: it is the order properties are generated in
 
 

@@ -146,7 +146,7 @@ def _rebased(schema: Any, base: str) -> Any:
         return schema
     out: dict[str, Any] = {}
     for k, v in schema.items():
-        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):  # not an anchor ("#name")
             out[k] = "#" + base + v[1:]
         elif k in _NAMED_SCHEMAS and isinstance(v, dict):  # names (any, "const" too) -> schemas
             out[k] = {name: _rebased(sub, base) for name, sub in v.items()}

@@ -56,7 +56,6 @@ _WHAT = {
 def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
     """Compile ``spec`` (the result stays in the process's cache); None, or why it failed."""
     try:
-        check_enforced(spec)
         check_startable(Compiler.compile(spec, vocab_size))
     except Exception as e:
         return describe_error(spec, e)
@@ -65,36 +64,31 @@ def compile_error(spec: StructuredOutputs, vocab_size: int) -> str | None:
 
 # JSON schema keywords xgrammar (0.2.9) compiles but does not enforce: text breaking them was
 # measured to be accepted (allOf of two or more schemas, too: it does not merge them). oneOf is
-# taken as anyOf, the usual reading of a discriminated union, and is let through.
+# taken as anyOf, the usual reading of a discriminated union, and is let through. Checked where
+# a client gives a schema for its output (protocol.py); a tool's parameters are let through, as
+# vLLM lets them (they are often written from code, and pydantic writes uniqueItems for a set).
 _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else")
-_UNENFORCED += ("dependentRequired", "dependentSchemas")
+_UNENFORCED += ("dependentRequired", "dependentSchemas", "dependencies")
 _SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
-def check_enforced(spec: StructuredOutputs) -> None:
-    """Raise if a JSON schema uses a keyword the grammar would not enforce: generated text
-    could break it, and a constraint silently dropped is a field silently ignored."""
-    if spec.kind != "json":
-        return
-    import json
-
-    try:
-        root = json.loads(spec.text)
-    except ValueError:
-        return  # xgrammar's own message says what is wrong with the text
-    stack: list[tuple[Any, str]] = [(root, "")]
-    while stack:  # a stack, not recursion: a schema's text may nest deeper than Python recurses
+def unenforced(schema: Any) -> str | None:
+    """Why the JSON schema ``schema`` (parsed) cannot be enforced: its first keyword the grammar
+    would not enforce, and where; None when there is none. Generated text could break such a
+    keyword, and a constraint silently dropped is a field silently ignored."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:  # a stack, not recursion: a schema may nest deeper than Python recurses
         node, path = stack.pop()
         if not isinstance(node, dict):
             continue
         where = f" (at {path})" if path else ""
         for key in _UNENFORCED:
             if key in node and not (key == "uniqueItems" and node[key] is False):
-                raise ValueError(f"'{key}'{where} is not enforced by this server's grammar backend; remove it")
+                return f"'{key}'{where} is not enforced by this server's grammar backend; remove it"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            raise ValueError(f"'allOf' of more than one schema{where} is not enforced by this server's grammar backend")
+            return f"'allOf' of more than one schema{where} is not enforced by this server's grammar backend"
         for key in _SUBSCHEMA:
             stack.append((node.get(key), f"{path}.{key}" if path else key))
         for key in _SUBSCHEMA_LISTS:
@@ -105,6 +99,7 @@ def check_enforced(spec: StructuredOutputs) -> None:
                 stack.extend(
                     (sub, f"{path}.{key}.{name}" if path else f"{key}.{name}") for name, sub in node[key].items()
                 )
+    return None
 
 
 def check_startable(compiled: Any) -> None:

@@ -100,14 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     replies.write(encode_frame({"ready": True}))
-    from aiolm.structured.backend import check_enforced, check_startable, compile_spec, describe_error
+    from aiolm.structured.backend import check_startable, compile_spec, describe_error
     from aiolm.structured.spec import StructuredOutputs
 
     while (head := _read_frame(requests)) is not None and (text := _read_frame(requests)) is not None:
         msg = json.loads(head)
         spec = StructuredOutputs(str(msg["kind"]), text.decode(), bool(msg["strict"]))
         try:
-            check_enforced(spec)
             check_startable(compile_spec(compiler, spec))
             error = None
         except Exception as e:

@@ -333,7 +333,7 @@ def test_an_adapter_whose_folder_went_fails_its_requests_only(lab: Lab, client: 
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
             ("/v1/responses", {"input": "hi", "max_output_tokens": 4}),
         ):
-            err = _error(_post(lab.main, path, {**body, "model": "gone"}), 400)
+            err = _error(_post(lab.main, path, {**body, "model": "gone"}), 500)
             assert "no such folder" in err["message"], err
         with httpx.stream(
             "POST",

@@ -527,6 +527,15 @@ def test_an_enforced_call_cut_short_is_a_partial_call_never_content(client, mode
             args += d.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert (content, names, args, finish) == ("", ["get_weather"], call.function.arguments, "length")
+    # cut by a stop string: 'stop' with the string, never 'tool_calls' for a call that is not whole
+    for stream in (False, True):
+        kw_stop = dict(max_tokens=80, stop=["}"], **kw)
+        if stream:
+            chunks = [c for c in client.chat.completions.create(model=model, stream=True, **kw_stop) if c.choices]
+            finish = next(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason)
+        else:
+            finish = client.chat.completions.create(model=model, **kw_stop).choices[0].finish_reason
+        assert finish == "stop", (stream, finish)
 
 
 DEFS_PARAMS = {  # a schema with its own definitions, as pydantic writes one for nested models
