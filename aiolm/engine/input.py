@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 PromptType = str | dict[str, Any] | Sequence[dict[str, Any]]
 _LARGE_PROMPT_CHARS = 8192  # tokenize, and render chat templates, off the loop above this
 _LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, whatever their size
-_IMAGE_REQUESTS = 2  # requests holding decoded images at once (InputProcessor.image_slot)
+_IMAGE_REQUESTS = 2  # requests holding decoded images at once (InputProcessor._with_decoded)
 
 
 def _truncation(truncate: int | None, max_tokens: int) -> int | None:
@@ -186,8 +186,7 @@ class InputProcessor:
         images.check_count(len(found), "messages")
         fetched = [(await self._fetch(part, where), where) for part, where in found]
         text = await self.chat_prompt_async([_with_image_markers(m) for m in messages])
-        async with self.image_slot():
-            return await self.with_images(text, [await self._decode(f, where) for f, where in fetched], "messages")
+        return await self._with_decoded(text, fetched, "messages")
 
     async def with_images(
         self, text: str, pictures: list[Any], field: str, special: bool = False, length: bool = True
@@ -208,18 +207,21 @@ class InputProcessor:
         if urls:
             self._image_processor(urls[0][1]).check_count(len(urls), "messages")
         fetched = [(await self._fetch({"type": "image_url", "image_url": url}, where), where) for url, where in urls]
-        async with self.image_slot():
-            pictures = [await self._decode(f, where) for f, where in fetched]
-            return await self.with_images(text, pictures, field, length=False)
+        return await self._with_decoded(text, fetched, field, length=False)
 
-    def image_slot(self) -> asyncio.Semaphore:
-        """Held from a request's first image decode to its processor's output. Decoded images
-        (up to --max-image-pixels each, several a prompt) are the largest thing a client can
-        make the server hold, and requests decode before any admission: so only
-        ``_IMAGE_REQUESTS`` requests hold them at a time (their encoded bytes wait outside)."""
+    async def _with_decoded(
+        self, text: str, fetched: list[tuple[Any, str]], field: str, special: bool = False, length: bool = True
+    ) -> ProcessedPrompt:
+        """``with_images`` of ``_fetch``'s images ((result, where in the request)), decoded in a
+        slot held until the processor's output. Decoded images (up to --max-image-pixels each,
+        several a prompt) are the largest thing a client can make the server hold, and requests
+        decode before any admission: so only ``_IMAGE_REQUESTS`` requests hold them at a time
+        (their encoded bytes wait outside)."""
         if self._image_slots is None:
             self._image_slots = asyncio.Semaphore(_IMAGE_REQUESTS)
-        return self._image_slots
+        async with self._image_slots:
+            pictures = [await self._decode(f, where) for f, where in fetched]
+            return await self.with_images(text, pictures, field, special, length)
 
     async def _prompt_with_images(self, prompt: dict[str, Any]) -> ProcessedPrompt:
         """vLLM's offline form: {"prompt": text with the model's image markers,
@@ -246,9 +248,7 @@ class InputProcessor:
             )
             for i, g in enumerate(given)
         ]
-        async with self.image_slot():
-            pictures = [await self._decode(f, where) for f, where in fetched]
-            return await self.with_images(text, pictures, "prompt", special=True)
+        return await self._with_decoded(text, fetched, "prompt", special=True)
 
     async def _fetch(self, part: dict[str, Any], where: str) -> Any:
         """One content part's image as its encoded bytes (a URL's), or an image given whole."""

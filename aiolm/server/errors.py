@@ -8,6 +8,7 @@ answers with an error, including 404/405/413 and a dead engine, goes through her
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.responses import Response
@@ -28,6 +29,13 @@ _TYPES = {
 def clip(text: str, most: int = 100) -> str:
     """A client's string as an error message quotes it: at most ``most`` characters of it."""
     return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+def listed(names: Sequence[str], quote: Callable[[str], str] = repr, most: int = 8) -> str:
+    """Names an error message lists: the first ``most`` of them, clipped and quoted, and a count
+    of the rest (a client may send hundreds of thousands)."""
+    out = ", ".join(quote(clip(n)) for n in names[:most])
+    return out + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class APIError(Exception):

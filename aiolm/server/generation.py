@@ -105,9 +105,10 @@ def check_lengths(
             code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt + max_tokens > limit:
-        # a client's integer may have thousands of digits: past what str() takes once summed
-        total = f"{num_prompt + max_tokens}" if max_tokens < 2**63 else "more than 2**63"
-        asked = f"{max_tokens}" if max_tokens < 2**63 else "more than 2**63"
+        if max_tokens >= 2**63:  # a client's integer may have thousands of digits: past what str() takes summed
+            total = asked = "more than 2**63"
+        else:
+            total, asked = f"{num_prompt + max_tokens}", f"{max_tokens}"
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{total} tokens ({num_prompt} in the input, {asked} in the "

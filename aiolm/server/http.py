@@ -11,7 +11,7 @@ from starlette.requests import Request
 from aiolm.lora.request import LoRARequest
 from aiolm.server import client_json
 from aiolm.server.context import ServingContext
-from aiolm.server.errors import APIError, bad_request, clip
+from aiolm.server.errors import APIError, bad_request, clip, listed
 from aiolm.server.middleware import LOG_EXTRA_KEY
 
 _OFFLOAD_BYTES = 64 << 10  # parse bodies above this off the event loop
@@ -111,7 +111,7 @@ def check_model(ctx: ServingContext, model: str | None) -> LoRARequest | None:
     if lora is not None:
         return lora
     names = [ctx.model_name, *(a.lora_name for a in ctx.engine.list_loras())]
-    served = ", ".join(f"'{clip(n)}'" for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    served = listed(names, quote=lambda n: f"'{n}'")
     raise APIError(
         404,
         f"The model '{clip(model)}' does not exist; this server serves {served}.",

@@ -39,7 +39,7 @@ from aiolm.config import EngineArgs
 from aiolm.engine.client import EngineClient
 from aiolm.params import MAX_LOGPROB_TOKEN_IDS, MAX_STOP_TOKEN_IDS, OutputKind, ParamError, SamplingParams
 from aiolm.server import client_json
-from aiolm.server.errors import APIError, bad_request, clip
+from aiolm.server.errors import APIError, bad_request, clip, listed
 from aiolm.structured.backend import unenforced
 from aiolm.structured.spec import StructuredOutputs, choice_grammar
 
@@ -633,23 +633,18 @@ def parse(model: type[M], body: Any, limits: Limits) -> M:
             where.pop(steps[-1], None)
 
 
-_LISTED = 8  # unknown fields an error names; the rest are counted
-
-
 def _unrecognized(paths: list[str], limits: Limits) -> None:
     """Refuse the request's unknown fields (``paths``) with a 400 naming them, or, on a lenient
     server, log them and return (the caller drops them)."""
-    listed = ", ".join(repr(clip(p)) for p in paths[:_LISTED])
-    if len(paths) > _LISTED:
-        listed += f" and {len(paths) - _LISTED} more"
+    names = listed(paths)
     if not limits.lenient:
         raise bad_request(
-            f"Unrecognized request argument supplied: {listed} (this server does not "
+            f"Unrecognized request argument supplied: {names} (this server does not "
             f"implement {'it' if len(paths) == 1 else 'them'})",
             param=clip(paths[0]),
             code="unrecognized_argument",
         )
-    log.warning("ignoring request fields this server does not implement: %s", listed)
+    log.warning("ignoring request fields this server does not implement: %s", names)
 
 
 def _is_tag(part: int | str) -> bool:

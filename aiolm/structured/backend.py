@@ -89,16 +89,15 @@ def unenforced(schema: Any) -> str | None:
                 return f"'{key}'{where} is not enforced by this server's grammar backend; remove it"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"'allOf' of more than one schema{where} is not enforced by this server's grammar backend"
+        at = f"{path}." if path else ""
         for key in _SUBSCHEMA:
-            stack.append((node.get(key), f"{path}.{key}" if path else key))
+            stack.append((node.get(key), f"{at}{key}"))
         for key in _SUBSCHEMA_LISTS:
             if isinstance(node.get(key), list):
-                stack.extend((sub, f"{path}.{key}[{i}]" if path else f"{key}[{i}]") for i, sub in enumerate(node[key]))
+                stack.extend((sub, f"{at}{key}[{i}]") for i, sub in enumerate(node[key]))
         for key in _SUBSCHEMA_MAPS:
             if isinstance(node.get(key), dict):
-                stack.extend(
-                    (sub, f"{path}.{key}.{name}" if path else f"{key}.{name}") for name, sub in node[key].items()
-                )
+                stack.extend((sub, f"{at}{key}.{name}") for name, sub in node[key].items())
     return None
 
 
