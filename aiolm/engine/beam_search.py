@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiolm.engine.errors import RequestError, RequestTimeoutError
-from aiolm.engine.input import image_parts
+from aiolm.engine.input import check_in_vocab, image_parts
 from aiolm.outputs import Logprob, RequestOutput
 from aiolm.params import BeamSearchParams, OutputKind, ParamError, SamplingParams
 
@@ -104,9 +104,7 @@ async def beam_search(
     rid = request_id or f"beam-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
-    bad = next((t for t in params.stop_token_ids if t >= engine.vocab_size), None)
-    if bad is not None:
-        raise ParamError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {engine.vocab_size})")
+    check_in_vocab("stop_token_ids", params.stop_token_ids, engine.vocab_size)
     end_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         end_ids.update(engine.eos_token_ids)

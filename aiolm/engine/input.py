@@ -11,7 +11,7 @@ import contextlib
 import copy
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -413,21 +413,13 @@ class InputProcessor:
                 raise ParamError(name, f"at most {self.max_logprobs} top logprobs, got {value}")
             elif value is not None and value > self.vocab_size:
                 raise ParamError(name, f"at most the vocabulary's {self.vocab_size} tokens, got {value}")
-        for tok in params.logprob_token_ids or ():
-            if tok >= self.vocab_size:
-                raise ParamError(
-                    "logprob_token_ids", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})"
-                )
+        check_in_vocab("logprob_token_ids", params.logprob_token_ids or (), self.vocab_size)
         if params.logprob_token_ids and params.logprobs is None:
             whole["logprobs"] = 0  # the sampled token's, then the named ones
         if whole:
             params = params.clone(**whole)
-        for tok in params.logit_bias or {}:
-            if not 0 <= tok < self.vocab_size:
-                raise ParamError("logit_bias", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
-        for tok in params.stop_token_ids:
-            if tok >= self.vocab_size:
-                raise ParamError("stop_token_ids", f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
+        check_in_vocab("logit_bias", params.logit_bias or {}, self.vocab_size)
+        check_in_vocab("stop_token_ids", params.stop_token_ids, self.vocab_size)
         params = params.clone(eos_token_ids=self.eos_token_ids)
         if params.allowed_token_ids is not None:  # a step with every token masked would emit token 0
             banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
@@ -440,6 +432,13 @@ class InputProcessor:
                     "no token can be generated before min_tokens: each allowed one ends the sequence or is a bad word",
                 )
         return params
+
+
+def check_in_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    """ParamError naming ``field`` for the first id outside ``[0, vocab_size)``."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ParamError(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def image_parts(messages: Sequence[Any]) -> list[tuple[dict[str, Any], str]]:

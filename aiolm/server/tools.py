@@ -25,7 +25,7 @@ from aiolm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRe
 from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
 from aiolm.server.tool_parsers.base import CallsReader
 from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall
-from aiolm.structured.spec import StructuredOutputs
+from aiolm.structured.spec import SCHEMA_MAPS, StructuredOutputs
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -134,7 +134,6 @@ def _call_schema(name: str, params: dict[str, Any], at: str) -> dict[str, Any]:
 
 
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # values there are data, not schemas
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebased(schema: Any, base: str) -> Any:
@@ -148,7 +147,7 @@ def _rebased(schema: Any, base: str) -> Any:
     for k, v in schema.items():
         if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):  # not an anchor ("#name")
             out[k] = "#" + base + v[1:]
-        elif k in _NAMED_SCHEMAS and isinstance(v, dict):  # names (any, "const" too) -> schemas
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
             out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
         elif k in _DATA_KEYS:
             out[k] = v

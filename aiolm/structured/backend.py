@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from aiolm.structured.spec import StructuredOutputs
+from aiolm.structured.spec import SCHEMA_MAPS, StructuredOutputs
 
 log = logging.getLogger(__name__)
 BACKENDS = ("xgrammar", "none")
@@ -71,7 +71,6 @@ _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "
 _UNENFORCED += ("dependentRequired", "dependentSchemas", "dependencies")
 _SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def unenforced(schema: Any) -> str | None:
@@ -95,7 +94,7 @@ def unenforced(schema: Any) -> str | None:
         for key in _SUBSCHEMA_LISTS:
             if isinstance(node.get(key), list):
                 stack.extend((sub, f"{at}{key}[{i}]") for i, sub in enumerate(node[key]))
-        for key in _SUBSCHEMA_MAPS:
+        for key in SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
                 stack.extend((sub, f"{at}{key}.{name}") for name, sub in node[key].items())
     return None

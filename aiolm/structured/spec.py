@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json", "json_object", "regex", "grammar")
+# JSON schema keywords whose value maps names (any string, "const" too) to subschemas
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 @dataclass(frozen=True)
