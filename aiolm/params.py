@@ -46,6 +46,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 1024  # a prompt's cache_salt, hashed into its first block
 MAX_LOGPROB_TOKEN_IDS = 1024  # logprob_token_ids per request: each costs a gather per generated token
 
 

@@ -631,7 +631,10 @@ class AsyncEngine:
         for i, cid in enumerate(child_ids):
             p = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             ids, images = processed.token_ids, processed.images
-            reqs.append(Request(cid, ids, p, priority=priority, lora_request=lora_request, mm_inputs=images))
+            salt = processed.cache_salt
+            reqs.append(
+                Request(cid, ids, p, priority=priority, lora_request=lora_request, mm_inputs=images, cache_salt=salt)
+            )
         self.stats["prompt_tokens"] += len(processed.token_ids) * n
         # n > 1: the siblings join once the first sequence's prompt is in the KV cache,
         # so they reuse its full blocks through the prefix cache instead of recomputing them.

@@ -125,13 +125,14 @@ async def beam_search(
             "beam_width", f"beam search asks each step for 2 * beam_width = {2 * bw} logprobs: {e.message}"
         ) from None
     prompt_ids = list(first.prompt_token_ids)
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # each step's prompt keeps it
     root = BeamSearchSequence(prompt_ids, len(prompt_ids))
     steps = min(params.max_tokens, engine.max_model_len - len(prompt_ids))
     beams, outs = [root], [first]
     completed: list[BeamSearchSequence] = []
     for step in range(steps):
         if step > 0:
-            outs = await run.step([{"prompt_token_ids": b.tokens} for b in beams])
+            outs = await run.step([{"prompt_token_ids": b.tokens, "cache_salt": salt} for b in beams])
         candidates: list[_Candidate] = []
         for beam, out in zip(beams, outs):
             entry = _step_logprobs(out, rid)

@@ -231,6 +231,8 @@ class DataParallelEngine:
         ids: dict[str, Any] = {"prompt_token_ids": processed.token_ids, "prompt": processed.prompt}
         if processed.images:
             ids["mm_inputs"] = processed.images
+        if processed.cache_salt is not None:
+            ids["cache_salt"] = processed.cache_salt
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         return await self._submit(rid, (ids, params, priority, timeout, lora_request), deadline, exclude=[])
 

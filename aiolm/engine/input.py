@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiolm.multimodal.inputs import ImageInput
-from aiolm.params import ParamError, SamplingParams
+from aiolm.params import MAX_CACHE_SALT_CHARS, ParamError, SamplingParams
 
 if TYPE_CHECKING:
     from aiolm.multimodal.media import MediaLimits
@@ -47,6 +47,7 @@ class ProcessedPrompt:
     prompt: str | None
     token_ids: list[int]
     images: list[ImageInput] = field(default_factory=list)  # a vision-language prompt's, in order
+    cache_salt: str | None = None  # names its prefix-cache blocks with its tokens (kv_cache.py)
 
 
 # content part types that carry an image: OpenAI's chat and Responses spellings, vLLM's
@@ -146,7 +147,16 @@ class InputProcessor:
         return self.chat_prompt(messages, add_generation_prompt, chat_template, **template_kwargs)
 
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
-        """A string, {"prompt_token_ids": [...]}, {"prompt": str} or a list of chat messages."""
+        """A string, {"prompt_token_ids": [...]}, {"prompt": str} or a list of chat messages.
+        A dict's ``cache_salt`` (vLLM's): its blocks are shared only with prompts of the same
+        salt, so one tenant cannot learn from cache hits what another has sent."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        check_cache_salt(salt)
+        processed = await self._process(prompt)
+        processed.cache_salt = salt
+        return processed
+
+    async def _process(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt and "multi_modal_data" in prompt:
             raise ParamError("multi_modal_data", "give images with a text prompt, not with prompt_token_ids")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -432,6 +442,16 @@ class InputProcessor:
                     "no token can be generated before min_tokens: each allowed one ends the sequence or is a bad word",
                 )
         return params
+
+
+def check_cache_salt(salt: Any) -> None:
+    """ParamError unless ``salt`` is None or a string of 1 to MAX_CACHE_SALT_CHARS characters."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ParamError("cache_salt", "must be a non-empty string")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ParamError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
 
 
 def check_in_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:

@@ -116,6 +116,7 @@ async def _search(
     priority: int,
     lora: LoRARequest | None,
     rename: dict[str, str],
+    cache_salt: str | None,
 ) -> list[BeamSearchOutput]:
     """Every prompt's search at once (their steps share batches). The HTTP request counts in
     the server's load, and its step requests in the in-flight set a shutdown drains."""
@@ -126,7 +127,7 @@ async def _search(
         asyncio.ensure_future(
             beam_search(
                 ctx.engine,
-                {"prompt_token_ids": p.token_ids, "prompt": p.text},
+                {"prompt_token_ids": p.token_ids, "prompt": p.text, "cache_salt": cache_salt},
                 params,
                 request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                 priority=priority,
@@ -219,7 +220,7 @@ async def completion(
     log_extra(request, engine_request_id=rid, n=n, prompts=len(prompts), stream=req.stream, beam_search=True)
 
     def run() -> Awaitable[list[BeamSearchOutput]]:
-        return _search(ctx, prompts, params, rid, req.priority, lora, {})
+        return _search(ctx, prompts, params, rid, req.priority, lora, {}, req.cache_salt)
 
     def choices(results: list[BeamSearchOutput]) -> list[dict[str, Any]]:
         out = []
@@ -284,7 +285,9 @@ async def chat_completion(
     log_extra(request, engine_request_id=rid, n=n, stream=req.stream, beam_search=True)
 
     def run() -> Awaitable[list[BeamSearchOutput]]:
-        return _search(ctx, [t[0] for t in turns], params, rid, req.priority, lora, {"max_tokens": mt_param})
+        return _search(
+            ctx, [t[0] for t in turns], params, rid, req.priority, lora, {"max_tokens": mt_param}, req.cache_salt
+        )
 
     def choices(results: list[BeamSearchOutput]) -> list[dict[str, Any]]:
         out = []

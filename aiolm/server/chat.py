@@ -137,6 +137,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             "logprobs": "top_logprobs",
         },
         lora_request=lora,
+        cache_salt=req.cache_salt,
     )
     await gen.start(request.receive)
     prompt_ids = [t.prompt.token_ids for t in turns]

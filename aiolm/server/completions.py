@@ -97,9 +97,8 @@ async def create_completion(request: Request) -> Response | EventStream:
     if req.use_beam_search:  # the n best beams as the choices (aiolm/server/beam.py)
         return await beam.completion(request, ctx, req, prompts, lora, structured_param if structured else None)
     rid = ctx.new_id("cmpl")
-    gen = Generation(
-        ctx, prompts, params, rid, req.priority, rename={"structured_outputs": structured_param}, lora_request=lora
-    )
+    rename = {"structured_outputs": structured_param}
+    gen = Generation(ctx, prompts, params, rid, req.priority, rename, lora_request=lora, cache_salt=req.cache_salt)
     await gen.start(request.receive)
     n = req.n
     log_extra(

@@ -153,8 +153,10 @@ class Generation:
         priority: int = 0,
         rename: dict[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """``lora_request``: the LoRA adapter the request's model names (None: the base model)."""
+        """``lora_request``: the LoRA adapter the request's model names (None: the base model);
+        ``cache_salt``: the client's, naming its prompts' prefix-cache blocks."""
         self.ctx = ctx
         self.prompts = prompts
         self.params = params
@@ -162,6 +164,7 @@ class Generation:
         self.priority = priority
         self.rename = rename
         self.lora_request = lora_request
+        self.cache_salt = cache_salt
         self.states: list[Any] = []
         self._done: set[str] = set()
         self._loaded = False  # counted in ctx.server_load until the first abort()
@@ -189,6 +192,8 @@ class Generation:
             for i, p in enumerate(self.prompts):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text, "mm_inputs": p.images}
+                if self.cache_salt is not None:
+                    prompt["cache_salt"] = self.cache_salt
                 kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
                 if self.lora_request is not None:
                     kwargs["lora_request"] = self.lora_request

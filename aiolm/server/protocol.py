@@ -37,7 +37,14 @@ from pydantic.functional_validators import AfterValidator
 
 from aiolm.config import EngineArgs
 from aiolm.engine.client import EngineClient
-from aiolm.params import MAX_LOGPROB_TOKEN_IDS, MAX_STOP_TOKEN_IDS, OutputKind, ParamError, SamplingParams
+from aiolm.params import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_STOP_TOKEN_IDS,
+    OutputKind,
+    ParamError,
+    SamplingParams,
+)
 from aiolm.server import client_json
 from aiolm.server.errors import APIError, bad_request, clip, listed
 from aiolm.structured.backend import unenforced
@@ -117,6 +124,11 @@ def _one_of(what: str, **alternatives: Any) -> Any:
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+CACHE_SALT_HELP = (
+    "vLLM's: prefix-cache blocks are shared only among requests with the same salt "
+    "(a tenant's secret, so cache hits reveal nothing of others' prompts)"
+)
 TokenId = Annotated[int, Field(ge=0)]
 BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 JsonSchema = dict[str, Any]
@@ -364,6 +376,7 @@ class SamplingRequest(NoopFields):
     guided_regex: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.regex")
     guided_choice: Choices | None = Field(None, description="vLLM's older spelling of structured_outputs.choice")
     guided_grammar: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.grammar")
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_HELP)
     kv_transfer_params: dict[str, Any] | None = Field(
         None,
         description='vLLM\'s prefill/decode disaggregation: {"do_remote_decode": true} to a prefill instance; '
@@ -519,6 +532,7 @@ class ResponsesRequest(NoopFields):
     truncation: Literal["disabled"] | None = Field(
         None, description="only 'disabled': an input too long for the context is a 400"
     )
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_HELP)
 
 
 class TokenizeRequest(Strict):

@@ -365,6 +365,31 @@ def test_n_sequences_share_the_prompt_kv_through_the_prefix_cache(engine, run, t
     assert hits >= 2 * 96  # both siblings reused the 96 tokens of full blocks
 
 
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(engine, run):
+    """A prompt's cache_salt names its blocks: the same salt hits, another salt or none misses,
+    and the salt changes no token. A bad salt is refused naming it."""
+    ids = list(range(2000, 2100))  # 6 full blocks of 16, used by no other test
+
+    async def go():
+        params = greedy(4)
+        seen = []
+        for salt in ("tenant-a", "tenant-a", "tenant-b", None, "tenant-b"):
+            prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+            final = (await collect(engine, prompt, params))[-1]
+            seen.append((final.num_cached_tokens, final.outputs[0].token_ids))
+        errors = []
+        for bad in ("", 7, "x" * 1025):
+            with pytest.raises(ParamError) as e:
+                await collect(engine, {"prompt_token_ids": ids, "cache_salt": bad}, params)
+            errors.append(e.value.param)
+        return seen, errors
+
+    seen, errors = run(go())
+    assert [cached for cached, _ in seen] == [0, 96, 0, 0, 96]
+    assert len({tuple(tokens) for _, tokens in seen}) == 1
+    assert errors == ["cache_salt"] * 3
+
+
 # --- delta output --------------------------------------------------------------------------
 
 

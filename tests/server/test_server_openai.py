@@ -439,6 +439,43 @@ def test_continuous_usage_reports_cached_tokens_only_once_known(client, model):
         assert details is None or details.cached_tokens == final, [x.usage for x in chunks]
 
 
+def test_cache_salt_keeps_tenants_prefix_blocks_apart(server, client, model):
+    """vLLM's cache_salt on chat, completions and Responses: a prompt hits the prefix cache
+    only for the salt that cached it, with the same answer either way; a bad salt is a 400."""
+    prompt = "Salted prompt: list the planets of the solar system in order, with one fact each. " * 3
+    msgs = [{"role": "user", "content": prompt}]
+
+    def chat(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content
+
+    first = chat("salt-one")
+    runs = [first, chat("salt-one"), chat("salt-two"), chat(None)]
+    assert [cached > 0 for cached, _ in runs] == [False, True, False, False], runs
+    assert len({text for _, text in runs}) == 1
+
+    def completion(salt):
+        r = client.completions.create(
+            model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert completion("salt-three") == 0 and completion("salt-three") > 0
+
+    def responses(salt):
+        body = {"model": model, "input": prompt, "max_output_tokens": 2, "temperature": 0, "cache_salt": salt}
+        r = httpx.post(server.base_url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    assert responses("salt-four") == 0 and responses("salt-four") > 0
+    for bad in ("", 12, "s" * 1025):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=1, extra_body={"cache_salt": bad})
+        assert "cache_salt" in str(e.value), e.value
+
+
 def test_seed_reproducible(client, model):
     kw = dict(
         model=model,
