@@ -947,6 +947,10 @@ class AsyncEngine:
         """Why ``text`` cannot fit in the context whatever its tokens (decided without tokenizing), or None."""
         return self.inputs.too_long(text)
 
+    def clip_prompt(self, text: str, keep_end: bool) -> str:
+        """``text`` without what could not reach the context, from its start (``keep_end``) or end."""
+        return self.inputs.clip(text, keep_end)
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:

@@ -468,6 +468,9 @@ class DataParallelEngine:
     def prompt_too_long(self, text: str) -> str | None:
         return self.model.prompt_too_long(text)
 
+    def clip_prompt(self, text: str, keep_end: bool) -> str:
+        return self.model.clip_prompt(text, keep_end)
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:

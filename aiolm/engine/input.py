@@ -93,6 +93,14 @@ class InputProcessor:
             f"length of {self.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
         )
 
+    def clip(self, text: str, keep_end: bool) -> str:
+        """``text`` cut to the characters that could reach the context (``too_long``'s bound),
+        keeping its end or its start: all that a truncating tokenization can keep of it."""
+        n = self.max_prompt_chars
+        if n is None or len(text) <= n:
+            return text
+        return text[-n:] if keep_end else text[:n]
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 

@@ -21,6 +21,7 @@ from aiolm.server.generation import (
     check_lengths,
     engine_error,
     tokenize,
+    truncation,
     usage,
 )
 from aiolm.server.http import check_model, context, log_extra, read_json
@@ -89,9 +90,12 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         raise bad_request("'prompt_logprobs' is not available with a batch of conversations", param="prompt_logprobs")
     thinking = reasoning_format(ctx.settings.reasoning_parser)
     turns = []
+    cut = truncation(engine, req.truncate_prompt_tokens, req.truncation_side)
     for k, conv in enumerate(req.conversations):
         where = f"messages[{k}]" if req.batched else "messages"
         urls = image_urls(conv, where)
+        if urls and cut is not None:  # cutting tokens could split an image's placeholders
+            raise bad_request("'truncate_prompt_tokens' does not take images", param="truncate_prompt_tokens")
         if urls and not engine.takes_images:
             raise bad_request("this model takes no images: send text content only", param=urls[0][1])
         text = await render_chat_prompt(engine, req, plan.tools, conv, where)
@@ -103,7 +107,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
                 raise param_error(e) from None
             ids, images = given["prompt_token_ids"], given["mm_inputs"]
         else:
-            ids = await tokenize(engine, text, add_special_tokens=False, param=where)
+            ids = await tokenize(engine, text, add_special_tokens=False, param=where, cut=cut)
         check_lengths(ctx, len(ids), max_tokens, where, mt_param, req.min_tokens)
         own = None
         if thinking is not None and structured is not None and ReasoningSplitter(thinking, text).thinking:

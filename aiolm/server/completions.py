@@ -20,9 +20,11 @@ from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
     Generation,
     Prompt,
+    Truncation,
     check_lengths,
     engine_error,
     tokenize,
+    truncation,
     usage,
 )
 from aiolm.server.http import check_model, context, log_extra, read_json
@@ -48,20 +50,26 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
 
 
 async def _prepare(
-    ctx: ServingContext, raw: list[str | list[int]], add_special: bool, max_tokens: int | None, min_tokens: int
+    ctx: ServingContext,
+    raw: list[str | list[int]],
+    add_special: bool,
+    max_tokens: int | None,
+    min_tokens: int,
+    cut: Truncation | None,
 ) -> list[Prompt]:
     prompts = []
     for i, p in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = await tokenize(ctx.engine, p, add_special, param) if p else []
-            prompt = Prompt(p, ids)
+            ids = await tokenize(ctx.engine, p, add_special, param, cut) if p else []
+            # a cut prompt's text is its kept tokens' (decoded where needed: echo)
+            prompt = Prompt(p if cut is None or len(ids) < cut.keep else None, ids)
         else:
             vocab = ctx.engine.vocab_size
             bad = next((t for t in p if t >= vocab), None)
             if bad is not None:
                 raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
-            prompt = Prompt(None, list(p))
+            prompt = Prompt(None, list(p) if cut is None else cut.cut(list(p)))
         check_lengths(ctx, len(prompt.token_ids), max_tokens, param, "max_tokens", min_tokens)
         prompts.append(prompt)
     return prompts
@@ -89,7 +97,9 @@ async def create_completion(request: Request) -> Response | EventStream:
         scored,
         ctx.engine,
     )
-    prompts = await _prepare(ctx, _prompt_list(req.prompt), req.add_special_tokens, req.max_tokens, req.min_tokens)
+    cut = truncation(ctx.engine, req.truncate_prompt_tokens, req.truncation_side)
+    raw = _prompt_list(req.prompt)
+    prompts = await _prepare(ctx, raw, req.add_special_tokens, req.max_tokens, req.min_tokens, cut)
     tok = ctx.engine  # decodes token ids for echo and logprobs
     for p in prompts:  # echo needs the text of token-id prompts
         if p.text is None and req.echo:

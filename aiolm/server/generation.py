@@ -75,13 +75,52 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> APIE
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
-async def tokenize(engine: EngineClient, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+@dataclass(frozen=True)
+class Truncation:
+    """vLLM's ``truncate_prompt_tokens`` for generation: a longer prompt keeps ``keep`` of its
+    tokens, the last ones (side "left", the end an answer follows on from) or the first."""
+
+    keep: int
+    side: str
+
+    def cut(self, ids: list[int]) -> list[int]:
+        if len(ids) <= self.keep:
+            return ids
+        return ids[-self.keep :] if self.side == "left" else ids[: self.keep]
+
+
+def truncation(engine: EngineClient, keep: int | None, side: str | None) -> Truncation | None:
+    """The request's truncation, or None; a 400 for a count no prompt can be cut to."""
+    if keep is None:
+        if side is not None:
+            raise bad_request("'truncation_side' applies with 'truncate_prompt_tokens'", param="truncation_side")
+        return None
+    room = engine.max_model_len - 1  # a token of the context is left to generate
+    if keep == -1:
+        keep = room
+    if not 1 <= keep <= room:
+        raise bad_request(
+            f"'truncate_prompt_tokens' must be -1 or from 1 to {room} (this model's context of "
+            f"{engine.max_model_len} tokens less one to generate), got {keep}",
+            param="truncate_prompt_tokens",
+        )
+    return Truncation(keep, side or "left")
+
+
+async def tokenize(
+    engine: EngineClient, text: str, add_special_tokens: bool, param: str = "prompt", cut: Truncation | None = None
+) -> list[int]:
+    """``text``'s token ids; one too long for the context is a 400 unless ``cut`` truncates it."""
+    if cut is not None:  # what cannot reach the context is dropped unread, from the side cut
+        text = engine.clip_prompt(text, keep_end=cut.side == "left")
     why = engine.prompt_too_long(text)
     if why is not None:  # cannot fit whatever its tokens: refuse before paying for tokenizing
         raise bad_request(why, param=param, code="context_length_exceeded")
     if len(text) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(engine.tokenize, text, add_special_tokens)
-    return engine.tokenize(text, add_special_tokens)
+        ids = await asyncio.to_thread(engine.tokenize, text, add_special_tokens)
+    else:
+        ids = engine.tokenize(text, add_special_tokens)
+    return ids if cut is None else cut.cut(ids)
 
 
 def check_lengths(

@@ -377,6 +377,16 @@ class SamplingRequest(NoopFields):
     guided_choice: Choices | None = Field(None, description="vLLM's older spelling of structured_outputs.choice")
     guided_grammar: NonEmptyStr | None = Field(None, description="vLLM's older spelling of structured_outputs.grammar")
     cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_HELP)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        None,
+        description="vLLM's: a longer prompt keeps this many of its tokens instead of being refused "
+        "(-1: as many as the context takes, leaving one token to generate)",
+    )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None,
+        description="vLLM's, with truncate_prompt_tokens: 'left' (the default) keeps the last tokens, 'right' the "
+        "first",
+    )
     kv_transfer_params: dict[str, Any] | None = Field(
         None,
         description='vLLM\'s prefill/decode disaggregation: {"do_remote_decode": true} to a prefill instance; '

@@ -476,6 +476,63 @@ def test_cache_salt_keeps_tenants_prefix_blocks_apart(server, client, model):
         assert "cache_salt" in str(e.value), e.value
 
 
+def test_truncate_prompt_tokens_keeps_the_end_or_the_start_of_a_prompt(server, client, model):
+    """vLLM's truncate_prompt_tokens on completions and chat: the prompt runs as its last N
+    tokens (or first, truncation_side 'right'), where a longer one would be a 400."""
+    text = "Rome was founded on the Tiber; its history runs through kings, a republic and emperors. " * 3
+    full = client.completions.create(
+        model=model, prompt=text, max_tokens=1, extra_body={"return_token_ids": True}
+    ).choices[0]
+    full_ids = full.model_extra["prompt_token_ids"]
+    assert len(full_ids) > 40
+
+    def run(**extra):
+        r = client.completions.create(
+            model=model,
+            prompt=text,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"return_token_ids": True, "truncate_prompt_tokens": 24, **extra},
+        )
+        return r.usage.prompt_tokens, r.choices[0].model_extra["prompt_token_ids"], r.choices[0].text
+
+    for side, kept in ((None, full_ids[-24:]), ("left", full_ids[-24:]), ("right", full_ids[:24])):
+        tokens, ids, answer = run(**({} if side is None else {"truncation_side": side}))
+        given = client.completions.create(model=model, prompt=kept, max_tokens=4, temperature=0).choices[0].text
+        assert (tokens, ids, answer) == (24, kept, given), side
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 16},
+    )
+    assert chat.usage.prompt_tokens == 16
+
+    limit = httpx.get(server.base_url + "/tokenizer_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    limit = limit["max_model_len"]
+    long_text = text * (limit // 40)  # past the context: refused unless truncated
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=long_text, max_tokens=1)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # -1: the context less one, so 5 more do not fit
+        client.completions.create(
+            model=model, prompt=long_text, max_tokens=5, extra_body={"truncate_prompt_tokens": -1}
+        )
+    assert e.value.param == "max_tokens" and f"{limit - 1} in the input" in e.value.message
+    r = client.completions.create(model=model, prompt=long_text, max_tokens=1, extra_body={"truncate_prompt_tokens": 8})
+    assert r.usage.prompt_tokens == 8
+    for extra in (
+        {"truncate_prompt_tokens": 0},
+        {"truncate_prompt_tokens": limit},
+        {"truncate_prompt_tokens": -2},
+        {"truncation_side": "left"},
+        {"truncate_prompt_tokens": 8, "truncation_side": "middle"},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=text, max_tokens=1, extra_body=extra)
+        assert e.value.param in extra, (extra, e.value)
+
+
 def test_seed_reproducible(client, model):
     kw = dict(
         model=model,
