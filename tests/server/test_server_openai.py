@@ -452,7 +452,8 @@ def test_cache_salt_keeps_tenants_prefix_blocks_apart(server, client, model):
 
     first = chat("salt-one")
     runs = [first, chat("salt-one"), chat("salt-two"), chat(None)]
-    assert [cached > 0 for cached, _ in runs] == [False, True, False, False], runs
+    assert [cached > 0 for cached, _ in runs[:3]] == [False, True, False], runs
+    assert runs[3][0] < runs[1][0], runs  # unsalted: at most the template's opening other chats share
     assert len({text for _, text in runs}) == 1
 
     def completion(salt):
