@@ -116,7 +116,18 @@ class SamplingParams:
                 return False
             return abs(v) < 2**1000 if isinstance(v, int) else math.isfinite(v)  # an int must fit a float
 
+        def is_id(v: Any) -> bool:  # a token id: it crosses to the workers as a 64-bit integer
+            return is_int(v) and 0 <= v < 2**63
+
         check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            v = getattr(self, name)
+            check(isinstance(v, bool), name, f"must be true or false, got {v!r}")
         if self.kv_transfer_params is not None:
             why = check_kv_transfer_params(self.kv_transfer_params)
             check(why is None, "kv_transfer_params", why or "")
@@ -158,7 +169,7 @@ class SamplingParams:
                     tok = int(k)
                 else:
                     raise ParamError("logit_bias", f"key {k!r} is not a token id")
-                check(tok >= 0, "logit_bias", f"key {tok} is not a token id")
+                check(is_id(tok), "logit_bias", f"key {tok} is not a token id")
                 check(tok not in clean, "logit_bias", f"token {tok} is given twice")
                 check(
                     is_num(v) and -100 <= v <= 100,
@@ -171,23 +182,21 @@ class SamplingParams:
             check(
                 isinstance(self.allowed_token_ids, list)
                 and len(self.allowed_token_ids) > 0
-                and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                and all(is_id(t) for t in self.allowed_token_ids),
                 "allowed_token_ids",
                 "must be a non-empty list of non-negative integers",
             )
         if self.bad_words_token_ids is not None:
             check(
                 isinstance(self.bad_words_token_ids, list)
-                and all(
-                    isinstance(w, list) and w and all(is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids
-                ),
+                and all(isinstance(w, list) and w and all(is_id(t) for t in w) for w in self.bad_words_token_ids),
                 "bad_words_token_ids",
                 "must be a list of non-empty lists of non-negative integers",
             )
         check(
-            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            self.max_tokens is None or (is_int(self.max_tokens) and 1 <= self.max_tokens < 2**63),
             "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
+            f"must be an integer from 1 to 2**63 - 1, got {self.max_tokens!r}",
         )
         check(
             is_int(self.min_tokens) and 0 <= self.min_tokens <= _INT32_MAX,
@@ -221,7 +230,7 @@ class SamplingParams:
             f"the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all, got {total}",
         )
         check(
-            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            isinstance(self.stop_token_ids, list) and all(is_id(t) for t in self.stop_token_ids),
             "stop_token_ids",
             "must be a list of non-negative integers",
         )
@@ -248,7 +257,7 @@ class SamplingParams:
             or (
                 isinstance(self.logprob_token_ids, list)
                 and 0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS
-                and all(is_int(t) and t >= 0 for t in self.logprob_token_ids)
+                and all(is_id(t) for t in self.logprob_token_ids)
             ),
             "logprob_token_ids",
             f"must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} non-negative token ids",
@@ -261,6 +270,8 @@ class SamplingParams:
                 f"must be StructuredOutputs with a kind in {KINDS}",
             )
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(self, name, float(getattr(self, name)))  # an int of any size crosses to the workers as a float
 
     @property
     def greedy(self) -> bool:

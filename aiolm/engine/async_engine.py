@@ -22,6 +22,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -41,7 +42,7 @@ from aiolm.engine.errors import (
     RequestError,
     RequestTimeoutError,
 )
-from aiolm.engine.input import InputProcessor, PromptType
+from aiolm.engine.input import InputProcessor, PromptType, check_token_types
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output_processor import OutputProcessor, RequestState
 from aiolm.engine.recovery import WorkerSupervisor
@@ -141,8 +142,24 @@ def resolve_runner(runner: str, source: ModelSource) -> tuple[str, PoolingConfig
     return runner, read_pooling_config(str(source.path), source.hf_config, mc.encoder_only)
 
 
+def _check_priority(priority: Any) -> None:
+    """The scheduler orders requests by it: anything but an integer would fail there."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+        raise ParamError("priority", f"must be a 64-bit integer, got {priority!r}")
+
+
+def _sibling_seed(seed: int | None, i: int) -> int | None:
+    """Sequence ``i``'s seed of a request with ``n`` > 1 (None stays None)."""
+    if seed is None:
+        return None
+    if seed + i >= 2**63 - 1024:
+        raise ParamError("seed", f"sequence {i} samples with seed + {i}, past the 64-bit bound: use a smaller seed")
+    return seed + i
+
+
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout > 0:
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
+    if timeout is not None and not ok:
         raise ParamError("timeout", f"must be a positive number of seconds, got {timeout!r}")
 
 
@@ -254,6 +271,8 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._started:
             return
+        if self._dead is not None:  # its actors and workers are gone for good
+            raise EngineDeadError(f"{self._dead}: an engine does not start again; make a new one")
         # The workers start while this process loads the tokenizer: each takes a second or
         # more, and the workers need only the model's config.
         inputs: asyncio.Future[None] | None = None
@@ -608,7 +627,11 @@ class AsyncEngine:
             raise ParamError(
                 "model", f"{self.model_name} is served with --runner pooling: it embeds, scores and classifies only"
             )
+        _check_priority(priority)
         params = self.inputs.params(params)
+        n = params.n
+        # sequence i samples with seed + i: refused now, before anything is registered
+        siblings = [params] if n == 1 else [params.clone(n=1, seed=_sibling_seed(params.seed, i)) for i in range(n)]
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params.kv_transfer_params)
         _check_timeout(timeout)
@@ -620,7 +643,6 @@ class AsyncEngine:
         if processed.images:
             self.scheduler.check_images(processed.images)  # a 400 now, not a failed request later
         rid = self._claim_id(request_id)
-        n = params.n
         self._admit(n)
         # Internal ids are unique per submission, so a user id reused after an abort can never
         # receive the old request's late outputs (a stale abort or token still in a mailbox).
@@ -628,8 +650,7 @@ class AsyncEngine:
         child_ids = [base] if n == 1 else [f"{base}#{i}" for i in range(n)]
         state = self.output.register(rid, processed.prompt, processed.token_ids, params, child_ids)
         reqs = []
-        for i, cid in enumerate(child_ids):
-            p = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+        for p, cid in zip(siblings, child_ids):
             ids, images = processed.token_ids, processed.images
             salt = processed.cache_salt
             reqs.append(
@@ -685,10 +706,16 @@ class AsyncEngine:
                 "model",
                 f"{self.model_name} is served for generation; pooling needs a server started with --runner pooling",
             )
+        _check_priority(priority)
         params = self._pooling_params(pooling_params if pooling_params is not None else PoolingParams())
         _check_timeout(timeout)
         processed, types = await self.inputs.process_pooling(prompt, truncate, self.max_pooling_tokens)
-        if types is not None:
+        if types is not None and params.token_type_ids is not None:
+            raise ParamError("token_type_ids", "give them once: with the prompt or in the pooling params")
+        types = types if types is not None else params.token_type_ids
+        if types is not None:  # a bad one failed in the workers' embedding lookup (or forward)
+            type_vocab = getattr(self.source.config, "type_vocab_size", 0)
+            types = check_token_types(types, len(processed.token_ids), type_vocab)
             params = msgspec.structs.replace(params, token_type_ids=types)
         self._check_alive()
         rid = self._claim_id(request_id)
@@ -707,6 +734,8 @@ class AsyncEngine:
         """The request's id: the caller's, unless a live request holds it, else a new one."""
         assert self.output is not None
         rid = request_id if request_id is not None else self.inputs.new_request_id()
+        if not isinstance(rid, str):
+            raise ParamError("request_id", f"must be a string, got {type(rid).__name__}")
         if rid in self.output.requests:
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
         return rid

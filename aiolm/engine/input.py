@@ -330,11 +330,10 @@ class InputProcessor:
             raise ParamError("input", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ParamError("input", "token ids must be a list of integers")
-        if types is not None and (
-            not isinstance(types, (list, tuple)) or len(types) != len(ids) or not all(t in (0, 1) for t in types)
-        ):
-            raise ParamError("token_type_ids", "must be a list of 0s and 1s, one per token")
         ids = list(ids)
+        if types is not None and (not isinstance(types, (list, tuple)) or len(types) != len(ids)):
+            # (their values are the engine's to check: it knows the model's type vocabulary)
+            raise ParamError("token_type_ids", f"must be a list of one type id per token ({len(ids)})")
         if truncate is not None and len(ids) > truncate:
             ids = ids[:truncate]
             types = list(types[:truncate]) if types is not None else None
@@ -438,6 +437,8 @@ class InputProcessor:
             params = params.clone(**whole)
         check_in_vocab("logit_bias", params.logit_bias or {}, self.vocab_size)
         check_in_vocab("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        check_in_vocab("allowed_token_ids", params.allowed_token_ids or (), self.vocab_size)
+        check_in_vocab("bad_words_token_ids", itertools.chain(*(params.bad_words_token_ids or ())), self.vocab_size)
         params = params.clone(eos_token_ids=self.eos_token_ids)
         if params.allowed_token_ids is not None:  # a step with every token masked would emit token 0
             banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
@@ -460,6 +461,22 @@ def check_cache_salt(salt: Any) -> None:
         raise ParamError("cache_salt", "must be a non-empty string")
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise ParamError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+
+
+def check_token_types(types: Any, num_tokens: int, type_vocab_size: int) -> list[int]:
+    """``types`` as a list, unless they are not segment ids the model has (below
+    ``type_vocab_size``; a decoder has none), one per token: then a ParamError."""
+    if type_vocab_size < 1:
+        raise ParamError("token_type_ids", "this model takes no token type ids")
+    if (
+        not isinstance(types, (list, tuple))
+        or len(types) != num_tokens
+        or not all(type(t) is int and 0 <= t < type_vocab_size for t in types)
+    ):
+        raise ParamError(
+            "token_type_ids", f"must be a list of ints from 0 to {type_vocab_size - 1}, one per token ({num_tokens})"
+        )
+    return list(types)
 
 
 def check_in_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:

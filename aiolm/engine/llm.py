@@ -55,7 +55,12 @@ class _LoopThread:
         if not self.thread.is_alive():
             coro.close()
             raise RuntimeError("the LLM is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:  # Ctrl+C (a notebook's interrupt) or the timeout: the coroutine
+            future.cancel()  # is cancelled on the loop, which aborts the requests it added
+            raise
 
     def stop(self) -> None:
         if self.thread.is_alive():
@@ -104,13 +109,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``:
         the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
         else:
-            plist = list(params)
+            plist = list(params) if isinstance(params, (list, tuple)) else []
+            if not all(isinstance(p, SamplingParams) for p in plist) or not plist:
+                raise TypeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -128,10 +133,14 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        if not isinstance(conversations, (list, tuple)):
+            raise TypeError(
+                f"conversations must be a list of messages or a list of them, got {type(conversations).__name__}"
+            )
         convs = list(conversations)
         if convs and isinstance(convs[0], dict):
-            convs = [convs]  # type: ignore[list-item]  # one conversation
-        return self.generate(convs, params, use_tqdm, lora_request)  # type: ignore[arg-type]
+            convs = [convs]  # one conversation
+        return self.generate(convs, params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -172,13 +181,9 @@ class LLM:
                 bar.update(1)
             return out
 
-        tasks = [asyncio.ensure_future(one(p, lora)) for p, lora in zip(prompts, loras)]
         try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # one failed: stop the others (each aborts its running step)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            return await _all([one(p, lora) for p, lora in zip(prompts, loras)])
+        finally:
             if bar is not None:
                 bar.close()
 
@@ -191,11 +196,10 @@ class LLM:
 
             bar = tqdm(total=len(prompts), desc="Generating", unit="req")
         results: list[RequestOutput | None] = [None] * len(prompts)
+        states = []
         try:
-            states = [
-                await self.engine.add_request(p, sp.clone(output_kind=_final()), lora_request=lora)
-                for p, sp, lora in zip(prompts, plist, loras)
-            ]
+            for p, sp, lora in zip(prompts, plist, loras):
+                states.append(await self.engine.add_request(p, sp.clone(output_kind=_final()), lora_request=lora))
 
             async def collect(i: int) -> None:
                 async for out in self.engine.stream(states[i]):
@@ -203,7 +207,11 @@ class LLM:
                 if bar is not None:
                     bar.update(1)
 
-            await asyncio.gather(*(collect(i) for i in range(len(states))))
+            await _all([collect(i) for i in range(len(states))])
+        except BaseException:  # a prompt refused, or cancelled: nothing of the batch runs on
+            for st in states:
+                await self.engine.abort(st.req_id)
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -218,9 +226,12 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt (one batch through the scheduler); outputs in input order."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._run(self._encode_all(list(prompts), pooling_params or PoolingParams(), truncate_prompt_tokens))
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            prompts = [prompts]  # one prompt's token ids
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}")
+        plist = _prompt_list(prompts)
+        return self._run(self._encode_all(plist, pooling_params or PoolingParams(), truncate_prompt_tokens))
 
     def embed(
         self,
@@ -257,7 +268,7 @@ class LLM:
                 return out
             raise RuntimeError("encode yielded nothing")
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return await _all([one(p) for p in prompts])
 
     async def _score_all(self, pairs: list[tuple[str, str]], truncate: int | None) -> list[float]:
         pc = self.engine.pooling_config
@@ -279,6 +290,27 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string or a dict) as a list of one; a list or tuple of prompts as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """``gather`` that, when one fails or the caller is cancelled, cancels the others (each
+    aborts its engine request on the way out) and waits for them before raising."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _final():

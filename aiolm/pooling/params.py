@@ -31,7 +31,10 @@ class PoolingParams(msgspec.Struct, array_like=True, gc=False):
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ParamError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
-            raise ParamError("dimensions", f"must be a positive integer, got {self.dimensions!r}")
+        dims = self.dimensions
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims < 2**63):
+            raise ParamError("dimensions", f"must be a positive integer, got {dims!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ParamError("normalize", f"must be true, false or None, got {self.normalize!r}")
         if self.normalize is not None and self.task != "embed":  # logits are never normalised
             raise ParamError("normalize", f"applies to embeddings only; a {self.task} output is the model's logits")

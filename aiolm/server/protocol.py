@@ -780,16 +780,10 @@ def sampling_params(
 
 
 def token_constraints(req: SamplingRequest, engine: EngineClient) -> dict[str, Any]:
-    """vLLM's ``allowed_token_ids`` (checked against the vocabulary) and ``bad_words``
-    (tokenized with and without a leading space, as vLLM does)."""
+    """vLLM's ``allowed_token_ids`` (the engine checks them against the vocabulary) and
+    ``bad_words`` (tokenized with and without a leading space, as vLLM does)."""
     out: dict[str, Any] = {}
     if req.allowed_token_ids is not None:
-        vocab = engine.vocab_size
-        for i, t in enumerate(req.allowed_token_ids):
-            if t >= vocab:
-                raise bad_request(
-                    f"token id {t} is outside the vocabulary [0, {vocab})", param=f"allowed_token_ids[{i}]"
-                )
         out["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.bad_words:
         total = sum(len(w) for w in req.bad_words)

@@ -523,6 +523,14 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
         (dict(prompt_logprobs=-2), "prompt_logprobs"),
         (dict(seed="x"), "seed"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
+        # what would fail to cross to the workers (a 64-bit integer, a bool) and crash them
+        (dict(max_tokens=2**64), "max_tokens"),
+        (dict(allowed_token_ids=[2**70]), "allowed_token_ids"),
+        (dict(bad_words_token_ids=[[2**70]]), "bad_words_token_ids"),
+        (dict(logit_bias={2**64: 1.0}), "logit_bias"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(include_stop_str_in_output=2), "include_stop_str_in_output"),
+        (dict(spaces_between_special_tokens="no"), "spaces_between_special_tokens"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
@@ -539,6 +547,11 @@ def test_bad_requests_are_refused_with_the_field_named(engine, run):
             await collect(engine, prompt, params)
         return e.value
 
+    async def refused_with(prompt: Any, params: Any = None, **kw: Any) -> ParamError:
+        with pytest.raises(ParamError) as e:
+            await _drain(engine.generate(prompt, params or greedy(2), **kw))
+        return e.value
+
     async def go():
         errs = {
             "too long": await refused({"prompt_token_ids": [100] * 1024}),
@@ -553,11 +566,24 @@ def test_bad_requests_are_refused_with_the_field_named(engine, run):
             "params type": await refused("hi", {"max_tokens": 3}),
             "logprobs cap": await refused("hi", SamplingParams(logprobs=engine.args.max_logprobs + 1)),
             "prompt logprobs cap": await refused("hi", SamplingParams(prompt_logprobs=engine.args.max_logprobs + 1)),
+            "allowed": await refused("hi", SamplingParams(allowed_token_ids=[vocab + 1])),  # was ignored
+            "bad words": await refused("hi", SamplingParams(bad_words_token_ids=[[1, vocab]])),
+            "priority": await refused_with("hi", priority="high"),  # failed the priority queue
+            "request id": await refused_with("hi", request_id={"a": 1}),
+            "timeout": await refused_with("hi", timeout="5"),
+            # sequence 2 samples with seed + 2: refused before anything is registered
+            "seed": await refused_with("hi", SamplingParams(n=3, seed=2**63 - 1026), request_id="seeded"),
         }
+        after = await collect(engine, "hi", greedy(2), request_id="seeded")  # the id was never taken
         long_text = await refused("word " * 2000)
-        return errs, long_text
+        return errs, long_text, after
 
-    errs, long_text = run(go())
+    errs, long_text, after = run(go())
+    assert after[-1].finished
+    for name, param in (("allowed", "allowed_token_ids"), ("bad words", "bad_words_token_ids")):
+        assert errs[name].param == param and str(vocab) in str(errs[name])
+    for name in ("priority", "request id", "timeout", "seed"):
+        assert errs[name].param == name.replace(" ", "_"), errs[name]
     assert errs["too long"].param == "prompt" and "1024" in str(errs["too long"])
     assert long_text.param == "prompt"
     assert errs["out of vocab"].param == "prompt" and str(vocab) in str(errs["out of vocab"])

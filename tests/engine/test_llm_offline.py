@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 from engine_harness import ENGINE_ARGS
 
-from aiolm import LLM, SamplingParams
+from aiolm import LLM, ParamError, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +71,43 @@ def test_the_engine_loop_is_uvloop(llm):
     import uvloop
 
     assert isinstance(llm._runner.loop, uvloop.Loop)
+
+
+def _running(llm) -> int:
+    return len(llm.engine.output.requests)
+
+
+def _wait_idle(llm, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while _running(llm) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _running(llm)
+
+
+def test_a_refused_prompt_or_an_interrupt_leaves_nothing_of_the_batch_running(llm):
+    """A batch with one bad prompt is refused whole: the prompts added before it were left
+    running with nobody to read them. Ctrl+C (a notebook's interrupt) left every request of
+    the call running to its max_tokens."""
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    with pytest.raises(ParamError):
+        llm.generate(["hello there", {"prompt_token_ids": [10**9]}], long, use_tqdm=False)
+    assert _wait_idle(llm) == 0
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Count"] * 4, long, use_tqdm=False)
+    finally:
+        timer.cancel()
+    assert _wait_idle(llm) == 0
+    assert llm.generate("Hi", greedy(2), use_tqdm=False)[0].finished  # and it serves on
+
+
+def test_wrong_types_are_a_clear_error(llm):
+    for bad in (None, 5, b"abc"):
+        with pytest.raises(TypeError, match="prompts must be"):
+            llm.generate(bad, use_tqdm=False)
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        llm.generate("hi", {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(TypeError, match="conversations must be"):
+        llm.chat("Hi", use_tqdm=False)  # was a prompt per character

@@ -135,6 +135,14 @@ def test_pooling_engine_refuses_what_it_cannot_do(loop, real_source):
                 "long": ([5] * 1025, PoolingParams()),
                 "dimensions": ([5, 6], PoolingParams(dimensions=8)),
                 "task": ([5, 6], PoolingParams(task="classify")),
+                # token types given in the params: checked as the prompt's are (they crashed workers)
+                "types": ([5, 6], PoolingParams(token_type_ids=[5, 0])),
+                "types length": ([5, 6], PoolingParams(token_type_ids=[1])),
+                "types twice": (
+                    {"prompt_token_ids": [5, 6], "token_type_ids": [0, 1]},
+                    PoolingParams(token_type_ids=[0, 1]),
+                ),
+                "decoder types": ({"prompt_token_ids": [5, 6], "token_type_ids": [0, 0]}, PoolingParams()),
             }
             for name, (prompt, params) in cases.items():
                 try:
@@ -167,8 +175,15 @@ def test_pooling_engine_refuses_what_it_cannot_do(loop, real_source):
     assert errors["generate"][0] == "model" and "--runner pooling" in errors["generate"][1]
     assert errors["pool_on_generate"][0] == "model" and "--runner pooling" in errors["pool_on_generate"][1]
     assert errors["truncated_len"] == 1024
+    # a decoder has no token types: they reached its forward and failed the workers
+    assert [errors[k][0] for k in ("types", "types length", "types twice", "decoder types")] == ["token_type_ids"] * 4
+    assert "takes no token type ids" in errors["decoder types"][1]
     with pytest.raises(ParamError, match="task"):
         PoolingParams(task="generate")
+    for bad, field in ((dict(normalize="yes"), "normalize"), (dict(dimensions=2.5), "dimensions")):
+        with pytest.raises(ParamError) as e:
+            PoolingParams(**bad)
+        assert e.value.param == field
 
 
 def test_matryoshka_dimensions_cut_then_normalise(tmp_path, loop, real_source, hf_reference):

@@ -379,6 +379,9 @@ def test_allowed_token_ids_and_bad_words(client, model, server):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{**kw, "max_tokens": 4}, extra_body=extra)
         assert e.value.body["param"] == "allowed_token_ids" and "no token can be generated" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the engine checks them against the vocabulary
+        client.completions.create(**kw, extra_body={"allowed_token_ids": [paris, 2**40]})
+    assert e.value.body["param"] == "allowed_token_ids" and "outside the vocabulary" in e.value.body["message"]
 
 
 def test_stop_sequences(client, model):
