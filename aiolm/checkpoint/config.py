@@ -98,3 +98,11 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: sliding_window must be a positive integer, got {w!r}")
         fields["sliding_windows"] = windows if any(w is not None for w in windows) else ()
         return cls(**fields)
+
+
+def check_silu_mlp(cfg: dict[str, Any], source: str, key: str = "hidden_act") -> None:
+    """A family whose MLP (or experts) is SiLU-gated runs no other activation: a config that
+    names another must be refused, not run as SiLU (transformers runs the one it names)."""
+    act = cfg.get(key, "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{source}: {key} {act!r} is not supported for this architecture (its MLP is SiLU-gated)")

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiolm.checkpoint.config import ModelConfig
+from aiolm.checkpoint.config import ModelConfig, check_silu_mlp
+from aiolm.errors import ModelLoadError
 
 
 def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config.json") -> ModelConfig:
     """Llama, Mistral, Qwen2 and Qwen3 configs, read as transformers reads them: Qwen2's
-    QKV bias by default, Qwen3's QK-norm, and the sliding windows each one honours."""
+    QKV bias by default (Mistral has none), Qwen3's QK-norm, and the sliding windows each
+    one honours. What their layers here do not have is refused by name."""
+    check_silu_mlp(cfg, source)
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias is not supported")
+    bias = bool(cfg.get("attention_bias", architecture == "qwen2")) and architecture != "mistral"
+    if bias and architecture in ("llama", "qwen3"):  # these put it on o_proj too
+        raise ModelLoadError(f"{source}: attention_bias is not supported for {architecture} (a bias on o_proj)")
     return ModelConfig.from_hf(
         cfg,
         source,
         architecture=architecture,
-        attention_bias=bool(cfg.get("attention_bias", architecture == "qwen2")),
+        attention_bias=bias,
         qk_norm=architecture == "qwen3",
         sliding_windows=_sliding_windows(cfg, architecture),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.checkpoint.config import ModelConfig
+from aiolm.checkpoint.config import ModelConfig, check_silu_mlp
 from aiolm.errors import ModelLoadError
 
 
@@ -36,6 +36,7 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
             raise ModelLoadError(f"{source}: missing field {key!r}")
         return cfg[key]
 
+    check_silu_mlp(cfg, source)
     n = int(need("num_hidden_layers"))
     if architecture == "mixtral":
         experts = int(need("num_local_experts"))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgspec
 
+from aiolm.checkpoint.config import ModelConfig
 from aiolm.checkpoint.moe import MoEConfig
 from aiolm.config import EngineArgs, RunnerConfig
 from aiolm.core.request import Request
@@ -73,6 +74,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def position_limit(mc: ModelConfig) -> int:
+    """The longest sequence a model's positions cover: its position table (less the offset a
+    RoBERTa-style table starts at), or RoPE's trained length times the factor of a scaling
+    that stretches it (as vLLM derives it; llama3 and longrope configs give the stretched one)."""
+    limit = mc.max_position_embeddings - getattr(mc, "position_offset", 0)
+    scaling = mc.rope_scaling or {}
+    kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+    if kind not in (None, "default", "su", "longrope", "llama3") and isinstance(factor, (int, float)) and factor > 1:
+        base = scaling.get("original_max_position_embeddings", limit) if kind == "yarn" else limit
+        limit = int(base * factor)
+    return limit
+
+
 def check_model_args(args: EngineArgs) -> ModelSource:
     """The ModelSource ``args.model`` names, checked against the engine flags that depend on
     the model (the tensor-parallel split). Raises ModelLoadError or ValueError with a
@@ -90,6 +104,9 @@ def check_model_args(args: EngineArgs) -> ModelSource:
         why = experts_split_error(args.tensor_parallel_size, mc, args.enable_expert_parallel)
     if why is None:
         why = pipeline_error(args, source)
+    if why is None and args.max_model_len is not None and args.max_model_len > position_limit(mc):
+        # past its positions a model's answers are garbage, or its position table's lookup fails
+        why = f"--max-model-len {args.max_model_len} is more than the {position_limit(mc)} positions this model has"
     if why is not None:
         raise ValueError(f"{source.name}: {why}")
     if args.enable_lora:
@@ -237,7 +254,7 @@ class AsyncEngine:
                 f"{self.source.name}: pipeline_parallel_size {a.pipeline_parallel_size} runs generating "
                 f"models; this one pools (--runner pooling)"
             )
-        self.max_model_len = a.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.max_model_len = a.max_model_len or min(position_limit(mc), 8192)
         if a.max_model_len is None and pc is not None and pc.max_seq_length:
             self.max_model_len = min(self.max_model_len, pc.max_seq_length)
         self.model_name = a.served_model_name or self.source.name

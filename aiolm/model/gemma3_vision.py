@@ -29,6 +29,7 @@ from aiolm.checkpoint.vision import Gemma3VisionConfig
 from aiolm.model.gemma3 import Gemma3ForCausalLM
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.vision import SiglipVisionTower, load_tower_weight, missing_tower_weights, text_weights
+from aiolm.model.layers.weights import copy_weight
 
 
 class Gemma3Projector(nn.Module):
@@ -93,7 +94,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                 param = getattr(self.multi_modal_projector, leaf, None)
                 if param is None:
                     raise KeyError(f"weight {name!r} does not belong to Gemma 3's projector")
-                param.data.copy_(tensor[...])
+                copy_weight(param.data, tensor[...], name)
                 seen.add(leaf)
             else:
                 got = load_tower_weight(self.vision_tower, name.removeprefix("vision_tower."), tensor)

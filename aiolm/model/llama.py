@@ -15,6 +15,7 @@ from torch import nn
 
 from aiolm.attention.metadata import AttentionMetadata
 from aiolm.checkpoint.config import ModelConfig
+from aiolm.errors import ModelLoadError
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aiolm.model.layers.linear import (
@@ -24,6 +25,7 @@ from aiolm.model.layers.linear import (
 )
 from aiolm.model.layers.norm import RMSNorm
 from aiolm.model.layers.rotary import RotaryEmbedding
+from aiolm.model.layers.weights import copy_weight
 
 
 class Attention(nn.Module):
@@ -312,10 +314,13 @@ class LlamaForCausalLM(nn.Module):
             module = modules.get(mod_path)
             if module is None:
                 raise KeyError(f"weight {name!r} does not belong to any {self.config.architecture} parameter")
-            if hasattr(module, "load_shard"):
-                module.load_shard(pname, tensor, shard)
-            else:
-                getattr(module, pname).data.copy_(tensor[...])
+            try:
+                if hasattr(module, "load_shard"):
+                    module.load_shard(pname, tensor, shard)
+                else:
+                    copy_weight(getattr(module, pname).data, tensor[...], pname)
+            except ValueError as e:  # the checkpoint's name, not the fused layer's
+                raise ModelLoadError(f"weight {name!r}: {e}") from None
             seen.add(f"{mod_path}.{pname}#{shard}")
         self._check_complete(seen)
 

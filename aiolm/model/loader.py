@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiolm.checkpoint.source import ModelSource
+from aiolm.errors import ModelLoadError
 
 
 def iter_weights(
@@ -36,7 +37,11 @@ def _iter_files(source: ModelSource, lazy: bool, keep: Callable[[str], bool] | N
     from safetensors import safe_open
 
     for f in source.safetensors_files():
-        with safe_open(str(f), framework="pt") as st:
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:  # safetensors' own error type: a file cut short, empty or not safetensors
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
+        with handle as st:
             for name in st.keys():  # noqa: SIM118 (a safetensors file handle, not a dict)
                 if keep is not None and not keep(name):
                     continue

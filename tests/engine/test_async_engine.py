@@ -19,6 +19,7 @@ import torch
 from engine_harness import ENGINE_ARGS, LoopThread, one_torch_thread, thread_schedstat
 
 from aiolm import AsyncEngine, OutputKind, ParamError, RequestOutput, SamplingParams
+from aiolm.engine.errors import EngineDeadError
 from paged import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -46,6 +47,8 @@ def engine(loop_thread, request, tokenizer, hf_reference):
         started.cancel()
         loop_thread.run(eng.shutdown(), timeout=60)
     assert not eng.is_healthy()
+    with pytest.raises(EngineDeadError, match="does not start again"):  # it started workers nobody could use
+        loop_thread.run(eng.start(), timeout=60)
 
 
 @pytest.fixture

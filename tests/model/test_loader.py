@@ -1018,3 +1018,89 @@ def test_embedded_tokenizer_loads_without_torch_as_autotokenizer_does(real_sourc
         auto.bos_token,
         auto.all_special_ids,
     )
+
+
+def test_config_values_these_layers_do_not_have_are_refused():
+    """A Llama-family MLP is SiLU-gated and its o_proj and MLP have no bias here: a config
+    naming GELU ran as SiLU (transformers runs GELU), and the biases failed a bare assert."""
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    for extra, words in (
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"hidden_act": "swishy"}, "hidden_act 'swishy'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias"),
+        ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "hidden_act": "gelu"}, "hidden_act"),
+    ):
+        with pytest.raises(ModelLoadError, match=words):
+            read_config({**base, **extra})
+    assert read_config({**base, "hidden_act": "silu"}).architecture == "llama"
+    assert read_config({**base, "architectures": ["Qwen2ForCausalLM"], "attention_bias": True}).attention_bias
+    # transformers' Mistral has no biases whatever its config says
+    assert not read_config({**base, "architectures": ["MistralForCausalLM"], "attention_bias": True}).attention_bias
+
+
+@pytest.mark.parametrize(
+    "tensor, shape, words",
+    [
+        ("model.layers.0.mlp.up_proj.weight", lambda s: (s[0], 1), "up_proj"),  # copy_ broadcast it
+        ("model.norm.weight", lambda s: (1,), "model.norm.weight"),
+        ("model.embed_tokens.weight", lambda s: (s[0], 1), "embed_tokens"),
+        ("model.embed_tokens.weight", lambda s: (s[0] + 7, s[1]), "vocab_size"),  # rows never read
+        ("model.layers.1.self_attn.o_proj.weight", lambda s: (s[0], s[1] + 4), "o_proj"),  # slice hid the width
+        ("model.layers.0.self_attn.k_proj.weight", lambda s: (s[0], s[1] * 2), "k_proj"),
+    ],
+)
+def test_a_misshapen_weight_is_named(tensor, shape, words, tiny_hf_dir, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_hf_dir, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights[tensor] = torch.zeros(shape(tuple(weights[tensor].shape)))
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="expected") as e:
+        build_model(resolve_model(folder))
+    assert tensor in str(e.value) and words in str(e.value)
+
+
+def test_a_safetensors_file_cut_short_is_named(tiny_hf_dir, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_hf_dir, folder)
+    path = folder / "model.safetensors"
+    for cut in (path.read_bytes()[:100], b""):
+        path.write_bytes(cut)
+        with pytest.raises(ModelLoadError, match="not a readable safetensors file") as e:
+            build_model(resolve_model(folder))
+        assert str(path) in str(e.value)
+
+
+def test_max_model_len_past_the_positions_is_refused(tiny_hf_dir, tmp_path):
+    """Past its positions a model's answers are garbage, or a position table's lookup fails
+    in the workers; RoPE scaling that states its factor stretches the limit, as vLLM reads it."""
+    from aiolm.config import EngineArgs
+    from aiolm.engine.async_engine import check_model_args, position_limit
+
+    limit = read_config(json.loads((tiny_hf_dir / "config.json").read_text())).max_position_embeddings
+    check_model_args(EngineArgs(model=str(tiny_hf_dir), max_model_len=limit))
+    with pytest.raises(ValueError, match=f"--max-model-len {limit + 1} is more than the {limit} positions"):
+        check_model_args(EngineArgs(model=str(tiny_hf_dir), max_model_len=limit + 1))
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=1000,
+    )
+    assert position_limit(read_config(base)) == 1000
+    assert position_limit(read_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})) == 2000
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 500}
+    assert position_limit(read_config({**base, "rope_scaling": yarn})) == 2000
+    assert position_limit(read_config({**base, "rope_parameters": LLAMA3_ROPE})) == 1000

@@ -7,6 +7,7 @@ from torch import nn
 
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.linear import LinearBase
+from aiolm.model.layers.weights import copy_weight
 from aiolm.quant.base import LinearSpec
 
 
@@ -30,8 +31,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        hidden = self.weight.shape[1]
+        if tuple(loaded.shape) != (self.vocab_size, hidden):  # rows past vocab_size were never read
+            raise ValueError(
+                f"expected shape {(self.vocab_size, hidden)} (vocab_size, hidden), got {tuple(loaded.shape)}"
+            )
         part = loaded[self.start : self.end]
-        self.weight.data[: part.shape[0]].copy_(part)
+        copy_weight(self.weight.data[: part.shape[0]], part, name)
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):

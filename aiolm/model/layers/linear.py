@@ -28,6 +28,7 @@ from aiolm.lora.adapter import TARGETS
 from aiolm.lora.layers import LoRASlots
 from aiolm.model.layers.activation import ACTIVATIONS
 from aiolm.model.layers.context import BuildContext
+from aiolm.model.layers.weights import copy_weight
 from aiolm.quant.base import LinearMethod, LinearSpec
 
 
@@ -97,7 +98,7 @@ class ColumnParallelLinear(LinearBase):
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"no {name} in this layer"
         start = sum(self.local_sizes[:shard])
-        param.data[start : start + self.local_sizes[shard]].copy_(self.local_rows(loaded, shard, name))
+        copy_weight(param.data[start : start + self.local_sizes[shard]], self.local_rows(loaded, shard, name), name)
 
     def local_rows(self, loaded: torch.Tensor, shard: int, name: str = "weight") -> torch.Tensor:
         """This rank's rows of a tensor with Hugging Face tensor ``shard``'s output rows."""
@@ -174,13 +175,16 @@ class RowParallelLinear(LinearBase):
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if name == "bias":
-            assert self.bias is not None
-            self.bias.data.copy_(loaded[...])
+            if self.bias is None:
+                raise ValueError("a bias, which this layer does not have")
+            copy_weight(self.bias.data, loaded[...], name)
             return
-        self.weight.data.copy_(self._local_columns(loaded))
+        copy_weight(self.weight.data, self._local_columns(loaded), name)
 
     def _local_columns(self, loaded: torch.Tensor) -> torch.Tensor:
-        r = self.tp.rank
+        r, whole = self.tp.rank, self.local_in * self.tp.world_size
+        if len(loaded.shape) != 2 or loaded.shape[1] != whole:  # a slice would hide a wrong width
+            raise ValueError(f"expected {whole} input columns, got shape {tuple(loaded.shape)}")
         return loaded[:, r * self.local_in : (r + 1) * self.local_in]
 
     def lora_pair(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from aiolm.checkpoint.vision import VisionConfig
 from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import LayerNorm
+from aiolm.model.layers.weights import copy_weight
 
 
 class VisionEncoderLayer(nn.Module):
@@ -148,7 +149,7 @@ def load_tower_weight(tower: nn.Module, key: str, tensor: torch.Tensor) -> str |
         module = getattr(tower, norm, None)
         if module is None:
             return None
-        getattr(module, pname).data.copy_(tensor[...])
+        copy_weight(getattr(module, pname).data, tensor[...], key)
         return key
     if not key.startswith("encoder.layers."):
         return None
@@ -165,7 +166,7 @@ def load_tower_weight(tower: nn.Module, key: str, tensor: torch.Tensor) -> str |
     if target is not None:
         target.load_shard(pname, tensor, 0)
     else:
-        getattr(getattr(layer, part), pname).data.copy_(tensor[...])
+        copy_weight(getattr(getattr(layer, part), pname).data, tensor[...], key)
     return f"layers.{idx}.{part.replace('self_attn.', '').replace('mlp.', '')}.{pname}"
 
 
