@@ -292,6 +292,12 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def held_elsewhere(self, req_id: str) -> int:
+        """Blocks held by anything but request ``req_id``: other requests, a prefill
+        instance's leases, KV loads in flight. None: every block it lacks is free or
+        evictable, so a request short of blocks now will always be."""
+        return self.num_usable_blocks - self.pool.num_free_blocks - len(self.req_to_blocks.get(req_id, ()))
+
     @property
     def usage(self) -> float:
         """Fraction of non-null blocks held by requests (free cached blocks count as free)."""

@@ -527,10 +527,11 @@ class Scheduler:
                 if self._drop_loaded_blocks():
                     continue  # loaded prompts waiting for a seat give their blocks back first
                 victim = self._pick_victim()
-                if victim is req and len(self.running) == 1:
+                # (blocks a lease or a load holds come back: it steps aside and waits for them)
+                if victim is req and len(self.running) == 1 and not kv.held_elsewhere(req.req_id):
                     if req.num_output_placeholders:
                         break  # overlap: the token in flight may end it; decide once it is known
-                    # Alone and still short of blocks: it can never run.
+                    # Alone, nothing else holds a block, and still short of blocks: it can never run.
                     self.running.pop()
                     self._finish_error(req)
                     break
@@ -625,8 +626,9 @@ class Scheduler:
             if new_blocks is None and self._drop_loaded_blocks(keep=req):
                 new_blocks = kv.allocate_slots(req, n, num_hit, hits)
             if new_blocks is None:
-                if not self.running:
-                    # Every block is free or evictable and it still does not fit.
+                if not self.running and not kv.held_elsewhere(req.req_id):
+                    # Every block is free or evictable and it still does not fit (blocks a
+                    # lease or a KV load holds come back: it waits for them).
                     self.waiting.pop()
                     self._finish_error(req)
                     continue

@@ -181,3 +181,44 @@ def test_a_prefill_instance_keeps_a_finished_prompts_blocks_until_sent_or_expire
     assert so.kv_ops is not None and params["y"]["remote_request_id"] in so.kv_ops.unserve_ids
     assert not kv.leases and kv.usage == 0.0 and kv.check_invariants() == []
     assert not sched.has_unfinished_requests()
+
+
+def test_a_request_waits_for_leased_blocks_instead_of_failing():
+    """Blocks a prefill instance keeps for its decode instance come back when the lease ends:
+    a request that fits the pool but not what is left waits for them (it was failed as
+    needing more KV cache than exists), and one that can never fit still fails at once."""
+    from aiolm.kv_transfer.config import parse_kv_transfer_config
+    from aiolm.kv_transfer.pd_scheduler import PDScheduler
+
+    cfg = parse_kv_transfer_config(
+        '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 9000, '
+        '"kv_connector_extra_config": {"lease_seconds": 5}}'
+    )
+    assert cfg is not None
+    connector = PDScheduler(cfg, tp_size=1)
+    sched = make_scheduler(num_blocks=9, block_size=4, connector=connector, max_model_len=40)  # 8 usable
+    d = Driver(sched)
+    leased = list(range(100, 120))  # 20 tokens: 5 blocks leased once it finishes
+    sched.add_request(make_request("held", leased, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    for _ in range(5):
+        d.step()
+        if "held" in d.finished:
+            break
+    kv = sched.kv_cache_manager
+    assert kv.leases and kv.held_elsewhere("next") == 5
+    sched.add_request(make_request("next", list(range(200, 216)), max_tokens=2))  # 4 + 1 blocks: waits
+    for _ in range(3):
+        d.step()
+    assert "next" not in d.finished and sched.requests["next"].status == RequestStatus.WAITING
+    (transfer_id,) = connector.sends
+    connector.sends[transfer_id] = 0.0  # the lease ends unfetched
+    for _ in range(6):
+        d.step()
+        if "next" in d.finished:
+            break
+    assert d.finished["next"].finish_reason == "length"
+    sched.add_request(make_request("huge", list(range(300, 336)), max_tokens=1))  # 10 blocks of 8
+    for _ in range(3):
+        d.step()
+    assert d.finished["huge"].finish_reason == "error"
+    assert kv.usage == 0.0 and kv.check_invariants() == []
