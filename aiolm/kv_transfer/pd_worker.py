@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 # transfer reads the file: "stall:<seconds>" sleeps halfway through it (a test kills the
 # instance then), "corrupt" damages a layer's bytes after its checksum was taken.
 FAULT_ENV = "AIOLM_TEST_KV_SEND_FAULT"
+FETCH_THREADS = 4  # producers fetched from at once
+MAX_PEERS = 256  # distinct producers a worker fetches from (a lock each, kept)
 
 
 class PDWorker(ConnectorWorker):
@@ -80,9 +82,15 @@ class PDWorker(ConnectorWorker):
         if config.produces:
             self._server = socket.create_server((config.kv_ip, config.kv_port + rank), reuse_port=False)
             threading.Thread(target=self._accept, name=f"aiolm-kv-serve{rank}", daemon=True).start()
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="aiolm-kv-fetch")
-        self._conns: dict[str, socket.socket] = {}  # producer host:port -> connection (fetch thread only)
+        # Fetches from different producers run side by side, so one slow or silent peer
+        # (a client names it) delays only the loads it serves; one at a time per producer,
+        # on the connection kept for it.
+        self._fetcher = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="aiolm-kv-fetch")
+        self._conns: dict[str, socket.socket] = {}  # producer host:port -> connection (under its lock)
         self._shm: dict[str, bool] = {}  # producer host:port -> on this machine: fetch through shared memory
+        # producer host:port -> held while fetching from it; kept, so one lock ever serves a peer
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._peers_lock = threading.Lock()  # guards the three maps above
         self.machine = machine_id()
 
     # -- the step ------------------------------------------------------------------
@@ -242,16 +250,30 @@ class PDWorker(ConnectorWorker):
 
     def _fetch(self, source: str, transfer_id: str, remote_ids: list[int]) -> torch.Tensor:
         """The blocks of ``transfer_id`` from this rank's producer peer, as one (layers, 2,
-        blocks, block_size, heads, head bytes) byte tensor; no block when anything goes wrong."""
+        blocks, block_size, heads, head bytes) byte tensor; no block when anything goes wrong,
+        or when the whole fetch takes longer than ``transfer_timeout``."""
+        with self._peers_lock:
+            lock = self._peer_locks.get(source)
+            if lock is None and len(self._peer_locks) < MAX_PEERS:  # clients name them: bounded
+                lock = self._peer_locks[source] = threading.Lock()
+        if lock is None:
+            log.warning("KV fetch of %s from %s: more than %d prefill instances named", transfer_id, source, MAX_PEERS)
+            c = self.caches[0]
+            return torch.empty((len(self.caches), 2, 0, *c.shape[2:]), dtype=torch.uint8)
+        with lock:
+            return self._fetch_from(source, transfer_id, remote_ids)
+
+    def _fetch_from(self, source: str, transfer_id: str, remote_ids: list[int]) -> torch.Tensor:
         c = self.caches[0]
         out = torch.empty((len(self.caches), 2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
         shm: tuple[str, mmap.mmap, Callable[[], bool]] | None = None
+        deadline = time.monotonic() + self.cfg.transfer_timeout
         try:
-            conn = self._connect(source)
+            conn = self._connect(source, deadline)
             if self._shm[source]:
                 shm = segment.create(max(1, out.numel()))
             send_json(conn, {"transfer": transfer_id, "blocks": remote_ids, "shm": shm[0] if shm else None})
-            answer = recv_json(conn)
+            answer = recv_json(conn, deadline)
             if not answer.get("ok"):
                 raise WireError(str(answer.get("error")))
             if answer.get("layers") != len(self.caches):
@@ -260,7 +282,7 @@ class PDWorker(ConnectorWorker):
                 _copy_checked(shm[1], answer.get("crcs") or [], out)
             else:
                 for layer in out:  # each layer's frame lands where the cache's layout wants it
-                    recv_buffer(conn, layer.view(-1).numpy().data)
+                    recv_buffer(conn, layer.view(-1).numpy().data, deadline)
             return out
         except (WireError, OSError) as e:
             self._drop(source)
@@ -273,30 +295,52 @@ class PDWorker(ConnectorWorker):
                 atexit.unregister(hook)
                 _close(mm)
 
-    def _connect(self, source: str) -> socket.socket:
-        for known, kept in list(self._conns.items()):
-            if not _open(kept):  # a producer that stopped: its connection goes, whoever it was
-                self._drop(known)
-        conn = self._conns.get(source)
+    def _connect(self, source: str, deadline: float) -> socket.socket:
+        """The kept connection to ``source`` (its lock held), made and greeted if need be."""
+        self._sweep(source)
+        with self._peers_lock:
+            conn = self._conns.get(source)
         if conn is not None:
             return conn
         host, _, port = source.rpartition(":")
         conn = socket.create_connection((host, int(port) + self.rank), timeout=self.cfg.transfer_timeout)
         try:
             send_json(conn, {"layout": self.layout, "machine": self.machine})
-            answer = recv_json(conn)
+            answer = recv_json(conn, deadline)
         except BaseException:
             conn.close()
             raise
         if not answer.get("ok"):
             conn.close()
             raise WireError(f"the prefill instance refused: {answer.get('error')}")
-        self._conns[source] = conn
-        self._shm[source] = self.cfg.shared_memory and answer.get("machine") == self.machine
+        with self._peers_lock:
+            self._conns[source] = conn
+            self._shm[source] = self.cfg.shared_memory and answer.get("machine") == self.machine
         return conn
 
+    def _sweep(self, source: str) -> None:
+        """Close the kept connections of producers that stopped (``source``'s, whose lock the
+        caller holds, and any other not in use now)."""
+        with self._peers_lock:
+            kept = list(self._conns.items())
+        for known, conn in kept:
+            if known == source:
+                if not _open(conn):
+                    self._drop(known)
+                continue
+            with self._peers_lock:
+                lock = self._peer_locks.get(known)
+            if lock is not None and lock.acquire(blocking=False):
+                try:
+                    if not _open(conn):
+                        self._drop(known)
+                finally:
+                    lock.release()
+
     def _drop(self, source: str) -> None:
-        conn = self._conns.pop(source, None)
+        with self._peers_lock:
+            conn = self._conns.pop(source, None)
+            self._shm.pop(source, None)
         if conn is not None:
             conn.close()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -42,11 +43,20 @@ def send_frame(sock: socket.socket, payload: bytes | memoryview) -> None:
     sock.sendall(payload)
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+def recv_exact(
+    sock: socket.socket, n: int, into: memoryview | None = None, deadline: float | None = None
+) -> memoryview:
+    """``n`` bytes. ``deadline`` (time.monotonic()) bounds the whole read: the socket's own
+    timeout bounds each ``recv`` alone, which a peer sending a byte at a time never trips."""
     buf = into if into is not None else memoryview(bytearray(n))
     got = 0
     while got < n:
         try:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
             k = sock.recv_into(buf[got:], n - got)
         except TimeoutError:
             raise WireError("the peer went silent") from None
@@ -58,20 +68,20 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> m
     return buf
 
 
-def recv_frame_len(sock: socket.socket) -> int:
-    return int(_LEN.unpack(recv_exact(sock, _LEN.size))[0])
+def recv_frame_len(sock: socket.socket, deadline: float | None = None) -> int:
+    return int(_LEN.unpack(recv_exact(sock, _LEN.size, deadline=deadline))[0])
 
 
 def send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
     send_frame(sock, json.dumps(obj).encode())
 
 
-def recv_json(sock: socket.socket) -> dict[str, Any]:
-    n = recv_frame_len(sock)
+def recv_json(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
+    n = recv_frame_len(sock, deadline)
     if n > MAX_CONTROL_BYTES:
         raise WireError(f"a control frame of {n} bytes")
     try:
-        obj = json.loads(bytes(recv_exact(sock, n)))
+        obj = json.loads(bytes(recv_exact(sock, n, deadline=deadline)))
     except ValueError:
         raise WireError("a control frame that is not JSON") from None
     if not isinstance(obj, dict):
@@ -85,14 +95,14 @@ def send_buffer(sock: socket.socket, data: memoryview, crc: int | None = None) -
     sock.sendall(_CRC.pack(zlib.crc32(data) if crc is None else crc))
 
 
-def recv_buffer(sock: socket.socket, into: memoryview) -> None:
+def recv_buffer(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:
     """A KV frame into ``into``, which must be exactly its size; WireError when the
     length or the checksum is wrong."""
-    n = recv_frame_len(sock)
+    n = recv_frame_len(sock, deadline)
     if n != len(into):
         raise WireError(f"a KV frame of {n} bytes where {len(into)} were asked for")
-    recv_exact(sock, n, into)
-    (crc,) = _CRC.unpack(recv_exact(sock, _CRC.size))
+    recv_exact(sock, n, into, deadline)
+    (crc,) = _CRC.unpack(recv_exact(sock, _CRC.size, deadline=deadline))
     if zlib.crc32(into) != crc:
         raise WireError("a KV frame failed its checksum")
 
