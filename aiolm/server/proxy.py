@@ -11,7 +11,8 @@ aiolm (or vLLM) servers started with ``--kv-transfer-config``: the prefill ones 
 
 A prefill instance that fails or answers without params leaves the decode instance to
 compute the prompt itself (the answer is the same, only slower); an error from the
-decode instance is the client's answer.
+decode instance is the client's answer, and a decode instance that cannot be reached or
+breaks off is a 502 (or, mid-stream, an error event and ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aiolm.server.errors import bad_request
+from aiolm.server.errors import APIError, bad_request
+from aiolm.server.sse import DONE, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: floa
     if not prefill or not decode:
         raise ValueError("aiolm proxy needs at least one --prefill and one --decode instance")
     prefill_next = itertools.cycle([u.rstrip("/") for u in prefill]).__next__
-    decode_next = itertools.cycle([u.rstrip("/") for u in decode]).__next__
+    decode_urls = [u.rstrip("/") for u in decode]
+    decode_next = itertools.cycle(decode_urls).__next__
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
 
     async def disaggregated(request: Request) -> Response:
@@ -57,18 +60,31 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: floa
         path = request.url.path
         params = await _prefill(client, prefill_next(), path, body, headers)
         decode_body = dict(body, kv_transfer_params=params) if params is not None else body
-        url = decode_next() + path
-        if body.get("stream"):
-            return await _stream(client, url, decode_body, headers)
-        resp = await client.post(url, json=decode_body, headers=headers)
+        base = decode_next()
+        try:
+            if body.get("stream"):
+                return await _stream(client, base, path, decode_body, headers)
+            resp = await client.post(base + path, json=decode_body, headers=headers)
+        except httpx.HTTPError as e:
+            return _unreachable(base, e).response()
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
 
     async def models(request: Request) -> Response:
-        resp = await client.get(decode_next() + "/v1/models")
+        base = decode_next()
+        try:
+            resp = await client.get(base + "/v1/models")
+        except httpx.HTTPError as e:
+            return _unreachable(base, e).response()
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        """Healthy while some decode instance is (prefill ones are optional: their loss
+        costs speed, not answers)."""
+        for base in decode_urls:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(base + "/health", timeout=5.0)).status_code == 200:
+                    return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": "no decode instance is healthy"}, status_code=503)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -103,8 +119,16 @@ async def _prefill(
     return params
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-    req = client.build_request("POST", url, json=body, headers=headers)
+def _unreachable(base: str, error: Exception) -> APIError:
+    """A decode instance that cannot be reached, or broke off its answer."""
+    why = str(error) or type(error).__name__
+    return APIError(502, f"the decode instance {base} failed: {why}", code="bad_gateway", type="server_error")
+
+
+async def _stream(
+    client: httpx.AsyncClient, base: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> Response:
+    req = client.build_request("POST", base + path, json=body, headers=headers)
     resp = await client.send(req, stream=True)
     if resp.status_code != 200:
         content = await resp.aread()
@@ -115,6 +139,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], hea
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
+        except httpx.HTTPError as e:  # the instance died mid-answer: say so in the stream, and end it
+            log.warning("decode instance %s broke off a stream: %s", base, e)
+            yield b"\n\n" + sse_event(_unreachable(base, e).body()) + DONE
         finally:
             await resp.aclose()
 
