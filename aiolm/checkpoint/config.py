@@ -61,10 +61,31 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: missing field {key!r}")
             return cfg[key]
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
+        def size(key: str, default: Any = None) -> int:
+            """A positive integer field (``default`` when absent or null, if given)."""
+            value = cfg.get(key) if default is not None else need(key)
+            value = default if value is None else value
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
+            return value
+
+        def number(key: str, default: float) -> float:
+            value = cfg.get(key, default)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ModelLoadError(f"{source}: {key} must be a positive number, got {value!r}")
+            return float(value)
+
+        hidden = size("hidden_size")
+        heads = size("num_attention_heads")
+        kv_heads = size("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ModelLoadError(f"{source}: {heads} attention heads do not split into {kv_heads} KV-head groups")
         rope_params = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+            raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {theta!r}")
         scaling = cfg.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
@@ -72,16 +93,16 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         fields: dict[str, Any] = dict(
             architecture=architecture,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=size("head_dim", max(1, hidden // heads)),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=size("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             qk_norm=False,

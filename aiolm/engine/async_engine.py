@@ -51,7 +51,7 @@ from aiolm.engine.tokenizer_info import tokenizer_config
 from aiolm.executor.base import Executor
 from aiolm.kv_transfer.base import ConnectorScheduler
 from aiolm.kv_transfer.block_files import HEADER_BYTES, existing_blocks, fingerprint, model_signature
-from aiolm.kv_transfer.config import KVTransferConfig
+from aiolm.kv_transfer.config import KVTransferConfig, check_disk_path
 from aiolm.kv_transfer.offload_scheduler import OffloadScheduler
 from aiolm.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 from aiolm.kv_transfer.pd_scheduler import PDScheduler
@@ -109,6 +109,9 @@ def check_model_args(args: EngineArgs) -> ModelSource:
         why = f"--max-model-len {args.max_model_len} is more than the {position_limit(mc)} positions this model has"
     if why is not None:
         raise ValueError(f"{source.name}: {why}")
+    kv_transfer = args.kv_transfer()
+    if kv_transfer is not None and kv_transfer.disk_path:
+        check_disk_path(kv_transfer.disk_path)
     if args.enable_lora:
         if isinstance(mc, MoEConfig) or mc.encoder_only:
             kind = "an encoder" if mc.encoder_only else "a mixture of experts"

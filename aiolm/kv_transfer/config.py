@@ -15,6 +15,8 @@ process, and pickled to the workers inside their RunnerConfig.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +69,20 @@ class KVTransferConfig:
         return self.cpu_bytes // max(1, block_bytes)
 
 
+def check_disk_path(path: str) -> None:
+    """ValueError unless ``path`` is, or can be made, a directory this process writes in (the
+    workers find out only once the model is loaded)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"kv_transfer_config.kv_connector_extra_config.disk_path: cannot use {path!r} as a directory "
+            f"({e.strerror or e})"
+        ) from None
+
+
 def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferConfig | None:
     """The config a JSON string (or a dict, from Python) asks for; ValueError naming the
     key that is wrong."""
@@ -104,7 +120,7 @@ def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferCon
         )
     if connector == "TcpConnector":
         return _tcp_config(raw, role, extra)
-    for key in ("kv_ip", "kv_port"):
+    for key in ("kv_ip", "kv_port", "engine_id"):
         if key in raw:
             raise ValueError(f"kv_transfer_config: {key} not supported by {connector}")
     if role != "kv_both":
@@ -118,6 +134,8 @@ def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferCon
         raise ValueError("kv_transfer_config.kv_connector_extra_config.disk_path: must be a directory path")
     if disk_path is not None and not extra.get("disk_bytes"):
         raise ValueError("kv_transfer_config.kv_connector_extra_config.disk_bytes: needed with disk_path (its cap)")
+    if disk_path is None and "disk_bytes" in extra:
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.disk_bytes: caps a disk tier; give disk_path")
     if "num_cpu_blocks" in extra and "cpu_bytes" in extra:
         raise ValueError("kv_transfer_config.kv_connector_extra_config: give num_cpu_blocks or cpu_bytes, not both")
     cfg = KVTransferConfig(
@@ -137,6 +155,12 @@ def parse_kv_transfer_config(text: str | dict[str, Any] | None) -> KVTransferCon
 
 
 def _tcp_config(raw: dict[str, Any], role: str, extra: dict[str, Any]) -> KVTransferConfig:
+    if role == "kv_consumer":  # it serves nothing: a producer's address comes with each request
+        for key in ("kv_ip", "kv_port", "lease_seconds"):
+            if key in raw or key in extra:
+                raise ValueError(f"kv_transfer_config: {key} is a producer's; a kv_consumer serves no KV")
+    elif "transfer_timeout" in extra and role == "kv_producer":
+        raise ValueError("kv_transfer_config: transfer_timeout is a consumer's; a kv_producer fetches no KV")
     ip = raw.get("kv_ip", "127.0.0.1")
     port = raw.get("kv_port", 14579)
     engine_id = raw.get("engine_id") or ""

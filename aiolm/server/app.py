@@ -25,6 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolm.engine.client import EngineClient
 from aiolm.server import anthropic_messages, chat, completions, invocations, misc, pooling, responses
@@ -132,7 +133,12 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if manage_engine:
-            await engine.start()
+            try:
+                await engine.start()
+            except Exception as e:  # mostly the user's to fix: too little KV cache, a broken tokenizer
+                log.debug("the engine did not start", exc_info=True)
+                ctx.start_error = f"the engine did not start: {e}"
+                raise
         if settings.exit_on_engine_death:
             engine.death_callbacks.append(lambda reason: _exit_on_death(ctx, reason))
         log.info("serving %s (max_model_len %s)", ctx.model_name, getattr(engine, "max_model_len", "?"))
@@ -144,7 +150,10 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
                 await engine.shutdown()
             log.info("engine shut down")
 
-    middleware = [Middleware(RequestContextMiddleware, access_log_enabled=settings.access_log)]
+    middleware = [
+        Middleware(StartupFailure, ctx=ctx),
+        Middleware(RequestContextMiddleware, access_log_enabled=settings.access_log),
+    ]
     if settings.allowed_origins:
         middleware.append(
             Middleware(
@@ -179,11 +188,39 @@ def _exit_on_death(ctx: ServingContext, reason: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+class StartupFailure:
+    """Hands the ASGI server a failed start's reason in one line (``ctx.start_error``) in place
+    of Starlette's traceback, which buries it under thirty lines of our frames (``--log-level
+    debug`` logs the traceback too)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def reporting(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.ctx.start_error is not None:
+                message = {**message, "message": self.ctx.start_error}
+            await send(message)
+
+        await self.app(scope, receive, reporting)
+
+
 def create_app() -> Starlette:
-    """App factory for ASGI servers: engine and server settings from AIOLM_* variables."""
+    """App factory for ASGI servers: engine and server settings from AIOLM_* variables.
+    A model or flags that cannot work exit with one line, before anything starts."""
+    from aiolm.engine.async_engine import check_model_args
     from aiolm.engine.data_parallel import create_engine
 
     engine_args, settings = from_environment()
+    try:
+        check_model_args(engine_args)
+    except ValueError as e:  # ModelLoadError is one
+        raise SystemExit(f"create_app: {e}") from None
     _default_logging()
     if settings.access_log:
         # uvicorn would log every request a second time; ours has the request id and timings.

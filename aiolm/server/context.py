@@ -22,6 +22,7 @@ class ServingContext:
         self.server_load = 0  # model HTTP requests (generation or pooling) being served right now (vLLM's GET /load)
         self.draining = False
         self.engine_died: str | None = None  # set when the engine died and the server is stopping
+        self.start_error: str | None = None  # why the engine did not start, in one line
 
     @property
     def model_name(self) -> str:

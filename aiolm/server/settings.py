@@ -147,7 +147,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="with --enable-lora: let clients load and unload adapters while the server runs "
         "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter); otherwise those answer 403",
     )
-    g.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="%(choices)s",
+    )
     g.add_argument(
         "--max-seqs-per-request",
         type=int_in(1),
@@ -226,12 +231,8 @@ def parse_serve_args(
     defaults: Mapping[str, Any] | None = None,
 ) -> tuple[EngineArgs, ServerSettings, argparse.Namespace]:
     parser = parser or build_parser()
-    if defaults:
-        known = {a.dest for a in parser._actions}
-        unknown = sorted(set(defaults) - known)
-        if unknown:
-            raise SystemExit(f"unknown settings in the config: {', '.join(unknown)}")
-        parser.set_defaults(**defaults)
+    if defaults:  # as flags before the command line's (which win): checked the same way
+        argv = _config_argv(parser, defaults) + list(argv)
     ns = parser.parse_args(argv)
     if ns.model_tag is not None:
         ns.model = ns.model_tag
@@ -244,21 +245,62 @@ def parse_serve_args(
     return engine_args, settings_from_namespace(ns), ns
 
 
+def _config_argv(parser: argparse.ArgumentParser, config: Mapping[str, Any]) -> list[str]:
+    """A config's settings as the command-line flags they stand for, so that each value is
+    converted and range-checked as the flag's would be (set as defaults, "false" was a true
+    string and 2.5 reached the workers as a count)."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    unknown = sorted(set(config) - set(actions))
+    if unknown:
+        raise SystemExit(f"unknown settings in the config: {', '.join(unknown)}")
+    argv: list[str] = []
+    for key, value in config.items():
+        action = actions[key]
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+            if not isinstance(value, bool):
+                raise SystemExit(f"config setting {key}: must be true or false, got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+            elif value:
+                argv.append(flag)
+        elif value is None:
+            continue  # the flag's default
+        elif action.nargs in ("+", "*"):
+            values = value if isinstance(value, list) else [value]
+            argv += [flag, *(v if isinstance(v, str) else json.dumps(v) for v in values)]
+        else:
+            argv += [flag, value if isinstance(value, str) else json.dumps(value)]
+    return argv
+
+
 def _read_config(path: str) -> dict[str, Any]:
     p = Path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SystemExit(f"AIOLM_CONFIG {path}: cannot read it ({e.strerror or e})") from None
     if p.suffix == ".toml":
         try:
             import tomllib
         except ImportError:  # Python 3.10
             raise SystemExit(f"{path}: TOML configs need Python 3.11+; use JSON") from None
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise SystemExit(f"AIOLM_CONFIG {path}: not valid TOML ({e})") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise SystemExit(f"AIOLM_CONFIG {path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise SystemExit(f"{path}: the config must be an object of flag names")
     return {
-        k.replace("-", "_"): (_origins(v) if k.replace("-", "_") == "allowed_origins" and isinstance(v, str) else v)
+        # allowed_origins may be a list there: its flag takes them comma-separated
+        k.replace("-", "_"): (
+            ",".join(map(str, v)) if k.replace("-", "_") == "allowed_origins" and isinstance(v, list) else v
+        )
         for k, v in data.items()
     }
 
@@ -267,7 +309,17 @@ def from_environment(env: Mapping[str, str] | None = None) -> tuple[EngineArgs, 
     """Settings for ``create_app()`` from AIOLM_* variables (see the module docstring)."""
     env = os.environ if env is None else env
     defaults = _read_config(env["AIOLM_CONFIG"]) if env.get("AIOLM_CONFIG") else {}
-    argv = shlex.split(env.get("AIOLM_ARGS", ""))
+    try:
+        argv = shlex.split(env.get("AIOLM_ARGS", ""))
+    except ValueError as e:
+        raise SystemExit(f"AIOLM_ARGS: {e}") from None
+    # where and how to listen, and its log level, are the ASGI server's (uvicorn --port ...)
+    theirs = [f for f in ("--host", "--port", "--log-level") if any(a.split("=")[0] == f for a in argv)]
+    theirs += [f"{k} (AIOLM_CONFIG)" for k in ("host", "port", "log_level") if k in defaults]
+    if theirs:
+        raise SystemExit(
+            f"{', '.join(theirs)}: the ASGI server's option, not the app's (uvicorn --host/--port/--log-level)"
+        )
     for var, flag in (
         ("AIOLM_MODEL", "--model"),
         ("AIOLM_API_KEY", "--api-key"),

@@ -35,11 +35,29 @@ def config(**extra) -> str:
         (config(disk_path="/tmp/x"), "disk_bytes: needed with disk_path"),
         (config(), "needs room"),
         (config(cpu_bytes=1, num_cpu_blocks=2), "num_cpu_blocks or cpu_bytes, not both"),
+        # accepted and unused before
+        (config(cpu_bytes=10, disk_bytes=100), "disk_bytes: caps a disk tier; give disk_path"),
+        ('{"kv_connector": "OffloadingConnector", "engine_id": "a"}', "engine_id not supported"),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(text, message):
     with pytest.raises(ValueError, match=message):
         parse_kv_transfer_config(text)
+
+
+def test_a_disk_path_that_cannot_be_a_directory_fails_before_the_start(tmp_path):
+    """The workers found it out only once the model was loaded, in a traceback."""
+    from aiolm.config import EngineArgs
+    from aiolm.engine.async_engine import check_model_args
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for path in ("/proc/aiolm-kv", str(a_file), str(a_file / "under")):
+        args = EngineArgs(kv_transfer_config=config(disk_path=path, disk_bytes=1 << 20))
+        with pytest.raises(ValueError, match=r"disk_path: cannot use .* as a directory"):
+            check_model_args(args)
+    check_model_args(EngineArgs(kv_transfer_config=config(disk_path=str(tmp_path / "new" / "dir"), disk_bytes=1 << 20)))
+    assert (tmp_path / "new" / "dir").is_dir()
 
 
 def test_config_sizes():

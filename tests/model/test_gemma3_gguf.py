@@ -396,6 +396,7 @@ _27B = dict(
     sliding_window=1024,
     rope_scaling_type=gguf.RopeScalingType.LINEAR,
     rope_scaling_factor=8.0,
+    vocab_size=262208,
 )
 
 

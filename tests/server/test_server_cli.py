@@ -136,6 +136,21 @@ def test_model_dependent_arguments_fail_in_one_line(command, tmp_path):
     assert "supported: BertForSequenceClassification, BertModel, Gemma3ForCausalLM" in out.stderr
 
 
+def test_an_engine_that_cannot_start_says_why_in_one_line():
+    """A start the workers refuse (too little KV cache for one sequence) is the reason in
+    one line and exit 3, not Starlette's traceback of the lifespan; past the model's
+    positions --max-model-len is refused before anything starts."""
+    port = str(_free_port())
+    out = _aiolm("serve", "--kv-cache-memory", "1000000", "--port", port, "--num-threads", "1", timeout=120)
+    assert out.returncode == 3, out.stderr
+    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 2 and "the engine did not start: worker 0 failed to start" in errors[0], out.stderr
+    assert "raise kv_cache_memory or lower max_model_len" in errors[0] and "Traceback" not in out.stderr
+    out = _aiolm("serve", "--max-model-len", "9000", "--port", port, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "--max-model-len 9000 is more than the 8192 positions this model has" in out.stderr
+
+
 @pytest.mark.slow
 def test_a_request_the_model_refuses_is_one_line(tmp_path):
     """--chat for a model without a chat template: exit code 2 and the reason in one line

@@ -515,6 +515,45 @@ def test_settings_from_flags_env_and_config(tmp_path):
     )
     assert (eargs.max_num_seqs, eargs.max_model_len, eargs.model) == (7, 400, "m.gguf")
     assert settings.api_key == "env-key" and settings.allowed_origins == ["x.org"]
+    cfg.write_text(json.dumps({"allowed_origins": ["a.org", "b.org"], "enable_prefix_caching": False, "max_n": 3}))
+    eargs, settings = from_environment({"AIOLM_CONFIG": str(cfg)})
+    assert settings.allowed_origins == ["a.org", "b.org"] and not eargs.enable_prefix_caching and settings.max_n == 3
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        # set as parser defaults, these skipped the flags' checks: "false" was a true string,
+        # 2.5 reached the workers as a count, 0 made every explicit n a 400
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching: must be true or false"),
+        ({"max_num_seqs": 2.5}, "--max-num-seqs"),
+        ({"max_n": 0}, "--max-n"),
+        ({"shutdown_timeout": -5}, "--shutdown-timeout"),
+        ({"log_level": "chatty"}, "--log-level"),
+        ({"port": 9000}, "the ASGI server's option"),
+        ({"no_such_flag": 1}, "unknown settings in the config: no_such_flag"),
+    ],
+)
+def test_a_bad_config_value_is_refused_as_its_flag_would_be(config, words, tmp_path, capsys):
+    cfg = tmp_path / "aiolm.json"
+    cfg.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        from_environment({"AIOLM_CONFIG": str(cfg)})
+    assert words in f"{e.value.code} {capsys.readouterr().err}"
+
+
+def test_bad_environment_is_one_line(tmp_path):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    for env, words in (
+        ({"AIOLM_CONFIG": str(tmp_path / "missing.json")}, "cannot read it"),
+        ({"AIOLM_CONFIG": str(bad_json)}, "not valid JSON"),
+        ({"AIOLM_ARGS": "--max-model-len 'unbalanced"}, "AIOLM_ARGS: No closing quotation"),
+        ({"AIOLM_ARGS": "--port 9000"}, "--port: the ASGI server's option"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            from_environment(env)
+        assert words in str(e.value.code), (env, e.value.code)
 
 
 # -- disconnects through a real HTTP server (uvicorn in a thread, fake engine) ------------------

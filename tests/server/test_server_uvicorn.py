@@ -80,3 +80,19 @@ def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tmp_path):
         last = json.loads(events[-2])
         assert last["error"]["code"] == "shutting_down", last
     assert "Exception in ASGI application" not in srv.log_path.read_text()
+
+
+def test_a_model_that_cannot_work_is_one_line_under_uvicorn():
+    """create_app() checks the model and its flags before anything starts, as `aiolm serve`
+    does (it was a lifespan traceback of about thirty lines)."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", "aiolm.server:create_app", "--port", str(free_port())]
+    for env, words in (
+        ({"AIOLM_MODEL": "/no/such/model.gguf"}, "no such file or directory"),
+        ({"AIOLM_ARGS": "--tensor-parallel-size 2"}, "tensor_parallel_size 2 cannot split"),
+    ):
+        out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and words in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
