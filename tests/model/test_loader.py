@@ -1041,6 +1041,16 @@ def test_config_values_these_layers_do_not_have_are_refused():
     ):
         with pytest.raises(ModelLoadError, match=words):
             read_config({**base, **extra})
+    for extra, words in (  # a TypeError traceback, or a ZeroDivisionError in the workers, before
+        ({"rms_norm_eps": "tiny"}, "rms_norm_eps must be a positive number, got 'tiny'"),
+        ({"vocab_size": None}, "vocab_size must be a positive integer, got None"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 2}, "3 attention heads do not split into 2"),
+    ):
+        with pytest.raises(ModelLoadError, match=words):
+            read_config({**base, **extra})
     assert read_config({**base, "hidden_act": "silu"}).architecture == "llama"
     assert read_config({**base, "architectures": ["Qwen2ForCausalLM"], "attention_bias": True}).attention_bias
     # transformers' Mistral has no biases whatever its config says
