@@ -426,7 +426,12 @@ class DataParallelEngine:
         """Routing and health per replica, after the engines' own series (Prometheus text)."""
         rows: list[tuple[str, str, Callable[[int, ReplicaClient], float]]] = [
             ("dp_replica_healthy", "gauge", lambda i, r: float(r.available)),
-            ("dp_replica_requests_running", "gauge", lambda i, r: float(r.status.get("running", 0))),
+            # a dead replica runs nothing, whatever it said last
+            (
+                "dp_replica_requests_running",
+                "gauge",
+                lambda i, r: float(0 if r.dead_reason else r.status.get("running", 0)),
+            ),
             ("dp_replica_routed_total", "counter", lambda i, r: float(self.router.stats.routed[i])),
             ("dp_replica_affinity_routed_total", "counter", lambda i, r: float(self.router.stats.affinity[i])),
             ("dp_replica_prefix_cache_queries_total", "counter", lambda i, r: float(r.status.get("prefix_queries", 0))),

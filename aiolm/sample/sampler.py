@@ -20,7 +20,9 @@ Choices made for CPU speed (vLLM's sampler targets GPUs):
 - The draw is an inverse-CDF lookup with one uniform number per row, instead of
   an exponential race that needs a random number per vocabulary entry (far
   slower over a large vocabulary). A seeded row takes exactly one number from its own
-  generator per step, so its tokens do not depend on the rest of the batch.
+  generator per step, so its tokens do not depend on the rest of the batch as long as its
+  logits do not: a batch of another size may sum the float32 logits in another order, and
+  a draw that lands that close to the edge between two tokens' probability can move.
 - Rows with top-k or top-p sample among their top candidates (a partial
   top-k, 256 or the largest top-k), not a full sort, which costs many times more; a
   row whose top-p nucleus is wider than 256 sorts its whole row and draws in index order.

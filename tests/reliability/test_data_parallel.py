@@ -214,6 +214,7 @@ def test_a_killed_replica_process_ends_its_started_streams_and_its_queued_reques
     assert all(o.finish_reason == "length" and o.chunks >= 1 for o in finished)
     after_routing = replica_metrics(url)
     assert after_routing["healthy"] == [0.0, 1.0], after_routing
+    assert after_routing["requests_running"][0] == 0, after_routing  # not what it said before it died
     # the queued four were routed again, to replica 1
     assert after_routing["routed_total"][1] - m["routed_total"][1] >= SEATS + 1, (m, after_routing)
     assert after.status_code == 200, after.text
