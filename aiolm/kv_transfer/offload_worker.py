@@ -96,8 +96,13 @@ class OffloadWorker(ConnectorWorker):
 
     def _write(self, h: bytes, block: torch.Tensor) -> None:
         assert self.dir is not None
+        path, data = self.dir / file_name(h), block.reshape(-1).numpy().data
         try:
-            write_block(self.dir / file_name(h), self.fingerprint, h, block.reshape(-1).numpy().data)
+            try:
+                write_block(path, self.fingerprint, h, data)
+            except FileNotFoundError:  # its folder was deleted under the server: made again
+                self.dir.mkdir(parents=True, exist_ok=True)
+                write_block(path, self.fingerprint, h, data)
         except OSError as e:  # a full disk loses the block, never the step
             log.warning("KV offload: could not write block %s: %s", h.hex()[:16], e)
         finally:

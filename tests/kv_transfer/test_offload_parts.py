@@ -153,3 +153,20 @@ def test_worker_moves_blocks_exactly(tmp_path, dtype, tier):
         assert torch.equal(c[:, 5].view(torch.uint8), o[:, 1].view(torch.uint8))
         assert torch.equal(c[:, 2].view(torch.uint8), o[:, 2].view(torch.uint8))  # untouched
     worker.close()
+
+
+def test_the_disk_tier_makes_its_folder_again_if_it_is_deleted(tmp_path):
+    """Deleted under a running server, the folder was never made again: every later block
+    was lost to 'No such file or directory'."""
+    import shutil
+
+    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(2)]
+    cfg = parse_kv_transfer_config(config(disk_path=str(tmp_path / "kv"), disk_bytes=10**6))
+    assert cfg is not None
+    worker = OffloadWorker(cfg, FP, 0, caches)
+    folder = rank_dir(str(tmp_path / "kv"), FP, 0)
+    shutil.rmtree(tmp_path / "kv")
+    worker.begin_step(_step(1, KVTransferOps(save_block_ids=[1], save_hashes=[b"\x05" * 32])))
+    worker._writer.submit(lambda: None).result()
+    assert [p.name[:2] for p in folder.iterdir()] == ["05"]
+    worker.close()
