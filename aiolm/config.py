@@ -149,6 +149,11 @@ class EngineArgs:
     num_threads: int = _f(0, "torch threads per worker (0 = torch default)")
     seed: int = _f(0, "seed of the default random generator for unseeded sampling")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
+    generation_config: str = _f(
+        "auto",
+        "auto: a request's temperature, top_p, top_k, min_p and repetition_penalty default to the "
+        "model's generation_config.json, as vLLM's do; vllm: to the API's own defaults",
+    )
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
     max_logprobs: int = _f(
         20, "largest top-logprobs count a request may ask for; -1: no bound, and -1 asks for the whole vocabulary"
@@ -329,6 +334,8 @@ class EngineArgs:
         from aiolm.metrics import check_prefix
 
         check_prefix(self.metrics_prefix)
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config: {self.generation_config!r}; supported: auto, vllm")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; supported: fcfs, priority")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

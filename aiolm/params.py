@@ -50,6 +50,13 @@ MAX_CACHE_SALT_CHARS = 1024  # a prompt's cache_salt, hashed into its first bloc
 MAX_LOGPROB_TOKEN_IDS = 1024  # logprob_token_ids per request: each costs a gather per generated token
 
 
+def _shown(v: Any) -> str:
+    """A client's value in an error; an integer may have thousands of digits (past str()'s limit)."""
+    if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
+        return "an integer past 64 bits"
+    return repr(v)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, for one request (``n`` sequences)."""
@@ -119,7 +126,7 @@ class SamplingParams:
         def is_id(v: Any) -> bool:  # a token id: it crosses to the workers as a 64-bit integer
             return is_int(v) and 0 <= v < 2**63
 
-        check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {_shown(self.n)}")
         for name in (
             "include_stop_str_in_output",
             "ignore_eos",
@@ -135,27 +142,27 @@ class SamplingParams:
         check(
             is_num(self.temperature) and self.temperature >= 0,
             "temperature",
-            f"must be a number >= 0, got {self.temperature!r}",
+            f"must be a number >= 0, got {_shown(self.temperature)}",
         )
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {_shown(self.top_p)}")
         check(
             is_int(self.top_k) and 0 <= self.top_k <= _INT32_MAX,
             "top_k",
-            f"must be -1, 0 (disabled) or a positive 32-bit integer, got {self.top_k!r}",
+            f"must be -1, 0 (disabled) or a positive 32-bit integer, got {_shown(self.top_k)}",
         )
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {_shown(self.min_p)}")
         check(
             self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**63 - 1024),
             "seed",
-            f"must be a 64-bit signed integer, got {self.seed!r}",
+            f"must be a 64-bit signed integer, got {_shown(self.seed)}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            check(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+            check(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {_shown(v)}")
         check(
             is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
             "repetition_penalty",
-            f"must be in (0, 2], got {self.repetition_penalty!r}",
+            f"must be in (0, 2], got {_shown(self.repetition_penalty)}",
         )
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict), "logit_bias", "must be a map of token id to bias")
@@ -169,12 +176,12 @@ class SamplingParams:
                     tok = int(k)
                 else:
                     raise ParamError("logit_bias", f"key {k!r} is not a token id")
-                check(is_id(tok), "logit_bias", f"key {tok} is not a token id")
+                check(is_id(tok), "logit_bias", f"key {_shown(tok)} is not a token id")
                 check(tok not in clean, "logit_bias", f"token {tok} is given twice")
                 check(
                     is_num(v) and -100 <= v <= 100,
                     "logit_bias",
-                    f"bias for token {tok} must be in [-100, 100], got {v!r}",
+                    f"bias for token {tok} must be in [-100, 100], got {_shown(v)}",
                 )
                 clean[tok] = float(v)
             self.logit_bias = clean
@@ -196,12 +203,12 @@ class SamplingParams:
         check(
             self.max_tokens is None or (is_int(self.max_tokens) and 1 <= self.max_tokens < 2**63),
             "max_tokens",
-            f"must be an integer from 1 to 2**63 - 1, got {self.max_tokens!r}",
+            f"must be an integer from 1 to 2**63 - 1, got {_shown(self.max_tokens)}",
         )
         check(
             is_int(self.min_tokens) and 0 <= self.min_tokens <= _INT32_MAX,
             "min_tokens",
-            f"must be an integer in [0, {_INT32_MAX}], got {self.min_tokens!r}",
+            f"must be an integer in [0, {_INT32_MAX}], got {_shown(self.min_tokens)}",
         )
         if self.max_tokens is not None:
             check(
@@ -245,12 +252,12 @@ class SamplingParams:
         check(
             self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= -1),
             "logprobs",
-            f"must be an integer >= 0, or -1 for the whole vocabulary, got {self.logprobs!r}",
+            f"must be an integer >= 0, or -1 for the whole vocabulary, got {_shown(self.logprobs)}",
         )
         check(
             self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= -1),
             "prompt_logprobs",
-            f"must be an integer >= 0, or -1 for the whole vocabulary, got {self.prompt_logprobs!r}",
+            f"must be an integer >= 0, or -1 for the whole vocabulary, got {_shown(self.prompt_logprobs)}",
         )
         check(
             self.logprob_token_ids is None
@@ -318,9 +325,9 @@ class BeamSearchParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if not (is_int(self.beam_width) and self.beam_width >= 1):
-            raise ParamError("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+            raise ParamError("beam_width", f"must be an integer >= 1, got {_shown(self.beam_width)}")
         if not (is_int(self.max_tokens) and self.max_tokens >= 1):
-            raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"must be an integer >= 1, got {_shown(self.max_tokens)}")
         lp = self.length_penalty
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise ParamError("length_penalty", f"must be a finite number, got {lp!r}")
@@ -330,3 +337,24 @@ class BeamSearchParams:
             raise ParamError("stop_token_ids", "must be a list of non-negative integers")
         # temperature: checked by the SamplingParams of each step
         SamplingParams(temperature=self.temperature, max_tokens=1)
+
+
+# What a model's generation_config.json may set for a request that leaves it out (vLLM's
+# --generation-config auto reads the same ones; do_sample is ignored, as vLLM ignores it).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a model's generation_config.json recommends: those of
+    SAMPLING_DEFAULT_KEYS it sets to a value SamplingParams takes (others are left out)."""
+    out: dict[str, Any] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{key: value})
+        except (ParamError, TypeError):
+            continue
+        out[key] = -1 if key == "top_k" and value == 0 else value  # HF's 0 (off) is vLLM's -1
+    return out

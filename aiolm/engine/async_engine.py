@@ -62,7 +62,7 @@ from aiolm.metrics import EngineMetrics
 from aiolm.multimodal.media import MediaLimits
 from aiolm.multimodal.processor import ImagePrompts
 from aiolm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
-from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.params import OutputKind, ParamError, SamplingParams, sampling_defaults
 from aiolm.pooling.config import PoolingConfig, read_pooling_config
 from aiolm.pooling.params import PoolingParams
 from aiolm.spec_decode import SpecDecodeStats
@@ -983,6 +983,14 @@ class AsyncEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.inputs.eos_token_ids
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What a request's sampling fields default to when it leaves them out: the model's
+        generation_config.json recommendations (--generation-config auto), else nothing."""
+        if self.args.generation_config != "auto":
+            return {}
+        return sampling_defaults(self.generation_config)
 
     @property
     def generation_config(self) -> dict[str, Any]:

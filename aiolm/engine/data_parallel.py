@@ -467,6 +467,10 @@ class DataParallelEngine:
     def generation_config(self) -> dict[str, Any]:
         return self.model.generation_config
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.model.sampling_defaults
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special_tokens)
 

@@ -111,7 +111,7 @@ class LLM:
         the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         prompts = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(prompts)
+            plist = [params or self.get_default_sampling_params()] * len(prompts)
         else:
             plist = list(params) if isinstance(params, (list, tuple)) else []
             if not all(isinstance(p, SamplingParams) for p in plist) or not plist:
@@ -125,6 +125,11 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         return self._run(self._generate_all(prompts, plist, use_tqdm, loras))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` samples with when given no params: the model's
+        generation_config.json recommendations (unless --generation-config vllm)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def chat(
         self,

@@ -69,14 +69,9 @@ def chat_request(req: MessagesPrompt) -> ChatCompletionRequest:
     """``req`` as the chat request that renders and samples the same (400s name Anthropic's fields)."""
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
-        fields = {
-            "max_tokens": req.max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "stop": req.stop_sequences,
-            "stream": req.stream,
-        }
+        fields = {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "stream": req.stream}
+        # only those the client gave: the others take the model's defaults, as chat's do
+        fields |= {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if k in req.model_fields_set}
     choice = req.tool_choice
     if isinstance(choice, (AnthropicToolChoiceAuto, AnthropicToolChoiceAny)) and choice.disable_parallel_tool_use:
         fields["parallel_tool_calls"] = False

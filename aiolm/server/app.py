@@ -142,6 +142,12 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
         if settings.exit_on_engine_death:
             engine.death_callbacks.append(lambda reason: _exit_on_death(ctx, reason))
         log.info("serving %s (max_model_len %s)", ctx.model_name, getattr(engine, "max_model_len", "?"))
+        defaults = getattr(engine, "sampling_defaults", None)
+        if defaults:
+            log.info(
+                "sampling defaults from the model's generation_config.json: %s (--generation-config vllm: none)",
+                defaults,
+            )
         try:
             yield
         finally:

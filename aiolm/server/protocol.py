@@ -746,18 +746,16 @@ def sampling_params(
     engine: EngineClient | None = None,
     rename: dict[str, str] | None = None,
 ) -> SamplingParams:
-    """Build SamplingParams, which holds the sampling bounds: a ParamError is a 400 naming the field."""
+    """Build SamplingParams, which holds the sampling bounds: a ParamError is a 400 naming the
+    field. The sampling fields a request leaves out take the model's defaults, if it has any."""
+    sampling = with_model_defaults(req, engine, ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
     try:
         return SamplingParams(
             n=req.n,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            **sampling,
             seed=req.seed,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             max_tokens=max_tokens,
             logit_bias=req.logit_bias,  # type: ignore[arg-type]  # JSON keys: SamplingParams reads them as ids
             min_tokens=req.min_tokens,
@@ -777,6 +775,13 @@ def sampling_params(
         )
     except ParamError as e:
         raise param_error(e, rename) from None
+
+
+def with_model_defaults(req: BaseModel, engine: EngineClient | None, names: tuple[str, ...]) -> dict[str, Any]:
+    """The request's ``names`` fields, each it leaves out as the model's generation_config.json
+    recommends (``engine.sampling_defaults``), else as the request model's default."""
+    defaults = engine.sampling_defaults if engine is not None else {}
+    return {n: defaults[n] if n in defaults and n not in req.model_fields_set else getattr(req, n) for n in names}
 
 
 def token_constraints(req: SamplingRequest, engine: EngineClient) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from aiolm.server.generation import (
     tokenize,
 )
 from aiolm.server.http import check_model, context, log_extra, read_json
-from aiolm.server.protocol import ResponsesRequest, param_error, parse, text_format_spec
+from aiolm.server.protocol import ResponsesRequest, param_error, parse, text_format_spec, with_model_defaults
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tools import message_text
 
@@ -105,8 +105,9 @@ def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None, dic
     return "failed", None, {"code": "server_error", "message": f"the generation ended with '{finish_reason}'"}
 
 
-def _shell(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
-    """The response object before any output: what the request asked, echoed as OpenAI does."""
+def _shell(req: ResponsesRequest, response_id: str, model: str, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The response object before any output: what the request asked, echoed as OpenAI does
+    (``sampling``: the temperature and top_p it runs with, the model's where it gave none)."""
     fmt = req.text.format if req.text is not None else None
     shown = fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
     return {
@@ -124,8 +125,8 @@ def _shell(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any
         "output": [],
         "parallel_tool_calls": False,
         "previous_response_id": None,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
+        "temperature": sampling["temperature"],
+        "top_p": sampling["top_p"],
         "text": {"format": shown},
         "tool_choice": "none",
         "tools": [],
@@ -156,10 +157,10 @@ async def create_response(request: Request) -> Response | EventStream:
     structured = text_format_spec(req.text.format if req.text is not None else None)
     stream = req.stream
     max_tokens = req.max_output_tokens
+    sampling = with_model_defaults(req, ctx.engine, ("temperature", "top_p"))
     try:  # SamplingParams holds the bounds: a bad value is a 400 before any work
         params = SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
+            **sampling,
             max_tokens=max_tokens,
             output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
             structured_outputs=structured,
@@ -185,7 +186,7 @@ async def create_response(request: Request) -> Response | EventStream:
     gen = Generation(ctx, [prompt], params, response_id, rename=_RENAME, lora_request=lora, cache_salt=req.cache_salt)
     await gen.start(request.receive)
     log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req.user)
-    shell = _shell(req, response_id, lora.lora_name if lora is not None else ctx.model_name)
+    shell = _shell(req, response_id, lora.lora_name if lora is not None else ctx.model_name, sampling)
     item_id = ctx.new_id("msg", "_")
     if stream:
         return EventStream(

@@ -101,3 +101,27 @@ def test_workers_build_the_grammar_compiler_once_grammars_are_in_use():
     finally:
         lt.run(engine.shutdown(), timeout=60)
         lt.close()
+
+
+def test_generation_config_sampling_defaults(real_source, tmp_path):
+    """A model's generation_config.json recommendations are what LLM.generate samples with
+    when given no params (vLLM's --generation-config auto); --generation-config vllm keeps
+    the API's defaults. The greedy recommendation here makes the first visibly greedy."""
+    import json
+
+    from aiolm import LLM
+    from aiolm.config import EngineArgs
+
+    folder = _folder_with_tokenizer(real_source, tmp_path, (real_source.path / "tokenizer.json").read_bytes())
+    (folder / "generation_config.json").unlink()
+    gen = {**real_source.generation_config, "temperature": 0.0, "top_k": 0, "do_sample": True}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    args = {k: v for k, v in ENGINE_ARGS.items() if k != "model"}
+    with LLM(str(folder), **args) as llm:
+        assert llm.get_default_sampling_params().temperature == 0.0
+        (free,) = llm.generate("The capital of France is", use_tqdm=False)
+        (greedy,) = llm.generate("The capital of France is", SamplingParams(temperature=0.0), use_tqdm=False)
+        assert free.outputs[0].token_ids == greedy.outputs[0].token_ids
+    lean = AsyncEngine(EngineArgs(model=str(folder), generation_config="vllm", **args))
+    asyncio.run(lean.load_model())
+    assert lean.sampling_defaults == {} and lean.generation_config["temperature"] == 0.0

@@ -224,6 +224,7 @@ class FakeEngine:
     # One token per character (ids = code points): enough for format tests.
     vocab_size = 0x110000
     generation_config: dict[str, Any] = {}
+    sampling_defaults: dict[str, Any] = {}  # a test may set the model's recommendations
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]

@@ -340,3 +340,39 @@ def test_client_sized_values_are_400s_naming_the_field(fake_engine, path, body, 
     else:
         assert err["param"] == param and len(r.content) < 2000, err
     assert not fake_engine.live
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(fake_engine, monkeypatch):
+    """vLLM's --generation-config auto: temperature, top_p, top_k, min_p and
+    repetition_penalty a request leaves out are the model's generation_config.json's, on
+    chat, completions, Responses and Anthropic's Messages; a value the client gives wins."""
+    seen = []
+    add = fake_engine.add_request
+
+    async def spy(prompt, params, *a, **kw):
+        seen.append((params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty))
+        return await add(prompt, params, *a, **kw)
+
+    monkeypatch.setattr(fake_engine, "add_request", spy)
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+    monkeypatch.setattr(fake_engine, "sampling_defaults", defaults)
+    model = (0.6, 0.95, 20, 0.05, 1.1)
+    with _client(fake_engine) as c:
+        assert c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+        assert c.post("/v1/completions", json={**COMPLETION, "temperature": 0.2, "top_k": 5}).status_code == 200
+        r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200 and (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.95)
+        messages = {"model": fake_engine.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        messages["top_p"] = 0.5
+        assert c.post("/v1/messages", json=messages).status_code == 200
+    assert seen[0] == model
+    assert seen[1] == (0.2, 0.95, 5, 0.05, 1.1)  # the client's temperature and top_k win
+    assert seen[2][:2] == (0.6, 0.95)
+    assert seen[3] == (0.6, 0.5, 20, 0.05, 1.1)
+
+
+def test_sampling_defaults_read_from_a_generation_config():
+    from aiolm.params import sampling_defaults
+
+    gen = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 2.0, "min_p": None, "max_new_tokens": 9}
+    assert sampling_defaults(gen) == {"temperature": 0.7, "top_k": -1}  # a top_p SamplingParams refuses is left out
