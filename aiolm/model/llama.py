@@ -301,6 +301,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
                 continue
             key = name.removeprefix("model.")
+            if key.startswith("layers.") and not int(key.split(".", 2)[1]) < self.config.num_layers:
+                raise KeyError(f"weight {name!r} is of a layer past the config's {self.config.num_layers}")
             if not self.holds(key):
                 continue  # another pipeline stage's
             mod_path, _, pname = key.rpartition(".")

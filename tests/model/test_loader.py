@@ -883,6 +883,11 @@ def test_checkpoint_missing_or_unknown_weights(tiny_hf_dir, tmp_path):
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(KeyError, match="model.layers.0.self_attn.bogus.weight"):
         build_model(resolve_model(folder))
+    del weights["model.layers.0.self_attn.bogus.weight"]
+    weights["model.layers.9.mlp.down_proj.weight"] = gone.clone()  # a layer the config does not have: was skipped
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"model.layers.9.mlp.down_proj.weight.*past the config"):
+        build_model(resolve_model(folder))
 
 
 def test_resolve_dtype():
