@@ -359,8 +359,8 @@ def chat(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
         await _start(engine)
-        gen = engine.generation_config
-        params = _sampling(ns, {k: gen.get(k, v) for k, v in CHAT_DEFAULTS.items()})
+        model = engine.sampling_defaults  # the model's recommendations, unless --generation-config vllm
+        params = _sampling(ns, {k: model.get(k, v) for k, v in CHAT_DEFAULTS.items()})
         answering: list[asyncio.Task[str]] = []
         leave = asyncio.Event()
 

@@ -172,7 +172,7 @@ class SamplingParams:
                 # "+5" or "1_0", which int() reads too and which could name one token twice)
                 if is_int(k):
                     tok = k
-                elif isinstance(k, str) and k.isascii() and k.isdigit() and str(int(k)) == k:
+                elif isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 and str(int(k)) == k:
                     tok = int(k)
                 else:
                     raise ParamError("logit_bias", f"key {k!r} is not a token id")

@@ -527,14 +527,15 @@ class Scheduler:
                 if self._drop_loaded_blocks():
                     continue  # loaded prompts waiting for a seat give their blocks back first
                 victim = self._pick_victim()
-                # (blocks a lease or a load holds come back: it steps aside and waits for them)
-                if victim is req and len(self.running) == 1 and not kv.held_elsewhere(req.req_id):
+                if victim is req and len(self.running) == 1:
                     if req.num_output_placeholders:
                         break  # overlap: the token in flight may end it; decide once it is known
-                    # Alone, nothing else holds a block, and still short of blocks: it can never run.
-                    self.running.pop()
-                    self._finish_error(req)
-                    break
+                    if not kv.held_elsewhere(req.req_id):
+                        # Alone, nothing else holds a block, and still short of blocks: it can never run.
+                        self.running.pop()
+                        self._finish_error(req)
+                        break
+                    # blocks a lease or a load holds come back: it steps aside (below) and waits
                 vi = self.running.index(victim)
                 del self.running[vi]
                 if vi < i:

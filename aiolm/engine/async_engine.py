@@ -81,7 +81,8 @@ def position_limit(mc: ModelConfig) -> int:
     limit = mc.max_position_embeddings - getattr(mc, "position_offset", 0)
     scaling = mc.rope_scaling or {}
     kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
-    if kind not in (None, "default", "su", "longrope", "llama3") and isinstance(factor, (int, float)) and factor > 1:
+    stretched = kind not in (None, "default", "su", "longrope", "llama3") and mc.architecture != "gemma3"
+    if stretched and isinstance(factor, (int, float)) and factor > 1:  # Gemma 3 states the stretched length
         base = scaling.get("original_max_position_embeddings", limit) if kind == "yarn" else limit
         limit = int(base * factor)
     return limit
@@ -160,6 +161,15 @@ def resolve_runner(runner: str, source: ModelSource) -> tuple[str, PoolingConfig
             )
         return runner, None
     return runner, read_pooling_config(str(source.path), source.hf_config, mc.encoder_only)
+
+
+def check_request_args(request_id: Any, priority: Any, timeout: Any) -> None:
+    """ParamError for a request id that is not a string, a priority that is not an integer,
+    a timeout that is not a positive number of seconds."""
+    if request_id is not None and not isinstance(request_id, str):
+        raise ParamError("request_id", f"must be a string, got {type(request_id).__name__}")
+    _check_priority(priority)
+    _check_timeout(timeout)
 
 
 def _check_priority(priority: Any) -> None:
@@ -650,8 +660,7 @@ class AsyncEngine:
         _check_priority(priority)
         params = self.inputs.params(params)
         n = params.n
-        # sequence i samples with seed + i: refused now, before anything is registered
-        siblings = [params] if n == 1 else [params.clone(n=1, seed=_sibling_seed(params.seed, i)) for i in range(n)]
+        _sibling_seed(params.seed, n - 1)  # sequence i samples with seed + i: refused before anything is registered
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params.kv_transfer_params)
         _check_timeout(timeout)
@@ -670,7 +679,8 @@ class AsyncEngine:
         child_ids = [base] if n == 1 else [f"{base}#{i}" for i in range(n)]
         state = self.output.register(rid, processed.prompt, processed.token_ids, params, child_ids)
         reqs = []
-        for p, cid in zip(siblings, child_ids):
+        for i, cid in enumerate(child_ids):
+            p = params if n == 1 else params.clone(n=1, seed=_sibling_seed(params.seed, i))
             ids, images = processed.token_ids, processed.images
             salt = processed.cache_salt
             reqs.append(
@@ -733,10 +743,12 @@ class AsyncEngine:
         if types is not None and params.token_type_ids is not None:
             raise ParamError("token_type_ids", "give them once: with the prompt or in the pooling params")
         types = types if types is not None else params.token_type_ids
+        type_vocab = getattr(self.source.config, "type_vocab_size", 0)
+        if types is not None and not type_vocab and isinstance(types, list) and not any(types):
+            types = None  # all segment 0, as a decoder's tokenizer may give a pair: nothing to say
         if types is not None:  # a bad one failed in the workers' embedding lookup (or forward)
-            type_vocab = getattr(self.source.config, "type_vocab_size", 0)
             types = check_token_types(types, len(processed.token_ids), type_vocab)
-            params = msgspec.structs.replace(params, token_type_ids=types)
+        params = msgspec.structs.replace(params, token_type_ids=types)
         self._check_alive()
         rid = self._claim_id(request_id)
         self._admit(1)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiolm.config import EngineArgs
-from aiolm.engine.async_engine import AsyncEngine
+from aiolm.engine.async_engine import AsyncEngine, check_request_args
 from aiolm.engine.client import EngineClient
 from aiolm.engine.errors import EngineDeadError, EngineRecoveringError
 from aiolm.engine.input import PromptType
@@ -223,6 +223,7 @@ class DataParallelEngine:
         lora_request: LoRARequest | None = None,
     ) -> RoutedRequest:
         self._check_started()
+        check_request_args(request_id, priority, timeout)  # as a replica would, before routing
         inputs = self.model.inputs
         params = inputs.params(params)  # a bad request is refused before it is routed
         processed = await inputs.process(prompt)

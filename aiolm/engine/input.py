@@ -286,11 +286,11 @@ class InputProcessor:
 
     async def _decode(self, fetched: Any, where: str) -> Any:
         """``_fetch``'s result as an RGB image."""
-        from aiolm.multimodal.media import MediaLimits, decode_image
+        from aiolm.multimodal.media import MediaLimits, decode_image, to_rgb
 
         if isinstance(fetched, bytes):
             return await decode_image(fetched, self.media_limits or MediaLimits(), where)
-        return fetched.convert("RGB")
+        return to_rgb(fetched)
 
     async def _encode(self, text: str, special: bool) -> list[int]:
         why = self.too_long(text)

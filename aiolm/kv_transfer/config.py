@@ -159,8 +159,6 @@ def _tcp_config(raw: dict[str, Any], role: str, extra: dict[str, Any]) -> KVTran
         for key in ("kv_ip", "kv_port", "lease_seconds"):
             if key in raw or key in extra:
                 raise ValueError(f"kv_transfer_config: {key} is a producer's; a kv_consumer serves no KV")
-    elif "transfer_timeout" in extra and role == "kv_producer":
-        raise ValueError("kv_transfer_config: transfer_timeout is a consumer's; a kv_producer fetches no KV")
     ip = raw.get("kv_ip", "127.0.0.1")
     port = raw.get("kv_port", 14579)
     engine_id = raw.get("engine_id") or ""

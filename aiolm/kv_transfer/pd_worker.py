@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # instance then), "corrupt" damages a layer's bytes after its checksum was taken.
 FAULT_ENV = "AIOLM_TEST_KV_SEND_FAULT"
 FETCH_THREADS = 4  # producers fetched from at once
-MAX_PEERS = 256  # distinct producers a worker fetches from (a lock each, kept)
+MAX_PEERS = 256  # producers a worker keeps a lock and a connection for
 
 
 class PDWorker(ConnectorWorker):
@@ -88,7 +88,7 @@ class PDWorker(ConnectorWorker):
         self._fetcher = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="aiolm-kv-fetch")
         self._conns: dict[str, socket.socket] = {}  # producer host:port -> connection (under its lock)
         self._shm: dict[str, bool] = {}  # producer host:port -> on this machine: fetch through shared memory
-        # producer host:port -> held while fetching from it; kept, so one lock ever serves a peer
+        # producer host:port -> held while fetching from it (_peer_lock)
         self._peer_locks: dict[str, threading.Lock] = {}
         self._peers_lock = threading.Lock()  # guards the three maps above
         self.machine = machine_id()
@@ -116,7 +116,9 @@ class PDWorker(ConnectorWorker):
         if self._server is not None:
             self._server.close()
         self._fetcher.shutdown(wait=False, cancel_futures=True)
-        for conn in self._conns.values():
+        with self._peers_lock:
+            conns = list(self._conns.values())
+        for conn in conns:
             conn.close()
 
     def _apply(self, ops: KVTransferOps) -> None:
@@ -251,25 +253,61 @@ class PDWorker(ConnectorWorker):
     def _fetch(self, source: str, transfer_id: str, remote_ids: list[int]) -> torch.Tensor:
         """The blocks of ``transfer_id`` from this rank's producer peer, as one (layers, 2,
         blocks, block_size, heads, head bytes) byte tensor; no block when anything goes wrong,
-        or when the whole fetch takes longer than ``transfer_timeout``."""
-        with self._peers_lock:
-            lock = self._peer_locks.get(source)
-            if lock is None and len(self._peer_locks) < MAX_PEERS:  # clients name them: bounded
-                lock = self._peer_locks[source] = threading.Lock()
+        or when the whole fetch, its wait for the producer's other fetches included, takes
+        longer than ``transfer_timeout``."""
+        deadline = time.monotonic() + self.cfg.transfer_timeout
+        lock = self._peer_lock(source, deadline)
         if lock is None:
-            log.warning("KV fetch of %s from %s: more than %d prefill instances named", transfer_id, source, MAX_PEERS)
+            log.warning("KV fetch of %s from %s: no turn at the producer within the timeout", transfer_id, source)
             c = self.caches[0]
             return torch.empty((len(self.caches), 2, 0, *c.shape[2:]), dtype=torch.uint8)
-        with lock:
-            return self._fetch_from(source, transfer_id, remote_ids)
+        try:
+            return self._fetch_from(source, transfer_id, remote_ids, deadline)
+        finally:
+            lock.release()
 
-    def _fetch_from(self, source: str, transfer_id: str, remote_ids: list[int]) -> torch.Tensor:
+    def _peer_lock(self, source: str, deadline: float) -> threading.Lock | None:
+        """``source``'s lock, acquired by the deadline (None: not in time, or too many
+        producers busy). Clients name producers, so the map is bounded: an idle producer's
+        entry makes room, and a lock taken from the map is used only while still its entry."""
+        while True:
+            with self._peers_lock:
+                lock = self._peer_locks.get(source)
+                if lock is None:
+                    if len(self._peer_locks) >= MAX_PEERS:
+                        self._forget_an_idle_peer()
+                    if len(self._peer_locks) >= MAX_PEERS:
+                        return None
+                    lock = self._peer_locks[source] = threading.Lock()
+            left = deadline - time.monotonic()
+            if left <= 0 or not lock.acquire(timeout=left):
+                return None
+            with self._peers_lock:
+                if self._peer_locks.get(source) is lock:
+                    return lock
+            lock.release()  # its entry was forgotten meanwhile: take the new one
+
+    def _forget_an_idle_peer(self) -> None:
+        """Drop one producer nobody is fetching from, and its connection (``_peers_lock`` held)."""
+        for known, lock in list(self._peer_locks.items()):
+            if lock.acquire(blocking=False):
+                try:
+                    del self._peer_locks[known]
+                    self._shm.pop(known, None)
+                    conn = self._conns.pop(known, None)
+                    if conn is not None:
+                        conn.close()
+                finally:
+                    lock.release()
+                return
+
+    def _fetch_from(self, source: str, transfer_id: str, remote_ids: list[int], deadline: float) -> torch.Tensor:
         c = self.caches[0]
         out = torch.empty((len(self.caches), 2, len(remote_ids), *c.shape[2:]), dtype=torch.uint8)
         shm: tuple[str, mmap.mmap, Callable[[], bool]] | None = None
-        deadline = time.monotonic() + self.cfg.transfer_timeout
         try:
             conn = self._connect(source, deadline)
+            conn.settimeout(max(0.001, deadline - time.monotonic()))  # a kept one has the last fetch's
             if self._shm[source]:
                 shm = segment.create(max(1, out.numel()))
             send_json(conn, {"transfer": transfer_id, "blocks": remote_ids, "shm": shm[0] if shm else None})
@@ -332,7 +370,9 @@ class PDWorker(ConnectorWorker):
                 lock = self._peer_locks.get(known)
             if lock is not None and lock.acquire(blocking=False):
                 try:
-                    if not _open(conn):
+                    with self._peers_lock:
+                        now = self._conns.get(known)  # the one kept now, not the snapshot's
+                    if now is not None and not _open(now):
                         self._drop(known)
                 finally:
                     lock.release()

@@ -117,6 +117,8 @@ async def _fetch_unbounded(url: str, limits: MediaLimits, field: str) -> bytes:
                 _check_host(httpx.URL(url).host, limits.allowed_domains, field)
                 async with client.stream("GET", url) as response:
                     if response.is_redirect:
+                        if "location" not in response.headers:
+                            raise ParamError(field, f"fetching {_show(url)} failed: a redirect without a Location")
                         url = _redirect_target(url, response.headers["location"], field)
                         continue
                     if not response.is_success:
@@ -201,6 +203,18 @@ def _read_file(url: str, limits: MediaLimits, field: str) -> bytes:
     return data
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as RGB the way transformers' processors make it: what is transparent shows
+    the white behind it (``convert("RGB")`` alone keeps the colour a transparent pixel holds,
+    black in most files)."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def _decode(data: bytes, max_pixels: int, field: str) -> Image.Image:
     """``data`` decoded to RGB, its pixel count checked from the header before decoding."""
     try:
@@ -209,7 +223,7 @@ def _decode(data: bytes, max_pixels: int, field: str) -> Image.Image:
             if width * height > max_pixels:
                 raise _too_many_pixels(field, width * height, max_pixels)
             image.load()  # all of it now: a truncated file fails here, not in a later step
-            return image.convert("RGB")
+            return to_rgb(image)
     except ParamError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):

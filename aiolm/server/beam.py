@@ -37,6 +37,7 @@ from aiolm.server.protocol import (
     SamplingRequest,
     StreamOptions,
     param_error,
+    with_model_defaults,
 )
 from aiolm.server.sse import EventStream, until_disconnect
 
@@ -98,7 +99,7 @@ def _params(ctx: ServingContext, req: SamplingRequest, max_tokens: int | None, n
             beam_width=n,
             max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len,
             ignore_eos=req.ignore_eos,
-            temperature=req.temperature,
+            temperature=with_model_defaults(req, ctx.engine, ("temperature",))["temperature"],
             length_penalty=req.length_penalty,
             include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=list(req.stop_token_ids or []),

@@ -120,7 +120,12 @@ async def tokenize(
         ids = await asyncio.to_thread(engine.tokenize, text, add_special_tokens)
     else:
         ids = engine.tokenize(text, add_special_tokens)
-    return ids if cut is None else cut.cut(ids)
+    if cut is None:
+        return ids
+    lead = engine.tokenize("", True) if add_special_tokens else []  # a BOS stays, as the tokenizer's cut keeps it
+    if lead and ids[: len(lead)] == lead and cut.side == "left" and len(ids) > cut.keep > len(lead):
+        return lead + ids[len(lead) :][-(cut.keep - len(lead)) :]
+    return cut.cut(ids)
 
 
 def check_lengths(

@@ -41,6 +41,7 @@ from aiolm.params import (
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROB_TOKEN_IDS,
     MAX_STOP_TOKEN_IDS,
+    SAMPLING_DEFAULT_KEYS,
     OutputKind,
     ParamError,
     SamplingParams,
@@ -748,7 +749,7 @@ def sampling_params(
 ) -> SamplingParams:
     """Build SamplingParams, which holds the sampling bounds: a ParamError is a 400 naming the
     field. The sampling fields a request leaves out take the model's defaults, if it has any."""
-    sampling = with_model_defaults(req, engine, ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
+    sampling = with_model_defaults(req, engine, SAMPLING_DEFAULT_KEYS)
     try:
         return SamplingParams(
             n=req.n,
@@ -779,9 +780,16 @@ def sampling_params(
 
 def with_model_defaults(req: BaseModel, engine: EngineClient | None, names: tuple[str, ...]) -> dict[str, Any]:
     """The request's ``names`` fields, each it leaves out as the model's generation_config.json
-    recommends (``engine.sampling_defaults``), else as the request model's default."""
+    recommends (``engine.sampling_defaults``), else as the request model's default; a name
+    the request has no field for is the model's or left out (Responses has no top_k)."""
     defaults = engine.sampling_defaults if engine is not None else {}
-    return {n: defaults[n] if n in defaults and n not in req.model_fields_set else getattr(req, n) for n in names}
+    out = {}
+    for n in names:
+        if n in req.model_fields_set or (n not in defaults and n in type(req).model_fields):
+            out[n] = getattr(req, n)
+        elif n in defaults:
+            out[n] = defaults[n]
+    return out
 
 
 def token_constraints(req: SamplingRequest, engine: EngineClient) -> dict[str, Any]:

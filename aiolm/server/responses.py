@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aiolm.params import OutputKind, ParamError, SamplingParams
+from aiolm.params import SAMPLING_DEFAULT_KEYS, OutputKind, ParamError, SamplingParams
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
     Generation,
@@ -125,8 +125,8 @@ def _shell(req: ResponsesRequest, response_id: str, model: str, sampling: dict[s
         "output": [],
         "parallel_tool_calls": False,
         "previous_response_id": None,
-        "temperature": sampling["temperature"],
-        "top_p": sampling["top_p"],
+        "temperature": sampling.get("temperature", req.temperature),
+        "top_p": sampling.get("top_p", req.top_p),
         "text": {"format": shown},
         "tool_choice": "none",
         "tools": [],
@@ -157,7 +157,7 @@ async def create_response(request: Request) -> Response | EventStream:
     structured = text_format_spec(req.text.format if req.text is not None else None)
     stream = req.stream
     max_tokens = req.max_output_tokens
-    sampling = with_model_defaults(req, ctx.engine, ("temperature", "top_p"))
+    sampling = with_model_defaults(req, ctx.engine, SAMPLING_DEFAULT_KEYS)
     try:  # SamplingParams holds the bounds: a bad value is a 400 before any work
         params = SamplingParams(
             **sampling,

@@ -231,9 +231,10 @@ def parse_serve_args(
     defaults: Mapping[str, Any] | None = None,
 ) -> tuple[EngineArgs, ServerSettings, argparse.Namespace]:
     parser = parser or build_parser()
-    if defaults:  # as flags before the command line's (which win): checked the same way
-        argv = _config_argv(parser, defaults) + list(argv)
-    ns = parser.parse_args(argv)
+    # a config's settings are parsed as the flags they stand for (checked the same way), then
+    # the command line into the same namespace: its flags win
+    ns = parser.parse_args(_config_argv(parser, defaults)) if defaults else None
+    ns = parser.parse_args(argv, namespace=ns)
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     if ns.allow_request_priority:  # accepting priorities the FCFS queue ignores would be a silent no-op
@@ -257,6 +258,8 @@ def _config_argv(parser: argparse.ArgumentParser, config: Mapping[str, Any]) -> 
     for key, value in config.items():
         action = actions[key]
         flag = next(o for o in action.option_strings if o.startswith("--"))
+        if value is None:
+            continue  # the flag's default
         if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
             if not isinstance(value, bool):
                 raise SystemExit(f"config setting {key}: must be true or false, got {value!r}")
@@ -264,13 +267,11 @@ def _config_argv(parser: argparse.ArgumentParser, config: Mapping[str, Any]) -> 
                 argv.append(flag if value else "--no-" + flag.removeprefix("--"))
             elif value:
                 argv.append(flag)
-        elif value is None:
-            continue  # the flag's default
         elif action.nargs in ("+", "*"):
             values = value if isinstance(value, list) else [value]
             argv += [flag, *(v if isinstance(v, str) else json.dumps(v) for v in values)]
-        else:
-            argv += [flag, value if isinstance(value, str) else json.dumps(value)]
+        else:  # --flag=value: a value may start with "-"
+            argv.append(f"{flag}={value if isinstance(value, str) else json.dumps(value)}")
     return argv
 
 

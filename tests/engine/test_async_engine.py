@@ -531,6 +531,7 @@ def test_loop_stays_responsive_during_a_long_prefill(engine, run):
         (dict(allowed_token_ids=[2**70]), "allowed_token_ids"),
         (dict(bad_words_token_ids=[[2**70]]), "bad_words_token_ids"),
         (dict(logit_bias={2**64: 1.0}), "logit_bias"),
+        (dict(logit_bias={"9" * 5000: 1.0}), "logit_bias"),  # int() refuses 4,300 digits: was a 500
         (dict(ignore_eos="yes"), "ignore_eos"),
         (dict(include_stop_str_in_output=2), "include_stop_str_in_output"),
         (dict(spaces_between_special_tokens="no"), "spaces_between_special_tokens"),

@@ -142,7 +142,7 @@ def test_pooling_engine_refuses_what_it_cannot_do(loop, real_source):
                     {"prompt_token_ids": [5, 6], "token_type_ids": [0, 1]},
                     PoolingParams(token_type_ids=[0, 1]),
                 ),
-                "decoder types": ({"prompt_token_ids": [5, 6], "token_type_ids": [0, 0]}, PoolingParams()),
+                "decoder types": ({"prompt_token_ids": [5, 6], "token_type_ids": [0, 1]}, PoolingParams()),
             }
             for name, (prompt, params) in cases.items():
                 try:

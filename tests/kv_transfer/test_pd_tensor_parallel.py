@@ -103,7 +103,6 @@ def test_three_ranks_each_side(caplog):
         (_tcp("kv_sender"), "kv_role: 'kv_sender' is not one of"),
         # a consumer serves nothing, a producer fetches nothing: these were accepted and unused
         (_tcp("kv_consumer", kv_port=9000), "kv_port is a producer's"),
-        (_tcp("kv_producer", kv_connector_extra_config={"transfer_timeout": 5}), "transfer_timeout is a consumer's"),
     ],
 )
 def test_bad_tcp_config_is_refused(config, message):

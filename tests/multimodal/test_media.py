@@ -95,11 +95,23 @@ def test_lossy_and_palette_formats_decode_to_their_size_and_colours(fmt: str, me
     assert mean_difference(image, picture()) < 6
 
 
-def test_an_rgba_image_becomes_rgb_with_its_colours() -> None:
-    rgba = picture().convert("RGBA")
-    rgba.putalpha(128)
-    image = load(data_url(encode(rgba, "PNG")))
-    assert image.mode == "RGB" and image.tobytes() == picture().tobytes()
+def test_transparent_images_become_rgb_over_white_as_transformers_makes_them() -> None:
+    """As the model's own processor sees them (transformers' convert_to_rgb): a transparent
+    pixel shows white, not the colour it holds (a logo's background reached the model black)."""
+    import numpy as np
+    from transformers.image_transforms import convert_to_rgb
+
+    half = picture().convert("RGBA")
+    half.putalpha(128)
+    clear = picture().convert("RGBA")
+    clear.putalpha(0)
+    palette = picture().convert("P")
+    palette.info["transparency"] = 0
+    for original in (half, clear, picture().convert("LA"), palette, picture()):
+        image = load(data_url(encode(original, "PNG")))
+        want = convert_to_rgb(Image.open(io.BytesIO(encode(original, "PNG"))), return_numpy=True)
+        assert image.mode == "RGB" and np.array_equal(np.array(image), want), original.mode
+    assert load(data_url(encode(clear, "PNG"))).getextrema() == ((255, 255),) * 3
 
 
 def test_the_declared_media_type_does_not_pick_the_decoder() -> None:
@@ -261,6 +273,8 @@ def server() -> Iterator[str]:
                 self.reply(302, headers={"Location": "http://evil.example/steal.png", "Content-Length": "0"})
             elif self.path == "/to-file":
                 self.reply(302, headers={"Location": "file:///etc/passwd", "Content-Length": "0"})
+            elif self.path == "/no-location":
+                self.reply(302, headers={"Content-Length": "0"})
             elif self.path == "/to-nowhere":
                 self.reply(302, headers={"Location": "http://[::1/x.png", "Content-Length": "0"})
             elif self.path == "/loop":
@@ -326,6 +340,11 @@ def test_a_redirect_to_a_file_url_is_refused(server: str) -> None:
 
 def test_a_redirect_to_a_malformed_url_is_refused(server: str) -> None:
     assert refusal(f"{server}/to-nowhere").startswith(f"fetching {server}/to-nowhere failed: ")
+
+
+def test_a_redirect_without_a_location_is_refused(server: str) -> None:
+    """It was a KeyError, a 500."""
+    assert refusal(f"{server}/no-location") == f"fetching {server}/no-location failed: a redirect without a Location"
 
 
 def test_a_redirect_loop_is_cut_short(server: str) -> None:

@@ -229,6 +229,9 @@ class FakeEngine:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
+    def clip_prompt(self, text: str, keep_end: bool) -> str:
+        return text
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")

@@ -367,7 +367,7 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(fake_engine
         assert c.post("/v1/messages", json=messages).status_code == 200
     assert seen[0] == model
     assert seen[1] == (0.2, 0.95, 5, 0.05, 1.1)  # the client's temperature and top_k win
-    assert seen[2][:2] == (0.6, 0.95)
+    assert seen[2] == model  # Responses has no top_k, min_p or repetition_penalty fields: the model's
     assert seen[3] == (0.6, 0.5, 20, 0.05, 1.1)
 
 
@@ -376,3 +376,27 @@ def test_sampling_defaults_read_from_a_generation_config():
 
     gen = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 2.0, "min_p": None, "max_new_tokens": 9}
     assert sampling_defaults(gen) == {"temperature": 0.7, "top_k": -1}  # a top_p SamplingParams refuses is left out
+
+
+def test_truncating_a_prompt_keeps_its_bos():
+    """A left cut keeps the tokenizer's leading special tokens, as the tokenizer's own cut
+    does (slicing the ids dropped a Llama prompt's BOS)."""
+    import asyncio
+
+    from aiolm.server.generation import Truncation, tokenize
+
+    class WithBos:
+        def prompt_too_long(self, text):
+            return None
+
+        def clip_prompt(self, text, keep_end):
+            return text
+
+        def tokenize(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    engine = WithBos()
+    assert asyncio.run(tokenize(engine, "abcdef", True, cut=Truncation(3, "left"))) == [1, ord("e"), ord("f")]
+    assert asyncio.run(tokenize(engine, "abcdef", True, cut=Truncation(3, "right"))) == [1, ord("a"), ord("b")]
+    assert asyncio.run(tokenize(engine, "abcdef", False, cut=Truncation(3, "left"))) == [ord(c) for c in "def"]
+    assert asyncio.run(tokenize(engine, "ab", True, cut=Truncation(3, "left"))) == [1, ord("a"), ord("b")]

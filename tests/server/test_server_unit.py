@@ -518,6 +518,13 @@ def test_settings_from_flags_env_and_config(tmp_path):
     cfg.write_text(json.dumps({"allowed_origins": ["a.org", "b.org"], "enable_prefix_caching": False, "max_n": 3}))
     eargs, settings = from_environment({"AIOLM_CONFIG": str(cfg)})
     assert settings.allowed_origins == ["a.org", "b.org"] and not eargs.enable_prefix_caching and settings.max_n == 3
+    # a value starting with "-", a list flag before a positional model, null for a three-state flag
+    cfg.write_text(
+        json.dumps({"api_key": "-secret", "allowed_media_domains": ["a.org"], "async_scheduling": None, "max_n": 2})
+    )
+    eargs, settings = from_environment({"AIOLM_CONFIG": str(cfg), "AIOLM_ARGS": "some/model.gguf --max-n 5"})
+    assert settings.api_key == "-secret" and eargs.model == "some/model.gguf" and eargs.async_scheduling is None
+    assert settings.max_n == 5  # the command line wins
 
 
 @pytest.mark.parametrize(
