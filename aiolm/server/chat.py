@@ -110,10 +110,14 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             ids = await tokenize(engine, text, add_special_tokens=False, param=where, cut=cut)
         check_lengths(ctx, len(ids), max_tokens, where, mt_param, req.min_tokens)
         own = None
-        if thinking is not None and structured is not None and ReasoningSplitter(thinking, text).thinking:
-            # the grammar waits for the end of the thinking (aiolm/structured/spec.py)
+        splitter = ReasoningSplitter(thinking, text) if thinking is not None else None
+        if thinking is not None and structured is not None and splitter is not None and splitter.thinking:
+            # the grammar waits for the end of the thinking (aiolm/structured/spec.py), unless the
+            # model may skip it and does not open it
             end = tuple(engine.tokenize(thinking.ends[0], False))
-            own = params.clone(structured_outputs=dataclasses.replace(structured, after=end))
+            start = tuple(engine.tokenize(thinking.starts[0], False)) if splitter.undecided else ()
+            opens = start if len(start) == 1 else ()
+            own = params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=opens))
         reading = _Reading(plan, thinking, text, req.include_reasoning)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
     if req.use_beam_search and any(t.prompt.images for t in turns):

@@ -84,6 +84,11 @@ class ReasoningSplitter:
         self.saw_reasoning = self.state == _REASONING
 
     @property
+    def undecided(self) -> bool:
+        """Whether the model may think or answer at once (the prompt leaves it open)."""
+        return self.state == _MAYBE
+
+    @property
     def thinking(self) -> bool:
         """Whether the model may still be thinking (structured outputs wait until it stops)."""
         return self.state != _CONTENT

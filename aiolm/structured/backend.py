@@ -71,6 +71,33 @@ _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "
 _UNENFORCED += ("dependentRequired", "dependentSchemas", "dependencies")
 _SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+# what may stand beside a $ref (xgrammar follows the reference and drops any other keyword)
+_REF_SIBLINGS = {"$ref", "$defs", "definitions", "$id", "$schema", "$comment", "title", "description"}
+_REF_SIBLINGS |= {"default", "examples", "deprecated", "readOnly", "writeOnly"}
+
+
+def _unenforced_here(node: dict[str, Any]) -> str | None:
+    """What of ``node`` itself (not its subschemas) the grammar would not enforce."""
+    for key in _UNENFORCED:
+        if key in node and not (key == "uniqueItems" and node[key] is False):
+            return f"'{key}'"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' of more than one schema"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"'$ref' to {ref[:80]!r} (only references within the schema, '#...', are resolved)"
+    if ref is not None and set(node) - _REF_SIBLINGS:
+        return f"'$ref' beside {', '.join(sorted(set(node) - _REF_SIBLINGS))} (move them into the schema it names)"
+    multiple = node.get("multipleOf")
+    if multiple is not None and not (node.get("type") == "integer" and isinstance(multiple, int)):
+        return "'multipleOf' of a non-integer"
+    required, listed = node.get("required"), node.get("properties")
+    others = node.get("additionalProperties") not in (None, False) or "patternProperties" in node
+    if isinstance(required, list) and not others:
+        missing = [r for r in required if not isinstance(listed, dict) or r not in listed]
+        if missing:
+            return f"'required' {missing[0]!r}, which 'properties' does not list (it can never be generated)"
+    return None
 
 
 def unenforced(schema: Any) -> str | None:
@@ -83,11 +110,9 @@ def unenforced(schema: Any) -> str | None:
         if not isinstance(node, dict):
             continue
         where = f" (at {path})" if path else ""
-        for key in _UNENFORCED:
-            if key in node and not (key == "uniqueItems" and node[key] is False):
-                return f"'{key}'{where} is not enforced by this server's grammar backend; remove it"
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            return f"'allOf' of more than one schema{where} is not enforced by this server's grammar backend"
+        why = _unenforced_here(node)
+        if why is not None:
+            return f"{why}{where} is not enforced by this server's grammar backend"
         at = f"{path}." if path else ""
         for key in _SUBSCHEMA:
             stack.append((node.get(key), f"{at}{key}"))

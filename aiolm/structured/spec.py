@@ -25,12 +25,16 @@ class StructuredOutputs:
     empty), regex, or grammar (EBNF/GBNF whose start rule is ``root``). ``strict``: with
     json, properties the schema does not list are not generated. ``after``: the output
     is free until it contains these tokens (a reasoning model's end-of-thinking marker),
-    and the grammar constrains what follows them; empty, it constrains from the start."""
+    and the grammar constrains what follows them; empty, it constrains from the start.
+    ``opens`` (one token, with ``after``: the start-of-thinking marker, when the prompt leaves
+    it to the model whether to think): unless the output starts with it, the grammar
+    constrains from the first token (a model that does not think is constrained too)."""
 
     kind: str
     text: str = ""
     strict: bool = True
     after: tuple[int, ...] = ()
+    opens: tuple[int, ...] = ()
 
     def key(self) -> tuple[str, str, bool]:
         return (self.kind, self.text, self.strict)

@@ -199,3 +199,24 @@ def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize(reasoning_
                 timeout=30,
             )
             assert r.status_code == 400 and name in r.json()["error"]["message"], (path, r.text)
+
+
+def test_structured_outputs_bind_a_model_that_does_not_open_its_thinking(client: OpenAI) -> None:
+    """Under the qwen3 parser a prompt that leaves the thinking to the model: the grammar
+    waited for a </think> that a model which does not think never writes, so nothing was
+    constrained (the Granite script's text came back). Now the first token decides."""
+    r = _chat(client, {"thinking": True}, body={"structured_outputs": {"regex": "Paris"}})
+    assert r.choices[0].message.content == "Paris" and r.choices[0].finish_reason == "stop"
+
+
+def test_a_grammar_no_token_can_continue_ends_the_row(client: OpenAI) -> None:
+    """ "▁it" is this tokenizer's spelling of " it", which xgrammar reads as its raw text: after
+    "Paris" no token continues the regex. The row drew token 0 until max_tokens; it ends."""
+    r = _chat(
+        client,
+        {"enable_thinking": False},
+        body={"structured_outputs": {"regex": "Paris it is!"}, "return_token_ids": True},
+    )
+    choice = r.choices[0]
+    assert choice.message.content == "Paris" and choice.finish_reason == "stop", choice
+    assert 0 not in choice.model_extra["token_ids"]

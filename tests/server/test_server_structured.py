@@ -322,6 +322,19 @@ name ::= [A-Z] [a-z]+"""
             "invalid JSON schema: 'not' (at properties.not) is not enforced",
         ),
         ({"guided_json": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}, "guided_json", "'allOf' of more"),
+        # measured to be broken by the output before (the keyword dropped in silence)
+        (
+            {"guided_json": {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "enum": ["AAA", "BBB"]}},
+            "guided_json",
+            "'$ref' beside enum",
+        ),
+        ({"guided_json": {"$ref": "https://example.com/schema.json"}}, "guided_json", "only references within"),
+        ({"guided_json": {"type": "number", "multipleOf": 0.25}}, "guided_json", "'multipleOf' of a non-integer"),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}},
+            "guided_json",
+            "'required' 'b', which 'properties' does not list",
+        ),
         (
             {"structured_outputs": {"grammar": "root ::= undefined_rule"}},
             "structured_outputs.grammar",

@@ -51,14 +51,16 @@ class _RowMatcher:
         self.after = list(spec.after)
         self.started = not self.after
         self.recent: list[int] = []  # the last len(after) tokens while not started
+        # the first token decides: the thinking's opening marker, or the grammar's first token
+        self.opens = list(spec.opens[:1]) if self.after else []
+        self.undecided = bool(self.opens)
 
     def fill_stop_only(self, bitmask: torch.Tensor, row: int) -> None:
         """Past its stop token (a row that ignores EOS keeps going) the grammar has nothing
         left to allow but its stop tokens; xgrammar refuses to fill a terminated matcher."""
         bitmask[row] = 0
         for t in self.stop_tokens:
-            word, bit = divmod(t, 32)
-            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 bits, two's complement
+            allow(bitmask, row, t)
 
     def catch_up(self, output: Sequence[int]) -> None:
         for t in output[self.accepted :]:
@@ -66,6 +68,11 @@ class _RowMatcher:
 
     def accept(self, token: int) -> None:
         self.accepted += 1
+        if self.undecided:
+            self.undecided = False
+            if int(token) == self.opens[0]:
+                return  # it thinks: the grammar waits for the end marker
+            self.started = True  # it does not: the grammar takes this token on
         if not self.started:
             self.recent = [*self.recent, int(token)][-len(self.after) :]
             self.started = self.recent == self.after
@@ -74,6 +81,12 @@ class _RowMatcher:
         # every allowed one) leaves the matcher where it was; the row is ending either way.
         if not self.matcher.is_terminated():
             self.matcher.accept_token(int(token))
+
+
+def allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set ``token``'s bit in ``row`` of an xgrammar bitmask (int32 words, two's complement)."""
+    word, bit = divmod(token, 32)
+    bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 _matchers: dict[int, tuple[weakref.ref, _RowMatcher]] = {}
@@ -144,16 +157,31 @@ class Grammar(LogitsProcessor):
         """The next-token bitmask of every constrained row (host work)."""
         live_rows: list[int] = []
         live: list[Any] = []
+        live_matchers: list[_RowMatcher] = []
         for i, m in zip(self.rows, self.matchers):
-            if not m.started:
+            if m.undecided:  # the grammar's first tokens, and the thinking's opening marker (below)
+                live_rows.append(i)
+                live.append(m.matcher)
+                live_matchers.append(m)
+            elif not m.started:
                 self.bitmask[i] = -1  # every bit set: the row is free while the model thinks
             elif m.matcher.is_terminated():
                 m.fill_stop_only(self.bitmask, i)
             else:
                 live_rows.append(i)
                 live.append(m.matcher)
+                live_matchers.append(m)
         if live:  # xgrammar fills the rows on its own threads, as many as torch computes with
             _batch_filler().batch_fill_next_token_bitmask(live, self.bitmask, indices=live_rows)
+            for i, m in zip(live_rows, live_matchers):
+                if m.undecided:
+                    allow(self.bitmask, i, m.opens[0])
+                    continue
+                # No token can go on (the grammar's text has no spelling in this vocabulary): the
+                # row ends at its stop tokens, where a draw from an all-masked row took token 0.
+                if not bool(self.bitmask[i].any()):
+                    log.warning("structured outputs: no token of the vocabulary continues the grammar; the row ends")
+                    m.fill_stop_only(self.bitmask, i)
 
     def mask(self, logits: torch.Tensor) -> None:
         """-inf on the tokens the filled bitmask forbids, constrained rows only."""
