@@ -110,7 +110,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             ids = await tokenize(engine, text, add_special_tokens=False, param=where, cut=cut)
         check_lengths(ctx, len(ids), max_tokens, where, mt_param, req.min_tokens)
         own = None
-        splitter = ReasoningSplitter(thinking, text) if thinking is not None else None
+        continued = _continued(req, conv)
+        splitter = ReasoningSplitter(thinking, text, continued) if thinking is not None else None
         if thinking is not None and structured is not None and splitter is not None and splitter.thinking:
             # the grammar waits for the end of the thinking (aiolm/structured/spec.py), unless the
             # model may skip it and does not open it
@@ -118,7 +119,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
             start = tuple(engine.tokenize(thinking.starts[0], False)) if splitter.undecided else ()
             opens = start if len(start) == 1 else ()
             own = params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=opens))
-        reading = _Reading(plan, thinking, text, req.include_reasoning)
+        reading = _Reading(plan, thinking, text, req.include_reasoning, continued)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
     if req.use_beam_search and any(t.prompt.images for t in turns):
         # each beam step re-sends the beam's tokens, which carry no images
@@ -312,11 +313,16 @@ class _Turn:
     echo: str
 
 
-def _echoed(req: ChatCompletionRequest, conversation: list[ChatMessage]) -> str:
-    """vLLM's chat ``echo``: the content of a final assistant message the answer continues."""
+def _continued(req: ChatCompletionRequest, conversation: list[ChatMessage]) -> str:
+    """The content of a final assistant message the answer continues, else ""."""
     last = conversation[-1]
     continued = req.continue_final_message or not req.add_generation_prompt
-    return (message_text(last.content) or "") if req.echo and continued and last.role == "assistant" else ""
+    return (message_text(last.content) or "") if continued and last.role == "assistant" else ""
+
+
+def _echoed(req: ChatCompletionRequest, conversation: list[ChatMessage]) -> str:
+    """vLLM's chat ``echo``: the content of a final assistant message the answer continues."""
+    return _continued(req, conversation) if req.echo else ""
 
 
 def _reasoning_fields(text: str | None) -> dict[str, Any]:
@@ -333,12 +339,13 @@ class _Reading:
     thinking: ReasoningFormat | None
     prompt: str
     include_reasoning: bool
+    continued: str = ""  # a final assistant message the output continues
 
     def message(self, text: str) -> tuple[dict[str, Any], list[ParsedCall]]:
         reasoning: str | None = None
         content: str | None = text
         if self.thinking is not None:
-            reasoning, content = split_reasoning(self.thinking, self.prompt, text)
+            reasoning, content = split_reasoning(self.thinking, self.prompt, text, self.continued)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         calls: list[ParsedCall] = []
         if self.plan.active:
@@ -357,7 +364,9 @@ class _ChoiceStream:
 
     def __init__(self, reading: _Reading) -> None:
         self.show_reasoning = reading.include_reasoning
-        self.split = ReasoningSplitter(reading.thinking, reading.prompt) if reading.thinking else None
+        self.split = (
+            ReasoningSplitter(reading.thinking, reading.prompt, reading.continued) if reading.thinking else None
+        )
         self.tools = StreamState(reading.plan) if reading.plan.active else None
         self.calls = CallDeltas()
 

@@ -70,17 +70,22 @@ def _find(text: str, tags: tuple[str, ...]) -> tuple[int, int]:
 class ReasoningSplitter:
     """One choice's text, fed as it is generated, split into (reasoning, content) deltas."""
 
-    def __init__(self, fmt: ReasoningFormat, prompt: str) -> None:
+    def __init__(self, fmt: ReasoningFormat, prompt: str, continued: str = "") -> None:
+        """``continued``: the text of a final assistant message the output continues (it ends
+        the prompt), whose own markers say whether the model is inside its thinking."""
         self.fmt = fmt
         tail = prompt.rstrip()
-        if tail.endswith(fmt.ends):
+        opened = max((continued.rfind(t) for t in fmt.starts), default=-1)
+        closed = max((continued.rfind(t) for t in fmt.ends), default=-1)
+        if closed > opened or tail.endswith(fmt.ends):
             self.state = _CONTENT
-        elif fmt.always or tail.endswith(fmt.starts):
+        elif opened > closed or fmt.always or tail.endswith(fmt.starts):
             self.state = _REASONING
         else:
             self.state = _MAYBE
         self.pending = ""
-        self.opening = self.state != _CONTENT  # a leading start marker is still dropped
+        # a leading start marker is still dropped (not when the continued text opened it)
+        self.opening = self.state != _CONTENT and not opened > closed
         self.saw_reasoning = self.state == _REASONING
 
     @property
@@ -128,10 +133,10 @@ class ReasoningSplitter:
         return "", rest
 
 
-def split_reasoning(fmt: ReasoningFormat, prompt: str, text: str) -> tuple[str | None, str | None]:
+def split_reasoning(fmt: ReasoningFormat, prompt: str, text: str, continued: str = "") -> tuple[str | None, str | None]:
     """A whole choice's (reasoning, content); reasoning None when the model did not think,
-    content None when it only thought."""
-    s = ReasoningSplitter(fmt, prompt)
+    content None when it only thought (``continued``: as ReasoningSplitter's)."""
+    s = ReasoningSplitter(fmt, prompt, continued)
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     if not s.saw_reasoning:

@@ -220,3 +220,16 @@ def test_a_grammar_no_token_can_continue_ends_the_row(client: OpenAI) -> None:
     choice = r.choices[0]
     assert choice.message.content == "Paris" and choice.finish_reason == "stop", choice
     assert 0 not in choice.model_extra["token_ids"]
+
+
+def test_continuing_a_message_that_opened_its_thinking(client: OpenAI) -> None:
+    """The final assistant message being continued ends inside <think>: what follows is
+    thinking until </think> (it came back as content, </think> and all)."""
+    messages = [*QUESTION, {"role": "assistant", "content": "<think> I"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False}
+    r = _chat(client, body=body, messages=messages)
+    assert _reasoning(r.choices[0].message) == (" reckon so.", "Paris it is!")
+    thoughts, content, _, _ = _stream(client, body=body, messages=messages)
+    assert ("".join(thoughts), content) == (" reckon so.", "Paris it is!")
+    constrained = _chat(client, body={**body, "structured_outputs": {"regex": "Paris"}}, messages=messages)
+    assert _reasoning(constrained.choices[0].message) == (" reckon so.", "Paris")
