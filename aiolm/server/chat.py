@@ -349,7 +349,8 @@ class _Reading:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         calls: list[ParsedCall] = []
         if self.plan.active:
-            message["content"], calls = read_output(self.plan, content or "")
+            text_part, calls = read_output(self.plan, content or "")
+            message["content"] = text_part or None  # nothing besides the calls is null, as a stream sends none
             message["tool_calls"] = tool_calls_json(calls)
         if self.thinking is not None:
             message.update(_reasoning_fields(reasoning if self.include_reasoning else None))

@@ -141,4 +141,4 @@ def split_reasoning(fmt: ReasoningFormat, prompt: str, text: str, continued: str
     r2, c2 = s.finish()
     if not s.saw_reasoning:
         return None, c1 + c2
-    return r1 + r2, (c1 + c2) or None
+    return (r1 + r2) or None, (c1 + c2) or None  # nothing streamed is null, as a stream sends none

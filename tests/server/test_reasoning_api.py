@@ -102,6 +102,9 @@ def test_a_length_cut_inside_the_thinking(client: OpenAI) -> None:
     r = _chat(client, max_tokens=3)  # <think> I ▁reckon
     assert _reasoning(r.choices[0].message) == ("I reckon", None)
     assert r.choices[0].finish_reason == "length"
+    opened = _chat(client, max_tokens=1)  # <think> alone: null, as the stream sends no reasoning ("" before)
+    assert _reasoning(opened.choices[0].message) == (None, None)
+    assert _stream(client, max_tokens=1)[:2] == ([], "")
 
 
 def test_tool_calls_are_read_after_the_thinking(client: OpenAI) -> None:
