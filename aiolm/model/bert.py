@@ -29,7 +29,6 @@ from aiolm.model.layers.context import BuildContext
 from aiolm.model.layers.embedding import VocabParallelEmbedding
 from aiolm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aiolm.model.layers.norm import LayerNorm
-from aiolm.model.layers.weights import copy_weight
 
 
 class Table(nn.Module):
@@ -217,13 +216,10 @@ class BertModel(nn.Module):
         assert target is not None, key  # every expected name has a target
         path, shard = target
         module = modules[path]
-        try:
-            if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear)):
-                module.load_shard(pname, tensor, shard)
-            else:
-                copy_weight(getattr(module, pname).data, tensor[...], pname)
-        except ValueError as e:
-            raise ModelLoadError(f"weight {key!r}: {e}") from None
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear)):
+            module.load_shard(pname, tensor, shard)
+        else:
+            getattr(module, pname).data.copy_(tensor[...])
 
 
 def _modern(key: str) -> str:

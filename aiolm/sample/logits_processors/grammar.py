@@ -156,32 +156,28 @@ class Grammar(LogitsProcessor):
     def fill(self) -> None:
         """The next-token bitmask of every constrained row (host work)."""
         live_rows: list[int] = []
-        live: list[Any] = []
-        live_matchers: list[_RowMatcher] = []
+        live: list[_RowMatcher] = []
         for i, m in zip(self.rows, self.matchers):
-            if m.undecided:  # the grammar's first tokens, and the thinking's opening marker (below)
-                live_rows.append(i)
-                live.append(m.matcher)
-                live_matchers.append(m)
-            elif not m.started:
+            if not m.started and not m.undecided:
                 self.bitmask[i] = -1  # every bit set: the row is free while the model thinks
-            elif m.matcher.is_terminated():
+            elif m.started and m.matcher.is_terminated():
                 m.fill_stop_only(self.bitmask, i)
-            else:
+            else:  # the grammar's next tokens (undecided: its first, and the thinking's opening marker)
                 live_rows.append(i)
-                live.append(m.matcher)
-                live_matchers.append(m)
-        if live:  # xgrammar fills the rows on its own threads, as many as torch computes with
-            _batch_filler().batch_fill_next_token_bitmask(live, self.bitmask, indices=live_rows)
-            for i, m in zip(live_rows, live_matchers):
-                if m.undecided:
-                    allow(self.bitmask, i, m.opens[0])
-                    continue
+                live.append(m)
+        if not live:
+            return
+        # xgrammar fills the rows on its own threads, as many as torch computes with
+        _batch_filler().batch_fill_next_token_bitmask([m.matcher for m in live], self.bitmask, indices=live_rows)
+        empty = (~self.bitmask[live_rows].any(dim=1)).tolist()  # one pass for the batch
+        for i, m, none in zip(live_rows, live, empty):
+            if m.undecided:
+                allow(self.bitmask, i, m.opens[0])
+            elif none:
                 # No token can go on (the grammar's text has no spelling in this vocabulary): the
                 # row ends at its stop tokens, where a draw from an all-masked row took token 0.
-                if not bool(self.bitmask[i].any()):
-                    log.warning("structured outputs: no token of the vocabulary continues the grammar; the row ends")
-                    m.fill_stop_only(self.bitmask, i)
+                log.warning("structured outputs: no token of the vocabulary continues the grammar; the row ends")
+                m.fill_stop_only(self.bitmask, i)
 
     def mask(self, logits: torch.Tensor) -> None:
         """-inf on the tokens the filled bitmask forbids, constrained rows only."""
