@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -105,9 +106,10 @@ def check_model_args(args: EngineArgs) -> ModelSource:
         why = experts_split_error(args.tensor_parallel_size, mc, args.enable_expert_parallel)
     if why is None:
         why = pipeline_error(args, source)
-    if why is None and args.max_model_len is not None and args.max_model_len > position_limit(mc):
+    limit = position_limit(mc)
+    if why is None and args.max_model_len is not None and args.max_model_len > limit:
         # past its positions a model's answers are garbage, or its position table's lookup fails
-        why = f"--max-model-len {args.max_model_len} is more than the {position_limit(mc)} positions this model has"
+        why = f"--max-model-len {args.max_model_len} is more than the {limit} positions this model has"
     if why is not None:
         raise ValueError(f"{source.name}: {why}")
     kv_transfer = args.kv_transfer()
@@ -657,13 +659,12 @@ class AsyncEngine:
             raise ParamError(
                 "model", f"{self.model_name} is served with --runner pooling: it embeds, scores and classifies only"
             )
-        _check_priority(priority)
+        check_request_args(request_id, priority, timeout)
         params = self.inputs.params(params)
         n = params.n
         _sibling_seed(params.seed, n - 1)  # sequence i samples with seed + i: refused before anything is registered
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params.kv_transfer_params)
-        _check_timeout(timeout)
         await self.grammars.check(params.structured_outputs)  # in a compile process, cached by the grammar
         if lora_request is not None:
             await self._check_lora(lora_request)
@@ -736,9 +737,8 @@ class AsyncEngine:
                 "model",
                 f"{self.model_name} is served for generation; pooling needs a server started with --runner pooling",
             )
-        _check_priority(priority)
+        check_request_args(request_id, priority, timeout)
         params = self._pooling_params(pooling_params if pooling_params is not None else PoolingParams())
-        _check_timeout(timeout)
         processed, types = await self.inputs.process_pooling(prompt, truncate, self.max_pooling_tokens)
         if types is not None and params.token_type_ids is not None:
             raise ParamError("token_type_ids", "give them once: with the prompt or in the pooling params")
@@ -766,8 +766,6 @@ class AsyncEngine:
         """The request's id: the caller's, unless a live request holds it, else a new one."""
         assert self.output is not None
         rid = request_id if request_id is not None else self.inputs.new_request_id()
-        if not isinstance(rid, str):
-            raise ParamError("request_id", f"must be a string, got {type(rid).__name__}")
         if rid in self.output.requests:
             raise ParamError("request_id", f"request id {rid!r} is already in use by a live request")
         return rid
@@ -996,10 +994,11 @@ class AsyncEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.inputs.eos_token_ids
 
-    @property
+    @functools.cached_property
     def sampling_defaults(self) -> dict[str, Any]:
         """What a request's sampling fields default to when it leaves them out: the model's
-        generation_config.json recommendations (--generation-config auto), else nothing."""
+        generation_config.json recommendations (--generation-config auto), else nothing.
+        Read once: every request asks."""
         if self.args.generation_config != "auto":
             return {}
         return sampling_defaults(self.generation_config)

@@ -339,9 +339,7 @@ class InputProcessor:
             types = list(types[:truncate]) if types is not None else None
         if not ids:
             raise ParamError("input", "the input is empty")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ParamError("input", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_in_vocab("input", ids, self.vocab_size)
         if len(ids) > max_tokens:
             raise ParamError(
                 "input",
@@ -398,9 +396,7 @@ class InputProcessor:
         n = len(p.token_ids)
         if n == 0:
             raise ParamError("prompt", "the prompt is empty")
-        bad = next((t for t in p.token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_in_vocab("prompt", p.token_ids, self.vocab_size)
         if length and n >= self.max_model_len:
             raise ParamError(
                 "prompt",

@@ -25,7 +25,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolm.engine.client import EngineClient
 from aiolm.server import anthropic_messages, chat, completions, invocations, misc, pooling, responses
@@ -37,6 +36,7 @@ from aiolm.server.middleware import (
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
     RequestContextMiddleware,
+    StartupFailureMiddleware,
 )
 from aiolm.server.openapi import openapi_schema
 from aiolm.server.settings import ServerSettings, from_environment
@@ -157,7 +157,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
             log.info("engine shut down")
 
     middleware = [
-        Middleware(StartupFailure, ctx=ctx),
+        Middleware(StartupFailureMiddleware, reason=lambda: ctx.start_error),
         Middleware(RequestContextMiddleware, access_log_enabled=settings.access_log),
     ]
     if settings.allowed_origins:
@@ -192,28 +192,6 @@ def _exit_on_death(ctx: ServingContext, reason: str) -> None:
     ctx.engine_died = reason
     log.critical("the engine is dead (%s); stopping the server", reason)
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-class StartupFailure:
-    """Hands the ASGI server a failed start's reason in one line (``ctx.start_error``) in place
-    of Starlette's traceback, which buries it under thirty lines of our frames (``--log-level
-    debug`` logs the traceback too)."""
-
-    def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
-        self.app = app
-        self.ctx = ctx
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await self.app(scope, receive, send)
-            return
-
-        async def reporting(message: Message) -> None:
-            if message["type"] == "lifespan.startup.failed" and self.ctx.start_error is not None:
-                message = {**message, "message": self.ctx.start_error}
-            await send(message)
-
-        await self.app(scope, receive, reporting)
 
 
 def create_app() -> Starlette:

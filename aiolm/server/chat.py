@@ -112,11 +112,11 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         own = None
         continued = _continued(req, conv)
         splitter = ReasoningSplitter(thinking, text, continued) if thinking is not None else None
-        if thinking is not None and structured is not None and splitter is not None and splitter.thinking:
+        if structured is not None and splitter is not None and splitter.thinking:
             # the grammar waits for the end of the thinking (aiolm/structured/spec.py), unless the
             # model may skip it and does not open it
-            end = tuple(engine.tokenize(thinking.ends[0], False))
-            start = tuple(engine.tokenize(thinking.starts[0], False)) if splitter.undecided else ()
+            end = tuple(engine.tokenize(splitter.fmt.ends[0], False))
+            start = tuple(engine.tokenize(splitter.fmt.starts[0], False)) if splitter.undecided else ()
             opens = start if len(start) == 1 else ()
             own = params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=opens))
         reading = _Reading(plan, thinking, text, req.include_reasoning, continued)

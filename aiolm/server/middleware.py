@@ -1,5 +1,5 @@
 """Pure-ASGI middleware: request ids and access logs, body-size limit, body-read
-timeout, API-key auth.
+timeout, API-key auth, a failed start's reason.
 
 The errors they answer have the shape of the route asked (anthropic_errors.py).
 
@@ -16,6 +16,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -200,3 +201,26 @@ class AuthMiddleware:
     def _x_api_key_ok(self, scope: Scope) -> bool:
         key = _header(scope, b"x-api-key")
         return key is not None and hmac.compare_digest(key.strip(" ").encode("latin-1"), self.expected)
+
+
+class StartupFailureMiddleware:
+    """Hands the ASGI server a failed start's reason in one line (``reason()``, set by the
+    lifespan) in place of Starlette's traceback, which buries it under thirty lines of our
+    frames (``--log-level debug`` logs the traceback too)."""
+
+    def __init__(self, app: ASGIApp, reason: Callable[[], str | None]) -> None:
+        self.app = app
+        self.reason = reason
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def reporting(message: Message) -> None:
+            why = self.reason()
+            if message["type"] == "lifespan.startup.failed" and why is not None:
+                message = {**message, "message": why}
+            await send(message)
+
+        await self.app(scope, receive, reporting)

@@ -726,15 +726,19 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
         assert max(diffs) > 1e-3
 
 
+# the fields every Llama config.json needs, at toy sizes (config-only tests)
+TINY_LLAMA_CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+)
+
+
 def test_hf_rope_config_spellings():
-    base = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=10,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-    )
+    base = TINY_LLAMA_CONFIG
     assert read_config(base).rope_theta == 10000.0
     assert read_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
     new = read_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7e5}})
@@ -1028,14 +1032,7 @@ def test_embedded_tokenizer_loads_without_torch_as_autotokenizer_does(real_sourc
 def test_config_values_these_layers_do_not_have_are_refused():
     """A Llama-family MLP is SiLU-gated and its o_proj and MLP have no bias here: a config
     naming GELU ran as SiLU (transformers runs GELU), and the biases failed a bare assert."""
-    base = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=10,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-    )
+    base = TINY_LLAMA_CONFIG
     for extra, words in (
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"hidden_act": "swishy"}, "hidden_act 'swishy'"),
@@ -1105,15 +1102,7 @@ def test_max_model_len_past_the_positions_is_refused(tiny_hf_dir, tmp_path):
     check_model_args(EngineArgs(model=str(tiny_hf_dir), max_model_len=limit))
     with pytest.raises(ValueError, match=f"--max-model-len {limit + 1} is more than the {limit} positions"):
         check_model_args(EngineArgs(model=str(tiny_hf_dir), max_model_len=limit + 1))
-    base = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=10,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=1000,
-    )
+    base = {**TINY_LLAMA_CONFIG, "max_position_embeddings": 1000}
     assert position_limit(read_config(base)) == 1000
     assert position_limit(read_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})) == 2000
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 500}
