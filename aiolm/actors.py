@@ -77,12 +77,15 @@ class Actor(Generic[M]):
         self.mailbox.send_nowait(msg)
 
     async def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Cancel the task and wait for its end. The cancel is repeated each second until the
+        task ends: code that swallows a cancellation (a library's, or asyncio's own wait_for
+        before Python 3.12) must not leave the stop waiting for good."""
+        task = self._task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        if task is not None and not task.cancelled():
+            task.exception()  # seen: the supervisor heard of a crash already
 
     @property
     def running(self) -> bool:

@@ -31,6 +31,7 @@ from aiolm.engine.errors import EngineDeadError
 from aiolm.engine.replica_link import SECRET_BYTES, SECRET_ENV, STATUS_PERIOD_S, read_message, write_message
 from aiolm.executor.multiproc import reap
 from aiolm.outputs import RequestOutput
+from aiolm.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class ReplicaListener:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            got = await asyncio.wait_for(reader.readexactly(SECRET_BYTES), 10.0)
+            got = await wait_for(reader.readexactly(SECRET_BYTES), 10.0)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return
@@ -365,7 +366,7 @@ class ReplicaClient:
         self._calls[call] = fut
         try:
             self._send((kind, call, *args))
-            return await asyncio.wait_for(fut, timeout)
+            return await wait_for(fut, timeout)
         finally:
             self._calls.pop(call, None)
 

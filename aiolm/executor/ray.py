@@ -47,6 +47,7 @@ from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
 from aiolm.ipc.wakeup import pid_alive
+from aiolm.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class RayExecutor(MultiprocExecutor):
         await asyncio.to_thread(ray_cluster.connect, self.address, self.min_cluster_cpus)
         sweep_stale_segments()
         try:
-            await asyncio.wait_for(self._start(ray), self.startup_timeout)
+            await wait_for(self._start(ray), self.startup_timeout)
         except BaseException as e:
             await self._stop(grace=0.5)
             if isinstance(e, asyncio.TimeoutError):
@@ -321,7 +322,7 @@ class RayExecutor(MultiprocExecutor):
     async def _remote_answer(self, rank: int, fut: asyncio.Future[Any], timeout: float) -> bytes | None:
         """A remote rank's reply; a dead actor, an error or silence past ``timeout`` fails the executor."""
         try:
-            reply, code = await asyncio.wait_for(asyncio.shield(fut), timeout or None)
+            reply, code = await wait_for(asyncio.shield(fut), timeout or None)
         except asyncio.TimeoutError:
             r = self.ranks[rank]
             self._fail(
@@ -448,7 +449,7 @@ class RayExecutor(MultiprocExecutor):
             from ray.util.placement_group import remove_placement_group
 
             try:  # a call to Ray's control store, bounded: an unreachable store must not hold up shutdown
-                await asyncio.wait_for(asyncio.to_thread(remove_placement_group, self._pg), max(grace, 10.0))
+                await wait_for(asyncio.to_thread(remove_placement_group, self._pg), max(grace, 10.0))
             except asyncio.TimeoutError:
                 log.warning("removing the placement group took over %g s; left to Ray", max(grace, 10.0))
             except Exception as e:

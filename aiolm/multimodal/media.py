@@ -25,6 +25,7 @@ import httpx
 from PIL import Image, UnidentifiedImageError
 
 from aiolm.params import ParamError
+from aiolm.timeouts import wait_for
 
 # The formats a client may send: OpenAI's (PNG, JPEG, WebP, GIF) and BMP. Pillow opens many
 # more, some of them through external programs (EPS runs Ghostscript); a client reaches none.
@@ -100,7 +101,7 @@ def _data_url_bytes(url: str, max_bytes: int, field: str) -> bytes:
 async def _fetch(url: str, limits: MediaLimits, field: str) -> bytes:
     """The body at an http(s) URL, within the time, size and host limits."""
     try:
-        return await asyncio.wait_for(_fetch_unbounded(url, limits, field), limits.fetch_timeout_s)
+        return await wait_for(_fetch_unbounded(url, limits, field), limits.fetch_timeout_s)
     except asyncio.TimeoutError:
         raise _timed_out(field, url, limits.fetch_timeout_s) from None
 

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolm.server.anthropic_errors import error_response
 from aiolm.server.errors import APIError
+from aiolm.timeouts import wait_for
 
 access_log = logging.getLogger("aiolm.access")
 _ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -148,7 +149,7 @@ class BodyTimeoutMiddleware:
                 return await receive()
             left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), max(left, 0.0))
+                message = await wait_for(receive(), max(left, 0.0))
             except asyncio.TimeoutError:
                 raise APIError(
                     408,

@@ -50,6 +50,7 @@ from typing import Any
 from aiolm.engine.errors import EngineDeadError
 from aiolm.structured.compile_worker import HEADER_BYTES, encode_frame
 from aiolm.structured.spec import StructuredOutputs
+from aiolm.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class CompilePool:
                 _sigkill(p.process)
             assert p.process.stdout is not None
             try:
-                hello = await asyncio.wait_for(_read_frame(p.process.stdout), _START_TIMEOUT_S)
+                hello = await wait_for(_read_frame(p.process.stdout), _START_TIMEOUT_S)
             except asyncio.TimeoutError:
                 failure = f"the grammar compile process was not ready within {_START_TIMEOUT_S:g} s"
                 return
@@ -328,7 +329,7 @@ class CompilePool:
         if p.process is not None:
             if not p.doomed:  # its output ended: it is exiting, or else it is stuck
                 try:
-                    await asyncio.wait_for(asyncio.shield(p.process.wait()), _EXIT_GRACE_S)
+                    await wait_for(asyncio.shield(p.process.wait()), _EXIT_GRACE_S)
                 except asyncio.TimeoutError:
                     _sigkill(p.process)
             code = await p.process.wait()
