@@ -302,6 +302,10 @@ class EngineArgs:
             raise ValueError("max_worker_restarts must be >= 0 and worker_restart_window > 0")
         if self.step_timeout < 0:
             raise ValueError(f"step_timeout must be >= 0, got {self.step_timeout}")
+        if not self.media_fetch_timeout > 0:  # nan included
+            raise ValueError(
+                f"media_fetch_timeout must be a positive number of seconds, got {self.media_fetch_timeout}"
+            )
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.structured_outputs_backend not in ("xgrammar", "none"):

@@ -207,15 +207,16 @@ class InputProcessor:
         return await self._with_decoded(text, fetched, "messages")
 
     async def with_images(
-        self, text: str, pictures: list[Any], field: str, special: bool = False, length: bool = True
+        self, text: str, pictures: list[tuple[Any, str]], field: str, special: bool = False, length: bool = True
     ) -> ProcessedPrompt:
         """``text`` (a rendered chat, or a prompt with the model's image markers) and its
-        decoded images through the model's processor: ids with each marker expanded into
-        its placeholders, and the images' inputs."""
+        decoded images ((image, where in the request)) through the model's processor: ids
+        with each marker expanded into its placeholders, and the images' inputs."""
         why = self.too_long(text)
         if why is not None:
             raise ParamError(field, why)
-        ids, inputs = await self._image_processor(field).encode(text, pictures, special)
+        images, names = [p for p, _ in pictures], [where for _, where in pictures]
+        ids, inputs = await self._image_processor(field).encode(text, images, special, names)
         return self._check(ProcessedPrompt(text, ids, inputs), length)
 
     async def with_image_urls(self, text: str, urls: Sequence[tuple[str, str]], field: str) -> ProcessedPrompt:
@@ -238,7 +239,7 @@ class InputProcessor:
         if self._image_slots is None:
             self._image_slots = asyncio.Semaphore(_IMAGE_REQUESTS)
         async with self._image_slots:
-            pictures = [await self._decode(f, where) for f, where in fetched]
+            pictures = [(await self._decode(f, where), where) for f, where in fetched]
             return await self.with_images(text, pictures, field, special, length)
 
     async def _prompt_with_images(self, prompt: dict[str, Any]) -> ProcessedPrompt:

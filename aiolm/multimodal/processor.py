@@ -50,14 +50,19 @@ class ImagePrompts:
                 field, f"{n} images in one prompt; this server takes at most {self.max_images} (--limit-mm-per-prompt)"
             )
 
-    async def encode(self, text: str, images: list[Any], special: bool) -> tuple[list[int], list[ImageInput]]:
-        """Token ids of ``text`` with each image marker expanded, and the images' inputs."""
-        return await asyncio.to_thread(self._encode, text, images, special)
+    async def encode(
+        self, text: str, images: list[Any], special: bool, names: list[str]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of ``text`` with each image marker expanded, and the images' inputs;
+        ``names`` says where each image was in the request (for errors)."""
+        return await asyncio.to_thread(self._encode, text, images, special, names)
 
-    def _encode(self, text: str, images: list[Any], special: bool) -> tuple[list[int], list[ImageInput]]:
+    def _encode(
+        self, text: str, images: list[Any], special: bool, names: list[str]
+    ) -> tuple[list[int], list[ImageInput]]:
         proc = self.processor()
-        for i, image in enumerate(images):
-            self._check_resized(proc, image, i)
+        for image, name in zip(images, names, strict=True):
+            self._check_resized(proc, image, name)
         try:
             out = proc(text=[text], images=images or None, return_tensors="np", add_special_tokens=special)
         except ValueError as e:  # the text's image markers and the images do not match
@@ -79,7 +84,7 @@ class ImagePrompts:
             inputs.append(ImageInput(digest, offset, self.tokens_per_image, data, shape))
         return ids, inputs
 
-    def _check_resized(self, proc: Any, image: Any, i: int) -> None:
+    def _check_resized(self, proc: Any, image: Any, name: str) -> None:
         """A processor that resizes the shortest edge to S makes a 1 x N image S x S*N: a few
         bytes could ask for gigabytes. Its size after resizing must be within max_pixels."""
         size = getattr(getattr(proc, "image_processor", None), "size", None)
@@ -91,7 +96,7 @@ class ImagePrompts:
         resized = edge * edge * max(w, h) / max(1, min(w, h))
         if resized > self.max_pixels:
             raise ParamError(
-                f"images[{i}]",
+                name,
                 f"an image of {w}x{h} pixels would be {int(resized)} pixels once this model's processor "
                 f"resizes its shortest side to {edge}, more than the server's limit of {self.max_pixels} "
                 "(--max-image-pixels)",

@@ -227,5 +227,6 @@ def test_image_tokens_without_images_and_lopsided_images_are_refused(engine):
 
     strip = io.BytesIO()
     Image.new("RGB", (40_000, 1)).save(strip, format="PNG")
-    with pytest.raises(ParamError, match="resizes its shortest side to 32"):
-        engine.chat(chat(strip.getvalue(), "What?"), GREEDY, use_tqdm=False)
+    with pytest.raises(ParamError, match="resizes its shortest side to 32") as e:
+        engine.chat(chat("What?", strip.getvalue()), GREEDY, use_tqdm=False)
+    assert e.value.param == "messages[0].content[1]"  # the part that holds it

@@ -93,6 +93,7 @@ BAD_ARGS = [
     (["serve", "/no/such/model.gguf"], "no such file or directory"),
     (["serve", "--device", "cuda"], "sees no CUDA device"),
     (["serve", "--attention-backend", "flash"], "attention_backend: 'flash' is not supported"),
+    (["serve", "--media-fetch-timeout", "-1"], "media_fetch_timeout must be a positive number"),
     (["generate", ""], "the prompt is empty"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens: 0 is out of range"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
