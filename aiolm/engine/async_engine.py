@@ -207,6 +207,7 @@ class AsyncEngine:
         self._model_loaded = False
         self._dead: str | None = None
         self._executor: Executor | None = None
+        self._starting: set[Executor] = set()  # started or starting, not yet handed over (_make_executor)
         self.core: EngineCore | None = None
         self.output: OutputProcessor | None = None
         self.grammars = Validator(self.args.structured_outputs_backend, self.args.structured_outputs_compile_timeout)
@@ -529,7 +530,11 @@ class AsyncEngine:
                     runner_cfg, a.tensor_parallel_size, pipeline_size=a.pipeline_parallel_size, **kwargs
                 )
             holder.append(ex)
+        # Until start returns, only this call knows the executor: a shutdown meanwhile must
+        # still stop its workers (_stop_all). One that failed to start stays here till then.
+        self._starting.add(ex)
         await ex.start()
+        self._starting.discard(ex)
         if incarnation and self.grammars.pool is not None:  # a replacement set, where grammars are in use
             self._prepare_worker_grammars(ex)
         return ex
@@ -553,8 +558,9 @@ class AsyncEngine:
             if actor is not None:
                 await actor.stop()
         await self.grammars.close()  # kills the compile processes: quick, and first
-        for ex in {id(e): e for e in (self.executor, self._executor) if e is not None}.values():
+        for ex in {id(e): e for e in (self.executor, self._executor, *self._starting) if e is not None}.values():
             await ex.shutdown()
+        self._starting.clear()
 
     def _on_crash(self, actor: Any, error: BaseException) -> None:
         if isinstance(error, EngineDeadError):

@@ -74,6 +74,7 @@ class ReplicaServer:
         self.streams: dict[str, asyncio.Task[None]] = {}  # per live request, its pump
         self._adding: set[str] = set()  # ids whose add_request is still being awaited
         self._aborted_early: set[str] = set()  # of those, the ones the front end gave up on
+        self._encoding: set[str] = set()  # ids of pooling requests (their pumps are cancelled on abort)
         self._outbox: list[tuple[str, Any, BaseException | None]] = []
         self._done = asyncio.Event()
         self._dead: str | None = None
@@ -145,9 +146,10 @@ class ReplicaServer:
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "add":
-            self._adding.add(msg[2])  # cancelling add_request midway is not safe: see _abort
+            self._adding.add(msg[2])
             self.streams[msg[2]] = asyncio.ensure_future(self._add(*msg[1:]))
         elif kind == "encode":
+            self._encoding.add(msg[2])
             self.streams[msg[2]] = asyncio.ensure_future(self._encode(*msg[1:]))
         elif kind == "abort":
             self._abort(msg[1])
@@ -160,10 +162,15 @@ class ReplicaServer:
 
     def _abort(self, rid: str) -> None:
         """Abort through the engine, so the request's stream ends as an aborted one does (a
-        consumer on the front end may still be reading it). An add still being awaited is
-        aborted once it is in: cancelling add_request midway could leave half a request."""
+        consumer on the front end may still be reading it): an add still being awaited is
+        aborted once it is in, and its end marker follows either way. A pooling request
+        answers with its reply alone, which the front end no longer waits for: its pump is
+        cancelled, before the engine has it (nothing runs) or after (leaving its stream aborts it)."""
         if rid in self._adding:
             self._aborted_early.add(rid)
+        elif rid in self._encoding:
+            self._encoding.discard(rid)
+            self.streams.pop(rid).cancel()
         elif rid in self.streams:
             asyncio.ensure_future(self.engine.abort(rid))
 
@@ -182,6 +189,7 @@ class ReplicaServer:
             self._added(rid)
             self.streams.pop(rid, None)
             self.send(("reply", call, portable(e), None))
+            self._emit((rid, None, None))  # every add ends with a marker: the front end's entry goes with it
             return
         self.send(("reply", call, None, None))
         if not self._added(rid):
@@ -216,6 +224,7 @@ class ReplicaServer:
         finally:
             if self.streams.get(rid) is asyncio.current_task():
                 del self.streams[rid]
+                self._encoding.discard(rid)
 
     async def _call(self, call: int, kind: str, *args: Any) -> None:
         try:

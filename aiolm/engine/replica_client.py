@@ -359,13 +359,19 @@ class ReplicaClient:
             raise EngineDeadError(self.dead_reason or f"data-parallel replica {self.index} is not connected")
         write_message(self._writer, message)
 
-    async def call(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
-        """Send ``(kind, call, *args)`` and wait for the replica's reply (its error raised here)."""
+    def _call(self, kind: str, *args: Any) -> tuple[int, asyncio.Future[Any]]:
+        """Send ``(kind, call, *args)`` (raises if it cannot go): the call's id and the future
+        its reply settles."""
         call = next(self._ids)
+        self._send((kind, call, *args))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call] = fut
+        return call, fut
+
+    async def call(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
+        """Send ``(kind, call, *args)`` and wait for the replica's reply (its error raised here)."""
+        call, fut = self._call(kind, *args)
         try:
-            self._send((kind, call, *args))
             return await wait_for(fut, timeout)
         finally:
             self._calls.pop(call, None)
@@ -373,20 +379,29 @@ class ReplicaClient:
     async def add_request(
         self, prompt: dict[str, Any], params: Any, rid: str, priority: int, timeout: float | None, lora: Any
     ) -> RemoteRequest:
+        # Every add the replica gets ends with its end marker, refused ones too (or with the
+        # replica's death): the entry leaves with it, so the id is not reused before the old
+        # one ends there.
         req = self.requests[rid] = RemoteRequest(rid, params.n)
         try:
-            await self.call("add", rid, prompt, params, priority, timeout, lora)
+            call, fut = self._call("add", rid, prompt, params, priority, timeout, lora)
+        except BaseException:
+            del self.requests[rid]  # it never went
+            raise
+        try:
+            await fut
         except asyncio.CancelledError:
-            # Cancelled while the replica was adding it: it must not run on. The entry stays
-            # until the replica's end marker, so the id is not reused before the old one ends.
-            if self.dead_reason is None:
+            if self.dead_reason is None:  # given up while the replica adds it: it must not run on
                 self.abort(rid)
-            else:
-                self.requests.pop(rid, None)
             raise
         except BaseException:
-            self.requests.pop(rid, None)  # refused: nothing of it runs there
+            with contextlib.suppress(asyncio.TimeoutError):  # refused: the marker is right behind
+                await wait_for(req.next(), 5.0)
+            if self.requests.get(rid) is req:
+                del self.requests[rid]
             raise
+        finally:
+            self._calls.pop(call, None)
         return req
 
     async def stream(self, req: RemoteRequest) -> AsyncGenerator[RequestOutput, None]:

@@ -97,6 +97,7 @@ class MultiprocExecutor(Executor):
         self._detail: str | None = None
         self._lock = asyncio.Lock()  # one sender at a time: replies are awaited in send order
         self._closed = False
+        self._stopping: asyncio.Future[None] | None = None
         # Per rank, a future for each reply it still owes, oldest first. A rank answers in
         # the order it was sent to, so whoever reads a reply hands it to the oldest future:
         # steps may queue behind each other (overlap scheduling), an rpc may follow them,
@@ -453,9 +454,15 @@ class MultiprocExecutor(Executor):
         await self._stop(grace=5.0 if self._dead is None else 1.0)
 
     async def _stop(self, grace: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop the workers and free the shared memory, once. The stop runs as its own task to
+        its end: a caller cancelled meanwhile (a recovery cut short by the engine's shutdown, a
+        start given up) leaves it running, and a later call waits for the same task."""
+        if self._stopping is None:
+            self._closed = True
+            self._stopping = asyncio.ensure_future(self._stop_now(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop_now(self, grace: float) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
         if self.requests is not None:

@@ -16,6 +16,7 @@ One DataParallelEngine on the embedded model, its replicas engine processes of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -138,8 +139,9 @@ def test_a_replicas_refusal_reaches_the_caller_as_itself(dp):
     async def go():
         lora = LoRARequest("nope", 1, "/nonexistent")
         with pytest.raises(ParamError) as e:
-            await engine.add_request("Hi", SamplingParams(max_tokens=1), lora_request=lora)
-        outs = [o async for o in engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0))]
+            await engine.add_request("Hi", SamplingParams(max_tokens=1), request_id="refused", lora_request=lora)
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        outs = [o async for o in engine.generate("Hi", params, request_id="refused")]  # its id is free at once
         return e.value, outs
 
     error, outs = lt.run(go(), timeout=120)
@@ -198,6 +200,39 @@ def test_a_request_cancelled_while_its_replica_adds_it_ends_there_and_frees_its_
     assert held == [False, False]
     assert again[-1].finished and again[-1].request_id == "early"
     assert running == [0, 0]
+
+
+@slow
+def test_a_request_cancelled_while_its_replica_refuses_it_frees_its_id(dp):
+    """Cancelled after the add left the front end, and the replica refuses it (before the
+    abort arrives, or after): the front end's entry still goes (it was kept for good, a
+    phantom load on the replica and an id never free again)."""
+    lt, engine = dp
+
+    async def go():
+        lora = LoRARequest("nope", 1, "/nonexistent")  # the replica refuses it: no --enable-lora
+        held = []
+        for i in range(5):
+            rid = f"refused-{i}"
+            task = asyncio.ensure_future(engine.add_request("Hi", SamplingParams(max_tokens=2), rid, lora_request=lora))
+            for _ in range(2000):
+                if any(rid in r.requests for r in engine.replicas):
+                    break
+                await asyncio.sleep(0)
+            for _ in range(i):  # a little later each time: the refusal may be on its way back
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ParamError):
+                await task
+            for _ in range(200):
+                if not any(rid in r.requests for r in engine.replicas):
+                    break
+                await asyncio.sleep(0.02)
+            held.append(any(rid in r.requests for r in engine.replicas))
+        return held
+
+    assert lt.run(go(), timeout=120) == [False] * 5
+    assert all(not r.requests for r in engine.replicas)
 
 
 async def _vector(engine, text: str) -> list[float]:

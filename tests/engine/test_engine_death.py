@@ -94,3 +94,35 @@ def test_killed_worker_fails_streams_refuses_requests_and_cleans_up():
             lt.run(engine.shutdown(), timeout=60)
         finally:
             lt.close()
+
+
+def test_a_shutdown_while_the_workers_restart_stops_both_sets():
+    """A worker dies, and the engine shuts down while the replacement set is still loading:
+    the shutdown cancels the restart midway, yet every process of both sets ends and every
+    shared-memory segment goes (the new set was known only to the restart in progress)."""
+    lt = LoopThread()
+    engine = AsyncEngine(**{**ENGINE_ARGS, "pipeline_parallel_size": 2})  # two ranks: a stop takes > 1 s
+    try:
+        lt.run(engine.start(), timeout=600)
+        old = engine.executor
+        old.procs[1].kill()
+
+        async def replacement_loading():
+            for _ in range(600):
+                new = [ex for ex in engine._starting if ex is not old and len(getattr(ex, "procs", ())) == 2]
+                if new:
+                    return new[0]
+                await asyncio.sleep(0.05)
+            raise AssertionError("no replacement set started within 30 s")
+
+        new = lt.run(replacement_loading(), timeout=60)
+        t0 = time.monotonic()
+        lt.run(engine.shutdown(), timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert [p.pid for p in [*old.procs, *new.procs] if p.poll() is None] == []
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{os.getpid()}_")]
+    finally:
+        try:
+            lt.run(engine.shutdown(), timeout=60)
+        finally:
+            lt.close()
