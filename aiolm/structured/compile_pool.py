@@ -177,8 +177,15 @@ class CompilePool:
             if self._start(idle.pop(), self._fresh[0]):
                 self._fresh.popleft()
         # One start at a time: a start is seconds of CPU (imports), taken from the workers on a
-        # CPU machine, and the first grammar needs only the first process.
-        if self._start_error is None and len(self.procs) < self.processes and all(p.ready for p in self.procs):
+        # CPU machine, and the first grammar needs only the first process. After a failed start
+        # the pool grows no more, but jobs left with no process at all (the last one died) get
+        # one more start: it serves them, or fails them if it fails too.
+        retry = not self.procs and bool(self._fresh or self._slow)
+        if (
+            (self._start_error is None or retry)
+            and len(self.procs) < self.processes
+            and all(p.ready for p in self.procs)
+        ):
             self._spawn()
 
     def _start(self, p: _Proc, job: CompileJob) -> bool:

@@ -134,3 +134,41 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
         assert not pool.procs and not pool._tasks
 
     asyncio.run(run())
+
+
+def test_jobs_left_with_no_process_after_a_failed_start_get_one(real_source):
+    """A second process fails to start (killed while starting), then the first dies under a
+    grammar: the grammar, requeued with no process left, gets a new one and compiles (it waited
+    for good, until some other grammar came)."""
+    from aiolm.structured.spec import StructuredOutputs
+    from aiolm.structured.validator import Validator
+
+    async def until(cond, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def run():
+        v = Validator("xgrammar", compile_timeout=60, processes=2)
+        v.configure(real_source.path, real_source.config.vocab_size)
+        try:
+            await v.check(StructuredOutputs("regex", "[a-z]+"))
+            pool = v.pool
+            await until(lambda: len(pool.procs) == 2 and pool.procs[1].pid is not None, "no second start")
+            first, second = pool.procs
+            spec = StructuredOutputs("json", json.dumps(big_schema(600, "f")))
+            task = asyncio.ensure_future(v.check(spec))
+            await until(lambda: first.job is not None, "the grammar never ran")
+            if second.ready:
+                pytest.skip("the second process was ready before it could be killed while starting")
+            os.kill(second.pid, signal.SIGKILL)
+            await until(lambda: pool._start_error is not None and second not in pool.procs, "no failed start")
+            assert first.job is not None, "the grammar compiled before its process could be killed"
+            os.kill(first.pid, signal.SIGKILL)
+            await until(lambda: first not in pool.procs, "the dead process stayed")
+            await asyncio.wait_for(task, 120)  # compiled on a process started for it
+        finally:
+            await v.close()
+
+    asyncio.run(run())
