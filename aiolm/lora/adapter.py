@@ -30,6 +30,9 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 _PREFIX = "base_model.model."
+# Where a vision-language model's PEFT file names its language model's layers (transformers 5,
+# then 4), and the decoder's own names that aiolm serves them as
+_LANGUAGE_MODEL = ("model.language_model.", "language_model.model.")
 _KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
 _MAX_HEADER = 100 << 20
 
@@ -72,6 +75,16 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {f"model.layers.{n}.{k}": v for n in range(cfg.num_layers) for k, v in per_layer.items()}
 
 
+def served_name(key: str) -> str:
+    """A tensor's name in a PEFT file as aiolm names it: without PEFT's wrapper prefix, and a
+    vision-language model's language-model layers as a decoder's (``model.layers.N...``)."""
+    key = key.removeprefix(_PREFIX)
+    for prefix in _LANGUAGE_MODEL:
+        if key.startswith(prefix):
+            return "model." + key[len(prefix) :]
+    return key
+
+
 def _header(path: Path) -> dict[str, Any]:
     """The safetensors header: tensor name -> {dtype, shape, data_offsets}."""
     try:
@@ -105,12 +118,39 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern: a key matches a module whose name ends with it
-    (as a whole dotted part) or matches it as a regular expression."""
+    """PEFT's rank_pattern / alpha_pattern: the first key that matches the module's name, as
+    a whole dotted suffix or as a regular expression of one (a key of alternatives such as
+    ``q_proj|v_proj`` is one group, as PEFT reads it)."""
     for key, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{key}", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _number(cfg: dict[str, Any], name: str, default: Any, integer: bool = False) -> Any:
+    """``cfg[name]`` (or ``default``): a number (an integer with ``integer``), or a ParamError naming it."""
+    value = cfg.get(name, default)
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        want = "an integer" if integer else "a number"
+        raise ParamError("lora_path", f"{CONFIG_FILE}: {name} must be {want}, got {value!r}")
+    return value
+
+
+def _patterns(cfg: dict[str, Any], name: str, integer: bool) -> dict[str, Any]:
+    """``cfg[name]``, a rank_pattern or alpha_pattern: regular expressions to numbers."""
+    patterns = cfg.get(name) or {}
+    if not isinstance(patterns, dict):
+        raise ParamError("lora_path", f"{CONFIG_FILE}: {name} must map module patterns to numbers")
+    for key in patterns:
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ParamError(
+                "lora_path", f"{CONFIG_FILE}: {name} key {key!r} is not a regular expression ({e})"
+            ) from None
+        _number(patterns, key, None, integer)
+    return patterns
 
 
 def _refuse(cfg: dict[str, Any]) -> None:
@@ -124,8 +164,22 @@ def _refuse(cfg: dict[str, Any]) -> None:
             f"modules_to_save {cfg['modules_to_save']} are not served: they replace whole base layers "
             f"per adapter, which a batch shared between adapters cannot do",
         )
-    if cfg.get("use_dora"):
-        raise ParamError("lora_path", "DoRA adapters (use_dora) are not served")
+    # PEFT's LoRA variants, each a forward of its own, which the batched LoRA kernels do not run
+    variants = {
+        "use_dora": "DoRA adapters (use_dora)",
+        "alora_invocation_tokens": "activated LoRA adapters (alora_invocation_tokens)",
+        "use_qalora": "QALoRA adapters (use_qalora)",
+        "use_bdlora": "block-diagonal LoRA adapters (use_bdlora)",
+        "arrow_config": "Arrow routing adapters (arrow_config)",
+        "monteclora_config": "MonteCLoRA adapters (monteclora_config)",
+        "layer_replication": "adapters that replicate base layers (layer_replication)",
+        "target_parameters": "adapters of parameters rather than linear layers (target_parameters)",
+    }
+    for name, what in variants.items():
+        if cfg.get(name):
+            raise ParamError("lora_path", f"{what} are not served")
+    if cfg.get("lora_bias"):
+        raise ParamError("lora_path", "adapters with LoRA biases (lora_bias) are not served")
     if cfg.get("bias", "none") != "none":
         raise ParamError("lora_path", f"bias {cfg['bias']!r} is not served; only bias 'none' is")
     if cfg.get("fan_in_fan_out"):
@@ -156,8 +210,9 @@ def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapter
         raise ParamError("lora_path", f"{path}: no {WEIGHTS_FILE} (found: {found})")
     shapes = module_shapes(model)
     tensors: dict[str, dict[str, list[int]]] = {}
+    named: dict[str, str] = {}  # module -> its name in the file, which PEFT's patterns match
     for key, meta in _header(weights).items():
-        m = _KEY.fullmatch(key[len(_PREFIX) :] if key.startswith(_PREFIX) else key)
+        m = _KEY.fullmatch(served_name(key))
         if m is None:
             raise ParamError(
                 "lora_path",
@@ -172,9 +227,13 @@ def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapter
         if module not in shapes:
             raise ParamError("lora_path", f"target module {module!r} is not a layer of this model")
         tensors.setdefault(module, {})[m.group("ab")] = list(meta.get("shape", []))
+        named[module] = key.removeprefix(_PREFIX).rsplit(".lora_", 1)[0]
     if not tensors:
         raise ParamError("lora_path", f"{weights}: holds no LoRA tensors")
-    alpha = cfg.get("lora_alpha", cfg.get("r", 8))
+    r_said = _number(cfg, "r", 8, integer=True)
+    alpha = _number(cfg, "lora_alpha", r_said)
+    rank_pattern = _patterns(cfg, "rank_pattern", integer=True)
+    alpha_pattern = _patterns(cfg, "alpha_pattern", integer=False)
     rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, ModuleLoRA] = {}
     for module, ab in sorted(tensors.items()):
@@ -194,9 +253,9 @@ def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapter
             raise ParamError("lora_path", f"{module}: rank {r} is above --max-lora-rank {max_rank}")
         if r < 1:
             raise ParamError("lora_path", f"{module}: rank {r}")
-        said = _pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", r))
+        said = _pattern_value(rank_pattern, named[module], r_said if "r" in cfg else r)
         if said != r:  # PEFT refuses such a file too: the scaling would be alpha over the wrong rank
             raise ParamError("lora_path", f"{module}: its tensors have rank {r}, {CONFIG_FILE} says {said}")
-        a_m = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha))
+        a_m = float(_pattern_value(alpha_pattern, named[module], alpha))
         modules[module] = ModuleLoRA(r, a_m / (math.sqrt(r) if rslora else r))
     return AdapterInfo(str(folder), max(m.rank for m in modules.values()), modules)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from aiolm.checkpoint.config import ModelConfig
-from aiolm.lora.adapter import read_adapter
+from aiolm.lora.adapter import read_adapter, served_name
 from aiolm.lora.layers import LoRAContext, LoRASlots
 from aiolm.lora.request import LoRARequest
 
@@ -129,7 +129,7 @@ class LoRAManager:
         bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())), None)
         if bad is not None:
             raise LoRALoadError(f"adapter {req.lora_name!r} ({req.lora_path}): tensor {bad} holds NaN or infinity")
-        by_module = {k.removeprefix("base_model.model."): v for k, v in tensors.items()}
+        by_module = {served_name(k): v for k, v in tensors.items()}
         out: Weights = {}
         for module, m in info.modules.items():
             if module not in self.target:

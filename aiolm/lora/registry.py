@@ -30,6 +30,7 @@ class LoRARegistry:
         # every id ever used, for good: the workers cache adapters by id, so an id never
         # names a second adapter (a reloaded one gets a new id)
         self._checked: dict[int, tuple[LoRARequest, AdapterInfo]] = {}
+        self._issued = 0  # the last id new_request gave: loads at once must not share one
 
     def check_now(self, lora: LoRARequest) -> AdapterInfo:
         """``lora`` checked (once per id); the same id with another name or folder is refused."""
@@ -58,7 +59,9 @@ class LoRARegistry:
         return info
 
     def next_id(self) -> int:
-        return max(self._checked, default=0) + 1
+        """An id no adapter has, nor any load still reading its folder."""
+        self._issued = max(self._issued, max(self._checked, default=0)) + 1
+        return self._issued
 
     def new_request(self, name: str, path: str) -> LoRARequest:
         """A LoRARequest for a new served adapter ``name``, with a fresh id."""

@@ -45,7 +45,15 @@ ADAPTERS: dict[str, dict] = {
     "attn16": dict(rank=16, targets=ATTENTION, seed=12),
     "rs_mlp16": dict(rank=16, targets=MLP, rslora=True, seed=13),
     "extra8": dict(rank=8, targets=ALL_TARGETS, seed=14),
-    "mix12": dict(rank=12, targets=("q_proj", "v_proj", "down_proj"), alpha=24, seed=15),
+    # PEFT's patterns are regular expressions of a name's last parts: "a|b" is one group
+    "mix12": dict(
+        rank=12,
+        targets=("q_proj", "v_proj", "down_proj"),
+        alpha=24,
+        seed=15,
+        rank_pattern={"q_proj|down_proj": 8},
+        alpha_pattern={"q_proj|v_proj": 40},
+    ),
 }
 BOTH = ("all8", "attn16", "rs_mlp16")
 

@@ -230,3 +230,33 @@ def test_image_tokens_without_images_and_lopsided_images_are_refused(engine):
     with pytest.raises(ParamError, match="resizes its shortest side to 32") as e:
         engine.chat(chat("What?", strip.getvalue()), GREEDY, use_tqdm=False)
     assert e.value.param == "messages[0].content[1]"  # the part that holds it
+
+
+def test_a_peft_adapter_of_llava_gives_its_merged_models_tokens(llava, tmp_path):
+    """PEFT names a LLaVA's decoder layers ``model.language_model.layers.N`` (it was refused as
+    no layer of the model): served as the decoder's own, with and without an image, giving the
+    tokens of the model with the adapter merged in."""
+    import shutil
+
+    import peft
+    import transformers
+
+    from aiolm import LoRARequest
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    lora = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    lora.save_pretrained(tmp_path / "adapter")
+    merged = shutil.copytree(llava, tmp_path / "merged")
+    lora.merge_and_unload().save_pretrained(merged)
+    conversations = [chat(IMAGES[0], "What is this?"), chat("Say something.")]
+    want = [reference(merged, c)[1] for c in conversations]
+    assert want != [reference(llava, c)[1] for c in conversations], "the adapter must change the tokens"
+    with LLM(model=str(llava), enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
+        adapter = LoRARequest("vision-chat", 1, str(tmp_path / "adapter"))
+        assert tokens(llm.chat(conversations, GREEDY, use_tqdm=False, lora_request=adapter)) == want

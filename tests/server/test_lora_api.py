@@ -105,6 +105,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
         bad["rank_said"] = shutil.copytree(a1, root / "rank_said")  # rank-8 tensors, a config saying 4
         cfg_file = bad["rank_said"] / "adapter_config.json"
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "r": 4}))
+        # a1's tensors under a config that asks for what is not served, or is not well-formed
+        for name, edit in CONFIG_EDITS.items():
+            bad[name] = shutil.copytree(a1, root / name)
+            cfg_file = bad[name] / "adapter_config.json"
+            cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **edit}))
         adapters = {"a1": a1, "a2": a2, "a3": a3}
         refs = {None: hf_lora_greedy(base, None, PROMPTS, N)}
         refs.update({name: hf_lora_greedy(base, path, PROMPTS, N) for name, path in adapters.items()})
@@ -284,8 +289,25 @@ def test_load_while_streams_run(lab: Lab, client: openai.OpenAI, base_name: str)
     assert _complete(client, "a3") == ("a3", lab.refs["a3"])  # the refused reload changed nothing
 
 
+# adapter_config.json fields over a1's, each refused (PEFT variants with a forward of their
+# own were served as plain LoRA; malformed values were a 500)
+CONFIG_EDITS: dict[str, dict[str, Any]] = {
+    "alora": {"alora_invocation_tokens": [500, 600]},
+    "lora_bias": {"lora_bias": True},
+    "alpha_null": {"lora_alpha": None},
+    "alpha_text": {"lora_alpha": "sixteen"},
+    "pattern_regex": {"rank_pattern": {"(": 8}},
+    "pattern_list": {"alpha_pattern": ["q_proj"]},
+}
+
 # (folder in lab.bad, or a body; words the message must hold), each a 400
 BAD_LOADS: dict[str, tuple[str | dict[str, Any], tuple[str, ...]]] = {
+    "an activated LoRA": ("alora", ("alora_invocation_tokens", "not served")),
+    "LoRA biases": ("lora_bias", ("lora_bias", "not served")),
+    "lora_alpha null": ("alpha_null", ("lora_alpha must be a number", "None")),
+    "lora_alpha a word": ("alpha_text", ("lora_alpha must be a number", "sixteen")),
+    "a pattern that is no regular expression": ("pattern_regex", ("rank_pattern key '('",)),
+    "patterns not a mapping": ("pattern_list", ("alpha_pattern must map",)),
     "missing folder": ("missing", ("{path}", "no such folder")),
     "no adapter_config.json": ("no_config", ("{path}", "adapter_config.json")),
     "rank above --max-lora-rank": ("rank32", ("rank 32", "--max-lora-rank 16")),
@@ -318,6 +340,19 @@ def test_load_refuses(lab: Lab, client: openai.OpenAI, case: str):
     assert "x" not in {m.id for m in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         _complete(client, "x")
+
+
+def test_loads_at_once_each_get_an_id(lab: Lab, client: openai.OpenAI):
+    """Six loads sent together: every one is served (each got the same fresh id, and all but
+    one were refused as another adapter's id)."""
+    names = [f"together{i}" for i in range(6)]
+    with ThreadPoolExecutor(len(names)) as pool:
+        bodies = [{"lora_name": n, "lora_path": str(lab.adapters["a1"])} for n in names]
+        codes = list(pool.map(lambda b: _post(lab.main, "/v1/load_lora_adapter", b), bodies))
+    assert [r.status_code for r in codes] == [200] * len(names), [r.text for r in codes]
+    assert _complete(client, names[-1]) == (names[-1], lab.refs["a1"])
+    for n in names:
+        assert _post(lab.main, "/v1/unload_lora_adapter", {"lora_name": n}).status_code == 200
 
 
 def test_an_adapter_whose_folder_went_fails_its_requests_only(lab: Lab, client: openai.OpenAI, base_name: str):
