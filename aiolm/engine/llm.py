@@ -280,7 +280,7 @@ class LLM:
         if pc is not None and pc.is_classifier:
             inputs = [self.engine.tokenize_pair(a, b, truncate) for a, b in pairs]
             outs = await self._encode_all(inputs, PoolingParams(task="score"), None)
-            return [cross_encoder_score(o.outputs.data) for o in outs]
+            return [cross_encoder_score(o.outputs.data, pc.score_activation) for o in outs]
         texts = sorted({t for pair in pairs for t in pair})
         embs = await self._encode_all(texts, PoolingParams(task="embed"), truncate)
         by_text = {t: o.outputs.data for t, o in zip(texts, embs)}

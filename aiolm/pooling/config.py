@@ -43,6 +43,11 @@ class PoolingConfig:
     # sentence_bert_config.json's max_seq_length: the longest input the folder was made for
     # (the default context of a pooling engine, as sentence-transformers truncates to it).
     max_seq_length: int | None = None
+    # What turns a classifier's logits into /classify's probs (config.json's problem_type, as
+    # transformers trains it) and a cross-encoder's one logit into its score (the activation
+    # sentence-transformers' CrossEncoder applies): "softmax", "sigmoid", "tanh" or "identity"
+    class_activation: str = "softmax"
+    score_activation: str = "sigmoid"
 
     @property
     def is_classifier(self) -> bool:
@@ -58,7 +63,15 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
         id2label = hf_config.get("id2label") or {}
         num_labels = int(hf_config.get("num_labels", len(id2label) or 2))
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
-        return PoolingConfig("cls" if encoder_only else "last", False, None, num_labels, labels)
+        return PoolingConfig(
+            "cls" if encoder_only else "last",
+            False,
+            None,
+            num_labels,
+            labels,
+            class_activation=_class_activation(hf_config.get("problem_type"), num_labels),
+            score_activation=_score_activation(path, hf_config),
+        )
     modules_file = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
     if not modules_file or not os.path.isfile(modules_file):
         return PoolingConfig("cls" if encoder_only else "last", True, matryoshka)
@@ -82,6 +95,40 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
     if pooling is None:
         pooling = "cls" if encoder_only else "last"
     return PoolingConfig(pooling, normalize, matryoshka, max_seq_length=_max_seq_length(path))
+
+
+_PROBLEM_ACTIVATIONS = {
+    "regression": "identity",
+    "multi_label_classification": "sigmoid",
+    "single_label_classification": "softmax",
+}
+# sentence-transformers' CrossEncoder activation, by the class name its config gives
+_SCORE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Tanh": "tanh"}
+
+
+def _class_activation(problem_type: Any, num_labels: int) -> str:
+    if problem_type in _PROBLEM_ACTIVATIONS:
+        return _PROBLEM_ACTIVATIONS[problem_type]
+    return "sigmoid" if num_labels == 1 else "softmax"  # transformers' reading of an unset one
+
+
+def _score_activation(path: str, hf_config: dict[str, Any]) -> str:
+    """The activation a CrossEncoder of this folder applies to its logit (config.json's
+    ``sentence_transformers.activation_fn``, or the older ``sbert_ce_default_activation_function``);
+    sigmoid where it names none."""
+    st = hf_config.get("sentence_transformers")
+    named = (st.get("activation_fn") if isinstance(st, dict) else None) or hf_config.get(
+        "sbert_ce_default_activation_function"
+    )
+    if named is None:
+        return "sigmoid"
+    how = _SCORE_ACTIVATIONS.get(str(named).rpartition(".")[2])
+    if how is None:
+        raise ModelLoadError(
+            f"{path}: the cross-encoder's activation {named!r} is not supported "
+            f"(aiolm applies {', '.join(_SCORE_ACTIVATIONS)})"
+        )
+    return how
 
 
 def _max_seq_length(path: str) -> int | None:

@@ -25,18 +25,29 @@ def sigmoid(x: float) -> float:
     return e / (1.0 + e)
 
 
-def class_probs(logits: Sequence[float]) -> list[float]:
-    """A classifier's probabilities as vLLM's /classify gives them: sigmoid for one label,
-    softmax over several."""
-    return [sigmoid(logits[0])] if len(logits) == 1 else softmax(logits)
+def activate(values: Sequence[float], how: str) -> list[float]:
+    """``values`` through an activation named as PoolingConfig names them."""
+    if how == "softmax":
+        return softmax(values)
+    if how == "sigmoid":
+        return [sigmoid(x) for x in values]
+    if how == "tanh":
+        return [math.tanh(x) for x in values]
+    return [float(x) for x in values]  # identity
 
 
-def cross_encoder_score(logits: Sequence[float]) -> float:
-    """A cross-encoder's relevance of one pair: the sigmoid of its single logit, as
-    sentence-transformers' ``CrossEncoder.predict`` gives it."""
+def class_probs(logits: Sequence[float], how: str) -> list[float]:
+    """A classifier's probabilities as vLLM's /classify gives them: by its problem type
+    (PoolingConfig.class_activation; sigmoid for one label, softmax over several when unset)."""
+    return activate(logits, how)
+
+
+def cross_encoder_score(logits: Sequence[float], how: str) -> float:
+    """A cross-encoder's relevance of one pair, as sentence-transformers' ``CrossEncoder.predict``
+    gives it: its single logit through the folder's activation (PoolingConfig.score_activation)."""
     if len(logits) != 1:
         raise ParamError("model", f"scoring needs a classifier with one label, this one has {len(logits)}")
-    return sigmoid(logits[0])
+    return activate(logits, how)[0]
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

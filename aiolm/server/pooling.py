@@ -267,7 +267,7 @@ async def create_classification(request: Request) -> Response:
     rid, outs = await _run(ctx, request, "classify", jobs, req)
     data = []
     for i, o in enumerate(outs):
-        probs = class_probs(o.outputs.data)
+        probs = class_probs(o.outputs.data, cfg.class_activation)
         best = max(range(len(probs)), key=probs.__getitem__)
         label = cfg.labels[best] if best < len(cfg.labels) else f"LABEL_{best}"
         data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
@@ -281,7 +281,7 @@ async def _pair_scores(
     ctx: ServingContext, request: Request, prefix: str, pairs: list[tuple[Text, Text]], req: PoolingFields
 ) -> tuple[str, list[float], int]:
     """(request id, each pair's score, prompt tokens). A cross-encoder reads each pair as one
-    input (its relevance, sigmoid of the one logit); an embedding model embeds each distinct
+    input (its relevance: its one logit through the folder's activation); an embedding model embeds each distinct
     text once and scores the cosine of the two vectors."""
     engine = ctx.engine
     cfg = _config(ctx)
@@ -308,7 +308,7 @@ async def _pair_scores(
         chars = sum(len(a) + len(b) for (a, _), (b, _) in pairs)
         jobs = await asyncio.to_thread(tokenized) if chars > _OFFLOAD_CHARS else tokenized()
         rid, outs = await _run(ctx, request, prefix, jobs, req)
-        scores = [cross_encoder_score(o.outputs.data) for o in outs]
+        scores = [cross_encoder_score(o.outputs.data, cfg.score_activation) for o in outs]
         return rid, scores, sum(len(o.prompt_token_ids) for o in outs)
     texts: dict[str, str] = {}  # each distinct text once, named by its first field
     for first, second in pairs:

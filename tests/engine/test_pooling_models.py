@@ -10,7 +10,9 @@ inputs one at a time.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -90,6 +92,19 @@ def test_cross_encoder_scores_and_classifier_logits(tmp_path):
     assert max(abs(a - float(b)) for a, b in zip(one_to_n, want)) < 1e-5
     assert max(abs(a - b) for a, b in zip(pairwise, one_to_n[:2])) < 1e-6
 
+    # A folder whose CrossEncoder applies no activation scores with the raw logit (it was
+    # always a sigmoid)
+    raw_path = tmp_path / "ce-raw"
+    shutil.copytree(ce_path, raw_path)
+    config = json.loads((raw_path / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (raw_path / "config.json").write_text(json.dumps(config))
+    want_raw = CrossEncoder(str(raw_path), device="cpu").predict([(query, d) for d in TEXTS])
+    with LLM(str(raw_path), **LLM_ARGS) as llm:
+        raw = llm.score(query, TEXTS)
+    assert max(abs(a - float(b)) for a, b in zip(raw, want_raw)) < 1e-5
+    assert any(x < 0 or x > 1 for x in raw) or max(abs(a - b) for a, b in zip(raw, one_to_n)) > 1e-3
+
     cls_path = str(bert_cross_encoder(tmp_path / "cls", num_labels=3))
     tok = AutoTokenizer.from_pretrained(cls_path)
     hf = AutoModelForSequenceClassification.from_pretrained(cls_path).eval()
@@ -99,3 +114,28 @@ def test_cross_encoder_scores_and_classifier_logits(tmp_path):
         got = [o.outputs.logits for o in llm.classify(TEXTS)]
         assert llm.engine.pooling_config.labels == tuple(hf.config.id2label[i] for i in range(3))
     assert torch.allclose(torch.tensor(got), logits.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "problem_type, num_labels, activation",
+    [
+        (None, 1, torch.sigmoid),
+        (None, 3, lambda x: torch.softmax(x, -1)),
+        ("single_label_classification", 3, lambda x: torch.softmax(x, -1)),
+        ("multi_label_classification", 3, torch.sigmoid),  # it was a softmax: labels are not exclusive
+        ("regression", 2, lambda x: x),
+    ],
+)
+def test_classify_probabilities_follow_the_problem_type(tmp_path, problem_type, num_labels, activation):
+    """/classify's probs are the logits through what transformers trains the config's
+    problem_type with (vLLM reads it the same way)."""
+    from aiolm.pooling.config import read_pooling_config
+    from aiolm.pooling.scores import class_probs
+
+    hf_config = {"architectures": ["BertForSequenceClassification"], "num_labels": num_labels}
+    if problem_type is not None:
+        hf_config["problem_type"] = problem_type
+    cfg = read_pooling_config(str(tmp_path), hf_config, encoder_only=True)
+    logits = [0.3, -1.2, 2.0][:num_labels]
+    want = activation(torch.tensor(logits, dtype=torch.float64)).tolist()
+    assert class_probs(logits, cfg.class_activation) == pytest.approx(want, abs=1e-12)
