@@ -44,7 +44,7 @@ from aiolm.engine.errors import (
     RequestError,
     RequestTimeoutError,
 )
-from aiolm.engine.input import InputProcessor, PromptType, check_token_types
+from aiolm.engine.input import InputProcessor, PromptType, check_token_types, resolve_truncation
 from aiolm.engine.messages import AbortRequests, AddRequests, WorkerFailed
 from aiolm.engine.output_processor import OutputProcessor, RequestState
 from aiolm.engine.recovery import WorkerSupervisor
@@ -812,6 +812,12 @@ class AsyncEngine:
         if self.source.config.encoder_only:
             n = min(n, self.args.max_num_batched_tokens)
         return n
+
+    def tokenize_pooled(self, text: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
+        """A pooling input's token ids as ``encode`` takes them, tokenized now (a caller with
+        many texts tokenizes them together, off the event loop)."""
+        truncate = resolve_truncation(truncate_prompt_tokens, self.max_pooling_tokens)
+        return {"prompt_token_ids": self.inputs.pooled_ids(text, truncate)}
 
     def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
         """A cross-encoder's input for (``text``, ``text_pair``): the pair's token ids and,

@@ -344,6 +344,9 @@ class DataParallelEngine:
             yield out
             return
 
+    def tokenize_pooled(self, text: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
+        return self.model.tokenize_pooled(text, truncate_prompt_tokens)
+
     def tokenize_pair(self, text: str, text_pair: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
         return self.model.tokenize_pair(text, text_pair, truncate_prompt_tokens)
 

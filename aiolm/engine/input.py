@@ -28,7 +28,7 @@ _LARGE_CHAT_MESSAGES = 64  # render off the loop with more messages than this, w
 _IMAGE_REQUESTS = 2  # requests holding decoded images at once (InputProcessor._with_decoded)
 
 
-def _truncation(truncate: int | None, max_tokens: int) -> int | None:
+def resolve_truncation(truncate: int | None, max_tokens: int) -> int | None:
     """A pooling request's ``truncate_prompt_tokens`` as the number of tokens to keep (None:
     no cut; -1: ``max_tokens``), refused unless it is a positive integer within ``max_tokens``."""
     if truncate is None:
@@ -308,7 +308,7 @@ class InputProcessor:
         token ids, or ``{"prompt_token_ids": ..., "token_type_ids": ...}``. The whole prompt
         is pooled, so it may fill the context (``max_tokens``) but not pass it, unless
         ``truncate`` (-1: ``max_tokens``) asks to keep only its first tokens."""
-        truncate = _truncation(truncate, max_tokens)
+        truncate = resolve_truncation(truncate, max_tokens)
         types = None
         text: str | None = None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -318,14 +318,10 @@ class InputProcessor:
             ids = list(prompt)
         elif isinstance(prompt, str):
             text = prompt
-            if truncate is None:
-                why = self.too_long(text)
-                if why is not None:
-                    raise ParamError("input", why)
             ids = (
-                await asyncio.to_thread(self._encode_pooled, text, truncate)
+                await asyncio.to_thread(self.pooled_ids, text, truncate)
                 if len(text) > _LARGE_PROMPT_CHARS
-                else self._encode_pooled(text, truncate)
+                else self.pooled_ids(text, truncate)
             )
         else:
             raise ParamError("input", f"must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -349,6 +345,15 @@ class InputProcessor:
             )
         return ProcessedPrompt(text, ids), (list(types) if types is not None else None)
 
+    def pooled_ids(self, text: str, truncate: int | None) -> list[int]:
+        """A pooling input's token ids, cut to ``truncate`` (already resolved: see
+        ``resolve_truncation``); ParamError when, uncut, its text cannot fit."""
+        if truncate is None:
+            why = self.too_long(text)
+            if why is not None:
+                raise ParamError("input", why)
+        return self._encode_pooled(text, truncate)
+
     def _encode_pooled(self, text: str, truncate: int | None) -> list[int]:
         """Truncated by the tokenizer, which keeps the special tokens (a BERT's [SEP]) in."""
         if truncate is None:
@@ -371,7 +376,7 @@ class InputProcessor:
         for name, value in (("text_1", text), ("text_2", pair)):
             if not isinstance(value, str):
                 raise ParamError(name, f"must be a string, got {type(value).__name__}")
-        limit = _truncation(truncate, max_tokens)  # checked before the tokenizer sees it
+        limit = resolve_truncation(truncate, max_tokens)  # checked before the tokenizer sees it
         if limit is None:
             why = self.too_long(text + pair)
             if why is not None:

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.config import EngineArgs
+from aiolm.engine.client import EngineClient
 from aiolm.engine.errors import EngineBusyError, EngineDeadError, RequestError
 from aiolm.outputs import PoolingRequestOutput
 from aiolm.params import ParamError
@@ -154,6 +155,8 @@ async def _run(
             "'priority' is not enabled on this server (start it with --allow-request-priority)", param="priority"
         )
     engine = ctx.engine
+    if sum(len(j.prompt) for j in jobs if isinstance(j.prompt, str)) > _OFFLOAD_CHARS:
+        jobs = await asyncio.to_thread(_tokenized, engine, jobs, req.truncate_prompt_tokens)
     timeout = ctx.settings.request_timeout or None
     window = asyncio.Semaphore(_window(cast(_Configured, engine).args))
     rid = ctx.new_id(prefix)
@@ -203,6 +206,21 @@ async def _run(
         user=getattr(req, "user", None),
     )
     return rid, outs
+
+
+def _tokenized(engine: EngineClient, jobs: list[Job], truncate: int | None) -> list[Job]:
+    """``jobs`` with their texts as token ids. Many short texts are as much work as one long
+    one: a request's are tokenized together, in a thread, where their sum is long (each alone
+    would be tokenized on the event loop)."""
+    out = []
+    for job in jobs:
+        if isinstance(job.prompt, str):
+            try:
+                job = Job(engine.tokenize_pooled(job.prompt, truncate), job.params, job.param)
+            except ParamError as e:
+                raise _input_error(e, job.param) from None
+        out.append(job)
+    return out
 
 
 def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[tuple[Prompt, str]]:

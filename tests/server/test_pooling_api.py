@@ -422,17 +422,12 @@ def test_bad_cross_encoder_inputs_are_400s_naming_the_field(cross):
     _idle(cross)
 
 
-def test_many_pairs_are_tokenized_off_the_event_loop(cross):
-    """2,000 pairs of a few thousand characters each take the tokenizer a second or more;
-    /health, polled meanwhile, must not wait for them (it did, for the whole batch)."""
+def _health_during(srv: ServerProcess, path: str, body: bytes) -> tuple[httpx.Response, float, float]:
+    """(the response to ``body`` at ``path``, how long it took, /health's worst wait meanwhile)."""
     import asyncio
 
-    words = [WORDS[(i * 7) % len(WORDS)] for i in range(400)]
-    docs = [" ".join(words[i % 7 :] + words[: i % 7]) for i in range(2000)]  # each too long once tokenized
-    body = json.dumps({"query": QUERY, "documents": docs}).encode()
-
     async def run() -> tuple[httpx.Response, float, float]:
-        async with httpx.AsyncClient(base_url=cross.base_url, timeout=TIMEOUT) as c:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as c:
             worst, done = 0.0, asyncio.Event()
 
             async def probe() -> None:
@@ -448,18 +443,43 @@ def test_many_pairs_are_tokenized_off_the_event_loop(cross):
             prober = asyncio.create_task(probe())
             await asyncio.sleep(0.1)
             t0 = time.monotonic()
-            r = await c.post("/rerank", content=body, headers={"content-type": "application/json"})
+            r = await c.post(path, content=body, headers={"content-type": "application/json"})
             took = time.monotonic() - t0
             done.set()
             await prober
             return r, took, worst
 
-    r, took, worst = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def _texts(n: int, words: int) -> list[str]:
+    """``n`` texts of ``words`` words each (each too long for the test models once tokenized)."""
+    pool = [WORDS[(i * 7) % len(WORDS)] for i in range(words)]
+    return [" ".join(pool[i % 7 :] + pool[: i % 7]) for i in range(n)]
+
+
+def test_many_pairs_are_tokenized_off_the_event_loop(cross):
+    """2,000 pairs of a few thousand characters each take the tokenizer a second or more;
+    /health, polled meanwhile, must not wait for them (it did, for the whole batch)."""
+    docs = _texts(2000, 400)
+    r, took, worst = _health_during(cross, "/rerank", json.dumps({"query": QUERY, "documents": docs}).encode())
     err = _refused(r, r.json()["error"]["param"])
     assert err["param"].startswith("documents[") and "tokens" in err["message"], err
     assert took > 0.5, f"the pairs tokenized in {took:.2f}s: too fast to show a stall"
     assert worst < took / 3, f"/health waited {worst:.2f}s while {len(docs)} pairs took {took:.2f}s"
     _idle(cross)
+
+
+def test_many_embedding_inputs_are_tokenized_off_the_event_loop(embedder):
+    """The same for 2,000 texts to embed, each short enough to be tokenized on the loop alone
+    (it was, one after another: /health waited seconds)."""
+    texts = _texts(2000, 300)
+    r, took, worst = _health_during(embedder, "/v1/embeddings", json.dumps({"input": texts}).encode())
+    err = _refused(r, r.json()["error"]["param"])
+    assert err["param"].startswith("input[") and "tokens" in err["message"], err
+    assert took > 0.5, f"the texts tokenized in {took:.2f}s: too fast to show a stall"
+    assert worst < took / 3, f"/health waited {worst:.2f}s while {len(texts)} texts took {took:.2f}s"
+    _idle(embedder)
 
 
 def test_every_documented_field_is_read(embedder):
