@@ -84,7 +84,8 @@ def serve(argv: list[str]) -> int:
 
     app = build_app(create_engine(engine_args), settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    http = slow_clients.guarded(AutoHTTPProtocol, ns.header_timeout, ns.max_connections)
+    max_connections = slow_clients.connections_allowed(ns.max_connections)
+    http = slow_clients.guarded(AutoHTTPProtocol, ns.header_timeout, max_connections)
     config = uvicorn.Config(
         app,
         host=ns.host,

@@ -50,6 +50,42 @@ def add_args(parser: argparse.ArgumentParser, seconds: Any, count: Any) -> None:
     )
 
 
+_OWN_FILES = 512  # what the server holds besides connections: pipes, shared memory, model files
+
+
+def connections_allowed(max_connections: int) -> int:
+    """The connection cap the process's open-file limit can hold. Its soft limit is raised
+    (up to the hard one) to fit ``max_connections`` and the server's own files; where even
+    that cannot, the cap is lowered to fit, with a warning. Past the limit, accept() fails
+    and a new client is reset with nothing logged; under the cap, the guard closes it and says so."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return max_connections
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + _OWN_FILES
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return max_connections
+    raised = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+    except (ValueError, OSError) as e:
+        log.debug("raising the open-file limit to %d failed: %s", raised, e)
+    if soft >= want:
+        return max_connections
+    cap = max(1, soft - _OWN_FILES)
+    log.warning(
+        "--max-connections %d needs %d open files, and this process may open %d (ulimit -n); "
+        "at most %d connections are taken",
+        max_connections,
+        want,
+        soft,
+        cap,
+    )
+    return cap
+
+
 def guarded(base: type, header_timeout: float, max_connections: int) -> type:
     """``base`` (uvicorn's HTTP protocol class) with the header timeout and connection cap."""
 

@@ -170,3 +170,34 @@ def test_aiolm_serve_closes_slow_header_connections_and_keeps_serving(server):
         for s in slow:
             s.close()
     assert time.monotonic() - t0 > 8.0  # not before the timeout
+
+
+@pytest.mark.parametrize("hard, cap", [(8192, 2048), (1024, 512)])
+def test_the_open_file_limit_is_raised_to_hold_the_cap_or_the_cap_lowered(hard, cap):
+    """Under ``ulimit -n 1024`` the default cap of 2048 never applied: accept() failed first and
+    clients were reset with nothing logged. The soft limit is raised toward the hard one; where
+    that cannot hold the cap, the cap is lowered to fit, with a warning."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if now != resource.RLIM_INFINITY and now < hard and os.geteuid() != 0:
+        pytest.skip(f"the hard open-file limit here is {now}")
+    code = (
+        "import logging, resource; logging.basicConfig(); "
+        "from aiolm.server.slow_clients import connections_allowed; "
+        "print(connections_allowed(2048), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)),
+    )
+    assert out.returncode == 0, out.stderr
+    allowed, soft = map(int, out.stdout.split())
+    assert allowed == cap and soft == min(hard, 2048 + 512)
+    assert ("at most 512 connections" in out.stderr) == (cap < 2048), out.stderr
