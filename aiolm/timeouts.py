@@ -1,4 +1,5 @@
-"""``asyncio.wait_for`` that never loses a cancellation.
+"""Bounded waits: ``asyncio.wait_for`` that never loses a cancellation, and blocking calls
+that a timeout can leave behind.
 
 Before Python 3.12, ``asyncio.wait_for`` returns the awaited result when the caller is
 cancelled in the same loop turn as that result arrives (CPython gh-86296): the caller's
@@ -10,8 +11,9 @@ shutdown) waits for an end that does not come. Every bounded wait in aiolm goes 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -45,3 +47,32 @@ def _retrieve(fut: asyncio.Future[object]) -> None:
     """Mark a dropped future's exception as seen (asyncio logs one nobody retrieved)."""
     if not fut.cancelled():
         fut.exception()
+
+
+def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` run in a daemon thread of its own, as a future of the running loop. Unlike
+    ``asyncio.to_thread``, a call given up on (past ``wait_for``'s timeout: a control plane that
+    does not answer) does not hold up the process's exit, which joins the loop's executor."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return  # given up on
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name=f"aiolm-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return fut

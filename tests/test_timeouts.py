@@ -10,6 +10,7 @@ it, and ``Actor.stop`` repeats a cancellation until the task ends.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -81,3 +82,62 @@ def test_actor_stop_ends_a_task_that_swallowed_a_cancel():
         assert stopping.done() and not actor.running
 
     asyncio.run(main())
+
+
+def test_a_handler_cancelled_while_its_work_unwinds_stays_cancelled():
+    """until_disconnect, after the client left, waits for the cancelled work's cleanup; a cancel
+    of the handler meanwhile (the server's shutdown) must end the handler, not be taken for
+    the work's own end (the handler went on as if the client had simply gone)."""
+    from aiolm.server.sse import ClientGone, until_disconnect
+
+    async def main():
+        gone = asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def work():
+            try:
+                await asyncio.sleep(100)
+            finally:
+                await asyncio.sleep(0.2)  # its cleanup takes a moment (an abort's round trip)
+
+        async def handler():
+            try:
+                await until_disconnect(receive, work())
+            except ClientGone:
+                return "went on"
+
+        h = asyncio.ensure_future(handler())
+        await asyncio.sleep(0.05)
+        gone.set()
+        await asyncio.sleep(0.05)
+        h.cancel()
+        await asyncio.wait({h}, timeout=5)
+        return h
+
+    assert asyncio.run(main()).cancelled()
+
+
+def test_a_call_given_up_on_does_not_hold_up_the_exit():
+    """A blocking call past its timeout (Ray's control store, unreachable) is left in a daemon
+    thread: the loop's run ends at once, where asyncio.to_thread's would wait for the call."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, time\n"
+        "from aiolm.timeouts import in_daemon_thread, wait_for\n"
+        "async def main():\n"
+        "    try:\n"
+        "        await wait_for(in_daemon_thread(time.sleep, 30), 0.2)\n"
+        "    except asyncio.TimeoutError:\n"
+        "        print('timed out')\n"
+        "    print(await wait_for(in_daemon_thread(sum, [1, 2]), 5))\n"
+        "asyncio.run(main())\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=25)
+    assert out.returncode == 0 and out.stdout.split() == ["timed", "out", "3"], out.stderr
+    assert time.monotonic() - t0 < 15

@@ -142,8 +142,8 @@ class DataParallelEngine:
         if a.resolved_device().startswith("cuda"):
             bundle["GPU"] = float(ranks)
         self._ray = RayReplicas(a.data_parallel_size, bundle, a.ray_placement)
-        launchers = await self._ray.place()
-        await asyncio.gather(*(launcher.locate() for launcher in launchers))
+        launchers = await self._ray.place(REPLICA_START_TIMEOUT_S)
+        await asyncio.gather(*(launcher.locate(REPLICA_START_TIMEOUT_S) for launcher in launchers))
         return list(launchers), str(_ray().util.get_node_ip_address())
 
     async def shutdown(self) -> None:

@@ -16,12 +16,16 @@ import os
 import subprocess
 from typing import Any
 
+from aiolm.engine.errors import EngineDeadError
 from aiolm.engine.replica_client import exit_text, replica_command
 from aiolm.engine.replica_link import SECRET_ENV
 from aiolm.executor.placement import placement_strategy
 from aiolm.executor.ray import _ray, _runtime_env, _wait_ref
+from aiolm.timeouts import in_daemon_thread, wait_for
 
 log = logging.getLogger(__name__)
+
+_REMOVE_TIMEOUT_S = 10.0  # a call to Ray's control store: an unreachable one must not hold up the shutdown
 
 
 class ReplicaHost:
@@ -51,12 +55,18 @@ class RayReplicas:
         self.strategy = placement_strategy(placement, size)
         self.pg: Any = None
 
-    async def place(self) -> list[RayLauncher]:
+    async def place(self, timeout: float) -> list[RayLauncher]:
         _ray()  # a clear error where Ray is not installed
         from ray.util.placement_group import placement_group
 
         self.pg = placement_group([self.bundle] * self.size, strategy=self.strategy)
-        await _wait_ref(self.pg.ready())
+        try:
+            await wait_for(_wait_ref(self.pg.ready()), timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(
+                f"the Ray cluster did not place {self.size} data-parallel replicas of {self.bundle} "
+                f"({self.strategy}) within {timeout:g} s: does it have that many free?"
+            ) from None
         return [RayLauncher(self, i) for i in range(self.size)]
 
     async def remove(self) -> None:
@@ -65,7 +75,10 @@ class RayReplicas:
         from ray.util.placement_group import remove_placement_group
 
         try:
-            await asyncio.to_thread(remove_placement_group, self.pg)
+            # bounded, in a thread that cannot hold up the exit: the cluster may be gone
+            await wait_for(in_daemon_thread(remove_placement_group, self.pg), _REMOVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("removing the replicas' placement group took over %g s; left to Ray", _REMOVE_TIMEOUT_S)
         except Exception as e:
             log.warning("removing the replicas' placement group failed: %s", e)
         self.pg = None
@@ -96,9 +109,13 @@ class RayLauncher:
     def launch(self, connect: str, secret: bytes, index: int, log_level: str) -> None:
         self._run = asyncio.ensure_future(_wait_ref(self.actor.run.remote(connect, secret.hex(), index, log_level)))
 
-    async def locate(self) -> str:
-        self.node_id = await _wait_ref(self.actor.node_id.remote())
-        return self.node_id
+    async def locate(self, timeout: float) -> str:
+        try:
+            node_id: str = await wait_for(_wait_ref(self.actor.node_id.remote()), timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"a data-parallel replica's Ray actor did not start within {timeout:g} s") from None
+        self.node_id = node_id
+        return node_id
 
     def exited(self) -> str | None:
         if self._run is None or not self._run.done():

@@ -47,7 +47,7 @@ from aiolm.ipc import codec
 from aiolm.ipc.shm_ring import ShmRing
 from aiolm.ipc.stale import sweep_stale_segments
 from aiolm.ipc.wakeup import pid_alive
-from aiolm.timeouts import wait_for
+from aiolm.timeouts import in_daemon_thread, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +449,7 @@ class RayExecutor(MultiprocExecutor):
             from ray.util.placement_group import remove_placement_group
 
             try:  # a call to Ray's control store, bounded: an unreachable store must not hold up shutdown
-                await wait_for(asyncio.to_thread(remove_placement_group, self._pg), max(grace, 10.0))
+                await wait_for(in_daemon_thread(remove_placement_group, self._pg), max(grace, 10.0))
             except asyncio.TimeoutError:
                 log.warning("removing the placement group took over %g s; left to Ray", max(grace, 10.0))
             except Exception as e:

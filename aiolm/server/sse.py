@@ -39,10 +39,11 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
     if task.done():
         return
     task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - the cancelled work's own error is not ours to raise
-        pass
+    # Its end, without its error (the cancelled work's own is not ours to raise); a cancel of
+    # our own while we wait still goes up (awaiting the task itself could not tell them apart).
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
