@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from aiolm.config import EngineArgs
 from aiolm.engine.client import EngineClient
-from aiolm.engine.errors import EngineBusyError, EngineDeadError, RequestError
+from aiolm.engine.errors import EngineBusyError, EngineDeadError, RequestError, RequestTimeoutError
 from aiolm.outputs import PoolingRequestOutput
 from aiolm.params import ParamError
 from aiolm.pooling.config import PoolingConfig
@@ -158,6 +158,8 @@ async def _run(
     if sum(len(j.prompt) for j in jobs if isinstance(j.prompt, str)) > _OFFLOAD_CHARS:
         jobs = await asyncio.to_thread(_tokenized, engine, jobs, req.truncate_prompt_tokens)
     timeout = ctx.settings.request_timeout or None
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout  # the request's, whatever its inputs wait
     window = asyncio.Semaphore(_window(cast(_Configured, engine).args))
     rid = ctx.new_id(prefix)
 
@@ -167,11 +169,14 @@ async def _run(
         async with window:
             if ctx.draining:  # the shutdown began while this input waited for the window
                 raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                raise engine_error(RequestTimeoutError(f"request {rid!r} ran past its timeout of {timeout:g} s"))
             ctx.inflight.add(sub)  # a shutdown's drain waits for it, then aborts it
             try:
                 # Run to its end: a cancel lands inside the generator, whose own exit aborts.
                 async for out in engine.encode(
-                    job.prompt, job.params, sub, req.priority, req.truncate_prompt_tokens, timeout
+                    job.prompt, job.params, sub, req.priority, req.truncate_prompt_tokens, left
                 ):
                     last = out
             except ParamError as e:

@@ -44,7 +44,7 @@ MATRYOSHKA = [16, 32]
 WRONG = [[[]]]  # no pooling request field takes a list of lists of lists
 
 
-def _pooling_server(tmp: Path, model: Path) -> ServerProcess:
+def _pooling_server(tmp: Path, model: Path, *extra: str) -> ServerProcess:
     max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     port = free_port()
     cmd = [
@@ -72,6 +72,7 @@ def _pooling_server(tmp: Path, model: Path) -> ServerProcess:
         "1",
         "--shutdown-timeout",
         "5",
+        *extra,
     ]
     return ServerProcess(cmd, port, tmp / "server.log")
 
@@ -97,11 +98,17 @@ def pooling_servers(tmp_path_factory: pytest.TempPathFactory, embedder_dir: Path
     exit 0 on SIGTERM."""
     emb = _pooling_server(tmp_path_factory.mktemp("embedder-server"), embedder_dir)
     cross = _pooling_server(tmp_path_factory.mktemp("cross-server"), cross_dir)
+    # few seats and a short --request-timeout: a request of many inputs outlives it
+    timed = _pooling_server(
+        tmp_path_factory.mktemp("timed-server"), embedder_dir, "--request-timeout", "0.5", "--max-num-seqs", "2"
+    )
     with contextlib.ExitStack() as stack:
-        stack.callback(cross.kill)  # if the embedder never gets ready, the cross-encoder goes too
+        stack.callback(cross.kill)  # if the embedder never gets ready, the others go too
+        stack.callback(timed.kill)
         stack.enter_context(emb.serving("embedder"))
         stack.enter_context(cross.serving("cross-encoder"))
-        yield emb, cross
+        stack.enter_context(timed.serving("embedder with a request timeout"))
+        yield emb, cross, timed
 
 
 @pytest.fixture(scope="module")
@@ -480,6 +487,19 @@ def test_many_embedding_inputs_are_tokenized_off_the_event_loop(embedder):
     assert took > 0.5, f"the texts tokenized in {took:.2f}s: too fast to show a stall"
     assert worst < took / 3, f"/health waited {worst:.2f}s while {len(texts)} texts took {took:.2f}s"
     _idle(embedder)
+
+
+def test_the_request_timeout_bounds_the_whole_request(pooling_servers):
+    """--request-timeout is the request's, not each input's from when it gets a seat: 2,000
+    inputs through 2 seats outlive it (they were a 200, seconds later)."""
+    timed = pooling_servers[2]
+    t0 = time.monotonic()
+    r = _post(timed, "/v1/embeddings", {"input": _texts(2000, 60)})
+    took = time.monotonic() - t0
+    assert r.status_code == 408, (took, r.text[:100])
+    assert took < 5, f"answered after {took:.1f} s"
+    assert _post(timed, "/v1/embeddings", {"input": "the cat"}).status_code == 200
+    _idle(timed)
 
 
 def test_every_documented_field_is_read(embedder):
