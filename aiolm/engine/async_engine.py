@@ -270,6 +270,11 @@ class AsyncEngine:
                 f"{self.source.name}: pipeline_parallel_size {a.pipeline_parallel_size} runs generating "
                 f"models; this one pools (--runner pooling)"
             )
+        if pooling and a.speculative is not None:
+            raise ValueError(
+                f"{self.source.name}: speculative {a.speculative!r} drafts generated tokens; this model pools "
+                f"(--runner pooling) and generates none"
+            )
         self.max_model_len = a.max_model_len or min(position_limit(mc), 8192)
         if a.max_model_len is None and pc is not None and pc.max_seq_length:
             self.max_model_len = min(self.max_model_len, pc.max_seq_length)
