@@ -232,8 +232,12 @@ def _gen_parser(prog: str, with_prompt: bool) -> argparse.ArgumentParser:
         help="nucleus sampling mass (default 1 for generate; chat: the model's generation config, "
         f"else {CHAT_DEFAULTS['top_p']})",
     )
-    p.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--sampling-seed", type=int_in(-(2**63), 2**63 - 1), default=None, help="seed of this request's sampling"
+    )
+    p.add_argument(
+        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"), help="%(choices)s"
+    )
     return p
 
 
@@ -269,7 +273,8 @@ def _engine(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
         _check_model(parser, args)
         return create_engine(args)
     except ParamError as e:
-        parser.error(f"--{e.param.replace('_', '-')}: {e.message}")
+        flag = "sampling_seed" if e.param == "seed" else e.param  # the request's seed, not the engine's
+        parser.error(f"--{flag.replace('_', '-')}: {e.message}")
     except (TypeError, ValueError) as e:
         parser.error(str(e))
 
@@ -303,6 +308,9 @@ def generate(argv: list[str]) -> int:
     prompt = sys.stdin.read() if ns.prompt == "-" else ns.prompt
     if not prompt:
         parser.error("the prompt is empty")
+    bad = _not_utf8(prompt)
+    if bad is not None:
+        parser.error(f"the prompt{' (stdin)' if ns.prompt == '-' else ''} {bad}")
     engine = _engine(parser, ns)
     params = _sampling(ns, {})
 
@@ -330,6 +338,18 @@ def _run_request(parser: argparse.ArgumentParser, coro: Any) -> None:
         parser.error(e.message)
 
 
+def _not_utf8(text: str) -> str | None:
+    """Why ``text`` is not UTF-8 text, or None. stdin and argv are decoded with
+    surrogateescape: a byte that is not UTF-8 arrives as a lone surrogate, which the
+    tokenizer cannot take (it failed with a traceback)."""
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            return f"is not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} at character {i})"
+        if "\ud800" <= ch <= "\udfff":
+            return f"is not UTF-8 text (a lone surrogate at character {i})"
+    return None
+
+
 class _StdinLines:
     """stdin lines, read by a daemon thread: a blocked read never holds up Ctrl-C or exit."""
 
@@ -350,6 +370,8 @@ class _StdinLines:
 
 
 def chat(argv: list[str]) -> int:
+    from aiolm.params import ParamError
+
     parser = _gen_parser("aiolm chat", False)
     ns = parser.parse_args(argv)
     _setup_logging(ns.log_level)
@@ -396,6 +418,10 @@ def chat(argv: list[str]) -> int:
                 if line == "/reset":
                     del history[int(bool(ns.system)) :]
                     continue
+                bad = _not_utf8(line)
+                if bad is not None:
+                    print(f"aiolm chat: that line {bad}; not sent", file=sys.stderr)
+                    continue
                 history.append({"role": "user", "content": line})
                 pieces: list[str] = []
                 task = asyncio.ensure_future(_stream_to(_Tee(sys.stdout, pieces), engine, list(history), params))
@@ -406,6 +432,10 @@ def chat(argv: list[str]) -> int:
                     if not task.cancelled():
                         raise
                     sys.stdout.write(" [stopped]")
+                except ParamError as e:  # the line, or the conversation with it, does not fit: say so, go on
+                    history.pop()
+                    print(f"aiolm chat: {e.message}; not sent (/reset starts the conversation again)", file=sys.stderr)
+                    continue
                 sys.stdout.write("\n")
                 sys.stdout.flush()
                 history.append({"role": "assistant", "content": "".join(pieces)})

@@ -335,6 +335,16 @@ class EngineArgs:
             )
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs --enable-lora")
+        if self.speculative is None:
+            changed = [
+                name
+                for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+                if getattr(self, name) != type(self).__dataclass_fields__[name].default
+            ]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} {'needs' if len(changed) == 1 else 'need'} --speculative")
+        if not self.seed < 2**63:
+            raise ValueError(f"seed must be < 2**63, got {self.seed}")
         from aiolm.metrics import check_prefix
 
         check_prefix(self.metrics_prefix)

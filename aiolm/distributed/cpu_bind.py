@@ -56,6 +56,7 @@ def parse_cpu_bind(spec: str, world_size: int) -> list[list[int]] | None:
     parts = spec.split(";")
     if len(parts) != world_size:
         raise ValueError(f"cpu_bind: {spec!r} names {len(parts)} cpu lists for {world_size} ranks")
+    allowed = os.sched_getaffinity(0)
     out = []
     for part in parts:
         cpus: list[int] = []
@@ -65,8 +66,26 @@ def parse_cpu_bind(spec: str, world_size: int) -> list[list[int]] | None:
                 cpus.extend(range(int(lo), int(hi or lo) + 1))
             except ValueError:
                 raise ValueError(f"cpu_bind: {part!r} is not a cpu list like 0-3,8") from None
+        if not cpus:
+            raise ValueError(f"cpu_bind: {part!r} names no cpu")
+        outside = sorted(set(cpus) - allowed)
+        if outside:
+            raise ValueError(
+                f"cpu_bind: cpu {outside[0]} is not one this process may run on (it may use {_ranges(sorted(allowed))})"
+            )
         out.append(cpus)
     return out
+
+
+def _ranges(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def bind_rank(rank: int, world_size: int, spec: str = "auto") -> list[int] | None:
@@ -74,7 +93,7 @@ def bind_rank(rank: int, world_size: int, spec: str = "auto") -> list[int] | Non
     returns the cpus it runs on, or None if it was left unpinned."""
     import torch
 
-    if spec == "none" or world_size == 1:
+    if spec == "none" or (spec == "auto" and world_size == 1):  # one rank: its cpus, unless named
         return None
     explicit = parse_cpu_bind(spec, world_size)
     allowed = sorted(os.sched_getaffinity(0))

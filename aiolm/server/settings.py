@@ -236,6 +236,9 @@ def parse_serve_args(
     ns = parser.parse_args(_config_argv(parser, defaults)) if defaults else None
     ns = parser.parse_args(argv, namespace=ns)
     if ns.model_tag is not None:
+        flagged = [a for a in argv if a == "--model" or a.startswith("--model=")]
+        if flagged and ns.model != ns.model_tag:
+            parser.error(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}; give one")
         ns.model = ns.model_tag
     if ns.allow_request_priority:  # accepting priorities the FCFS queue ignores would be a silent no-op
         ns.scheduling_policy = "priority"

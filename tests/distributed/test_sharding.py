@@ -101,12 +101,19 @@ def test_a_kv_head_shared_by_ranks_is_replicated(tmp_path):
 def test_cpu_lists_split_and_parse():
     assert split_cpus([0, 1], 2) in ([[0], [1]], None)  # None only if both are one core's threads
     assert split_cpus([0, 1], 3) is None
-    assert parse_cpu_bind("0-3,8;4-7", 2) == [[0, 1, 2, 3, 8], [4, 5, 6, 7]]
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = cpus[0], cpus[-1]
+    assert parse_cpu_bind(f"{first}-{first},{last};{last}", 2) == [[first, last], [last]]
     assert parse_cpu_bind("auto", 2) is None
     with pytest.raises(ValueError, match="2 cpu lists for 3 ranks"):
         parse_cpu_bind("0;1", 3)
     with pytest.raises(ValueError, match="not a cpu list"):
         parse_cpu_bind("0;x", 2)
+    with pytest.raises(ValueError, match="names no cpu"):
+        parse_cpu_bind(f"{last}-{first};{first}", 2) if last > first else parse_cpu_bind("1-0", 1)
+    # a cpu the process may not run on failed in the worker as "OSError: [Errno 22] Invalid argument"
+    with pytest.raises(ValueError, match=f"cpu {last + 500} is not one this process may run on"):
+        parse_cpu_bind(f"{first};{last + 500}", 2)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cpus")

@@ -20,15 +20,17 @@ from server_helpers import ROOT
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory", str(64 << 20), "--num-threads", "1"]
 
 
-def _aiolm(*args: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def _aiolm(*args: str, stdin: str | bytes | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The command's run, its output as text; ``stdin`` as bytes may hold bytes that are not UTF-8."""
+    out = subprocess.run(
         [sys.executable, "-m", "aiolm.cli", *args],
         cwd=ROOT,
-        input=stdin,
+        input=stdin.encode() if isinstance(stdin, str) else stdin,
         capture_output=True,
-        text=True,
         timeout=timeout,
     )
+    text = (out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace"))
+    return subprocess.CompletedProcess(out.args, out.returncode, *text)
 
 
 def test_usage_without_command():
@@ -48,11 +50,17 @@ def test_usage_without_command():
 # The commands below that load the model, each with its stdin. They are started together:
 # each loads the model in its own processes, and one after another they would wait on each
 # other's start-up.
-MODEL_RUNS: dict[str, tuple[tuple[str, ...], str | None]] = {
+MODEL_RUNS: dict[str, tuple[tuple[str, ...], str | bytes | None]] = {
     "generate": (("generate", "What is the capital of France?", "--chat", "--max-tokens", "8", *FLAGS), None),
     "chat-stdin": (
         ("chat", "--temperature", "0", "--max-tokens", "8", *FLAGS),
         "What is the capital of France?\n/reset\nWhat is the capital of France?\n",
+    ),
+    # A line that is not UTF-8, and one past the context: each said on stderr, and the chat goes
+    # on (the first ended it with a traceback, the second with exit code 2)
+    "chat-bad-lines": (
+        ("chat", "--temperature", "0", "--max-tokens", "8", *FLAGS),
+        b"caf\xe9 au lait\n" + b"word " * 600 + b"\nWhat is the capital of France?\n",
     ),
     # Sampled at the default temperature and top_p; seeded, so one unlucky draw cannot fail it.
     "chat-sampled": (
@@ -84,6 +92,21 @@ def test_chat_reads_stdin_until_eof(model_runs):
     assert len(lines) == 2 and lines[0] == lines[1] and "Paris" in lines[0]
 
 
+@pytest.mark.slow
+def test_chat_says_what_it_cannot_send_and_goes_on(model_runs):
+    out = model_runs["chat-bad-lines"]
+    assert out.returncode == 0, out.stderr
+    assert "that line is not UTF-8 text (byte 0xe9 at character 3); not sent" in out.stderr
+    assert "maximum context length is 512" in out.stderr and "Traceback" not in out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line():
+    out = _aiolm("generate", "-", stdin=b"caf\xe9\n", timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "the prompt (stdin) is not UTF-8 text (byte 0xe9 at character 3)" in out.stderr
+
+
 BAD_ARGS = [
     (["serve", "--port", "70000"], "--port: 70000 is out of range"),
     (["serve", "--port", "0"], "--port: 0 is out of range"),
@@ -98,6 +121,12 @@ BAD_ARGS = [
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens: 0 is out of range"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
     (["chat", "--top-p", "2"], "--top-p"),
+    (["serve", "--model", "/a", "/b"], "the model is given twice"),
+    (["serve", "--num-speculative-tokens", "3"], "num_speculative_tokens needs --speculative"),
+    (["serve", "--seed", str(2**64)], "seed must be < 2**63"),
+    (["generate", "hi", "--sampling-seed", str(2**64)], "--sampling-seed"),  # it said --seed, the engine's
+    (["generate", "hi", "--log-level", "chatty"], "--log-level"),
+    (["serve", "--cpu-bind", "100000"], "cpu 100000 is not one this process may run on"),
 ]
 
 
