@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from aiolm.bench import offline, serve
+from aiolm.config import CliParser
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def standalone(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="aiolm")
+    p = CliParser(prog="aiolm")
     sub = p.add_subparsers(dest="cmd", required=True)
     add_parser(sub)
     return main(p.parse_args(["bench", *(argv or [])]) if argv is not None else p.parse_args())

@@ -9,8 +9,8 @@ import statistics
 import time
 from typing import Any
 
-from aiolm.bench.workload import Item, jsonl_workload, parse_range, random_workload
-from aiolm.config import EngineArgs
+from aiolm.bench.workload import Item, existing_file, jsonl_workload, parse_range, random_workload
+from aiolm.config import EngineArgs, int_in
 from aiolm.engine.core import StepTimes
 from aiolm.params import OutputKind, SamplingParams
 
@@ -32,7 +32,7 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
     items = (
         jsonl_workload(args.dataset)
         if args.dataset
-        else random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed)
+        else random_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
     )
     out_tokens = sum(it.max_tokens for it in items)
     in_tokens = sum(len(it.prompt_token_ids) for it in items)
@@ -117,20 +117,20 @@ def _spec_stats(engine: Any) -> dict[str, Any]:
 
 def add_args(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("throughput", help="offline: N seeded random requests, output tokens/s")
-    t.add_argument("--num-requests", type=int, default=64)
-    t.add_argument("--prompt-len", default="64-256", help="range lo-hi of prompt tokens")
-    t.add_argument("--output-len", default="32-128", help="range lo-hi of output tokens")
-    t.add_argument("--dataset", help="JSONL of {prompt_token_ids, max_tokens} instead of random")
-    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--num-requests", type=int_in(1), default=64)
+    t.add_argument("--prompt-len", type=parse_range, default="64-256", help="range lo-hi of prompt tokens")
+    t.add_argument("--output-len", type=parse_range, default="32-128", help="range lo-hi of output tokens")
+    t.add_argument("--dataset", type=existing_file, help="JSONL of {prompt_token_ids, max_tokens} instead of random")
+    t.add_argument("--repeats", type=int_in(1), default=3)
     t.add_argument("--bench-seed", dest="seed", type=int, default=0)
     t.add_argument("--json", action="store_true")
     EngineArgs.add_cli_args(t, skip=("seed",))
     t.set_defaults(bench_fn=throughput)
     lat = sub.add_parser("latency", help="a fixed batch of fixed lengths, repeated")
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", dest="output_len_fixed", type=int, default=128)
-    lat.add_argument("--repeats", type=int, default=5)
+    lat.add_argument("--batch-size", type=int_in(1), default=1)
+    lat.add_argument("--input-len", type=int_in(1), default=128)
+    lat.add_argument("--output-len", dest="output_len_fixed", type=int_in(1), default=128)
+    lat.add_argument("--repeats", type=int_in(1), default=5)
     lat.add_argument("--bench-seed", dest="seed", type=int, default=1)
     lat.add_argument("--json", action="store_true")
     EngineArgs.add_cli_args(lat, skip=("seed",))

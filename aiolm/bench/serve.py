@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiolm.bench.workload import Item, jsonl_workload, parse_range, random_workload
+from aiolm.bench.workload import Item, existing_file, jsonl_workload, parse_range, positive, random_workload, rate_list
+from aiolm.config import int_in
 
 
 @dataclass
@@ -171,21 +172,23 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="client benchmark against an OpenAI-compatible server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.add_argument("--model", default="", help="model name sent in requests")
-    s.add_argument("--num-requests", type=int, default=64)
-    s.add_argument("--prompt-len", default="64-256")
-    s.add_argument("--output-len", default="32-128")
-    s.add_argument("--dataset")
+    s.add_argument("--num-requests", type=int_in(1), default=64)
+    s.add_argument("--prompt-len", type=parse_range, default="64-256")
+    s.add_argument("--output-len", type=parse_range, default="32-128")
+    s.add_argument("--dataset", type=existing_file)
     s.add_argument(
         "--text-prompts",
         action="store_true",
         help="send prompts as text (decoded with the embedded model's tokenizer) to servers that refuse token ids",
     )
-    s.add_argument("--request-rate", default="inf", help="req/s (comma list to sweep); inf = all at once")
-    s.add_argument("--max-concurrency", type=int, default=0, help="0 = unbounded")
-    s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    s.add_argument(
+        "--request-rate", type=rate_list, default="inf", help="req/s (comma list to sweep); inf = all at once"
+    )
+    s.add_argument("--max-concurrency", type=int_in(0), default=0, help="0 = unbounded")
+    s.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape; 1 = Poisson")
     s.add_argument("--slo-ttft-ms", type=float)
     s.add_argument("--slo-tpot-ms", type=float)
-    s.add_argument("--timeout", type=float, default=600.0)
+    s.add_argument("--timeout", type=positive, default=600.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--plot", help="write a latency-vs-load PNG here")
     s.add_argument("--json", action="store_true")
@@ -196,14 +199,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     items = (
         jsonl_workload(args.dataset)
         if args.dataset
-        else random_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), args.seed)
+        else random_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
     )
     if args.text_prompts:
         from aiolm.bench.workload import as_text
         from aiolm.checkpoint.source import resolve_model
 
         items = as_text(items, resolve_model(None).load_tokenizer())
-    rates = [float(r) for r in str(args.request_rate).split(",")]
+    rates = list(args.request_rate)
     results = []
     for rate in rates:
         results.append(

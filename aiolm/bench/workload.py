@@ -7,7 +7,9 @@ integers(100, 40001, size=len) token ids.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,5 +54,35 @@ def jsonl_workload(path: str | Path) -> list[Item]:
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
+    """``lo-hi`` (or one number) of token counts, 1 <= lo <= hi; an argparse type."""
+    lo, _, hi = str(text).partition("-")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a range of token counts like 64-256") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: the range must run from at least 1 up (lo-hi, lo <= hi)")
+    return low, high
+
+
+def existing_file(text: str) -> str:
+    """A path that is a readable file; an argparse type."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    return text
+
+
+def positive(text: str) -> float:
+    """A number > 0 (inf allowed); an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def rate_list(text: str) -> list[float]:
+    """A comma list of request rates (req/s, > 0; inf = all at once); an argparse type."""
+    return [positive(r) for r in str(text).split(",")]

@@ -127,6 +127,10 @@ BAD_ARGS = [
     (["generate", "hi", "--sampling-seed", str(2**64)], "--sampling-seed"),  # it said --seed, the engine's
     (["generate", "hi", "--log-level", "chatty"], "--log-level"),
     (["serve", "--cpu-bind", "100000"], "cpu 100000 is not one this process may run on"),
+    # the benchmarks' own flags (tracebacks, or a run of 0 tok/s)
+    (["bench", "throughput", "--prompt-len", "16-8"], "--prompt-len: '16-8'"),
+    (["bench", "latency", "--batch-size", "0"], "--batch-size: 0 is out of range"),
+    (["bench", "serve", "--dataset", "/no/such.jsonl"], "--dataset: '/no/such.jsonl': no such file"),
 ]
 
 
