@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiolm.bench.workload import Item, existing_file, jsonl_workload, parse_range, positive, random_workload, rate_list
-from aiolm.config import int_in
+from aiolm.bench.workload import Item, existing_file, jsonl_workload, parse_range, random_workload, rate_list
+from aiolm.config import int_in, positive
 
 
 @dataclass

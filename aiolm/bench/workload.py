@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiolm.config import positive
+
 
 @dataclass
 class Item:
@@ -70,17 +72,6 @@ def existing_file(text: str) -> str:
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text!r}: no such file")
     return text
-
-
-def positive(text: str) -> float:
-    """A number > 0 (inf allowed); an argparse type."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
 
 
 def rate_list(text: str) -> list[float]:

@@ -149,12 +149,32 @@ async def _stream(
 
 
 def parse_args(argv: list[str]) -> Any:
-    from aiolm.config import CliParser
+    from aiolm.config import CliParser, int_in, positive
 
     p = CliParser(prog="aiolm proxy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prefill", nargs="+", required=True, help="base URLs of prefill (kv_producer) instances")
-    p.add_argument("--decode", nargs="+", required=True, help="base URLs of decode (kv_consumer) instances")
+    p.add_argument(
+        "--prefill", nargs="+", type=_base_url, required=True, help="base URLs of prefill (kv_producer) instances"
+    )
+    p.add_argument(
+        "--decode", nargs="+", type=_base_url, required=True, help="base URLs of decode (kv_consumer) instances"
+    )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+    p.add_argument("--port", type=int_in(1, 65535), default=8000)
+    p.add_argument("--timeout", type=positive, default=600.0, help="seconds an instance may take to answer")
     return p.parse_args(argv)
+
+
+def _base_url(text: str) -> str:
+    """An instance's base URL, http(s)://host[:port]; an argparse type (a bare name was taken,
+    and every request then failed with a 502)."""
+    import argparse
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a base URL like http://127.0.0.1:8100")
+    try:
+        parts.port  # noqa: B018 - raises on a port out of range
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text

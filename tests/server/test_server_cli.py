@@ -131,6 +131,9 @@ BAD_ARGS = [
     (["bench", "throughput", "--prompt-len", "16-8"], "--prompt-len: '16-8'"),
     (["bench", "latency", "--batch-size", "0"], "--batch-size: 0 is out of range"),
     (["bench", "serve", "--dataset", "/no/such.jsonl"], "--dataset: '/no/such.jsonl': no such file"),
+    # a name that is no URL was taken, and every request failed with a 502
+    (["proxy", "--prefill", "foo", "--decode", "http://127.0.0.1:2"], "--prefill: 'foo' is not a base URL"),
+    (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--timeout", "-5"], "--timeout"),
 ]
 
 
