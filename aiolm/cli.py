@@ -101,7 +101,7 @@ def serve(argv: list[str]) -> int:
     )
     ctx = app.state.ctx
     drain = functools.partial(ctx.drain, settings.shutdown_timeout)
-    server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui), drain)(config)
+    server = _server_class(_serving_lines(ns.host, ns.port, settings.web_ui), drain, ctx.stop_starting)(config)
     server.run(sockets=[sock])
     return 0 if server.started and app.state.ctx.engine_died is None else 1
 
@@ -166,7 +166,11 @@ def _serving_lines(host: str, port: int, web_ui: bool) -> list[str]:
 _CANCEL_MARGIN_S = 5  # uvicorn cancels the connections this long after the drain's deadline
 
 
-def _server_class(serving_lines: list[str], drain: Callable[[], Awaitable[None]] | None = None) -> Any:
+def _server_class(
+    serving_lines: list[str],
+    drain: Callable[[], Awaitable[None]] | None = None,
+    stop_starting: Callable[[], None] | None = None,
+) -> Any:
     import uvicorn
 
     log = logging.getLogger("aiolm.server")
@@ -190,8 +194,16 @@ def _server_class(serving_lines: list[str], drain: Callable[[], Awaitable[None]]
                         await draining
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if self.started:
+            # SIGTERM or Ctrl+C while the app starts (the model loads: seconds; minutes on a
+            # first start that builds kernels) gives the start up now; uvicorn alone would
+            # finish it first. The app then shuts down what started, and the process exits 0.
+            starting = asyncio.ensure_future(super().startup(sockets))
+            while not starting.done():
+                await asyncio.wait({starting}, timeout=0.1)
+                if self.should_exit and stop_starting is not None:
+                    stop_starting()
+            starting.result()
+            if self.started and not self.should_exit:
                 for line in serving_lines:
                     log.info("%s", line)
 

@@ -11,6 +11,7 @@ requests get ``shutdown_timeout`` seconds to finish, the rest are aborted, and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -133,8 +134,25 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if manage_engine:
+            # A task of its own: a stop asked for meanwhile cancels the start (ctx.stop_starting),
+            # and the server goes on to a clean shutdown of what little started.
+            starting = ctx.starting = asyncio.ensure_future(engine.start())
             try:
-                await engine.start()
+                await asyncio.wait({starting})
+            except BaseException:  # we were cancelled ourselves
+                starting.cancel()
+                raise
+            finally:
+                ctx.starting = None
+            if starting.cancelled():
+                log.info("stopped while the engine started")
+                try:
+                    yield
+                finally:
+                    await engine.shutdown()
+                return
+            try:
+                starting.result()
             except Exception as e:  # mostly the user's to fix: too little KV cache, a broken tokenizer
                 log.debug("the engine did not start", exc_info=True)
                 ctx.start_error = f"the engine did not start: {e}"

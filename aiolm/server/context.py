@@ -23,6 +23,12 @@ class ServingContext:
         self.draining = False
         self.engine_died: str | None = None  # set when the engine died and the server is stopping
         self.start_error: str | None = None  # why the engine did not start, in one line
+        self.starting: asyncio.Future[None] | None = None  # the engine's start, while it runs (app.py)
+
+    def stop_starting(self) -> None:
+        """Give up the engine's start (the server was told to stop while the model loads)."""
+        if self.starting is not None:
+            self.starting.cancel()
 
     @property
     def model_name(self) -> str:

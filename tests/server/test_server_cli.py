@@ -288,3 +288,52 @@ def test_chat_ctrl_c_stops_the_answer_then_leaves():
         assert "Traceback" not in term.screen, term.screen[-3000:]
     finally:
         term.close()
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_model_loads_stops_at_once(tmp_path):
+    """uvicorn finishes an app's start before it acts on a signal: a server told to stop while
+    its model loaded kept loading (minutes, on a first start that builds kernels). It now gives
+    the start up, shuts down what started, and exits 0 with nothing left behind."""
+    import signal
+
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aiolm.cli", "serve", "--port", str(_free_port()), *FLAGS],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while b"Waiting for application startup" not in log.read_bytes():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.02)
+        time.sleep(0.3)  # the engine's start is under way: its workers are loading the model
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.wait()
+    text = log.read_text()
+    assert code == 0 and "stopped while the engine started" in text, text
+    assert took < 10 and "Traceback" not in text, (took, text)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{proc.pid}_")]
+    assert not [p for p in _worker_pids() if f"--parent-pid {proc.pid} " in p]
+
+
+def _worker_pids() -> list[str]:
+    """The command lines of live aiolm worker processes."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "aiolm.worker" in cmd:
+                out.append(cmd)
+    return out
