@@ -30,10 +30,26 @@ def _f(default: Any, help: str) -> Any:
 
 
 class CliParser(argparse.ArgumentParser):
-    """argparse with one-line errors (``aiolm serve: error: ...``), exit code 2, no usage dump."""
+    """argparse with one-line errors (``aiolm serve: error: ...``), exit code 2, no usage dump,
+    and each flag's default in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsShown)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help lines that end with the flag's default, where it has one to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and not action.option_strings == []
+        if shown and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -170,7 +170,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--body-timeout",
         type=seconds,
         default=d.body_timeout,
-        help="seconds a client may take to send a whole request body (408 after)",
+        help="seconds a client may take to send a whole request body (408 after; 0 = no limit)",
     )
     g.add_argument(
         "--request-timeout",
