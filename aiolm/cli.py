@@ -197,12 +197,23 @@ def _server_class(
             # SIGTERM or Ctrl+C while the app starts (the model loads: seconds; minutes on a
             # first start that builds kernels) gives the start up now; uvicorn alone would
             # finish it first. The app then shuts down what started, and the process exits 0.
-            starting = asyncio.ensure_future(super().startup(sockets))
+            async def start() -> SystemExit | None:
+                try:
+                    await super(GracefulServer, self).startup(sockets)
+                except SystemExit as e:  # uvicorn's exit on a failed start: raised here, not in a task
+                    return e
+                return None
+
+            starting = asyncio.ensure_future(start())
+            stopped = False
             while not starting.done():
                 await asyncio.wait({starting}, timeout=0.1)
-                if self.should_exit and stop_starting is not None:
+                if self.should_exit and not stopped and stop_starting is not None:
+                    stopped = True
                     stop_starting()
-            starting.result()
+            failed = starting.result()
+            if failed is not None:
+                raise failed
             if self.started and not self.should_exit:
                 for line in serving_lines:
                     log.info("%s", line)
@@ -248,7 +259,11 @@ def _gen_parser(prog: str, with_prompt: bool) -> argparse.ArgumentParser:
         "--sampling-seed", type=int_in(-(2**63), 2**63 - 1), default=None, help="seed of this request's sampling"
     )
     p.add_argument(
-        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"), help="%(choices)s"
+        "--log-level",
+        default="warning",
+        type=str.lower,
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="%(choices)s",
     )
     return p
 
@@ -444,8 +459,10 @@ def chat(argv: list[str]) -> int:
                     if not task.cancelled():
                         raise
                     sys.stdout.write(" [stopped]")
-                except ParamError as e:  # the line, or the conversation with it, does not fit: say so, go on
-                    history.pop()
+                except ParamError as e:
+                    if e.param != "prompt":  # the model cannot chat at all (no chat template): exit 2
+                        raise
+                    history.pop()  # the line, or the conversation with it, does not fit: say so, go on
                     print(f"aiolm chat: {e.message}; not sent (/reset starts the conversation again)", file=sys.stderr)
                     continue
                 sys.stdout.write("\n")

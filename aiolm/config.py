@@ -46,7 +46,13 @@ class _DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        shown = action.default not in (None, False, argparse.SUPPRESS) and not action.option_strings == []
+        default = action.default
+        shown = (
+            action.option_strings
+            and default is not None
+            and default is not False
+            and default not in ("", argparse.SUPPRESS)
+        )
         if shown and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text

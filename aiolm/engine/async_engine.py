@@ -564,7 +564,10 @@ class AsyncEngine:
                 await actor.stop()
         await self.grammars.close()  # kills the compile processes: quick, and first
         for ex in {id(e): e for e in (self.executor, self._executor, *self._starting) if e is not None}.values():
-            await ex.shutdown()
+            try:
+                await ex.shutdown()
+            except Exception:  # the others must still stop
+                log.exception("stopping a worker set failed")
         self._starting.clear()
 
     def _on_crash(self, actor: Any, error: BaseException) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine
+from aiolm.engine.errors import RequestError
 from aiolm.engine.replica_link import (
     SECRET_ENV,
     STATUS_PERIOD_S,
@@ -219,6 +220,9 @@ class ReplicaServer:
                 async for out in outputs:
                     result = out
             self.send(("reply", call, None, result))
+        except asyncio.CancelledError:  # aborted (_abort): a front end still waiting (a drain's abort) hears why
+            self.send(("reply", call, portable(RequestError(f"request {rid!r} was aborted")), None))
+            raise
         except Exception as e:
             self.send(("reply", call, portable(e), None))
         finally:

@@ -20,8 +20,8 @@ from aiolm.engine.errors import EngineDeadError
 from aiolm.engine.replica_client import exit_text, replica_command
 from aiolm.engine.replica_link import SECRET_ENV
 from aiolm.executor.placement import placement_strategy
-from aiolm.executor.ray import _ray, _runtime_env, _wait_ref
-from aiolm.timeouts import in_daemon_thread, wait_for
+from aiolm.executor.ray import _ray, _runtime_env, _wait_ref, remove_placement_group_within
+from aiolm.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,7 @@ class RayReplicas:
     async def remove(self) -> None:
         if self.pg is None:
             return
-        from ray.util.placement_group import remove_placement_group
-
-        try:
-            # bounded, in a thread that cannot hold up the exit: the cluster may be gone
-            await wait_for(in_daemon_thread(remove_placement_group, self.pg), _REMOVE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            log.warning("removing the replicas' placement group took over %g s; left to Ray", _REMOVE_TIMEOUT_S)
-        except Exception as e:
-            log.warning("removing the replicas' placement group failed: %s", e)
+        await remove_placement_group_within(self.pg, _REMOVE_TIMEOUT_S, "the replicas' placement group")
         self.pg = None
 
 

@@ -446,15 +446,22 @@ class RayExecutor(MultiprocExecutor):
             elif not fut.cancelled():
                 fut.exception()  # retrieved: the expected ActorDiedError is not an error here
         if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:  # a call to Ray's control store, bounded: an unreachable store must not hold up shutdown
-                await wait_for(in_daemon_thread(remove_placement_group, self._pg), max(grace, 10.0))
-            except asyncio.TimeoutError:
-                log.warning("removing the placement group took over %g s; left to Ray", max(grace, 10.0))
-            except Exception as e:
-                log.warning("removing the placement group failed: %s", e)
+            await remove_placement_group_within(self._pg, max(grace, 10.0), "the placement group")
             self._pg = None
+
+
+async def remove_placement_group_within(pg: Any, timeout: float, what: str) -> None:
+    """Remove ``pg``, waiting at most ``timeout`` (a call to Ray's control store, which may be
+    gone: it runs in a daemon thread, so one given up on cannot hold up the process's exit);
+    a failure is logged, not raised (a shutdown goes on)."""
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        await wait_for(in_daemon_thread(remove_placement_group, pg), timeout)
+    except asyncio.TimeoutError:
+        log.warning("removing %s took over %g s; left to Ray", what, timeout)
+    except Exception as e:
+        log.warning("removing %s failed: %s", what, e)
 
 
 def _forced_remote(world_size: int) -> int:

@@ -70,7 +70,7 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
             num_labels,
             labels,
             class_activation=_class_activation(hf_config.get("problem_type"), num_labels),
-            score_activation=_score_activation(path, hf_config),
+            score_activation=_score_activation(path, hf_config) if num_labels == 1 else "sigmoid",
         )
     modules_file = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
     if not modules_file or not os.path.isfile(modules_file):

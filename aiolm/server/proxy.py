@@ -158,8 +158,8 @@ def parse_args(argv: list[str]) -> Any:
     p.add_argument(
         "--decode", nargs="+", type=_base_url, required=True, help="base URLs of decode (kv_consumer) instances"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int_in(1, 65535), default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int_in(1, 65535), default=8000, help="port to listen on")
     p.add_argument("--timeout", type=positive, default=600.0, help="seconds an instance may take to answer")
     return p.parse_args(argv)
 

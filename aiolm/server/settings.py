@@ -14,6 +14,7 @@ Later sources win: config file < AIOLM_ARGS < the single-purpose variables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -325,11 +326,12 @@ def from_environment(env: Mapping[str, str] | None = None) -> tuple[EngineArgs, 
             f"{', '.join(theirs)}: the ASGI server's option, not the app's (uvicorn --host/--port/--log-level)"
         )
     for var, flag in (
-        ("AIOLM_MODEL", "--model"),
         ("AIOLM_API_KEY", "--api-key"),
         ("AIOLM_ALLOWED_ORIGINS", "--allowed-origins"),
     ):
         if env.get(var):
             argv += [flag, env[var]]
     engine_args, settings, _ = parse_serve_args(argv, build_parser("create_app"), defaults)
+    if env.get("AIOLM_MODEL"):  # it wins over AIOLM_ARGS, the model given there as MODEL included
+        engine_args = dataclasses.replace(engine_args, model=env["AIOLM_MODEL"])
     return engine_args, settings

@@ -74,7 +74,7 @@ def connections_allowed(max_connections: int) -> int:
         log.debug("raising the open-file limit to %d failed: %s", raised, e)
     if soft >= want:
         return max_connections
-    cap = max(1, soft - _OWN_FILES)
+    cap = max(soft // 2, soft - _OWN_FILES)  # a small limit still leaves half for connections
     log.warning(
         "--max-connections %d needs %d open files, and this process may open %d (ulimit -n); "
         "at most %d connections are taken",

@@ -53,6 +53,8 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # we were cancelled ourselves (e.g. the server's shutdown timeout)
+        watcher.cancel()  # both at once: a second cancel while waiting must not spare the work
+        task.cancel()
         await _cancel(watcher)
         await _cancel(task)
         raise

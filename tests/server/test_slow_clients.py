@@ -187,16 +187,11 @@ def test_the_open_file_limit_is_raised_to_hold_the_cap_or_the_cap_lowered(hard, 
         pytest.skip(f"the hard open-file limit here is {now}")
     code = (
         "import logging, resource; logging.basicConfig(); "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, (1024, {hard})); "
         "from aiolm.server.slow_clients import connections_allowed; "
         "print(connections_allowed(2048), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)),
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     allowed, soft = map(int, out.stdout.split())
     assert allowed == cap and soft == min(hard, 2048 + 512)

@@ -164,7 +164,8 @@ def test_jobs_left_with_no_process_after_a_failed_start_get_one(real_source):
                 pytest.skip("the second process was ready before it could be killed while starting")
             os.kill(second.pid, signal.SIGKILL)
             await until(lambda: pool._start_error is not None and second not in pool.procs, "no failed start")
-            assert first.job is not None, "the grammar compiled before its process could be killed"
+            if first.job is None:
+                pytest.skip("the grammar compiled before its process could be killed")
             os.kill(first.pid, signal.SIGKILL)
             await until(lambda: first not in pool.procs, "the dead process stayed")
             await asyncio.wait_for(task, 120)  # compiled on a process started for it
