@@ -987,7 +987,7 @@ def test_fuzz_against_openapi_schema(server, model):
         strategies.append(st.tuples(st.just(path), mutate(body).map(lambda b, p=path: cheap(b, p))))
 
     @settings(
-        max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "400")),
+        max_examples=int(os.environ.get("AIOLM_FUZZ_EXAMPLES", "250")),
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
