@@ -96,8 +96,7 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._detail: str | None = None
         self._lock = asyncio.Lock()  # one sender at a time: replies are awaited in send order
-        self._closed = False
-        self._stopping: asyncio.Future[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None  # the stop, once begun (_stop)
         # Per rank, a future for each reply it still owes, oldest first. A rank answers in
         # the order it was sent to, so whoever reads a reply hands it to the oldest future:
         # steps may queue behind each other (overlap scheduling), an rpc may follow them,
@@ -449,6 +448,11 @@ class MultiprocExecutor(Executor):
             results.append(msg[1])
         return results
 
+    @property
+    def _closed(self) -> bool:
+        """Shut down, or shutting down: no step or rpc goes to the workers any more."""
+        return self._stopping is not None
+
     async def shutdown(self) -> None:
         # A failed set has nothing worth waiting for: survivors get a short grace.
         await self._stop(grace=5.0 if self._dead is None else 1.0)
@@ -458,7 +462,6 @@ class MultiprocExecutor(Executor):
         its end: a caller cancelled meanwhile (a recovery cut short by the engine's shutdown, a
         start given up) leaves it running, and a later call waits for the same task."""
         if self._stopping is None:
-            self._closed = True
             self._stopping = asyncio.ensure_future(self._stop_now(grace))
         await asyncio.shield(self._stopping)
 

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from server_helpers import ROOT
 
+from procs import live_running
+
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory", str(64 << 20), "--num-threads", "1"]
 
 
@@ -322,18 +324,4 @@ def test_sigterm_while_the_model_loads_stops_at_once(tmp_path):
     assert code == 0 and "stopped while the engine started" in text, text
     assert took < 10 and "Traceback" not in text, (took, text)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"aiolm_{proc.pid}_")]
-    assert not [p for p in _worker_pids() if f"--parent-pid {proc.pid} " in p]
-
-
-def _worker_pids() -> list[str]:
-    """The command lines of live aiolm worker processes."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "aiolm.worker" in cmd:
-                out.append(cmd)
-    return out
+    assert live_running(b"--parent-pid\0%d\0" % proc.pid) == []  # its workers, orphaned or not
