@@ -89,6 +89,7 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
+        check_rope_scaling(scaling, source)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         fields: dict[str, Any] = dict(
@@ -106,7 +107,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             qk_norm=False,
-            rope_scaling=dict(scaling) if scaling else None,
+            rope_scaling=_filled_rope_scaling(scaling, size("max_position_embeddings", 2048)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -119,6 +120,38 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: sliding_window must be a positive integer, got {w!r}")
         fields["sliding_windows"] = windows if any(w is not None for w in windows) else ()
         return cls(**fields)
+
+
+# The RoPE scalings aiolm/model/layers/rotary.py computes; any other would run as plain RoPE
+# and answer wrong past the first positions.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_NEEDS = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"), "yarn": ("factor",)}
+
+
+def check_rope_scaling(scaling: Any, source: str) -> None:
+    """A ModelLoadError naming what a config's rope scaling lacks or asks that is not computed."""
+    if not scaling:
+        return
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{source}: rope_scaling must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        supported = ", ".join(ROPE_TYPES)
+        raise ModelLoadError(f"{source}: rope_scaling type {kind!r} is not supported; supported: {supported}")
+    for key in _ROPE_NEEDS.get(kind, ()):
+        v = scaling.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ModelLoadError(f"{source}: rope_scaling ({kind}) needs a positive {key}, got {v!r}")
+
+
+def _filled_rope_scaling(scaling: dict[str, Any] | None, positions: int) -> dict[str, Any] | None:
+    """A copy of ``scaling``; YaRN's trained length defaults to the positions, as transformers reads it."""
+    if not scaling:
+        return None
+    filled = dict(scaling)
+    if filled.get("rope_type", filled.get("type")) == "yarn":
+        filled.setdefault("original_max_position_embeddings", positions)
+    return filled
 
 
 def check_silu_mlp(cfg: dict[str, Any], source: str, key: str = "hidden_act") -> None:

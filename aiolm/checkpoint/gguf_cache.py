@@ -26,7 +26,8 @@ from pathlib import Path
 
 from aiolm.errors import ModelLoadError
 
-_CACHE_FORMAT = 1
+# Raised when a conversion's output changes (2: rope scaling and end-of-turn ids for every architecture)
+_CACHE_FORMAT = 2
 
 
 def cache_root() -> Path:

@@ -252,6 +252,10 @@ def read_hf_config(reader: Any, path: Path) -> dict[str, Any]:
     }
     if arch == "gemma3":
         cfg.update(_gemma3_config(lambda key: _field(reader, f"gemma3.{key}"), cfg, path))
+    else:
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        factors = None if freqs is None else np.asarray(freqs.data, dtype=np.float64).reshape(-1)
+        cfg["rope_scaling"] = _rope_scaling(lambda key: _field(reader, f"{arch}.{key}"), factors, cfg, path)
     if arch in _MOE_ARCHS or int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
         shapes = {t.name: _shape(t) for t in reader.tensors}
         cfg.update(_moe_config(lambda key: _field(reader, f"{arch}.{key}"), arch, cfg, shapes, path))
@@ -370,6 +374,71 @@ def _decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+def _rope_scaling(field: Any, factors: np.ndarray | None, cfg: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """config.json's ``rope_scaling`` from a file's ``rope.scaling.*`` fields, or from the
+    per-frequency divisors of its ``rope_freqs`` tensor (how llama.cpp's converter stores
+    Llama 3.1's scaling: no field names it). A scaling read as none would answer wrong past
+    the first positions, so what cannot be stated is refused."""
+    kind = field("rope.scaling.type")
+    if factors is not None:
+        if kind not in (None, "none"):
+            raise ModelLoadError(f"{path}: both rope_freqs.weight and rope.scaling.type {kind!r}; expected one")
+        return _llama3_scaling(factors, cfg, path)
+    if kind in (None, "none"):
+        return None
+    factor = field("rope.scaling.factor")
+    if not isinstance(factor, (int, float)) or not factor > 0:
+        raise ModelLoadError(f"{path}: rope.scaling.type {kind!r} needs a positive rope.scaling.factor, got {factor!r}")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _decimal(factor)}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": _decimal(factor)}
+        original = field("rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if field(key) is not None:
+                scaling[name] = _decimal(field(key))
+        return scaling
+    raise ModelLoadError(f"{path}: rope.scaling.type {kind!r} is not supported; supported: linear, yarn, none")
+
+
+# (low_freq_factor, high_freq_factor) pairs and trained lengths tried against a file's
+# rope_freqs, Llama 3.1-3.3's (1, 4) and 8192 first. Scaling all three alike gives the same
+# divisors, so low_freq_factor 1 stands for every equivalent triple.
+_LLAMA3_RAMPS = [(1.0, hi) for hi in (4.0, 2.0, 8.0, 16.0)]
+_LLAMA3_LENGTHS = [8192] + [2**n for n in range(10, 21) if n != 13]
+
+
+def _llama3_scaling(factors: np.ndarray, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The ``llama3`` rope_scaling whose divisors equal ``factors`` (float32-close), found by
+    trying the parameters such files are made with."""
+    dim = cfg["head_dim"]
+    if factors.shape != (dim // 2,):
+        raise ModelLoadError(f"{path}: rope_freqs.weight has {factors.size} values; head_dim {dim} needs {dim // 2}")
+    factor = float(factors.max())
+    if not factor >= 1 or not float(factors.min()) > 0:
+        raise ModelLoadError(f"{path}: rope_freqs.weight holds divisors outside [1, ...): {factors.min()}-{factor}")
+    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / inv
+    for low, high in _LLAMA3_RAMPS:
+        for length in _LLAMA3_LENGTHS:
+            smooth = np.clip((length / wavelen - low) / (high - low), 0.0, 1.0)
+            expect = 1.0 / ((1 - smooth) / factor + smooth)
+            if np.allclose(expect, factors, rtol=1e-5, atol=0):
+                return {
+                    "rope_type": "llama3",
+                    "factor": _decimal(factor),
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": length,
+                }
+    raise ModelLoadError(
+        f"{path}: rope_freqs.weight is not a Llama 3 frequency scaling aiolm can state "
+        "(no factor, ramp and trained length give its divisors)"
+    )
+
+
 def _gemma3_config(field: Any, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """What a Gemma 3 config.json has beyond the Llama fields, as llama.cpp reads the file.
 
@@ -426,7 +495,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
             continue
         name = hf_name(t.name, arch)
         if name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # e.g. rope_freqs: recomputed from the config's rope_scaling
         if name.endswith("shared_expert_gate.weight"):
             shape = (1, shape[-1])  # a [hidden] one in some files; Hugging Face's is a 1-row linear
         plan.append((t, [name], shape))
@@ -440,9 +509,10 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
             for name, part in zip(names, arr):
                 out.write(_undo_llama_cpp(name, part, arch, cfg))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
-    turn_end = _turn_end_id(reader) if arch == "gemma3" else None
-    if turn_end is not None and turn_end != gen.get("eos_token_id"):
-        gen["eos_token_id"] = [x for x in (gen.get("eos_token_id"), turn_end) if x is not None]
+    ends = [gen.get("eos_token_id"), *_turn_end_ids(reader, arch)]
+    ends = [x for i, x in enumerate(ends) if x is not None and x not in ends[:i]]
+    if len(ends) > 1:
+        gen["eos_token_id"] = ends
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
     _save_tokenizer(path, out_dir)
     # config.json last: the loader treats its presence as "the folder is complete".
@@ -508,20 +578,21 @@ class _SafetensorsWriter:
         self.f.close()
 
 
-def _turn_end_id(reader: Any) -> int | None:
-    """The id of ``<end_of_turn>``, where a chat turn ends: a Gemma checkpoint's
-    generation_config.json lists it beside ``<eos>``, and llama.cpp ends generation on it
-    (it finds it by its text), but the GGUF names only ``<eos>``."""
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is not None:
-        return int(eot)
+def _turn_end_ids(reader: Any, arch: str) -> list[int]:
+    """The ids besides ``eos`` that end generation, as llama.cpp ends it: the file's end-of-turn
+    and end-of-message tokens (Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``), which a checkpoint's
+    generation_config.json lists beside its eos. A Gemma file may name only ``<eos>``; llama.cpp
+    finds its ``<end_of_turn>`` by its text, and so does this."""
+    ids = [int(v) for v in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")) if v is not None]
+    if ids or arch != "gemma3":
+        return ids
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
-        return None
+        return []
     for i, part in enumerate(tokens.data):  # the field's contents() would decode all 262144 tokens
         if bytes(tokens.parts[part]) == b"<end_of_turn>":
-            return i
-    return None
+            return [i]
+    return []
 
 
 def _save_tokenizer(path: Path, out_dir: Path) -> None:

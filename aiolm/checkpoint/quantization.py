@@ -88,6 +88,8 @@ def _gptq(qc: dict[str, Any], source: str) -> WeightQuant:
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(f"{where}: checkpoint_format {fmt!r} is not supported; gptq or gptq_v2")
+    if qc.get("is_marlin_format"):
+        raise ModelLoadError(f"{where}: is_marlin_format (Marlin's packing) is not supported; gptq or gptq_v2")
     return WeightQuant(
         "gptq",
         4,
@@ -116,6 +118,11 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> WeightQuant:
     schemes = {_ct_scheme(g, qc.get("format"), f"{where}: config_groups.{k}") for k, g in groups.items()}
     if len(schemes) > 1:
         raise ModelLoadError(f"{where}: config_groups with different schemes are not supported")
+    sparsity = qc.get("sparsity_config")
+    if isinstance(sparsity, dict) and sparsity.get("format", "dense") != "dense":
+        raise ModelLoadError(
+            f"{where}: sparsity_config format {sparsity.get('format')!r} is not supported; dense (or none)"
+        )
     return schemes.pop()
 
 
@@ -134,14 +141,16 @@ def _ct_scheme(group: Any, top_format: Any, where: str) -> WeightQuant:
         if strategy not in ("group", "channel"):
             raise ModelLoadError(f"{where}: weight strategy {strategy!r} is not supported; group or channel")
         actorder = w.get("actorder")
-        if actorder not in (None, "group", "weight", "static", "dynamic"):
+        # compressed-tensors' aliases: true and "dynamic" are "group", "static" is "weight"
+        if actorder not in (None, False, True, "group", "dynamic", "weight", "static"):
             raise ModelLoadError(f"{where}: actorder {actorder!r} is not supported")
         return WeightQuant(
             "compressed-tensors",
             4,
             _group(w.get("group_size"), where) if strategy == "group" else -1,
             symmetric=bool(w.get("symmetric", True)),
-            act_order=actorder == "group",  # "weight" reorders at quantization time only: no g_idx
+            # "weight" reorders at quantization time only: no g_idx
+            act_order=actorder in (True, "group", "dynamic"),
         )
     if fmt == "float-quantized":
         if w.get("type") != "float" or w.get("num_bits") != 8:
@@ -149,6 +158,8 @@ def _ct_scheme(group: Any, top_format: Any, where: str) -> WeightQuant:
         if w.get("strategy") not in ("tensor", "channel"):
             strategy = w.get("strategy")
             raise ModelLoadError(f"{where}: fp8 weight strategy {strategy!r} is not supported; tensor or channel")
+        if not w.get("symmetric", True):
+            raise ModelLoadError(f"{where}: asymmetric fp8 weights (with zero points) are not supported")
         return WeightQuant("compressed-tensors", 8, -1)
     raise ModelLoadError(
         f"{where}: format {fmt!r} is not supported; pack-quantized (int4 weights) or float-quantized (fp8)"

@@ -133,10 +133,30 @@ def _read_folder(folder: Path, origin: Path) -> ModelSource:
     if not cfg_path.exists():
         raise ModelLoadError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
     hf_config = _read_json(cfg_path)
-    config = read_config(hf_config, str(cfg_path))
+    source = str(cfg_path)
+    if "quantization_config" not in hf_config:
+        separate = _separate_quantization(folder)
+        if separate is not None:
+            source = str(separate[0])
+            hf_config = {**hf_config, "quantization_config": separate[1]}
+    config = read_config(hf_config, source)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
     return ModelSource(folder, origin, config, hf_config, _chat_template(folder), gen)
+
+
+# Older AutoGPTQ and AutoAWQ folders keep the format beside config.json rather than in it;
+# read as dense, their packed tensors would fail to load or, worse, load as noise.
+_SEPARATE_QUANTIZATION = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _separate_quantization(folder: Path) -> tuple[Path, dict[str, Any]] | None:
+    for name, method in _SEPARATE_QUANTIZATION.items():
+        path = folder / name
+        if path.exists():
+            qc = _read_json(path)
+            return path, {"quant_method": method, **qc}
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -64,6 +64,16 @@ def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return nib.movedim(-1, dim + 1).flatten(dim, dim + 1)  # dim 0: [words, 8, cols] -> [words * 8, cols]
 
 
+def _g_idx(p: dict[str, torch.Tensor], name: str, quant: WeightQuant, where: str) -> torch.Tensor | None:
+    """A layer's g_idx where its groups are in activation order (required there: the contiguous
+    groups assumed without it would load the wrong scales); None where they are not."""
+    if not quant.act_order:
+        return None
+    if name not in p:
+        raise ModelLoadError(f"{where}.{name}: missing (the groups are in activation order)")
+    return p[name]
+
+
 def _groups(k: int, size: int, g_idx: torch.Tensor | None, where: str) -> torch.Tensor:
     if g_idx is not None:
         if g_idx.numel() != k:
@@ -76,8 +86,9 @@ def _int4(kind: str, quant: WeightQuant, p: dict[str, torch.Tensor], where: str)
     if kind == "gptq":
         codes = _nibbles(p["qweight"], 0).t()  # [K, N] -> [N, K]
         scale = p["scales"].float().t()  # [G, N] -> [N, G]
-        zero = _nibbles(p["qzeros"], 1).t()[: codes.shape[0]].float() + quant.zero_offset
-        group = _groups(codes.shape[1], quant.group_size, p.get("g_idx") if quant.act_order else None, where)
+        # GPTQ v1 stores z - 1 in 4 bits: a zero point of 0 is stored as 15 and wraps back
+        zero = ((_nibbles(p["qzeros"], 1).t()[: codes.shape[0]] + quant.zero_offset) & 15).float()
+        group = _groups(codes.shape[1], quant.group_size, _g_idx(p, "g_idx", quant, where), where)
     elif kind == "awq":
         order = torch.tensor(_AWQ_NIBBLE)
 
@@ -99,7 +110,7 @@ def _int4(kind: str, quant: WeightQuant, p: dict[str, torch.Tensor], where: str)
             if "weight_zero_point" not in p:
                 raise ModelLoadError(f"{where}.weight_zero_point: missing (asymmetric weights)")
             zero = _nibbles(p["weight_zero_point"], 0)[:n].float()
-        group = _groups(k, quant.group_size, p.get("weight_g_idx") if quant.act_order else None, where)
+        group = _groups(k, quant.group_size, _g_idx(p, "weight_g_idx", quant, where), where)
         if codes.shape[0] != n:
             raise ModelLoadError(f"{where}.weight_packed: {codes.shape[0]} rows, weight_shape says {n}")
     n, k = codes.shape

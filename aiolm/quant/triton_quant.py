@@ -72,7 +72,9 @@ class TritonQuantMethod(LinearMethod):
                 layer.packed = ("int4", {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.items()})
         else:
             got = [reader.fp8(n) for n in self.names]
-            if all(g is not None for g in got) and len({g.scale_k for g in got}) == 1:  # type: ignore[union-attr]
+            steps = {g.scale_k for g in got if g is not None}
+            # fp8_gemm steps through K 32 at a time: other block sizes keep the dense weight
+            if all(g is not None for g in got) and len(steps) == 1 and steps.pop() % 32 == 0:
                 weight = torch.cat([g.values.view(torch.uint8) for g in got]).to(device)  # type: ignore[union-attr]
                 scale = torch.cat([g.scale for g in got], 1).to(device)  # type: ignore[union-attr]
                 layer.packed = ("fp8", {"weight": weight, "scale": scale, "scale_k": got[0].scale_k})  # type: ignore[union-attr]

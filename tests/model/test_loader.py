@@ -627,6 +627,7 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def make_hf_model(vocab: int, tied: bool, rope: dict | None = None, seed: int = 0):
@@ -673,6 +674,7 @@ HF_CASES = {
     "sharded-untied-legacy_rope_theta": dict(tied=False, shard=True, rope=None, legacy=True),
     "single-untied-llama3-rope_parameters": dict(tied=False, shard=False, rope=LLAMA3_ROPE, legacy=False),
     "sharded-tied-llama3-legacy_rope_scaling": dict(tied=True, shard=True, rope=LLAMA3_ROPE, legacy=True),
+    "single-untied-yarn-rope_parameters": dict(tied=False, shard=False, rope=YARN_ROPE, legacy=False),
 }
 
 
@@ -705,7 +707,7 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
     assert src.config.tie_word_embeddings == c["tied"]
     assert src.config.rope_theta == 20000.0
     if c["rope"]:
-        assert src.config.rope_scaling["rope_type"] == "llama3"
+        assert src.config.rope_scaling["rope_type"] == c["rope"]["rope_type"]
         assert src.config.rope_scaling["original_max_position_embeddings"] == 32
     else:
         assert src.config.rope_scaling is None
@@ -716,7 +718,7 @@ def test_hf_folder_logits_match_transformers(case, tmp_path, tokenizer, tokenize
         tok = src.load_tokenizer()
         assert [tok(t, add_special_tokens=False)["input_ids"] for t in texts] == prompts
         assert src.chat_template and src.chat_template == tok.chat_template
-    assert len(prompts[0]) > 32  # past the llama3 original context, where scaling matters most
+    assert len(prompts[0]) > 32  # past the scalings' original context, where scaling matters most
     model = build_model(src, torch.float32)
     expected = hf_last_logits(ref, prompts)
     assert_logits_close(our_last_logits(model, prompts), expected)
@@ -748,6 +750,14 @@ def test_hf_rope_config_spellings():
     legacy = read_config({**base, "rope_theta": 3.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert legacy.rope_theta == 3.0 and legacy.rope_scaling == {"type": "linear", "factor": 2.0}
     assert read_config({**base, "architectures": None, "model_type": "qwen2"}).attention_bias
+    # a scaling not computed would run as plain RoPE: refused by name at the config
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'dynamic' is not supported"):
+        read_config({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ModelLoadError, match=r"rope_scaling \(llama3\) needs a positive original_max"):
+        read_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    # YaRN's trained length is the positions where the config does not say it, as in transformers
+    yarn = read_config({**base, "max_position_embeddings": 64, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    assert yarn.rope_scaling["original_max_position_embeddings"] == 64
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from aiolm.quant.gguf_blocks import MAX_ROWS, FusedDecodeLayer, GGUFLinear, GGUF
 from aiolm.quant.int4_blocks import PermutedBlocks, codes_as_blocks
 from lora_models import tiny_base
 from paged import PagedHarness, hf_greedy
-from quantized_checkpoints import AWQ_ORDER, pack_cols, write_quantized
+from quantized_checkpoints import AWQ_ORDER, gptq_tensors, pack_cols, quantize4, write_quantized
 
 NEW = 24
 # (format, group size, symmetric, activation order): every layout and option the readers take
@@ -180,6 +180,50 @@ def test_awq_order_matters():
     assert not torch.equal(int4_codes(quant, wrong, "layer").codes.long(), q.t())
 
 
+def test_gptq_v1_zero_point_zero_wraps_back():
+    """GPTQ v1 stores z - 1 in four bits: a group with no negative weights has z = 0, stored as
+    15, and reads back as 0 (AutoGPTQ's own dequantization wraps), not 16."""
+    from aiolm.quant.checkpoint_formats import int4_codes
+
+    w = torch.rand(16, 64, generator=torch.Generator().manual_seed(2))  # all positive: z = 0
+    c = quantize4(w, 32, sym=False, scale_dtype=torch.float16)
+    assert (c.zero == 0).all()
+    got = int4_codes(WeightQuant("gptq", 4, 32, zero_offset=1), gptq_tensors(c), "layer")
+    assert torch.equal(got.dense(), c.dense())
+
+
+@pytest.mark.parametrize(
+    ("actorder", "by_g_idx"),
+    [("group", True), ("dynamic", True), (True, True), ("weight", False), ("static", False), (None, False)],
+)
+def test_compressed_tensors_actorder_aliases(actorder, by_g_idx):
+    """compressed-tensors spells activation order "group" or its aliases true and "dynamic"
+    (then weight_g_idx is read), and reordering at quantization only "weight" or "static"."""
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": actorder}
+    groups = {"g": {"weights": weights}}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
+    assert read_quantization({"quantization_config": qc}).act_order is by_g_idx
+
+
+def test_gptq_folder_with_a_separate_quantize_config(bases, tmp_path):
+    """Older AutoGPTQ folders keep the format in quantize_config.json, not config.json; read
+    as dense, their packed tensors would not load."""
+    out, ref, _ = written(bases, tmp_path, "llama", ("gptq", 128, True, True))
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    del qc["quant_method"]  # AutoGPTQ's file does not say it
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "quantize_config.json").write_text(json.dumps(qc))
+    source = resolve_model(out)
+    assert source.config.quantization == WeightQuant("gptq", 4, 128, act_order=True, zero_offset=1)
+    from safetensors.torch import load_file
+
+    expected = load_file(ref / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    got = dict(iter_weights(source, lazy=True))[name][...]
+    assert torch.equal(got, expected[name])
+
+
 @pytest.mark.parametrize(
     "case",
     [("ct4", 32, True, False), ("ct4", 64, False, False), ("ct4", -1, True, False), ("ct_fp8", None, True, False)],
@@ -237,6 +281,26 @@ def test_compressed_tensors_reads_the_tests_files_alike(bases, tmp_path, case):
             },
             "'tensor'",
         ),
+        ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "is_marlin_format"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}},
+                "sparsity_config": {"format": "sparse-bitmask"},
+            },
+            "'sparse-bitmask'",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False}}
+                },
+            },
+            "asymmetric fp8",
+        ),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ],
@@ -264,6 +328,8 @@ def test_unsupported_quantization_fails_when_the_folder_is_read(bases, tmp_path)
         ("model.layers.1.mlp.down_proj.qzeros", None, "model.layers.1.mlp.down_proj.qzeros: missing"),
         (None, ("model.layers.0.self_attn.o_proj.scales", lambda t: t[:2]), "model.layers.0.self_attn.o_proj"),
         (None, ("model.layers.0.mlp.up_proj.g_idx", lambda t: t[:-8]), "model.layers.0.mlp.up_proj: g_idx"),
+        # desc_act without g_idx: contiguous groups would load the wrong scales
+        ("model.layers.0.mlp.up_proj.g_idx", None, "model.layers.0.mlp.up_proj.g_idx: missing"),
     ],
 )
 def test_missing_or_misshapen_tensors_fail_naming_them(bases, tmp_path, drop, change, named):
