@@ -231,6 +231,13 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Unpublish a block whose KV is not what its hash says (no connector keeps it)."""
+        h = block.block_hash
+        if h is not None and self.cached.get(h) is block:
+            del self.cached[h]
+        block.block_hash = None
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
@@ -347,6 +354,18 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[req_id] = end
+
+    def unpublish(self, request: Request) -> None:
+        """Take back the prefix blocks ``request`` published itself (not those it found cached):
+        the step that computed them failed for it, e.g. it ran without the LoRA adapter its
+        hashes name, so a later prefix hit would read the wrong KV."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if not blocks:
+            return
+        start = max(request.num_cached_tokens, 0) // self.block_size
+        for block in blocks[start : self._num_cached_blocks.get(request.req_id, 0)]:
+            self.pool.uncache_block(block)
+        self._num_cached_blocks[request.req_id] = min(start, self._num_cached_blocks.get(request.req_id, 0))
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

@@ -460,7 +460,9 @@ class Scheduler:
         if self.connector is not None and self.connector.pending:
             for transfer_id in self.connector.expired(time.monotonic()):
                 kv.release(f"send-{transfer_id}")
-        threshold = cfg.long_prefill_token_threshold
+        # a prompt that may not be chunked (an encoder's: it keeps no KV to attend to later)
+        # runs whole, however long
+        threshold = cfg.long_prefill_token_threshold if cfg.chunked_prefill else 0
         budget = cfg.max_num_batched_tokens
         prefill_left = self._prefill_cap()  # None: no cap beyond the budget
         encoder_left = self.encoder_budget
@@ -953,7 +955,7 @@ class Scheduler:
         """Count the step's tokens as computed, publish the full blocks it computes to the
         prefix cache, and (overlap) add a placeholder for each token it samples. Draft
         positions are never published: their KV holds tokens that may be rejected; blocks
-        that accepted drafts filled are published by the request's next step."""
+        that accepted drafts filled are published once the step's tokens come back."""
         kv = self.kv_cache_manager
         hashing = kv.block_hasher is not None
         bs = kv.block_size
@@ -1044,8 +1046,10 @@ class Scheduler:
                     if status is not None:
                         new_tokens = tokens[: k + 1]
                         break
-            if late_hashes and len(req.block_hashes) > hashed:
-                kv.cache_blocks(req, req.num_computed_tokens)  # before _finish frees them
+            # blocks filled by accepted drafts (more than one token) are full and computed now,
+            # and with overlap a block's hash comes only now: published before _finish frees them
+            if (late_hashes or len(tokens) > 1) and len(req.block_hashes) > hashed:
+                kv.cache_blocks(req, req.num_computed_tokens)
             lp = logprobs.get(req_id) if logprobs else None
             if lp is not None and len(new_tokens) < len(tokens):
                 lp = lp.slice(0, len(new_tokens))
@@ -1089,6 +1093,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             if req.status is RequestStatus.PREEMPTED:
                 self.waiting.remove(req)
+            self.kv_cache_manager.unpublish(req)
             req.error = message
             self._finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req, []))

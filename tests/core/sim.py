@@ -290,7 +290,7 @@ def check_scheduler(sched: Scheduler, so: SchedulerOutput | None = None) -> None
                 ), (  # alone, out of blocks: awaits its token
                     f"{r.req_id} skipped although budget was left"
                 )
-        if cfg.long_prefill_token_threshold:
+        if cfg.long_prefill_token_threshold and cfg.chunked_prefill:
             assert max(so.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
 
 

@@ -203,6 +203,24 @@ def test_a_request_error_during_a_chunked_prefill():
     assert [(o.req_id, o.finish_reason, o.error) for o in outs] == [("long", "error", "cannot be loaded")]
     assert not sched.has_unfinished_requests() and sched.kv_cache_manager.usage == 0.0
     assert sched.schedule().finished_req_ids == {"long"}
+    # its blocks were computed without the adapter their hashes name: none stays a prefix hit
+    assert sched.kv_cache_manager.pool.cached == {}
+    sched.add_request(lora_request("again", 20, 3, max_tokens=3))
+    assert sched.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_a_failed_request_keeps_the_prefix_it_found_cached():
+    """Blocks another request computed stay published when one that hit them fails."""
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    sched.add_request(lora_request("first", 12, 3, max_tokens=1))
+    d = Driver(sched)
+    d.drain()
+    cached = dict(sched.kv_cache_manager.pool.cached)
+    assert len(cached) == 3
+    sched.add_request(lora_request("second", list(range(1, 13)) + [40, 41, 42, 43, 44], 3, max_tokens=3))
+    so, _ = step_with_errors(d, {"second": "cannot be loaded"})
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12  # it published tokens 12-15's block
+    assert sched.kv_cache_manager.pool.cached == cached
 
 
 def test_an_error_for_a_request_aborted_while_its_step_ran_is_ignored():

@@ -44,6 +44,18 @@ def test_drafts_are_scheduled_with_reserved_slots_and_rejected_ones_rolled_back(
     check_scheduler(sched)
 
 
+def test_blocks_that_accepted_drafts_fill_are_published_when_they_come_back():
+    """Drafts are not published when scheduled (they may be rejected); once accepted, the
+    blocks they filled are, even when the request ends in that same step."""
+    sched = make_scheduler(speculative=spec_config(k=4, prompt_lookup_min=1), block_size=4)
+    req = prefill(sched, make_request("a", [5, 6, 7, 8, 5, 6, 7], max_tokens=6))  # + 8
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens == {"a": [5, 6, 7, 8]}  # positions 8-11: the third block
+    outs = sched.update_from_output(so, ModelRunnerOutput(["a"], [[5, 6, 7, 8, 9]]))
+    assert outs[0].finish_reason == "length" and req.num_computed_tokens == 12
+    assert len(sched.kv_cache_manager.pool.cached) == 3
+
+
 def test_a_stop_inside_the_accepted_run_truncates_and_frees():
     sched = make_scheduler(speculative=spec_config(k=3), block_size=4)
     prefill(sched, make_request("a", REPEAT, max_tokens=20, stop_token_ids=[6]))

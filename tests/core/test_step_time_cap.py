@@ -157,6 +157,14 @@ def test_unchunked_encoder_prompts_are_never_capped():
     assert sched.step_cost is None
 
 
+def test_unchunked_prompts_run_whole_past_the_long_prefill_threshold():
+    """An encoder's prompt attends to itself only within its step (it keeps no KV): a piece
+    of it would pool a different vector, so --long-prefill-token-threshold leaves it whole."""
+    sched = make_scheduler(max_num_batched_tokens=64, chunked_prefill=False, long_prefill_token_threshold=4)
+    sched.add_request(make_request("e", 10, max_tokens=1))
+    assert sched.schedule().num_scheduled_tokens == {"e": 10}
+
+
 def test_the_cap_must_not_be_negative():
     with pytest.raises(ValueError, match="max_step_ms"):
         make_scheduler(max_step_ms=-1)
