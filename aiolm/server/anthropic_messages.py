@@ -42,7 +42,7 @@ from aiolm.server.anthropic_protocol import (
 )
 from aiolm.server.errors import APIError, bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
-from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.protocol import ChatCompletionRequest, parse, sampling_params
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
@@ -266,10 +266,11 @@ def _shell(message_id: str, model: str) -> dict[str, Any]:
 
 async def create_message(request: Request) -> Response | EventStream:
     ctx = context(request)
-    req = parse(MessagesRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    body = await read_json(request, ctx.settings.max_request_bytes)
+    req = await off_loop_if_big(request, parse, MessagesRequest, body, ctx.settings.limits)
     lora = check_model(ctx, req.model)
     chat = chat_request(req)
-    plan = _plan(chat, ctx.settings.tool_call_parser)
+    plan = await off_loop_if_big(request, _plan, chat, ctx.settings.tool_call_parser)
     engine = ctx.engine
     kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
     params = sampling_params(chat, req.max_tokens, None, kind, plan.enforced, engine=engine, rename=_RENAME)

@@ -24,7 +24,7 @@ from aiolm.server.generation import (
     truncation,
     usage,
 )
-from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.logprobs import chat_logprobs, prompt_logprobs_json
 from aiolm.server.protocol import (
     ChatCompletionRequest,
@@ -56,11 +56,11 @@ from aiolm.server.tools import (
 async def create_chat_completion(request: Request) -> Response | EventStream:
     ctx = context(request)
     body = await read_json(request, ctx.settings.max_request_bytes)
-    req = parse(ChatCompletionRequest, body, ctx.settings.limits)
+    req = await off_loop_if_big(request, parse, ChatCompletionRequest, body, ctx.settings.limits)
     lora = check_model(ctx, req.model)
     check_unsupported_chat(req)
-    structured, structured_param = structured_spec(req)
-    plan = plan_tools(req, ctx.settings.tool_call_parser)
+    structured, structured_param = await off_loop_if_big(request, structured_spec, req)
+    plan = await off_loop_if_big(request, plan_tools, req, ctx.settings.tool_call_parser)
     if plan.enforced is not None:
         if structured is not None:
             raise bad_request(
@@ -114,11 +114,14 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         splitter = ReasoningSplitter(thinking, text, continued) if thinking is not None else None
         if structured is not None and splitter is not None and splitter.thinking:
             # the grammar waits for the end of the thinking (aiolm/structured/spec.py), unless the
-            # model may skip it and does not open it
+            # model may skip it and does not open it. Where the start marker is several tokens
+            # (Granite's), the first token cannot tell thinking from answering: a model left to
+            # choose is bound from its first token (it answers without thinking), or the grammar
+            # would wait for an end marker that a model answering at once never writes.
             end = tuple(engine.tokenize(splitter.fmt.ends[0], False))
             start = tuple(engine.tokenize(splitter.fmt.starts[0], False)) if splitter.undecided else ()
-            opens = start if len(start) == 1 else ()
-            own = params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=opens))
+            if len(start) <= 1:
+                own = params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=start))
         reading = _Reading(plan, thinking, text, req.include_reasoning, continued)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
     if req.use_beam_search and any(t.prompt.images for t in turns):

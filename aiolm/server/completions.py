@@ -27,7 +27,7 @@ from aiolm.server.generation import (
     truncation,
     usage,
 )
-from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
 from aiolm.server.protocol import (
     CompletionRequest,
@@ -77,12 +77,13 @@ async def _prepare(
 
 async def create_completion(request: Request) -> Response | EventStream:
     ctx = context(request)
-    req = parse(CompletionRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    body = await read_json(request, ctx.settings.max_request_bytes)
+    req = await off_loop_if_big(request, parse, CompletionRequest, body, ctx.settings.limits)
     lora = check_model(ctx, req.model)
     check_unsupported_completion(req)
     if req.logprob_token_ids is not None and req.logprobs is None:  # the named tokens' columns, as logprobs: 0
         req = req.model_copy(update={"logprobs": 0})
-    structured, structured_param = structured_spec(req)
+    structured, structured_param = await off_loop_if_big(request, structured_spec, req)
     stream = req.stream
     # Echoed prompt tokens get real logprobs: the engine scores the prompt too (as vLLM does).
     scored = req.prompt_logprobs

@@ -8,6 +8,7 @@ answers with an error, including 404/405/413 and a dead engine, goes through her
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,9 +74,19 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# A model may write "\udc00" in a tool call's JSON: json.loads keeps such a lone surrogate,
+# which has no UTF-8 encoding, so a response holding it raw could not be sent.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def escape_lone_surrogates(text: str) -> str:
+    """JSON text with each lone surrogate written as its ``\\u`` escape (the same JSON)."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON; NaN/Infinity are never valid JSON, so they fail here, not in a client."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return escape_lone_surrogates(json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False))
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

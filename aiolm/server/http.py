@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -14,7 +15,9 @@ from aiolm.server.context import ServingContext
 from aiolm.server.errors import APIError, bad_request, clip, listed
 from aiolm.server.middleware import LOG_EXTRA_KEY
 
+T = TypeVar("T")
 _OFFLOAD_BYTES = 64 << 10  # parse bodies above this off the event loop
+_BODY_BYTES = "aiolm.body_bytes"  # the scope key read_json leaves the body's size under
 
 
 def context(request: Request) -> ServingContext:
@@ -45,6 +48,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
                 code="request_too_large",
                 headers={"connection": "close"},
             )
+    request.scope[_BODY_BYTES] = len(body)
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -64,6 +68,15 @@ async def read_json(request: Request, max_bytes: int) -> Any:
                 code="invalid_unicode",
             )
     return value
+
+
+async def off_loop_if_big(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a thread when the request's body was big: checking a schema or tools of
+    megabytes (walks, dumps, validation) takes the loop hundreds of milliseconds; a small one
+    costs less inline than a thread's hand-off."""
+    if request.scope.get(_BODY_BYTES, 0) > _OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _may_hold_surrogates(body: bytes | bytearray) -> bool:

@@ -881,6 +881,11 @@ def structured_spec(req: SamplingRequest) -> tuple[StructuredOutputs | None, str
     """The one output constraint a request asks for, and the field that asked (for errors)."""
     found: list[tuple[str, StructuredOutputs]] = []
     fmt = req.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise bad_request(
+            f"'response_format.json_schema' applies to type 'json_schema' only, not {fmt.type!r}",
+            param="response_format.json_schema",
+        )
     if fmt is not None and fmt.type == "json_object":
         found.append(("response_format", StructuredOutputs("json_object")))
     elif fmt is not None and fmt.type == "json_schema":

@@ -29,7 +29,7 @@ from aiolm.server.generation import (
     engine_error,
     tokenize,
 )
-from aiolm.server.http import check_model, context, log_extra, read_json
+from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.protocol import ResponsesRequest, param_error, parse, text_format_spec, with_model_defaults
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tools import message_text
@@ -152,9 +152,10 @@ def _finished(
 
 async def create_response(request: Request) -> Response | EventStream:
     ctx = context(request)
-    req = parse(ResponsesRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
+    body = await read_json(request, ctx.settings.max_request_bytes)
+    req = await off_loop_if_big(request, parse, ResponsesRequest, body, ctx.settings.limits)
     lora = check_model(ctx, req.model)  # a LoRA adapter's name, or the base model
-    structured = text_format_spec(req.text.format if req.text is not None else None)
+    structured = await off_loop_if_big(request, text_format_spec, req.text.format if req.text is not None else None)
     stream = req.stream
     max_tokens = req.max_output_tokens
     sampling = with_model_defaults(req, ctx.engine, SAMPLING_DEFAULT_KEYS)

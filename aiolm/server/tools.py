@@ -24,11 +24,11 @@ from aiolm.server.errors import bad_request
 from aiolm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, param_error
 from aiolm.server.tool_parsers import PARSERS, ParsedCall, ToolParser
 from aiolm.server.tool_parsers.base import CallsReader
-from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall
+from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall, json_text
 from aiolm.structured.spec import SCHEMA_MAPS, StructuredOutputs
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (fullmatch)
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 # What chat_template_kwargs may not set: the variables the server passes the template
 # itself, the template's functions, and transformers' apply_chat_template's own arguments
@@ -51,6 +51,7 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     parser: ToolParser | None = None  # auto
+    names: frozenset[str] = frozenset()  # auto: the functions a call may name; others are text
 
     @property
     def active(self) -> bool:
@@ -77,7 +78,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
                 "(hermes, llama3_json or pythonic); use 'required', a named function or 'none'",
                 param="tool_choice",
             )
-        return ToolPlan(template_tools, parser=PARSERS[parser_name](), parallel=parallel)
+        return ToolPlan(template_tools, parser=PARSERS[parser_name](), parallel=parallel, names=frozenset(names))
     if not isinstance(choice, str):
         name = choice.function.name
         if name not in names:
@@ -103,7 +104,7 @@ def checked_tools(tools: list[Any]) -> tuple[dict[str, dict[str, Any]], list[dic
     names: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
         fn = t.function
-        if not _NAME.match(fn.name):
+        if not _NAME.fullmatch(fn.name):
             raise bad_request(
                 f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-', got {fn.name!r}",
                 param=f"tools[{i}].function.name",
@@ -112,7 +113,8 @@ def checked_tools(tools: list[Any]) -> tuple[dict[str, dict[str, Any]], list[dic
             raise bad_request(
                 f"'tools[{i}].function.name' {fn.name!r} is given twice", param=f"tools[{i}].function.name"
             )
-        params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+        # none or {}: a function without parameters (as vLLM takes {}), whose arguments are {}
+        params = fn.parameters if fn.parameters else {"type": "object", "properties": {}}
         _check_schema(params, f"tools[{i}].function.parameters", top=True)
         names[fn.name] = params
     return names, [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
@@ -321,7 +323,10 @@ def enforced_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:
     for it in items:
         if not isinstance(it, dict) or not isinstance(it.get("name"), str):
             return None
-        calls.append(ParsedCall(it["name"], json.dumps(it.get("arguments", {}), ensure_ascii=False)))
+        arguments = json_text(it.get("arguments", {}))
+        if arguments is None:
+            return None
+        calls.append(ParsedCall(it["name"], arguments))
     return calls or None
 
 
@@ -345,6 +350,8 @@ def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]
         return None, calls if calls else cut_calls(plan, text)
     assert plan.parser is not None
     content, calls = plan.parser.extract(text)
+    if any(c.name not in plan.names for c in calls):  # no such function: the model's text, not a call
+        return text, []
     if calls and not plan.parallel:
         calls = calls[:1]
     return content, calls
@@ -416,9 +423,11 @@ class StreamState:
 
     def progress(self) -> list[PartialCall]:
         """The calls read so far (the first only without parallel tool calls)."""
-        if self.reader.failed:
+        calls = self.reader.calls
+        undeclared = self.plan.names and any(c.name is not None and c.name not in self.plan.names for c in calls)
+        if self.reader.failed or undeclared:
             return []  # not calls after all, or not ones the stream can follow: finish decides
-        return self.reader.calls if self.plan.parallel else self.reader.calls[:1]
+        return calls if self.plan.parallel else calls[:1]
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content still to show, calls)."""

@@ -88,6 +88,8 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
         return f"'$ref' to {ref[:80]!r} (only references within the schema, '#...', are resolved)"
     if ref is not None and set(node) - _REF_SIBLINGS:
         return f"'$ref' beside {', '.join(sorted(set(node) - _REF_SIBLINGS))} (move them into the schema it names)"
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        return "'pattern' beside 'minLength' or 'maxLength' (the lengths are dropped; put them in the pattern)"
     multiple = node.get("multipleOf")
     if multiple is not None and not (node.get("type") == "integer" and isinstance(multiple, int)):
         return "'multipleOf' of a non-integer"

@@ -185,6 +185,12 @@ def test_granite_reads_its_thought_and_response_markers(other_servers) -> None:
     assert ("".join(thoughts), content) == (" Hmm, rivers. ", " Rome.")
     plain = _chat(c).choices[0].message  # no thought marker: all of it is the answer
     assert _reasoning(plain) == (None, "<think>I reckon so.</think>Paris it is!")
+    # Granite's start marker is several tokens, so the first token cannot say whether the model
+    # thinks: a grammar binds from it (it waited for "Here is my response:", never written, and
+    # nothing was constrained)
+    for kwargs in (None, {"thinking": True}):
+        bound = _chat(c, kwargs, body={"structured_outputs": {"regex": "Paris"}}).choices[0]
+        assert (bound.message.content, bound.finish_reason) == ("Paris", "stop"), bound
 
 
 def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize(reasoning_servers, client: OpenAI) -> None:

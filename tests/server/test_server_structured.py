@@ -350,6 +350,21 @@ name ::= [A-Z] [a-z]+"""
             "response_format.json_schema.schema",
             "invalid JSON schema",
         ),
+        # xgrammar drops the lengths beside a pattern: text past them was accepted
+        (
+            {"guided_json": {"type": "string", "pattern": "[a-z]+", "maxLength": 3}},
+            "guided_json",
+            "'pattern' beside 'minLength' or 'maxLength'",
+        ),
+        # a schema beside another type was dropped in silence
+        (
+            {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+            "response_format.json_schema",
+            "applies to type 'json_schema' only, not 'json_object'",
+        ),
+        # each would leave a step with every token masked (token 0 was drawn)
+        ({"guided_choice": ["yes", "no"], "min_tokens": 5}, "min_tokens", "cannot be combined with structured"),
+        ({"guided_choice": ["yes", "no"], "allowed_token_ids": [5]}, "allowed_token_ids", "cannot be combined"),
     ],
 )
 def test_invalid_grammars_are_a_400_with_the_compiler_message(client, model, extra, param, words):

@@ -116,6 +116,46 @@ MALFORMED = [
 ]
 
 
+DECLARED = frozenset({"get_weather", "add", "f", "g"})  # the functions the requests offer
+
+
+@pytest.mark.parametrize(
+    "name,text,calls",
+    [
+        # a lone surrogate escape: the arguments stay JSON a client can read (and the response UTF-8)
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\udc00 é"}}</tool_call>', '{"a": "\\udc00 é"}'),
+        ("pythonic", '[f(a="\\udc00")]', '{"a": "\\udc00"}'),
+        # NaN and infinities are no JSON a client parses: not calls
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', None),
+        ("llama3_json", '{"name": "f", "parameters": {"a": -Infinity}}', None),
+        ("pythonic", "[f(a=1e999)]", None),
+        # a JSON answer with a "name" field but no arguments is an answer, not a call
+        ("llama3_json", '{"name": "Bob", "age": 3}', None),
+        # a function the request did not offer is the model's text
+        ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None),
+        ("pythonic", "[f(a=1), rm_rf(path='/')]", None),
+    ],
+)
+@pytest.mark.parametrize("step", [1, 5])
+def test_calls_are_sendable_json_of_offered_functions(name, text, calls, step):
+    """Each call's arguments encode as UTF-8 and parse as JSON, streamed as one-shot; text that
+    cannot be such a call is content, whole."""
+    from aiolm.server.tools import read_output
+
+    plan = ToolPlan(parser=PARSERS[name](), names=DECLARED)
+    content, got = read_output(plan, text)
+    if calls is None:
+        assert (content, got) == (text, [])
+        assert _stream_pieces(name, text, step)[2] == []
+        return
+    assert [c.arguments for c in got] == [calls]
+    from aiolm.server.errors import dumps
+
+    got[0].arguments.encode()
+    dumps({"input": json.loads(got[0].arguments)}).encode()  # Anthropic's tool_use block parses them back
+    assert _joined(_stream_pieces(name, text, step)[3]) == [("f", calls)]
+
+
 @pytest.mark.parametrize("name,text,content,calls", PARSED, ids=[f"{p[0]}-{i}" for i, p in enumerate(PARSED)])
 def test_parsers_read_crafted_output(name, text, content, calls):
     assert PARSERS[name]().extract(text) == (content, calls)
@@ -146,7 +186,7 @@ def test_streamed_pieces_reassemble_to_the_parsed_result(name, text, content, ca
 
 def _stream_pieces(name: str, text: str, step: int) -> tuple[str, str, list, list[list[dict]]]:
     """(content shown, content at the end, finished calls, the call deltas of each piece)."""
-    state, sender = StreamState(ToolPlan(parser=PARSERS[name]())), CallDeltas()
+    state, sender = StreamState(ToolPlan(parser=PARSERS[name](), names=DECLARED)), CallDeltas()
     shown, deltas = "", []
     for i in range(0, len(text), step):
         shown += state.feed(text[i : i + step])
@@ -216,6 +256,7 @@ BAD = [
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"tools": ["add"]}, "tools[0]"),
     ({"tools": [_fn(name="bad name!")]}, "tools[0].function.name"),
+    ({"tools": [_fn(name="f\n")]}, "tools[0].function.name"),  # "$" matched before a final newline
     ({"tools": [ADD, _fn()]}, "tools[1].function.name"),
     ({"tools": [_fn(parameters={"type": "objekt"})]}, "tools[0].function.parameters.type"),
     ({"tools": [_fn(parameters={"type": "string"})]}, "tools[0].function.parameters.type"),
@@ -615,3 +656,18 @@ def test_parsers_never_raise_and_streaming_agrees(name, pieces, step):
     assert shown + rest == text if not calls else (shown + rest).strip() == (content or "").strip()
     if calls:
         assert _joined(deltas) == [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_function_without_parameters_is_called_with_no_arguments(parameters):
+    """Empty parameters, like none, are a function of no arguments (as vLLM reads {}): a forced
+    call's arguments are {}, where {} as a schema let them be any JSON value."""
+    from aiolm.server.protocol import ChatCompletionRequest
+    from aiolm.server.tools import plan_tools
+
+    tool = {"type": "function", "function": {"name": "now", "parameters": parameters}}
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"}
+    )
+    schema = json.loads(plan_tools(req, None).enforced.text)
+    assert schema["items"]["properties"]["arguments"] == {"type": "object", "properties": {}}

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall
+from aiolm.server.tool_parsers.json_stream import JsonCallsReader, PartialCall, json_text
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,12 @@ class ToolParser:
         return len(text) - hold
 
 
-def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments",)) -> ParsedCall | None:
-    """``{"name": str, "arguments": {...}}`` (or another arguments key) as a call, else None."""
+def call_from_object(
+    obj: Any, args_keys: tuple[str, ...] = ("arguments",), args_required: bool = False
+) -> ParsedCall | None:
+    """``{"name": str, "arguments": {...}}`` (or another arguments key) as a call, else None.
+    ``args_required``: an object without arguments is not a call (where any JSON answer with a
+    "name" would otherwise be one)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     for key in args_keys:
@@ -83,10 +87,9 @@ def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments",)) -> P
                     args = json.loads(args)
                 except ValueError:
                     return None
-            if not isinstance(args, dict):
-                return None
-            return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
-    return ParsedCall(obj["name"], "{}")
+            text = json_text(args) if isinstance(args, dict) else None
+            return None if text is None else ParsedCall(obj["name"], text)
+    return None if args_required else ParsedCall(obj["name"], "{}")
 
 
 def content_or_none(text: str) -> str | None:

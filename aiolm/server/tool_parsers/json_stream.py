@@ -1,13 +1,14 @@
 """Tool calls read while they are being written: JSON as it arrives, re-spelt the way the
 finished call's arguments are.
 
-A finished call's ``arguments`` is ``json.dumps(args, ensure_ascii=False)`` of what the
-model wrote (base.py). ``JsonSpeller`` writes that same text a character at a time from
-the model's raw JSON: punctuation with ``json.dumps``' separators, strings decoded and
-escaped as ``json.dumps`` escapes them, each released as its characters arrive, numbers
-and literals once they end. What it has written is never taken back, so a stream can
-send it at once and the pieces join to the finished call's arguments (for any JSON
-without repeated keys, which ``json.loads`` would collapse).
+A finished call's ``arguments`` is ``json_text(args)`` of what the model wrote: its
+``json.dumps(args, ensure_ascii=False)`` with lone surrogates escaped (base.py).
+``JsonSpeller`` writes that same text a character at a time from the model's raw JSON:
+punctuation with ``json.dumps``' separators, strings decoded and escaped as ``json.dumps``
+escapes them, each released as its characters arrive, numbers and literals once they end. What
+it has written is never taken back, so a stream can send it at once and the pieces join to the
+finished call's arguments (for any JSON without repeated keys, which ``json.loads`` would
+collapse).
 
 ``JsonCallsReader`` reads a run of call objects (``{"name": ..., "arguments": {...}}``,
 with whatever lies between them skipped): the name once its string is complete, the
@@ -18,14 +19,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
+
+from aiolm.server.errors import escape_lone_surrogates
 
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _NUMBER = set("+-.0123456789eE")
 _LITERALS = ("true", "false", "null")
 
 
+def json_text(value: Any) -> str | None:
+    """A call's arguments as the JSON text sent; None where JSON cannot say them (NaN, an
+    infinity: json.loads takes them, a client's parser does not)."""
+    try:
+        return escape_lone_surrogates(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+
+
 def _spell(ch: str) -> str:
-    return json.dumps(ch, ensure_ascii=False)[1:-1]
+    return escape_lone_surrogates(json.dumps(ch, ensure_ascii=False)[1:-1])
 
 
 class JsonSpeller:
@@ -192,7 +205,7 @@ class JsonSpeller:
         if self._str_is_key:
             top = self.stack[-1]
             top[2] = text or "\x00"  # the empty key is still a key seen ("}" is no longer "{}")
-            self._emit(json.dumps(text, ensure_ascii=False))
+            self._emit(escape_lone_surrogates(json.dumps(text, ensure_ascii=False)))
             top[1] = "colon"
             return
         self._emit('"')

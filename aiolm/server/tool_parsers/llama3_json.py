@@ -29,7 +29,7 @@ class Llama3JsonParser(ToolParser):
                 obj, end = decoder.raw_decode(body, pos)
             except ValueError:
                 return text, []
-            call = call_from_object(obj, self.args_keys)
+            call = call_from_object(obj, self.args_keys, args_required=True)
             if call is None:
                 return text, []
             calls.append(call)

@@ -5,11 +5,10 @@ only; nothing the model wrote is ever evaluated."""
 from __future__ import annotations
 
 import ast
-import json
 from typing import Any
 
 from aiolm.server.tool_parsers.base import ParsedCall, ToolParser
-from aiolm.server.tool_parsers.json_stream import PartialCall
+from aiolm.server.tool_parsers.json_stream import PartialCall, json_text
 
 
 class PythonicParser(ToolParser):
@@ -49,11 +48,8 @@ def _call(node: ast.expr) -> ParsedCall | None:
             args[kw.arg] = ast.literal_eval(kw.value)
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
-    try:
-        text = json.dumps(args, ensure_ascii=False)
-    except (TypeError, ValueError):  # sets, bytes, complex numbers: not JSON
-        return None
-    return ParsedCall(node.func.id, text)
+    text = json_text(args)  # None: sets, bytes, complex numbers, 1e999: not JSON
+    return None if text is None else ParsedCall(node.func.id, text)
 
 
 class PythonicCallsReader:
