@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
-from aiolm.params import OutputKind, ParamError
+from aiolm.params import OutputKind, ParamError, SamplingParams
 from aiolm.server import beam
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
@@ -112,16 +112,8 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         own = None
         continued = _continued(req, conv)
         splitter = ReasoningSplitter(thinking, text, continued) if thinking is not None else None
-        if structured is not None and splitter is not None and splitter.thinking:
-            # the grammar waits for the end of the thinking (aiolm/structured/spec.py), unless the
-            # model may skip it and does not open it. Where the start marker is several tokens
-            # (Granite's), the first token cannot tell thinking from answering: a model left to
-            # choose is bound from its first token (it answers without thinking), or the grammar
-            # would wait for an end marker that a model answering at once never writes.
-            end = tuple(engine.tokenize(splitter.fmt.ends[0], False))
-            start = tuple(engine.tokenize(splitter.fmt.starts[0], False)) if splitter.undecided else ()
-            if len(start) <= 1:
-                own = params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=start))
+        if structured is not None and splitter is not None:
+            own = bound_after_thinking(engine, splitter, params)
         reading = _Reading(plan, thinking, text, req.include_reasoning, continued)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
     if req.use_beam_search and any(t.prompt.images for t in turns):
@@ -326,6 +318,25 @@ def _continued(req: ChatCompletionRequest, conversation: list[ChatMessage]) -> s
 def _echoed(req: ChatCompletionRequest, conversation: list[ChatMessage]) -> str:
     """vLLM's chat ``echo``: the content of a final assistant message the answer continues."""
     return _continued(req, conversation) if req.echo else ""
+
+
+def bound_after_thinking(
+    engine: EngineClient, splitter: ReasoningSplitter, params: SamplingParams
+) -> SamplingParams | None:
+    """``params`` whose grammar waits for the end of the thinking (aiolm/structured/spec.py),
+    unless the model may skip it and does not open it; None where the grammar binds from the
+    first token as it is. Where the start marker is several tokens (Granite's), the first token
+    cannot tell thinking from answering: a model left to choose is bound from its first token
+    (it answers without thinking), or the grammar would wait for an end marker that a model
+    answering at once never writes."""
+    structured = params.structured_outputs
+    if structured is None or not splitter.thinking:
+        return None
+    end = tuple(engine.tokenize(splitter.fmt.ends[0], False))
+    start = tuple(engine.tokenize(splitter.fmt.starts[0], False)) if splitter.undecided else ()
+    if len(start) > 1:
+        return None
+    return params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=start))
 
 
 def _reasoning_fields(text: str | None) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 The input (a string, or message items) and ``instructions`` go through the chat
 template as chat's messages do, and generation is chat's (generation.py). The
-answer is one ``message`` output item holding one ``output_text`` part. A
-stream is typed events (an ``event:`` line naming each), numbered by
+answer is one ``message`` output item holding one ``output_text`` part, after a
+``reasoning`` item holding the thinking where ``--reasoning-parser`` finds some
+(split as chat splits it, aiolm/server/reasoning.py; a ``text.format`` binds the
+answer after it). A stream is typed events (an ``event:`` line naming each), numbered by
 ``sequence_number``, from ``response.created`` to ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut it, ``error`` when the
 engine failed); no ``[DONE]`` follows, as at OpenAI. Nothing is stored, so
@@ -12,6 +14,7 @@ engine failed); no ``[DONE]`` follows, as at OpenAI. Nothing is stored, so
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.params import SAMPLING_DEFAULT_KEYS, OutputKind, ParamError, SamplingParams
+from aiolm.server.chat import bound_after_thinking
 from aiolm.server.errors import bad_request, json_response
 from aiolm.server.generation import (
     Generation,
@@ -31,6 +35,7 @@ from aiolm.server.generation import (
 )
 from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.protocol import ResponsesRequest, param_error, parse, text_format_spec, with_model_defaults
+from aiolm.server.reasoning import ReasoningSplitter, reasoning_format, split_reasoning
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tools import message_text
 
@@ -86,14 +91,31 @@ def _message(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
-def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The thinking's output item, as vLLM writes it (its text whole, no summary)."""
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
+
+
+async def _thinking_tokens(engine: Any, thinking: str | None) -> int:
+    """The thinking's length in tokens, counted by tokenizing its text (the split is on text),
+    off the event loop: a long thinking takes milliseconds."""
+    return len(await asyncio.to_thread(engine.tokenize, thinking, False)) if thinking else 0
 
 
 def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
@@ -137,7 +159,7 @@ def _shell(req: ResponsesRequest, response_id: str, model: str, sampling: dict[s
 
 
 def _finished(
-    shell: dict[str, Any], item: dict[str, Any], finish_reason: str | None, usage: dict[str, Any]
+    shell: dict[str, Any], items: list[dict[str, Any]], finish_reason: str | None, usage: dict[str, Any]
 ) -> dict[str, Any]:
     status, incomplete, error = _outcome(finish_reason)
     return {
@@ -145,7 +167,7 @@ def _finished(
         "status": status,
         "incomplete_details": incomplete,
         "error": error,
-        "output": [item],
+        "output": items,
         "usage": usage,
     }
 
@@ -183,15 +205,18 @@ async def create_response(request: Request) -> Response | EventStream:
     ids = given["prompt_token_ids"] if urls else await tokenize(engine, text, add_special_tokens=False, param="input")
     check_lengths(ctx, len(ids), max_tokens, "input", "max_output_tokens")
     response_id = ctx.new_id("resp", "_")
-    prompt = Prompt(text, ids, None, images)
+    thinking = reasoning_format(ctx.settings.reasoning_parser)
+    splitter = ReasoningSplitter(thinking, text) if thinking is not None else None
+    own = bound_after_thinking(engine, splitter, params) if splitter is not None else None
+    prompt = Prompt(text, ids, own, images)
     gen = Generation(ctx, [prompt], params, response_id, rename=_RENAME, lora_request=lora, cache_salt=req.cache_salt)
     await gen.start(request.receive)
     log_extra(request, engine_request_id=response_id, prompt_tokens=len(ids), stream=stream, user=req.user)
     shell = _shell(req, response_id, lora.lora_name if lora is not None else ctx.model_name, sampling)
-    item_id = ctx.new_id("msg", "_")
+    ids_of = {"message": ctx.new_id("msg", "_"), "reasoning": ctx.new_id("rs", "_")}
     if stream:
         return EventStream(
-            _events(gen, shell, item_id, len(ids), request),
+            _events(gen, shell, ids_of, len(ids), request, splitter),
             done=False,
             close=gen.abort,
             on_gone=lambda: log_extra(request, client_gone=True),
@@ -199,26 +224,67 @@ async def create_response(request: Request) -> Response | EventStream:
     (final,) = await until_disconnect(request.receive, gen.collect())
     c = final.outputs[0]
     log_extra(request, completion_tokens=len(c.token_ids))
-    item = _message(item_id, c.text, "completed" if c.finish_reason == "stop" else "incomplete")
-    return json_response(
-        _finished(shell, item, c.finish_reason, _usage(len(ids), final.num_cached_tokens, len(c.token_ids)))
-    )
+    status = "completed" if c.finish_reason == "stop" else "incomplete"
+    thought, answer = split_reasoning(thinking, text, c.text) if thinking is not None else (None, c.text)
+    items = [_reasoning(ids_of["reasoning"], thought, "completed")] if thought is not None else []
+    items.append(_message(ids_of["message"], answer or "", status))
+    usage = _usage(len(ids), final.num_cached_tokens, len(c.token_ids), await _thinking_tokens(engine, thought))
+    return json_response(_finished(shell, items, c.finish_reason, usage))
 
 
 async def _events(
-    gen: Generation, shell: dict[str, Any], item_id: str, prompt_tokens: int, request: Request
+    gen: Generation,
+    shell: dict[str, Any],
+    ids_of: dict[str, str],
+    prompt_tokens: int,
+    request: Request,
+    splitter: ReasoningSplitter | None,
 ) -> AsyncIterator[NamedEvent]:
+    """The stream's events. Without a reasoning parser the message item opens at once; with
+    one, a reasoning item opens at the first thinking and closes where the answer begins,
+    and the message item opens after it (at the answer, or at the end)."""
     numbers = itertools.count()
 
     def event(kind: str, **fields: Any) -> NamedEvent:
         return NamedEvent(kind, {"type": kind, "sequence_number": next(numbers), **fields})
 
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    items: list[dict[str, Any]] = []  # finished output items, in order
+    thought: list[str] | None = None  # the thinking so far, once its item is open
+    pieces: list[str] | None = None  # the answer so far, once its item is open
+
+    def where(kind: str) -> dict[str, Any]:
+        return {"item_id": ids_of[kind], "output_index": len(items), "content_index": 0}
+
+    def open_message() -> list[NamedEvent]:
+        return [
+            event(
+                "response.output_item.added",
+                output_index=len(items),
+                item=_message(ids_of["message"], None, "in_progress"),
+            ),
+            event("response.content_part.added", **where("message"), part=_text_part("")),
+        ]
+
+    def close_thinking() -> list[NamedEvent]:
+        assert thought is not None
+        text = "".join(thought)
+        done = [
+            event("response.reasoning_text.done", **where("reasoning"), text=text),
+            event(
+                "response.output_item.done",
+                output_index=len(items),
+                item=_reasoning(ids_of["reasoning"], text, "completed"),
+            ),
+        ]
+        items.append(_reasoning(ids_of["reasoning"], text, "completed"))
+        return done
+
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
-    yield event("response.output_item.added", output_index=0, item=_message(item_id, None, "in_progress"))
-    yield event("response.content_part.added", **where, part=_text_part(""))
-    pieces: list[str] = []
+    if splitter is None:
+        pieces = []
+        for ev in open_message():
+            yield ev
     output_tokens = cached = 0
     finish_reason = None
     try:
@@ -227,9 +293,27 @@ async def _events(
             output_tokens += len(c.token_ids)
             cached = out.num_cached_tokens
             finish_reason = c.finish_reason or finish_reason
-            if c.text:
-                pieces.append(c.text)
-                yield event("response.output_text.delta", **where, delta=c.text, logprobs=[])
+            reasoning, answer = ("", c.text) if splitter is None else splitter.feed(c.text)
+            if splitter is not None and c.finish_reason is not None:
+                more, rest = splitter.finish()
+                reasoning, answer = reasoning + more, answer + rest
+            if reasoning:
+                if thought is None:
+                    thought = []
+                    item = {**_reasoning(ids_of["reasoning"], "", "in_progress"), "content": []}
+                    yield event("response.output_item.added", output_index=0, item=item)
+                thought.append(reasoning)
+                yield event("response.reasoning_text.delta", **where("reasoning"), delta=reasoning)
+            if answer:
+                if pieces is None:
+                    if thought is not None:
+                        for ev in close_thinking():
+                            yield ev
+                    pieces = []
+                    for ev in open_message():
+                        yield ev
+                pieces.append(answer)
+                yield event("response.output_text.delta", **where("message"), delta=answer, logprobs=[])
     except Exception as e:  # the stream has started: report in-band, as OpenAI does
         err = engine_error(e, _RENAME)
         yield event("error", code=err.code, message=err.message, param=err.param)
@@ -237,10 +321,19 @@ async def _events(
     finally:  # also when the client has gone: free the engine request now
         await gen.abort()
     log_extra(request, completion_tokens=output_tokens)
+    if pieces is None:  # only thinking, or nothing: the message item is still sent, empty
+        if thought is not None:
+            for ev in close_thinking():
+                yield ev
+        pieces = []
+        for ev in open_message():
+            yield ev
     text = "".join(pieces)
-    yield event("response.output_text.done", **where, text=text, logprobs=[])
-    yield event("response.content_part.done", **where, part=_text_part(text))
-    item = _message(item_id, text, "completed" if finish_reason == "stop" else "incomplete")
-    yield event("response.output_item.done", output_index=0, item=item)
-    final = _finished(shell, item, finish_reason, _usage(prompt_tokens, cached, output_tokens))
+    yield event("response.output_text.done", **where("message"), text=text, logprobs=[])
+    yield event("response.content_part.done", **where("message"), part=_text_part(text))
+    item = _message(ids_of["message"], text, "completed" if finish_reason == "stop" else "incomplete")
+    yield event("response.output_item.done", output_index=len(items), item=item)
+    items.append(item)
+    reasoning_tokens = await _thinking_tokens(gen.ctx.engine, "".join(thought)) if thought else 0
+    final = _finished(shell, items, finish_reason, _usage(prompt_tokens, cached, output_tokens, reasoning_tokens))
     yield event(f"response.{final['status']}", response=final)

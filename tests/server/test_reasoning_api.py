@@ -242,3 +242,25 @@ def test_continuing_a_message_that_opened_its_thinking(client: OpenAI) -> None:
     assert ("".join(thoughts), content) == (" reckon so.", "Paris it is!")
     constrained = _chat(client, body={**body, "structured_outputs": {"regex": "Paris"}}, messages=messages)
     assert _reasoning(constrained.choices[0].message) == (" reckon so.", "Paris")
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item(client: OpenAI) -> None:
+    """/v1/responses splits as chat does: a reasoning item, then the message (the thinking came
+    back inside output_text), streamed as reasoning_text events before the answer's."""
+    model = client.models.list().data[0].id
+    r = client.responses.create(model=model, input=QUESTION[0]["content"], max_output_tokens=40, temperature=0)
+    assert [it.type for it in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "I reckon so." and r.output_text == "Paris it is!"
+    assert r.usage.output_tokens_details.reasoning_tokens == 4  # "I", " reckon", " so", "."
+    kinds, thought, answer, done = [], "", "", None
+    with client.responses.stream(model=model, input=QUESTION[0]["content"], max_output_tokens=40) as s:
+        for ev in s:
+            kinds.append(ev.type)
+            thought += ev.delta if ev.type == "response.reasoning_text.delta" else ""
+            answer += ev.delta if ev.type == "response.output_text.delta" else ""
+            done = ev.response if ev.type == "response.completed" else done
+    assert (thought, answer) == ("I reckon so.", "Paris it is!")
+    firsts = [kinds.index(k) for k in ("response.reasoning_text.delta", "response.reasoning_text.done")]
+    assert firsts[1] < kinds.index("response.output_text.delta") and firsts[0] < firsts[1]
+    assert [it.type for it in done.output] == ["reasoning", "message"] and done.output_text == "Paris it is!"
+    assert done.output[0].content[0].text == "I reckon so."
