@@ -40,10 +40,12 @@ from aiolm.server.anthropic_protocol import (
     MessagesPrompt,
     MessagesRequest,
 )
+from aiolm.server.chat import bound_after_thinking
 from aiolm.server.errors import APIError, bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
 from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.protocol import ChatCompletionRequest, parse, sampling_params
+from aiolm.server.reasoning import ReasoningSplitter, reasoning_format, split_reasoning
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
 from aiolm.server.tool_parsers.json_stream import PartialCall
@@ -216,6 +218,11 @@ def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[s
     }
 
 
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A thinking block as Anthropic's API returns one; aiolm signs nothing, so no signature."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _tool_use_id() -> str:
     return "toolu_" + secrets.token_hex(12)
 
@@ -276,6 +283,11 @@ async def create_message(request: Request) -> Response | EventStream:
     params = sampling_params(chat, req.max_tokens, None, kind, plan.enforced, engine=engine, rename=_RENAME)
     prompt = await _prompt(engine, chat, plan.tools)
     check_lengths(ctx, len(prompt.token_ids), req.max_tokens, "messages", "max_tokens")
+    thinking = reasoning_format(ctx.settings.reasoning_parser)
+    rendered = prompt.text or ""
+    if thinking is not None:  # the thinking is split off as chat splits it; a forced call follows it
+        own = bound_after_thinking(engine, ReasoningSplitter(thinking, rendered), params)
+        prompt = Prompt(prompt.text, prompt.token_ids, own)
     message_id = ctx.new_id("msg", "_")
     gen = Generation(ctx, [prompt], params, message_id, rename=_RENAME, lora_request=lora)
     await gen.start(request.receive)
@@ -283,14 +295,17 @@ async def create_message(request: Request) -> Response | EventStream:
     log_extra(request, engine_request_id=message_id, prompt_tokens=len(prompt.token_ids), stream=req.stream, user=user)
     shell = _shell(message_id, lora.lora_name if lora is not None else ctx.model_name)
     if req.stream:
-        events = _events(gen, shell, plan, len(prompt.token_ids), request)
+        splitter = ReasoningSplitter(thinking, rendered) if thinking is not None else None
+        events = _events(gen, shell, plan, len(prompt.token_ids), request, splitter)
         return EventStream(events, done=False, close=gen.abort, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
     c = final.outputs[0]
     log_extra(request, completion_tokens=len(c.token_ids))
-    content, calls = read_output(plan, c.text) if plan.active else (c.text, [])
+    thought, answer = split_reasoning(thinking, rendered, c.text) if thinking is not None else (None, c.text)
+    content, calls = read_output(plan, answer or "") if plan.active else (answer, [])
     stop_reason, stop_sequence = _stop(c, final, calls)
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    blocks: list[dict[str, Any]] = [_thinking_block(thought)] if thought else []
+    blocks += [{"type": "text", "text": content}] if content else []
     blocks += [{**_tool_use(call), "input": _call_input(call.arguments)} for call in calls]
     return json_response(
         {
@@ -325,19 +340,36 @@ def _event(kind: str, **fields: Any) -> NamedEvent:
 
 
 class _Blocks:
-    """The content blocks of a streamed message: a text block opened by its first text,
-    closed before the tool_use blocks that follow it, each numbered by ``index``; a
-    tool_use block opens once its name is read and takes its input as it is written."""
+    """The content blocks of a streamed message: a thinking block first where the model
+    thinks, a text block opened by its first text, closed before the tool_use blocks that
+    follow it, each numbered by ``index``; a tool_use block opens once its name is read and
+    takes its input as it is written."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.thinking_open = False
         self.text_open = False
         self.inputs: list[str] = []  # per tool_use block opened: the input JSON sent so far
         self.tool_open = False
 
+    def thinking(self, delta: str) -> Iterator[NamedEvent]:
+        if not delta:
+            return
+        if not self.thinking_open:
+            self.thinking_open = True
+            yield _event("content_block_start", index=self.count, content_block=_thinking_block(""))
+        yield _event("content_block_delta", index=self.count, delta={"type": "thinking_delta", "thinking": delta})
+
+    def close_thinking(self) -> Iterator[NamedEvent]:
+        if self.thinking_open:
+            self.thinking_open = False
+            yield _event("content_block_stop", index=self.count)
+            self.count += 1
+
     def text(self, delta: str) -> Iterator[NamedEvent]:
         if not delta:
             return
+        yield from self.close_thinking()
         yield from self.close_tool_use()
         if not self.text_open:
             self.text_open = True
@@ -356,6 +388,7 @@ class _Blocks:
             if call.name is None:
                 return  # its block, and the ones after it, wait for its name
             if i == len(self.inputs):
+                yield from self.close_thinking()
                 yield from self.close_tool_use()
                 yield from self.close_text()
                 block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
@@ -378,7 +411,12 @@ class _Blocks:
 
 
 async def _events(
-    gen: Generation, shell: dict[str, Any], plan: ToolPlan, prompt_tokens: int, request: Request
+    gen: Generation,
+    shell: dict[str, Any],
+    plan: ToolPlan,
+    prompt_tokens: int,
+    request: Request,
+    splitter: ReasoningSplitter | None,
 ) -> AsyncIterator[NamedEvent]:
     """Anthropic's event sequence. message_start waits for the engine's first output, which
     says how much of the prompt the prefix cache served."""
@@ -396,7 +434,13 @@ async def _events(
                 yield _event("message_start", message={**shell, "usage": _usage(prompt_tokens, cached, 0)})
                 yield _event("ping")
             output_tokens += len(c.token_ids)
-            text = c.text if state is None else state.feed(c.text)
+            thought, answer = ("", c.text) if splitter is None else splitter.feed(c.text)
+            if splitter is not None and c.finished:
+                more, rest = splitter.finish()
+                thought, answer = thought + more, answer + rest
+            for ev in blocks.thinking(thought):
+                yield ev
+            text = answer if state is None else state.feed(answer)
             for ev in blocks.text(text):
                 yield ev
             if state is not None:
@@ -415,7 +459,7 @@ async def _events(
     finally:  # also when the client has gone: free the engine request now
         await gen.abort()
     log_extra(request, completion_tokens=output_tokens)
-    for ev in (*blocks.close_text(), *blocks.close_tool_use()):
+    for ev in (*blocks.close_thinking(), *blocks.close_text(), *blocks.close_tool_use()):
         yield ev
     usage = _usage(prompt_tokens, cached, output_tokens)
     yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage)

@@ -264,3 +264,27 @@ def test_responses_put_the_thinking_in_a_reasoning_item(client: OpenAI) -> None:
     assert firsts[1] < kinds.index("response.output_text.delta") and firsts[0] < firsts[1]
     assert [it.type for it in done.output] == ["reasoning", "message"] and done.output_text == "Paris it is!"
     assert done.output[0].content[0].text == "I reckon so."
+
+
+def test_messages_put_the_thinking_in_a_thinking_block(reasoning_servers, client: OpenAI) -> None:
+    """/v1/messages splits as chat does: a thinking block before the text, or before the
+    tool_use the answer holds (the thinking came back as text, its tags and all), streamed as
+    thinking_delta events in a block of its own."""
+    import anthropic
+
+    srv = reasoning_servers.get()
+    model = client.models.list().data[0].id
+    ac = anthropic.Anthropic(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+    def blocks(message) -> list[tuple[str, str | None]]:
+        return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content]
+
+    m = ac.messages.create(model=model, max_tokens=40, messages=QUESTION)
+    assert blocks(m) == [("thinking", "I reckon so."), ("text", "Paris it is!")]
+    with ac.messages.stream(model=model, max_tokens=40, messages=QUESTION) as s:
+        kinds = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
+        streamed = s.get_final_message()
+    assert blocks(streamed) == blocks(m) and kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
+    tool = {"name": "get_capital", "description": "x", "input_schema": {"type": "object", "properties": {}}}
+    m = ac.messages.create(model=model, max_tokens=40, messages=QUESTION, tools=[tool])
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.content[0].thinking == "Need a tool"
+    assert m.content[1].input == {"country": "France"} and m.stop_reason == "tool_use"
