@@ -107,7 +107,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             qk_norm=False,
-            rope_scaling=_filled_rope_scaling(scaling, size("max_position_embeddings", 2048)),
+            rope_scaling=filled_rope_scaling(scaling, size("max_position_embeddings", 2048)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -144,7 +144,7 @@ def check_rope_scaling(scaling: Any, source: str) -> None:
             raise ModelLoadError(f"{source}: rope_scaling ({kind}) needs a positive {key}, got {v!r}")
 
 
-def _filled_rope_scaling(scaling: dict[str, Any] | None, positions: int) -> dict[str, Any] | None:
+def filled_rope_scaling(scaling: dict[str, Any] | None, positions: int) -> dict[str, Any] | None:
     """A copy of ``scaling``; YaRN's trained length defaults to the positions, as transformers reads it."""
     if not scaling:
         return None

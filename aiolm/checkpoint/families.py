@@ -70,8 +70,9 @@ def family_of(architecture: str) -> ModelFamily:
     return family
 
 
-def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """The ModelConfig of a Hugging Face config.json, by the family of its architecture."""
+def read_config(cfg: dict[str, Any], source: str = "config.json", quant_source: str | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json, by the family of its architecture
+    (``quant_source``: the file its quantization_config came from, where not ``source``)."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in MODELS), None) or next(
         (a for a, f in MODELS.items() if f.model_type == cfg.get("model_type")), None
@@ -85,7 +86,7 @@ def read_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig
         config = ModelConfig.from_hf(cfg, source, architecture=family.name)
     else:
         config = family.config_from_hf(cfg, family.name, source)
-    quant = read_quantization(cfg, source)
+    quant = read_quantization(cfg, quant_source or source)
     if quant is not None and config.encoder_only:
         raise ModelLoadError(f"{source}: quantized encoder-only models are not supported")
     return dataclasses.replace(config, quantization=quant) if quant is not None else config

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from aiolm.checkpoint.config import ModelConfig
+from aiolm.checkpoint.config import ModelConfig, check_rope_scaling, filled_rope_scaling
 from aiolm.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
     else:
         theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4)
         scaling = cfg.get("rope_scaling")
+    check_rope_scaling(scaling, source)
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
         raise ModelLoadError(
@@ -70,7 +71,7 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qk_norm=True,
         rope_theta=float(theta),
-        rope_scaling=dict(scaling) if scaling else None,
+        rope_scaling=filled_rope_scaling(scaling, int(cfg.get("max_position_embeddings", 131072))),
         sliding_windows=tuple(window if t == "sliding_attention" else None for t in types),
         local_layers=tuple(t == "sliding_attention" for t in types),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),

@@ -68,10 +68,15 @@ def _read_hash_index(path: Path) -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
+def _folder(content_hash: str, cache_format: int) -> Path:
+    key = hashlib.sha256(f"{content_hash}|{cache_format}".encode()).hexdigest()[:16]
+    return cache_root() / f"gguf-{key}"
+
+
 def gguf_cache_folder(gguf_path: Path) -> Path:
     """The converted folder of ``gguf_path``, converting it first if no process has yet."""
-    key = hashlib.sha256(f"{gguf_content_hash(gguf_path)}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]
-    final = cache_root() / f"gguf-{key}"
+    content = gguf_content_hash(gguf_path)
+    final = _folder(content, _CACHE_FORMAT)
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +95,11 @@ def gguf_cache_folder(gguf_path: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    for old in range(1, _CACHE_FORMAT):  # the same file's conversions of earlier formats: float32
+        stale = _folder(content, old)  # copies as big as the model, read by nothing now
+        if stale.exists():
+            progress("removing %s, %s converted by an earlier aiolm", stale, gguf_path.name)
+            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

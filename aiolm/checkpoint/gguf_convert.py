@@ -380,18 +380,27 @@ def _rope_scaling(field: Any, factors: np.ndarray | None, cfg: dict[str, Any], p
     Llama 3.1's scaling: no field names it). A scaling read as none would answer wrong past
     the first positions, so what cannot be stated is refused."""
     kind = field("rope.scaling.type")
+    factor = field("rope.scaling.factor")
+    if factor is None:
+        factor = field("rope.scale_linear")  # the key older files used
+    if kind is None and factor is not None and factor != 1:
+        kind = "linear"  # as llama.cpp reads a factor without a type
     if factors is not None:
         if kind not in (None, "none"):
             raise ModelLoadError(f"{path}: both rope_freqs.weight and rope.scaling.type {kind!r}; expected one")
         return _llama3_scaling(factors, cfg, path)
     if kind in (None, "none"):
         return None
-    factor = field("rope.scaling.factor")
     if not isinstance(factor, (int, float)) or not factor > 0:
         raise ModelLoadError(f"{path}: rope.scaling.type {kind!r} needs a positive rope.scaling.factor, got {factor!r}")
     if kind == "linear":
         return {"rope_type": "linear", "factor": _decimal(factor)}
     if kind == "yarn":
+        # llama.cpp's knobs beyond YaRN's own: their defaults are what it computes anyway
+        for key, default in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.1)):
+            value = field(key)
+            if value is not None and abs(value - default) > 1e-6:
+                raise ModelLoadError(f"{path}: {key} {value!r} is not supported (only {default})")
         scaling = {"rope_type": "yarn", "factor": _decimal(factor)}
         original = field("rope.scaling.original_context_length")
         if original:
@@ -509,9 +518,8 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
             for name, part in zip(names, arr):
                 out.write(_undo_llama_cpp(name, part, arch, cfg))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
-    ends = [gen.get("eos_token_id"), *_turn_end_ids(reader, arch)]
-    ends = [x for i, x in enumerate(ends) if x is not None and x not in ends[:i]]
-    if len(ends) > 1:
+    ends = generation_ends(gen.get("eos_token_id"), _turn_end_ids(reader, arch))
+    if ends is not None:
         gen["eos_token_id"] = ends
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
     _save_tokenizer(path, out_dir)
@@ -576,6 +584,13 @@ class _SafetensorsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.f.close()
+
+
+def generation_ends(eos: int | None, turn_ends: list[int]) -> int | list[int] | None:
+    """generation_config.json's ``eos_token_id``: the EOS alone, or a list where turn ends add
+    to it (or stand without it)."""
+    ends = [x for i, x in enumerate([eos, *turn_ends]) if x is not None and x not in [eos, *turn_ends][:i]]
+    return ends if ends and ends != [eos] else eos
 
 
 def _turn_end_ids(reader: Any, arch: str) -> list[int]:

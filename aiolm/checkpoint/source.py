@@ -133,13 +133,13 @@ def _read_folder(folder: Path, origin: Path) -> ModelSource:
     if not cfg_path.exists():
         raise ModelLoadError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
     hf_config = _read_json(cfg_path)
-    source = str(cfg_path)
+    quant_source = None
     if "quantization_config" not in hf_config:
         separate = _separate_quantization(folder)
         if separate is not None:
-            source = str(separate[0])
+            quant_source = str(separate[0])
             hf_config = {**hf_config, "quantization_config": separate[1]}
-    config = read_config(hf_config, source)
+    config = read_config(hf_config, str(cfg_path), quant_source)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
     return ModelSource(folder, origin, config, hf_config, _chat_template(folder), gen)

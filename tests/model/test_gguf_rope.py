@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 
-from aiolm.checkpoint.gguf_convert import _turn_end_ids, read_hf_config
+from aiolm.checkpoint.gguf_convert import _turn_end_ids, generation_ends, read_hf_config
 from aiolm.errors import ModelLoadError
 
 HEAD_DIM, THETA = 128, 500000.0
@@ -98,6 +98,9 @@ def test_rope_scaling_fields_become_config_json_s(tmp_path):
     )
     assert yarn["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert config_of(tmp_path, fields={"rope.scaling.type": "none"})["rope_scaling"] is None
+    # a factor without a type is linear, as llama.cpp reads it, and so is older files' key
+    for key in ("rope.scaling.factor", "rope.scale_linear"):
+        assert config_of(tmp_path, fields={key: 2.0})["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -114,8 +117,12 @@ def test_rope_scaling_fields_become_config_json_s(tmp_path):
             ),
             "both rope_freqs.weight and rope.scaling.type",
         ),
+        (
+            dict(fields={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.attn_factor": 2.0}),
+            "rope.scaling.attn_factor 2.0 is not supported",
+        ),
     ],
-    ids=["unknown-type", "no-factor", "odd-divisors", "wrong-length", "both"],
+    ids=["unknown-type", "no-factor", "odd-divisors", "wrong-length", "both", "yarn-attn-factor"],
 )
 def test_a_scaling_that_cannot_be_stated_is_refused_by_name(tmp_path, kw, message):
     with pytest.raises(ModelLoadError, match=message):
@@ -127,3 +134,5 @@ def test_end_of_turn_and_message_tokens_end_generation(tmp_path):
     path = tmp_path / "m.gguf"
     assert _turn_end_ids(write(path, eot={"eot_token_id": 9, "eom_token_id": 8}), "llama") == [9, 8]
     assert _turn_end_ids(write(path), "llama") == []
+    assert generation_ends(2, [9, 8]) == [2, 9, 8] and generation_ends(2, [2]) == 2 and generation_ends(2, []) == 2
+    assert generation_ends(None, [9]) == [9] and generation_ends(None, []) is None  # no EOS: the turn end stands

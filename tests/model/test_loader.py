@@ -487,13 +487,20 @@ def test_first_conversion_is_said_where_nobody_set_up_logging(tied_gguf, tmp_pat
 
 
 def test_cache_is_reused_and_keyed_by_content(tied_gguf, tmp_path, monkeypatch, caplog):
+    from aiolm.checkpoint import gguf_cache
+
     cache = tmp_path / "cache"
     monkeypatch.setenv("AIOLM_CACHE_DIR", str(cache))
     assert cache_root() == cache
     path = tmp_path / "model.gguf"
     shutil.copy(tied_gguf, path)
+    # the same file converted by an earlier aiolm (an older cache format): removed once replaced
+    stale = gguf_cache._folder(gguf_cache.gguf_content_hash(path), gguf_cache._CACHE_FORMAT - 1)
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
     with caplog.at_level("INFO", logger="aiolm.checkpoint"):
         first = resolve_model(path)
+    assert not stale.exists()
     progress = [r.getMessage() for r in caplog.records if ": tensor " in r.getMessage()]
     assert progress and progress[0].startswith("converting model.gguf: tensor 1 of ")  # the first start says how far
     assert first.path.parent == cache and first.path.name.startswith("gguf-")

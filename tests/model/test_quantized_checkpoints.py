@@ -222,6 +222,14 @@ def test_gptq_folder_with_a_separate_quantize_config(bases, tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
     got = dict(iter_weights(source, lazy=True))[name][...]
     assert torch.equal(got, expected[name])
+    # errors name the file that holds what is wrong
+    (out / "quantize_config.json").write_text(json.dumps({**qc, "bits": 8}))
+    with pytest.raises(ModelLoadError, match=r"quantize_config\.json: quantization_config \(gptq\): 8-bit"):
+        resolve_model(out)
+    (out / "quantize_config.json").write_text(json.dumps(qc))
+    (out / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(ModelLoadError, match=r"/config\.json: rope_scaling type 'dynamic'"):
+        resolve_model(out)
 
 
 @pytest.mark.parametrize(
