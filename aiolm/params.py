@@ -276,18 +276,6 @@ class SamplingParams:
                 "structured_outputs",
                 f"must be StructuredOutputs with a kind in {KINDS}",
             )
-            # Each would leave a step where the grammar's tokens are all masked (token 0 taken):
-            # min_tokens once the grammar is complete, allowed_token_ids where it allows none.
-            check(
-                self.min_tokens == 0,
-                "min_tokens",
-                "cannot be combined with structured outputs: once the grammar is complete only the end may follow",
-            )
-            check(
-                self.allowed_token_ids is None,
-                "allowed_token_ids",
-                "cannot be combined with structured outputs: where the grammar allows none of them, no token is left",
-            )
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, name, float(getattr(self, name)))  # an int of any size crosses to the workers as a float

@@ -350,8 +350,10 @@ def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]
         return None, calls if calls else cut_calls(plan, text)
     assert plan.parser is not None
     content, calls = plan.parser.extract(text)
-    if any(c.name not in plan.names for c in calls):  # no such function: the model's text, not a call
+    offered = [c for c in calls if c.name in plan.names]  # a call of no such function is dropped
+    if calls and not offered:  # only such calls: the model's text
         return text, []
+    calls = offered
     if calls and not plan.parallel:
         calls = calls[:1]
     return content, calls
@@ -423,10 +425,10 @@ class StreamState:
 
     def progress(self) -> list[PartialCall]:
         """The calls read so far (the first only without parallel tool calls)."""
-        calls = self.reader.calls
-        undeclared = self.plan.names and any(c.name is not None and c.name not in self.plan.names for c in calls)
-        if self.reader.failed or undeclared:
+        if self.reader.failed:
             return []  # not calls after all, or not ones the stream can follow: finish decides
+        names = self.plan.names
+        calls = [c for c in self.reader.calls if not names or c.name is None or c.name in names]
         return calls if self.plan.parallel else calls[:1]
 
     def finish(self) -> tuple[str, list[ParsedCall]]:

@@ -14,16 +14,15 @@ compile. The rules:
   probably small, and killing it would cost a process start (seconds of CPU), so it may finish
   (its verdict is cached) and is killed at that age if nobody has asked for it meanwhile.
 - Small grammars do not queue behind big ones. At most ``processes - 1`` compiles may run
-  longer than ``SLOW_AFTER_S`` at once (the slow lanes; fewer while processes still start: one
-  fewer than have started), so one process always takes new grammars. A compile that reaches
-  that age while the slow lanes are taken is stopped and queued to start again, with its whole
-  time limit, when a lane frees up. All ``processes`` are started with the first grammar and
-  kept, because a start (Python, torch and xgrammar imports) takes seconds: started only when
-  a big compile needed one more, it would come too late for the grammar arriving beside it,
-  and its burst of CPU would land in the middle of serving. They start one at a time, so that
-  a CPU machine's workers never lose several cores to starts at once. The worst case, more big
-  grammars at once than slow lanes, makes a new grammar wait up to ``SLOW_AFTER_S`` plus a
-  start.
+  longer than ``SLOW_AFTER_S`` at once (the slow lanes), so one process always takes new
+  grammars. A compile that reaches that age while the slow lanes are taken is stopped and
+  queued to start again, with its whole time limit, when a lane frees up. All ``processes``
+  are started with the first grammar and kept, because a start (Python, torch and xgrammar
+  imports) takes seconds: started only when a big compile needed one more, it would come too
+  late for the grammar arriving beside it, and its burst of CPU would land in the middle of
+  serving. They start one at a time, so that a CPU machine's workers never lose
+  several cores to starts at once. The worst case, more big grammars at once than slow
+  lanes, makes a new grammar wait up to ``SLOW_AFTER_S`` plus a start.
 - A process that dies by itself is replaced; a grammar whose compile it was gets one more try,
   then is refused (``_MAX_CRASHES``). A process that cannot start fails the queue with its
   reason, and no new one is started until the next grammar arrives.
@@ -170,7 +169,7 @@ class CompilePool:
             return
         idle = [p for p in self.procs if p.ready and p.job is None]
         slow = sum(1 for p in self.procs if p.job is not None and p.job.slow)
-        while idle and self._slow and slow < self._lanes():
+        while idle and self._slow and slow < self.slow_lanes:
             if self._start(idle.pop(), self._slow[0]):
                 self._slow.popleft()
                 slow += 1
@@ -225,18 +224,13 @@ class CompilePool:
         if job.waiters == 0:
             self._kill(p, "every request waiting for its grammar has gone")
             self._cancel(job)
-        elif sum(1 for q in self.procs if q is not p and q.job is not None and q.job.slow) >= self._lanes():
+        elif sum(1 for q in self.procs if q is not p and q.job is not None and q.job.slow) >= self.slow_lanes:
             self._kill(p, "a big grammar, and every slow lane is taken: it starts again when one is free")
             job.slow = True
             self._slow.append(job)
         else:
             job.slow = True
         self._dispatch()
-
-    def _lanes(self) -> int:
-        """Slow lanes open now: one process fewer than have started (not than will), so that
-        while the others still start, the one that has is kept for small grammars."""
-        return min(self.slow_lanes, sum(1 for p in self.procs if p.ready) - 1)
 
     def _done(self, p: _Proc, error: str | None) -> None:
         job, p.job = p.job, None

@@ -275,6 +275,7 @@ def test_messages_put_the_thinking_in_a_thinking_block(reasoning_servers, client
     srv = reasoning_servers.get()
     model = client.models.list().data[0].id
     ac = anthropic.Anthropic(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+
     def blocks(message) -> list[tuple[str, str | None]]:
         return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content]
 

@@ -131,22 +131,28 @@ DECLARED = frozenset({"get_weather", "add", "f", "g"})  # the functions the requ
         ("pythonic", "[f(a=1e999)]", None),
         # a JSON answer with a "name" field but no arguments is an answer, not a call
         ("llama3_json", '{"name": "Bob", "age": 3}', None),
-        # a function the request did not offer is the model's text
+        ("llama3_json", '{"name": "f"}', None),
+        # a function the request did not offer is not called: alone, the output is the model's text
         ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None),
-        ("pythonic", "[f(a=1), rm_rf(path='/')]", None),
+        ("pythonic", "[rm_rf(path='/'), f(a=1)]", '{"a": 1}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g2"}', '{"a": 1}'),
     ],
 )
 @pytest.mark.parametrize("step", [1, 5])
 def test_calls_are_sendable_json_of_offered_functions(name, text, calls, step):
     """Each call's arguments encode as UTF-8 and parse as JSON, streamed as one-shot; text that
-    cannot be such a call is content, whole."""
+    cannot be such a call is content, whole, and was not streamed as a call (a bad value after
+    an offered name: what came before it, as the README says of calls left malformed)."""
     from aiolm.server.tools import read_output
 
     plan = ToolPlan(parser=PARSERS[name](), names=DECLARED)
     content, got = read_output(plan, text)
     if calls is None:
         assert (content, got) == (text, [])
-        assert _stream_pieces(name, text, step)[2] == []
+        _, _, finished, deltas = _stream_pieces(name, text, step)
+        bad_value = any(v in text for v in ("NaN", "Infinity", "1e999"))
+        assert finished == [] and (bad_value or not any(deltas)), deltas
+        assert not any(v in args for _, args in _joined(deltas) for v in ("NaN", "Infinity", "inf"))
         return
     assert [c.arguments for c in got] == [calls]
     from aiolm.server.errors import dumps

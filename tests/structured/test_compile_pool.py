@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -135,21 +134,6 @@ def test_the_pool_shares_stops_and_requeues_compiles(real_source):
         assert not pool.procs and not pool._tasks
 
     asyncio.run(run())
-
-
-def test_slow_lanes_leave_a_started_process_for_small_grammars():
-    """While processes still start one at a time, big compiles may hold one process fewer than
-    have started, not than will: the started one that is left serves small grammars at once
-    (with all three counted, two big ones held both started processes for their whole compile)."""
-    from aiolm.structured.compile_pool import CompilePool, _Proc
-
-    pool = CompilePool(Path("."), 10, timeout=10, processes=3, settled=lambda *a: None)
-    pool.procs = [_Proc(ready=True), _Proc(ready=False)]
-    assert pool._lanes() == 0
-    pool.procs = [_Proc(ready=True), _Proc(ready=True), _Proc(ready=False)]
-    assert pool._lanes() == 1
-    pool.procs = [_Proc(ready=True) for _ in range(3)]
-    assert pool._lanes() == 2
 
 
 def test_jobs_left_with_no_process_after_a_failed_start_get_one(real_source):

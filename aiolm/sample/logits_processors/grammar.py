@@ -180,5 +180,12 @@ class Grammar(LogitsProcessor):
                 m.fill_stop_only(self.bitmask, i)
 
     def mask(self, logits: torch.Tensor) -> None:
-        """-inf on the tokens the filled bitmask forbids, constrained rows only."""
+        """-inf on the tokens the filled bitmask forbids, constrained rows only. A row another
+        processor's ban leaves with nothing (min_tokens on the stop tokens a finished grammar
+        allows, allowed_token_ids apart from the grammar's) ends at its stop tokens, where a
+        draw from an all-masked row took token 0."""
         apply_token_bitmask_(logits, self.bitmask, self.masked_rows)
+        rows = torch.tensor(self.rows, device=logits.device)
+        dead = torch.isneginf(logits.index_select(0, rows)).all(dim=1).nonzero().flatten().tolist()
+        for k in dead:
+            logits[self.rows[k], self.matchers[k].stop_tokens] = 0.0

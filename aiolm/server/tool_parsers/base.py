@@ -34,10 +34,11 @@ class ToolParser:
     markers: tuple[str, ...] = ()
     at_start: bool = False
     args_keys: tuple[str, ...] = ("arguments",)
+    args_required = False  # an object without arguments is text (call_from_object)
 
     def stream_reader(self) -> CallsReader:
         """JSON call objects, the common case; a parser with another syntax has its own."""
-        return JsonCallsReader(self.args_keys)
+        return JsonCallsReader(self.args_keys, self.args_required)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls); no calls means the whole text is content."""

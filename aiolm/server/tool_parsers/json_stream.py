@@ -221,7 +221,11 @@ class JsonSpeller:
         if atom.isalpha() and atom not in _LITERALS:
             self.failed = True
             return
-        self._emit(json.dumps(value))
+        try:
+            self._emit(json.dumps(value, allow_nan=False))
+        except ValueError:  # NaN, an infinity, 1e999: json.loads takes them, JSON has no such number
+            self.failed = True
+            return
         self._value_ends()
 
 
@@ -238,8 +242,11 @@ class JsonCallsReader:
     """Call objects one after another in a stream; anything before an object's ``{`` is
     skipped (tags, separators, a list's brackets and commas)."""
 
-    def __init__(self, args_keys: tuple[str, ...] = ("arguments",)) -> None:
+    def __init__(self, args_keys: tuple[str, ...] = ("arguments",), args_required: bool = False) -> None:
+        """``args_required``: an object is a call only with an arguments key (its name is held
+        back until one is seen), as the finished text is read (base.call_from_object)."""
         self.args_keys = args_keys
+        self.args_required = args_required
         self.calls: list[PartialCall] = []
         self._obj: JsonSpeller | None = None
         self.failed = False
@@ -262,21 +269,27 @@ class JsonCallsReader:
                 self._obj = None
 
     def _update(self, call: PartialCall, obj: JsonSpeller) -> None:
-        if call.name is None and "name" in obj.strings:
-            call.name = obj.strings["name"]
         key = next((k for k in self.args_keys if k in obj.spans), None)
+        if call.name is None and "name" in obj.strings and (key is not None or not self.args_required):
+            call.name = obj.strings["name"]
         if key is not None:
             start, end = obj.spans[key]
             spelt = obj.text(start, end)
             if spelt.startswith('"'):  # arguments written as JSON text: read once complete
                 if end is not None:
                     try:
-                        call.arguments = json.dumps(json.loads(obj.strings[key]), ensure_ascii=False)
+                        text = json_text(json.loads(obj.strings[key]))
                     except ValueError:
+                        text = None
+                    if text is None:
                         self.failed = True
+                    else:
+                        call.arguments = text
             elif spelt.startswith("{"):  # only an object can be a call's arguments
                 call.arguments = spelt
         if obj.done:
             call.done = True
             if key is None:
+                if self.args_required:
+                    self.failed = True  # an object with a "name", not a call
                 call.arguments = "{}"

@@ -14,6 +14,7 @@ class Llama3JsonParser(ToolParser):
     markers = (_TAG, "{")
     at_start = True
     args_keys = ("parameters", "arguments")
+    args_required = True  # bare JSON: any answer object with a "name" would be a call
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
@@ -29,7 +30,7 @@ class Llama3JsonParser(ToolParser):
                 obj, end = decoder.raw_decode(body, pos)
             except ValueError:
                 return text, []
-            call = call_from_object(obj, self.args_keys, args_required=True)
+            call = call_from_object(obj, self.args_keys, self.args_required)
             if call is None:
                 return text, []
             calls.append(call)
