@@ -9,11 +9,13 @@ a library in place of the cache's and runs the named tests against it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +29,39 @@ ISA_BUILDS = {"avx2": ["-mno-avx512f"], "baseline-x86-64": ["-march=x86-64"]}
 GGUF_SOURCES = ["gguf_linear.cpp", "gguf_int8.cpp", "fused_moe.cpp"]
 _ROOT = Path(__file__).resolve().parents[2]
 _CHILD = """
-import sys, torch
-torch.ops.load_library(sys.argv[1])
+import json, sys, torch
+plan = json.loads(sys.argv[1])
+for lib in plan["libraries"]:
+    torch.ops.load_library(lib)
 from aiolm.kernels import cpu
-cpu._state["ok"] = True  # the library just loaded stands in for the machine's own build
+cpu._state["ok"] = True  # the libraries just loaded stand in for the machine's own build
 import pytest
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[3:], "-k", sys.argv[2]]))
+
+
+class Tally:
+    def __init__(self):
+        self.passed, self.skipped, self.failed = 0, [], []
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.failed.append(f"{report.nodeid}: collection failed\\n{report.longreprtext[-2000:]}")
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failed.append(f"{report.nodeid} ({report.when})\\n{report.longreprtext[-2000:]}")
+        elif report.skipped:
+            self.skipped.append(report.nodeid)
+        elif report.when == "call":
+            self.passed += 1
+
+
+results = {}
+for name, suite in plan["suites"].items():
+    tally = Tally()
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", *suite["files"], "-k", suite["select"]], plugins=[tally])
+    results[name] = {"rc": int(rc), "passed": tally.passed, "skipped": tally.skipped, "failed": tally.failed}
+with open(plan["out"], "w") as f:
+    json.dump(results, f)
 """
 
 
@@ -76,12 +105,6 @@ def isa_library(name: str, sources: list[str], isa: str) -> Path:
     return lib
 
 
-def isa_libraries(name: str, sources: list[str]) -> dict[str, Path]:
-    """Every ISA's build at once (up to four compilers on a cold cache)."""
-    with ThreadPoolExecutor(len(ISA_BUILDS)) as pool:
-        return dict(zip(ISA_BUILDS, pool.map(lambda isa: isa_library(name, sources, isa), ISA_BUILDS)))
-
-
 def check_build_flags(isa: str) -> None:
     """The build really lacks AVX-512 (and, on the baseline, AVX2)."""
     macros = subprocess.run(
@@ -90,16 +113,116 @@ def check_build_flags(isa: str) -> None:
     assert ("__AVX512F__" in macros) is False and ("__AVX2__" in macros) == (isa == "avx2")
 
 
-def run_tests_with(lib: Path, test_files: list[str], select: str) -> None:
-    """Runs the tests of ``test_files`` that ``select`` (a -k expression) names, in a child
-    process with ``lib`` loaded; they must all pass and none may skip."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(lib), select, *test_files],
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+@dataclass(frozen=True)
+class Suite:
+    """A kernel's tests run against its other-ISA builds: ``files`` (of tests/kernels, the
+    first one holding the test that asks for the run) and the tests of them ``select`` (a -k
+    expression) names, with ``library`` (built from ``sources``) loaded."""
+
+    library: str
+    sources: tuple[str, ...]
+    files: tuple[str, ...]
+    select: str
+    isas: tuple[str, ...] = tuple(ISA_BUILDS)
+    avx2_needs_avx512: bool = False  # its avx2 test skips where the machine's own build is the AVX2 one
+
+
+SUITES = {
+    "paged_attention": Suite(
+        "paged_attention",
+        ("paged_attention.cpp",),
+        ("test_paged_attention.py",),
+        "sliding_window or mixed_batches or wider_than or never_read or finite",
+    ),
+    "gguf_linear": Suite(
+        "gguf",
+        tuple(GGUF_SOURCES),
+        ("test_gguf_linear.py", "test_gguf_kquants.py"),
+        "matches_dequantized_matmul or float_kernel_matches or leading_dims or codes_compute or batch_it_is_in",
+    ),
+    "gguf_experts": Suite(
+        "gguf",
+        tuple(GGUF_SOURCES),
+        ("test_gguf_experts.py",),
+        "per_expert_loop and (Q4_K-Q4_K-Q6_K or Q4_K-Q4_K-Q5_0 or Q4_1) and not 13",
+        avx2_needs_avx512=True,
+    ),
+    "fused_moe": Suite(
+        "gguf",
+        tuple(GGUF_SOURCES),
+        ("test_fused_moe_cpu.py",),
+        "matches_per_expert_loop and 13",
+        isas=("baseline-x86-64",),
+    ),
+    "panel": Suite(
+        "panel",
+        ("panel_gemm.cpp", "fused_ops.cpp"),
+        ("test_panel_gemm.py", "test_fused_ops.py"),
+        "matches_float64 or bias_and_gelu or negative_tail or add_layer_norm",
+    ),
+    "encoder_attention": Suite(
+        "encoder_attention",
+        ("encoder_attention.cpp",),
+        ("test_cpu_encoder_attention.py",),
+        "matches_float64 or rejects",
+    ),
+    "lora": Suite(
+        "lora",
+        ("lora.cpp",),
+        ("test_cpu_lora.py",),
+        "matches_a_per_row_loop or static_slot or unused_slots",
+    ),
+}
+
+
+def suite_of(test_file: str) -> str | None:
+    """The suite whose run the tests of ``test_file`` (a file name) ask for."""
+    return next((name for name, s in SUITES.items() if s.files[0] == test_file), None)
+
+
+class IsaRuns:
+    """One child process an ISA, with every library of that ISA loaded, runs every suite the
+    session asks for (``wanted``: (suite, isa) pairs) one after another: a child apiece spent
+    seconds each importing torch, aiolm and the suite's conftest. Each suite's result is its
+    own; the first test of an ISA to ask starts its run, the others read it."""
+
+    def __init__(self, wanted: set[tuple[str, str]], tmp: Path) -> None:
+        self.wanted, self.tmp = wanted, tmp
+        self.runs: dict[str, tuple[dict, str]] = {}
+
+    def check(self, name: str, isa: str) -> None:
+        """``name``'s tests against its ``isa`` build: they must all pass and none may skip."""
+        if isa not in self.runs:
+            self.runs[isa] = self._run(isa, {n for n, i in self.wanted if i == isa} | {name})
+        if name not in self.runs[isa][0]:  # not planned for this ISA's run (not collected): its own
+            self.runs[isa] = ({**self.runs[isa][0], **self._run(isa, {name})[0]}, self.runs[isa][1])
+        results, tail = self.runs[isa]
+        r = results[name]
+        assert r["rc"] == 0 and not r["failed"], "\n\n".join(r["failed"]) + "\n" + tail
+        assert r["passed"] > 0 and not r["skipped"], (r, tail)
+
+    def _run(self, isa: str, names: set[str]) -> tuple[dict, str]:
+        suites = {n: SUITES[n] for n in sorted(names)}
+        if isa == "avx2" and not cpu_kernels.has_avx512():
+            suites = {n: s for n, s in suites.items() if not s.avx2_needs_avx512}
+        libraries = {(s.library, s.sources) for s in suites.values()}
+        with ThreadPoolExecutor(len(libraries)) as pool:
+            libs = list(pool.map(lambda ls: isa_library(ls[0], list(ls[1]), isa), sorted(libraries)))
+        here = Path(__file__).resolve().parent
+        out = self.tmp / f"isa-{isa}-{len(self.runs)}-{'-'.join(suites)}.json"
+        plan = {
+            "libraries": [str(lib) for lib in libs],
+            "suites": {n: {"files": [str(here / f) for f in s.files], "select": s.select} for n, s in suites.items()},
+            "out": str(out),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(plan)],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900 * len(suites),
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0 and out.exists(), tail
+        return json.loads(out.read_text()), tail

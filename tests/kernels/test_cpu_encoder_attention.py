@@ -92,8 +92,7 @@ def test_rejects_what_it_cannot_read():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
-def test_other_isa_builds_match_the_references(isa):
+def test_other_isa_builds_match_the_references(isa, isa_runs):
     """The AVX2 and scalar builds of the kernel (its exp and vector arithmetic)."""
     isa_builds.check_build_flags(isa)
-    lib = isa_builds.isa_library("encoder_attention", ["encoder_attention.cpp"], isa)
-    isa_builds.run_tests_with(lib, [__file__], "matches_float64 or rejects")
+    isa_runs.check("encoder_attention", isa)  # isa_builds.SUITES["encoder_attention"]

@@ -8,7 +8,6 @@ activations to bfloat16; the other paths keep them float32).
 
 from __future__ import annotations
 
-import isa_builds
 import pytest
 import torch
 
@@ -180,7 +179,6 @@ def test_without_the_kernels_the_torch_loop_gives_the_same_sums(monkeypatch):
     _check(moe(x, weights, ids), _reference(x, w13, w2, weights, ids), torch.float32)
 
 
-def test_baseline_x86_64_build_matches_the_reference():
+def test_baseline_x86_64_build_matches_the_reference(isa_runs):
     """The #if guards: a build without AVX (the scalar path alone) gives the same sums."""
-    lib = isa_builds.isa_library("gguf", isa_builds.GGUF_SOURCES, "baseline-x86-64")
-    isa_builds.run_tests_with(lib, [__file__], "matches_per_expert_loop and 13")
+    isa_runs.check("fused_moe", "baseline-x86-64")  # isa_builds.SUITES["fused_moe"]

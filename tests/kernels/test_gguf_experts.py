@@ -224,16 +224,13 @@ def test_empty_step_and_rejections():
 
 
 @pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
-def test_other_isa_builds_match_the_references(isa):
+def test_other_isa_builds_match_the_references(isa, isa_runs):
     """The float path's compiled-in kernels (gguf_linear.h picks them at build time): a build
     without AVX-512 and a baseline x86-64 one (the scalar routines alone)."""
     if isa == "avx2" and not cpu_kernels.has_avx512():
         pytest.skip("this machine's own build is the AVX2 one")
     isa_builds.check_build_flags(isa)
-    lib = isa_builds.isa_library("gguf", isa_builds.GGUF_SOURCES, isa)  # int8 x: gguf_int8_quantize
-    isa_builds.run_tests_with(
-        lib, [__file__], "per_expert_loop and (Q4_K-Q4_K-Q6_K or Q4_K-Q4_K-Q5_0 or Q4_1) and not 13"
-    )
+    isa_runs.check("gguf_experts", isa)  # isa_builds.SUITES["gguf_experts"] (int8 x: gguf_int8_quantize)
 
 
 @pytest.mark.parametrize(

@@ -69,24 +69,14 @@ def test_embedded_model_decodes_from_its_blocks_like_the_float32_path(real_sourc
     assert "Paris" in tokenizer.decode(with_blocks)
 
 
-@pytest.fixture(scope="module")
-def isa_libraries():
-    return isa_builds.isa_libraries("gguf", isa_builds.GGUF_SOURCES)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
-def test_other_isa_builds_match_the_references(isa, isa_libraries):
+def test_other_isa_builds_match_the_references(isa, isa_runs):
     """The float kernel's AVX2 and scalar paths (here a CPU with AVX-512 reaches neither),
     for every block type, k-quants included; the int8 kernel is built in too, since the
     k-quant tests' module asks it which of its paths exist."""
     isa_builds.check_build_flags(isa)
-    here = __file__.rsplit("/", 1)[0]
-    isa_builds.run_tests_with(
-        isa_libraries[isa],
-        [__file__, f"{here}/test_gguf_kquants.py"],
-        "matches_dequantized_matmul or float_kernel_matches or leading_dims or codes_compute or batch_it_is_in",
-    )
+    isa_runs.check("gguf_linear", isa)  # isa_builds.SUITES["gguf_linear"]
 
 
 def test_q5_0_blocks_keep_their_bits_or_are_widened_with_the_files_values(monkeypatch):

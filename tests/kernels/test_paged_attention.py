@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import isa_builds
 import pytest
@@ -255,15 +254,9 @@ def test_rejects_negative_window_and_softcap():
         torch.ops.aiolm.paged_attention(*args, 0, -2.0)
 
 
-@pytest.fixture(scope="module")
-def isa_libraries() -> dict[str, Path]:
-    return isa_builds.isa_libraries("paged_attention", ["paged_attention.cpp"])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", list(isa_builds.ISA_BUILDS))
-def test_other_isa_builds_match_the_references(isa, isa_libraries):
+def test_other_isa_builds_match_the_references(isa, isa_runs):
+    """isa_builds.SUITES["paged_attention"]: its tests, on the AVX2 and scalar builds."""
     isa_builds.check_build_flags(isa)
-    isa_builds.run_tests_with(
-        isa_libraries[isa], [__file__], "sliding_window or mixed_batches or wider_than or never_read or finite"
-    )
+    isa_runs.check("paged_attention", isa)

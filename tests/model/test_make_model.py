@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from aiolm.checkpoint.source import resolve_model
+from aiolm.checkpoint.gguf_cache import gguf_cache_folder
+from aiolm.checkpoint.source import embedded_model_path, resolve_model
 from aiolm.kernels import cpu as cpu_kernels
 from aiolm.model.loader import iter_weights
 from aiolm.model.registry import build_model
@@ -42,6 +43,10 @@ def made(tmp_path_factory):
     private.mkdir()
     cpu_kernels.cache_dir().mkdir(parents=True, exist_ok=True)
     (private / "kernels").symlink_to(cpu_kernels.cache_dir(), target_is_directory=True)
+    # So is the embedded model's converted folder (make_model copies its tokenizer from it):
+    # the later tests' make_model calls run under the private cache, and converted it again.
+    embedded = gguf_cache_folder(embedded_model_path())  # make_model above converted it already
+    (private / embedded.name).symlink_to(embedded, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AIOLM_CACHE_DIR", str(private))
         yield out / "tiny", manifest
