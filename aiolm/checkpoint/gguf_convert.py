@@ -589,7 +589,7 @@ class _SafetensorsWriter:
 def generation_ends(eos: int | None, turn_ends: list[int]) -> int | list[int] | None:
     """generation_config.json's ``eos_token_id``: the EOS alone, or a list where turn ends add
     to it (or stand without it)."""
-    ends = [x for i, x in enumerate([eos, *turn_ends]) if x is not None and x not in [eos, *turn_ends][:i]]
+    ends = [x for x in dict.fromkeys([eos, *turn_ends]) if x is not None]
     return ends if ends and ends != [eos] else eos
 
 

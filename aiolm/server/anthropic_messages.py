@@ -285,9 +285,9 @@ async def create_message(request: Request) -> Response | EventStream:
     check_lengths(ctx, len(prompt.token_ids), req.max_tokens, "messages", "max_tokens")
     thinking = reasoning_format(ctx.settings.reasoning_parser)
     rendered = prompt.text or ""
-    if thinking is not None:  # the thinking is split off as chat splits it; a forced call follows it
-        own = bound_after_thinking(engine, ReasoningSplitter(thinking, rendered), params)
-        prompt = Prompt(prompt.text, prompt.token_ids, own)
+    splitter = ReasoningSplitter(thinking, rendered) if thinking is not None else None
+    if splitter is not None:  # the thinking is split off as chat splits it; a forced call follows it
+        prompt = Prompt(prompt.text, prompt.token_ids, bound_after_thinking(engine, splitter, params))
     message_id = ctx.new_id("msg", "_")
     gen = Generation(ctx, [prompt], params, message_id, rename=_RENAME, lora_request=lora)
     await gen.start(request.receive)
@@ -295,7 +295,6 @@ async def create_message(request: Request) -> Response | EventStream:
     log_extra(request, engine_request_id=message_id, prompt_tokens=len(prompt.token_ids), stream=req.stream, user=user)
     shell = _shell(message_id, lora.lora_name if lora is not None else ctx.model_name)
     if req.stream:
-        splitter = ReasoningSplitter(thinking, rendered) if thinking is not None else None
         events = _events(gen, shell, plan, len(prompt.token_ids), request, splitter)
         return EventStream(events, done=False, close=gen.abort, on_gone=lambda: log_extra(request, client_gone=True))
     (final,) = await until_disconnect(request.receive, gen.collect())
@@ -340,47 +339,30 @@ def _event(kind: str, **fields: Any) -> NamedEvent:
 
 
 class _Blocks:
-    """The content blocks of a streamed message: a thinking block first where the model
-    thinks, a text block opened by its first text, closed before the tool_use blocks that
-    follow it, each numbered by ``index``; a tool_use block opens once its name is read and
-    takes its input as it is written."""
+    """The content blocks of a streamed message, each numbered by ``index``, one open at a
+    time: a thinking block first where the model thinks, a text block opened by its first
+    text, tool_use blocks after it, each opened once its call's name is read and taking its
+    input as it is written."""
 
     def __init__(self) -> None:
         self.count = 0
-        self.thinking_open = False
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block open: thinking, text or tool_use
         self.inputs: list[str] = []  # per tool_use block opened: the input JSON sent so far
-        self.tool_open = False
+
+    def _delta(self, kind: str, start: dict[str, Any], delta: dict[str, Any]) -> Iterator[NamedEvent]:
+        if self.open != kind:
+            yield from self.close()
+            self.open = kind
+            yield _event("content_block_start", index=self.count, content_block=start)
+        yield _event("content_block_delta", index=self.count, delta=delta)
 
     def thinking(self, delta: str) -> Iterator[NamedEvent]:
-        if not delta:
-            return
-        if not self.thinking_open:
-            self.thinking_open = True
-            yield _event("content_block_start", index=self.count, content_block=_thinking_block(""))
-        yield _event("content_block_delta", index=self.count, delta={"type": "thinking_delta", "thinking": delta})
-
-    def close_thinking(self) -> Iterator[NamedEvent]:
-        if self.thinking_open:
-            self.thinking_open = False
-            yield _event("content_block_stop", index=self.count)
-            self.count += 1
+        if delta:
+            yield from self._delta("thinking", _thinking_block(""), {"type": "thinking_delta", "thinking": delta})
 
     def text(self, delta: str) -> Iterator[NamedEvent]:
-        if not delta:
-            return
-        yield from self.close_thinking()
-        yield from self.close_tool_use()
-        if not self.text_open:
-            self.text_open = True
-            yield _event("content_block_start", index=self.count, content_block={"type": "text", "text": ""})
-        yield _event("content_block_delta", index=self.count, delta={"type": "text_delta", "text": delta})
-
-    def close_text(self) -> Iterator[NamedEvent]:
-        if self.text_open:
-            self.text_open = False
-            yield _event("content_block_stop", index=self.count)
-            self.count += 1
+        if delta:
+            yield from self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": delta})
 
     def tool_uses(self, calls: Sequence[PartialCall | ParsedCall]) -> Iterator[NamedEvent]:
         """What ``calls`` (read so far, or finished) add: new blocks and input deltas."""
@@ -388,24 +370,22 @@ class _Blocks:
             if call.name is None:
                 return  # its block, and the ones after it, wait for its name
             if i == len(self.inputs):
-                yield from self.close_thinking()
-                yield from self.close_tool_use()
-                yield from self.close_text()
+                yield from self.close()
                 block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
                 yield _event("content_block_start", index=self.count, content_block=block)
                 self.inputs.append("")
-                self.tool_open = True
+                self.open = "tool_use"
             sent = self.inputs[i]
-            if self.tool_open and i == len(self.inputs) - 1 and call.arguments.startswith(sent):
+            if self.open == "tool_use" and i == len(self.inputs) - 1 and call.arguments.startswith(sent):
                 new = call.arguments[len(sent) :]
                 if new:
                     delta = {"type": "input_json_delta", "partial_json": new}
                     yield _event("content_block_delta", index=self.count, delta=delta)
                     self.inputs[i] = call.arguments
 
-    def close_tool_use(self) -> Iterator[NamedEvent]:
-        if self.tool_open:
-            self.tool_open = False
+    def close(self) -> Iterator[NamedEvent]:
+        if self.open is not None:
+            self.open = None
             yield _event("content_block_stop", index=self.count)
             self.count += 1
 
@@ -434,10 +414,7 @@ async def _events(
                 yield _event("message_start", message={**shell, "usage": _usage(prompt_tokens, cached, 0)})
                 yield _event("ping")
             output_tokens += len(c.token_ids)
-            thought, answer = ("", c.text) if splitter is None else splitter.feed(c.text)
-            if splitter is not None and c.finished:
-                more, rest = splitter.finish()
-                thought, answer = thought + more, answer + rest
+            thought, answer = ("", c.text) if splitter is None else splitter.step(c.text, c.finished)
             for ev in blocks.thinking(thought):
                 yield ev
             text = answer if state is None else state.feed(answer)
@@ -459,7 +436,7 @@ async def _events(
     finally:  # also when the client has gone: free the engine request now
         await gen.abort()
     log_extra(request, completion_tokens=output_tokens)
-    for ev in (*blocks.close_thinking(), *blocks.close_text(), *blocks.close_tool_use()):
+    for ev in blocks.close():
         yield ev
     usage = _usage(prompt_tokens, cached, output_tokens)
     yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage)

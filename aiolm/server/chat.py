@@ -112,7 +112,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         own = None
         continued = _continued(req, conv)
         splitter = ReasoningSplitter(thinking, text, continued) if thinking is not None else None
-        if structured is not None and splitter is not None:
+        if splitter is not None:
             own = bound_after_thinking(engine, splitter, params)
         reading = _Reading(plan, thinking, text, req.include_reasoning, continued)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
@@ -391,10 +391,7 @@ class _ChoiceStream:
         """(reasoning, content, tool-call deltas) to send now; the calls as they are written."""
         reasoning, content = "", delta
         if self.split is not None:
-            reasoning, content = self.split.feed(delta)
-            if finished:
-                more, rest = self.split.finish()
-                reasoning, content = reasoning + more, content + rest
+            reasoning, content = self.split.step(delta, finished)
         deltas: list[dict[str, Any]] = []
         if self.tools is not None:
             content = self.tools.feed(content)

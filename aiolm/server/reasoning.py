@@ -124,6 +124,14 @@ class ReasoningSplitter:
         content, self.pending = self.pending, ""
         return reasoning, content
 
+    def step(self, delta: str, finished: bool) -> tuple[str, str]:
+        """``feed``, and with the choice's last delta what was held back too."""
+        reasoning, content = self.feed(delta)
+        if finished:
+            more, rest = self.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What was held back, once the choice has ended."""
         rest, self.pending, self.opening = self.pending, "", False

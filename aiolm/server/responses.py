@@ -256,7 +256,9 @@ async def _events(
         return {"item_id": ids_of[kind], "output_index": len(items), "content_index": 0}
 
     def open_message() -> list[NamedEvent]:
+        """The message item opened, after the thinking's closed where it was open."""
         return [
+            *(close_thinking() if thought is not None else []),
             event(
                 "response.output_item.added",
                 output_index=len(items),
@@ -268,15 +270,12 @@ async def _events(
     def close_thinking() -> list[NamedEvent]:
         assert thought is not None
         text = "".join(thought)
+        item = _reasoning(ids_of["reasoning"], text, "completed")
         done = [
             event("response.reasoning_text.done", **where("reasoning"), text=text),
-            event(
-                "response.output_item.done",
-                output_index=len(items),
-                item=_reasoning(ids_of["reasoning"], text, "completed"),
-            ),
+            event("response.output_item.done", output_index=len(items), item=item),
         ]
-        items.append(_reasoning(ids_of["reasoning"], text, "completed"))
+        items.append(item)
         return done
 
     yield event("response.created", response=shell)
@@ -293,10 +292,8 @@ async def _events(
             output_tokens += len(c.token_ids)
             cached = out.num_cached_tokens
             finish_reason = c.finish_reason or finish_reason
-            reasoning, answer = ("", c.text) if splitter is None else splitter.feed(c.text)
-            if splitter is not None and c.finish_reason is not None:
-                more, rest = splitter.finish()
-                reasoning, answer = reasoning + more, answer + rest
+            finished = c.finish_reason is not None
+            reasoning, answer = ("", c.text) if splitter is None else splitter.step(c.text, finished)
             if reasoning:
                 if thought is None:
                     thought = []
@@ -306,9 +303,6 @@ async def _events(
                 yield event("response.reasoning_text.delta", **where("reasoning"), delta=reasoning)
             if answer:
                 if pieces is None:
-                    if thought is not None:
-                        for ev in close_thinking():
-                            yield ev
                     pieces = []
                     for ev in open_message():
                         yield ev
@@ -322,9 +316,6 @@ async def _events(
         await gen.abort()
     log_extra(request, completion_tokens=output_tokens)
     if pieces is None:  # only thinking, or nothing: the message item is still sent, empty
-        if thought is not None:
-            for ev in close_thinking():
-                yield ev
         pieces = []
         for ev in open_message():
             yield ev
