@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -406,6 +407,17 @@ class _Collector:
             yield counter(
                 "encoder_images", "Images run through the vision encoder (cache hits are not).", ledger.encoded
             )
+        if sched is not None and getattr(sched.config, "max_loras", 0):  # --enable-lora
+            running_names, waiting_names = sched.lora_adapters()
+            info = {
+                "max_lora": str(sched.config.max_loras),
+                "waiting_lora_adapters": ",".join(waiting_names),
+                "running_lora_adapters": ",".join(running_names),
+            }
+            # vLLM's series: the labels carry the state, the value is when it was read.
+            g = GaugeMetricFamily(p + "lora_requests_info", "Running stats on lora requests.", labels=tuple(info))
+            g.add_metric(list(info.values()), time.time())
+            yield g
         experts = getattr(src, "expert_tokens", None)
         if experts:  # a mixture of experts: what expert placement is balanced by
             routed = CounterMetricFamily(

@@ -90,6 +90,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # The output must match this grammar (aiolm/structured/); the engine validates its text.
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: the most tokens a reasoning model may think; past them its end-of-thinking token
+    # is forced. -1 or None: no limit. It needs ``thinking_markers``.
+    thinking_token_budget: int | None = None
+    # (end, opens): the one-token marker that ends the thinking, and the one that starts it where
+    # the model chooses whether to think (None: the output starts inside the thinking). The
+    # server fills them from --reasoning-parser (aiolm/server/reasoning.py).
+    thinking_markers: tuple[int, int | None] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
@@ -108,6 +115,8 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         self._validate()
 
     def _validate(self) -> None:
@@ -275,6 +284,27 @@ class SamplingParams:
                 isinstance(so, StructuredOutputs) and so.kind in KINDS and isinstance(so.text, str),
                 "structured_outputs",
                 f"must be StructuredOutputs with a kind in {KINDS}",
+            )
+        if self.thinking_token_budget is not None:
+            check(
+                is_int(self.thinking_token_budget) and 0 <= self.thinking_token_budget <= _INT32_MAX,
+                "thinking_token_budget",
+                f"must be an integer >= 0, or -1 for no limit, got {_shown(self.thinking_token_budget)}",
+            )
+            check(
+                self.thinking_markers is not None,
+                "thinking_token_budget",
+                "needs a reasoning model's thinking markers (serve with --reasoning-parser)",
+            )
+        if self.thinking_markers is not None:
+            marks = self.thinking_markers
+            check(
+                isinstance(marks, tuple)
+                and len(marks) == 2
+                and is_id(marks[0])
+                and (marks[1] is None or is_id(marks[1])),
+                "thinking_markers",
+                "must be (end token id, start token id or None)",
             )
         check(isinstance(self.output_kind, OutputKind), "output_kind", "must be an OutputKind")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

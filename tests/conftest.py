@@ -83,7 +83,15 @@ def reasoning_servers(tmp_path_factory: pytest.TempPathFactory):
 
     folder = scripted_model(tmp_path_factory.mktemp("scripted-model"))
     shared = SharedServer(
-        "reasoning-server", tmp_path_factory, str(folder), "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"
+        "reasoning-server",
+        tmp_path_factory,
+        str(folder),
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "hermes",
+        "--max-model-len",
+        "2048",  # the model's own: Anthropic's thinking budgets are 1024 tokens or more
     )
     yield shared
     shared.close()

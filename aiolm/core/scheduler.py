@@ -433,6 +433,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.awaiting_grammar) + len(self._load_of)
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The names of the LoRA adapters of the running and of the waiting requests, each
+        once, sorted (``/metrics``' ``lora_requests_info``, as vLLM labels it)."""
+        loading = [self.requests[rid] for rid in self._load_of if rid in self.requests]
+        waiting = [*self.waiting, *self.awaiting_grammar.values(), *loading]
+        return _adapter_names(self.running), _adapter_names(waiting)
+
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_cache_manager.usage
@@ -1194,6 +1201,10 @@ class Scheduler:
             error=req.error,
             kv_transfer_params=req.kv_transfer_out,
         )
+
+
+def _adapter_names(reqs: Iterable[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in reqs if r.lora_request is not None})
 
 
 def _merge_prompt_logprobs(into: LogprobsLists, chunk: PromptLogprobs) -> None:

@@ -30,6 +30,10 @@ from aiolm.params import OutputKind
 from aiolm.server.anthropic_errors import anthropic_body
 from aiolm.server.anthropic_protocol import (
     AnthropicMessage,
+    AnthropicRedactedThinkingBlock,
+    AnthropicThinkingBlock,
+    AnthropicThinkingDisabled,
+    AnthropicThinkingEnabled,
     AnthropicToolChoiceAny,
     AnthropicToolChoiceAuto,
     AnthropicToolChoiceNone,
@@ -40,12 +44,12 @@ from aiolm.server.anthropic_protocol import (
     MessagesPrompt,
     MessagesRequest,
 )
-from aiolm.server.chat import bound_after_thinking
+from aiolm.server.chat import bound_after_thinking, with_thinking_budget
 from aiolm.server.errors import APIError, bad_request, json_response
 from aiolm.server.generation import Generation, Prompt, check_lengths, engine_error, tokenize
 from aiolm.server.http import check_model, context, log_extra, off_loop_if_big, read_json
 from aiolm.server.protocol import ChatCompletionRequest, parse, sampling_params
-from aiolm.server.reasoning import ReasoningSplitter, reasoning_format, split_reasoning
+from aiolm.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from aiolm.server.sse import EventStream, NamedEvent, until_disconnect
 from aiolm.server.tool_parsers import PARSERS, ParsedCall
 from aiolm.server.tool_parsers.json_stream import PartialCall
@@ -67,8 +71,9 @@ _CHAT_TOOL_PATH = re.compile(r"(tools\[\d+\])\.function\.(name|parameters)")
 # -- the request, as a chat request ----------------------------------------------------------
 
 
-def chat_request(req: MessagesPrompt) -> ChatCompletionRequest:
-    """``req`` as the chat request that renders and samples the same (400s name Anthropic's fields)."""
+def chat_request(req: MessagesPrompt, thinking: ReasoningFormat | None) -> ChatCompletionRequest:
+    """``req`` as the chat request that renders and samples the same (400s name Anthropic's fields).
+    ``thinking``: the server's --reasoning-parser, whose template variable ``req.thinking`` sets."""
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
         fields = {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "stream": req.stream}
@@ -81,6 +86,8 @@ def chat_request(req: MessagesPrompt) -> ChatCompletionRequest:
         {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
         for t in req.tools or []
     ]
+    if req.thinking is not None and thinking is not None:
+        fields["chat_template_kwargs"] = {thinking.switch: not isinstance(req.thinking, AnthropicThinkingDisabled)}
     try:  # validated as chat's own requests are: the chat steps below get the model they expect
         return ChatCompletionRequest.model_validate(
             {
@@ -114,7 +121,13 @@ def chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
 def _assistant_turn(m: AnthropicMessage, i: int, final: bool) -> dict[str, Any]:
     texts: list[Any] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     for j, b in enumerate(m.content):
+        if isinstance(b, AnthropicThinkingBlock):
+            thoughts.append(b.thinking)
+            continue
+        if isinstance(b, AnthropicRedactedThinkingBlock):
+            continue  # encrypted by the model that wrote it: nothing here can read it
         if isinstance(b, AnthropicToolResultBlock):
             raise bad_request(
                 f"'messages[{i}].content[{j}]': tool_result blocks belong in user messages",
@@ -132,16 +145,17 @@ def _assistant_turn(m: AnthropicMessage, i: int, final: bool) -> dict[str, Any]:
         else:
             texts.append(b)
     content = message_text(texts) if texts or not calls else None
-    return {"role": "assistant", "content": content, "tool_calls": calls or None}
+    turn = {"role": "assistant", "content": content, "tool_calls": calls or None}
+    return turn | {"reasoning_content": "".join(thoughts)} if thoughts else turn
 
 
 def _user_turn(m: AnthropicMessage, i: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[Any] = []
     for j, b in enumerate(m.content):
-        if isinstance(b, AnthropicToolUseBlock):
+        if isinstance(b, (AnthropicToolUseBlock, AnthropicThinkingBlock, AnthropicRedactedThinkingBlock)):
             raise bad_request(
-                f"'messages[{i}].content[{j}]': tool_use blocks belong in assistant messages",
+                f"'messages[{i}].content[{j}]': {b.type} blocks belong in assistant messages",
                 param=f"messages[{i}].content[{j}]",
             )
         if isinstance(b, AnthropicToolResultBlock):
@@ -276,18 +290,30 @@ async def create_message(request: Request) -> Response | EventStream:
     body = await read_json(request, ctx.settings.max_request_bytes)
     req = await off_loop_if_big(request, parse, MessagesRequest, body, ctx.settings.limits)
     lora = check_model(ctx, req.model)
-    chat = chat_request(req)
+    thinking = reasoning_format(ctx.settings.reasoning_parser)
+    chat = chat_request(req, thinking)
+    wants = req.thinking
+    if thinking is None and wants is not None and not isinstance(wants, AnthropicThinkingDisabled):
+        raise bad_request(
+            f"'thinking' {wants.type!r} needs the server started with --reasoning-parser", param="thinking"
+        )
+    if isinstance(wants, AnthropicThinkingEnabled) and wants.budget_tokens >= req.max_tokens:
+        raise bad_request("'thinking.budget_tokens' must be less than 'max_tokens'", param="thinking.budget_tokens")
     plan = await off_loop_if_big(request, _plan, chat, ctx.settings.tool_call_parser)
     engine = ctx.engine
     kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
     params = sampling_params(chat, req.max_tokens, None, kind, plan.enforced, engine=engine, rename=_RENAME)
     prompt = await _prompt(engine, chat, plan.tools)
     check_lengths(ctx, len(prompt.token_ids), req.max_tokens, "messages", "max_tokens")
-    thinking = reasoning_format(ctx.settings.reasoning_parser)
     rendered = prompt.text or ""
     splitter = ReasoningSplitter(thinking, rendered) if thinking is not None else None
     if splitter is not None:  # the thinking is split off as chat splits it; a forced call follows it
-        prompt = Prompt(prompt.text, prompt.token_ids, bound_after_thinking(engine, splitter, params))
+        own = bound_after_thinking(engine, splitter, params)
+        if isinstance(wants, AnthropicThinkingEnabled):
+            own = with_thinking_budget(engine, splitter, own or params, wants.budget_tokens, "thinking") or own
+        elif isinstance(wants, AnthropicThinkingDisabled):  # a template that ignored the switch: closed at once
+            own = with_thinking_budget(engine, splitter, own or params, 0, "thinking", required=False) or own
+        prompt = Prompt(prompt.text, prompt.token_ids, own)
     message_id = ctx.new_id("msg", "_")
     gen = Generation(ctx, [prompt], params, message_id, rename=_RENAME, lora_request=lora)
     await gen.start(request.receive)
@@ -322,7 +348,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = context(request)
     req = parse(CountTokensRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
     check_model(ctx, req.model)
-    chat = chat_request(req)
+    chat = chat_request(req, reasoning_format(ctx.settings.reasoning_parser))
     try:
         _, tools = checked_tools(chat.tools or [])
     except APIError as e:

@@ -65,8 +65,29 @@ class AnthropicToolResultBlock(Strict):
     cache_control: AnthropicCacheControl | None = Field(None, description=_CACHE)
 
 
+class AnthropicThinkingBlock(Strict):
+    """An earlier assistant turn's thinking: given to the chat template as that message's
+    ``reasoning_content`` (most templates leave out past turns' thinking)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = Field(None, description="accepted; aiolm signs nothing, so checks nothing")
+    cache_control: AnthropicCacheControl | None = Field(None, description=_CACHE)
+
+
+class AnthropicRedactedThinkingBlock(Strict):
+    """An earlier turn's encrypted thinking, from Anthropic's own models: left out of the prompt."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 Block = Annotated[
-    AnthropicTextBlock | AnthropicToolUseBlock | AnthropicToolResultBlock,
+    AnthropicTextBlock
+    | AnthropicToolUseBlock
+    | AnthropicToolResultBlock
+    | AnthropicThinkingBlock
+    | AnthropicRedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -123,6 +144,37 @@ class AnthropicMetadata(Strict):
     )
 
 
+_DISPLAY = "summarized (the default) or absent: the thinking is returned as the model wrote it"
+
+
+class AnthropicThinkingEnabled(Strict):
+    """Thinking, capped at ``budget_tokens`` (then the end of the thinking is forced)."""
+
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1024)]
+    display: Literal["summarized"] | None = Field(None, description=_DISPLAY)
+
+
+class AnthropicThinkingAdaptive(Strict):
+    """Thinking as long as the model likes."""
+
+    type: Literal["adaptive"]
+    display: Literal["summarized"] | None = Field(None, description=_DISPLAY)
+
+
+class AnthropicThinkingDisabled(Strict):
+    """No thinking: the template is asked not to think, and a model that still opens its
+    thinking has it closed at once."""
+
+    type: Literal["disabled"]
+
+
+AnthropicThinking = Annotated[
+    AnthropicThinkingEnabled | AnthropicThinkingAdaptive | AnthropicThinkingDisabled,
+    Field(discriminator="type"),
+]
+
+
 class MessagesPrompt(Strict):
     """What a prompt is made of: the fields /v1/messages and /v1/messages/count_tokens share."""
 
@@ -147,6 +199,11 @@ class MessagesPrompt(Strict):
         "generated to the schema), none",
     )
     cache_control: AnthropicCacheControl | None = Field(None, description=_CACHE)
+    thinking: AnthropicThinking | None = Field(
+        None,
+        description="with --reasoning-parser: enabled (budget_tokens caps the thinking), adaptive, or "
+        "disabled; absent: as the chat template decides",
+    )
 
 
 class MessagesRequest(MessagesPrompt):
@@ -178,7 +235,9 @@ class AnthropicUsage(Out):
 
 
 class AnthropicContentBlock(Out):
-    type: Literal["text", "tool_use"]
+    type: Literal["thinking", "text", "tool_use"]
+    thinking: str | None = None
+    signature: str | None = None
     text: str | None = None
     id: str | None = None
     name: str | None = None

@@ -89,6 +89,10 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
     if req.batched and req.prompt_logprobs is not None:
         raise bad_request("'prompt_logprobs' is not available with a batch of conversations", param="prompt_logprobs")
     thinking = reasoning_format(ctx.settings.reasoning_parser)
+    if thinking is None and req.thinking_token_budget not in (None, -1):
+        raise bad_request(
+            "'thinking_token_budget' needs the server started with --reasoning-parser", param="thinking_token_budget"
+        )
     turns = []
     cut = truncation(engine, req.truncate_prompt_tokens, req.truncation_side)
     for k, conv in enumerate(req.conversations):
@@ -114,11 +118,17 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         splitter = ReasoningSplitter(thinking, text, continued) if thinking is not None else None
         if splitter is not None:
             own = bound_after_thinking(engine, splitter, params)
+            budget = req.thinking_token_budget
+            own = with_thinking_budget(engine, splitter, own or params, budget, "thinking_token_budget") or own
         reading = _Reading(plan, thinking, text, req.include_reasoning, continued)
         turns.append(_Turn(Prompt(text, ids, own, images), reading, _echoed(req, conv)))
     if req.use_beam_search and any(t.prompt.images for t in turns):
         # each beam step re-sends the beam's tokens, which carry no images
         raise bad_request("'use_beam_search' does not take images yet", param="use_beam_search")
+    if req.use_beam_search and req.thinking_token_budget not in (None, -1):
+        raise bad_request(
+            "'thinking_token_budget' is not available with 'use_beam_search'", param="thinking_token_budget"
+        )
     if req.use_beam_search:  # the n best beams as the choices (aiolm/server/beam.py)
         ids_of = [t.prompt.token_ids for t in turns]
         returned = (ids_of if req.batched else ids_of[0]) if req.return_token_ids else None
@@ -337,6 +347,33 @@ def bound_after_thinking(
     if len(start) > 1:
         return None
     return params.clone(structured_outputs=dataclasses.replace(structured, after=end, opens=start))
+
+
+def with_thinking_budget(
+    engine: EngineClient,
+    splitter: ReasoningSplitter,
+    params: SamplingParams,
+    budget: int | None,
+    param: str,
+    required: bool = True,
+) -> SamplingParams | None:
+    """``params`` that cap the thinking at ``budget`` tokens (vLLM's ``thinking_token_budget``),
+    None where nothing is to cap: no budget, or a prompt that closed the thinking already. The
+    markers must be one token each, as the worker counts and forces tokens, not text: other
+    markers are a 400, or, where the budget is not ``required``, no cap."""
+    if budget is None or budget < 0 or not splitter.thinking:
+        return None
+    end = engine.tokenize(splitter.fmt.ends[0], False)
+    start = engine.tokenize(splitter.fmt.starts[0], False) if splitter.undecided else [None]
+    if len(end) != 1 or len(start) != 1:
+        if not required:
+            return None
+        raise bad_request(
+            f"'{param}' needs thinking markers of one token each; this model writes "
+            f"{splitter.fmt.ends[0]!r} as {len(end)} tokens",
+            param=param,
+        )
+    return params.clone(thinking_token_budget=budget, thinking_markers=(end[0], start[0]))
 
 
 def _reasoning_fields(text: str | None) -> dict[str, Any]:

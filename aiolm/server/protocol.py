@@ -424,6 +424,11 @@ class ChatCompletionRequest(SamplingRequest):
     include_reasoning: bool = Field(
         True, description="vLLM's: with --reasoning-parser, false leaves the thinking out of the answer"
     )
+    thinking_token_budget: Annotated[int, Field(ge=-1)] | None = Field(
+        None,
+        description="vLLM's: with --reasoning-parser, the most tokens the model may think before its "
+        "end-of-thinking token is forced; -1: no limit",
+    )
     echo: bool = Field(
         False,
         description="vLLM's: the answer starts with the final message's content when that is an "

@@ -22,21 +22,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReasoningFormat:
-    """How one family marks its thinking. ``always``: it thinks from the first token
-    unless the prompt closed the thinking already."""
+    """How one family marks its thinking, and which template variable asks for it. ``always``:
+    it thinks from the first token unless the prompt closed the thinking already."""
 
     starts: tuple[str, ...]
     ends: tuple[str, ...]
+    switch: str  # the chat template variable that turns the thinking on or off
     always: bool = False
 
 
 _THINK = ("<think>",), ("</think>",)
 FORMATS: dict[str, ReasoningFormat] = {
-    "deepseek_r1": ReasoningFormat(*_THINK, always=True),
-    "qwen3": ReasoningFormat(*_THINK),
+    "deepseek_r1": ReasoningFormat(*_THINK, "thinking", always=True),  # DeepSeek-V3.1's templates read it
+    "qwen3": ReasoningFormat(*_THINK, "enable_thinking"),
     "granite": ReasoningFormat(
         ("Here is my thought process:", "Here's my thought process:"),
         ("Here is my response:", "Here's my response:"),
+        "thinking",
     ),
 }
 

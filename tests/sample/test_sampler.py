@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from aiolm.params import SamplingParams
+from aiolm.params import ParamError, SamplingParams
 from aiolm.sample import sampler as sampler_module
 from aiolm.sample.sampler import Sampler, SamplingMetadata, make_generator
 
@@ -407,6 +407,43 @@ def test_min_tokens_blocks_stop_ids_until_reached():
     pr = SamplingParams(temperature=1.0, min_tokens=5, eos_token_ids=(2,), stop_token_ids=[3])
     samples = sample_many(logits[0], pr, 3000)
     assert set(samples.unique().tolist()) == {0, 1}
+
+
+def test_thinking_budget_forces_the_end_token_once_spent():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]])  # 1 is the argmax; 3 ends the thinking, 2 starts it
+    picks = []
+    p = SamplingParams(temperature=0.0, thinking_token_budget=2, thinking_markers=(3, None))
+    m = meta([p], vocab=4)
+    for _ in range(5):
+        tok = sampler(logits, m).sampled.tolist()
+        picks.append(tok[0])
+        m.advance([tok])
+    assert picks == [1, 1, 3, 1, 1]  # two thinking tokens, the end forced, then the answer
+    # built mid-way: the same state from the output so far
+    assert sampler(logits, meta([p], outputs=[[1, 1]], vocab=4)).sampled.item() == 3
+    assert sampler(logits, meta([p], outputs=[[1, 3, 1]], vocab=4)).sampled.item() == 1
+    # budget 0: the end comes first; random rows are forced too
+    p0 = SamplingParams(temperature=1.0, thinking_token_budget=0, thinking_markers=(3, None))
+    assert set(sample_many(logits[0], p0, 200).tolist()) == {3}
+    # a model that chooses: counted only after it opened its thinking with the start token
+    pc = SamplingParams(temperature=0.0, thinking_token_budget=1, thinking_markers=(3, 2))
+    assert sampler(logits, meta([pc], vocab=4)).sampled.item() == 1  # undecided: free
+    assert sampler(logits, meta([pc], outputs=[[2]], vocab=4)).sampled.item() == 1
+    assert sampler(logits, meta([pc], outputs=[[2, 1]], vocab=4)).sampled.item() == 3
+    assert sampler(logits, meta([pc], outputs=[[1, 1]], vocab=4)).sampled.item() == 1  # it answered at once
+    # the other rows of the batch are left alone
+    free = SamplingParams(temperature=0.0)
+    both = meta([free, p], outputs=[[1, 1], [1, 1]], vocab=4)
+    assert sampler(logits.repeat(2, 1), both).sampled.tolist() == [1, 3]
+
+
+def test_thinking_budget_is_checked():
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+    for bad in (-2, 1.5, True):
+        with pytest.raises(ParamError, match="thinking_token_budget"):
+            SamplingParams(thinking_token_budget=bad, thinking_markers=(3, None))
+    with pytest.raises(ParamError, match="--reasoning-parser"):
+        SamplingParams(thinking_token_budget=10)
 
 
 # --- logprobs ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import ROOT, ServerProcess, free_port, serve_cmd
 
 from lora_models import hf_lora_greedy, peft_adapter, tiny_base
@@ -200,6 +201,15 @@ class Stream:
         assert self.thread is not None
         self.thread.join(TIMEOUT)
         assert not self.thread.is_alive(), f"stream for {self.model} still running after {TIMEOUT}s"
+
+
+def _lora_info(srv: ServerProcess) -> dict[str, str]:
+    """The labels of /metrics' one lora_requests_info sample."""
+    text = httpx.get(srv.base_url + "/metrics", timeout=TIMEOUT).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "aiolm:lora_requests_info"]
+    (sample,) = family.samples
+    assert abs(sample.value - time.time()) < 60, sample
+    return sample.labels
 
 
 def _wait(events: list[threading.Event], what: str) -> None:
@@ -421,6 +431,8 @@ def test_unload_with_requests_waiting(lab: Lab, client: openai.OpenAI, base_name
     _wait([s.started for s in holders], "first token")
     waiting = [Stream("a2", PROMPTS[i % 2], N).start(client) for i in range(6)]
     _wait([s.accepted for s in waiting], "accepted a2 request")
+    # vLLM's lora_requests_info names the adapters of the running and the waiting requests
+    assert _lora_info(lab.main) == {"max_lora": "2", "running_lora_adapters": "a1,h", "waiting_lora_adapters": "a2"}
     resp = _post(lab.main, "/v1/unload_lora_adapter", {"lora_name": "a2"})
     unloaded_at = time.monotonic()
     assert resp.status_code == 200 and "a2" in resp.text, resp.text
@@ -481,6 +493,7 @@ def test_without_enable_lora(lab: Lab):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("a1")
     assert _complete(client, base_name) == (base_name, lab.refs[None])
+    assert "lora_requests_info" not in httpx.get(lab.bare.base_url + "/metrics", timeout=TIMEOUT).text
 
 
 # -- start-up errors: one line, exit 2, nothing served ----------------------------------

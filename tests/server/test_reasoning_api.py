@@ -253,7 +253,7 @@ def test_responses_put_the_thinking_in_a_reasoning_item(client: OpenAI) -> None:
     assert r.output[0].content[0].text == "I reckon so." and r.output_text == "Paris it is!"
     assert r.usage.output_tokens_details.reasoning_tokens == 4  # "I", " reckon", " so", "."
     kinds, thought, answer, done = [], "", "", None
-    with client.responses.stream(model=model, input=QUESTION[0]["content"], max_output_tokens=40) as s:
+    with client.responses.stream(model=model, input=QUESTION[0]["content"], max_output_tokens=40, temperature=0) as s:
         for ev in s:
             kinds.append(ev.type)
             thought += ev.delta if ev.type == "response.reasoning_text.delta" else ""
@@ -279,13 +279,98 @@ def test_messages_put_the_thinking_in_a_thinking_block(reasoning_servers, client
     def blocks(message) -> list[tuple[str, str | None]]:
         return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content]
 
-    m = ac.messages.create(model=model, max_tokens=40, messages=QUESTION)
+    # greedy: the script's tokens win by 8 logits, so a draw at temperature 1 strays about once in
+    # a hundred tokens
+    m = ac.messages.create(model=model, max_tokens=40, messages=QUESTION, extra_body={"temperature": 0})
     assert blocks(m) == [("thinking", "I reckon so."), ("text", "Paris it is!")]
-    with ac.messages.stream(model=model, max_tokens=40, messages=QUESTION) as s:
+    with ac.messages.stream(model=model, max_tokens=40, messages=QUESTION, extra_body={"temperature": 0}) as s:
         kinds = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
         streamed = s.get_final_message()
     assert blocks(streamed) == blocks(m) and kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
     tool = {"name": "get_capital", "description": "x", "input_schema": {"type": "object", "properties": {}}}
-    m = ac.messages.create(model=model, max_tokens=40, messages=QUESTION, tools=[tool])
+    m = ac.messages.create(model=model, max_tokens=40, messages=QUESTION, tools=[tool], extra_body={"temperature": 0})
     assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.content[0].thinking == "Need a tool"
     assert m.content[1].input == {"country": "France"} and m.stop_reason == "tool_use"
+
+
+def test_a_thinking_budget_forces_the_end_of_the_thinking(client: OpenAI) -> None:
+    """vLLM's thinking_token_budget: past that many thinking tokens </think> is forced, and the
+    answer follows (the script would think four tokens)."""
+    for budget, thought in ((2, "I reckon"), (0, None), (4, "I reckon so."), (-1, "I reckon so.")):
+        r = _chat(client, body={"thinking_token_budget": budget, "return_token_ids": True})
+        assert _reasoning(r.choices[0].message) == (thought, "Paris it is!"), budget
+        assert r.choices[0].finish_reason == "stop"
+    thoughts, content, _, _ = _stream(client, body={"thinking_token_budget": 1})
+    assert ("".join(thoughts), content) == ("I", "Paris it is!")
+    opened = _chat(client, {"think_in_prompt": True}, body={"thinking_token_budget": 3})  # thinking from token one
+    assert _reasoning(opened.choices[0].message) == ("I reckon so", "Paris it is!")
+    closed = _chat(client, {"enable_thinking": False}, body={"thinking_token_budget": 0})  # nothing to cap
+    assert _reasoning(closed.choices[0].message) == (None, "Paris it is!")
+    # with a grammar: it still binds what follows the thinking
+    bound = _chat(client, body={"thinking_token_budget": 1, "structured_outputs": {"regex": "Paris"}})
+    assert _reasoning(bound.choices[0].message) == ("I", "Paris")
+
+
+def test_a_thinking_budget_needs_one_token_markers(other_servers) -> None:
+    r = httpx.post(
+        other_servers["granite"].base_url + "/v1/chat/completions",
+        json={"messages": QUESTION, "thinking_token_budget": 5, "chat_template_kwargs": {"thinking": True}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    c = _client(other_servers["deepseek_r1"])  # thinks from the first token, its own <think> counted
+    assert _reasoning(_chat(c, body={"thinking_token_budget": 2}).choices[0].message) == ("I", "Paris it is!")
+    # Anthropic's thinking disabled, on a template without the switch: the thinking is closed at once
+    body = {"max_tokens": 40, "temperature": 0, "messages": QUESTION, "thinking": {"type": "disabled"}}
+    r = httpx.post(other_servers["deepseek_r1"].base_url + "/v1/messages", json=body, timeout=30)
+    assert r.json()["content"] == [{"type": "text", "text": "Paris it is!"}], r.text
+
+
+def test_messages_thinking_switches_and_caps_the_thinking(reasoning_servers, client: OpenAI) -> None:
+    """Anthropic's ``thinking``: disabled asks the template not to think, enabled and adaptive
+    to think (enabled capped at budget_tokens); an earlier turn's thinking blocks are taken."""
+    import anthropic
+
+    srv = reasoning_servers.get()
+    model = client.models.list().data[0].id
+    ac = anthropic.Anthropic(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+
+    def blocks(**kw) -> list[tuple[str, str | None]]:
+        m = ac.messages.create(model=model, max_tokens=2000, messages=QUESTION, extra_body={"temperature": 0}, **kw)
+        return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content]
+
+    thought = [("thinking", "I reckon so."), ("text", "Paris it is!")]
+    assert blocks(thinking={"type": "disabled"}) == [("text", "Paris it is!")]
+    assert blocks(thinking={"type": "enabled", "budget_tokens": 1024}) == thought
+    assert blocks(thinking={"type": "adaptive"}) == thought
+    earlier = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Hmm.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Paris."},
+            ],
+        },
+        {"role": "user", "content": "And Italy?"},
+    ]
+    plain = [*QUESTION, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Italy?"}]
+    # this template leaves out past thinking, as most do: the same prompt as without the blocks
+    counted = [ac.messages.count_tokens(model=model, messages=m).input_tokens for m in (earlier, plain)]
+    assert counted[0] == counted[1]
+    answer = ac.messages.create(model=model, max_tokens=40, messages=earlier, extra_body={"temperature": 0})
+    assert answer.content[-1].text == "Paris it is!"
+    refusals = [
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1024}, "budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
+        ({"thinking": {"type": "adaptive", "display": "omitted"}}, "display"),
+        ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]}, "thinking blocks"),
+    ]
+    for body, why in refusals:
+        r = httpx.post(
+            srv.base_url + "/v1/messages",
+            json={"model": model, "max_tokens": 2000, "messages": QUESTION, **body},
+            timeout=30,
+        )
+        assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)

@@ -342,6 +342,31 @@ def test_client_sized_values_are_400s_naming_the_field(fake_engine, path, body, 
     assert not fake_engine.live
 
 
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {**CHAT, "thinking_token_budget": 10}),
+        ("/v1/chat/completions", {**CHAT, "thinking_token_budget": -2}),
+        ("/v1/chat/completions", {**CHAT, "thinking_token_budget": 10, "use_beam_search": True}),
+        (
+            "/v1/messages",
+            {
+                "model": "fake-model",
+                "max_tokens": 4000,
+                "messages": [{"role": "user", "content": "hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 2000},
+            },
+        ),
+    ],
+)
+def test_thinking_needs_a_reasoning_parser(fake_engine, path, body):
+    """Without --reasoning-parser the server cannot tell the thinking's end: a budget is a 400."""
+    with _client(fake_engine) as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400 and "thinking" in r.json()["error"]["message"], r.text
+    assert not fake_engine.live
+
+
 def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(fake_engine, monkeypatch):
     """vLLM's --generation-config auto: temperature, top_p, top_k, min_p and
     repetition_penalty a request leaves out are the model's generation_config.json's, on

@@ -188,6 +188,7 @@ def test_chat_capital_of_france(client, model, server):
 
 def test_chat_stream_matches_non_stream(client, model):
     kw = dict(model=model, messages=PARIS_Q, temperature=0, max_tokens=16)
+    client.chat.completions.create(**kw)  # so both below find the prompt's blocks cached
     full = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -21,6 +21,7 @@ from aiolm.sample.logits_processors.interface import BatchRows, LogitsProcessor
 from aiolm.sample.logits_processors.logit_bias import LogitBias
 from aiolm.sample.logits_processors.min_tokens import MinTokens
 from aiolm.sample.logits_processors.penalties import Penalties
+from aiolm.sample.logits_processors.thinking_budget import ThinkingBudget
 
 REGISTRY: list[type[LogitsProcessor]] = [
     AllowedTokenIds,
@@ -28,6 +29,7 @@ REGISTRY: list[type[LogitsProcessor]] = [
     LogitBias,
     MinTokens,
     Penalties,
+    ThinkingBudget,  # after the bans: a forced end-of-thinking token is the one left
     Grammar,  # last: only a hard mask, so the order does not matter; the grammar sees the others' bans
 ]
 
