@@ -407,7 +407,7 @@ class _Collector:
             yield counter(
                 "encoder_images", "Images run through the vision encoder (cache hits are not).", ledger.encoded
             )
-        if sched is not None and getattr(sched.config, "max_loras", 0):  # --enable-lora
+        if sched is not None and sched.config.max_loras:  # --enable-lora
             running_names, waiting_names = sched.lora_adapters()
             info = {
                 "max_lora": str(sched.config.max_loras),
