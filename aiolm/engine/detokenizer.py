@@ -174,15 +174,24 @@ class IncrementalDetokenizer:
         whole character; None (nothing changed) otherwise, for the id-by-id path.
 
         The window is then cut to its last few ids, the same decoding context a
-        prompt gives the first output token.
+        prompt gives the first output token, at a cut that splits no character: the
+        two sides decode apart to the whole text. A cut inside one is not only U+FFFD
+        at the cut: SentencePiece's byte fallback turns a whole run of byte tokens
+        into U+FFFD when any of it is invalid, so the next character's bytes would be
+        lost too. With no such cut the window is kept whole.
         """
         w = self._window + ids
         text = self._decode(w)
         prefix = self._prefix_text
         if text.endswith(_FFFD) or not text.startswith(prefix):
             return None
-        keep = w[-_PROMPT_CONTEXT_TOKENS:]
-        self._window, self._read, self._prefix_text = keep, len(keep), self._decode(keep)
+        keep, keep_text = w, text
+        for n in range(min(_PROMPT_CONTEXT_TOKENS, len(w) - 1), 0, -1):
+            tail = self._decode(w[-n:])
+            if self._decode(w[:-n]) + tail == text:
+                keep, keep_text = w[-n:], tail
+                break
+        self._window, self._read, self._prefix_text = keep, len(keep), keep_text
         return text[len(prefix) :]
 
     def finish(self) -> str:

@@ -301,7 +301,8 @@ class OutputProcessor(Actor[StepOutputs]):
                     state.num_cached_tokens = o.num_cached_tokens
                 state.last_token_time = now
                 ids = o.new_token_ids
-                token_stop = o.finish_reason == "stop" and isinstance(o.stop_reason, int)
+                # a stop token ends it: EOS (stop_reason None) or one of stop_token_ids (its id)
+                token_stop = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
                 if len(ids) > 1 and seq.text.stop_checker.stop:
                     stop_str, k = seq.push_each(ids, token_stop)  # k: the ids kept, up to the stop
                 else:
@@ -329,11 +330,11 @@ class OutputProcessor(Actor[StepOutputs]):
                     if k < len(ids):
                         lp = lp.slice(0, k)
                     self._add_logprobs(seq, lp)
-                if stop_str is not None and o.finish_reason is None:
+                if stop_str is not None:  # the string is the reason, as vLLM reports it, even where
+                    # the step also ended on a stop token or on the last token allowed
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
-                    stopped.append(seq.child_id)
-                elif stop_str is not None and o.finish_reason == "length":  # the last token allowed
-                    seq.finish_reason, seq.stop_reason = "stop", stop_str  # made the stop: vLLM says stop
+                    if o.finish_reason is None:
+                        stopped.append(seq.child_id)
             if o.pooled is not None:
                 state.pooled = o.pooled
                 state.first_token_time = state.last_token_time = now

@@ -408,3 +408,65 @@ def test_several_tokens_in_one_step_end_where_a_stop_string_ends(tok):
     assert burst.text == single.text == " one " and burst.stop_reason == single.stop_reason == "two th"
     assert [next(iter(d.values())).logprob for d in burst.logprobs] == [-0.5, -1.0, -1.5]
     assert aborted == [["burst"], ["single"]]
+
+
+def test_the_stop_reason_and_text_where_a_step_also_ends_on_a_stop_token(tok):
+    """vLLM's rules where a step's tokens end the sequence twice over: a stop string matched
+    is the reason even when the same step ends on a stop token (the token id, or None for EOS,
+    was reported); EOS's text is never part of the output, with special tokens kept or not
+    (``<|im_end|>`` ended every answer with skip_special_tokens false)."""
+    from aiolm.core.step import EngineCoreOutput
+    from aiolm.engine.output_processor import OutputProcessor
+    from aiolm.params import SamplingParams
+
+    a = tok.encode(" a b c", add_special_tokens=False)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def run(params: SamplingParams, steps: list[EngineCoreOutput]):
+        op = OutputProcessor(tok, abort_children=lambda ids: None)
+        st = op.register("r", None, [1], params, ["r"])
+        for s in steps:
+            op.process([s])
+        return st.build(delta=False).outputs[0]
+
+    same = run(SamplingParams(stop=[" b"], stop_token_ids=[a[2]]), [EngineCoreOutput("r", a[:3], "stop", a[2])])
+    assert (same.text, same.finish_reason, same.stop_reason) == (" a", "stop", " b")
+    spec = run(SamplingParams(stop=[" b"]), [EngineCoreOutput("r", [*a[:2], eos], "stop", None)])
+    assert (spec.text, spec.stop_reason) == (" a", " b")
+    last = run(
+        SamplingParams(stop=[" c"], include_stop_str_in_output=True),
+        [EngineCoreOutput("r", a[:2]), EngineCoreOutput("r", a[2:], "stop", a[2])],
+    )
+    assert (last.text, last.stop_reason) == (" a b c", " c")
+    for skip in (True, False):
+        ended = run(
+            SamplingParams(skip_special_tokens=skip, eos_token_ids=(eos,)),
+            [EngineCoreOutput("r", a), EngineCoreOutput("r", [eos], "stop", None)],
+        )
+        assert (ended.text, ended.finish_reason, ended.stop_reason) == (" a b c", "stop", None), skip
+
+
+def test_byte_fallback_characters_split_across_multi_token_steps():
+    """SentencePiece with byte fallback (Llama 2, Mistral, Gemma): a run of byte tokens
+    decodes to U+FFFD whole when any byte of it is invalid, so a window cut inside a
+    character spoilt the next one too ("€🎉����." for "€🎉🎉.") when a step held several
+    tokens (speculative decoding, or min_tokens splitting a step's push)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = [("<unk>", 0.0), *((f"<0x{b:02X}>", 0.0) for b in range(256)), ("▁the", -1.0), (".", -1.0)]
+    tk = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    rng = random.Random(7)
+    for text in ("€🎉🎉.", "the 日本語 €.", "🎉" * 5):
+        ids = tk.encode(text, add_special_tokens=False).ids
+        for _ in range(40):
+            d = IncrementalDetokenizer(tk)
+            out, i = [], 0
+            while i < len(ids):
+                k = rng.randint(1, 3)
+                out.append(d.push(ids[i : i + k]))
+                i += k
+            out.append(d.finish())
+            assert "".join(out) == tk.decode(ids) == d.text, (text, out)
