@@ -332,7 +332,10 @@ class MultiprocExecutor(Executor):
         self._check()
         assert self.requests is not None
         try:
-            await self.requests.write_async(data)
+            if any(self._owed) and not self.requests.fits(len(data)):
+                await self._write_reading_replies(data)
+            else:
+                await self.requests.write_async(data)
         except (PeerDied, RingClosed) as e:
             self._fail(await self._death_reason(f"a worker died: {e}"))
             raise ExecutorError(self._dead or str(e)) from e
@@ -343,6 +346,35 @@ class MultiprocExecutor(Executor):
             self._owed[rank].append(fut)
             replies.append(fut)
         return replies
+
+    async def _write_reading_replies(self, data: bytes) -> None:
+        """Write a message the request ring has no room for yet, reading the replies owed
+        meanwhile. Its room comes as the ranks read it, and a rank may be writing an earlier
+        step's reply (overlap scheduling) into a response ring only this process empties: a
+        reply bigger than that ring (prompt logprobs of a long prefill) waits for it to be
+        read, and waiting for room alone left both sides waiting on each other for good."""
+        assert self.requests is not None
+        write = asyncio.ensure_future(self.requests.write_async(data))
+        reading: dict[int, asyncio.Future[bytes]] = {}
+        try:
+            while not write.done():
+                for rank, owed in enumerate(self._owed):
+                    if owed and rank not in reading:
+                        tokens = self._step_tokens.get(owed[0], 0)
+                        limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
+                        reading[rank] = asyncio.ensure_future(self._recv(rank, owed[0], limit, tokens))
+                done, _ = await asyncio.wait({write, *reading.values()}, return_when=asyncio.FIRST_COMPLETED)
+                for rank, task in list(reading.items()):
+                    if task in done:
+                        del reading[rank]
+                        task.result()  # a worker's death or hang, as an ExecutorError
+        except BaseException:
+            write.cancel()  # the rings die with the workers: a half-written message is no matter
+            raise
+        finally:
+            for task in reading.values():  # each hands its reply to its future when it comes
+                task.add_done_callback(_retrieved)
+        write.result()
 
     async def _recv(self, rank: int, reply: asyncio.Future[bytes], timeout: float = 0.0, tokens: int = 0) -> bytes:
         """The rank's answer for ``reply``, reading (and handing out) the replies owed before it.
@@ -493,6 +525,12 @@ class MultiprocExecutor(Executor):
         """Wait ``grace`` for each worker to leave (the rings are closed), then end it."""
         for p in self.procs:
             await reap(p, grace)
+
+
+def _retrieved(task: asyncio.Future[bytes]) -> None:
+    """A reading task nobody awaits: its failure reaches the step's caller through the executor."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def reap(p: subprocess.Popen[bytes], timeout: float) -> None:

@@ -331,6 +331,11 @@ class ShmRing:
                 await self._wait_room_async(1, None)
             self._put(chunk, len(chunk), n, flags)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` would be written whole now, without waiting for room."""
+        need = self._wr + max(1, -(-nbytes // self._slot_size))
+        return need <= self._free_until or self._has_room(need)
+
     def _payload(self, data: bytes | bytearray | memoryview) -> tuple[memoryview, int]:
         if self._rank is not None:
             raise RuntimeError("write() on a reader end")

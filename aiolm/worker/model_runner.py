@@ -190,6 +190,8 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.begin_step(scheduler_output, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self.batch.update(scheduler_output)
+        for rid in scheduler_output.finished_req_ids:  # also in a step with nothing to run
+            self.pooling.pop(rid, None)
         if self.lora is not None:
             self._track_lora(scheduler_output)
         if self.images_of or any(new.mm_inputs for new in scheduler_output.scheduled_new_reqs):
@@ -420,8 +422,6 @@ class ModelRunner:
         positions, and the vectors of the requests whose prompt this step completed."""
         assert self.pooler is not None
         states = self.pooling
-        for rid in out.finished_req_ids:
-            states.pop(rid, None)
         for new in out.scheduled_new_reqs:  # new, or rebuilt after preemption: start over
             assert new.pooling_params is not None, (
                 f"request {new.req_id} reached a pooling model without pooling params"

@@ -260,6 +260,36 @@ def test_cancelled_call_then_worker_killed_mid_step(tiny):
     _assert_clean(ex, before)
 
 
+def test_a_big_step_sent_while_a_big_reply_is_owed(tiny):
+    """Overlap scheduling sends step 2 before it reads step 1's reply. Step 1's reply (whole-
+    vocabulary prompt logprobs of long prompts) was bigger than its response ring, and step 2
+    (a long allowed_token_ids list) bigger than the free request ring: the worker waited to
+    write its reply, the engine to write step 2, each for the other, for good."""
+    before = _our_segments()
+    ex = MultiprocExecutor(_cfg(tiny[0], max_model_len=256), startup_timeout=120)
+    sched = Scheduler(SchedulerConfig(num_blocks=128, block_size=BLOCK, max_num_batched_tokens=512, max_model_len=256))
+
+    async def scenario():
+        await ex.start()
+        try:
+            for i in range(2):
+                prompt = [random.Random(i).randrange(VOCAB) for _ in range(200)]
+                sched.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=1, prompt_logprobs=VOCAB)))
+            first = await ex.submit(sched.schedule())
+            allowed = [256 + i % 256 for i in range(3_000_000)]  # about 9 MB as the step carries them
+            sched.add_request(Request("big", [1, 2, 3], SamplingParams(max_tokens=1, allowed_token_ids=allowed)))
+            second = await asyncio.wait_for(ex.submit(sched.schedule()), 60)
+            one = await asyncio.wait_for(ex.result(first), 60)
+            assert one.req_ids == ["p0", "p1"] and len(one.prompt_logprobs["p0"].lists.token_ids) == 199
+            two = await asyncio.wait_for(ex.result(second), 60)
+            assert "big" in two.req_ids and 256 <= two.sampled_token_ids[two.req_ids.index("big")][0] < 512
+        finally:
+            await ex.shutdown()
+
+    _run(scenario())
+    _assert_clean(ex, before)
+
+
 # -- tensor parallel: shared-memory all-reduce, and the gloo fallback ------------------------
 
 

@@ -272,3 +272,30 @@ def test_cpu_bfloat16_keeps_a_float16_kv_cache_with_twice_the_blocks_where_the_c
     assert runner.dtype == torch.float32 and runner.kv_dtype == torch.float16
     assert {c.dtype for c in runner.kv_caches} == {torch.float16}
     assert runner.num_blocks == 2 * KV_BLOCKS
+
+
+def test_a_pooling_request_finished_in_a_step_with_nothing_to_run_is_let_go(tmp_path):
+    """A chunked embedding prompt aborted between chunks ends in a step that runs no tokens:
+    its pooling state stayed in the worker (one vector per such request, for good)."""
+    from aiolm.core.step import CachedRequestData, NewRequestData, SchedulerOutput
+    from aiolm.pooling.params import PoolingParams
+    from aiolm.worker.model_runner import ModelRunner
+    from pooling_models import qwen3_embedder
+
+    path = qwen3_embedder(tmp_path / "embedder")
+    cfg = RunnerConfig(
+        model=str(path), dtype="float32", max_num_seqs=4, max_model_len=128, block_size=16,
+        kv_cache_memory=2_000_000, num_threads=1, runner="pooling",
+    )  # fmt: skip
+    runner = ModelRunner(cfg)
+
+    def step(n: int, new: list[NewRequestData], scheduled: dict[str, int], finished: set[str]) -> SchedulerOutput:
+        return SchedulerOutput(n, new, CachedRequestData(), scheduled, sum(scheduled.values()), finished)
+
+    prompt = NewRequestData(
+        "r", list(range(3, 43)), [], SamplingParams(max_tokens=1), [0, 1, 2], 0, PoolingParams(task="embed")
+    )
+    runner.execute(step(1, [prompt], {"r": 16}, set()))  # the first chunk of 40 tokens
+    assert list(runner.pooling) == ["r"]
+    runner.execute(step(2, [], {}, {"r"}))  # aborted: the finish comes in an empty step
+    assert runner.pooling == {} and not runner.batch.row_of
