@@ -83,7 +83,8 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelLoadError(f"{source}: {heads} attention heads do not split into {kv_heads} KV-head groups")
         rope_params = cfg.get("rope_parameters") or {}
-        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        # transformers 5 keeps rope_parameters' own rope_theta over a top-level one
+        theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
             raise ModelLoadError(f"{source}: rope_theta must be a positive number, got {theta!r}")
         scaling = cfg.get("rope_scaling") or (

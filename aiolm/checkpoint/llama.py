@@ -15,7 +15,8 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
     check_silu_mlp(cfg, source)
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias is not supported")
-    bias = bool(cfg.get("attention_bias", architecture == "qwen2")) and architecture != "mistral"
+    # transformers' Qwen2 always has QKV biases and Mistral never, whatever attention_bias says
+    bias = architecture == "qwen2" or (architecture != "mistral" and bool(cfg.get("attention_bias")))
     if bias and architecture in ("llama", "qwen3"):  # these put it on o_proj too
         raise ModelLoadError(f"{source}: attention_bias is not supported for {architecture} (a bias on o_proj)")
     return ModelConfig.from_hf(

@@ -24,6 +24,52 @@ PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "relu", "silu")
 # text_config.model_type -> the decoder family that reads it (checkpoint/llama.py)
 _TEXT_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
+# transformers writes a nested config as its difference from the class's defaults (LLaVA-1.5's
+# text_config holds six fields), so those defaults are read under what the file gives: these
+# are the classes' (rope and head_dim defaults are the readers' own, the same as theirs).
+_NESTED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
+    ),
+    "mistral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        sliding_window=4096,
+    ),
+    "qwen2": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+        num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    "gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+    ),
+    "clip_vision_model": dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        image_size=224, patch_size=32,
+    ),
+    "siglip_vision_model": dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        image_size=224, patch_size=16,
+    ),
+}  # fmt: skip
+# LlavaConfig's tower where config.json has no vision_config: CLIP ViT-L/14 at 336 pixels.
+_LLAVA_TOWER = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+)
+
+
+def _nested(cfg: dict[str, Any], key: str, model_type: str) -> dict[str, Any]:
+    """``cfg[key]`` with its class's defaults under it, as transformers reads a nested config."""
+    sub = dict(cfg.get(key) or {})
+    return {**_NESTED_DEFAULTS.get(sub.get("model_type", model_type), {}), **sub}
+
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -103,7 +149,7 @@ class LlavaConfig(ModelConfig):
 def llava_config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config.json") -> LlavaConfig:
     """``LlavaForConditionalGeneration``: a CLIP tower, a two-layer projector and a Llama,
     Mistral or Qwen2 language model, read as transformers reads them."""
-    text = dict(cfg.get("text_config") or {})
+    text = _nested(cfg, "text_config", "llama")
     text_type = text.get("model_type", "llama")
     family = _TEXT_FAMILIES.get(text_type)
     if family is None:
@@ -111,7 +157,7 @@ def llava_config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "
             f"{source}: LLaVA with a {text_type!r} language model is not supported; "
             f"supported: {', '.join(_TEXT_FAMILIES)}"
         )
-    vision = dict(cfg.get("vision_config") or {})
+    vision = _nested(cfg, "vision_config", "clip_vision_model") if cfg.get("vision_config") else dict(_LLAVA_TOWER)
     if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise ModelLoadError(
             f"{source}: LLaVA with a {vision.get('model_type')!r} vision tower is not supported; "
@@ -170,10 +216,10 @@ def gemma3_vision_config_from_hf(
     cfg: dict[str, Any], architecture: str, source: str = "config.json"
 ) -> Gemma3VisionConfig:
     """``Gemma3ForConditionalGeneration``: Gemma 3's text config and a SigLIP tower."""
-    text = dict(cfg.get("text_config") or {})
+    text = _nested(cfg, "text_config", "gemma3_text")
     if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in text:
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-    vision = dict(cfg.get("vision_config") or {})
+    vision = _nested(cfg, "vision_config", "siglip_vision_model")
     if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
         raise ModelLoadError(f"{source}: Gemma 3 with a {vision.get('model_type')!r} vision tower is not supported")
     tower = VisionConfig.from_hf(vision, f"{source} vision_config", eps=1e-6, act="gelu_pytorch_tanh")

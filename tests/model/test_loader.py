@@ -1072,7 +1072,12 @@ def test_config_values_these_layers_do_not_have_are_refused():
             read_config({**base, **extra})
     assert read_config({**base, "hidden_act": "silu"}).architecture == "llama"
     assert read_config({**base, "architectures": ["Qwen2ForCausalLM"], "attention_bias": True}).attention_bias
-    # transformers' Mistral has no biases whatever its config says
+    # transformers' Qwen2 has QKV biases and Mistral none, whatever the config says (a Qwen2's
+    # attention_bias false failed on an assert at load)
+    assert read_config({**base, "architectures": ["Qwen2ForCausalLM"], "attention_bias": False}).attention_bias
+    # rope_parameters' own rope_theta wins over a top-level one, as transformers 5 reads them
+    both = {**base, "rope_theta": 500.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert read_config(both).rope_theta == 10000.0
     assert not read_config({**base, "architectures": ["MistralForCausalLM"], "attention_bias": True}).attention_bias
 
 
@@ -1125,3 +1130,57 @@ def test_max_model_len_past_the_positions_is_refused(tiny_hf_dir, tmp_path):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 500}
     assert position_limit(read_config({**base, "rope_scaling": yarn})) == 2000
     assert position_limit(read_config({**base, "rope_parameters": LLAMA3_ROPE})) == 1000
+
+
+# The Hub's config.json of llava-hf/llava-1.5-7b-hf and google/gemma-3-4b-it: transformers 4
+# wrote their nested configs as differences from the classes' defaults.
+_LLAVA_15 = {
+    "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+    "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {
+        "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
+        "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064,
+    },
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+    "vision_config": {
+        "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+        "vocab_size": 32000,
+    },
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+}  # fmt: skip
+_GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", [_LLAVA_15, _GEMMA3_4B], ids=["llava-1.5", "gemma-3-4b"])
+def test_nested_configs_take_their_classes_defaults(cfg):
+    """A field a nested config leaves out has its class's default, as transformers reads it
+    (both failed with "missing field", and Gemma 3's KV heads and length were wrong)."""
+    from transformers import CONFIG_MAPPING
+
+    ref = CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})
+    text, vision = ref.text_config, ref.vision_config
+    got = read_config(cfg)
+    assert (got.hidden_size, got.num_heads, got.num_kv_heads, got.head_dim) == (
+        text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    )  # fmt: skip
+    assert (got.vocab_size, got.max_position_embeddings, got.rms_norm_eps, got.num_layers) == (
+        text.vocab_size, text.max_position_embeddings, text.rms_norm_eps, text.num_hidden_layers
+    )  # fmt: skip
+    tower = got.vision
+    assert (tower.hidden_size, tower.num_layers, tower.num_heads, tower.image_size, tower.patch_size) == (
+        vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.image_size, vision.patch_size
+    )  # fmt: skip
+    assert (tower.layer_norm_eps, tower.hidden_act) == (vision.layer_norm_eps, vision.hidden_act)
