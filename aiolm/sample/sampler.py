@@ -12,8 +12,8 @@ The order follows vLLM v1's sampler, so results mean the same thing:
    sampler knows them only through the contract in
    ``logits_processors/interface.py``.
 3. Greedy rows (temperature ~ 0, or top_k == 1) take the argmax, exact and
-   independent of the other rows. Random rows apply temperature, top-k, top-p,
-   min-p and draw one token.
+   independent of the other rows. Random rows apply temperature, then min-p,
+   top-k and top-p over what min-p kept, and draw one token.
 
 Choices made for CPU speed (vLLM's sampler targets GPUs):
 
@@ -414,13 +414,21 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int, u: torch.Tensor) 
         vals.masked_fill_(torch.arange(width, device=x.device) >= kn.top_k, _NEG_INF)
         has_k = kn.top_k < vocab
     probs = torch.softmax(vals, dim=-1)  # exact for top-k rows: all their mass is here
+    if kn.min_p is not None:  # first, as vLLM: relative to the most likely token, which stays
+        probs.masked_fill_(probs < probs[:, :1] * kn.min_p, 0.0)
+        probs.div_(probs.sum(dim=-1, keepdim=True))
     no_k = (~has_k).squeeze(1).nonzero().squeeze(1)
     if no_k.numel():
-        # Top-p-only rows: candidate probabilities relative to the full vocabulary.
+        # Top-p-only rows: candidate probabilities relative to the full vocabulary (what min-p
+        # keeps of it).
         top = vals[no_k]
         temp = None if kn.temperature is None else kn.temperature[no_k]
-        z = _softmax_normaliser(x, no_k, top[:, :1], temp)
-        probs[no_k] = (top - top[:, :1]).exp_().div_(z)
+        floor = None if kn.min_p is None else kn.min_p[no_k]
+        z = _softmax_normaliser(x, no_k, top[:, :1], temp, floor)
+        e = (top - top[:, :1]).exp_()
+        if floor is not None:
+            e.masked_fill_(e < floor, 0.0)
+        probs[no_k] = e.div_(z)
     fits = has_k
     if kn.top_p is not None:
         top_p = kn.top_p
@@ -432,16 +440,20 @@ def _sample_candidates(x: torch.Tensor, kn: Knobs, width: int, u: torch.Tensor) 
         narrow = (cum[:, -1:] >= top_p) & ((~drop).sum(dim=-1, keepdim=True) <= _TOP_P_CANDIDATES)
         fits = has_k | (top_p >= 1.0) | narrow
         probs.masked_fill_(drop, 0.0)
-    if kn.min_p is not None:
-        probs.masked_fill_(probs < probs[:, :1] * kn.min_p, 0.0)  # column 0 is the max
     choice = _inverse_cdf(probs, u)
     return idx.gather(1, choice.unsqueeze(1)).squeeze(1), fits.squeeze(1)
 
 
 def _softmax_normaliser(
-    x: torch.Tensor, rows: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor | None, chunk: int = 16
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    row_max: torch.Tensor,
+    temperature: torch.Tensor | None,
+    floor: torch.Tensor | None = None,
+    chunk: int = 16,
 ) -> torch.Tensor:
-    """sum(exp(x[row] / t - max)) for each row in ``rows``, as a [k, 1] column.
+    """sum(exp(x[row] / t - max)) for each row in ``rows``, as a [k, 1] column; with ``floor``
+    (min-p), only of the terms at least that (the most likely token's term is 1).
 
     Goes through one small reused buffer, chunk by chunk: ``x`` must stay intact
     (a wider pass may redo some rows) and a full-size temporary would cost more
@@ -456,6 +468,8 @@ def _softmax_normaliser(
         if temperature is not None:
             b.div_(temperature[start:end])
         b.sub_(row_max[start:end]).exp_()
+        if floor is not None:
+            b.masked_fill_(b < floor[start:end], 0.0)
         torch.sum(b, dim=-1, keepdim=True, out=z[start:end])
     return z
 
@@ -470,6 +484,8 @@ def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
     if kn.temperature is not None:
         x.div_(kn.temperature)
     probs = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # unnormalised; each row's max is 1
+    if kn.min_p is not None:  # first, as vLLM: relative to the most likely token (1 here)
+        probs.masked_fill_(probs < kn.min_p, 0.0)
     if kn.top_p is not None:
         rows = (kn.top_p < 1.0).squeeze(1).nonzero().squeeze(1)
         if rows.numel():
@@ -481,9 +497,6 @@ def _sample_full(x: torch.Tensor, kn: Knobs, u: torch.Tensor) -> torch.Tensor:
             drop[:, 0] = False
             remove = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
             probs.index_copy_(0, rows, sub.masked_fill_(remove, 0.0))
-    if kn.min_p is not None:
-        # Relative to each row's max (1 here, or unchanged by the top-p rescale).
-        probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * kn.min_p, 0.0)
     return _inverse_cdf(probs, u)
 
 

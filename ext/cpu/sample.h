@@ -3,12 +3,12 @@
 // (sample_rows.cpp's op) and the whole-step call's (decode_layer.cpp), the one function both
 // take, so a step's token does not depend on which of them ran it.
 //
-// The distribution is the sampler's torch path's (aiolm/sample/sampler.py): the logits over
-// the temperature; top-k keeps exactly k tokens (of equal values, the lower index first)
-// and renormalises over them; top-p then keeps the most likely tokens until the mass before
-// the next one reaches p (the first always stays); min-p drops tokens below min_p times the
-// most likely one's probability; the draw is the first token whose cumulative mass exceeds
-// u times the kept total. The bits are this file's own: sums run in a fixed order here, not
+// The distribution is the sampler's torch path's (aiolm/sample/sampler.py), in vLLM's order:
+// the logits over the temperature; min-p drops tokens below min_p times the most likely
+// one's probability; top-k keeps exactly k tokens (of equal values, the lower index first);
+// what is kept is renormalised, and top-p then keeps the most likely tokens until the mass
+// before the next one reaches p (the first always stays); the draw is the first token whose
+// cumulative mass exceeds u times the kept total. The bits are this file's own: sums run in a fixed order here, not
 // torch's, so a token may differ from the torch path's where u falls within rounding of a
 // boundary between two tokens.
 //
@@ -193,9 +193,9 @@ inline void best(const float* s, int64_t n, int64_t width, std::vector<std::pair
   std::sort(top.begin(), top.end(), better);
 }
 
-// Top-p and min-p over candidates (best first) whose probabilities are p[0, n): a dropped
-// candidate's probability becomes 0.
-inline void filter(float* p, int64_t n, float top_p, float min_p) {
+// Top-p over candidates (best first) whose probabilities are p[0, n), min-p's drops already
+// 0: a dropped candidate's probability becomes 0.
+inline void filter(float* p, int64_t n, float top_p) {
   if (top_p < 1.f) {
     float before = 0.f;  // mass of the candidates ahead of j
     for (int64_t j = 0; j < n; ++j) {
@@ -204,16 +204,11 @@ inline void filter(float* p, int64_t n, float top_p, float min_p) {
       before += pj;
     }
   }
-  if (min_p > 0.f) {
-    const float floor = p[0] * min_p;
-    for (int64_t j = 1; j < n; ++j)
-      if (p[j] < floor) p[j] = 0.f;
-  }
 }
 
 // The draw over candidates, after filter: the candidate's position.
-inline int64_t draw_candidates(float* p, int64_t n, float top_p, float min_p, double u) {
-  filter(p, n, top_p, min_p);
+inline int64_t draw_candidates(float* p, int64_t n, float top_p, double u) {
+  filter(p, n, top_p);
   float total = 0.f;
   for (int64_t j = 0; j < n; ++j) total += p[j];
   return first_above(p, n, target(u, total));
@@ -248,11 +243,13 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
     w.blocks.assign(cp, ninf);
     for (int64_t j = 0; j < c; ++j) w.blocks[j] = w.top[j].first;
     float* p = w.e.data();
-    exp_shifted(w.blocks.data(), cp, m, p);
+    exp_shifted(w.blocks.data(), cp, m, p);  // the best's exp is 1
+    if (k.min_p > 0.f)
+      for (int64_t j = 1; j < c; ++j) p[j] = p[j] < k.min_p ? 0.f : p[j];
     float z = 0.f;
     for (int64_t j = 0; j < c; ++j) z += p[j];
     for (int64_t j = 0; j < c; ++j) p[j] /= z;
-    return w.top[draw_candidates(p, c, k.top_p, k.min_p, u)].second;
+    return w.top[draw_candidates(p, c, k.top_p, u)].second;
   }
 
   // The whole row's exps, with a sum per block of 16 (in order within the block).
@@ -260,8 +257,9 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
   exp_shifted(s, padded, m, e);
   const int64_t nb = padded / BLOCK;
   w.blocks.resize(nb + 1);
+  if (k.min_p > 0.f)  // first: top-p's mass is of what min-p keeps (the most likely token's exp is 1)
+    for (int64_t i = 0; i < padded; ++i) e[i] = e[i] < k.min_p ? 0.f : e[i];
   block_sums(e, nb, w.blocks.data());
-  const float min_p = k.min_p;
   bool narrowed = false;  // exps zeroed outside a top-p nucleus: the block sums are stale
 
   if (k.top_p < 1.f) {  // the nucleus: among the best 256, else among the tokens near enough the top
@@ -280,7 +278,7 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
     };
     best(s, n, FIRST_WIDTH, w.top, w.tmp);
     const int64_t c = nucleus();
-    if (c >= 0) return w.top[draw_candidates(q.data(), c, k.top_p, k.min_p, u)].second;
+    if (c >= 0) return w.top[draw_candidates(q.data(), c, k.top_p, u)].second;
     // A nucleus wider than the candidates: each token's distance below the top, in buckets of
     // 1/32 (the last: all from 32 on). The buckets above the one where their mass reaches p
     // are kept whole; that bucket's tokens, in order of likelihood, while the mass before them
@@ -321,9 +319,7 @@ inline int64_t sample_row(const float* x, int64_t n, double u, const Knobs& k, S
 
   // The whole vocabulary in index order. The most likely token's exp is 1.
   float* b = w.blocks.data();
-  if (min_p > 0.f)
-    for (int64_t i = 0; i < padded; ++i) e[i] = e[i] < min_p ? 0.f : e[i];
-  if (min_p > 0.f || narrowed) block_sums(e, nb, b);
+  if (narrowed) block_sums(e, nb, b);
   // prefix sums over the blocks; a block's own values are summed in the same order as its
   // sum, so the cumulative value at a block's end is the next block's start, exactly
   float c = 0.f;

@@ -19,6 +19,21 @@ def torch_tokens(logits: torch.Tensor, params: list[SamplingParams], u: torch.Te
     return _sample_random(logits.clone(), rnd, u)
 
 
+def _vllm_kept(probs: torch.Tensor, ranked: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The tokens a row may draw, in vLLM's order: min-p, then top-k, then top-p over what is
+    left, renormalised (vllm/v1/sample/sampler.py)."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.min_p > 0:
+        keep &= probs >= probs.max() * p.min_p
+    if 0 < p.top_k < probs.numel():
+        keep[ranked[p.top_k :]] = False
+    if p.top_p < 1:
+        sp = torch.where(keep, probs, 0.0)[ranked]
+        sp = sp / sp.sum()
+        keep[ranked[1:][(torch.cumsum(sp, 0) - sp)[1:] >= p.top_p]] = False
+    return keep
+
+
 def near_a_boundary(logits: torch.Tensor, p: SamplingParams, u: float, got: int, want: int) -> bool:
     """Whether u lies within 1e-5 of the cumulative mass (float64, in the draw's order) where
     the two tokens meet: a difference of rounding, not of distribution. Top-k rows and top-p
@@ -26,16 +41,8 @@ def near_a_boundary(logits: torch.Tensor, p: SamplingParams, u: float, got: int,
     x = logits.double() / p.temperature
     probs = torch.softmax(x, -1)
     ranked = torch.argsort(-x, stable=True)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if 0 < p.top_k < x.numel():
-        keep[ranked[p.top_k :]] = False
-        probs = torch.where(keep, probs, 0.0) / probs[keep].sum()
-    if p.top_p < 1:
-        sp = probs[ranked]
-        keep[ranked[1:][(torch.cumsum(sp, 0) - sp)[1:] >= p.top_p]] = False
+    keep = _vllm_kept(probs, ranked, p)
     by_rank = 0 < p.top_k < x.numel() or (p.top_p < 1 and int(keep.sum()) <= 256)  # the nucleus's size
-    if p.min_p > 0:
-        keep &= probs >= probs.max() * p.min_p
     order = ranked if by_rank else torch.arange(x.numel())
     cdf = torch.cumsum(torch.where(keep, probs, 0.0)[order], 0)
     cdf /= cdf[-1].clone()
@@ -69,6 +76,39 @@ def test_the_op_draws_the_torch_paths_tokens(params):
     differ = (got != want).nonzero().flatten().tolist()
     assert all(near_a_boundary(logits[r], params, u[r].item(), int(got[r]), int(want[r])) for r in differ), differ
     assert len(differ) <= 3  # of 64 rows: a wide nucleus has a boundary every ~5e-5 of mass
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(min_p=0.5, top_p=0.6),
+        SamplingParams(min_p=0.3, top_p=0.6, temperature=0.9),
+        SamplingParams(top_k=20, top_p=0.8, min_p=0.1),
+        SamplingParams(top_k=3, top_p=0.7, min_p=0.5),
+    ],
+    ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}",
+)
+def test_min_p_comes_before_top_k_and_top_p_as_in_vllm(params):
+    """Where min-p and top-p both cut, the nucleus is of what min-p kept: with probabilities
+    0.5, 0.3, 0.2, min_p 0.5 and top_p 0.6, vLLM keeps the first token alone (min-p leaves 0.625
+    and 0.375); min-p last drew the second 37.5% of the time. Both paths draw only tokens vLLM
+    keeps, and every one of them over 2,000 evenly spaced draws."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    rows = [torch.cat([base, torch.full((VOCAB - 3,), -30.0)]), torch.randn(VOCAB, generator=g) * 3]
+    for logits in rows:
+        x = logits.double() / params.temperature
+        kept = set(
+            _vllm_kept(torch.softmax(x, -1), torch.argsort(-x, stable=True), params).nonzero().flatten().tolist()
+        )
+        n = 2000
+        u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        batch = logits.unsqueeze(0).expand(n, -1).contiguous()
+        ps = [params] * n
+        op = sampling_ops.sample_rows(batch, u, knob_rows(ps, VOCAB, torch.device("cpu")))
+        assert op is not None
+        for got in (op, torch_tokens(batch, ps, u)):
+            assert set(got.tolist()) == kept
 
 
 def test_greedy_rows_masked_tokens_ties_and_small_rows():
