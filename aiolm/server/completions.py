@@ -5,6 +5,7 @@ Choice indexes run prompt-major (``prompt_index * n + i``), like OpenAI.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aiolm.engine.client import EngineClient
+from aiolm.outputs import CompletionOutput
 from aiolm.params import OutputKind
 from aiolm.server import beam
 from aiolm.server.context import ServingContext
@@ -85,10 +87,19 @@ async def create_completion(request: Request) -> Response | EventStream:
         req = req.model_copy(update={"logprobs": 0})
     structured, structured_param = await off_loop_if_big(request, structured_spec, req)
     stream = req.stream
+    # echo with max_tokens 0 scores the prompt alone (vLLM's echo without generation): one token
+    # is generated, as the engine needs, and not returned
+    echo_only = req.echo and req.max_tokens == 0
+    if echo_only:
+        if req.use_beam_search:
+            raise bad_request(
+                "'max_tokens' 0 (the echo alone) is not available with 'use_beam_search'", param="max_tokens"
+            )
+        req = req.model_copy(update={"max_tokens": 1})
     # Echoed prompt tokens get real logprobs: the engine scores the prompt too (as vLLM does).
     scored = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
-        scored = max(scored or 0, req.logprobs)
+        scored = req.logprobs if scored is None else -1 if -1 in (scored, req.logprobs) else max(scored, req.logprobs)
     params = sampling_params(
         req,
         req.max_tokens,
@@ -125,13 +136,17 @@ async def create_completion(request: Request) -> Response | EventStream:
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     if stream:
         opts = req.stream_options or StreamOptions()
-        events = _events(gen, meta, prompts, req, opts.include_usage, tok, request, opts.continuous_usage_stats)
+        events = _events(
+            gen, meta, prompts, req, opts.include_usage, tok, request, opts.continuous_usage_stats, echo_only
+        )
         return EventStream(events, on_gone=lambda: log_extra(request, client_gone=True), close=gen.abort)
     finals = await until_disconnect(request.receive, gen.collect())
     choices = []
     completion_tokens = 0
     for pi, (prompt, final) in enumerate(zip(prompts, finals)):
         for c in final.outputs:
+            if echo_only:
+                c = _nothing_generated(c)
             completion_tokens += len(c.token_ids)
             echo = (prompt.text or "") if req.echo else ""
             lp = None
@@ -172,6 +187,11 @@ async def create_completion(request: Request) -> Response | EventStream:
     )
 
 
+def _nothing_generated(c: CompletionOutput) -> CompletionOutput:
+    """An output of echo with max_tokens 0: its one generated token left out."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+
+
 async def _events(
     gen: Generation,
     meta: dict[str, Any],
@@ -181,6 +201,7 @@ async def _events(
     tok: EngineClient,
     request: Request,
     continuous: bool = False,
+    echo_only: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
     n, top_n, ids = req.n, req.logprobs, req.return_token_ids
     sent_prompt: set[int] = set()
@@ -245,6 +266,8 @@ async def _events(
                     yield echoed
             choices = []
             for c in out.outputs:
+                if echo_only:
+                    c = _nothing_generated(c)
                 completion_tokens += len(c.token_ids)
                 idx = pi * n + c.index
                 lp = builders[idx].generated(c.token_ids, c.logprobs or []) if top_n is not None else None

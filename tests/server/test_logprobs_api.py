@@ -60,6 +60,18 @@ def test_minus_one_is_the_whole_vocabulary(unbounded):
     )
     plp = scored.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and all(len(e) == VOCAB for e in plp[1:])
+    # echoed prompt tokens carry the whole vocabulary too (-1 counted as less than any count:
+    # they had one entry each), also beside a smaller prompt_logprobs
+    for extra in ({}, {"prompt_logprobs": 2}):
+        echoed = c.completions.create(
+            model=model, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=-1, extra_body=extra
+        )
+        tops = echoed.choices[0].logprobs.top_logprobs
+        # (keyed by text, as OpenAI's are: tokens that decode alike share a key, as the generated one's)
+        whole = len(tops[-1])
+        assert tops[0] is None and whole > 40000 and all(len(t) == whole for t in tops[1:]), [
+            len(t or ()) for t in tops
+        ]
 
 
 def test_logprobs_zero_is_the_sampled_token_alone(unbounded):

@@ -330,6 +330,22 @@ def test_prompt_logprobs_echo_and_token_ids(client, model, server):
     )
     first = chunks[0].choices[0]
     assert first.text == text and first.logprobs.token_logprobs[1:] == pytest.approx(actual, abs=1e-6)
+    # echo with max_tokens 0 scores the prompt alone (vLLM's echo without generation; it was a 400)
+    scored = client.completions.create(
+        model=model, prompt=text, max_tokens=0, echo=True, logprobs=2, extra_body={"return_token_ids": True}
+    )
+    only = scored.choices[0]
+    assert (only.text, only.token_ids, only.finish_reason, scored.usage.completion_tokens) == (text, [], "length", 0)
+    assert (
+        only.logprobs.tokens == lp.tokens[: len(ids)] and only.logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    )
+    streamed = list(
+        client.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=2, stream=True)
+    )
+    assert "".join(ch.choices[0].text for ch in streamed) == text
+    assert [ch.choices[0].finish_reason for ch in streamed][-1] == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo there is nothing to return
+        client.completions.create(model=model, prompt=text, max_tokens=0)
     # chat: the rendered prompt's ids and logprobs at the top of the response
     msgs = [{"role": "user", "content": "Say hi."}]
     chat_ids = httpx.post(server.base_url + "/tokenize", json={"messages": msgs}, headers=auth, timeout=30).json()
