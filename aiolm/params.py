@@ -169,9 +169,9 @@ class SamplingParams:
             v = getattr(self, name)
             check(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {_shown(v)}")
         check(
-            is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            is_num(self.repetition_penalty) and self.repetition_penalty > 0,  # any, as vLLM and HF take
             "repetition_penalty",
-            f"must be in (0, 2], got {_shown(self.repetition_penalty)}",
+            f"must be a number > 0, got {_shown(self.repetition_penalty)}",
         )
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict), "logit_bias", "must be a map of token id to bias")

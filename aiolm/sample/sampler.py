@@ -200,6 +200,8 @@ class SamplingMetadata:
     max_num_logprobs: int
     named_logprob_ids: list[list[int] | None] | None  # per row (logprob_token_ids); None: no row has any
     knobs: torch.Tensor  # every row's, as knob_rows gives them (greedy rows: temperature 0)
+    # (rows, tokens): each row's stop tokens, where a ban may leave a row nothing to draw
+    stop_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -237,6 +239,9 @@ class SamplingMetadata:
         lp_rows = [i for i in range(n) if num_logprobs[i] is not None]
         if registry is None:
             registry = logits_processors.REGISTRY
+        processors = logits_processors.build_active(
+            BatchRows(params, output_token_ids, prompt_token_ids, vocab_size, dev), registry
+        )
         return cls(
             num_reqs=n,
             vocab_size=vocab_size,
@@ -245,9 +250,7 @@ class SamplingMetadata:
             any_greedy=any(greedy),
             random=RandomRows.build(params, random_list, generators, vocab_size, dev) if random_list else None,
             default_generator=default_generator,
-            processors=logits_processors.build_active(
-                BatchRows(params, output_token_ids, prompt_token_ids, vocab_size, dev), registry
-            ),
+            processors=processors,
             processor_names=frozenset(kind.name for kind in registry),
             num_logprobs=num_logprobs,
             logprob_rows=long_tensor(lp_rows, dev) if lp_rows and len(lp_rows) < n else None,
@@ -255,6 +258,7 @@ class SamplingMetadata:
             max_num_logprobs=max((num_logprobs[i] or 0 for i in lp_rows), default=0),
             named_logprob_ids=named if any(named) else None,
             knobs=knob_rows(params, vocab_size, dev),
+            stop_pairs=_stop_pairs(params, vocab_size, dev) if _BANS & {p.name for p in processors} else None,
         )
 
     def draws(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,10 +352,35 @@ class Sampler:
         else:
             for proc in m.processors:
                 proc.apply(x)
+            if m.stop_pairs is not None:
+                _end_rows_left_with_nothing(x, m.stop_pairs)
             sampled = _sample(x, m, set(skip_rng_rows))
 
         lp = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, m)
         return SamplerOutput(sampled=sampled, logprobs=lp)
+
+
+# The processors whose bans can together forbid every token of a row: allowed_token_ids with
+# a multi-token bad word that covers the last allowed one, or min_tokens on what is left. (The
+# grammar ends its own rows.)
+_BANS = frozenset({"allowed_token_ids", "bad_words", "min_tokens"})
+
+
+def _stop_pairs(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    pairs = [(i, t) for i, p in enumerate(params) for t in sorted(p.stop_ids()) if 0 <= t < vocab_size]
+    if not pairs:
+        return None
+    return long_tensor([i for i, _ in pairs], device), long_tensor([t for _, t in pairs], device)
+
+
+def _end_rows_left_with_nothing(x: torch.Tensor, stop_pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A row whose every token is forbidden takes its stop tokens, and so ends: a draw from it
+    took token 0 (on Llama 3, "!"), which the row's own bans forbid. Nothing is read back."""
+    rows, tokens = stop_pairs
+    dead = torch.isneginf(x).all(dim=1).index_select(0, rows)
+    x.index_put_((rows, tokens), torch.where(dead, 0.0, x[rows, tokens]))
 
 
 def _sample(x: torch.Tensor, m: SamplingMetadata, skip: set[int]) -> torch.Tensor:

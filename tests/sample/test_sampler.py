@@ -293,6 +293,11 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     assert greedy_pick(neg, outputs=[0], repetition_penalty=1.3) == 1  # -1.3 < -1.2
     # A penalty below 1 rewards repetition: the negative logit shrinks toward 0.
     assert greedy_pick(torch.tensor([-1.0, -0.8]), prompts=[0], repetition_penalty=0.5) == 0
+    # any positive value, as vLLM and transformers take it (above 2 was a 400)
+    assert greedy_pick(pos, prompts=[0], repetition_penalty=3.0) == 1
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ParamError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)
 
 
 def test_advance_matches_rebuild_and_penalty_rows_do_not_leak():
@@ -435,6 +440,20 @@ def test_thinking_budget_forces_the_end_token_once_spent():
     free = SamplingParams(temperature=0.0)
     both = meta([free, p], outputs=[[1, 1], [1, 1]], vocab=4)
     assert sampler(logits.repeat(2, 1), both).sampled.tolist() == [1, 3]
+
+
+def test_a_row_its_bans_leave_nothing_takes_its_stop_token():
+    """allowed_token_ids [1] with the bad word [1, 1]: after one 1 every token is forbidden, and
+    the draw took token 0, which the row does not allow; it ends at its EOS instead, and the
+    other rows are untouched."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]] * 2)
+    banned = SamplingParams(temperature=0.0, allowed_token_ids=[1], bad_words_token_ids=[[1, 1]], eos_token_ids=(3,))
+    free = SamplingParams(temperature=0.0, eos_token_ids=(3,))
+    assert sampler(logits, meta([banned, free], outputs=[[1], [1]], vocab=4)).sampled.tolist() == [3, 1]
+    drawn = SamplingParams(temperature=1.0, allowed_token_ids=[1], bad_words_token_ids=[[1, 1]], eos_token_ids=(3,))
+    assert set(sample_many(logits[0], drawn, 50).tolist()) == {1}  # nothing banned yet: 1
+    m = meta([drawn] * 50, outputs=[[1]] * 50, vocab=4)
+    assert set(sampler(logits[:1].expand(50, -1).contiguous(), m).sampled.tolist()) == {3}
 
 
 def test_thinking_budget_is_checked():
