@@ -69,7 +69,7 @@ def config_from_hf(cfg: dict[str, Any], architecture: str, source: str = "config
         num_labels = int(cfg.get("num_labels", len(id2label) or 2))
         if num_labels < 1:
             raise ModelLoadError(f"{source}: num_labels must be at least 1, got {num_labels}")
-    eps = float(cfg.get("layer_norm_eps", 1e-12 if prefix == "bert" else 1e-5))
+    eps = float(cfg.get("layer_norm_eps", 1e-12))  # BertConfig's and XLMRobertaConfig's
     max_pos = int(cfg.get("max_position_embeddings", 512))
     return BertConfig.from_hf(
         cfg,

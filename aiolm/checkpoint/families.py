@@ -62,6 +62,19 @@ MODELS: dict[str, ModelFamily] = {
 }
 
 
+# Where a family's transformers config class defaults a field otherwise than the readers do
+# (config/ModelConfig.from_hf: RoPE base 10000, eps 1e-6, 2048 positions, as many KV heads as
+# heads): a config.json without the field means the class's value, as transformers reads it.
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
+    "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+}
+
+
 def family_of(architecture: str) -> ModelFamily:
     """The family whose ModelConfig.architecture is ``architecture``."""
     family = next((f for f in MODELS.values() if f.name == architecture), None)
@@ -82,6 +95,7 @@ def read_config(cfg: dict[str, Any], source: str = "config.json", quant_source: 
             f"{source}: unknown architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(sorted(MODELS))}"
         )
     family = MODELS[arch]
+    cfg = {**_CLASS_DEFAULTS.get(family.name, {}), **cfg}
     if family.config_from_hf is None:
         config = ModelConfig.from_hf(cfg, source, architecture=family.name)
     else:

@@ -1184,3 +1184,25 @@ def test_nested_configs_take_their_classes_defaults(cfg):
         vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.image_size, vision.patch_size
     )  # fmt: skip
     assert (tower.layer_norm_eps, tower.hidden_act) == (vision.layer_norm_eps, vision.hidden_act)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3_moe", "qwen2_moe", "mixtral", "xlm-roberta"])
+def test_a_config_without_a_field_takes_its_classes_default(model_type):
+    """A hand-written config.json may leave out what its class defaults: RoPE base, eps,
+    positions, KV heads and window are then transformers' (a Mixtral without rope_theta and
+    rms_norm_eps ran with 10000 and 1e-6: logits 15 apart)."""
+    from transformers import CONFIG_MAPPING
+
+    sizes = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    extra = {"num_attention_heads": 16, "num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 32}
+    extra |= {"num_experts_per_tok": 2, "shared_expert_intermediate_size": 64}
+    cfg = {"model_type": model_type, **sizes, **extra}
+    ref = CONFIG_MAPPING[model_type](**{k: v for k, v in cfg.items() if k != "model_type"})
+    got = read_config(cfg)
+    assert got.max_position_embeddings == ref.max_position_embeddings - (2 if model_type == "xlm-roberta" else 0)
+    if model_type == "xlm-roberta":
+        assert got.layer_norm_eps == ref.layer_norm_eps
+        return
+    assert (got.num_kv_heads, got.rms_norm_eps) == (ref.num_key_value_heads, ref.rms_norm_eps)
+    assert got.rope_theta == ref.rope_parameters["rope_theta"]
+    assert set(got.sliding_windows) <= {ref.sliding_window or None}
