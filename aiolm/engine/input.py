@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from aiolm.engine.chat_messages import shaped_for
 from aiolm.multimodal.inputs import ImageInput
 from aiolm.params import MAX_CACHE_SALT_CHARS, ParamError, SamplingParams
 
@@ -116,8 +117,11 @@ class InputProcessor:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise ParamError(f"messages[{i}]", "must be an object with a 'role'")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise ParamError("messages", "this model has no chat template; use a plain prompt")
+        if isinstance(template, str):  # (named templates: transformers picks one itself)
+            messages = shaped_for(template, messages)
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages),

@@ -242,7 +242,7 @@ def template_messages(messages: list[ChatMessage], where: str = "messages") -> l
     the conversation's name in the request, for 400s."""
     out = []
     for i, m in enumerate(messages):
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls is not None):
             # As at OpenAI: only an assistant turn that made tool calls may leave its content out.
             raise bad_request(
                 f"'{where}[{i}].content' is required for a {m.role} message (null or missing "
@@ -268,8 +268,13 @@ def template_messages(messages: list[ChatMessage], where: str = "messages") -> l
                     args = client_json.loads(text) if text.strip() else {}
                 except client_json.TooDeep as e:
                     raise bad_request(f"'{path}' is {e}", param=path) from None
-                except ValueError as e:
-                    raise bad_request(f"'{path}' is not valid JSON: {e}", param=path) from None
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    # An answer cut by max_tokens leaves its call's arguments unfinished: sent back,
+                    # they are shown as no arguments, as vLLM shows them, so the conversation goes on.
+                    log.warning("%s is not a JSON object; the template gets {}", path)
+                    args = {}
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             msg["tool_calls"] = calls
         if m.tool_call_id:

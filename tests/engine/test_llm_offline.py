@@ -65,6 +65,20 @@ def test_chat_applies_the_template(llm, tokenizer):
     assert "Say hello." in two[1].prompt and len(two[1].outputs[0].token_ids) == 3
 
 
+def test_chat_takes_the_servers_message_shapes(llm, tokenizer):
+    """README: LLM.chat takes the same messages as the server. Text parts failed in the template
+    ("can only concatenate str"), and a call's arguments, JSON text in OpenAI's shape, reached
+    the template as a string it then encoded again."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "Paris?"}]}]
+    (one,) = llm.chat(parts, greedy(1), use_tqdm=False)
+    plain = [{"role": "user", "content": "What is\nParis?"}]
+    assert one.prompt == tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    shown = "{{ messages[1].tool_calls[0].function.arguments.city }}"
+    rendered = llm.engine.render_chat([*plain, {"role": "assistant", "tool_calls": [call]}], chat_template=shown)
+    assert rendered == "Paris"  # an object, as the server gives it
+
+
 def test_the_engine_loop_is_uvloop(llm):
     """One uvloop loop is the design: the offline LLM's loop thread runs one too, as the
     server and the CLI do (uvloop is a dependency, so this is never the fallback)."""

@@ -160,3 +160,46 @@ def test_text_parts_are_joined_a_line_apart_as_vllm_joins_them(server):
         for content in (parts, "Hello\nWorld")
     )
     assert counted.status_code == 200 and counted.json() == plain.json(), (counted.text, plain.text)
+
+
+def _rendered(server: ServerProcess, messages: list[dict]) -> str:
+    r = _tokenize(server, {"messages": messages, "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    return httpx.post(server.base_url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=TIMEOUT).json()[
+        "prompt"
+    ]
+
+
+def test_developer_messages_and_cut_tool_calls_reach_the_template_as_vllm_gives_them(server):
+    """A template that knows no developer role gets it as system (Qwen2.5's dropped the message,
+    SmolLM2's showed an unknown role); a call whose arguments an answer cut by max_tokens left
+    unfinished, or an empty tool_calls, is sent back as no arguments instead of a 400."""
+    text = _rendered(server, [{"role": "developer", "content": "Answer in French."}, *QUESTION])
+    assert text.startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
+    cut = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Par'}}
+    for turn in ({"role": "assistant", "content": None, "tool_calls": [cut]}, {"role": "assistant", "tool_calls": []}):
+        messages = [*QUESTION, turn, {"role": "user", "content": "And now?"}]
+        assert _rendered(server, messages).endswith("<|im_start|>user\nAnd now?<|im_end|>\n")
+
+
+def test_templates_that_loop_over_content_parts_get_parts():
+    """LLaVA's template (and many vision models') renders only the text parts it loops over:
+    a string content rendered an empty user turn ("USER: ASSISTANT:"), as vLLM's detection of
+    the template's content format avoids."""
+    from aiolm.engine.chat_messages import shaped_for, template_traits
+
+    llava = (
+        "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+        "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+        "{{ content['text'] + ' '}}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+    )
+    assert template_traits(llava) == (True, False) and template_traits(TEMPLATE) == (False, False)
+    shaped = shaped_for(llava, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert shaped == [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    import jinja2
+
+    out = jinja2.Environment().from_string(llava).render(messages=shaped, add_generation_prompt=True)
+    assert out == "Be brief. USER: Hi ASSISTANT:"
