@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
 
 SETUP = """
+import os
 from aiolm import LLM, SamplingParams
 ARGS = dict(max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=4, num_threads=1)
 PARAMS = SamplingParams(max_tokens=3, temperature=0)
 def report(llm):
     out = llm.generate(["The capital of France is"], PARAMS, use_tqdm=False)[0].outputs[0].text
-    print("TEXT", repr(out), "WORKERS", *[p.pid for p in llm.engine.executor.procs], flush=True)
+    procs = getattr(llm.engine.executor, "procs", None)  # none in-process: the script's own pid
+    print("TEXT", repr(out), "WORKERS", *([p.pid for p in procs] if procs else [os.getpid()]), flush=True)
 """
 
 SCRIPTS = {
@@ -37,8 +39,10 @@ SCRIPTS = {
     "sys_exit": "import sys\nllm = LLM(**ARGS)\nreport(llm)\nsys.exit(3)\n",
     "exception": "llm = LLM(**ARGS)\nreport(llm)\nraise RuntimeError('user bug')\n",
     "with": "with LLM(**ARGS) as llm:\n    report(llm)\n",
+    # in-process: its step thread's pool took no more work at exit (a traceback)
+    "in_process": "llm = LLM(executor='local', **ARGS)\nreport(llm)\n",
 }
-EXIT_CODES = {"global": 0, "local": 0, "sys_exit": 3, "exception": 1, "with": 0}
+EXIT_CODES = {"global": 0, "local": 0, "sys_exit": 3, "exception": 1, "with": 0, "in_process": 0}
 
 
 def _gone(pid: int) -> bool:
