@@ -304,6 +304,7 @@ class AsyncEngine:
                 max_pixels=a.max_image_pixels,
             ),
         )
+        self.inputs.lower_case = self.pooling_config is not None and self.pooling_config.lower_case
         self._model_loaded = True
 
     async def start(self) -> None:

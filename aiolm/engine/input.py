@@ -68,6 +68,7 @@ class InputProcessor:
         media_limits: MediaLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.lower_case = False  # a sentence-transformers folder's do_lower_case: pooled texts lowercased
         self.images = images  # a vision-language model's processor; None: text only
         self.media_limits = media_limits
         self._image_slots: asyncio.Semaphore | None = None  # made on first use, in the serving loop
@@ -360,6 +361,8 @@ class InputProcessor:
 
     def _encode_pooled(self, text: str, truncate: int | None) -> list[int]:
         """Truncated by the tokenizer, which keeps the special tokens (a BERT's [SEP]) in."""
+        if self.lower_case:
+            text = text.lower()
         if truncate is None:
             return self.encode(text)
         with self._truncating() as tok:
@@ -381,6 +384,8 @@ class InputProcessor:
             if not isinstance(value, str):
                 raise ParamError(name, f"must be a string, got {type(value).__name__}")
         limit = resolve_truncation(truncate, max_tokens)  # checked before the tokenizer sees it
+        if self.lower_case:
+            text, pair = text.lower(), pair.lower()
         if limit is None:
             why = self.too_long(text + pair)
             if why is not None:

@@ -48,6 +48,7 @@ class PoolingConfig:
     # sentence-transformers' CrossEncoder applies): "softmax", "sigmoid", "tanh" or "identity"
     class_activation: str = "softmax"
     score_activation: str = "sigmoid"
+    lower_case: bool = False  # sentence_bert_config.json's do_lower_case: texts lowercased first
 
     @property
     def is_classifier(self) -> bool:
@@ -69,8 +70,10 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
             None,
             num_labels,
             labels,
+            max_seq_length=_max_seq_length(path),
             class_activation=_class_activation(hf_config.get("problem_type"), num_labels),
             score_activation=_score_activation(path, hf_config) if num_labels == 1 else "sigmoid",
+            lower_case=_lower_case(path),
         )
     modules_file = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
     if not modules_file or not os.path.isfile(modules_file):
@@ -94,7 +97,9 @@ def read_pooling_config(path: str, hf_config: dict[str, Any], encoder_only: bool
             )
     if pooling is None:
         pooling = "cls" if encoder_only else "last"
-    return PoolingConfig(pooling, normalize, matryoshka, max_seq_length=_max_seq_length(path))
+    return PoolingConfig(
+        pooling, normalize, matryoshka, max_seq_length=_max_seq_length(path), lower_case=_lower_case(path)
+    )
 
 
 _PROBLEM_ACTIVATIONS = {
@@ -117,8 +122,10 @@ def _score_activation(path: str, hf_config: dict[str, Any]) -> str:
     ``sentence_transformers.activation_fn``, or the older ``sbert_ce_default_activation_function``);
     sigmoid where it names none."""
     st = hf_config.get("sentence_transformers")
-    named = (st.get("activation_fn") if isinstance(st, dict) else None) or hf_config.get(
-        "sbert_ce_default_activation_function"
+    named = (
+        _json(path, "config_sentence_transformers.json").get("activation_fn")  # sentence-transformers 6
+        or (st.get("activation_fn") if isinstance(st, dict) else None)
+        or hf_config.get("sbert_ce_default_activation_function")
     )
     if named is None:
         return "sigmoid"
@@ -131,13 +138,29 @@ def _score_activation(path: str, hf_config: dict[str, Any]) -> str:
     return how
 
 
-def _max_seq_length(path: str) -> int | None:
+def _json(path: str, name: str) -> dict[str, Any]:
+    """A JSON object file of the folder; {} where it is missing or is no object."""
     try:
-        with open(os.path.join(path, "sentence_bert_config.json")) as f:
-            value = json.load(f).get("max_seq_length")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
+        with open(os.path.join(path, name)) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _max_seq_length(path: str) -> int | None:
+    """The longest input the folder's model was made for: sentence_bert_config.json's
+    max_seq_length, or, where sentence-transformers 6 keeps it, the tokenizer's
+    model_max_length (transformers' "no limit" is a number past any context)."""
+    value = _json(path, "sentence_bert_config.json").get("max_seq_length")
+    if value is None:
+        value = _json(path, "tokenizer_config.json").get("model_max_length")
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 10**9
+    return int(value) if ok else None
+
+
+def _lower_case(path: str) -> bool:
+    return _json(path, "sentence_bert_config.json").get("do_lower_case") is True
 
 
 def _st_pooling(config_file: str) -> PoolingType:

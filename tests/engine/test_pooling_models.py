@@ -116,6 +116,38 @@ def test_cross_encoder_scores_and_classifier_logits(tmp_path):
     assert torch.allclose(torch.tensor(got), logits.float(), atol=1e-5)
 
 
+def test_settings_sentence_transformers_keeps_outside_config_json(tmp_path):
+    """sentence-transformers 6 keeps a CrossEncoder's activation in config_sentence_transformers.json
+    and its length limit as the tokenizer's model_max_length (a sigmoid was applied to a raw
+    score, and inputs past the limit ran whole); a folder's do_lower_case lowercases texts
+    before the cased tokenizer sees them (they came out as [UNK]s)."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    args = {k: v for k, v in LLM_ARGS.items() if k != "max_model_len"}  # the folders' own limits
+    query = "cat"
+    ce = CrossEncoder(str(bert_cross_encoder(tmp_path / "ce")), device="cpu", max_length=16)
+    ce.activation_fn = torch.nn.Identity()
+    ce.save(str(tmp_path / "ce6"))
+    short = ["the cat sat on the mat", "hello", "a quick brown fox"]  # within the 16 tokens, with the query
+    want = CrossEncoder(str(tmp_path / "ce6"), device="cpu").predict([(query, d) for d in short])
+    with LLM(str(tmp_path / "ce6"), **args) as llm:
+        assert llm.engine.max_model_len == 16 and llm.engine.pooling_config.score_activation == "identity"
+        got = llm.score(query, short)
+    assert max(abs(a - float(b)) for a, b in zip(got, want)) < 1e-5
+
+    cased = bert_embedder(tmp_path / "cased", pooling="mean")
+    tokenizer = json.loads((cased / "tokenizer.json").read_text())
+    tokenizer["normalizer"]["lowercase"] = False
+    (cased / "tokenizer.json").write_text(json.dumps(tokenizer))
+    sbert = json.loads((cased / "sentence_bert_config.json").read_text())
+    (cased / "sentence_bert_config.json").write_text(json.dumps({**sbert, "do_lower_case": True}))
+    mixed = [t.title() for t in TEXTS]
+    ref = SentenceTransformer(str(cased), device="cpu").encode(mixed, convert_to_numpy=True)
+    with LLM(str(cased), runner="pooling", **LLM_ARGS) as llm:
+        got = [o.outputs.embedding for o in llm.embed(mixed)]
+    assert all(_cos(g, w) >= 0.99999 for g, w in zip(got, ref))
+
+
 @pytest.mark.parametrize(
     "problem_type, num_labels, activation",
     [
