@@ -918,17 +918,18 @@ class AsyncEngine:
             raise ParamError("lora_request", f"must be a LoRARequest, got {type(lora).__name__}")
         await self._lora_registry().check(lora)
 
-    async def add_lora(self, lora: LoRARequest) -> None:
+    async def add_lora(self, lora: LoRARequest, replace: bool = False) -> None:
         """Serve ``lora`` under its name from now on (requests pick it by that name); its
-        folder is checked first (ParamError naming the problem)."""
+        folder is checked first (ParamError naming the problem). ``replace``: in place of an
+        adapter served under that name (vLLM's load_inplace); requests already in keep theirs."""
         registry = self._lora_registry("lora_name")
         await self._check_lora(lora)
-        registry.add(lora)
+        registry.add(lora, replace)
 
-    async def load_lora(self, name: str, path: str) -> LoRARequest:
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> LoRARequest:
         """``add_lora`` for an adapter given by name and folder, with a fresh id."""
-        lora = self._lora_registry("lora_name").new_request(name, path)
-        await self.add_lora(lora)
+        lora = self._lora_registry("lora_name").new_request(name, path, replace)
+        await self.add_lora(lora, replace)
         return lora
 
     async def remove_lora(self, name: str) -> LoRARequest:

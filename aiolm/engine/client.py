@@ -103,8 +103,9 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     # -- LoRA adapters (enable_lora) ----------------------------------------------------
-    async def load_lora(self, name: str, path: str) -> LoRARequest:
-        """Serve the PEFT folder ``path`` as model ``name`` (ParamError naming a problem)."""
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> LoRARequest:
+        """Serve the PEFT folder ``path`` as model ``name`` (ParamError naming a problem);
+        ``replace``: in place of an adapter served under that name."""
         ...
 
     async def remove_lora(self, name: str) -> LoRARequest: ...

@@ -352,9 +352,12 @@ class DataParallelEngine:
 
     # -- LoRA adapters: every replica serves the same ones --------------------------------
 
-    async def load_lora(self, name: str, path: str) -> LoRARequest:
-        lora = await self.model.load_lora(name, path)  # checked once, here
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> LoRARequest:
+        lora = await self.model.load_lora(name, path, replace)  # checked once, here
         try:
+            if replace:  # the replicas drop the one served under the name, if any
+                live = [r for r in self.replicas if r.dead_reason is None]
+                await asyncio.gather(*(r.call("remove_lora", name) for r in live), return_exceptions=True)
             await self._on_every_replica("add_lora", lora)
         except BaseException:
             # All or nothing: a replica that refused it must not leave the others serving it.

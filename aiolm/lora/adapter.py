@@ -186,6 +186,15 @@ def _refuse(cfg: dict[str, Any]) -> None:
         raise ParamError("lora_path", "fan_in_fan_out adapters (Conv1D layers) are not served")
     if cfg.get("trainable_token_indices") or cfg.get("additional_vocab_size"):
         raise ParamError("lora_path", "adapters with extra or retrained vocabulary are not served")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and (init.lower().startswith("pissa") or init.lower() in ("olora", "corda", "loftq")):
+        # PEFT rewrites the base weights to W - BA when it loads these: adding BA to the base gives
+        # another model. PEFT converts such an adapter to a plain one (path_initial_model_for_weight_conversion).
+        raise ParamError(
+            "lora_path",
+            f"init_lora_weights {init!r} adapters change the base weights as they load and are not served; "
+            "convert the adapter to a plain LoRA with PEFT first",
+        )
 
 
 def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> AdapterInfo:
@@ -231,7 +240,7 @@ def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapter
     if not tensors:
         raise ParamError("lora_path", f"{weights}: holds no LoRA tensors")
     r_said = _number(cfg, "r", 8, integer=True)
-    alpha = _number(cfg, "lora_alpha", r_said)
+    alpha = _number(cfg, "lora_alpha", 8)  # LoraConfig's default
     rank_pattern = _patterns(cfg, "rank_pattern", integer=True)
     alpha_pattern = _patterns(cfg, "alpha_pattern", integer=False)
     rslora = bool(cfg.get("use_rslora", False))

@@ -63,19 +63,21 @@ class LoRARegistry:
         self._issued = max(self._issued, max(self._checked, default=0)) + 1
         return self._issued
 
-    def new_request(self, name: str, path: str) -> LoRARequest:
-        """A LoRARequest for a new served adapter ``name``, with a fresh id."""
+    def new_request(self, name: str, path: str, replace: bool = False) -> LoRARequest:
+        """A LoRARequest for a new served adapter ``name`` (with ``replace``, maybe one served
+        now), with a fresh id."""
         if name == self.base_name:
             raise ParamError("lora_name", f"{name!r} is the base model's name")
-        if name in self.served:
+        if name in self.served and not replace:
             raise ParamError("lora_name", f"an adapter named {name!r} is already loaded")
         return LoRARequest(name, self.next_id(), path)
 
-    def add(self, lora: LoRARequest) -> None:
-        """Serve a checked adapter under its name."""
+    def add(self, lora: LoRARequest, replace: bool = False) -> None:
+        """Serve a checked adapter under its name (with ``replace``, in place of the one
+        served under it: requests already in finish with that one)."""
         if lora.lora_name == self.base_name:
             raise ParamError("lora_name", f"{lora.lora_name!r} is the base model's name")
-        if lora.lora_name in self.served:
+        if lora.lora_name in self.served and not replace:
             raise ParamError("lora_name", f"an adapter named {lora.lora_name!r} is already loaded")
         self.check_now(lora)
         self.served[lora.lora_name] = lora

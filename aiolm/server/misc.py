@@ -70,7 +70,7 @@ async def load_lora_adapter(request: Request) -> Response:
     _runtime_lora(request)
     req = parse(LoadLoRAAdapterRequest, await read_json(request, ctx.settings.max_request_bytes), ctx.settings.limits)
     try:
-        await ctx.engine.load_lora(req.lora_name, req.lora_path)
+        await ctx.engine.load_lora(req.lora_name, req.lora_path, req.load_inplace)
     except ParamError as e:
         raise param_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")

@@ -582,6 +582,9 @@ class LoadLoRAAdapterRequest(Strict):
         description="the model name requests use: printable, no leading or trailing space",
     )
     lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = Field(
+        False, description="vLLM's: true serves the folder in place of an adapter loaded under the name"
+    )
 
 
 class UnloadLoRAAdapterRequest(Strict):

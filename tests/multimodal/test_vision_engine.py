@@ -260,3 +260,30 @@ def test_a_peft_adapter_of_llava_gives_its_merged_models_tokens(llava, tmp_path)
     with LLM(model=str(llava), enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
         adapter = LoRARequest("vision-chat", 1, str(tmp_path / "adapter"))
         assert tokens(llm.chat(conversations, GREEDY, use_tqdm=False, lora_request=adapter)) == want
+
+
+def test_adapters_leave_the_vision_tower_alone(gemma3, tmp_path):
+    """The tower's projections had LoRA slots and ran with the text step's adapter rows: a step
+    with more image rows than those rows hold failed (and a few such failures killed the
+    engine). Adapters target the language model only, as vLLM's do: the same tokens as an
+    engine whose step budget holds the rows whole."""
+    import peft
+    import transformers
+
+    from aiolm import LoRARequest
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(gemma3, dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    peft.get_peft_model(model, config).save_pretrained(tmp_path / "adapter")
+    adapter = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    many = [chat(PREAMBLE * 8, *[png_image(100 + i) for i in range(20)], "Describe.")]
+    got = []
+    for budget in (256, 8192):
+        args = {**ENGINE, "max_model_len": 1024, "kv_cache_memory": 16 << 20, "max_num_batched_tokens": budget}
+        with LLM(model=str(gemma3), enable_lora=True, max_lora_rank=8, limit_mm_per_prompt="image=20", **args) as llm:
+            got.append(
+                tokens(
+                    llm.chat(many, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False, lora_request=adapter)
+                )
+            )
+    assert got[0] == got[1] and len(got[0][0]) == 2

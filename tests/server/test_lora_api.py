@@ -297,6 +297,13 @@ def test_load_while_streams_run(lab: Lab, client: openai.OpenAI, base_name: str)
     )
     assert err["param"] == "lora_name" and "base model" in err["message"]
     assert _complete(client, "a3") == ("a3", lab.refs["a3"])  # the refused reload changed nothing
+    # vLLM's load_inplace: the name serves the new folder from now on (false: refused as above)
+    body = {"lora_name": "a3", "lora_path": str(lab.adapters["a1"]), "load_inplace": True}
+    assert _post(lab.main, "/v1/load_lora_adapter", body).status_code == 200
+    assert _complete(client, "a3") == ("a3", lab.refs["a1"])
+    body["lora_path"] = str(lab.adapters["a3"])
+    assert _post(lab.main, "/v1/load_lora_adapter", body).status_code == 200
+    assert _complete(client, "a3") == ("a3", lab.refs["a3"])
 
 
 # adapter_config.json fields over a1's, each refused (PEFT variants with a forward of their
@@ -308,6 +315,7 @@ CONFIG_EDITS: dict[str, dict[str, Any]] = {
     "alpha_text": {"lora_alpha": "sixteen"},
     "pattern_regex": {"rank_pattern": {"(": 8}},
     "pattern_list": {"alpha_pattern": ["q_proj"]},
+    "pissa": {"init_lora_weights": "pissa_niter_4"},
 }
 
 # (folder in lab.bad, or a body; words the message must hold), each a 400
@@ -318,6 +326,8 @@ BAD_LOADS: dict[str, tuple[str | dict[str, Any], tuple[str, ...]]] = {
     "lora_alpha a word": ("alpha_text", ("lora_alpha must be a number", "sixteen")),
     "a pattern that is no regular expression": ("pattern_regex", ("rank_pattern key '('",)),
     "patterns not a mapping": ("pattern_list", ("alpha_pattern must map",)),
+    # PEFT rewrites the base weights as it loads these: served as plain LoRA, they gave another model
+    "a PiSSA adapter": ("pissa", ("init_lora_weights", "pissa_niter_4", "change the base weights")),
     "missing folder": ("missing", ("{path}", "no such folder")),
     "no adapter_config.json": ("no_config", ("{path}", "adapter_config.json")),
     "rank above --max-lora-rank": ("rank32", ("rank 32", "--max-lora-rank 16")),
@@ -541,3 +551,21 @@ def test_startup_errors(lab: Lab):
             assert word in err, (name, err[-2000:])
         assert "OpenAI-compatible API" not in out + err, name
     assert time.monotonic() - t0 < TIMEOUT
+
+
+def test_an_adapter_without_lora_alpha_has_peft_s_default(lab: Lab, tmp_path: Path):
+    """PEFT's LoraConfig defaults lora_alpha to 8 (it was taken as the rank: a rank-16 adapter
+    ran at twice PEFT's scale)."""
+    from peft import PeftConfig
+
+    from aiolm.checkpoint.families import read_config
+    from aiolm.lora.adapter import read_adapter
+
+    folder = shutil.copytree(lab.adapters["a2"], tmp_path / "no_alpha")  # rank 16, rsLoRA
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    peft_cfg = PeftConfig.from_pretrained(str(folder))
+    want = peft_cfg.lora_alpha / peft_cfg.r**0.5
+    info = read_adapter(folder, read_config(json.loads((lab.base / "config.json").read_text())), 16)
+    assert want == 2.0 and {m.scaling for m in info.modules.values()} == {want}

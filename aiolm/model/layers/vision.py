@@ -10,6 +10,7 @@ tensor-parallel split apply here as there; norms and embeddings are replicated.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -26,6 +27,9 @@ from aiolm.model.layers.weights import copy_weight
 
 class VisionEncoderLayer(nn.Module):
     def __init__(self, cfg: VisionConfig, ctx: BuildContext, prefix: str) -> None:
+        # Adapters target the language model only, as vLLM's do: a tower layer with LoRA slots
+        # ran with the text step's adapter rows, and failed on more image rows than they hold.
+        ctx = dataclasses.replace(ctx, lora=None)
         super().__init__()
         tp = ctx.tp_group.world_size
         if cfg.num_heads % tp:
