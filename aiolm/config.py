@@ -188,6 +188,9 @@ class EngineArgs:
         "model's generation_config.json, as vLLM's do; vllm: to the API's own defaults",
     )
     served_model_name: str | None = _f(None, "model name reported by the API (default: the model's name)")
+    chat_template: str | None = _f(
+        None, "a chat template in place of the model's own: the path of a file holding it, or its Jinja text"
+    )
     max_logprobs: int = _f(
         20, "largest top-logprobs count a request may ask for; -1: no bound, and -1 asks for the whole vocabulary"
     )

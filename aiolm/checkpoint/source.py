@@ -41,6 +41,7 @@ class ModelSource:
     hf_config: dict[str, Any]
     chat_template: str | None
     generation_config: dict[str, Any]
+    template_given: bool = False  # chat_template is --chat-template's: it wins over the tokenizer's own
 
     @property
     def name(self) -> str:
@@ -63,7 +64,7 @@ class ModelSource:
     def load_tokenizer(self) -> Any:
         """The folder's tokenizer (a transformers tokenizer), with the source's chat template."""
         tok = load_tokenizer(self.path)
-        if self.chat_template and not getattr(tok, "chat_template", None):
+        if self.chat_template and (self.template_given or not getattr(tok, "chat_template", None)):
             tok.chat_template = self.chat_template
         return tok
 
@@ -170,13 +171,25 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _chat_template(folder: Path) -> str | None:
+    """The folder's chat template, where transformers looks: chat_template.jinja, then
+    tokenizer_config.json, then a processor's chat_template.json."""
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
         return jinja.read_text()
     tc = folder / "tokenizer_config.json"
-    if tc.exists():
-        tmpl = _read_json(tc).get("chat_template")
-        if isinstance(tmpl, list):  # named templates: take the default one
-            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
-        return tmpl
-    return None
+    tmpl = _read_json(tc).get("chat_template") if tc.exists() else None
+    if isinstance(tmpl, list):  # named templates: take the default one
+        tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+    if tmpl is None and (folder / "chat_template.json").exists():
+        tmpl = _read_json(folder / "chat_template.json").get("chat_template")
+    return tmpl if isinstance(tmpl, str) else None
+
+
+def read_chat_template(given: str) -> str:
+    """``--chat-template``: a file's text, or the template itself, as vLLM reads the flag."""
+    path = Path(given).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(c in given for c in "{}\n"):
+        return given
+    raise ModelLoadError(f"--chat-template {given!r}: no such file (and no Jinja template text either)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
@@ -124,6 +125,10 @@ def check_model_args(args: EngineArgs) -> ModelSource:
                 read_adapter(path, mc, args.max_lora_rank)
             except ParamError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+    if args.chat_template is not None:
+        from aiolm.checkpoint.source import read_chat_template
+
+        source = dataclasses.replace(source, chat_template=read_chat_template(args.chat_template), template_given=True)
     return source
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -125,3 +126,22 @@ def test_wrong_types_are_a_clear_error(llm):
         llm.generate("hi", {"max_tokens": 3}, use_tqdm=False)
     with pytest.raises(TypeError, match="conversations must be"):
         llm.chat("Hi", use_tqdm=False)  # was a prompt per character
+
+
+def test_a_chat_template_in_place_of_the_models(tmp_path, tokenizer):
+    """vLLM's --chat-template: a file or the template's text wins over the model's own; a
+    folder whose template is only in a processor's chat_template.json has it read."""
+    from aiolm.checkpoint.source import _chat_template
+    from aiolm.errors import ModelLoadError
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    (tmp_path / "t.jinja").write_text(template)
+    conv = [{"role": "user", "content": "Hi"}]
+    for given in (template, str(tmp_path / "t.jinja")):
+        with LLM(**{**ENGINE_ARGS, "executor": "local", "chat_template": given}) as other:
+            (out,) = other.chat(conv, greedy(1), use_tqdm=False)
+        assert out.prompt == "[user] Hi\n[assistant]"
+    with pytest.raises(ModelLoadError, match="--chat-template"):
+        LLM(**{**ENGINE_ARGS, "chat_template": str(tmp_path / "missing.jinja")})
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert _chat_template(tmp_path) == template
