@@ -111,7 +111,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
                 raise param_error(e) from None
             ids, images = given["prompt_token_ids"], given["mm_inputs"]
         else:
-            ids = await tokenize(engine, text, add_special_tokens=False, param=where, cut=cut)
+            ids = await tokenize(engine, text, add_special_tokens=req.add_special_tokens, param=where, cut=cut)
         check_lengths(ctx, len(ids), max_tokens, where, mt_param, req.min_tokens)
         own = None
         continued = _continued(req, conv)

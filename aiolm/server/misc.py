@@ -154,8 +154,8 @@ async def tokenize(request: Request) -> Response:
                 ids = (await engine.prompt_with_images(text, urls, "messages"))["prompt_token_ids"]
             except ParamError as e:
                 raise param_error(e) from None
-        else:
-            ids = await encode(engine, text, False)
+        else:  # vLLM's default for messages: the template writes the special tokens itself
+            ids = await encode(engine, text, req.add_special_tokens and "add_special_tokens" in req.model_fields_set)
     elif req.prompt is not None:
         for name in ("tools", "continue_final_message"):
             if getattr(req, name):

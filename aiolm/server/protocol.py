@@ -449,6 +449,12 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: TemplateKwargs | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking)"
     )
+    documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = Field(
+        None, description="vLLM's: documents for a retrieval template, each a mapping of strings ('title', 'text')"
+    )
+    add_special_tokens: bool = Field(
+        False, description="vLLM's: the tokenizer adds its special tokens (a BOS) to the rendered prompt too"
+    )
 
 
 def _prompt_type(max_prompts: int) -> Any:
@@ -563,6 +569,9 @@ class TokenizeRequest(Strict):
     )
     chat_template_kwargs: TemplateKwargs | None = Field(
         None, description="with messages: extra variables for the chat template, as on chat"
+    )
+    documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = Field(
+        None, description="with messages: documents for a retrieval template, as on chat"
     )
     return_token_strs: bool = False
 

@@ -228,6 +228,8 @@ async def render_chat_prompt(
         kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
+    if req.documents:
+        kwargs["documents"] = req.documents
     try:
         return await engine.render_chat_async(
             template_messages(messages, where), add_generation_prompt=req.add_generation_prompt and not cont, **kwargs

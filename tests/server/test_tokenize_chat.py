@@ -17,6 +17,7 @@ TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
     " ({{ t.function.description }}){% endfor %}<|im_end|>\n{% endif %}"
     "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% if documents %}Documents:{% for d in documents %} {{ d.title }}{% endfor %}\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "{% if m.mood is defined %} (mood: {{ m.mood }}){% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -203,3 +204,15 @@ def test_templates_that_loop_over_content_parts_get_parts():
 
     out = jinja2.Environment().from_string(llava).render(messages=shaped, add_generation_prompt=True)
     assert out == "Be brief. USER: Hi ASSISTANT:"
+
+
+def test_documents_reach_the_template_on_chat_and_tokenize(server):
+    """vLLM's documents field, for retrieval templates (it was a 400, and chat_template_kwargs
+    may not set the variable: the request's own fields do)."""
+    docs = [{"title": "Paris weather", "text": "Sunny."}, {"title": "Lyon", "text": "Rain."}]
+    r = _tokenize(server, {"messages": QUESTION, "documents": docs})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()["prompt"]
+    assert text.startswith("Documents: Paris weather Lyon<|im_start|>user")  # (trim_blocks ate the newline)
+    assert _chat_prompt_ids(server, {"documents": docs}, messages=QUESTION) == ids
