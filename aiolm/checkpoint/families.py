@@ -87,6 +87,13 @@ def read_config(cfg: dict[str, Any], source: str = "config.json", quant_source: 
     """The ModelConfig of a Hugging Face config.json, by the family of its architecture
     (``quant_source``: the file its quantization_config came from, where not ``source``)."""
     archs = cfg.get("architectures") or []
+    heads = [a for a in archs if isinstance(a, str) and "For" in a and not a.endswith("ForCausalLM")]
+    if heads and not any(a in MODELS for a in archs):
+        # a head of its own (a Qwen3 classifier, a token classifier): the model_type's causal LM
+        # would load its weights but that head's, and fail on it
+        raise ModelLoadError(
+            f"{source}: architecture {heads[0]!r} is not supported; supported: {', '.join(sorted(MODELS))}"
+        )
     arch = next((a for a in archs if a in MODELS), None) or next(
         (a for a, f in MODELS.items() if f.model_type == cfg.get("model_type")), None
     )

@@ -857,6 +857,13 @@ def test_unknown_architecture_lists_supported(tiny_hf_dir, tmp_path):
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and str(folder / "config.json") in msg
     assert all(a in msg for a in MODELS)
+    # a head of a known family's (a Qwen3 classifier) is not loaded as that family's causal LM: it
+    # failed on its head's weight with a KeyError
+    cfg.update(architectures=["LlamaForSequenceClassification"], model_type="llama")
+    with pytest.raises(ModelLoadError, match="'LlamaForSequenceClassification' is not supported"):
+        read_config(cfg)
+    cfg.update(architectures=["LlamaModel"])  # a bare model (embedders): the family's, by its model_type
+    assert read_config(cfg).architecture == "llama"
 
 
 def test_config_missing_field(tiny_hf_dir, tmp_path):
