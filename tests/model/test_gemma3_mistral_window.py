@@ -254,7 +254,14 @@ def test_gemma3_original_config_spelling_reads_the_same():
 
 
 def test_sliding_window_fields_of_the_llama_family():
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2)
+    base = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     assert read_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_windows == ()
     assert read_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8}).window(3) == 8
     # Llama has no sliding window, whatever the config says; Qwen2 only with use_sliding_window

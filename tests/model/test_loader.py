@@ -1063,7 +1063,11 @@ def test_config_values_these_layers_do_not_have_are_refused():
         ({"mlp_bias": True}, "mlp_bias"),
         ({"attention_bias": True}, "attention_bias"),
         ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias"),
-        ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "hidden_act": "gelu"}, "hidden_act"),
+        (
+            {"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "hidden_act": "gelu"}
+            | {"num_key_value_heads": base["num_attention_heads"]},  # (MixtralConfig's default is 8)
+            "hidden_act",
+        ),
     ):
         with pytest.raises(ModelLoadError, match=words):
             read_config({**base, **extra})
@@ -1085,7 +1089,8 @@ def test_config_values_these_layers_do_not_have_are_refused():
     # rope_parameters' own rope_theta wins over a top-level one, as transformers 5 reads them
     both = {**base, "rope_theta": 500.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     assert read_config(both).rope_theta == 10000.0
-    assert not read_config({**base, "architectures": ["MistralForCausalLM"], "attention_bias": True}).attention_bias
+    mistral = {**base, "architectures": ["MistralForCausalLM"], "num_key_value_heads": base["num_attention_heads"]}
+    assert not read_config({**mistral, "attention_bias": True}).attention_bias
 
 
 @pytest.mark.parametrize(
