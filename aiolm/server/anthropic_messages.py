@@ -306,7 +306,9 @@ async def create_message(request: Request) -> Response | EventStream:
     prompt = await _prompt(engine, chat, plan.tools)
     check_lengths(ctx, len(prompt.token_ids), req.max_tokens, "messages", "max_tokens")
     rendered = prompt.text or ""
-    splitter = ReasoningSplitter(thinking, rendered) if thinking is not None else None
+    # Anthropic's prefill: a final assistant turn the answer continues (its text, as chat reads it)
+    continued = (message_text(chat.conversations[0][-1].content) or "") if chat.continue_final_message else ""
+    splitter = ReasoningSplitter(thinking, rendered, continued) if thinking is not None else None
     if splitter is not None:  # the thinking is split off as chat splits it; a forced call follows it
         own = bound_after_thinking(engine, splitter, params)
         if isinstance(wants, AnthropicThinkingEnabled):
@@ -326,7 +328,7 @@ async def create_message(request: Request) -> Response | EventStream:
     (final,) = await until_disconnect(request.receive, gen.collect())
     c = final.outputs[0]
     log_extra(request, completion_tokens=len(c.token_ids))
-    thought, answer = split_reasoning(thinking, rendered, c.text) if thinking is not None else (None, c.text)
+    thought, answer = split_reasoning(thinking, rendered, c.text, continued) if thinking is not None else (None, c.text)
     content, calls = read_output(plan, answer or "") if plan.active else (answer, [])
     stop_reason, stop_sequence = _stop(c, final, calls)
     blocks: list[dict[str, Any]] = [_thinking_block(thought)] if thought else []

@@ -361,6 +361,14 @@ def test_messages_thinking_switches_and_caps_the_thinking(reasoning_servers, cli
     assert counted[0] == counted[1]
     answer = ac.messages.create(model=model, max_tokens=40, messages=earlier, extra_body={"temperature": 0})
     assert answer.content[-1].text == "Paris it is!"
+    # a prefill that opened the thinking: what follows is thinking until </think>, as chat reads it
+    # (it came back as text, </think> and all)
+    prefill = [*QUESTION, {"role": "assistant", "content": "<think> I"}]
+    got = ac.messages.create(model=model, max_tokens=40, messages=prefill, extra_body={"temperature": 0})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in got.content] == [
+        ("thinking", " reckon so."),
+        ("text", "Paris it is!"),
+    ]
     refusals = [
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1024}, "budget_tokens"),
         ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
