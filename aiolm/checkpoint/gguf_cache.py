@@ -26,8 +26,9 @@ from pathlib import Path
 
 from aiolm.errors import ModelLoadError
 
-# Raised when a conversion's output changes (2: rope scaling and end-of-turn ids for every architecture)
-_CACHE_FORMAT = 2
+# Raised when a conversion's output changes (2: rope scaling and end-of-turn ids for every architecture;
+# 3: special tokens at their own ids, the end-of-generation tokens llama.cpp knows by their text)
+_CACHE_FORMAT = 3
 
 
 def cache_root() -> Path:

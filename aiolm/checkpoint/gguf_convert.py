@@ -522,7 +522,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     if ends is not None:
         gen["eos_token_id"] = ends
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    _save_tokenizer(path, out_dir)
+    _save_tokenizer(path, out_dir, reader)
     # config.json last: the loader treats its presence as "the folder is complete".
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
 
@@ -593,33 +593,124 @@ def generation_ends(eos: int | None, turn_ends: list[int]) -> int | list[int] | 
     return ends if ends and ends != [eos] else eos
 
 
+# The texts llama.cpp ends generation at beside a file's EOS (llama-vocab.cpp's end-of-generation
+# tokens), where a file names no eot/eom token or names only some of them.
+_END_TEXTS = frozenset(
+    b.encode()
+    for b in ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>")
+)  # fmt: skip
+
+
 def _turn_end_ids(reader: Any, arch: str) -> list[int]:
     """The ids besides ``eos`` that end generation, as llama.cpp ends it: the file's end-of-turn
-    and end-of-message tokens (Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``), which a checkpoint's
-    generation_config.json lists beside its eos. A Gemma file may name only ``<eos>``; llama.cpp
-    finds its ``<end_of_turn>`` by its text, and so does this."""
+    and end-of-message tokens, and the tokens llama.cpp knows by their text (Llama 3's
+    ``<|eot_id|>`` and ``<|eom_id|>``, Gemma's ``<end_of_turn>``, ``<|endoftext|>``), which a
+    checkpoint's generation_config.json lists beside its eos but a file seldom names."""
     ids = [int(v) for v in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")) if v is not None]
-    if ids or arch != "gemma3":
-        return ids
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        return []
-    for i, part in enumerate(tokens.data):  # the field's contents() would decode all 262144 tokens
-        if bytes(tokens.parts[part]) == b"<end_of_turn>":
-            return [i]
-    return []
+    if tokens is not None:
+        for i, part in enumerate(tokens.data):  # the field's contents() would decode every token
+            if bytes(tokens.parts[part]) in _END_TEXTS and i not in ids:
+                ids.append(i)
+    return ids
 
 
-def _save_tokenizer(path: Path, out_dir: Path) -> None:
+# tokenizer.ggml.pre values whose split transformers' GGUF tokenizer builds as llama.cpp splits:
+# its own map (GGUF_PRE_TOKENIZER_SPLITS), and those llama.cpp splits with GPT-2's regex, which
+# transformers applies to the rest. Another one would be split with GPT-2's regex where llama.cpp
+# splits otherwise (deepseek-coder keeps "\n\n\n" apart). "default" (or none) is an old file's,
+# which llama.cpp too splits with a generic regex, warning that answers may suffer.
+_SPLITS_AS_LLAMA_CPP = frozenset(
+    "default gpt-2 phi-2 smollm llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano dbrx "
+    "smaug-bpe tekken qwen2 deepseek-r1-qwen kormo f2llmv2 megrez qwen35 gpt-4o llama4 kanana2 talkie "
+    "minimax-m2".split()
+)
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def _save_tokenizer(path: Path, out_dir: Path, reader: Any) -> None:
     from transformers import AutoTokenizer
 
+    model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
+    if model == "gpt2" and pre is not None and pre not in _SPLITS_AS_LLAMA_CPP:
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported: its text would be split otherwise than "
+            f"llama.cpp splits it; supported: {', '.join(sorted(_SPLITS_AS_LLAMA_CPP))}"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot build a tokenizer from GGUF metadata ({e})") from e
+    if model == "gpt2":
+        tok = _special_tokens_at_their_ids(tok, reader, path)
     tok.save_pretrained(str(out_dir))
     if getattr(tok, "chat_template", None):
         (out_dir / "chat_template.jinja").write_text(tok.chat_template)
+
+
+def _special_tokens_at_their_ids(tok: Any, reader: Any, path: Path) -> Any:
+    """``tok`` with the file's control and user-defined tokens whole, at their own ids.
+
+    transformers respells a byte-level file's tokens into the byte alphabet, and then takes a
+    control token outside that alphabet (DeepSeek's ``<｜begin▁of▁sentence｜>``) for a
+    mislabel: its BOS and EOS came back as new ids past the vocabulary (every request failed),
+    and ``<｜User｜>`` was cut into bytes. Here each such token is the vocabulary's entry at
+    its id, matched whole in text as llama.cpp matches it, special where it is a control token.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokens, types = _field(reader, "tokenizer.ggml.tokens") or [], _field(reader, "tokenizer.ggml.token_type") or []
+    marked = {i: t for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (_CONTROL, _USER_DEFINED)}
+    if len(tok) <= len(tokens) and all(tok.convert_tokens_to_ids(t) == i for i, t in marked.items()):
+        return tok  # as the file has them
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    spelled = {i: text for text, i in vocab.items()}
+    for i, text in marked.items():
+        if spelled.get(i, text) != text:
+            del vocab[spelled[i]]
+        vocab[text] = i
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+        | {"special": types[i] == _CONTROL}
+        for i, t in marked.items()
+    ]
+    spec["added_tokens"] = added  # what transformers added past the vocabulary is gone with them
+    ids = {t: i for i, t in marked.items()}
+    for part in _post_processors(spec.get("post_processor")):
+        for text, entry in (part.get("special_tokens") or {}).items():
+            if text in ids:
+                entry["ids"] = [ids[text]]
+    try:
+        backend = Tokenizer.from_str(json.dumps(spec))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot place the file's special tokens at their ids ({e})") from e
+
+    def named(key: str) -> str | None:
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    fixed = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=named("bos"),
+        eos_token=named("eos"),
+        unk_token=named("unknown"),
+        pad_token=named("padding"),
+        chat_template=getattr(tok, "chat_template", None),
+        clean_up_tokenization_spaces=False,
+    )
+    if len(fixed) > len(tokens):
+        raise ModelLoadError(f"{path}: its tokenizer has {len(fixed)} tokens, more than the file's {len(tokens)}")
+    return fixed
+
+
+def _post_processors(pp: Any) -> list[dict[str, Any]]:
+    """A tokenizer.json post_processor and the ones a Sequence holds."""
+    if not isinstance(pp, dict):
+        return []
+    return [pp, *(p for inner in pp.get("processors") or [] for p in _post_processors(inner))]
 
 
 def main(argv: list[str] | None = None) -> int:

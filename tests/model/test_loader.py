@@ -109,7 +109,7 @@ def _metadata(w: gguf.GGUFWriter, *, skip: tuple[str, ...] = (), tokenizer: bool
     if tokenizer:
         tokens, types = byte_level_vocab()
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt2")
+        w.add_tokenizer_pre("gpt-2")
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(MERGES)
@@ -293,7 +293,7 @@ def test_gguf_config_tokenizer_and_chat_template(mixed):
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 16)
     assert cfg.rope_theta == ROPE_THETA and cfg.rms_norm_eps == pytest.approx(1e-5)
     assert cfg.max_position_embeddings == 256 and not cfg.tie_word_embeddings and cfg.rope_scaling is None
-    assert cfg.bos_token_id == 1 and src.eos_token_ids == (2,)
+    assert cfg.bos_token_id == 1 and src.eos_token_ids == (2, 0)  # and <|endoftext|>, as llama.cpp ends
     assert src.hf_config["torch_dtype"] == "float32"
     assert src.chat_template == CHAT_TEMPLATE
     assert src.name == "tiny-mixed" and src.origin.suffix == ".gguf"
