@@ -106,9 +106,12 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``:
-        the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        the LoRA adapter of every prompt, or one per prompt (None: the base model).
+        ``priority`` (vLLM's; with scheduling_policy "priority"): every prompt's, or one per
+        prompt; lower values are scheduled first."""
         prompts = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             plist = [params or self.get_default_sampling_params()] * len(prompts)
@@ -124,7 +127,17 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
-        return self._run(self._generate_all(prompts, plist, use_tqdm, loras))
+        if priority is None or isinstance(priority, int):
+            ranks = [priority or 0] * len(prompts)
+        else:
+            ranks = list(priority)
+            if len(ranks) != len(prompts):
+                raise ValueError(f"got {len(ranks)} priorities for {len(prompts)} prompts")
+        if any(ranks) and self.engine.args.scheduling_policy != "priority":
+            raise ValueError(
+                "priority needs LLM(..., scheduling_policy='priority'): first come, first served ignores it"
+            )
+        return self._run(self._generate_all(prompts, plist, use_tqdm, loras, ranks))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what ``generate`` samples with when given no params: the model's
@@ -193,7 +206,12 @@ class LLM:
                 bar.close()
 
     async def _generate_all(
-        self, prompts: list[Any], plist: list[SamplingParams], use_tqdm: bool, loras: list[LoRARequest | None]
+        self,
+        prompts: list[Any],
+        plist: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
+        ranks: list[int],
     ) -> list[RequestOutput]:
         bar = None
         if use_tqdm:
@@ -203,8 +221,9 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         states = []
         try:
-            for p, sp, lora in zip(prompts, plist, loras):
-                states.append(await self.engine.add_request(p, sp.clone(output_kind=_final()), lora_request=lora))
+            for p, sp, lora, rank in zip(prompts, plist, loras, ranks):
+                final = sp.clone(output_kind=_final())
+                states.append(await self.engine.add_request(p, final, priority=rank, lora_request=lora))
 
             async def collect(i: int) -> None:
                 async for out in self.engine.stream(states[i]):

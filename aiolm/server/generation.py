@@ -183,6 +183,12 @@ def check_admission(ctx: ServingContext, num_prompts: int, n: int, priority: int
             f"(--max-seqs-per-request)",
             param="n",
         )
+    if settings.max_live_seqs is not None and seqs > settings.max_live_seqs:  # a 429 would be retried for good
+        raise bad_request(
+            f"this request asks for {seqs} sequences ({num_prompts} prompt(s) x n={n}); the engine holds at most "
+            f"{settings.max_live_seqs} at once (--max-num-seqs running and --max-waiting-requests waiting)",
+            param="n",
+        )
 
 
 class Generation:

@@ -41,6 +41,9 @@ class ServerSettings:
     web_ui: bool = True
     # Reliability (docs/reliability.md): what one client may ask for and how long it may take.
     max_seqs_per_request: int = 64  # prompts x n of one HTTP request
+    # the most sequences the engine holds at once (running seats + waiting room): a request that
+    # needs more can never be admitted; None: the waiting room is unbounded
+    max_live_seqs: int | None = None
     allow_request_priority: bool = False
     body_timeout: float = 30.0  # seconds for a whole request body to arrive
     request_timeout: float = 0.0  # default per-request timeout in seconds (0 = none)
@@ -199,6 +202,11 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
         access_log=ns.access_log,
         web_ui=ns.web_ui,
         max_seqs_per_request=ns.max_seqs_per_request,
+        max_live_seqs=(
+            ns.max_num_seqs + ns.max_waiting_requests
+            if getattr(ns, "max_waiting_requests", None) is not None and getattr(ns, "max_num_seqs", None)
+            else None
+        ),
         allow_request_priority=ns.allow_request_priority,
         body_timeout=ns.body_timeout,
         request_timeout=ns.request_timeout,
@@ -243,6 +251,8 @@ def parse_serve_args(
         ns.model = ns.model_tag
     if ns.allow_request_priority:  # accepting priorities the FCFS queue ignores would be a silent no-op
         ns.scheduling_policy = "priority"
+    elif ns.scheduling_policy == "priority":  # as vLLM's flag: the queue is ordered by the requests' priority
+        ns.allow_request_priority = True
     try:
         engine_args = EngineArgs.from_namespace(ns)
     except (TypeError, ValueError) as e:

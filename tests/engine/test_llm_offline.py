@@ -145,3 +145,14 @@ def test_a_chat_template_in_place_of_the_models(tmp_path, tokenizer):
         LLM(**{**ENGINE_ARGS, "chat_template": str(tmp_path / "missing.jinja")})
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     assert _chat_template(tmp_path) == template
+
+
+def test_generate_takes_vllm_s_priority():
+    """With one seat, lower priorities run first whatever their place in the list (vLLM's
+    LLM.generate(priority=...)); without the priority policy it is refused, not ignored."""
+    with LLM(**{**ENGINE_ARGS, "executor": "local", "max_num_seqs": 1, "scheduling_policy": "priority"}) as llm:
+        outs = llm.generate(["a", "b", "c"], greedy(4), use_tqdm=False, priority=[5, 3, 0])
+    ttft = [o.metrics["ttft"] for o in outs]
+    assert ttft[2] < ttft[1], ttft  # "a" may take the free seat before the others arrive; then c, b
+    with LLM(**{**ENGINE_ARGS, "executor": "local"}) as fcfs, pytest.raises(ValueError, match="scheduling_policy"):
+        fcfs.generate(["a"], greedy(1), use_tqdm=False, priority=2)

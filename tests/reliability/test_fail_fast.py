@@ -128,6 +128,11 @@ def test_too_many_sequences_name_the_field(server):
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "n"
+    # within --max-seqs-per-request but past what the seats and the queue hold together: it could
+    # never be admitted, and its 429 was retried for good
+    body = {**greedy("Hello", 4), "n": 1, "prompt": ["a"] * (SEATS + WAITING + 1)}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "--max-waiting-requests" in r.json()["error"]["message"], r.text
 
 
 async def _until(check, timeout: float = 60.0) -> None:
