@@ -8,7 +8,7 @@ Unknown keys are allowed: a client must ignore fields it does not know.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,6 +81,21 @@ class OutputMessage(Out):
     content: list[OutputText]
 
 
+class ReasoningText(Out):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Out):
+    """With --reasoning-parser: the thinking, before the message."""
+
+    id: str
+    type: Literal["reasoning"]
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: str
+
+
 class IncompleteDetails(Out):
     reason: Literal["max_output_tokens"]
 
@@ -116,7 +131,7 @@ class Response(Out):
     top_p: float
     text: dict[str, Any]
     user: str | None = None
-    output: list[OutputMessage]
+    output: list[Annotated[ReasoningItem | OutputMessage, Field(discriminator="type")]]
     usage: ResponseUsage | None
 
 

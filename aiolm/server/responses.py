@@ -226,7 +226,10 @@ async def create_response(request: Request) -> Response | EventStream:
     log_extra(request, completion_tokens=len(c.token_ids))
     status = "completed" if c.finish_reason == "stop" else "incomplete"
     thought, answer = split_reasoning(thinking, text, c.text) if thinking is not None else (None, c.text)
-    items = [_reasoning(ids_of["reasoning"], thought, "completed")] if thought is not None else []
+    cut = answer is None and c.finish_reason != "stop"  # max_output_tokens ended it inside the thinking
+    items = (
+        [_reasoning(ids_of["reasoning"], thought, "incomplete" if cut else "completed")] if thought is not None else []
+    )
     items.append(_message(ids_of["message"], answer or "", status))
     usage = _usage(len(ids), final.num_cached_tokens, len(c.token_ids), await _thinking_tokens(engine, thought))
     return json_response(_finished(shell, items, c.finish_reason, usage))
@@ -255,10 +258,10 @@ async def _events(
     def where(kind: str) -> dict[str, Any]:
         return {"item_id": ids_of[kind], "output_index": len(items), "content_index": 0}
 
-    def open_message() -> list[NamedEvent]:
+    def open_message(thinking_cut: bool = False) -> list[NamedEvent]:
         """The message item opened, after the thinking's closed where it was open."""
         return [
-            *(close_thinking() if thought is not None else []),
+            *(close_thinking(thinking_cut) if thought is not None else []),
             event(
                 "response.output_item.added",
                 output_index=len(items),
@@ -267,12 +270,13 @@ async def _events(
             event("response.content_part.added", **where("message"), part=_text_part("")),
         ]
 
-    def close_thinking() -> list[NamedEvent]:
+    def close_thinking(cut: bool) -> list[NamedEvent]:
         assert thought is not None
         text = "".join(thought)
-        item = _reasoning(ids_of["reasoning"], text, "completed")
+        item = _reasoning(ids_of["reasoning"], text, "incomplete" if cut else "completed")
         done = [
             event("response.reasoning_text.done", **where("reasoning"), text=text),
+            event("response.content_part.done", **where("reasoning"), part={"type": "reasoning_text", "text": text}),
             event("response.output_item.done", output_index=len(items), item=item),
         ]
         items.append(item)
@@ -299,6 +303,8 @@ async def _events(
                     thought = []
                     item = {**_reasoning(ids_of["reasoning"], "", "in_progress"), "content": []}
                     yield event("response.output_item.added", output_index=0, item=item)
+                    part = {"type": "reasoning_text", "text": ""}
+                    yield event("response.content_part.added", **where("reasoning"), part=part)
                 thought.append(reasoning)
                 yield event("response.reasoning_text.delta", **where("reasoning"), delta=reasoning)
             if answer:
@@ -317,7 +323,7 @@ async def _events(
     log_extra(request, completion_tokens=output_tokens)
     if pieces is None:  # only thinking, or nothing: the message item is still sent, empty
         pieces = []
-        for ev in open_message():
+        for ev in open_message(thinking_cut=finish_reason != "stop"):
             yield ev
     text = "".join(pieces)
     yield event("response.output_text.done", **where("message"), text=text, logprobs=[])

@@ -264,6 +264,18 @@ def test_responses_put_the_thinking_in_a_reasoning_item(client: OpenAI) -> None:
     assert firsts[1] < kinds.index("response.output_text.delta") and firsts[0] < firsts[1]
     assert [it.type for it in done.output] == ["reasoning", "message"] and done.output_text == "Paris it is!"
     assert done.output[0].content[0].text == "I reckon so."
+    # the reasoning text's part is added and done around its deltas, as the message's is (vLLM's)
+    first, last = kinds.index("response.reasoning_text.delta"), kinds.index("response.reasoning_text.done")
+    assert kinds[first - 1] == "response.content_part.added" and kinds[last + 1] == "response.content_part.done"
+    from aiolm.server import output_models
+
+    output_models.Response.model_validate(r.model_dump())  # /openapi.json documents the reasoning item
+    # cut inside the thinking: the reasoning item is incomplete too
+    cut = client.responses.create(model=model, input=QUESTION[0]["content"], max_output_tokens=3, temperature=0)
+    assert (cut.status, [it.status for it in cut.output]) == ("incomplete", ["incomplete", "incomplete"])
+    with client.responses.stream(model=model, input=QUESTION[0]["content"], max_output_tokens=3, temperature=0) as s:
+        items = [ev.item.status for ev in s if ev.type == "response.output_item.done"]
+    assert items == ["incomplete", "incomplete"]
 
 
 def test_messages_put_the_thinking_in_a_thinking_block(reasoning_servers, client: OpenAI) -> None:
