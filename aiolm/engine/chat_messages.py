@@ -26,17 +26,20 @@ def template_traits(template: str) -> tuple[bool, bool]:
         tree = jinja2.Environment().parse(template)
     except jinja2.TemplateSyntaxError:
         return False, "developer" in template
-    loops = any(
-        _is_content(node)
-        for loop in tree.find_all(nodes.For)
-        for node in (loop.iter, *loop.iter.find_all((nodes.Getattr, nodes.Getitem)))
-    )
+    loops = any(_is_content(_unfiltered(loop.iter)) for loop in tree.find_all(nodes.For))
     return loops, "developer" in template
 
 
+def _unfiltered(node: nodes.Node) -> nodes.Node:
+    """What a chain of filters (``message['content'] | selectattr(...)``) is applied to."""
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    return node
+
+
 def _is_content(node: nodes.Node) -> bool:
-    """``x.content`` or ``x['content']``: what a loop over content parts iterates (maybe
-    through filters: ``message['content'] | selectattr(...)``)."""
+    """``x.content`` or ``x['content']`` itself: what a loop over content parts iterates
+    (``message.content.split(...)`` loops over a string's lines)."""
     if isinstance(node, nodes.Getattr):
         return node.attr == "content"
     if isinstance(node, nodes.Getitem):

@@ -175,10 +175,12 @@ class IncrementalDetokenizer:
 
         The window is then cut to its last few ids, the same decoding context a
         prompt gives the first output token, at a cut that splits no character: the
-        two sides decode apart to the whole text. A cut inside one is not only U+FFFD
-        at the cut: SentencePiece's byte fallback turns a whole run of byte tokens
-        into U+FFFD when any of it is invalid, so the next character's bytes would be
-        lost too. With no such cut the window is kept whole.
+        text ends with the tail's own decode, and neither side decodes to U+FFFD at
+        the cut. A cut inside one is not only U+FFFD at the cut: SentencePiece's byte
+        fallback turns a whole run of byte tokens into U+FFFD when any of it is
+        invalid, so the next character's bytes would be lost too. (The two sides need
+        not join to the text: a decoder that strips a leading space drops the tail's.)
+        With no such cut the window is kept whole, to be cut at a later step.
         """
         w = self._window + ids
         text = self._decode(w)
@@ -188,7 +190,7 @@ class IncrementalDetokenizer:
         keep, keep_text = w, text
         for n in range(min(_PROMPT_CONTEXT_TOKENS, len(w) - 1), 0, -1):
             tail = self._decode(w[-n:])
-            if self._decode(w[:-n]) + tail == text:
+            if text.endswith(tail) and not tail.startswith(_FFFD) and not self._decode(w[:-n]).endswith(_FFFD):
                 keep, keep_text = w[-n:], tail
                 break
         self._window, self._read, self._prefix_text = keep, len(keep), keep_text

@@ -48,8 +48,10 @@ class LocalExecutor(Executor):
     async def shutdown(self) -> None:
         if self.runner is not None:
             try:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.close)
+                done = asyncio.get_running_loop().run_in_executor(self._pool, self.runner.close)
             except RuntimeError:  # at interpreter exit the thread pools take no more work:
                 self.runner.close()  # the step thread is idle by now, so close it here
+            else:
+                await done
         self._pool.shutdown(wait=False)
         self.runner = None

@@ -360,9 +360,9 @@ class MultiprocExecutor(Executor):
             while not write.done():
                 for rank, owed in enumerate(self._owed):
                     if owed and rank not in reading:
-                        tokens = self._step_tokens.get(owed[0], 0)
-                        limit = self.step_watch.limit(tokens) if self.step_watch is not None else 0.0
-                        reading[rank] = asyncio.ensure_future(self._recv(rank, owed[0], limit, tokens))
+                        tokens = self._step_tokens.get(owed[0])  # None: an rpc's reply, read without a limit
+                        limit = self.step_watch.limit(tokens) if self.step_watch and tokens is not None else 0.0
+                        reading[rank] = asyncio.ensure_future(self._recv(rank, owed[0], limit, tokens or 0))
                 done, _ = await asyncio.wait({write, *reading.values()}, return_when=asyncio.FIRST_COMPLETED)
                 for rank, task in list(reading.items()):
                     if task in done:

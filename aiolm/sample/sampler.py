@@ -200,8 +200,9 @@ class SamplingMetadata:
     max_num_logprobs: int
     named_logprob_ids: list[list[int] | None] | None  # per row (logprob_token_ids); None: no row has any
     knobs: torch.Tensor  # every row's, as knob_rows gives them (greedy rows: temperature 0)
-    # (rows, tokens): each row's stop tokens, where a ban may leave a row nothing to draw
-    stop_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows to scan, each pair's place among them, pair rows, pair tokens): the stop tokens of
+    # the rows whose bans may leave them nothing to draw
+    stop_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -258,7 +259,9 @@ class SamplingMetadata:
             max_num_logprobs=max((num_logprobs[i] or 0 for i in lp_rows), default=0),
             named_logprob_ids=named if any(named) else None,
             knobs=knob_rows(params, vocab_size, dev),
-            stop_pairs=_stop_pairs(params, vocab_size, dev) if _BANS & {p.name for p in processors} else None,
+            stop_pairs=(
+                _stop_pairs(params, output_token_ids, vocab_size, dev) if _BANS & {p.name for p in processors} else None
+            ),
         )
 
     def draws(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,19 +370,33 @@ _BANS = frozenset({"allowed_token_ids", "bad_words", "min_tokens"})
 
 
 def _stop_pairs(
-    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    pairs = [(i, t) for i, p in enumerate(params) for t in sorted(p.stop_ids()) if 0 <= t < vocab_size]
+    params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows a ban may empty (allowed ids, bad words, min_tokens still to reach), with their
+    stop tokens; None where there are none (most batches: the scan then costs nothing)."""
+    scan = [
+        i
+        for i, p in enumerate(params)
+        if p.allowed_token_ids or p.bad_words_token_ids or len(outputs[i]) < p.min_tokens
+    ]
+    pairs = [(k, i, t) for k, i in enumerate(scan) for t in sorted(params[i].stop_ids()) if 0 <= t < vocab_size]
     if not pairs:
         return None
-    return long_tensor([i for i, _ in pairs], device), long_tensor([t for _, t in pairs], device)
+    return (
+        long_tensor(scan, device),
+        long_tensor([k for k, _, _ in pairs], device),
+        long_tensor([i for _, i, _ in pairs], device),
+        long_tensor([t for _, _, t in pairs], device),
+    )
 
 
-def _end_rows_left_with_nothing(x: torch.Tensor, stop_pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _end_rows_left_with_nothing(
+    x: torch.Tensor, stop_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
     """A row whose every token is forbidden takes its stop tokens, and so ends: a draw from it
     took token 0 (on Llama 3, "!"), which the row's own bans forbid. Nothing is read back."""
-    rows, tokens = stop_pairs
-    dead = torch.isneginf(x).all(dim=1).index_select(0, rows)
+    scan, place, rows, tokens = stop_pairs
+    dead = torch.isneginf(x.index_select(0, scan)).all(dim=1).index_select(0, place)
     x.index_put_((rows, tokens), torch.where(dead, 0.0, x[rows, tokens]))
 
 

@@ -189,7 +189,10 @@ async def create_completion(request: Request) -> Response | EventStream:
 
 def _nothing_generated(c: CompletionOutput) -> CompletionOutput:
     """An output of echo with max_tokens 0: its one generated token left out."""
-    return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+    finish = "length" if c.finish_reason == "stop" else c.finish_reason  # (its token was EOS: none shown)
+    return dataclasses.replace(
+        c, text="", token_ids=[], logprobs=None if c.logprobs is None else [], finish_reason=finish, stop_reason=None
+    )
 
 
 async def _events(

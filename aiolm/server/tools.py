@@ -357,6 +357,8 @@ def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]
         return None, calls if calls else cut_calls(plan, text)
     assert plan.parser is not None
     content, calls = plan.parser.extract(text)
+    if not calls:
+        content, calls = _unfinished_calls(plan, text) or (content, calls)
     offered = [c for c in calls if c.name in plan.names]  # a call of no such function is dropped
     if calls and not offered:  # only such calls: the model's text
         return text, []
@@ -364,6 +366,23 @@ def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]
     if calls and not plan.parallel:
         calls = calls[:1]
     return content, calls
+
+
+def _unfinished_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]] | None:
+    """(content, calls) of a text that ends inside its calls (cut by max_tokens or a stop
+    string): each call whose name was read, with its arguments as far as they go, as OpenAI
+    returns a call cut by the length and as the stream has already sent it; None where no
+    call's name was read, or the text is not calls after all."""
+    assert plan.parser is not None
+    start = plan.parser.calls_start(text)
+    if start is None:
+        return None
+    reader = plan.parser.stream_reader()
+    reader.feed(text[start:])
+    if reader.failed or not reader.calls or reader.calls[-1].done:
+        return None  # not calls, or calls the text finished (malformed ones: the text stands)
+    named = [ParsedCall(c.name, c.arguments) for c in reader.calls if c.name is not None]
+    return (text[:start] or None, named) if named else None
 
 
 def call_id() -> str:

@@ -470,3 +470,14 @@ def test_byte_fallback_characters_split_across_multi_token_steps():
                 i += k
             out.append(d.finish())
             assert "".join(out) == tk.decode(ids) == d.text, (text, out)
+    # A decoder that strips a leading space decodes a cut's tail without it: the cut must still
+    # be taken (the window was kept whole, and each step decoded the whole output again)
+    from tokenizers import normalizers
+
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    ids = tk.encode(" ".join(["the"] * 600), add_special_tokens=False).ids
+    assert len(ids) == 600  # one ▁the per word
+    d = IncrementalDetokenizer(tk)
+    for i in range(0, len(ids), 3):
+        d.push(ids[i : i + 3])
+        assert len(d._window) <= 8, (i, len(d._window))

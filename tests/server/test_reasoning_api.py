@@ -394,3 +394,31 @@ def test_messages_thinking_switches_and_caps_the_thinking(reasoning_servers, cli
             timeout=30,
         )
         assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)
+
+
+def test_a_call_cut_short_is_the_same_call_streamed_or_not(reasoning_servers, client: OpenAI) -> None:
+    """A stop string (or max_tokens) inside a call's arguments: the stream had sent the call's
+    header and its arguments so far, and then the raw call again as text, while the answer not
+    streamed held only that text. Both now hold the call, its arguments as far as they go, as
+    OpenAI returns a call cut by the length."""
+    import anthropic
+
+    full = _chat(client, tools=TOOLS, stop=["France"])
+    msg = full.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_capital", '{"country": "')]
+    assert not msg.content
+    thoughts, content, calls, finish = _stream(client, tools=TOOLS, stop=["France"])
+    assert content == "" and [c.function.name for c in calls if c.function.name] == ["get_capital"]
+    assert "".join(c.function.arguments or "" for c in calls) == '{"country": "'
+    assert finish == full.choices[0].finish_reason
+    srv = reasoning_servers.get()
+    ac = anthropic.Anthropic(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+    tool = {"name": "get_capital", "description": "x", "input_schema": {"type": "object", "properties": {}}}
+    kw = dict(model=client.models.list().data[0].id, max_tokens=40, messages=QUESTION, tools=[tool])
+    kw |= dict(stop_sequences=["France"], extra_body={"temperature": 0})
+    plain = ac.messages.create(**kw)
+    with ac.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    for m in (plain, streamed):
+        assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.content[1].input == {}, m.content
+        assert m.stop_reason == "stop_sequence"

@@ -195,6 +195,8 @@ def test_templates_that_loop_over_content_parts_get_parts():
         "{{ content['text'] + ' '}}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
     )
     assert template_traits(llava) == (True, False) and template_traits(TEMPLATE) == (False, False)
+    lines = "{% for m in messages %}{% for line in m.content.split('\\n') %}[{{ line }}]{% endfor %}{% endfor %}"
+    assert template_traits(lines) == (False, False)  # a loop over a string's lines, not over parts
     shaped = shaped_for(llava, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert shaped == [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
