@@ -61,6 +61,7 @@ from aiolm.server.tools import (
     plan_tools,
     read_output,
     render_chat_prompt,
+    was_cut,
 )
 
 # Engine-side and chat-side names of what a Messages request calls otherwise (400s name the field).
@@ -329,7 +330,7 @@ async def create_message(request: Request) -> Response | EventStream:
     c = final.outputs[0]
     log_extra(request, completion_tokens=len(c.token_ids))
     thought, answer = split_reasoning(thinking, rendered, c.text, continued) if thinking is not None else (None, c.text)
-    content, calls = read_output(plan, answer or "") if plan.active else (answer, [])
+    content, calls = read_output(plan, answer or "", was_cut(c)) if plan.active else (answer, [])
     stop_reason, stop_sequence = _stop(c, final, calls)
     blocks: list[dict[str, Any]] = [_thinking_block(thought)] if thought else []
     blocks += [{"type": "text", "text": content}] if content else []
@@ -454,7 +455,7 @@ async def _events(
             if c.finished:
                 calls: list[ParsedCall] = []
                 if state is not None:
-                    rest, calls = state.finish()
+                    rest, calls = state.finish(was_cut(c))
                     for ev in (*blocks.text(rest), *blocks.tool_uses(calls)):
                         yield ev
                 stop = _stop(c, out, calls)

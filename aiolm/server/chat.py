@@ -50,6 +50,7 @@ from aiolm.server.tools import (
     read_output,
     render_chat_prompt,
     tool_calls_json,
+    was_cut,
 )
 
 
@@ -186,7 +187,7 @@ async def create_chat_completion(request: Request) -> Response | EventStream:
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
             finish_reason = c.finish_reason
-            message, calls = turn.reading.message(c.text)
+            message, calls = turn.reading.message(c.text, was_cut(c))
             if turn.echo:
                 message["content"] = turn.echo + (message["content"] or "")
             if calls and finish_reason == "stop" and not isinstance(c.stop_reason, str):  # a stop string cut it
@@ -276,7 +277,7 @@ async def _chat_events(
                     else None
                 )
                 finish_reason = c.finish_reason
-                reasoning, text, call_deltas = streams[idx].feed(c.text, c.finished)
+                reasoning, text, call_deltas = streams[idx].feed(c.text, c.finished, was_cut(c))
                 if streams[idx].called and finish_reason == "stop" and not isinstance(c.stop_reason, str):
                     finish_reason = "tool_calls"
                 head = {**(_reasoning_fields(reasoning) if reasoning else {}), **({"content": text} if text else {})}
@@ -392,7 +393,7 @@ class _Reading:
     include_reasoning: bool
     continued: str = ""  # a final assistant message the output continues
 
-    def message(self, text: str) -> tuple[dict[str, Any], list[ParsedCall]]:
+    def message(self, text: str, cut: bool = False) -> tuple[dict[str, Any], list[ParsedCall]]:
         reasoning: str | None = None
         content: str | None = text
         if self.thinking is not None:
@@ -400,7 +401,7 @@ class _Reading:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         calls: list[ParsedCall] = []
         if self.plan.active:
-            text_part, calls = read_output(self.plan, content or "")
+            text_part, calls = read_output(self.plan, content or "", cut)
             message["content"] = text_part or None  # nothing besides the calls is null, as a stream sends none
             message["tool_calls"] = tool_calls_json(calls)
         if self.thinking is not None:
@@ -424,7 +425,7 @@ class _ChoiceStream:
 
         self.called = False  # the finished choice holds calls (finish_reason "tool_calls")
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, str, list[dict[str, Any]]]:
+    def feed(self, delta: str, finished: bool, cut: bool = False) -> tuple[str, str, list[dict[str, Any]]]:
         """(reasoning, content, tool-call deltas) to send now; the calls as they are written."""
         reasoning, content = "", delta
         if self.split is not None:
@@ -434,7 +435,7 @@ class _ChoiceStream:
             content = self.tools.feed(content)
             deltas = self.calls.update(self.tools.progress())
             if finished:
-                rest, calls = self.tools.finish()
+                rest, calls = self.tools.finish(cut)
                 content += rest
                 deltas += self.calls.update(calls)
                 self.called = bool(calls)

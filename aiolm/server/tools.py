@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiolm.engine.client import EngineClient
+from aiolm.outputs import CompletionOutput
 from aiolm.params import ParamError
 from aiolm.server import client_json
 from aiolm.server.errors import bad_request
@@ -350,14 +351,20 @@ def cut_calls(plan: ToolPlan, text: str) -> list[ParsedCall]:
     return calls if plan.parallel else calls[:1]
 
 
-def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of one finished choice."""
+def was_cut(c: CompletionOutput) -> bool:
+    """Whether a choice ended where its text was cut (max_tokens, a stop string), not where the
+    model ended it: a call it was writing then stands, as far as it goes."""
+    return c.finish_reason == "length" or isinstance(c.stop_reason, str)
+
+
+def read_output(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of one finished choice (``cut``: see ``was_cut``)."""
     if plan.enforced is not None:  # the text is the grammar's call format, never content
         calls = enforced_calls(plan, text)
         return None, calls if calls else cut_calls(plan, text)
     assert plan.parser is not None
     content, calls = plan.parser.extract(text)
-    if not calls:
+    if not calls and cut:
         content, calls = _unfinished_calls(plan, text) or (content, calls)
     offered = [c for c in calls if c.name in plan.names]  # a call of no such function is dropped
     if calls and not offered:  # only such calls: the model's text
@@ -457,9 +464,9 @@ class StreamState:
         calls = [c for c in self.reader.calls if not names or c.name is None or c.name in names]
         return calls if self.plan.parallel else calls[:1]
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """(content still to show, calls)."""
-        content, calls = read_output(self.plan, self.text)
+    def finish(self, cut: bool = False) -> tuple[str, list[ParsedCall]]:
+        """(content still to show, calls); ``cut``: see ``was_cut``."""
+        content, calls = read_output(self.plan, self.text, cut)
         if not calls:
             return ("" if self.plan.enforced is not None else self.text[self.shown :]), []
         rest = (content or "")[self.shown :] if content and len(content) > self.shown else ""

@@ -290,18 +290,6 @@ BAD = [
     (
         {
             "messages": [
-                {"role": "user", "content": "x"},
-                {
-                    "role": "assistant",
-                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}],
-                },
-            ]
-        },
-        "messages[1].tool_calls[0].function.arguments",
-    ),
-    (
-        {
-            "messages": [
                 {
                     "role": "user",
                     "content": "x",
