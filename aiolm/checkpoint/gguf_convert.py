@@ -645,6 +645,7 @@ def _save_tokenizer(path: Path, out_dir: Path, reader: Any) -> None:
     if model == "gpt2":
         tok = _special_tokens_at_their_ids(tok, reader, path)
     tok.save_pretrained(str(out_dir))
+    _as_llama_cpp_splits(out_dir / "tokenizer.json", model, pre, _field(reader, "tokenizer.ggml.add_space_prefix"))
     if getattr(tok, "chat_template", None):
         (out_dir / "chat_template.jinja").write_text(tok.chat_template)
 
@@ -704,6 +705,42 @@ def _special_tokens_at_their_ids(tok: Any, reader: Any, path: Path) -> Any:
     if len(fixed) > len(tokens):
         raise ModelLoadError(f"{path}: its tokenizer has {len(fixed)} tokens, more than the file's {len(tokens)}")
     return fixed
+
+
+# llama.cpp's LLAMA3 pre-tokenizers: a word that is a vocabulary entry is a token whole, whatever
+# the merges say (Llama 3's own tokenizer.json sets ignore_merges too)
+_WHOLE_WORDS = frozenset("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2".split())
+
+
+def _as_llama_cpp_splits(tokenizer_json: Path, model: Any, pre: Any, add_space_prefix: Any) -> None:
+    """The saved tokenizer.json told what transformers' GGUF builder leaves out: whole words
+    for Llama 3's pre-tokenizers, and no space put before the text of a SentencePiece file
+    whose add_space_prefix is false (Yi's: "hello" is "he", "llo", not "▁hello")."""
+    if not tokenizer_json.exists():
+        return
+    spec = json.loads(tokenizer_json.read_text())
+    if model == "gpt2" and pre in _WHOLE_WORDS and spec.get("model", {}).get("type") == "BPE":
+        spec["model"]["ignore_merges"] = True
+    elif model == "llama" and add_space_prefix is False:
+        for part in _parts(spec.get("pre_tokenizer"), "pretokenizers"):
+            if part.get("type") == "Metaspace":
+                part["prepend_scheme"] = "never"
+        decoder = spec.get("decoder")
+        if isinstance(decoder, dict) and decoder.get("type") == "Sequence":
+            decoder["decoders"] = [d for d in decoder["decoders"] if d.get("type") != "Strip"]
+        normalizer = spec.get("normalizer")
+        if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence":
+            normalizer["normalizers"] = [n for n in normalizer["normalizers"] if n.get("type") != "Prepend"]
+    else:
+        return
+    tokenizer_json.write_text(json.dumps(spec, ensure_ascii=False))
+
+
+def _parts(node: Any, key: str) -> list[dict[str, Any]]:
+    """A tokenizer.json component and the ones a Sequence of it holds under ``key``."""
+    if not isinstance(node, dict):
+        return []
+    return [node, *(p for inner in node.get(key) or [] for p in _parts(inner, key))]
 
 
 def _post_processors(pp: Any) -> list[dict[str, Any]]:

@@ -24,7 +24,18 @@ TEMPLATE = (
 )
 
 
-def _write(path: Path, tokens: list[str], types: list[int], pre: str, bos: int, eos: int) -> Path:
+def _write(
+    path: Path,
+    tokens: list[str],
+    types: list[int],
+    pre: str | None,
+    bos: int,
+    eos: int,
+    model: str = "gpt2",
+    merges: tuple[str, ...] = ("h i",),
+    scores: list[float] | None = None,
+    add_space_prefix: bool | None = None,
+) -> Path:
     hidden, vocab = 8, len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -36,11 +47,17 @@ def _write(path: Path, tokens: list[str], types: list[int], pre: str, bos: int, 
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges(["h i"])
+    if model == "gpt2":
+        w.add_token_merges(list(merges))
+    if scores is not None:
+        w.add_token_scores(scores)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     w.add_bos_token_id(bos)
     w.add_eos_token_id(eos)
     w.add_add_bos_token(True)
@@ -109,3 +126,34 @@ def test_end_of_generation_tokens_found_by_their_text(tmp_path):
         259,
     )
     assert _turn_end_ids(gguf.GGUFReader(str(path)), "llama") == [257, 258, 259]
+
+
+def test_llama3_words_in_the_vocabulary_are_whole(tmp_path, monkeypatch):
+    """llama.cpp's Llama 3 pre-tokenizers (and Llama 3's own tokenizer.json) ignore the merges
+    for a word the vocabulary holds whole: "abc" is one token, not "ab" + "c"."""
+    monkeypatch.setenv("AIOLM_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = [*BYTES, "ab", "abc", "<|begin_of_text|>", "<|eot_id|>"]
+    folder = tmp_path / "l3"
+    folder.mkdir()
+    path = _write(folder / "m.gguf", tokens, [1] * 258 + [3, 3], "llama-bpe", 258, 259, merges=("a b",))
+    tok = resolve_model(path).load_tokenizer()
+    assert tok.convert_ids_to_tokens(tok.encode("abc", add_special_tokens=False)) == ["abc"]
+
+
+def test_a_sentencepiece_file_without_a_space_prefix(tmp_path, monkeypatch):
+    """add_space_prefix false (Yi's files): llama.cpp puts no space before the text, so "hello"
+    is "he" + "llo", not "▁hello"; transformers' builder ignored the flag."""
+    monkeypatch.setenv("AIOLM_CACHE_DIR", str(tmp_path / "cache"))
+    pieces = "▁ e h l o w r d ▁h ▁w he ll llo ello ▁he ▁hel ▁hello ▁wo ▁wor ▁world or ld".split()
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-1.0 - i for i in range(len(pieces))]
+    got = {}
+    for prefix in (True, False):
+        folder = tmp_path / f"spm-{prefix}"
+        folder.mkdir()
+        path = _write(folder / "m.gguf", tokens, types, None, 1, 2, "llama", scores=scores, add_space_prefix=prefix)
+        tok = resolve_model(path).load_tokenizer()
+        ids = tok.encode("hello world", add_special_tokens=False)
+        got[prefix] = (tok.convert_ids_to_tokens(ids), tok.decode(ids))
+    assert got == {True: (["▁hello", "▁world"], "hello world"), False: (["he", "llo", "▁world"], "hello world")}
