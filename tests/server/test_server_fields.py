@@ -28,7 +28,6 @@ UNKNOWN = [
     ("/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, "reasoning_effort"),
     ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
     ("/v1/chat/completions", {**CHAT, "vllm_xargs": {"a": 1}}, "vllm_xargs"),
-    ("/v1/chat/completions", {**CHAT, "documents": [{"text": "x"}]}, "documents"),
     ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": None}, "frobnicate"),
     (

@@ -389,7 +389,10 @@ def test_bans_beside_a_grammar_end_the_row_instead_of_drawing_token_0(client, mo
         extra_body={"guided_choice": ["yes", "no"], "return_token_ids": True, **extra},
     )
     choice = out.choices[0]
-    assert 0 not in choice.model_extra["token_ids"] and choice.finish_reason == "stop", choice
+    # past the answer (one token) only end tokens: the embedded file's <|im_end|> (2) and, as
+    # llama.cpp ends it, <|endoftext|> (0), which a masked row had drawn as text before
+    assert len([t for t in choice.model_extra["token_ids"] if t not in (0, 2)]) <= 1, choice
+    assert choice.finish_reason == "stop", choice
     assert choice.message.content in (("yes", "no") if "min_tokens" in extra else ("",)), choice
 
 
