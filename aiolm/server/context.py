@@ -20,8 +20,6 @@ class ServingContext:
         self.created = int(time.time())
         self.inflight: set[str] = set()  # engine request ids being served right now
         self.server_load = 0  # model HTTP requests (generation or pooling) being served right now (vLLM's GET /load)
-        # the pooling routes' inputs in the engine at once, shared by their requests (server/pooling.py)
-        self.pooling_window: asyncio.Semaphore | None = None
         self.draining = False
         self.engine_died: str | None = None  # set when the engine died and the server is stopping
         self.start_error: str | None = None  # why the engine did not start, in one line

@@ -6,10 +6,8 @@ a generation server does the reverse (``only_for``), each with a 400 naming the 
 Every input of a request (a text, a token list, a pair) is one engine request, and a
 request's inputs are submitted together, so the scheduler batches them into the same
 steps: up to a window of two steps' worth (``_window``) at a time, which keeps the next
-step full while one runs and keeps the inputs within the engine's waiting queue (a 429
-that retrying could never cure). The window is the server's, shared by the pooling
-requests: several big ones at once take turns, where each had a window of its own and
-together they overran the queue, every one of them failing with a 429. Every path out (an answer, an error, a client
+step full while one runs and keeps one request from filling the engine's waiting queue
+(a 429 that retrying could never cure). Every path out (an answer, an error, a client
 gone, a shutdown) leaves no engine request behind: the pending inputs are cancelled,
 and an encode left early aborts.
 """
@@ -137,8 +135,8 @@ def _input_error(e: ParamError, where: str) -> APIError:
 
 
 def _window(args: EngineArgs) -> int:
-    """How many pooling inputs may be in the engine at once: what two steps hold, less what
-    the waiting queue could not take."""
+    """How many of one request's inputs may be in the engine at once: what two steps hold,
+    less what the waiting queue could not take."""
     seats = args.max_num_seqs * args.data_parallel_size
     waiting = seats if args.max_waiting_requests is None else min(seats, args.max_waiting_requests)
     return seats + waiting
@@ -162,9 +160,7 @@ async def _run(
     timeout = ctx.settings.request_timeout or None
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout  # the request's, whatever its inputs wait
-    if ctx.pooling_window is None:
-        ctx.pooling_window = asyncio.Semaphore(_window(cast(_Configured, engine).args))
-    window = ctx.pooling_window
+    window = asyncio.Semaphore(_window(cast(_Configured, engine).args))
     rid = ctx.new_id(prefix)
 
     async def one(i: int, job: Job) -> PoolingRequestOutput:
