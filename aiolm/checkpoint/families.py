@@ -83,11 +83,22 @@ def family_of(architecture: str) -> ModelFamily:
     return family
 
 
+# Heads of their own on a family's model: loaded as the family's causal LM they would fail on
+# their own weights (an encoder's ForMaskedLM / ForPreTraining checkpoint is its bare model plus
+# heads that are left out, and serves as an embedder)
+_OTHER_HEADS = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+)
+
+
 def read_config(cfg: dict[str, Any], source: str = "config.json", quant_source: str | None = None) -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json, by the family of its architecture
     (``quant_source``: the file its quantization_config came from, where not ``source``)."""
     archs = cfg.get("architectures") or []
-    heads = [a for a in archs if isinstance(a, str) and "For" in a and not a.endswith("ForCausalLM")]
+    heads = [a for a in archs if isinstance(a, str) and a.endswith(_OTHER_HEADS)]
     if heads and not any(a in MODELS for a in archs):
         # a head of its own (a Qwen3 classifier, a token classifier): the model_type's causal LM
         # would load its weights but that head's, and fail on it

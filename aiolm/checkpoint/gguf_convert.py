@@ -618,9 +618,10 @@ def _turn_end_ids(reader: Any, arch: str) -> list[int]:
 
 # tokenizer.ggml.pre values whose split transformers' GGUF tokenizer builds as llama.cpp splits:
 # its own map (GGUF_PRE_TOKENIZER_SPLITS), and those llama.cpp splits with GPT-2's regex, which
-# transformers applies to the rest. Another one would be split with GPT-2's regex where llama.cpp
-# splits otherwise (deepseek-coder keeps "\n\n\n" apart). "default" (or none) is an old file's,
-# which llama.cpp too splits with a generic regex, warning that answers may suffer.
+# transformers applies to the rest (gpt-2, phi-2; smollm splits digits one by one, which changes
+# nothing with SmolLM's vocabulary, whose digits are single tokens). Another one would be split
+# with GPT-2's regex where llama.cpp splits otherwise (deepseek-coder keeps "\n\n\n" apart).
+# "default" (or none) is an old file's, which llama.cpp too splits with a generic regex.
 _SPLITS_AS_LLAMA_CPP = frozenset(
     "default gpt-2 phi-2 smollm llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano dbrx "
     "smaug-bpe tekken qwen2 deepseek-r1-qwen kormo f2llmv2 megrez qwen35 gpt-4o llama4 kanana2 talkie "

@@ -187,9 +187,12 @@ def _chat_template(folder: Path) -> str | None:
 
 def read_chat_template(given: str) -> str:
     """``--chat-template``: a file's text, or the template itself, as vLLM reads the flag."""
-    path = Path(given).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if any(c in given for c in "{}\n"):
+    if any(c in given for c in "{}\n"):  # Jinja text (a file name this long is refused by the OS)
         return given
+    try:
+        path = Path(given).expanduser()
+        if path.is_file():
+            return path.read_text()
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"--chat-template {given!r}: cannot read it ({e})") from None
     raise ModelLoadError(f"--chat-template {given!r}: no such file (and no Jinja template text either)")

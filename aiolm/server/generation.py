@@ -183,10 +183,15 @@ def check_admission(ctx: ServingContext, num_prompts: int, n: int, priority: int
             f"(--max-seqs-per-request)",
             param="n",
         )
-    if settings.max_live_seqs is not None and seqs > settings.max_live_seqs:  # a 429 would be retried for good
+    # More than the engine ever holds (each prompt's n sequences go to one data-parallel replica,
+    # the prompts are spread): its 429 would be retried for good
+    held = settings.max_live_seqs
+    if held is not None and (n > held or seqs > held * settings.replicas):
         raise bad_request(
             f"this request asks for {seqs} sequences ({num_prompts} prompt(s) x n={n}); the engine holds at most "
-            f"{settings.max_live_seqs} at once (--max-num-seqs running and --max-waiting-requests waiting)",
+            f"{held} at once (--max-num-seqs running and --max-waiting-requests waiting"
+            + (f", on each of {settings.replicas} replicas" if settings.replicas > 1 else "")
+            + ")",
             param="n",
         )
 

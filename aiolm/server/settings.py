@@ -41,9 +41,11 @@ class ServerSettings:
     web_ui: bool = True
     # Reliability (docs/reliability.md): what one client may ask for and how long it may take.
     max_seqs_per_request: int = 64  # prompts x n of one HTTP request
-    # the most sequences the engine holds at once (running seats + waiting room): a request that
-    # needs more can never be admitted; None: the waiting room is unbounded
+    # the most sequences one engine (a data-parallel replica) holds at once, running seats and
+    # waiting room, and the replicas: a request that needs more can never be admitted; None: the
+    # waiting room is unbounded
     max_live_seqs: int | None = None
+    replicas: int = 1
     allow_request_priority: bool = False
     body_timeout: float = 30.0  # seconds for a whole request body to arrive
     request_timeout: float = 0.0  # default per-request timeout in seconds (0 = none)
@@ -207,6 +209,7 @@ def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
             if getattr(ns, "max_waiting_requests", None) is not None and getattr(ns, "max_num_seqs", None)
             else None
         ),
+        replicas=getattr(ns, "data_parallel_size", 1) or 1,
         allow_request_priority=ns.allow_request_priority,
         body_timeout=ns.body_timeout,
         request_timeout=ns.request_timeout,

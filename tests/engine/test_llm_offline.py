@@ -143,6 +143,10 @@ def test_a_chat_template_in_place_of_the_models(tmp_path, tokenizer):
         assert out.prompt == "[user] Hi\n[assistant]"
     with pytest.raises(ModelLoadError, match="--chat-template"):
         LLM(**{**ENGINE_ARGS, "chat_template": str(tmp_path / "missing.jinja")})
+    from aiolm.checkpoint.source import read_chat_template
+
+    long = "{% for m in messages %}" + "{{ m['content'] }} and more" * 40 + "{% endfor %}"  # no '/' in 1,000 chars
+    assert read_chat_template(long) == long  # (taken for a path, it was an OSError: file name too long)
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     assert _chat_template(tmp_path) == template
 

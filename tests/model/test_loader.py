@@ -864,6 +864,10 @@ def test_unknown_architecture_lists_supported(tiny_hf_dir, tmp_path):
         read_config(cfg)
     cfg.update(architectures=["LlamaModel"])  # a bare model (embedders): the family's, by its model_type
     assert read_config(cfg).architecture == "llama"
+    # an encoder's masked-LM checkpoint (bert-base-uncased's) is its bare model plus a head left out
+    bert = {"model_type": "bert", "vocab_size": 30, "hidden_size": 8, "num_hidden_layers": 1}
+    bert |= {"num_attention_heads": 2, "intermediate_size": 16}
+    assert read_config({**bert, "architectures": ["BertForMaskedLM"]}).architecture == "bert"
 
 
 def test_config_missing_field(tiny_hf_dir, tmp_path):

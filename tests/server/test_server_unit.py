@@ -505,7 +505,11 @@ def test_settings_from_flags_env_and_config(tmp_path):
     eargs, settings, _ = parse_serve_args(["--scheduling-policy", "priority"])  # vLLM's switch: takes priorities
     assert eargs.scheduling_policy == "priority" and settings.allow_request_priority
     _, settings, _ = parse_serve_args(["--max-num-seqs", "3", "--max-waiting-requests", "5"])
-    assert settings.max_live_seqs == 8
+    assert (settings.max_live_seqs, settings.replicas) == (8, 1)
+    _, settings, _ = parse_serve_args(
+        ["--max-num-seqs", "3", "--max-waiting-requests", "5", "--data-parallel-size", "2"]
+    )
+    assert (settings.max_live_seqs, settings.replicas) == (8, 2)  # the prompts are spread over the replicas
 
     cfg = tmp_path / "aiolm.json"
     cfg.write_text(json.dumps({"max_num_seqs": 7, "max_model_len": 300, "allowed_origins": "x.org"}))
