@@ -681,7 +681,7 @@ def _special_tokens_at_their_ids(tok: Any, reader: Any, path: Path) -> Any:
     ]
     spec["added_tokens"] = added  # what transformers added past the vocabulary is gone with them
     ids = {t: i for i, t in marked.items()}
-    for part in _post_processors(spec.get("post_processor")):
+    for part in _parts(spec.get("post_processor"), "processors"):
         for text, entry in (part.get("special_tokens") or {}).items():
             if text in ids:
                 entry["ids"] = [ids[text]]
@@ -742,13 +742,6 @@ def _parts(node: Any, key: str) -> list[dict[str, Any]]:
     if not isinstance(node, dict):
         return []
     return [node, *(p for inner in node.get(key) or [] for p in _parts(inner, key))]
-
-
-def _post_processors(pp: Any) -> list[dict[str, Any]]:
-    """A tokenizer.json post_processor and the ones a Sequence holds."""
-    if not isinstance(pp, dict):
-        return []
-    return [pp, *(p for inner in pp.get("processors") or [] for p in _post_processors(inner))]
 
 
 def main(argv: list[str] | None = None) -> int:
