@@ -11,8 +11,11 @@ aiolm (or vLLM) servers started with ``--kv-transfer-config``: the prefill ones 
 
 A prefill instance that fails or answers without params leaves the decode instance to
 compute the prompt itself (the answer is the same, only slower); an error from the
-decode instance is the client's answer, and a decode instance that cannot be reached or
-breaks off is a 502 (or, mid-stream, an error event and ``[DONE]``).
+decode instance is the client's answer, its headers (``retry-after``, ``x-request-id``)
+with it, and a decode instance that cannot be reached or breaks off is a 502 (or,
+mid-stream, an error event and ``[DONE]`` after the last whole event). A batch of
+prompts goes to the decode instance alone: a prefill answer carries one prompt's params.
+A client that leaves is left by the proxy too, so the instances abort the request.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from aiolm.server.errors import APIError, bad_request
-from aiolm.server.sse import DONE, sse_event
+from aiolm.server.sse import DONE, ClientGone, sse_event, until_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,12 @@ log = logging.getLogger(__name__)
 # unstreamed (stream options are refused without a stream; min_tokens above 1 with one token).
 _PREFILL_DROPS = ("stream_options", "min_tokens", "max_completion_tokens")
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
+# What an instance's answer keeps of its headers: all but the hop-by-hop ones and those the
+# proxy's own response sets (the body is relayed decoded, its length may differ).
+_ANSWER_DROPS = frozenset(
+    ("connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate")
+    + ("content-length", "content-encoding", "content-type", "date", "server")
+)
 
 
 def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: float = 600.0) -> Starlette:
@@ -57,8 +66,13 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: floa
         if not isinstance(body, dict):
             return bad_request("the body must be a JSON object").response()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        path = request.url.path
-        params = await _prefill(client, prefill_next(), path, body, headers)
+        try:
+            return await until_disconnect(request.receive, _answer(request.url.path, body, headers))
+        except ClientGone:  # its requests were cancelled: the instances saw their clients go too
+            return Response(status_code=499)
+
+    async def _answer(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        params = await _prefill(client, prefill_next(), path, body, headers) if not _batch(body) else None
         decode_body = dict(body, kv_transfer_params=params) if params is not None else body
         base = decode_next()
         try:
@@ -67,7 +81,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: floa
             resp = await client.post(base + path, json=decode_body, headers=headers)
         except httpx.HTTPError as e:
             return _unreachable(base, e).response()
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return _relayed(resp, resp.content)
 
     async def models(request: Request) -> Response:
         base = decode_next()
@@ -75,7 +89,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], timeout: floa
             resp = await client.get(base + "/v1/models")
         except httpx.HTTPError as e:
             return _unreachable(base, e).response()
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return _relayed(resp, resp.content)
 
     async def health(request: Request) -> Response:
         """Healthy while some decode instance is (prefill ones are optional: their loss
@@ -119,6 +133,23 @@ async def _prefill(
     return params
 
 
+def _batch(body: dict[str, Any]) -> bool:
+    """A completions request with several prompts (strings or token lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+
+
+def _answer_headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _ANSWER_DROPS}
+
+
+def _relayed(resp: httpx.Response, content: bytes) -> Response:
+    """An instance's whole answer as the proxy's: status, body and headers."""
+    return Response(
+        content, resp.status_code, headers=_answer_headers(resp), media_type=resp.headers.get("content-type")
+    )
+
+
 def _unreachable(base: str, error: Exception) -> APIError:
     """A decode instance that cannot be reached, or broke off its answer."""
     why = str(error) or type(error).__name__
@@ -133,19 +164,29 @@ async def _stream(
     if resp.status_code != 200:
         content = await resp.aread()
         await resp.aclose()
-        return Response(content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return _relayed(resp, content)
 
     async def relay() -> AsyncIterator[bytes]:
+        held = b""  # the part of an event not ended yet: whole events only go out
         try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
+            async for chunk in resp.aiter_bytes():
+                held += chunk
+                end = held.rfind(b"\n\n") + 2
+                if end > 1:
+                    yield held[:end]
+                    held = held[end:]
+            if held:
+                yield held  # the instance ended its answer there: relayed as it is
         except httpx.HTTPError as e:  # the instance died mid-answer: say so in the stream, and end it
+            # its half event is dropped: a client would parse it as a whole one, and fail
             log.warning("decode instance %s broke off a stream: %s", base, e)
-            yield b"\n\n" + sse_event(_unreachable(base, e).body()) + DONE
+            yield sse_event(_unreachable(base, e).body()) + DONE
         finally:
             await resp.aclose()
 
-    return StreamingResponse(relay(), media_type=resp.headers.get("content-type", "text/event-stream"))
+    return StreamingResponse(
+        relay(), headers=_answer_headers(resp), media_type=resp.headers.get("content-type", "text/event-stream")
+    )
 
 
 def parse_args(argv: list[str]) -> Any:

@@ -164,6 +164,28 @@ def test_twenty_requests_through_the_proxy_answer_as_one_instance(decode_server,
             break
         time.sleep(0.1)
     assert metric(prefill.base_url, "kv_cache_usage_perc") == 0
+    # A batch of prompts goes to the decode instance alone (a prefill answer names one
+    # prompt's KV): the same answers, and no block left leased on the prefill instance.
+    batch = [f"Request {i}. A short note on {TOPICS[i]}: " * 3 for i in (1, 3, 5)]
+    via = client.completions.create(model="m", prompt=batch, **GREEDY)
+    assert [c.text for c in via.choices] == [
+        direct.completions.create(model="m", prompt=b, **GREEDY).choices[0].text for b in batch
+    ]
+    assert metric(prefill.base_url, "kv_cache_usage_perc") == 0
+
+
+def test_a_client_that_leaves_the_proxy_is_left_by_it(decode_server, pd):
+    """A client that gives up on an unstreamed answer: the decode instance aborts it (the
+    proxy's call is cancelled with it) instead of generating for nobody."""
+    _, front, _ = pd
+    long = {"model": "m", "prompt": "Tell a long story.", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(front.base_url + "/v1/completions", json=long, timeout=3.0)
+    deadline = time.monotonic() + 10  # 900 tokens take half a minute here
+    while metric(decode_server.base_url, "num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(decode_server.base_url, "num_requests_running") == 0
+    assert metric(decode_server.base_url, "kv_cache_usage_perc") == 0
 
 
 def _live_segments() -> set[str]:

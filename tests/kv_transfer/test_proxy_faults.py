@@ -58,8 +58,22 @@ class BreakingDecode:
             if head.startswith(b"GET /health"):
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
                 return
-            if head.startswith(b"POST") and json.loads(rest).get("stream"):
+            body = json.loads(rest) if head.startswith(b"POST") else {}
+            if body.get("prompt") == "busy":  # a refusal with the headers a client backs off by
+                error = b'{"error":{"message":"the engine is full","code":"too_many_requests"}}'
+                conn.sendall(
+                    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 7\r\n"
+                    + b"X-Request-Id: busy-1\r\nContent-Length: "
+                    + str(len(error)).encode()
+                    + b"\r\n\r\n"
+                    + error
+                )
+                return
+            if body.get("stream"):
+                # one whole event, then (prompt "break") half of the next one
                 event = f"data: {json.dumps(FIRST)}\n\n".encode()
+                if body.get("prompt") == "break":
+                    event += b'data: {"id": "cmpl-1", "cho'
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                     + f"{len(event):x}\r\n".encode()
@@ -89,6 +103,17 @@ def test_a_failing_decode_instance_is_a_502_or_an_error_event(tmp_path):
             assert json.loads(events[0]) == FIRST
             assert "the decode instance" in json.loads(events[1])["error"]["message"]
             assert events[2:] == ["[DONE]"]
+            with httpx.stream(
+                "POST", proxy.base_url + "/v1/completions", json={**body, "prompt": "break", "stream": True}, timeout=30
+            ) as r:
+                events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+            # the half event is not relayed: an SSE client would take it for a whole one
+            assert json.loads(events[0]) == FIRST
+            assert "the decode instance" in json.loads(events[1])["error"]["message"]
+            assert events[2:] == ["[DONE]"]
+            r = httpx.post(proxy.base_url + "/v1/completions", json={**body, "prompt": "busy"}, timeout=30)
+            assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-request-id"] == "busy-1"
+            assert r.json()["error"]["code"] == "too_many_requests"
             r = httpx.post(proxy.base_url + "/v1/completions", json=body, timeout=30)  # dropped unanswered
             assert r.status_code == 502 and r.json()["error"]["code"] == "bad_gateway"
             decode.close()  # gone
