@@ -200,7 +200,10 @@ def _refuse(cfg: dict[str, Any]) -> None:
 def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> AdapterInfo:
     """The adapter in the PEFT folder ``path``, checked against ``model`` and ``max_rank``
     (``--max-lora-rank``); ParamError("lora_path", ...) naming the problem otherwise."""
-    folder = Path(path).expanduser()
+    try:
+        folder = Path(path).expanduser()
+    except RuntimeError:  # ~user of no such user
+        raise ParamError("lora_path", f"{path}: no such folder (its home directory is unknown)") from None
     if not folder.is_dir():
         raise ParamError("lora_path", f"{path}: no such folder")
     cfg_file = folder / CONFIG_FILE

@@ -36,6 +36,7 @@ from aiolm.server.middleware import (
     AuthMiddleware,
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
+    InternalErrorMiddleware,
     RequestContextMiddleware,
     StartupFailureMiddleware,
 )
@@ -67,12 +68,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _client_gone(request: Request, exc: Exception) -> Response:
     # Nobody is listening; the status is for the access log (nginx's "client closed request").
     return Response(status_code=499)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    err = APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
-    return error_response(request.url.path, err)
 
 
 def _routes(settings: ServerSettings) -> list[BaseRoute]:
@@ -177,6 +172,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
     middleware = [
         Middleware(StartupFailureMiddleware, reason=lambda: ctx.start_error),
         Middleware(RequestContextMiddleware, access_log_enabled=settings.access_log),
+        Middleware(InternalErrorMiddleware),
     ]
     if settings.allowed_origins:
         middleware.append(
@@ -197,7 +193,6 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None, mana
         HTTPException: _http_error,
         ClientGone: _client_gone,
         ClientDisconnect: _client_gone,
-        Exception: _internal_error,
     }
     app = Starlette(routes=_routes(settings), middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.ctx = ctx

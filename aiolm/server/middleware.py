@@ -25,6 +25,7 @@ from aiolm.server.anthropic_errors import error_response
 from aiolm.server.errors import APIError
 from aiolm.timeouts import wait_for
 
+log = logging.getLogger(__name__)
 access_log = logging.getLogger("aiolm.access")
 _ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -89,6 +90,38 @@ class RequestContextMiddleware:
                     **extra,
                 }
                 access_log.info(json.dumps(line, ensure_ascii=False, default=str))
+
+
+class InternalErrorMiddleware:
+    """An exception no handler turned into an answer, before the response started: a logged
+    JSON 500 naming its type, sent inside the request-id middleware (so it carries the id and
+    is logged with its size) and ending the request, not the connection. Starlette's own
+    handler for ``Exception`` runs outermost and re-raises, which closes a keep-alive
+    connection under the client's next request. Once a response has started it cannot be
+    replaced: the exception goes on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            err = APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+            await error_response(scope.get("path", ""), err)(scope, receive, send)
 
 
 class BodyLimitMiddleware:

@@ -925,6 +925,11 @@ def structured_spec(req: SamplingRequest) -> tuple[StructuredOutputs | None, str
         ):
             if value is not None and value is not False:
                 found.append((f"structured_outputs.{key}", _structured_one(key, value, f"structured_outputs.{key}")))
+        if not found or not found[-1][0].startswith("structured_outputs."):  # as vLLM: one kind, not none
+            raise bad_request(
+                "'structured_outputs' needs one of json, regex, choice, grammar or json_object",
+                param="structured_outputs",
+            )
     for key, value in (
         ("json", req.guided_json),
         ("regex", req.guided_regex),

@@ -168,7 +168,7 @@ def _check_schema(s: Any, path: str, top: bool = False) -> None:
     typ = s.get("type")
     types = typ if isinstance(typ, list) else [typ] if typ is not None else []
     for t in types:
-        if t not in _JSON_TYPES:
+        if not isinstance(t, str) or t not in _JSON_TYPES:
             raise bad_request(
                 f"'{path}.type' must be one of {', '.join(sorted(_JSON_TYPES))}, got {t!r}", param=f"{path}.type"
             )

@@ -102,6 +102,17 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
     return None
 
 
+def _malformed_here(node: dict[str, Any]) -> str | None:
+    """What makes this schema node no JSON schema at all (the keywords read below assume it)."""
+    required = node.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        return "'required' must be a list of property names"
+    typ = node.get("type")
+    if typ is not None and not all(isinstance(t, str) for t in (typ if isinstance(typ, list) else [typ])):
+        return "'type' must be a type name or a list of them"
+    return None
+
+
 def unenforced(schema: Any) -> str | None:
     """Why the JSON schema ``schema`` (parsed) cannot be enforced: its first keyword the grammar
     would not enforce, and where; None when there is none. Generated text could break such a
@@ -112,6 +123,9 @@ def unenforced(schema: Any) -> str | None:
         if not isinstance(node, dict):
             continue
         where = f" (at {path})" if path else ""
+        why = _malformed_here(node)
+        if why is not None:
+            return f"{why}{where}"
         why = _unenforced_here(node)
         if why is not None:
             return f"{why}{where} is not enforced by this server's grammar backend"

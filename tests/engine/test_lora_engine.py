@@ -275,6 +275,14 @@ def test_a_missing_adapter_folder_is_refused(llama, one_slot, tmp_path):
             lora_request=LoRARequest("ghost", 78, str(tmp_path / "nowhere")),
         )
     assert e.value.param == "lora_path" and "no such folder" in e.value.message
+    with pytest.raises(ParamError) as e:  # Path.expanduser raised a RuntimeError: a 500 on the server
+        one_slot.generate(
+            {"prompt_token_ids": PROMPTS[0]},
+            GREEDY,
+            use_tqdm=False,
+            lora_request=LoRARequest("ghost", 79, "~no_such_user_here/adapter"),
+        )
+    assert e.value.param == "lora_path" and "no such folder" in e.value.message
     # Refused before it was queued: the engine still serves.
     assert tokens(each_alone(one_slot, PROMPTS[:1], None)) == [llama.refs[None][0]]
 

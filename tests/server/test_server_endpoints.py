@@ -202,3 +202,26 @@ def test_answers_fit_the_documented_models(fake_engine):
         model.model_validate(r.json())
         assert model.__name__ in doc["components"]["schemas"]
     assert checks[0][0].json()["object"] == "chat.completion" and len(checks[0][0].json()["choices"]) == 2
+
+
+class _BuggyEngine(FakeEngine):
+    """An engine whose detokenizer has a bug (an exception no handler knows)."""
+
+    def decode(self, *args, **kwargs):
+        raise KeyError("a bug")
+
+
+def test_an_unexpected_exception_is_a_json_500_that_ends_the_request_not_the_connection():
+    """Logged, in the OpenAI error shape, with the request's id; and not raised on into the
+    server, which would close the keep-alive connection under the client's next request
+    (the test client raises what the app raises)."""
+    with TestClient(build_app(_BuggyEngine(), ServerSettings()), raise_server_exceptions=True) as c:
+        r = c.post("/detokenize", json=BASES["/detokenize"], headers={"x-request-id": "bug-1"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "bug-1", r.text
+        assert r.json()["error"] == {
+            "message": "internal server error: KeyError",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        assert c.get("/health").status_code == 200

@@ -85,6 +85,8 @@ CONFLICTS = [
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
     ({"guided_json": "[1, 2]"}, "guided_json"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {}}, "structured_outputs"),  # no constraint at all (vLLM refuses it too)
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
@@ -334,6 +336,17 @@ name ::= [A-Z] [a-z]+"""
             {"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}},
             "guided_json",
             "'required' 'b', which 'properties' does not list",
+        ),
+        # no schema at all: a 500 (unhashable), and a keyword "not enforced"
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {}}, "required": [["a"]]}},
+            "guided_json",
+            "invalid JSON schema: 'required' must be a list of property names",
+        ),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": {}}}}},
+            "guided_json",
+            "invalid JSON schema: 'type' must be a type name or a list of them (at properties.a)",
         ),
         (
             {"structured_outputs": {"grammar": "root ::= undefined_rule"}},

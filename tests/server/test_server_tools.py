@@ -266,6 +266,8 @@ BAD = [
     ({"tools": [ADD, _fn()]}, "tools[1].function.name"),
     ({"tools": [_fn(parameters={"type": "objekt"})]}, "tools[0].function.parameters.type"),
     ({"tools": [_fn(parameters={"type": "string"})]}, "tools[0].function.parameters.type"),
+    ({"tools": [_fn(parameters={"type": {}})]}, "tools[0].function.parameters.type"),  # was a 500
+    ({"tools": [_fn(parameters={"type": ["object", []]})]}, "tools[0].function.parameters.type"),
     ({"tools": [_fn(parameters=[1])]}, "tools[0].function.parameters"),
     (
         {"tools": [_fn(parameters={"type": "object", "properties": {"a": {"type": 5}}})]},
