@@ -504,7 +504,14 @@ class AsyncEngine:
         file_bytes = executor.block_bytes + HEADER_BYTES
         disk_blocks = cfg.disk_bytes // file_bytes if cfg.disk_path else 0
         on_disk = existing_blocks(cfg.disk_path, fp) if cfg.disk_path else []
-        return OffloadScheduler(cfg.cpu_blocks(executor.block_bytes), disk_blocks, on_disk)
+        host_blocks = cfg.cpu_blocks(executor.block_bytes)
+        if cfg.cpu_bytes and not host_blocks:
+            # the workers would keep every saved block, the scheduler none of them to drop
+            raise ValueError(
+                f"--kv-transfer-config: cpu_bytes {cfg.cpu_bytes} holds no KV block of this model "
+                f"({executor.block_bytes} bytes a block); give at least that, or leave it out"
+            )
+        return OffloadScheduler(host_blocks, disk_blocks, on_disk)
 
     async def _make_executor(self, runner_cfg: RunnerConfig, incarnation: int) -> Executor:
         """A started executor; ``incarnation`` counts the worker sets before it."""

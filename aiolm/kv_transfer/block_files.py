@@ -11,16 +11,19 @@ rank's cache holds them). The header repeats the fingerprint and the hash and ca
 the payload's length and CRC-32, so a truncated, corrupt or misplaced file is detected
 when it is read, and the request recomputes those tokens instead. Files are written
 under a temporary name and renamed into place, so a crash mid-write leaves no file
-under a block's name.
+under a block's name; a failed write removes its temporary file, and the next engine to
+start over the directory removes those a killed one left.
 
 Pure Python (the engine process scans the directory at start-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -29,6 +32,7 @@ MAGIC = b"AIOLMKV1"
 _HEADER = struct.Struct("<8s16s32sQI4x")  # magic, fingerprint, block hash, payload bytes, CRC-32
 HEADER_BYTES = _HEADER.size
 SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"  # a file being written, renamed to its block's name once whole
 
 
 class BlockFileError(ValueError):
@@ -67,6 +71,7 @@ def existing_blocks(disk_path: str, fp: str) -> list[bytes]:
     d = rank_dir(disk_path, fp, 0)
     if not d.is_dir():
         return []
+    _sweep_partial_writes(d.parent)
     found = []
     for entry in os.scandir(d):
         name = entry.name
@@ -81,6 +86,17 @@ def existing_blocks(disk_path: str, fp: str) -> list[bytes]:
     return [h for _, h in found]
 
 
+def _sweep_partial_writes(layout_dir: Path) -> None:
+    """Remove the temporary files of writes a killed engine left half done, in every rank's
+    folder (those older than a minute: an engine sharing the folder may be writing one now)."""
+    stale = time.time() - 60.0
+    for rank in layout_dir.glob("rank*"):
+        for tmp in rank.glob("*" + TMP_SUFFIX):
+            with contextlib.suppress(OSError):
+                if tmp.stat().st_mtime < stale:
+                    tmp.unlink()
+
+
 def pack(fp: str, block_hash: bytes, payload: memoryview | bytes) -> bytes:
     """The header for ``payload``."""
     return _HEADER.pack(MAGIC, bytes.fromhex(fp), block_hash, len(payload), zlib.crc32(payload))
@@ -88,11 +104,16 @@ def pack(fp: str, block_hash: bytes, payload: memoryview | bytes) -> bytes:
 
 def write_block(path: Path, fp: str, block_hash: bytes, payload: memoryview | bytes) -> None:
     """Write the block's file atomically (a temporary name, then a rename)."""
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(pack(fp, block_hash, payload))
-        f.write(payload)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(pack(fp, block_hash, payload))
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the part written is no block, and would hold its space
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def read_block(path: Path, fp: str, block_hash: bytes, payload_bytes: int) -> bytearray:

@@ -88,7 +88,9 @@ class OffloadWorker(ConnectorWorker):
             out[:, layer].copy_(cache.index_select(1, ids).transpose(0, 1))
         for h, block in zip(hashes, out.unbind(0)):
             if self.host_on:
-                self.host[h] = block
+                # storage of its own: a view would keep the whole step's buffer alive while
+                # any one of its blocks stays, and the tier's cap would count blocks, not bytes
+                self.host[h] = torch.empty_like(block, pin_memory=self.pin).copy_(block)
             if self.dir is not None:
                 with self._lock:
                     self._writing[h] = block

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -72,6 +75,13 @@ def test_engine_refuses_offloading_without_prefix_caching():
         LLM(enable_prefix_caching=False, kv_transfer_config=config(num_cpu_blocks=4))
 
 
+def test_a_host_tier_under_one_block_is_refused_at_the_start():
+    """cpu_bytes below one block made a host tier the scheduler never filled nor dropped
+    from, while the workers kept every block saved: their memory grew without end."""
+    with pytest.raises(ValueError, match=r"cpu_bytes 1000 holds no KV block of this model \(\d+ bytes a block\)"):
+        LLM(executor="local", max_model_len=64, kv_transfer_config=config(cpu_bytes=1000))
+
+
 def test_block_files_detect_damage(tmp_path):
     h, other = bytes(range(32)), bytes(range(1, 33))
     payload = bytes(range(256)) * 8
@@ -107,9 +117,34 @@ def test_existing_blocks_in_write_order(tmp_path):
         write_block(d / (h.hex() + ".kv"), FP, h, b"x")
         os.utime(d / (h.hex() + ".kv"), ns=(i * 10**9, i * 10**9))
     (d / "junk.kv").write_bytes(b"")
-    (d / ("ab" * 32 + ".kv.1234.tmp")).write_bytes(b"")
+    fresh, old = d / ("ab" * 32 + ".kv.1234.tmp"), rank_dir(str(tmp_path), FP, 1) / ("cd" * 32 + ".kv.5678.tmp")
+    old.parent.mkdir()
+    fresh.write_bytes(b"")
+    old.write_bytes(b"x" * 100)
+    os.utime(old, (time.time() - 3600,) * 2)
     assert existing_blocks(str(tmp_path), FP) == hashes
     assert existing_blocks(str(tmp_path), "f" * 32) == []
+    # a killed engine's half-written files go (any rank's); one being written now stays
+    assert fresh.exists() and not old.exists()
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    """A full disk (here a file-size limit) failed the write and kept its part-written
+    temporary file, which held the space the next write needed, for good."""
+    code = (
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from aiolm.kv_transfer.block_files import write_block\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        f"    write_block(Path(sys.argv[1]) / 'b.kv', '{FP}', b'\\x01' * 32, b'x' * 100_000)\n"
+        "except OSError as e:\n"
+        "    print('failed:', e.strerror)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("failed:"), (out.stdout, out.stderr)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _step(n: int, ops: KVTransferOps | None) -> SchedulerOutput:
@@ -131,6 +166,8 @@ def test_worker_moves_blocks_exactly(tmp_path, dtype, tier):
     originals = [c.clone() for c in caches]
     h1, h2 = b"\x01" * 32, b"\x02" * 32
     worker.begin_step(_step(1, KVTransferOps(save_block_ids=[1, 3], save_hashes=[h1, h2])))
+    # each kept block has storage of its own: a view kept the step's whole buffer alive
+    assert all(b.untyped_storage().nbytes() == worker.block_bytes for b in worker.host.values())
     for c in caches:  # the step that evicted them overwrites them
         c[:, 1].zero_()
         c[:, 3].zero_()
