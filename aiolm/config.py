@@ -49,6 +49,7 @@ class _DefaultsShown(argparse.HelpFormatter):
         default = action.default
         shown = (
             action.option_strings
+            and action.dest != "api_key"  # a secret from the environment: --help must not print it
             and default is not None
             and default is not False
             and default not in ("", argparse.SUPPRESS)
@@ -334,9 +335,11 @@ class EngineArgs:
             raise ValueError(f"device: {self.device!r} is not supported; supported: auto, cpu, cuda")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_worker_restarts < 0 or self.worker_restart_window <= 0:
+        # "not >=" rather than "<": NaN is refused too (it compared false, and a NaN step
+        # timeout turned the hung-worker watchdog off)
+        if not (self.max_worker_restarts >= 0 and self.worker_restart_window > 0):
             raise ValueError("max_worker_restarts must be >= 0 and worker_restart_window > 0")
-        if self.step_timeout < 0:
+        if not self.step_timeout >= 0:
             raise ValueError(f"step_timeout must be >= 0, got {self.step_timeout}")
         if not self.media_fetch_timeout > 0:  # nan included
             raise ValueError(
@@ -422,7 +425,7 @@ class EngineArgs:
             ("max_logprobs", -1),
             ("seed", 0),
         ):
-            if getattr(self, name) < low:
+            if not getattr(self, name) >= low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
     def _check_pipeline(self) -> None:

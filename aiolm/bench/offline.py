@@ -15,15 +15,30 @@ from aiolm.engine.core import StepTimes
 from aiolm.params import OutputKind, SamplingParams
 
 
-async def _run_items(engine: Any, items: list[Item]) -> float:
-    async def one(i: int, it: Item) -> None:
+async def _run_items(engine: Any, items: list[Item]) -> tuple[float, int]:
+    """Seconds the items took all at once, and the tokens they generated (fewer than asked
+    where --max-model-len cut an answer short)."""
+
+    async def one(it: Item) -> int:
         p = SamplingParams(temperature=0, max_tokens=it.max_tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
-        async for _ in engine.generate({"prompt_token_ids": it.prompt_token_ids}, p):
-            pass
+        n = 0
+        async for out in engine.generate({"prompt_token_ids": it.prompt_token_ids}, p):
+            n = len(out.outputs[0].token_ids)
+        return n
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
-    return time.perf_counter() - t0
+    generated = await asyncio.gather(*(one(it) for it in items))
+    return time.perf_counter() - t0, sum(generated)
+
+
+def _check_fits(engine: Any, items: list[Item]) -> None:
+    """A prompt the engine cannot take fails the run before it starts, in one line."""
+    longest = max(len(it.prompt_token_ids) for it in items)
+    if longest >= engine.max_model_len:
+        raise ValueError(
+            f"the workload has a prompt of {longest} tokens; --max-model-len {engine.max_model_len} "
+            "leaves no room to generate (shorten --prompt-len or raise --max-model-len)"
+        )
 
 
 async def throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -34,15 +49,17 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
         if args.dataset
         else random_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
     )
-    out_tokens = sum(it.max_tokens for it in items)
+    asked = sum(it.max_tokens for it in items)
     in_tokens = sum(len(it.prompt_token_ids) for it in items)
     async with AsyncEngine(EngineArgs.from_namespace(args)) as engine:
+        _check_fits(engine, items)
         await _run_items(engine, items[: min(4, len(items))])  # warm-up
         engine.scheduler.reset_prefix_cache()
         engine.core.times = StepTimes()
         times = []
         for _ in range(args.repeats):
-            times.append(await _run_items(engine, items))
+            took, out_tokens = await _run_items(engine, items)  # the same tokens each run (greedy)
+            times.append(took)
             engine.scheduler.reset_prefix_cache()
         costs = engine.core.times.summary()
         spec = _spec_stats(engine)
@@ -51,6 +68,7 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "throughput",
         "requests": len(items),
         "output_tokens": out_tokens,
+        "output_tokens_asked": asked,
         "prompt_tokens": in_tokens,
         "times_s": times,
         "median_s": med,
@@ -63,25 +81,26 @@ async def throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def latency(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
     from aiolm.engine.async_engine import AsyncEngine
 
     items = random_workload(
         args.batch_size, (args.input_len, args.input_len), (args.output_len_fixed, args.output_len_fixed), args.seed
     )
     async with AsyncEngine(EngineArgs.from_namespace(args)) as engine:
+        _check_fits(engine, items)
         await _run_items(engine, items)  # warm-up
         engine.core.times = StepTimes()
         times = []
         for _ in range(args.repeats):
             engine.scheduler.reset_prefix_cache()
-            times.append(await _run_items(engine, items))
+            took, out_tokens = await _run_items(engine, items)
+            times.append(took)
         costs = engine.core.times.summary()
         spec = _spec_stats(engine)
     times.sort()
-
-    def pct(p: float) -> float:
-        return times[min(len(times) - 1, int(p / 100 * len(times)))]
-
+    p50, p90, p99 = (float(x) for x in np.percentile(times, [50, 90, 99]))  # as vLLM's benchmarks
     return {
         "benchmark": "latency",
         "batch_size": args.batch_size,
@@ -89,10 +108,11 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len_fixed,
         "times_s": times,
         "mean_s": statistics.fmean(times),
-        "p50_s": pct(50),
-        "p90_s": pct(90),
-        "p99_s": pct(99),
-        "decode_tok_s": args.batch_size * args.output_len_fixed / statistics.median(times),
+        "p50_s": p50,
+        "p90_s": p90,
+        "p99_s": p99,
+        "output_tokens": out_tokens,
+        "decode_tok_s": out_tokens / statistics.median(times),
         "step_costs_ms": costs,
         **spec,
     }
@@ -122,7 +142,7 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--output-len", type=parse_range, default="32-128", help="range lo-hi of output tokens")
     t.add_argument("--dataset", type=existing_file, help="JSONL of {prompt_token_ids, max_tokens} instead of random")
     t.add_argument("--repeats", type=int_in(1), default=3, help="runs; the median is reported")
-    t.add_argument("--bench-seed", dest="seed", type=int, default=0)
+    t.add_argument("--bench-seed", dest="seed", type=int_in(0), default=0)
     t.add_argument("--json", action="store_true")
     EngineArgs.add_cli_args(t, skip=("seed",))
     t.set_defaults(bench_fn=throughput)
@@ -131,7 +151,7 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     lat.add_argument("--input-len", type=int_in(1), default=128, help="prompt tokens of each")
     lat.add_argument("--output-len", dest="output_len_fixed", type=int_in(1), default=128, help="tokens each generates")
     lat.add_argument("--repeats", type=int_in(1), default=5, help="runs")
-    lat.add_argument("--bench-seed", dest="seed", type=int, default=1)
+    lat.add_argument("--bench-seed", dest="seed", type=int_in(0), default=1)
     lat.add_argument("--json", action="store_true")
     EngineArgs.add_cli_args(lat, skip=("seed",))
     lat.set_defaults(bench_fn=latency)

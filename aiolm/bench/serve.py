@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ class Result:
 
 
 async def _one(client: Any, url: str, model: str, item: Item, timeout: float) -> Result:
+    """One streamed request, timed as vLLM's benchmark client times it: the first token at
+    the first chunk with choices, each later one at its chunk, the end at the last one. A
+    stream that ends without a choice, or carries an error event, is a failed request."""
     prompt = item.prompt_text if item.prompt_text is not None else item.prompt_token_ids
     body = {
         "model": model,
@@ -47,7 +51,7 @@ async def _one(client: Any, url: str, model: str, item: Item, timeout: float) ->
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    last = t0
+    last: float | None = None
     res = Result(ok=False)
     try:
         async with client.stream("POST", url, json=body, timeout=timeout) as r:
@@ -55,24 +59,31 @@ async def _one(client: Any, url: str, model: str, item: Item, timeout: float) ->
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
+                if not line.startswith("data:"):
                     continue
-                data = line[6:]
-                if data.strip() == "[DONE]":
+                data = line[5:].strip()
+                if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if chunk.get("error"):  # the server gave up mid-stream (a timeout, a dead engine)
+                    error = chunk["error"]
+                    res.error = f"error event: {error.get('message') if isinstance(error, dict) else error}"
+                    return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"].get("completion_tokens", res.output_tokens)
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices"):
                     now = time.perf_counter()
-                    if res.ttft == 0.0:
+                    if last is None:
                         res.ttft = now - t0
                     else:
                         res.itl.append(now - last)
                     last = now
-        res.e2e = time.perf_counter() - t0
+        if last is None:
+            res.error = "the stream ended without a token"
+            return res
+        res.e2e = last - t0
         if res.output_tokens == 0:
-            res.output_tokens = len(res.itl) + (1 if res.ttft else 0)
+            res.output_tokens = len(res.itl) + 1
         res.ok = True
     except Exception as e:  # a failed request is counted, never fatal to the run
         res.error = f"{type(e).__name__}: {e}"
@@ -80,14 +91,13 @@ async def _one(client: Any, url: str, model: str, item: Item, timeout: float) ->
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
+    """Mean, percentiles (numpy's linear interpolation, as vLLM's benchmarks) and max."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
-    v = sorted(values)
+    import numpy as np
 
-    def q(p: float) -> float:
-        return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
-
-    return {"mean": statistics.fmean(v), "p50": q(50), "p90": q(90), "p99": q(99), "max": v[-1]}
+    p50, p90, p99 = (float(x) for x in np.percentile(values, [50, 90, 99]))
+    return {"mean": statistics.fmean(values), "p50": p50, "p90": p90, "p99": p99, "max": max(values)}
 
 
 async def run_load(
@@ -109,10 +119,15 @@ async def run_load(
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    url = base_url.rstrip("/") + "/v1/completions"
+    base = base_url.rstrip("/")
+    url = base + "/v1/completions"
     sem = asyncio.Semaphore(concurrency if concurrency > 0 else len(items))
     limits = httpx.Limits(max_connections=max(1, concurrency if concurrency > 0 else len(items)))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    key = os.environ.get("OPENAI_API_KEY")  # as vLLM's client: for a server started with --api-key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        if not model:  # the server's first model, as vLLM's benchmark takes it
+            model = await _served_model(client, base)
 
         async def gated(it: Item) -> Result:
             async with sem:
@@ -123,8 +138,11 @@ async def run_load(
         for it in items:
             tasks.append(asyncio.ensure_future(gated(it)))
             if rate > 0 and rate != float("inf"):
-                theta = 1.0 / (rate * burstiness)
-                await asyncio.sleep(float(rng.gamma(burstiness, theta)))
+                if burstiness == float("inf"):  # no randomness left: evenly spaced (gamma gave NaN)
+                    await asyncio.sleep(1.0 / rate)
+                else:
+                    theta = 1.0 / (rate * burstiness)
+                    await asyncio.sleep(float(rng.gamma(burstiness, theta)))
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
@@ -150,6 +168,23 @@ async def run_load(
     }
 
 
+async def _served_model(client: Any, base: str) -> str:
+    """The id of the first model the server lists; one line naming the problem otherwise."""
+    try:
+        r = await client.get(base + "/v1/models")
+        if r.status_code != 200:
+            raise BenchError(f"{base}/v1/models answered {r.status_code}: {r.text[:200]} (give --model)")
+        return str(r.json()["data"][0]["id"])
+    except BenchError:
+        raise
+    except Exception as e:
+        raise BenchError(f"cannot read {base}/v1/models ({type(e).__name__}: {e}); give --model") from None
+
+
+class BenchError(Exception):
+    """Why a serving benchmark cannot run or measured nothing: printed in one line."""
+
+
 def plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -171,7 +206,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def add_args(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="client benchmark against an OpenAI-compatible server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
-    s.add_argument("--model", default="", help="model name sent in requests")
+    s.add_argument("--model", default="", help="model name sent in requests (default: the server's first model)")
     s.add_argument("--num-requests", type=int_in(1), default=64, help="requests per rate")
     s.add_argument("--prompt-len", type=parse_range, default="64-256")
     s.add_argument("--output-len", type=parse_range, default="32-128")
@@ -186,10 +221,10 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--max-concurrency", type=int_in(0), default=0, help="0 = unbounded")
     s.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape; 1 = Poisson")
-    s.add_argument("--slo-ttft-ms", type=float)
-    s.add_argument("--slo-tpot-ms", type=float)
+    s.add_argument("--slo-ttft-ms", type=positive, help="goodput's bound on time to first token")
+    s.add_argument("--slo-tpot-ms", type=positive, help="goodput's bound on time per output token")
     s.add_argument("--timeout", type=positive, default=600.0, help="seconds one request may take")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int_in(0), default=0)
     s.add_argument("--plot", help="write a latency-vs-load PNG here")
     s.add_argument("--json", action="store_true")
     s.set_defaults(bench_fn=None, serve_bench=True)
@@ -228,4 +263,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(json.dumps(results[-1], indent=None if args.json else 2))
     if args.plot:
         plot(results, args.plot)
+    for r in results:
+        if not r["completed"]:
+            why = r["errors"][0] if r["errors"] else "no answer"
+            raise BenchError(f"no request completed at rate {r['rate']:g}: {why}")
     return results

@@ -48,10 +48,22 @@ def random_workload(
 def jsonl_workload(path: str | Path) -> list[Item]:
     """Lines of {"prompt_token_ids": [...], "max_tokens": N}."""
     items = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             d = json.loads(line)
-            items.append(Item(list(d["prompt_token_ids"]), int(d["max_tokens"])))
+            ids, most = d["prompt_token_ids"], d["max_tokens"]
+            if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            if not (isinstance(most, int) and most >= 1):
+                raise ValueError("max_tokens must be an integer >= 1")
+        except (ValueError, KeyError, TypeError) as e:
+            why = f"no {e}" if isinstance(e, KeyError) else str(e)
+            raise ValueError(f"{path}, line {number}: {why} (lines are {{prompt_token_ids, max_tokens}})") from None
+        items.append(Item(list(ids), most))
+    if not items:
+        raise ValueError(f"{path}: no requests in it")
     return items
 
 

@@ -74,6 +74,15 @@ def seconds(text: str) -> float:
 
 
 def _origins(v: str) -> list[str]:
+    """Comma-separated origins, or vLLM's JSON list (taken as one origin, it matched none)."""
+    if v.lstrip().startswith("["):
+        try:
+            given = json.loads(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not a JSON list of origins") from None
+        if not (isinstance(given, list) and all(isinstance(o, str) for o in given)):
+            raise argparse.ArgumentTypeError(f"{v!r} is not a JSON list of origins")
+        return [o.strip() for o in given if o.strip()]
     return [o.strip() for o in v.split(",") if o.strip()]
 
 
@@ -92,7 +101,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--allowed-origins",
         type=_origins,
         default=[],
-        help="comma-separated CORS origins ('*' for any); none by default",
+        help="CORS origins, comma-separated or vLLM's JSON list ('*' for any); none by default",
     )
     g.add_argument(
         "--max-request-bytes",
@@ -288,6 +297,10 @@ def _config_argv(parser: argparse.ArgumentParser, config: Mapping[str, Any]) -> 
             values = value if isinstance(value, list) else [value]
             argv += [flag, *(v if isinstance(v, str) else json.dumps(v) for v in values)]
         else:  # --flag=value: a value may start with "-"
+            if isinstance(value, list):  # vLLM's list form of a one-valued flag (served_model_name)
+                if len(value) != 1:
+                    raise SystemExit(f"config setting {key}: takes one value, got a list of {len(value)}")
+                (value,) = value
             argv.append(f"{flag}={value if isinstance(value, str) else json.dumps(value)}")
     return argv
 

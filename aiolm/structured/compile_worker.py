@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), name="aiolm-lifeline", daemon=True).start()
     # The engine stops these itself; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    level = os.environ.get("AIOLM_LOG_LEVEL", "WARNING").upper()  # "info" crashed the process
     logging.basicConfig(
-        level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
+        level=level if level in logging.getLevelNamesMapping() else "WARNING",
         format="%(asctime)s compile-worker %(levelname)s %(message)s",
     )
     replies = os.fdopen(os.dup(1), "wb", buffering=0)

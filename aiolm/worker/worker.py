@@ -67,8 +67,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    level = os.environ.get("AIOLM_LOG_LEVEL", "WARNING").upper()  # "info" crashed the process
     logging.basicConfig(
-        level=os.environ.get("AIOLM_LOG_LEVEL", "WARNING"),
+        level=level if level in logging.getLevelNamesMapping() else "WARNING",
         format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s",
     )
     exit_on_signals()

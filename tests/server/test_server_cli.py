@@ -22,11 +22,14 @@ from procs import live_running
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory", str(64 << 20), "--num-threads", "1"]
 
 
-def _aiolm(*args: str, stdin: str | bytes | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def _aiolm(
+    *args: str, stdin: str | bytes | None = None, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The command's run, its output as text; ``stdin`` as bytes may hold bytes that are not UTF-8."""
     out = subprocess.run(
         [sys.executable, "-m", "aiolm.cli", *args],
         cwd=ROOT,
+        env={**os.environ, **env} if env else None,
         input=stdin.encode() if isinstance(stdin, str) else stdin,
         capture_output=True,
         timeout=timeout,
@@ -44,8 +47,9 @@ def test_usage_without_command():
     usage = _aiolm("--help")  # asked for: on stdout, plain text (no reST markup)
     assert usage.returncode == 0 and usage.stderr == "" and "aiolm serve" in usage.stdout
     assert "``" not in usage.stdout
-    serve_help = _aiolm("serve", "--help")
+    serve_help = _aiolm("serve", "--help", env={"AIOLM_API_KEY": "s3cr3t-key"})
     assert serve_help.returncode == 0 and "--max-num-batched-tokens" in serve_help.stdout
+    assert "s3cr3t-key" not in serve_help.stdout  # the key from the environment is never printed
     assert "--api-key" in serve_help.stdout and "--allowed-origins" in serve_help.stdout
 
 
@@ -133,6 +137,14 @@ BAD_ARGS = [
     (["bench", "throughput", "--prompt-len", "16-8"], "--prompt-len: '16-8'"),
     (["bench", "latency", "--batch-size", "0"], "--batch-size: 0 is out of range"),
     (["bench", "serve", "--dataset", "/no/such.jsonl"], "--dataset: '/no/such.jsonl': no such file"),
+    (["bench", "serve", "--seed", "-1"], "--seed: -1 is out of range"),  # numpy's traceback
+    (["serve", "--step-timeout", "nan"], "step_timeout must be >= 0, got nan"),  # it turned the watchdog off
+    (["serve", "--max-step-ms", "nan"], "max_step_ms must be >= 0, got nan"),
+    (["serve", "--allowed-origins", '["a.com", 1]'], "is not a JSON list of origins"),
+    (["bench", "serve", "--slo-ttft-ms", "nan"], "--slo-ttft-ms: 'nan' must be > 0"),
+    (["bench", "throughput", "--bench-seed", "-1"], "--bench-seed: -1 is out of range"),
+    (["bench", "throughput", "--dtype", "foo"], "dtype: 'foo' is not supported"),  # the engine's tracebacks
+    (["bench", "latency", "--model", "/no/such/model"], "/no/such/model: no such file or directory"),
     # a name that is no URL was taken, and every request failed with a 502
     (["proxy", "--prefill", "foo", "--decode", "http://127.0.0.1:2"], "--prefill: 'foo' is not a base URL"),
     (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--timeout", "-5"], "--timeout"),

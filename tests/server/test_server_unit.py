@@ -500,6 +500,9 @@ def test_settings_from_flags_env_and_config(tmp_path):
     assert eargs.model == "some/model.gguf" and eargs.max_model_len == 512
     assert settings.api_key == "k" and settings.allowed_origins == ["a.com", "b.com"] and settings.max_n == 4
     assert eargs.scheduling_policy == "fcfs" and not settings.allow_request_priority
+    # vLLM's JSON list form (taken as one origin named '["http://a.com"]', it matched none)
+    _, settings, _ = parse_serve_args(["--allowed-origins", '["http://a.com", "*"]'])
+    assert settings.allowed_origins == ["http://a.com", "*"]
     eargs, settings, _ = parse_serve_args(["--allow-request-priority"])  # honoured means ordered by priority
     assert eargs.scheduling_policy == "priority" and settings.allow_request_priority
     eargs, settings, _ = parse_serve_args(["--scheduling-policy", "priority"])  # vLLM's switch: takes priorities
@@ -533,6 +536,10 @@ def test_settings_from_flags_env_and_config(tmp_path):
     eargs, settings = from_environment({"AIOLM_CONFIG": str(cfg), "AIOLM_ARGS": "some/model.gguf --max-n 5"})
     assert settings.api_key == "-secret" and eargs.model == "some/model.gguf" and eargs.async_scheduling is None
     assert settings.max_n == 5  # the command line wins
+    # vLLM's list form of --served-model-name: one name (it served the name '["m"]')
+    cfg.write_text(json.dumps({"served_model_name": ["m"]}))
+    eargs, _ = from_environment({"AIOLM_CONFIG": str(cfg)})
+    assert eargs.served_model_name == "m"
 
 
 @pytest.mark.parametrize(
@@ -547,6 +554,7 @@ def test_settings_from_flags_env_and_config(tmp_path):
         ({"log_level": "chatty"}, "--log-level"),
         ({"port": 9000}, "the ASGI server's option"),
         ({"no_such_flag": 1}, "unknown settings in the config: no_such_flag"),
+        ({"served_model_name": ["a", "b"]}, "served_model_name: takes one value, got a list of 2"),
     ],
 )
 def test_a_bad_config_value_is_refused_as_its_flag_would_be(config, words, tmp_path, capsys):
