@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 WEB_DIR = Path(__file__).with_name("web")
 PREFIX = "/web"
@@ -33,6 +34,27 @@ async def index(request: Request) -> Response:
     return FileResponse(WEB_DIR / "index.html", headers=_HEADERS, media_type="text/html; charset=utf-8")
 
 
+class _WithPageHeaders:
+    """The page's headers on every file under ``/web/`` too: ``/web/index.html`` is the same
+    working page (it needs the same CSP and framing rule), and the scripts need no-cache,
+    or a browser runs last version's modules against this version's page after an upgrade."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *_RAW_HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+_RAW_HEADERS = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in _HEADERS.items()]
+
+
 def web_routes() -> list[BaseRoute]:
     """``GET /`` (the page) and ``/web/*`` (its scripts and styles)."""
-    return [Route("/", index, methods=["GET"]), Mount(PREFIX, StaticFiles(directory=WEB_DIR), name="web")]
+    files = _WithPageHeaders(StaticFiles(directory=WEB_DIR))
+    return [Route("/", index, methods=["GET"]), Mount(PREFIX, files, name="web")]

@@ -180,9 +180,15 @@ def test_stop_aborts_the_request_and_frees_its_kv(chat: Chat):
 
 def test_server_errors_are_shown_and_the_prompt_kept(chat: Chat, artifacts: Path):
     page = chat.open()
+    error = page.locator("#error")
+    # out of the input's own range ("0,5" reads as 5 in some locales): named, not sent
+    chat.controls(temperature="5")
+    chat.ask("What is the capital of France?")
+    expect(error).to_contain_text("temperature: ")
+    expect(page.locator("#temperature")).to_have_attribute("aria-invalid", "true")
+    assert chat.requests == [] and page.input_value("#prompt") == "What is the capital of France?"
     chat.controls(max_tokens="5000")  # beyond --max-model-len 1024
     chat.ask("What is the capital of France?")
-    error = page.locator("#error")
     expect(error).to_be_visible()
     expect(error).to_contain_text("400 (max_tokens): ")
     expect(error).to_contain_text("maximum context length is 1024")
@@ -266,6 +272,27 @@ def test_markdown_renderer_builds_only_its_own_tags(chat: Chat):
     assert "<blockquote>quoted</blockquote>" in html
     assert '<pre><code class="language-html">&lt;b onclick="x"&gt;"&amp;"&lt;/b&gt;</code></pre>' in html
     assert '<pre><code class="language-js">unclosed while streaming</code></pre>' in html
+    more = page.evaluate("""async () => {
+      const { renderMarkdown } = await import('/web/markdown.js');
+      const cases = ['[`code`](https://x.org)', '[wiki](https://en.wikipedia.org/wiki/Foo_(bar))',
+        '**bold *it* bold**', '**2 * 3 = 6**', '***x***', '# Title ##', '# C#'];
+      const rendered = cases.map(renderMarkdown);
+      // a long run of spaces in a heading, or of "[": the patterns backtracked (seconds a render)
+      const t0 = performance.now();
+      renderMarkdown('# a' + ' '.repeat(3000) + 'b');
+      renderMarkdown('['.repeat(30000));
+      return { rendered, ms: performance.now() - t0 };
+    }""")
+    assert more["rendered"] == [
+        '<p><a href="https://x.org" target="_blank" rel="noopener noreferrer"><code>code</code></a></p>',
+        '<p><a href="https://en.wikipedia.org/wiki/Foo_(bar)" target="_blank" rel="noopener noreferrer">wiki</a></p>',
+        "<p><strong>bold <em>it</em> bold</strong></p>",
+        "<p><strong>2 * 3 = 6</strong></p>",
+        "<p><em><strong>x</strong></em></p>",
+        "<h1>Title</h1>",
+        "<h1>C#</h1>",
+    ]
+    assert more["ms"] < 2000, more["ms"]  # linear: about a millisecond; it was 7 s and more
 
 
 def test_a_reasoning_models_thinking_is_shown_folded_above_the_answer(browser, reasoning_servers, artifacts: Path):

@@ -34,6 +34,11 @@ def test_page_and_its_assets_are_served_same_origin_only():
                 assert asset.status_code == 200 and asset.headers["content-type"].startswith(types[path.suffix[1:]])
                 for imp in re.findall(r'from "\./([^"]+)"', asset.text):
                     assert (WEB_DIR / imp).is_file(), f"{path.name} imports a missing {imp}"
+        # the same page under /web/ has the same CSP; scripts are revalidated (an upgrade's
+        # page must not run the last version's modules)
+        same = c.get("/web/index.html")
+        assert same.headers["content-security-policy"] == csp and "frame-ancestors 'none'" in csp
+        assert c.get("/web/app.js").headers["cache-control"] == "no-cache"
         assert c.get("/web/nothing.js").status_code == 404
         for escape in ("/web/%2e%2e/webui.py", "/web/..%2fwebui.py"):  # the Python file beside web/
             assert c.get(escape).status_code == 404, escape

@@ -183,6 +183,15 @@ async function send(text) {
   await state.reading;
   const images = state.attached;
   if (state.controller || (!text.trim() && !images.length)) return;
+  // A setting the browser itself finds out of range or unreadable ("0,5" reads as 5 in some
+  // locales) is named here, not sent: the server would take 5 as a temperature.
+  const bad = Object.entries(PARAM_INPUTS).find(
+    ([, input]) => input.validity.badInput || input.validity.rangeOverflow || input.validity.rangeUnderflow,
+  );
+  if (bad) {
+    showError(`${bad[0]}: ${bad[1].validationMessage || "not a valid number"}`, bad[0]);
+    return;
+  }
   showError("");
   state.attached = [];
   renderAttached();

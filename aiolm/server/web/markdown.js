@@ -14,12 +14,17 @@ export function escapeHtml(text) {
 }
 
 function safeUrl(url) {
+  if (url.includes(HOLE)) return null; // a code span inside the URL: not a link
   return /^(https?:\/\/|mailto:|\/(?!\/)|#)/i.test(url) ? url : null;
 }
 
+// Bold may hold whole italic spans and stars between spaces ("2 * 3"), nothing else with a
+// star: its tags and the italic pass's then always nest.
+const STRONG = /\*\*(?=[^\s*])((?:[^*\n]|\*[^*\s](?:[^*\n]*?[^*\s])?\*|(?<=\s)\*(?=\s))*?[^\s*])\*\*|__(?=\S)([^_\n]*?\S)__/g;
+
 function emphasis(text) {
   return text
-    .replace(/\*\*(?=\S)([^*\n]*?\S)\*\*|__(?=\S)([^_\n]*?\S)__/g, (_, a, b) => `<strong>${a ?? b}</strong>`)
+    .replace(STRONG, (_, a, b) => `<strong>${a ?? b}</strong>`)
     .replace(/\*(?=\S)([^*\n]*?\S)\*/g, "<em>$1</em>")
     .replace(/(^|[^\w])_(?=\S)([^_\n]*?\S)_(?![\w])/g, "$1<em>$2</em>");
 }
@@ -30,19 +35,35 @@ function inline(text) {
   const stash = [];
   const keep = (html) => `${HOLE}${stash.push(html) - 1}${HOLE}`;
   text = text.replace(/(`+)([^`\n]+?)\1/g, (_, __, code) => keep(`<code>${code.trim()}</code>`));
-  text = text.replace(/\[([^\]\n]+)\]\(([^)\s]+)\)/g, (whole, label, url) => {
+  // A label holds no "[" (a line of them stays linear); a URL may hold one level of
+  // balanced parentheses (Wikipedia's).
+  text = text.replace(/\[([^[\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/g, (whole, label, url) => {
     const href = safeUrl(url);
     return href ? keep(`<a href="${href}" target="_blank" rel="noopener noreferrer">${emphasis(label)}</a>`) : whole;
   });
   text = emphasis(text);
-  return text.replace(new RegExp(`${HOLE}(\\d+)${HOLE}`, "g"), (_, i) => stash[Number(i)]);
+  // A stashed link's label may hold a stashed code span: restore until none is left (a
+  // span only holds spans stashed before it, so this ends).
+  const hole = new RegExp(`${HOLE}(\\d+)${HOLE}`, "g");
+  while (text.includes(HOLE)) text = text.replace(hole, (_, i) => stash[Number(i)]);
+  return text;
 }
 
 const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([\w+#.-]*)/;
-const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+// The closing #s are cut in heading() by string work: a pattern for them backtracked
+// cubically over a long run of spaces (a frozen tab while an answer streamed).
+const HEADING = /^ {0,3}(#{1,6})(?:[ \t]+(.*))?$/;
 const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
 const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^ {0,3}&gt;\s?(.*)$/;
+
+// A heading's text without its optional closing sequence: spaces, then #s, at the end.
+function headingText(text) {
+  const trimmed = text.trimEnd();
+  const open = trimmed.replace(/#+$/, "");
+  if (open.length === trimmed.length) return trimmed;
+  return open === "" || /[ \t]$/.test(open) ? open.trimEnd() : trimmed;
+}
 
 function startsBlock(line) {
   return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || ITEM.test(line) || QUOTE.test(line);
@@ -103,7 +124,7 @@ export function renderMarkdown(source) {
       i = codeBlock(lines, i, out);
     } else if ((m = line.match(HEADING))) {
       const level = m[1].length;
-      out.push(`<h${level}>${inline(m[2])}</h${level}>`);
+      out.push(`<h${level}>${inline(headingText(m[2] ?? ""))}</h${level}>`);
       i += 1;
     } else if (RULE.test(line)) {
       out.push("<hr>");
