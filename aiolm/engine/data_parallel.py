@@ -40,7 +40,7 @@ from typing import Any
 from aiolm.config import EngineArgs
 from aiolm.engine.async_engine import AsyncEngine, check_request_args
 from aiolm.engine.client import EngineClient
-from aiolm.engine.errors import EngineDeadError, EngineRecoveringError
+from aiolm.engine.errors import EngineBusyError, EngineDeadError, EngineRecoveringError
 from aiolm.engine.input import PromptType
 from aiolm.engine.replica_client import Launcher, ProcessLauncher, RemoteRequest, ReplicaClient, ReplicaListener
 from aiolm.engine.router import PrefixRouter
@@ -244,24 +244,32 @@ class DataParallelEngine:
     async def _submit(
         self, rid: str, submitted: Submitted, deadline: float | None, exclude: list[int]
     ) -> RoutedRequest:
-        """Route and add; a replica found dead or recovering on the way is skipped (its
-        status was older than its end), so only the state of them all can refuse."""
+        """Route and add; a replica found dead, recovering or full on the way is skipped (its
+        status was older than its state), so only the state of them all can refuse: a full
+        one's refusal (429) only when every other replica refused too."""
         ids, params, priority, timeout, lora = submitted
+        busy: EngineBusyError | None = None  # the first full replica's refusal
         while True:
             loads = self._loads()
             for i in exclude:
                 loads[i] = None
             if all(load is None for load in loads):
+                if busy is not None:
+                    raise busy
                 self._raise_unavailable()
-            i = self.router.choose(ids["prompt_token_ids"], loads)
+            route = self.router.pick(ids["prompt_token_ids"], loads)
+            i = route.replica
             if deadline is not None:
                 timeout = max(deadline - asyncio.get_running_loop().time(), 1e-3)
             try:
                 remote = await self.replicas[i].add_request(ids, params, rid, priority, timeout, lora)
-            except (EngineDeadError, EngineRecoveringError) as e:
-                log.warning("replica %d refused request %r (%s); routing it again", i, rid, e)
+            except (EngineDeadError, EngineBusyError) as e:
+                full = e if isinstance(e, EngineBusyError) and not isinstance(e, EngineRecoveringError) else None
+                (log.debug if full else log.warning)("replica %d refused request %r (%s); routing it again", i, rid, e)
+                busy = busy or full
                 exclude.append(i)
                 continue
+            self.router.record(route)
             return RoutedRequest(rid, i, remote, submitted, deadline)
 
     def _raise_unavailable(self) -> None:

@@ -24,6 +24,13 @@ class RouteStats:
     affinity: list[int] = field(default_factory=list)  # of which went by a known prefix
 
 
+@dataclass(frozen=True)
+class Route:
+    replica: int
+    affinity: bool  # chosen by a known prefix
+    hashes: list[int]  # the prompt's prefix hashes, to map to the replica
+
+
 class PrefixRouter:
     def __init__(
         self, num_replicas: int, block_size: int, max_blocks: int = 8, slack: int = 8, capacity: int = 1 << 16
@@ -47,27 +54,34 @@ class PrefixRouter:
         return hashes
 
     def choose(self, token_ids: list[int], loads: list[int | None]) -> int:
+        """The replica for this prompt, recorded as routed there (``pick`` then ``record``)."""
+        route = self.pick(token_ids, loads)
+        self.record(route)
+        return route.replica
+
+    def pick(self, token_ids: list[int], loads: list[int | None]) -> Route:
         """The replica for this prompt; ``loads[i]`` is replica i's live sequences, None when it
-        cannot take requests. Records the choice. ValueError when no replica is available."""
+        cannot take requests. Records nothing: a replica may still refuse the request.
+        ValueError when no replica is available."""
         live = [i for i, load in enumerate(loads) if load is not None]
         if not live:
             raise ValueError("no replica is available")
         least = min(loads[i] for i in live)  # type: ignore[type-var]
         hashes = self.prefix_hashes(token_ids)
-        chosen = None
         for h in reversed(hashes):
             i = self._table.get(h)
             if i is not None and loads[i] is not None and loads[i] <= least + self.slack:  # type: ignore[operator]
-                chosen = i
-                self.stats.affinity[i] += 1
-                break
-        if chosen is None:
-            tied = [i for i in live if loads[i] == least]
-            chosen = tied[next(self._turn) % len(tied)]
-        self.stats.routed[chosen] += 1
-        for h in hashes:
-            self._table[h] = chosen
+                return Route(i, True, hashes)
+        tied = [i for i in live if loads[i] == least]
+        return Route(tied[next(self._turn) % len(tied)], False, hashes)
+
+    def record(self, route: Route) -> None:
+        """The request went where ``route`` says: count it, and map its prefix there."""
+        self.stats.routed[route.replica] += 1
+        if route.affinity:
+            self.stats.affinity[route.replica] += 1
+        for h in route.hashes:
+            self._table[h] = route.replica
             self._table.move_to_end(h)
         while len(self._table) > self.capacity:
             self._table.popitem(last=False)
-        return chosen

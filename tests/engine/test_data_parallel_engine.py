@@ -27,7 +27,7 @@ from engine_harness import LoopThread, running
 from aiolm import AsyncEngine, SamplingParams
 from aiolm.config import EngineArgs
 from aiolm.engine.data_parallel import DataParallelEngine
-from aiolm.engine.router import RouteStats
+from aiolm.engine.router import Route, RouteStats
 from aiolm.ipc.wakeup import pid_alive
 from aiolm.lora.request import LoRARequest
 from aiolm.params import ParamError
@@ -41,6 +41,7 @@ ARGS = dict(
     kv_cache_memory=64 << 20,
     max_num_seqs=4,
     max_num_batched_tokens=512,
+    max_waiting_requests=0,  # a replica is full at 4 live sequences
     num_threads=1,
 )
 TOPICS = ["rivers", "volcanoes", "birds", "bridges", "planets", "forests", "castles", "islands"]
@@ -53,10 +54,11 @@ class RandomRouter:
         self.rng = random.Random(seed)
         self.stats = RouteStats([0] * n, [0] * n)
 
-    def choose(self, token_ids: list[int], loads: list[int | None]) -> int:
-        i = self.rng.choice([i for i, load in enumerate(loads) if load is not None])
-        self.stats.routed[i] += 1
-        return i
+    def pick(self, token_ids: list[int], loads: list[int | None]) -> Route:
+        return Route(self.rng.choice([i for i, load in enumerate(loads) if load is not None]), False, [])
+
+    def record(self, route: Route) -> None:
+        self.stats.routed[route.replica] += 1
 
 
 @pytest.mark.parametrize(
@@ -130,6 +132,37 @@ def test_prefix_affinity_beats_random_routing(dp):
     print(f"prefix-cache hit rate: affinity {affinity:.3f}, random {random_rate:.3f}")
     # Affinity: every repeat of an opening finds it on its replica; random: about half miss.
     assert affinity > 0.5 and affinity > random_rate + 0.1, (affinity, random_rate)
+
+
+@slow
+def test_a_full_replica_passes_the_request_to_one_with_room(dp):
+    """Four streams with opening A fill one replica's seats (no waiting room), three with
+    opening B take the other's; a fifth A, routed to A's replica by affinity (4 live is
+    within the slack of 3), is refused there (429) and runs on the other; only there is
+    it counted as routed."""
+    lt, engine = dp
+    a, b = _opening("lighthouses", "full"), _opening("harbours", "full")
+
+    async def go():
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        states = [await engine.add_request(p + f"Part {i}.", params) for i, p in enumerate([a, a, b, a, b, a, b])]
+        holders = [engine.stream(state) for state in states]
+        for h in holders:
+            await anext(h)  # each has started: all seven hold seats
+        routed = engine.router.stats.routed[:]
+        outs = [o async for o in engine.generate(a + "Part 7.", SamplingParams(temperature=0.0, max_tokens=2))]
+        after = engine.router.stats.routed[:]
+        for h in holders:
+            await h.aclose()
+        for state in states:
+            await engine.abort(state.req_id)
+        return [state.replica for state in states], outs, routed, after
+
+    where, outs, routed, after = lt.run(go(), timeout=300)
+    home = where[0]
+    assert where == [home, home, 1 - home, home, 1 - home, home, 1 - home], where
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+    assert [x - y for x, y in zip(after, routed)] == [int(i != home) for i in range(2)], (home, routed, after)
 
 
 @slow
