@@ -314,6 +314,22 @@ class CombinedMetrics:
         return generate_latest(self.registry)
 
 
+def as_dead(families: Iterable[Metric]) -> list[Metric]:
+    """A dead replica's last families as its series should read from now on: its counters
+    and histograms stay (a counter that vanished would read as a reset), every gauge is 0
+    (``engine_healthy`` included: nothing runs, waits or is held there), and the info
+    series, whose labels describe live state, are gone."""
+    out: list[Metric] = []
+    for family in families:
+        if family.type == "gauge" and family.name.endswith("_info"):
+            continue
+        if family.type == "gauge":
+            family = copy.copy(family)
+            family.samples = [s._replace(value=0.0) for s in family.samples]
+        out.append(family)
+    return out
+
+
 class _Collector:
     """Turns an EngineMetrics into metric families when the registry is scraped."""
 
@@ -367,11 +383,11 @@ class _Collector:
         )
         connector = getattr(sched, "connector", None)
         if connector is not None:  # a KV connector (--kv-transfer-config), only when it is on
-            st, bs = connector.stats, sched.config.block_size  # type: ignore[union-attr]
+            st = connector.stats
             yield counter(
                 "external_prefix_cache_queries",
                 "Prompt tokens asked of the KV connector beyond the local prefix cache.",
-                st.loaded_tokens + st.failed_blocks * bs,
+                st.queried_tokens,
             )
             yield counter(
                 "external_prefix_cache_hits", "Prompt tokens the KV connector brought back.", st.loaded_tokens
@@ -414,9 +430,10 @@ class _Collector:
                 "waiting_lora_adapters": ",".join(waiting_names),
                 "running_lora_adapters": ",".join(running_names),
             }
-            # vLLM's series: the labels carry the state, the value is when it was read.
-            g = GaugeMetricFamily(p + "lora_requests_info", "Running stats on lora requests.", labels=tuple(info))
-            g.add_metric(list(info.values()), time.time())
+            # vLLM's series: the labels carry the state, the value is when it was read. The
+            # engine label keeps data-parallel replicas' series apart (vLLM's has none).
+            g = GaugeMetricFamily(p + "lora_requests_info", "Running stats on lora requests.", labels=(*LABELS, *info))
+            g.add_metric([*labels, *info.values()], time.time())
             yield g
         experts = getattr(src, "expert_tokens", None)
         if experts:  # a mixture of experts: what expert placement is balanced by

@@ -28,7 +28,7 @@ import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from aiolm.core.request import Request
+from aiolm.core.request import Request, RequestStatus
 
 NULL_BLOCK_ID = 0
 
@@ -335,9 +335,12 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
+        if request.status is not RequestStatus.PREEMPTED:
+            # As vLLM's counters: a preempted request's lookups are recomputation, not traffic
+            # (under KV pressure they would outnumber the prompts' own many times over).
+            self.stats.requests += 1
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
         return hits, num_hit_tokens
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -608,10 +608,12 @@ class Scheduler:
                 continue
             hits: list[KVCacheBlock] = []
             num_hit = 0
+            asks_connector = False
             if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
                 # Prompt logprobs need every prompt position computed, so no cached prefix.
                 hits, num_hit = kv.get_computed_blocks(req)
-                if self.connector is not None and self._load_external(req, hits, num_hit):
+                asks_connector = self.connector is not None
+                if asks_connector and self._load_external(req, hits, num_hit):
                     continue
             n = req.num_tokens - req.num_computed_tokens - num_hit
             if not cfg.chunked_prefill:
@@ -645,6 +647,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.loaded_waiting.discard(req)
+            if asks_connector and not _resumed(req):
+                self.connector.stats.queried_tokens += req.num_tokens - num_hit  # type: ignore[union-attr]
             req.num_computed_tokens += num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -764,13 +768,16 @@ class Scheduler:
         # here, for its logits (a partly filled block counts; its loaded part is used).
         ext = self.connector.num_external_blocks(req, start, -(-(req.num_tokens - 1) // bs))
         if ext == 0:
+            self.connector.skip_load(req)
             return False
         new_blocks = kv.allocate_slots(req, ext * bs, num_hit, hits)
         if new_blocks is None:
             return False  # no room for the load: the request computes (or waits) as usual
         self.waiting.pop()
         load_id = next(self._load_ids)
-        resumed = req.status is RequestStatus.PREEMPTED or req.num_output_tokens > 0
+        resumed = _resumed(req)
+        if not resumed:
+            self.connector.stats.queried_tokens += req.num_tokens - num_hit
         self.loading[load_id] = _Load(req, start, ext, resumed)
         self._load_of[req.req_id] = load_id
         req.num_computed_tokens += num_hit
@@ -796,7 +803,8 @@ class Scheduler:
             del self._load_of[req.req_id]
             before = req.num_computed_tokens
             req.num_computed_tokens = min(before + intact * kv.block_size, req.num_tokens - 1)
-            self.connector.stats.loaded_tokens += req.num_computed_tokens - before
+            if not load.resumed:
+                self.connector.stats.loaded_tokens += req.num_computed_tokens - before
             if req.num_computed_tokens == 0:
                 kv.free(req)  # nothing arrived: it starts clean, with a fresh prefix lookup
             kv.cache_blocks(req, req.num_computed_tokens)
@@ -1216,3 +1224,8 @@ def _merge_prompt_logprobs(into: LogprobsLists, chunk: PromptLogprobs) -> None:
     into.token_ids.extend(chunk.lists.token_ids[skip:])
     into.logprobs.extend(chunk.lists.logprobs[skip:])
     into.ranks.extend(chunk.lists.ranks[skip:])
+
+
+def _resumed(req: Request) -> bool:
+    """The request ran before (preempted, or carried over a worker restart with output)."""
+    return req.status is RequestStatus.PREEMPTED or req.num_output_tokens > 0

@@ -92,6 +92,11 @@ class KVTransferOps(msgspec.Struct, array_like=True, gc=False):
     serve_ids: list[str] = field(default_factory=list)
     serve_block_ids: list[list[int]] = field(default_factory=list)
     unserve_ids: list[str] = field(default_factory=list)
+    # A consumer's transfers it will not fetch (a local prefix hit held the whole prompt, or
+    # the request left first): each rank asks its producer peer for none of the blocks,
+    # which ends the producer's lease at once instead of after lease_seconds.
+    release_sources: list[str] = field(default_factory=list)
+    release_transfer_ids: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -101,6 +106,7 @@ class KVTransferOps(msgspec.Struct, array_like=True, gc=False):
             or self.drop_disk
             or self.serve_ids
             or self.unserve_ids
+            or self.release_transfer_ids
         )
 
 

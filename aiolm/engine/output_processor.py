@@ -382,7 +382,8 @@ class OutputProcessor(Actor[StepOutputs]):
                 prompt_tokens=len(state.prompt_ids),
                 output_tokens=[len(s.token_ids) for s in state.seqs],
                 n=state.params.n,
-                max_tokens=state.params.max_tokens,
+                # a pooling request generates nothing: it has no max_tokens to observe (vLLM's)
+                max_tokens=None if getattr(core, "pooling_params", None) else state.params.max_tokens,
                 arrival=state.arrival,
                 scheduled=getattr(core, "scheduled_time", None),
                 first_token=state.first_token_time,

@@ -30,6 +30,7 @@ from aiolm.config import EngineArgs
 from aiolm.engine.errors import EngineDeadError
 from aiolm.engine.replica_link import SECRET_BYTES, SECRET_ENV, STATUS_PERIOD_S, read_message, write_message
 from aiolm.executor.multiproc import reap
+from aiolm.metrics import as_dead
 from aiolm.outputs import RequestOutput
 from aiolm.timeouts import wait_for
 
@@ -319,7 +320,7 @@ class ReplicaClient:
         first = self.dead_reason is None
         self.dead_reason = self.dead_reason or reason
         self.status = {**self.status, "healthy": False}
-        self.families = []
+        self.families = as_dead(self.families)
         error = EngineDeadError(self.dead_reason)
         for req in self.requests.values():
             req.push(None, error)

@@ -36,10 +36,13 @@ from aiolm.core.step import KVTransferOps, SchedulerOutput
 
 @dataclass
 class ConnectorStats:
-    """Counted over the engine's life, in blocks but for ``loaded_tokens``."""
+    """Counted over the engine's life, in blocks but for the ``_tokens`` fields. As vLLM's
+    external prefix-cache counters, the token fields leave out requests resumed after a
+    preemption: their lookups are recomputation, not traffic."""
 
     saved_blocks: int = 0  # blocks kept past their request: evicted ones a tier took, or served to a consumer
     loaded_blocks: int = 0  # blocks that came back intact
+    queried_tokens: int = 0  # prompt tokens past the local prefix cache that admitted requests asked about
     loaded_tokens: int = 0  # prompt tokens they hold that were not computed here
     failed_loads: int = 0  # loads cut short by a block missing or corrupt on some rank
     failed_blocks: int = 0  # blocks such loads did not bring (that block and those after it): recomputed
@@ -101,6 +104,9 @@ class ConnectorScheduler(abc.ABC):
 
     def forget(self, request: Request) -> None:  # noqa: B027 (most connectors keep nothing per request)
         """The request is finished: drop what was kept about it."""
+
+    def skip_load(self, request: Request) -> None:  # noqa: B027 (only a consumer of another instance acts)
+        """The request was asked about and has nothing to load (``num_external_blocks`` 0)."""
 
 
 class ConnectorWorker(abc.ABC):

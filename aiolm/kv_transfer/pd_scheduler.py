@@ -72,8 +72,22 @@ class PDScheduler(ConnectorScheduler):
                 "request %s: its KV did not arrive from the prefill instance; it computes its prompt", request.req_id
             )
 
+    def skip_load(self, request: Request) -> None:
+        """A local prefix hit holds all the producer kept: it is told so, and frees it now."""
+        self._release(request)
+
     def forget(self, request: Request) -> None:
+        self._release(request)  # it never fetched: aborted while waiting, or prompt logprobs
         self._consumed.discard(request.req_id)
+
+    def _release(self, request: Request) -> None:
+        params = request.sampling_params.kv_transfer_params
+        if not self.cfg.consumes or not wants_remote_prefill(params) or request.req_id in self._consumed:
+            return
+        assert params is not None
+        self._consumed.add(request.req_id)
+        self._ops.release_sources.append(f"{params['remote_host']}:{params['remote_port']}")
+        self._ops.release_transfer_ids.append(params["remote_request_id"])
 
     # -- producer ------------------------------------------------------------------
 

@@ -134,6 +134,8 @@ class PDWorker(ConnectorWorker):
         ):
             read = self._fetcher.submit(self._fetch, source, transfer_id, remote_ids)
             self.loads.add(load_id, block_ids, read)
+        for source, transfer_id in zip(ops.release_sources, ops.release_transfer_ids):
+            self._fetcher.submit(self._fetch, source, transfer_id, [])  # none of its blocks: it ends the lease
 
     def _settle_sends(self) -> None:
         """Report the transfers every rank has sent (once each)."""
@@ -184,9 +186,17 @@ class PDWorker(ConnectorWorker):
                 error = "unknown or expired transfer" if held is None else "blocks not of this transfer"
                 send_json(conn, {"ok": False, "error": error})
                 return
-            idx = torch.tensor(blocks, device=self.device)
-            # Copied while no step can reuse them: unregistering waits for this lock.
-            layers = [c.index_select(1, idx).cpu() for c in self.caches]
+            if not blocks:  # the consumer will not fetch it (a release): the lease ends now
+                self._sent_here.add(transfer_id)
+                layers = None
+            else:
+                idx = torch.tensor(blocks, device=self.device)
+                # Copied while no step can reuse them: unregistering waits for this lock.
+                layers = [c.index_select(1, idx).cpu() for c in self.caches]
+        if layers is None:
+            send_json(conn, {"ok": True, "layers": len(self.caches)})
+            self._sent_event.set()
+            return
         fault = self._fault()
         if ask.get("shm"):
             self._send_shm(conn, str(ask["shm"]), layers, fault)
@@ -308,7 +318,7 @@ class PDWorker(ConnectorWorker):
         try:
             conn = self._connect(source, deadline)
             conn.settimeout(max(0.001, deadline - time.monotonic()))  # a kept one has the last fetch's
-            if self._shm[source]:
+            if self._shm[source] and remote_ids:
                 shm = segment.create(max(1, out.numel()))
             send_json(conn, {"transfer": transfer_id, "blocks": remote_ids, "shm": shm[0] if shm else None})
             answer = recv_json(conn, deadline)
@@ -316,6 +326,8 @@ class PDWorker(ConnectorWorker):
                 raise WireError(str(answer.get("error")))
             if answer.get("layers") != len(self.caches):
                 raise WireError(f"{answer.get('layers')} layers sent, {len(self.caches)} here")
+            if not remote_ids:
+                return out  # a release: nothing follows
             if shm is not None:
                 _copy_checked(shm[1], answer.get("crcs") or [], out)
             else:

@@ -222,3 +222,51 @@ def test_a_request_waits_for_leased_blocks_instead_of_failing():
         d.step()
     assert d.finished["huge"].finish_reason == "error"
     assert kv.usage == 0.0 and kv.check_invariants() == []
+
+
+def test_a_decode_instance_that_will_not_fetch_releases_the_producers_blocks():
+    """TcpConnector consumer: a request whose prompt a local prefix hit holds whole, one
+    with prompt logprobs (no cached prefix, so no load), and one aborted before it ran never
+    fetch their transfers; each is released to its producer (the workers fetch none of its
+    blocks), which freed them only when its lease ran out (120 s by default)."""
+    from aiolm.kv_transfer.config import parse_kv_transfer_config
+    from aiolm.kv_transfer.pd_scheduler import PDScheduler
+
+    cfg = parse_kv_transfer_config('{"kv_connector": "TcpConnector", "kv_role": "kv_consumer"}')
+    assert cfg is not None
+    sched = make_scheduler(num_blocks=32, block_size=4, connector=PDScheduler(cfg, tp_size=1))
+    d = Driver(sched)
+    sched.add_request(make_request("local", PROMPT_A, max_tokens=1))  # its blocks now cached here
+    d.drain()
+
+    def remote(transfer_id: str) -> dict:
+        return {
+            "do_remote_prefill": True,
+            "remote_host": "10.0.0.2",
+            "remote_port": 9000,
+            "remote_block_ids": [7, 8, 9, 10],
+            "remote_request_id": transfer_id,
+        }
+
+    released: list[str] = []
+
+    def step() -> None:
+        so, _ = d.step()
+        if so.kv_ops is not None:
+            assert not so.kv_ops.load_ids  # nothing is fetched
+            assert all(s == "10.0.0.2:9000" for s in so.kv_ops.release_sources)
+            released.extend(so.kv_ops.release_transfer_ids)
+
+    sched.add_request(make_request("hit", PROMPT_A, max_tokens=2, kv_transfer_params=remote("t-hit")))
+    step()
+    assert released == ["t-hit"]  # at once, not when the request ends
+    sched.add_request(
+        make_request("scored", PROMPT_A, max_tokens=1, prompt_logprobs=1, kv_transfer_params=remote("t-scored"))
+    )
+    sched.add_request(make_request("gone", PROMPT_A, max_tokens=1, kv_transfer_params=remote("t-gone")))
+    d.record(sched.abort_requests(["gone"]))
+    for _ in range(6):
+        step()
+    assert sorted(released) == ["t-gone", "t-hit", "t-scored"]  # each once
+    assert {"hit", "scored", "gone"} <= set(d.finished)
+    assert sched.kv_cache_manager.check_invariants() == []

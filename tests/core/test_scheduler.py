@@ -253,6 +253,10 @@ def test_preempted_request_resumes_from_its_cached_prefix():
     d.drain()
     resumed = [nr for so in d.history for nr in so.scheduled_new_reqs if nr.req_id == "b"][1:]
     assert resumed and resumed[0].num_computed_tokens > 0  # some of b's blocks survived in the cache
+    # vLLM's prefix-cache counters count the two prompts' first lookups only: a preempted
+    # request's lookups, one a step while it waits, are recomputation.
+    stats = sched.prefix_cache_stats
+    assert sched.num_preemptions > 0 and stats.requests == 2 and stats.queries == 16 and stats.hits == 0
 
 
 # -- too large --------------------------------------------------------------------------------

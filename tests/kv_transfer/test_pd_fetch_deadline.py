@@ -91,3 +91,39 @@ def test_a_trickling_producer_is_bounded_and_holds_up_no_other():
         slow.close()
         quick.close()
         worker.close()
+
+
+def test_a_release_ends_the_producers_lease_without_a_transfer():
+    """A consumer that will not fetch a transfer (a local prefix hit held the prompt) asks
+    for none of its blocks: the producer counts it sent at once, over shared memory or TCP
+    (an empty fetch failed on both paths: a float index, a zero-length segment)."""
+    import socket as _socket
+
+    from aiolm.core.step import KVTransferOps
+
+    for shared in (True, False):
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = {"shared_memory": shared}
+        producer_cfg = parse_kv_transfer_config(
+            json.dumps({"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": port})
+        )
+        consumer_cfg = parse_kv_transfer_config(
+            json.dumps({"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": extra})
+        )
+        assert producer_cfg is not None and consumer_cfg is not None
+        caches = [torch.zeros(2, 4, 16, 1, 8) for _ in range(2)]
+        producer = PDWorker(producer_cfg, 0, caches, {"model": "tiny"})
+        consumer = PDWorker(consumer_cfg, 0, [c.clone() for c in caches], {"model": "tiny"})
+        try:
+            producer._apply(KVTransferOps(serve_ids=["t1"], serve_block_ids=[[1, 2]]))
+            consumer._apply(KVTransferOps(release_sources=[f"127.0.0.1:{port}"], release_transfer_ids=["t1"]))
+            deadline = time.monotonic() + 10
+            while "t1" not in producer._sent_here and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "t1" in producer._sent_here, shared
+            consumer._fetcher.shutdown(wait=True)  # its answer read before the connection is closed
+        finally:
+            consumer.close()
+            producer.close()

@@ -215,6 +215,15 @@ def test_a_killed_replica_process_ends_its_started_streams_and_its_queued_reques
     after_routing = replica_metrics(url)
     assert after_routing["healthy"] == [0.0, 1.0], after_routing
     assert after_routing["requests_running"][0] == 0, after_routing  # not what it said before it died
+    # The dead replica's own series stay, reading dead and idle, its counters kept.
+    engine0 = {
+        s.name: s.value
+        for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+        for s in f.samples
+        if s.labels.get("engine") == "0" and "finished_reason" not in s.labels
+    }
+    assert engine0["aiolm:engine_healthy"] == 0.0 and engine0["aiolm:num_requests_running"] == 0.0, engine0
+    assert engine0["aiolm:prompt_tokens_total"] > 0, engine0
     # the queued four were routed again, to replica 1
     assert after_routing["routed_total"][1] - m["routed_total"][1] >= SEATS + 1, (m, after_routing)
     assert after.status_code == 200, after.text

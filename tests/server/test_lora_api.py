@@ -209,7 +209,9 @@ def _lora_info(srv: ServerProcess) -> dict[str, str]:
     (family,) = [f for f in text_string_to_metric_families(text) if f.name == "aiolm:lora_requests_info"]
     (sample,) = family.samples
     assert abs(sample.value - time.time()) < 60, sample
-    return sample.labels
+    labels = dict(sample.labels)
+    assert labels.pop("engine") == "0" and labels.pop("model_name")  # replicas' series apart
+    return labels
 
 
 def _wait(events: list[threading.Event], what: str) -> None:

@@ -171,6 +171,11 @@ def _idle(srv: ServerProcess, timeout: float = 10.0) -> None:
         ]
         load = httpx.get(srv.base_url + "/load", timeout=TIMEOUT).json()["server_load"]
         if len(live) == 2 and not any(live) and load == 0:
+            # pooling requests generate nothing: no max_tokens is observed for them (vLLM's)
+            (observed,) = [
+                line for line in text.splitlines() if line.startswith("aiolm:request_params_max_tokens_count")
+            ]
+            assert float(observed.rsplit(" ", 1)[1]) == 0, observed
             return
         assert time.monotonic() < deadline, (live, load)
         time.sleep(0.1)
