@@ -173,7 +173,8 @@ async def _served_model(client: Any, base: str) -> str:
     try:
         r = await client.get(base + "/v1/models")
         if r.status_code != 200:
-            raise BenchError(f"{base}/v1/models answered {r.status_code}: {r.text[:200]} (give --model)")
+            hint = "set OPENAI_API_KEY to the server's --api-key" if r.status_code == 401 else "give --model"
+            raise BenchError(f"{base}/v1/models answered {r.status_code}: {r.text[:200]} ({hint})")
         return str(r.json()["data"][0]["id"])
     except BenchError:
         raise

@@ -28,7 +28,7 @@ import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from aiolm.core.request import Request, RequestStatus
+from aiolm.core.request import Request
 
 NULL_BLOCK_ID = 0
 
@@ -335,8 +335,9 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        if request.status is not RequestStatus.PREEMPTED:
-            # As vLLM's counters: a preempted request's lookups are recomputation, not traffic
+        if request.num_cached_tokens < 0:
+            # Before the request first ran (or a KV load first settled it): as vLLM's counters,
+            # a preempted or recovered request's lookups are recomputation, not traffic
             # (under KV pressure they would outnumber the prompts' own many times over).
             self.stats.requests += 1
             self.stats.queries += request.num_tokens

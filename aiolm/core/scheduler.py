@@ -647,7 +647,7 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.loaded_waiting.discard(req)
-            if asks_connector and not _resumed(req):
+            if asks_connector and req.num_cached_tokens < 0:  # its first admission (vLLM counts that)
                 self.connector.stats.queried_tokens += req.num_tokens - num_hit  # type: ignore[union-attr]
             req.num_computed_tokens += num_hit
             if req.num_cached_tokens < 0:
@@ -775,8 +775,8 @@ class Scheduler:
             return False  # no room for the load: the request computes (or waits) as usual
         self.waiting.pop()
         load_id = next(self._load_ids)
-        resumed = _resumed(req)
-        if not resumed:
+        resumed = req.status is RequestStatus.PREEMPTED or req.num_output_tokens > 0
+        if req.num_cached_tokens < 0:  # the first time it was admitted: a failed load's retry is not
             self.connector.stats.queried_tokens += req.num_tokens - num_hit
         self.loading[load_id] = _Load(req, start, ext, resumed)
         self._load_of[req.req_id] = load_id
@@ -1224,8 +1224,3 @@ def _merge_prompt_logprobs(into: LogprobsLists, chunk: PromptLogprobs) -> None:
     into.token_ids.extend(chunk.lists.token_ids[skip:])
     into.logprobs.extend(chunk.lists.logprobs[skip:])
     into.ranks.extend(chunk.lists.ranks[skip:])
-
-
-def _resumed(req: Request) -> bool:
-    """The request ran before (preempted, or carried over a worker restart with output)."""
-    return req.status is RequestStatus.PREEMPTED or req.num_output_tokens > 0

@@ -505,11 +505,17 @@ class AsyncEngine:
         disk_blocks = cfg.disk_bytes // file_bytes if cfg.disk_path else 0
         on_disk = existing_blocks(cfg.disk_path, fp) if cfg.disk_path else []
         host_blocks = cfg.cpu_blocks(executor.block_bytes)
+        # a tier that holds no block: the workers would keep every saved one, the scheduler
+        # none of them to drop
         if cfg.cpu_bytes and not host_blocks:
-            # the workers would keep every saved block, the scheduler none of them to drop
             raise ValueError(
                 f"--kv-transfer-config: cpu_bytes {cfg.cpu_bytes} holds no KV block of this model "
                 f"({executor.block_bytes} bytes a block); give at least that, or leave it out"
+            )
+        if cfg.disk_path and not disk_blocks:
+            raise ValueError(
+                f"--kv-transfer-config: disk_bytes {cfg.disk_bytes} holds no KV block file of this model "
+                f"({file_bytes} bytes a file); give at least that"
             )
         return OffloadScheduler(host_blocks, disk_blocks, on_disk)
 

@@ -437,9 +437,14 @@ class ReplicaClient:
         if self.dead_reason is not None:
             return
         try:
-            self.families, self.status = await self.call("metrics", timeout=timeout)
+            families, status = await self.call("metrics", timeout=timeout)
         except Exception as e:  # one replica's trouble must not fail the whole scrape
             log.warning("replica %d's metrics were not refreshed: %s", self.index, e or "timed out")
+            return
+        if self.dead_reason is not None:  # it died while answering: its last word, as dead
+            self.families = as_dead(families)
+        else:
+            self.families, self.status = families, status
 
     async def encode(
         self, rid: str, prompt: Any, params: Any, priority: int, truncate: int | None, timeout: float | None

@@ -28,7 +28,6 @@ class RouteStats:
 class Route:
     replica: int
     affinity: bool  # chosen by a known prefix
-    hashes: list[int]  # the prompt's prefix hashes, to map to the replica
 
 
 class PrefixRouter:
@@ -61,27 +60,32 @@ class PrefixRouter:
 
     def pick(self, token_ids: list[int], loads: list[int | None]) -> Route:
         """The replica for this prompt; ``loads[i]`` is replica i's live sequences, None when it
-        cannot take requests. Records nothing: a replica may still refuse the request.
-        ValueError when no replica is available."""
+        cannot take requests. Maps the prompt's prefix there at once (requests sharing it that
+        arrive before the replica answers follow it); counts nothing, as the replica may still
+        refuse. ValueError when no replica is available."""
         live = [i for i, load in enumerate(loads) if load is not None]
         if not live:
             raise ValueError("no replica is available")
         least = min(loads[i] for i in live)  # type: ignore[type-var]
         hashes = self.prefix_hashes(token_ids)
+        route = None
         for h in reversed(hashes):
             i = self._table.get(h)
             if i is not None and loads[i] is not None and loads[i] <= least + self.slack:  # type: ignore[operator]
-                return Route(i, True, hashes)
-        tied = [i for i in live if loads[i] == least]
-        return Route(tied[next(self._turn) % len(tied)], False, hashes)
-
-    def record(self, route: Route) -> None:
-        """The request went where ``route`` says: count it, and map its prefix there."""
-        self.stats.routed[route.replica] += 1
-        if route.affinity:
-            self.stats.affinity[route.replica] += 1
-        for h in route.hashes:
+                route = Route(i, True)
+                break
+        if route is None:
+            tied = [i for i in live if loads[i] == least]
+            route = Route(tied[next(self._turn) % len(tied)], False)
+        for h in hashes:
             self._table[h] = route.replica
             self._table.move_to_end(h)
         while len(self._table) > self.capacity:
             self._table.popitem(last=False)
+        return route
+
+    def record(self, route: Route) -> None:
+        """The request was added where ``route`` says: count it there."""
+        self.stats.routed[route.replica] += 1
+        if route.affinity:
+            self.stats.affinity[route.replica] += 1

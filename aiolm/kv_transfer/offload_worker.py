@@ -43,8 +43,16 @@ class OffloadWorker(ConnectorWorker):
         self.block_shape = (len(self.caches), 2, *c.shape[2:])
         self.block_bytes = len(self.caches) * 2 * c[0, 0].numel()
         self.pin = self.device.type == "cuda"
-        self.host_on = bool(config.num_cpu_blocks or config.cpu_bytes)
-        self.host: dict[bytes, torch.Tensor] = {}
+        # The host tier: one slab of the tier's blocks, allocated once (pinned on CUDA), and
+        # the free slots. A block kept as a view of its step's buffer kept the whole buffer
+        # alive; one allocation per block pinned up to twice its bytes (power-of-two rounding).
+        # The scheduler's cap, from the largest rank's block bytes, is never above the slots.
+        slots = config.cpu_blocks(self.block_bytes) if (config.num_cpu_blocks or config.cpu_bytes) else 0
+        self.host_on = slots > 0
+        self._slab = torch.empty((slots, *self.block_shape), dtype=torch.uint8, pin_memory=self.pin and slots > 0)
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._slot_of: dict[bytes, int] = {}
+        self.host: dict[bytes, torch.Tensor] = {}  # block hash -> its slot's view of the slab
         self.dir: Path | None = None
         if config.disk_path:
             self.dir = rank_dir(config.disk_path, fingerprint, rank)
@@ -62,10 +70,12 @@ class OffloadWorker(ConnectorWorker):
         ops = step.kv_ops
         if ops is None:
             return
+        # Host drops free their slots for this step's saves: the scheduler never drops a hash
+        # it saves in the same step, so the order between them is free here.
+        for h in ops.drop_host:
+            self._drop_host(h)
         if ops.save_block_ids:
             self._save(ops.save_block_ids, ops.save_hashes)
-        for h in ops.drop_host:
-            self.host.pop(h, None)
         if self.dir is not None:
             for h in ops.drop_disk:
                 self._writer.submit(self._delete, h)
@@ -88,13 +98,29 @@ class OffloadWorker(ConnectorWorker):
             out[:, layer].copy_(cache.index_select(1, ids).transpose(0, 1))
         for h, block in zip(hashes, out.unbind(0)):
             if self.host_on:
-                # storage of its own: a view would keep the whole step's buffer alive while
-                # any one of its blocks stays, and the tier's cap would count blocks, not bytes
-                self.host[h] = torch.empty_like(block, pin_memory=self.pin).copy_(block)
+                self._keep_host(h, block)
             if self.dir is not None:
                 with self._lock:
                     self._writing[h] = block
                 self._writer.submit(self._write, h, block)
+
+    def _keep_host(self, h: bytes, block: torch.Tensor) -> None:
+        """Under the lock: the reader copies a slot out under it, never while it is refilled."""
+        with self._lock:
+            slot = self._slot_of.get(h)
+            if slot is None:
+                if not self._free_slots:  # the scheduler's cap is never above the slots: not reached
+                    log.warning("KV offload: the host tier has no free slot for block %s", h.hex()[:16])
+                    return
+                slot = self._slot_of[h] = self._free_slots.pop()
+            self.host[h] = self._slab[slot].copy_(block)
+
+    def _drop_host(self, h: bytes) -> None:
+        with self._lock:
+            self.host.pop(h, None)
+            slot = self._slot_of.pop(h, None)
+            if slot is not None:
+                self._free_slots.append(slot)
 
     def _write(self, h: bytes, block: torch.Tensor) -> None:
         assert self.dir is not None
@@ -125,10 +151,9 @@ class OffloadWorker(ConnectorWorker):
         """The blocks named, from the first, up to the first that is missing or bad."""
         out = []
         for h in hashes:
-            block = self.host.get(h)
-            if block is None:
-                with self._lock:
-                    block = self._writing.get(h)
+            with self._lock:  # a host block is copied out of its slot, which a later step may refill
+                block = self.host.get(h)
+                block = block.clone() if block is not None else self._writing.get(h)
             if block is None and self.dir is not None:
                 try:
                     payload = read_block(self.dir / file_name(h), self.fingerprint, h, self.block_bytes)

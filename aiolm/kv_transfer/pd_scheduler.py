@@ -17,6 +17,7 @@ computes its prompt itself; it is never tried again.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
@@ -31,6 +32,8 @@ from aiolm.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 
 log = logging.getLogger(__name__)
 
+_SETTLED_KEPT = 4096  # transfer ids remembered as fetched or released (siblings come within a step or two)
+
 
 class PDScheduler(ConnectorScheduler):
     def __init__(self, cfg: KVTransferConfig, tp_size: int) -> None:
@@ -40,6 +43,9 @@ class PDScheduler(ConnectorScheduler):
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.sends: dict[str, float] = {}  # transfer id -> when its lease ends (time.monotonic)
         self._consumed: set[str] = set()  # requests whose remote prefill was tried
+        # transfers fetched or released, the latest first out: n > 1 siblings share their
+        # parent's transfer, and a second release would reach a transfer already unserved
+        self._settled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # -- consumer ------------------------------------------------------------------
 
@@ -54,6 +60,7 @@ class PDScheduler(ConnectorScheduler):
         params = request.sampling_params.kv_transfer_params
         assert params is not None
         self._consumed.add(request.req_id)
+        self._settle(params["remote_request_id"])
         ops = self._ops
         ops.load_ids.append(load_id)
         ops.load_req_ids.append(request.req_id)
@@ -86,8 +93,16 @@ class PDScheduler(ConnectorScheduler):
             return
         assert params is not None
         self._consumed.add(request.req_id)
+        if params["remote_request_id"] in self._settled:
+            return
+        self._settle(params["remote_request_id"])
         self._ops.release_sources.append(f"{params['remote_host']}:{params['remote_port']}")
         self._ops.release_transfer_ids.append(params["remote_request_id"])
+
+    def _settle(self, transfer_id: str) -> None:
+        self._settled[transfer_id] = None
+        while len(self._settled) > _SETTLED_KEPT:
+            self._settled.popitem(last=False)
 
     # -- producer ------------------------------------------------------------------
 
@@ -134,7 +149,8 @@ class PDScheduler(ConnectorScheduler):
 
     @property
     def pending(self) -> bool:
-        return bool(self.sends)
+        # a release still to send keeps the engine stepping: an idle consumer held it for good
+        return bool(self.sends) or bool(self._ops.release_transfer_ids)
 
     # -- common ---------------------------------------------------------------------
 

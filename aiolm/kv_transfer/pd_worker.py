@@ -322,12 +322,12 @@ class PDWorker(ConnectorWorker):
                 shm = segment.create(max(1, out.numel()))
             send_json(conn, {"transfer": transfer_id, "blocks": remote_ids, "shm": shm[0] if shm else None})
             answer = recv_json(conn, deadline)
+            if not remote_ids:  # a release: one the producer no longer serves (its lease ran out) is done too
+                return out
             if not answer.get("ok"):
                 raise WireError(str(answer.get("error")))
             if answer.get("layers") != len(self.caches):
                 raise WireError(f"{answer.get('layers')} layers sent, {len(self.caches)} here")
-            if not remote_ids:
-                return out  # a release: nothing follows
             if shm is not None:
                 _copy_checked(shm[1], answer.get("crcs") or [], out)
             else:

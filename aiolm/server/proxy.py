@@ -139,15 +139,25 @@ def _batch(body: dict[str, Any]) -> bool:
     return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
-def _answer_headers(resp: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() not in _ANSWER_DROPS}
+def _event_end(data: bytearray, start: int, separator: bytes) -> int:
+    """Where the last whole event in ``data`` ends (0: none), looking from ``start``."""
+    at = data.rfind(separator, start)
+    return at + len(separator) if at >= 0 else 0
+
+
+def _with_answer_headers(response: Response, resp: httpx.Response) -> Response:
+    """``response`` with the instance's headers, each repeated one kept (set-cookie)."""
+    response.raw_headers.extend(
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in resp.headers.multi_items()
+        if k.lower() not in _ANSWER_DROPS
+    )
+    return response
 
 
 def _relayed(resp: httpx.Response, content: bytes) -> Response:
     """An instance's whole answer as the proxy's: status, body and headers."""
-    return Response(
-        content, resp.status_code, headers=_answer_headers(resp), media_type=resp.headers.get("content-type")
-    )
+    return _with_answer_headers(Response(content, resp.status_code, media_type=resp.headers.get("content-type")), resp)
 
 
 def _unreachable(base: str, error: Exception) -> APIError:
@@ -167,16 +177,19 @@ async def _stream(
         return _relayed(resp, content)
 
     async def relay() -> AsyncIterator[bytes]:
-        held = b""  # the part of an event not ended yet: whole events only go out
+        held = bytearray()  # the part of an event not ended yet: whole events only go out
         try:
             async for chunk in resp.aiter_bytes():
+                # only the new bytes (and the 3 before them) can hold an event's end: a big
+                # event in many chunks is scanned once, not once a chunk
+                start = max(0, len(held) - 3)
                 held += chunk
-                end = held.rfind(b"\n\n") + 2
-                if end > 1:
-                    yield held[:end]
-                    held = held[end:]
+                end = max(_event_end(held, start, b"\n\n"), _event_end(held, start, b"\r\n\r\n"))
+                if end:
+                    yield bytes(held[:end])
+                    del held[:end]
             if held:
-                yield held  # the instance ended its answer there: relayed as it is
+                yield bytes(held)  # the instance ended its answer there: relayed as it is
         except httpx.HTTPError as e:  # the instance died mid-answer: say so in the stream, and end it
             # its half event is dropped: a client would parse it as a whole one, and fail
             log.warning("decode instance %s broke off a stream: %s", base, e)
@@ -184,9 +197,8 @@ async def _stream(
         finally:
             await resp.aclose()
 
-    return StreamingResponse(
-        relay(), headers=_answer_headers(resp), media_type=resp.headers.get("content-type", "text/event-stream")
-    )
+    media = resp.headers.get("content-type", "text/event-stream")
+    return _with_answer_headers(StreamingResponse(relay(), media_type=media), resp)
 
 
 def parse_args(argv: list[str]) -> Any:

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = os.environ.get("AIOLM_LOG_LEVEL", "WARNING").upper()  # "info" crashed the process
     logging.basicConfig(
-        level=level if level in logging.getLevelNamesMapping() else "WARNING",
+        level=level if isinstance(logging.getLevelName(level), int) else "WARNING",
         format="%(asctime)s compile-worker %(levelname)s %(message)s",
     )
     replies = os.fdopen(os.dup(1), "wb", buffering=0)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     level = os.environ.get("AIOLM_LOG_LEVEL", "WARNING").upper()  # "info" crashed the process
     logging.basicConfig(
-        level=level if level in logging.getLevelNamesMapping() else "WARNING",
+        level=level if isinstance(logging.getLevelName(level), int) else "WARNING",
         format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s",
     )
     exit_on_signals()

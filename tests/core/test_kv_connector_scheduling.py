@@ -71,6 +71,20 @@ def test_a_bad_block_is_recomputed_and_forgotten():
     assert bad, "the bad block stays in the index"
 
 
+def test_a_load_that_brings_nothing_counts_the_prompts_lookup_once():
+    """The first block is gone from the tiers: the load brings nothing and the request looks
+    its prefix up again, computing it all. It was counted twice, locally and of the tiers."""
+    sched, connector, d = evicted_a()
+    first = _hashes(sched, PROMPT_A)[0]
+    d.worker.host.pop(first, None)
+    d.worker.disk.pop(first, None)
+    queried, looked_up = connector.stats.queried_tokens, sched.prefix_cache_stats.queries
+    sched.add_request(make_request("a2", PROMPT_A, max_tokens=2))
+    d.drain()
+    assert connector.stats.failed_loads == 1 and connector.stats.loaded_tokens == 0
+    assert connector.stats.queried_tokens - queried == 13 and sched.prefix_cache_stats.queries - looked_up == 13
+
+
 def test_abort_while_loading_keeps_blocks_until_the_load_is_reported():
     sched, connector, d = evicted_a()
     sched.add_request(make_request("a2", PROMPT_A, max_tokens=2))

@@ -55,7 +55,7 @@ class RandomRouter:
         self.stats = RouteStats([0] * n, [0] * n)
 
     def pick(self, token_ids: list[int], loads: list[int | None]) -> Route:
-        return Route(self.rng.choice([i for i, load in enumerate(loads) if load is not None]), False, [])
+        return Route(self.rng.choice([i for i, load in enumerate(loads) if load is not None]), False)
 
     def record(self, route: Route) -> None:
         self.stats.routed[route.replica] += 1

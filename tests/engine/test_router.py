@@ -58,3 +58,16 @@ def test_prompts_shorter_than_a_block_go_by_load_in_turn_and_the_table_is_bounde
         r.choose(_prompt(k, 0), [0, 0])
     assert len(r._table) == 5
     assert r.prefix_hashes(_prompt(1, 0)) == r.prefix_hashes(_prompt(1, 99))  # tails past the blocks do not count
+
+
+def test_requests_in_flight_together_follow_each_others_prefix():
+    """A burst sharing a prefix: each is picked before any replica answered the first (no
+    record yet), and still all go to one replica while its load is within the slack."""
+    r = PrefixRouter(2, BLOCK, slack=8)
+    loads = [0, 0]
+    picked = []
+    for k in range(6):
+        route = r.pick(_prompt(1, k), loads)
+        loads[route.replica] += 1
+        picked.append(route.replica)
+    assert picked == [picked[0]] * 6 and r.stats.routed == [0, 0]  # counted only once added

@@ -82,6 +82,12 @@ def test_a_host_tier_under_one_block_is_refused_at_the_start():
         LLM(executor="local", max_model_len=64, kv_transfer_config=config(cpu_bytes=1000))
 
 
+def test_a_disk_tier_under_one_block_file_is_refused_at_the_start(tmp_path):
+    """The same for disk_bytes: every block was written, none tracked or deleted."""
+    with pytest.raises(ValueError, match=r"disk_bytes 1000 holds no KV block file of this model"):
+        LLM(executor="local", max_model_len=64, kv_transfer_config=config(disk_path=str(tmp_path), disk_bytes=1000))
+
+
 def test_block_files_detect_damage(tmp_path):
     h, other = bytes(range(32)), bytes(range(1, 33))
     payload = bytes(range(256)) * 8
@@ -166,8 +172,11 @@ def test_worker_moves_blocks_exactly(tmp_path, dtype, tier):
     originals = [c.clone() for c in caches]
     h1, h2 = b"\x01" * 32, b"\x02" * 32
     worker.begin_step(_step(1, KVTransferOps(save_block_ids=[1, 3], save_hashes=[h1, h2])))
-    # each kept block has storage of its own: a view kept the step's whole buffer alive
-    assert all(b.untyped_storage().nbytes() == worker.block_bytes for b in worker.host.values())
+    # kept blocks lie in the tier's own slab of 4 blocks: a view of the step's buffer kept
+    # all of that buffer alive
+    slab = worker._slab.untyped_storage()
+    assert slab.nbytes() == (4 if tier == "host" else 0) * worker.block_bytes
+    assert all(b.untyped_storage().data_ptr() == slab.data_ptr() for b in worker.host.values())
     for c in caches:  # the step that evicted them overwrites them
         c[:, 1].zero_()
         c[:, 3].zero_()
@@ -206,4 +215,32 @@ def test_the_disk_tier_makes_its_folder_again_if_it_is_deleted(tmp_path):
     worker.begin_step(_step(1, KVTransferOps(save_block_ids=[1], save_hashes=[b"\x05" * 32])))
     worker._writer.submit(lambda: None).result()
     assert [p.name[:2] for p in folder.iterdir()] == ["05"]
+    worker.close()
+
+
+def test_host_slots_are_reused_as_the_scheduler_drops_and_saves():
+    """A full host tier: the step that drops one block saves another into its slot; both the
+    kept and the new block load back exactly."""
+    torch.manual_seed(1)
+    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(2)]
+    cfg = parse_kv_transfer_config(config(num_cpu_blocks=2))
+    assert cfg is not None
+    worker = OffloadWorker(cfg, FP, 0, caches)
+    originals = [c.clone() for c in caches]
+    h1, h2, h3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    worker.begin_step(_step(1, KVTransferOps(save_block_ids=[0, 1], save_hashes=[h1, h2])))
+    worker.begin_step(_step(2, KVTransferOps(save_block_ids=[2], save_hashes=[h3], drop_host=[h1])))
+    assert sorted(worker.host) == [h2, h3] and not worker._free_slots
+    for c in caches:
+        c[:, :3].zero_()
+    ops = KVTransferOps(load_ids=[1], load_req_ids=["r"], load_hashes=[[h2, h3]], load_block_ids=[[4, 5]])
+    worker.begin_step(_step(3, ops))
+    for n in range(4, 100):
+        worker.begin_step(_step(n, None), idle=True)
+        done = worker.finished_loads()
+        if done:
+            break
+    assert done == {1: 2}
+    for c, o in zip(caches, originals):
+        assert torch.equal(c[:, 4], o[:, 1]) and torch.equal(c[:, 5], o[:, 2])
     worker.close()

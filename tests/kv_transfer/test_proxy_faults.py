@@ -63,7 +63,8 @@ class BreakingDecode:
                 error = b'{"error":{"message":"the engine is full","code":"too_many_requests"}}'
                 conn.sendall(
                     b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 7\r\n"
-                    + b"X-Request-Id: busy-1\r\nContent-Length: "
+                    + b"X-Request-Id: busy-1\r\nSet-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT\r\n"
+                    + b"Set-Cookie: b=2\r\nContent-Length: "
                     + str(len(error)).encode()
                     + b"\r\n\r\n"
                     + error
@@ -113,6 +114,7 @@ def test_a_failing_decode_instance_is_a_502_or_an_error_event(tmp_path):
             assert events[2:] == ["[DONE]"]
             r = httpx.post(proxy.base_url + "/v1/completions", json={**body, "prompt": "busy"}, timeout=30)
             assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-request-id"] == "busy-1"
+            assert r.headers.get_list("set-cookie") == ["a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT", "b=2"]
             assert r.json()["error"]["code"] == "too_many_requests"
             r = httpx.post(proxy.base_url + "/v1/completions", json=body, timeout=30)  # dropped unanswered
             assert r.status_code == 502 and r.json()["error"]["code"] == "bad_gateway"

@@ -19,8 +19,14 @@ function safeUrl(url) {
 }
 
 // Bold may hold whole italic spans and stars between spaces ("2 * 3"), nothing else with a
-// star: its tags and the italic pass's then always nest.
-const STRONG = /\*\*(?=[^\s*])((?:[^*\n]|\*[^*\s](?:[^*\n]*?[^*\s])?\*|(?<=\s)\*(?=\s))*?[^\s*])\*\*|__(?=\S)([^_\n]*?\S)__/g;
+// star, so its tags and the star-italic pass's nest.
+// "__" bold takes the same: its body may not hold a stray star either.
+const STAR_SAFE = String.raw`(?:\*[^*\s](?:[^*\n]*?[^*\s])?\*|(?<=\s)\*(?=\s))`;
+const STRONG = new RegExp(
+  String.raw`\*\*(?=[^\s*])((?:[^*\n]|${STAR_SAFE})*?[^\s*])\*\*` +
+    String.raw`|__(?=[^\s_*])((?:[^_*\n]|${STAR_SAFE})*?[^\s_*])__`,
+  "g",
+);
 
 function emphasis(text) {
   return text
@@ -34,7 +40,8 @@ function emphasis(text) {
 function inline(text) {
   const stash = [];
   const keep = (html) => `${HOLE}${stash.push(html) - 1}${HOLE}`;
-  text = text.replace(/(`+)([^`\n]+?)\1/g, (_, __, code) => keep(`<code>${code.trim()}</code>`));
+  // At most 16 backticks open a span: a long run of them stays linear.
+  text = text.replace(/(`{1,16})([^`\n]+?)\1/g, (_, __, code) => keep(`<code>${code.trim()}</code>`));
   // A label holds no "[" (a line of them stays linear); a URL may hold one level of
   // balanced parentheses (Wikipedia's).
   text = text.replace(/\[([^[\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/g, (whole, label, url) => {
@@ -60,8 +67,10 @@ const QUOTE = /^ {0,3}&gt;\s?(.*)$/;
 // A heading's text without its optional closing sequence: spaces, then #s, at the end.
 function headingText(text) {
   const trimmed = text.trimEnd();
-  const open = trimmed.replace(/#+$/, "");
-  if (open.length === trimmed.length) return trimmed;
+  let end = trimmed.length;
+  while (end > 0 && trimmed[end - 1] === "#") end -= 1; // a loop: /#+$/ is quadratic on a run of #
+  if (end === trimmed.length) return trimmed;
+  const open = trimmed.slice(0, end);
   return open === "" || /[ \t]$/.test(open) ? open.trimEnd() : trimmed;
 }
 
