@@ -284,3 +284,17 @@ def test_a_decode_instance_that_will_not_fetch_releases_the_producers_blocks():
     assert sorted(released) == ["t-gone", "t-hit", "t-scored"]  # each once
     assert {"hit", "scored", "gone"} <= set(d.finished)
     assert sched.kv_cache_manager.check_invariants() == []
+    # alone on an idle engine: the release queued as it ends keeps the engine stepping until sent
+    sched.add_request(
+        make_request("solo", PROMPT_A, max_tokens=1, prompt_logprobs=1, kv_transfer_params=remote("t-solo"))
+    )
+    for _ in range(8):
+        step()
+        if not sched.has_unfinished_requests():
+            break
+    assert released[-1] == "t-solo" and "solo" in d.finished
+    # a transfer already released is not released again (n > 1 siblings share their parent's)
+    sched.add_request(make_request("again", PROMPT_A, max_tokens=1, kv_transfer_params=remote("t-hit")))
+    for _ in range(4):
+        step()
+    assert released.count("t-hit") == 1
