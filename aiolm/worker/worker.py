@@ -19,6 +19,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import posix_ipc
+
 from aiolm.config import RunnerConfig
 from aiolm.distributed.stages import answering_rank
 from aiolm.ipc import codec, segment
@@ -65,6 +67,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _engine_gave_up() -> int:
+    """The engine's segments were gone before this worker attached them: the engine stopped
+    its start (a server told to stop while it loaded) and removed them. Nothing to serve."""
+    log.info("the engine stopped its start before this worker attached to it; exiting")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     level = os.environ.get("AIOLM_LOG_LEVEL", "WARNING").upper()  # "info" crashed the process
@@ -78,12 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("aiolm.kernels").setLevel(logging.INFO)  # the first-use build's progress
     handles = [RingHandle.parse(args.request_ring), RingHandle.parse(args.response_ring)]
-    requests = ShmRing.attach(handles[0], reader_rank=args.rank)
-    responses = ShmRing.attach(handles[1], reader_rank=None)
+    try:
+        requests = ShmRing.attach(handles[0], reader_rank=args.rank)
+    except posix_ipc.ExistentialError:
+        return _engine_gave_up()
+    try:
+        responses = ShmRing.attach(handles[1], reader_rank=None)
+    except posix_ipc.ExistentialError:
+        requests.close()
+        return _engine_gave_up()
     link = None
     try:
         # Beating from the start: loading the model is progress too.
-        beat = Heartbeat(args.heartbeat, args.rank) if args.heartbeat else None
+        try:
+            beat = Heartbeat(args.heartbeat, args.rank) if args.heartbeat else None
+        except posix_ipc.ExistentialError:
+            return _engine_gave_up()
         link = _stage_link(args, handles)
         return _serve(args, requests, responses, beat, link)
     finally:
