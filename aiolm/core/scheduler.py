@@ -182,7 +182,19 @@ class FCFSQueue:
         self._q: deque[Request] = deque()
 
     def add(self, req: Request) -> None:
-        self._q.append(req)
+        """At the back, but ahead of the requests that arrived after it: n > 1 siblings join
+        once the first sequence has prefilled, and went behind every later request (their
+        seats taken, as vLLM, which adds them at arrival, would not let happen)."""
+        q = self._q
+        back = 0
+        while back < len(q) and q[-1 - back].arrival_time > req.arrival_time:
+            back += 1
+        if back:
+            q.rotate(back)
+            q.append(req)
+            q.rotate(-back)
+        else:
+            q.append(req)
 
     def prepend(self, req: Request) -> None:
         self._q.appendleft(req)

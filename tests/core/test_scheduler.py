@@ -580,3 +580,17 @@ def test_aborting_a_request_that_waits_for_its_grammar():
     so = sched.schedule()  # a late report for an aborted request is ignored
     assert sched.update_from_output(so, ModelRunnerOutput([], [], grammars_ready=["b"])) == []
     assert not sched.has_unfinished_requests() and sched.num_waiting == 0
+
+
+def test_a_request_added_late_waits_ahead_of_those_that_arrived_after_it():
+    """n > 1 siblings join once the first sequence has prefilled: with arrival order kept,
+    they take the next seats ahead of requests that arrived after their parent (they went to
+    the back, and later requests took their seats)."""
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add_request(make_request("parent", 8, max_tokens=4, arrival_time=1.0))
+    sched.add_request(make_request("later-1", 8, max_tokens=4, arrival_time=3.0))
+    sched.add_request(make_request("later-2", 8, max_tokens=4, arrival_time=4.0))
+    sched.add_request(make_request("sibling", 8, max_tokens=4, arrival_time=1.0))  # joins after the parent's prefill
+    assert [r.req_id for r in sched.waiting] == ["parent", "sibling", "later-1", "later-2"]
+    so = sched.schedule()
+    assert set(so.num_scheduled_tokens) == {"parent", "sibling"}
