@@ -44,7 +44,7 @@ def score_prompt(
         raw = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(prompt[first_pos + lo + 1 : first_pos + hi + 1], dtype=torch.long, device=raw.device)
         tok_lp = raw.gather(1, targets.unsqueeze(1))
-        ranks += ((raw > tok_lp).sum(dim=-1) + 1).tolist()
+        ranks += (raw >= tok_lp).sum(dim=-1).tolist()  # vLLM's rank: tokens at least as likely, itself included
         tok_l, lp_l = targets.tolist(), tok_lp.squeeze(1).tolist()
         if top_n > 0:
             top_lp, top_ids = raw.topk(top_n, dim=-1)

@@ -589,8 +589,9 @@ def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, m: SamplingMetada
     """Sampled token's raw logprob and rank, then each row's top-N, aligned to batch rows."""
     tok = sampled if m.logprob_rows is None else sampled[m.logprob_rows]
     tok_lp = raw.gather(1, tok.unsqueeze(1))
+    # vLLM's rank: the tokens at least as likely, itself included (tied tokens share one rank).
     # Summing the bool mask's bytes is cheaper on CPU than summing the bools.
-    ranks = ((raw > tok_lp).view(torch.uint8).sum(dim=-1, dtype=torch.int32) + 1).tolist()
+    ranks = (raw >= tok_lp).view(torch.uint8).sum(dim=-1, dtype=torch.int32).tolist()
     tok_list = tok.tolist()
     tok_lp_list = tok_lp.squeeze(1).tolist()
     top_ids_l: list[list[int]] = []
@@ -614,7 +615,7 @@ def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, m: SamplingMetada
         named = m.named_logprob_ids[row]
         if named:  # the named tokens' logprobs and ranks, from this row's distribution
             vals = raw[j, torch.tensor(named, dtype=torch.long, device=raw.device)]
-            named_ranks = ((raw[j].unsqueeze(0) > vals.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+            named_ranks = (raw[j].unsqueeze(0) >= vals.unsqueeze(1)).sum(dim=-1).tolist()
             token_ids[row] += named
             logprobs[row] += vals.tolist()
             entry_ranks[row] += named_ranks

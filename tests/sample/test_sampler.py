@@ -499,10 +499,22 @@ def test_logprobs_are_raw_with_sampled_first_and_correct_ranks():
         assert torch.allclose(torch.tensor(vals), raw[row, ids], atol=1e-5)
         expected_top = raw[row].topk(p.logprobs).indices.tolist()
         assert ids[1:] == expected_top
-        assert lp.ranks[row] == int((raw[row] > raw[row, sampled[row]]).sum()) + 1
+        assert lp.ranks[row] == int((raw[row] >= raw[row, sampled[row]]).sum())  # vLLM's rank
         single = out.row_logprobs(row)
         assert single is not None and single.token_ids == [ids] and single.ranks == [lp.ranks[row]]
     assert lp.ranks[0] == 1  # greedy without processors takes the raw argmax
+
+
+def test_tied_tokens_share_vllms_rank():
+    """Exact ties (a scripted model's flat rows): every tied token's rank counts the tokens at
+    least as likely, as vLLM's does; they were 2, 2 and 3 for three tokens of one logprob."""
+    logits = torch.zeros(1, 12)
+    logits[0, 5] = 3.0  # the argmax; the other eleven tie
+    params = [SamplingParams(temperature=0.0, logprobs=2, logprob_token_ids=[0, 7])]
+    out = sampler(logits, meta(params, outputs=[[1]], prompts=[[2]], vocab=12))
+    lp = out.logprobs
+    assert lp is not None and lp.ranks == [1] and lp.entry_ranks is not None
+    assert lp.entry_ranks[0][3:] == [12, 12]  # tokens 0 and 7: all twelve are at least as likely
 
 
 def test_named_token_logprobs_follow_the_top_ones_with_their_true_ranks():
@@ -525,7 +537,7 @@ def test_named_token_logprobs_follow_the_top_ones_with_their_true_ranks():
         assert lp.token_ids[row][1 + k :] == named
         for tid, val, rank in zip(lp.token_ids[row], lp.logprobs[row], lp.entry_ranks[row]):
             assert val == pytest.approx(raw[row, tid].item(), abs=1e-6)
-            assert rank == int((raw[row] > raw[row, tid]).sum()) + 1
+            assert rank == int((raw[row] >= raw[row, tid]).sum())
         assert out.row_logprobs(row).entry_ranks == [lp.entry_ranks[row]]
 
 
