@@ -260,6 +260,12 @@ class PrefixCacheStats:
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    # Lookups of requests that ran before (preempted, or carried over a worker restart): kept
+    # apart, as vLLM keeps them, out of the exported counters; they show recomputation reusing
+    # the cache.
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -342,6 +348,10 @@ class KVCacheManager:
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
+        else:
+            self.stats.preempted_requests += 1
+            self.stats.preempted_queries += request.num_tokens
+            self.stats.preempted_hits += num_hit_tokens
         return hits, num_hit_tokens
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -257,6 +257,7 @@ def test_preempted_request_resumes_from_its_cached_prefix():
     # request's lookups, one a step while it waits, are recomputation.
     stats = sched.prefix_cache_stats
     assert sched.num_preemptions > 0 and stats.requests == 2 and stats.queries == 16 and stats.hits == 0
+    assert stats.preempted_requests > 0 and stats.preempted_hits > 0  # kept apart, as vLLM keeps them
 
 
 # -- too large --------------------------------------------------------------------------------

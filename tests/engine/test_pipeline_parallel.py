@@ -84,7 +84,7 @@ def test_pp2_matches_one_rank_overlaps_its_stages_and_survives_a_killed_stage():
         got = lt.run(_greedy(engine), timeout=300)
         assert got == want
         assert engine.scheduler.num_preemptions > 0
-        assert engine.scheduler.prefix_cache_stats.hits > 0
+        assert engine.scheduler.prefix_cache_stats.preempted_hits > 0  # recomputed from the cached prefix
 
         # both stages computed at once: some forward pass of stage 0 overlaps one of stage 1
         first, last = lt.run(ex.collective_rpc("stage_trace"), timeout=30)  # type: ignore[union-attr]
