@@ -172,14 +172,13 @@ async def _served_model(client: Any, base: str) -> str:
     """The id of the first model the server lists; one line naming the problem otherwise."""
     try:
         r = await client.get(base + "/v1/models")
-        if r.status_code != 200:
-            hint = "set OPENAI_API_KEY to the server's --api-key" if r.status_code == 401 else "give --model"
-            raise BenchError(f"{base}/v1/models answered {r.status_code}: {r.text[:200]} ({hint})")
-        return str(r.json()["data"][0]["id"])
-    except BenchError:
-        raise
+        listed = r.json()["data"][0]["id"] if r.status_code == 200 else None
     except Exception as e:
         raise BenchError(f"cannot read {base}/v1/models ({type(e).__name__}: {e}); give --model") from None
+    if listed is None:
+        hint = "set OPENAI_API_KEY to the server's --api-key" if r.status_code == 401 else "give --model"
+        raise BenchError(f"{base}/v1/models answered {r.status_code}: {r.text[:200]} ({hint})")
+    return str(listed)
 
 
 class BenchError(Exception):

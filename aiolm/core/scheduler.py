@@ -186,15 +186,10 @@ class FCFSQueue:
         once the first sequence has prefilled, and went behind every later request (their
         seats taken, as vLLM, which adds them at arrival, would not let happen)."""
         q = self._q
-        back = 0
-        while back < len(q) and q[-1 - back].arrival_time > req.arrival_time:
-            back += 1
-        if back:
-            q.rotate(back)
-            q.append(req)
-            q.rotate(-back)
-        else:
-            q.append(req)
+        at = len(q)
+        while at and q[at - 1].arrival_time > req.arrival_time:
+            at -= 1
+        q.insert(at, req)
 
     def prepend(self, req: Request) -> None:
         self._q.appendleft(req)
@@ -659,8 +654,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.loaded_waiting.discard(req)
-            if asks_connector and req.num_cached_tokens < 0:  # its first admission (vLLM counts that)
-                self.connector.stats.queried_tokens += req.num_tokens - num_hit  # type: ignore[union-attr]
+            if asks_connector:
+                self._count_external_query(req, num_hit)
             req.num_computed_tokens += num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -788,14 +783,19 @@ class Scheduler:
         self.waiting.pop()
         load_id = next(self._load_ids)
         resumed = req.status is RequestStatus.PREEMPTED or req.num_output_tokens > 0
-        if req.num_cached_tokens < 0:  # the first time it was admitted: a failed load's retry is not
-            self.connector.stats.queried_tokens += req.num_tokens - num_hit
+        self._count_external_query(req, num_hit)
         self.loading[load_id] = _Load(req, start, ext, resumed)
         self._load_of[req.req_id] = load_id
         req.num_computed_tokens += num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.connector.start_load(load_id, req, start, [b.block_id for b in new_blocks])
         return True
+
+    def _count_external_query(self, req: Request, num_hit: int) -> None:
+        """vLLM's external prefix-cache query: the prompt's tokens past the local hit, once, at
+        the request's first admission (a failed load's retry or a preempted request's is none)."""
+        if req.num_cached_tokens < 0:
+            self.connector.stats.queried_tokens += req.num_tokens - num_hit  # type: ignore[union-attr]
 
     def _loads_done(self, kv_loaded: dict[int, int]) -> None:
         """Loads the workers report: their intact blocks count as computed (and are cached

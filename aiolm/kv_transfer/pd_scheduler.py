@@ -32,7 +32,7 @@ from aiolm.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 
 log = logging.getLogger(__name__)
 
-_SETTLED_KEPT = 4096  # transfer ids remembered as fetched or released (siblings come within a step or two)
+_SETTLED_KEPT = 4096  # transfer ids remembered as fetched or released (a request's come within its life)
 
 
 class PDScheduler(ConnectorScheduler):
@@ -42,24 +42,25 @@ class PDScheduler(ConnectorScheduler):
         self.tp_size = tp_size
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.sends: dict[str, float] = {}  # transfer id -> when its lease ends (time.monotonic)
-        self._consumed: set[str] = set()  # requests whose remote prefill was tried
-        # transfers fetched or released, the latest first out: n > 1 siblings share their
-        # parent's transfer, and a second release would reach a transfer already unserved
+        # transfers fetched or released, never tried again, the oldest forgotten first: a
+        # failed fetch is not retried, and n > 1 siblings share their parent's transfer,
+        # which its fetch or release has already ended
         self._settled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # -- consumer ------------------------------------------------------------------
 
     def num_external_blocks(self, request: Request, start: int, limit: int) -> int:
         params = request.sampling_params.kv_transfer_params
-        if not self.cfg.consumes or not wants_remote_prefill(params) or request.req_id in self._consumed:
+        if not self.cfg.consumes or not wants_remote_prefill(params):
             return 0
         assert params is not None
+        if params["remote_request_id"] in self._settled:
+            return 0
         return max(0, min(limit, len(params["remote_block_ids"])) - start)
 
     def start_load(self, load_id: int, request: Request, start: int, block_ids: Sequence[int]) -> None:
         params = request.sampling_params.kv_transfer_params
         assert params is not None
-        self._consumed.add(request.req_id)
         self._settle(params["remote_request_id"])
         ops = self._ops
         ops.load_ids.append(load_id)
@@ -85,19 +86,18 @@ class PDScheduler(ConnectorScheduler):
 
     def forget(self, request: Request) -> None:
         self._release(request)  # it never fetched: aborted while waiting, or prompt logprobs
-        self._consumed.discard(request.req_id)
 
     def _release(self, request: Request) -> None:
         params = request.sampling_params.kv_transfer_params
-        if not self.cfg.consumes or not wants_remote_prefill(params) or request.req_id in self._consumed:
+        if not self.cfg.consumes or not wants_remote_prefill(params):
             return
         assert params is not None
-        self._consumed.add(request.req_id)
-        if params["remote_request_id"] in self._settled:
+        transfer_id = params["remote_request_id"]
+        if transfer_id in self._settled:
             return
-        self._settle(params["remote_request_id"])
+        self._settle(transfer_id)
         self._ops.release_sources.append(f"{params['remote_host']}:{params['remote_port']}")
-        self._ops.release_transfer_ids.append(params["remote_request_id"])
+        self._ops.release_transfer_ids.append(transfer_id)
 
     def _settle(self, transfer_id: str) -> None:
         self._settled[transfer_id] = None

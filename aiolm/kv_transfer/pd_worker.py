@@ -188,12 +188,11 @@ class PDWorker(ConnectorWorker):
                 return
             if not blocks:  # the consumer will not fetch it (a release): the lease ends now
                 self._sent_here.add(transfer_id)
-                layers = None
             else:
                 idx = torch.tensor(blocks, device=self.device)
                 # Copied while no step can reuse them: unregistering waits for this lock.
                 layers = [c.index_select(1, idx).cpu() for c in self.caches]
-        if layers is None:
+        if not blocks:
             send_json(conn, {"ok": True, "layers": len(self.caches)})
             self._sent_event.set()
             return

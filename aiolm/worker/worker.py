@@ -89,20 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     handles = [RingHandle.parse(args.request_ring), RingHandle.parse(args.response_ring)]
     try:
         requests = ShmRing.attach(handles[0], reader_rank=args.rank)
-    except posix_ipc.ExistentialError:
-        return _engine_gave_up()
-    try:
         responses = ShmRing.attach(handles[1], reader_rank=None)
+        # Beating from the start: loading the model is progress too.
+        beat = Heartbeat(args.heartbeat, args.rank) if args.heartbeat else None
     except posix_ipc.ExistentialError:
-        requests.close()
-        return _engine_gave_up()
+        return _engine_gave_up()  # what it attached goes with the process
     link = None
     try:
-        # Beating from the start: loading the model is progress too.
-        try:
-            beat = Heartbeat(args.heartbeat, args.rank) if args.heartbeat else None
-        except posix_ipc.ExistentialError:
-            return _engine_gave_up()
         link = _stage_link(args, handles)
         return _serve(args, requests, responses, beat, link)
     finally:
